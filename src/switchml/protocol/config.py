@@ -1,0 +1,95 @@
+"""Validated, frozen configuration objects for the switch, the worker and a job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchml.protocol.errors import ConfigError
+from switchml.protocol.wire import MAX_ELEMENTS_PER_PACKET
+
+__all__ = ["JobSpec", "SwitchConfig", "WorkerConfig"]
+
+Address = tuple[str, int]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchConfig:
+    """Switch resources. Every job's slots come out of one bounded pool."""
+
+    pool_slots: int = 4096
+    """Aggregation slots in the pool (each has two sets of ``max_elements_per_packet`` int32).
+    Memory is allocated per job, only for the slots it holds. Default 4096."""
+    max_elements_per_packet: int = MAX_ELEMENTS_PER_PACKET
+    """Largest chunk a job may ask for, in int32 elements (1..16366). Default: the UDP maximum."""
+    max_workers: int = 4096
+    """Largest number of workers in one job (the seen bitmaps have no fixed width)."""
+
+    def __post_init__(self) -> None:
+        _check(self.pool_slots >= 1, f"pool_slots must be >= 1, got {self.pool_slots}")
+        _check(1 <= self.max_elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
+               f"max_elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET} "
+               f"(a UDP datagram holds at most that many int32), got "
+               f"{self.max_elements_per_packet}")
+        _check(self.max_workers >= 1, f"max_workers must be >= 1, got {self.max_workers}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What every worker of a job must agree on; created once and shared with all ranks.
+
+    ``switchml.control.new_job_spec`` fills ``job_id`` and ``token`` from a CSPRNG.
+    """
+
+    job_id: int
+    """32-bit job number, unique on the switch."""
+    token: int
+    """64-bit secret; a datagram without it is dropped by the switch and by workers."""
+    num_workers: int
+    """n, the number of ranks (0..n-1) that contribute to every operation."""
+    window: int = 16
+    """W, slots the job holds on the switch = chunks in flight per worker. Tuning: W x packet
+    bytes should cover the bandwidth-delay product; on loopback 8-32 is plenty. Default 16."""
+    elements_per_packet: int = 8192
+    """k, int32 elements per chunk (packet payload = 4k bytes). Default 8192 (32 KiB datagrams,
+    suited to loopback); use 256 for 1500-byte MTU paths."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.job_id < 2**32, f"job_id must fit 32 bits, got {self.job_id}")
+        _check(0 <= self.token < 2**64, "token must fit 64 bits")
+        _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
+        _check(1 <= self.window <= 65536, f"window must be in 1..65536, got {self.window}")
+        _check(1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
+               f"elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET}, got "
+               f"{self.elements_per_packet}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Loss recovery and failure detection of a worker. Times in seconds."""
+
+    initial_rto_s: float = 0.2
+    """Retransmission timeout before any round trip was measured. Default 0.2 s."""
+    min_rto_s: float = 0.01
+    """Lower clamp of the adaptive timeout (srtt + 4 rttvar, RFC 6298 style). Default 10 ms."""
+    max_rto_s: float = 1.0
+    """Upper clamp, also for exponential backoff of a chunk lost repeatedly. Default 1 s."""
+    op_timeout_s: float = 15.0
+    """An operation with no progress for this long fails with an error naming the switch or the
+    silent peers. Must exceed the longest stall a healthy peer can have (e.g. a slow backward
+    pass before it issues the same operation). Default 15 s."""
+    join_timeout_s: float = 10.0
+    """Joining fails if the switch does not answer within this time. Default 10 s."""
+
+    def __post_init__(self) -> None:
+        _check(0 < self.min_rto_s <= self.initial_rto_s <= self.max_rto_s,
+               "expected 0 < min_rto_s <= initial_rto_s <= max_rto_s, got "
+               f"{self.min_rto_s}, {self.initial_rto_s}, {self.max_rto_s}")
+        _check(self.op_timeout_s > self.max_rto_s,
+               f"op_timeout_s ({self.op_timeout_s}) must exceed max_rto_s ({self.max_rto_s}) so "
+               "that a chunk is retried before the operation gives up")
+        _check(self.join_timeout_s > 0, f"join_timeout_s must be > 0, got {self.join_timeout_s}")

@@ -1,0 +1,45 @@
+"""The exception hierarchy: every error switchml raises derives from :class:`SwitchMLError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "LocalProtocolError",
+    "OperationFailed",
+    "RemoteProtocolError",
+    "SwitchMLError",
+    "TransportError",
+    "WireError",
+]
+
+
+class SwitchMLError(Exception):
+    """Base class of every switchml error."""
+
+
+class ConfigError(SwitchMLError, ValueError):
+    """A configuration value is invalid ("expected X because Y, got Z")."""
+
+
+class LocalProtocolError(SwitchMLError):
+    """The local user misused the API (wrong dtype, call while busy, call after close)."""
+
+
+class RemoteProtocolError(SwitchMLError):
+    """A peer sent something illegal; internal to the core, which drops and counts such input."""
+
+
+class WireError(RemoteProtocolError):
+    """A datagram could not be decoded; ``reason`` is the drop trigger (e.g. ``"bad_magic"``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class OperationFailed(SwitchMLError):
+    """A collective operation could not complete (switch gone, peers silent, job refused)."""
+
+
+class TransportError(SwitchMLError):
+    """The environment failed: socket error, port in use, process died."""

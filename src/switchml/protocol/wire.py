@@ -1,0 +1,207 @@
+"""Wire format: one 40-byte header, then a payload (see ``docs/protocol.md`` for the byte table).
+
+Every switchml datagram, data or control, starts with the same header. All fields are
+little-endian: every host this runs on is little-endian, so the int32 payload is used in place as a
+numpy view with no byte swap per element on the hot path (the P4 original is big-endian; this
+format is not wire-compatible with it, see ``docs/protocol.md``).
+
+Decoding is strict: a datagram that is short, has the wrong magic or version, an unknown type or
+element type, or whose length disagrees with its element count raises :class:`WireError` with a
+``reason`` that the caller uses as its drop trigger.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+
+import numpy as np
+
+from switchml.protocol.errors import WireError
+
+__all__ = [
+    "EXP_ZERO",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_DATAGRAM_BYTES",
+    "MAX_ELEMENTS_PER_PACKET",
+    "VERSION",
+    "ControlInfo",
+    "ElementType",
+    "Flags",
+    "Header",
+    "MessageType",
+    "pack_control_info",
+    "pack_header",
+    "unpack_control_info",
+    "unpack_header",
+    "unpack_payload",
+]
+
+MAGIC = 0x4D53  # b"SM" read little-endian
+VERSION = 1
+# magic, version, type, flags, set, rank, job, token, seq, chunk, slot, count, elem, reserved,
+# exp_data, exp_next
+HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
+HEADER_SIZE = HEADER.size  # 40
+MAX_DATAGRAM_BYTES = 65507  # largest UDP payload over IPv4
+MAX_ELEMENTS_PER_PACKET = (MAX_DATAGRAM_BYTES - HEADER_SIZE) // 4  # 16366 int32
+EXP_ZERO = -32768
+"""Block exponent of an all-zero block (smaller than any real exponent, so max() ignores it)."""
+
+
+class MessageType(IntEnum):
+    """What a datagram is. Data messages first, control messages from 16."""
+
+    REQUEST = 1
+    """Worker -> switch: one chunk (exponent of block p and/or data of block p - E)."""
+    RESULT = 2
+    """Switch -> worker: the aggregated chunk (multicast on completion, unicast on resend)."""
+    WAITING = 3
+    """Switch -> worker: answer to a retransmission into a still-open set; payload = bitmap of
+    the ranks that have not contributed yet (so a worker can name silent peers)."""
+    REGISTER = 16
+    """Worker -> switch: create job (job, token in header; ControlInfo payload)."""
+    REGISTERED = 17
+    JOIN = 18
+    """Worker -> switch: rank joins job; the switch records its address for results."""
+    JOINED = 19
+    LEAVE = 20
+    """Worker -> switch: release the job and its slots (any member, with the token)."""
+    LEFT = 21
+    REFUSED = 31
+    """Switch -> worker: a control request was refused; payload = UTF-8 reason."""
+
+
+DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING})
+
+
+class Flags(IntFlag):
+    """Header flag bits."""
+
+    NONE = 0
+    NONFINITE = 0x01
+    """The data block holds a NaN or Inf (request) / did in some worker (result: OR of all)."""
+    HAS_DATA = 0x02
+    """The payload is data of block ``chunk - E`` scaled with ``exp_data``."""
+    HAS_EXP = 0x04
+    """``exp_next`` is the exponent of block ``chunk`` (look-ahead; float operations only)."""
+    RESENT = 0x08
+    """Result: a unicast copy from the shadow set, answering a retransmission."""
+
+
+_KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
+
+
+class ElementType(IntEnum):
+    """Payload element type; ``count`` is in elements of this type."""
+
+    BYTES = 0
+    INT32 = 1
+
+
+_ITEMSIZE = {ElementType.BYTES: 1, ElementType.INT32: 4}
+_TYPES = {int(t): t for t in MessageType}
+_ELEMS = {int(t): t for t in ElementType}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded header. Field meanings are in ``docs/protocol.md``."""
+
+    type: MessageType
+    job: int
+    rank: int = 0
+    token: int = 0
+    seq: int = 0
+    chunk: int = 0
+    slot: int = 0
+    set_bit: int = 0
+    count: int = 0
+    elem: ElementType = ElementType.BYTES
+    flags: int = 0
+    exp_data: int = EXP_ZERO
+    exp_next: int = EXP_ZERO
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.count * _ITEMSIZE[self.elem]
+
+
+def pack_header(h: Header) -> bytes:
+    """Encode a header (raises ``struct.error`` on out-of-range fields: a local bug)."""
+    return HEADER.pack(
+        MAGIC, VERSION, h.type, h.flags, h.set_bit, h.rank, h.job, h.token, h.seq, h.chunk,
+        h.slot, h.count, h.elem, 0, h.exp_data, h.exp_next,
+    )
+
+
+def unpack_header(data: bytes | bytearray | memoryview) -> Header:
+    """Decode and validate the header of a whole datagram.
+
+    Raises:
+        WireError: with reason ``short``, ``bad_magic``, ``bad_version``, ``bad_type``,
+            ``bad_elem``, ``bad_set``, ``bad_flags`` or ``length_mismatch``.
+    """
+    if len(data) < HEADER_SIZE:
+        raise WireError("short", f"{len(data)} bytes < header {HEADER_SIZE}")
+    (magic, version, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
+     _reserved, exp_data, exp_next) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError("bad_magic", f"0x{magic:04x}")
+    if version != VERSION:
+        raise WireError("bad_version", f"{version} (speaks {VERSION})")
+    t = _TYPES.get(mtype)
+    if t is None:
+        raise WireError("bad_type", str(mtype))
+    e = _ELEMS.get(elem)
+    if e is None:
+        raise WireError("bad_elem", str(elem))
+    if set_bit > 1:
+        raise WireError("bad_set", str(set_bit))
+    if flags & ~_KNOWN_FLAGS:
+        raise WireError("bad_flags", f"0x{flags:02x}")
+    if len(data) != HEADER_SIZE + count * _ITEMSIZE[e]:
+        raise WireError(
+            "length_mismatch", f"{len(data)} bytes for {count} x {e.name} after the header"
+        )
+    return Header(t, job, rank, token, seq, chunk, slot, set_bit, count, e, flags, exp_data,
+                  exp_next)
+
+
+def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.ndarray:
+    """Return the payload as a read-only numpy view (int32 or uint8), without a copy."""
+    dtype = np.dtype("<i4") if header.elem is ElementType.INT32 else np.dtype(np.uint8)
+    return np.frombuffer(data, dtype=dtype, count=header.count, offset=HEADER_SIZE)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlInfo:
+    """Job geometry carried by REGISTER (asked) and REGISTERED/JOINED (granted)."""
+
+    num_workers: int
+    window: int
+    elements_per_packet: int
+    slot_base: int = 0
+
+
+_CONTROL = struct.Struct("<IIII")
+
+
+def pack_control_info(info: ControlInfo) -> bytes:
+    return _CONTROL.pack(info.num_workers, info.window, info.elements_per_packet, info.slot_base)
+
+
+def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo:
+    """Decode a ControlInfo payload; raises WireError(``bad_control``) on a wrong size."""
+    raw = bytes(payload)
+    if len(raw) != _CONTROL.size:
+        raise WireError("bad_control", f"control payload of {len(raw)} bytes, expected 16")
+    return ControlInfo(*_CONTROL.unpack(raw))
+
+
+def build(header: Header, payload: bytes | memoryview = b"") -> bytes:
+    """Concatenate an encoded header and a payload into one datagram."""
+    return pack_header(header) + bytes(payload)

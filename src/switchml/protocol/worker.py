@@ -1,0 +1,537 @@
+"""The worker stream: one rank's side of a job (sans-I/O).
+
+Theory of operation. An operation of ``N`` elements is cut into ``L = ceil(N / k)`` blocks. It
+uses ``E = min(W, L)`` lanes; lane ``i`` is local slot ``i`` of the job's window. Packet (chunk)
+``p`` travels on lane ``p mod E``; the first ``E`` packets go out at once, and the result of packet
+``p`` releases packet ``p + E`` on the same lane (self-clocking: the result is the only
+acknowledgement, results may arrive in any order, and nothing ever waits for a global counter).
+
+Sets: every lane keeps the set it will use next, flipping it at each new packet, across
+operations. So every slot alternates sets forever, which is the invariant the switch relies on (no
+worker more than one round ahead on any slot). This per-slot state replaces the original's
+``shift`` carried across operations: it gives the same alternation and stays right when an
+operation uses fewer lanes than the window (``L < W``).
+
+Floats use look-ahead block exponents (SwitchML section 5.2): packet ``p`` carries the exponent of
+block ``p`` (if ``p < L``) and the data of block ``p - E`` (if ``p >= E``), scaled with the max
+exponent the switch returned in the result of packet ``p - E``. So a float operation has
+``T = L + E`` packets; an int32 operation has ``T = L`` and is exact.
+
+Loss recovery: every outstanding packet has a retransmission deadline from an RFC 6298 style
+estimate (srtt + 4 rttvar, Karn's rule), doubled at each expiry up to ``max_rto_s``. A
+retransmission is rebuilt from the input it still holds, never replayed from stored bytes.
+Results of other operations, repeated results and results for chunks not in flight are dropped.
+An operation with no progress for ``op_timeout_s`` fails with a reason naming the switch (no
+answer at all) or the silent ranks (the switch said, in WAITING replies, who has not contributed).
+After a failed operation the endpoint is in ``ERROR``: the job's slot state can no longer be
+trusted, so a new job must be joined.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from enum import Enum
+
+import numpy as np
+
+from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.errors import LocalProtocolError, WireError
+from switchml.protocol.events import (
+    Event,
+    Joined,
+    JoinFailed,
+    Left,
+    OperationCompleted,
+    OperationFailed,
+)
+from switchml.protocol.quantize import block_exponent, dequantize_into, quantize
+from switchml.protocol.wire import (
+    EXP_ZERO,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    ControlInfo,
+    ElementType,
+    Flags,
+    Header,
+    MessageType,
+    pack_control_info,
+    pack_header,
+    unpack_control_info,
+    unpack_header,
+    unpack_payload,
+)
+
+__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState"]
+
+Address = tuple[str, int]
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+                    np.dtype(np.int32))
+_CONTROL_RETRY_S = 0.2
+_LEAVE_TIMEOUT_S = 1.0
+
+
+class WorkerState(Enum):
+    NEW = "new"
+    JOINING = "joining"
+    READY = "ready"
+    BUSY = "busy"
+    CLOSING = "closing"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+class _Op:
+    """State of the operation in flight. Lane lists are indexed by lane ``i < E``."""
+
+    __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
+                 "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
+                 "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk")
+
+    def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, k: int, window: int,
+                 now: float) -> None:
+        self.seq = seq
+        self.x = x
+        self.out = out
+        self.is_float = x.dtype.kind == "f"
+        self.k = k
+        self.L = -(-x.size // k)
+        self.E = min(window, self.L)
+        self.T = self.L + self.E if self.is_float else self.L
+        e = self.E
+        self.lane_chunk = [-1] * e
+        self.lane_set = [0] * e
+        self.lane_sent_at = [0.0] * e
+        self.lane_tries = [0] * e
+        self.lane_deadline = [0.0] * e
+        self.lane_emax = [EXP_ZERO] * e
+        self.nonfinite: set[int] = set()
+        self.done = 0
+        self.last_progress = now
+        self.last_heard = now
+        self.waiting_missing = 0
+        self.waiting_chunk = -1
+
+
+class WorkerEndpoint:
+    """One rank of a job: join, run all-reduce operations one at a time, leave.
+
+    Endpoint contract: after every call that takes ``now`` (and after ``receive_datagram`` and
+    ``handle_timer``), drain ``datagrams_to_send`` and ``next_event`` and re-arm the timer from
+    ``get_timer``. Peer input never raises; local misuse raises :class:`LocalProtocolError` and
+    leaves the state unchanged.
+
+    Example::
+
+        w = WorkerEndpoint(spec=spec, rank=0, switch_address=("127.0.0.1", 48864))
+        w.join(now)                      # -> JOIN datagram; event Joined when answered
+        seq = w.start_allreduce(x, out, now)   # -> first window of chunks
+        # ... pump until next_event() returns OperationCompleted(seq)
+    """
+
+    def __init__(self, *, spec: JobSpec, rank: int, switch_address: Address,
+                 config: WorkerConfig | None = None) -> None:
+        if not 0 <= rank < spec.num_workers:
+            raise LocalProtocolError(f"rank must be in 0..{spec.num_workers - 1}, got {rank}")
+        self.spec = spec
+        self.rank = rank
+        self.switch_address = switch_address
+        self.config = config or WorkerConfig()
+        self.state = WorkerState.NEW
+        self.error: str | None = None
+        self.slot_base = 0
+        self._next_set = [0] * spec.window
+        self._seq = 0
+        self._op: _Op | None = None
+        self._heap: list[tuple[float, int, int]] = []
+        self._out: list[tuple[bytes, Address]] = []
+        self._events: deque[Event] = deque()
+        self._control_retry_at = 0.0
+        self._control_deadline = 0.0
+        self._control_backoff = _CONTROL_RETRY_S
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        self._rto = self.config.initial_rto_s
+        self.drops: Counter[str] = Counter()
+        """Dropped datagrams by reason."""
+        self.counters: Counter[str] = Counter()
+        """``packets_sent``, ``retransmissions``, ``results_received``, ``waiting_received``,
+        ``operations_completed``, ``operations_failed``."""
+        self._handlers = {
+            MessageType.RESULT: self._handle_result,
+            MessageType.WAITING: self._handle_waiting,
+            MessageType.JOINED: self._handle_joined,
+            MessageType.REFUSED: self._handle_refused,
+            MessageType.LEFT: self._handle_left,
+        }
+
+    # -- User commands -----------------------------------------------------------------------
+
+    def join(self, now: float) -> None:
+        """Send JOIN (retried until answered or ``join_timeout_s``). Call ``datagrams_to_send``.
+
+        Raises:
+            LocalProtocolError: if already joined or closed.
+        """
+        if self.state is not WorkerState.NEW:
+            raise LocalProtocolError(f"can't join in state {self.state.value}")
+        self.state = WorkerState.JOINING
+        self._control_deadline = now + self.config.join_timeout_s
+        self._send_join(now)
+
+    def start_allreduce(self, data: np.ndarray, out: np.ndarray, now: float) -> int:
+        """Start summing ``data`` over all ranks into ``out`` (may be ``data`` itself).
+
+        Every rank must start the same operations, with the same size and dtype, in the same
+        order. Returns the operation's sequence number; ``OperationCompleted(seq)`` follows.
+        Call ``datagrams_to_send`` afterwards.
+
+        Raises:
+            LocalProtocolError: not ready (joining, busy, failed, closed), unsupported dtype,
+                size or dtype mismatch between ``data`` and ``out``, or a non-contiguous or
+                read-only output.
+        """
+        if self.state is not WorkerState.READY:
+            detail = f": {self.error}" if self.error else ""
+            raise LocalProtocolError(
+                f"can't start an operation in state {self.state.value}{detail}")
+        x, o = _flat_views(data, out)
+        seq = self._seq
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        if x.size == 0:
+            self._events.append(OperationCompleted(seq))
+            self.counters["operations_completed"] += 1
+            return seq
+        op = _Op(seq, x, o, self.spec.elements_per_packet, self.spec.window, now)
+        self._op = op
+        self._heap = []
+        self.state = WorkerState.BUSY
+        for p in range(op.E):
+            self._send_chunk(op, p, now, retransmit=False)
+        return seq
+
+    def close(self, now: float) -> None:
+        """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
+        if self.state in (WorkerState.CLOSING, WorkerState.CLOSED):
+            return
+        if self._op is not None:
+            self._fail(f"operation {self._op.seq} aborted: endpoint closed locally")
+        was_joined = self.state is not WorkerState.NEW
+        self.state = WorkerState.CLOSING
+        if not was_joined:
+            self.state = WorkerState.CLOSED
+            self._events.append(Left())
+            return
+        self._control_deadline = now + _LEAVE_TIMEOUT_S
+        self._control_backoff = _CONTROL_RETRY_S
+        self._send_leave(now)
+
+    # -- Endpoint contract -------------------------------------------------------------------
+
+    def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
+                         now: float) -> None:
+        """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards."""
+        try:
+            h = unpack_header(data)
+        except WireError as exc:
+            self.drops[exc.reason] += 1
+            return
+        if h.job != self.spec.job_id or h.token != self.spec.token:
+            self.drops["foreign"] += 1
+            return
+        handler = self._handlers.get(h.type)
+        if handler is None:
+            self.drops["unexpected_type"] += 1
+            return
+        handler(h, data, now)
+
+    def handle_timer(self, now: float) -> None:
+        """Fire due deadlines (retransmissions, control retries, failure). Drain afterwards."""
+        st = self.state
+        if st is WorkerState.BUSY:
+            self._handle_op_timers(now)
+        elif st in (WorkerState.JOINING, WorkerState.CLOSING):
+            if now >= self._control_deadline:
+                if st is WorkerState.JOINING:
+                    self._join_failed(
+                        f"switch at {_fmt(self.switch_address)} did not answer JOIN for job "
+                        f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
+                else:
+                    self.state = WorkerState.CLOSED
+                    self._events.append(Left())
+            elif now >= self._control_retry_at:
+                if st is WorkerState.JOINING:
+                    self._send_join(now)
+                else:
+                    self._send_leave(now)
+
+    def get_timer(self) -> float | None:
+        """Absolute time of the next deadline, or None."""
+        st = self.state
+        if st is WorkerState.BUSY:
+            op = self._op
+            assert op is not None
+            heap = self._heap
+            while heap:
+                deadline, i, p = heap[0]
+                if op.lane_chunk[i] == p and op.lane_deadline[i] == deadline:
+                    break
+                heapq.heappop(heap)
+            fail_at = op.last_progress + self.config.op_timeout_s
+            return min(heap[0][0], fail_at) if heap else fail_at
+        if st in (WorkerState.JOINING, WorkerState.CLOSING):
+            return min(self._control_retry_at, self._control_deadline)
+        return None
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+        out = self._out
+        if out:
+            self._out = []
+        return out
+
+    def next_event(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    @property
+    def rto_s(self) -> float:
+        """The current retransmission timeout before backoff."""
+        return self._rto
+
+    # -- Sending -----------------------------------------------------------------------------
+
+    def _control_header(self, mtype: MessageType, count: int = 0) -> Header:
+        return Header(mtype, self.spec.job_id, rank=self.rank, token=self.spec.token,
+                      count=count, elem=ElementType.BYTES)
+
+    def _send_join(self, now: float) -> None:
+        info = ControlInfo(self.spec.num_workers, self.spec.window, self.spec.elements_per_packet)
+        self._out.append((pack_header(self._control_header(MessageType.JOIN, 16))
+                          + pack_control_info(info), self.switch_address))
+        self._arm_control_retry(now)
+
+    def _send_leave(self, now: float) -> None:
+        self._out.append((pack_header(self._control_header(MessageType.LEAVE)),
+                          self.switch_address))
+        self._arm_control_retry(now)
+
+    def _arm_control_retry(self, now: float) -> None:
+        self._control_retry_at = now + self._control_backoff
+        self._control_backoff = min(self._control_backoff * 2, 2.0)
+
+    def _send_chunk(self, op: _Op, p: int, now: float, *, retransmit: bool) -> None:
+        """Build packet ``p`` from the input (also for a retransmission) and queue it."""
+        i = p % op.E
+        if retransmit:
+            set_bit = op.lane_set[i]
+            op.lane_tries[i] += 1
+            self.counters["retransmissions"] += 1
+        else:
+            set_bit = self._next_set[i]
+            self._next_set[i] = set_bit ^ 1
+            op.lane_set[i] = set_bit
+            op.lane_chunk[i] = p
+            op.lane_tries[i] = 0
+            op.lane_sent_at[i] = now
+        k = op.k
+        flags = 0
+        exp_data = exp_next = EXP_ZERO
+        payload: np.ndarray | bytes = b""
+        if op.is_float:
+            if p < op.L:
+                exp_next, nonfinite = block_exponent(op.x[p * k:(p + 1) * k])
+                if nonfinite:
+                    op.nonfinite.add(p)
+                flags |= Flags.HAS_EXP
+            if p >= op.E:
+                b = p - op.E
+                exp_data = op.lane_emax[i]
+                nonfinite = b in op.nonfinite
+                payload = quantize(op.x[b * k:(b + 1) * k], exp_data, self.spec.num_workers,
+                                   nonfinite=nonfinite)
+                flags |= Flags.HAS_DATA | (Flags.NONFINITE if nonfinite else 0)
+        else:
+            payload = op.x[p * k:(p + 1) * k]
+            flags |= Flags.HAS_DATA
+        count = len(payload) // 4 if isinstance(payload, bytes) else payload.size
+        hdr = HEADER.pack(MAGIC, VERSION, MessageType.REQUEST, flags, set_bit, self.rank,
+                          self.spec.job_id, self.spec.token, op.seq, p, self.slot_base + i, count,
+                          ElementType.INT32, 0, exp_data, exp_next)
+        self._out.append((b"".join((hdr, payload)), self.switch_address))
+        self.counters["packets_sent"] += 1
+        rto = min(self._rto * (2 ** op.lane_tries[i]), self.config.max_rto_s)
+        deadline = now + rto
+        op.lane_deadline[i] = deadline
+        heapq.heappush(self._heap, (deadline, i, p))
+
+    # -- Receiving ---------------------------------------------------------------------------
+
+    def _handle_result(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
+        op = self._op
+        if op is None or h.seq != op.seq:
+            self.drops["stale_result"] += 1
+            return
+        p = h.chunk
+        i = p % op.E
+        if p >= op.T or op.lane_chunk[i] != p:
+            self.drops["duplicate_result"] += 1
+            return
+        if h.slot != self.slot_base + i or h.set_bit != op.lane_set[i]:
+            self.drops["bad_slot"] += 1
+            return
+        k = op.k
+        if op.is_float:
+            if p >= op.E:
+                b = p - op.E
+                blk = op.out[b * k:(b + 1) * k]
+                if h.count != blk.size:
+                    self.drops["bad_count"] += 1
+                    return
+                q = np.frombuffer(data, dtype="<i4", count=h.count, offset=HEADER_SIZE)
+                dequantize_into(blk, q, h.exp_data, self.spec.num_workers,
+                                nonfinite=bool(h.flags & Flags.NONFINITE))
+            elif h.count:
+                self.drops["bad_count"] += 1
+                return
+            if p < op.L:
+                op.lane_emax[i] = h.exp_next
+        else:
+            blk = op.out[p * k:(p + 1) * k]
+            if h.count != blk.size:
+                self.drops["bad_count"] += 1
+                return
+            blk[...] = np.frombuffer(data, dtype="<i4", count=h.count, offset=HEADER_SIZE)
+        self.counters["results_received"] += 1
+        if op.lane_tries[i] == 0:
+            self._update_rtt(now - op.lane_sent_at[i])
+        op.done += 1
+        op.last_progress = op.last_heard = now
+        nxt = p + op.E
+        if nxt < op.T:
+            self._send_chunk(op, nxt, now, retransmit=False)
+        else:
+            op.lane_chunk[i] = -1
+        if op.done == op.T:
+            self._op = None
+            self._heap = []
+            self.state = WorkerState.READY
+            self.counters["operations_completed"] += 1
+            self._events.append(OperationCompleted(op.seq))
+
+    def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
+                        now: float) -> None:
+        op = self._op
+        if op is None or h.seq != op.seq:
+            self.drops["stale_result"] += 1
+            return
+        self.counters["waiting_received"] += 1
+        op.last_heard = now
+        op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
+        op.waiting_chunk = h.chunk
+
+    def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
+        if self.state is not WorkerState.JOINING:
+            self.drops["unexpected_control"] += 1
+            return
+        try:
+            info = unpack_control_info(unpack_payload(data, h))
+        except WireError as exc:
+            self.drops[exc.reason] += 1
+            return
+        spec = self.spec
+        if (info.num_workers, info.window, info.elements_per_packet) != (
+                spec.num_workers, spec.window, spec.elements_per_packet):
+            self._join_failed(f"switch granted {info}, which does not match the job spec")
+            return
+        self.slot_base = info.slot_base
+        self.state = WorkerState.READY
+        self._events.append(Joined(info.slot_base, info.window))
+
+    def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
+                        now: float) -> None:
+        if self.state is not WorkerState.JOINING:
+            self.drops["unexpected_control"] += 1
+            return
+        reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
+        self._join_failed(f"switch at {_fmt(self.switch_address)} refused JOIN: {reason}")
+
+    def _handle_left(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
+        if self.state is not WorkerState.CLOSING:
+            self.drops["unexpected_control"] += 1
+            return
+        self.state = WorkerState.CLOSED
+        self._events.append(Left())
+
+    # -- Timers and failure ------------------------------------------------------------------
+
+    def _handle_op_timers(self, now: float) -> None:
+        op = self._op
+        assert op is not None
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            deadline, i, p = heapq.heappop(heap)
+            if op.lane_chunk[i] == p and op.lane_deadline[i] == deadline:
+                self._send_chunk(op, p, now, retransmit=True)
+        idle = now - op.last_progress
+        if idle >= self.config.op_timeout_s:
+            self._fail(self._silence_reason(op, idle))
+
+    def _silence_reason(self, op: _Op, idle: float) -> str:
+        where = f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})"
+        if op.waiting_missing and op.last_heard > op.last_progress:
+            ranks = [r for r in range(self.spec.num_workers) if op.waiting_missing >> r & 1]
+            return (f"{where} made no progress for {idle:.1f} s: the switch at "
+                    f"{_fmt(self.switch_address)} answers, but rank(s) {ranks} have not sent "
+                    f"chunk {op.waiting_chunk}")
+        return (f"{where} made no progress for {idle:.1f} s: no answer from the switch at "
+                f"{_fmt(self.switch_address)} for {op.last_progress - op.last_heard + idle:.1f} s")
+
+    def _fail(self, reason: str) -> None:
+        op = self._op
+        assert op is not None
+        self._op = None
+        self._heap = []
+        self.state = WorkerState.ERROR
+        self.error = reason
+        self.counters["operations_failed"] += 1
+        self._events.append(OperationFailed(op.seq, reason))
+
+    def _join_failed(self, reason: str) -> None:
+        self.state = WorkerState.ERROR
+        self.error = reason
+        self._events.append(JoinFailed(reason))
+
+    def _update_rtt(self, sample: float) -> None:
+        """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
+        if self._srtt is None:
+            self._srtt = sample
+            self._rttvar = sample / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - sample)
+            self._srtt = 0.875 * self._srtt + 0.125 * sample
+        cfg = self.config
+        self._rto = min(max(self._srtt + 4 * self._rttvar, cfg.min_rto_s), cfg.max_rto_s)
+
+
+def _flat_views(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the user's arrays and return flat views of both (no copies)."""
+    for name, a in (("data", data), ("out", out)):
+        if not isinstance(a, np.ndarray):
+            raise LocalProtocolError(f"{name} must be a numpy array, got {type(a).__name__}")
+        if not a.flags.c_contiguous:
+            raise LocalProtocolError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if data.dtype not in SUPPORTED_DTYPES or not data.dtype.isnative:
+        raise LocalProtocolError(
+            f"unsupported dtype {data.dtype}; supported: "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if out.dtype != data.dtype or out.size != data.size:
+        raise LocalProtocolError(
+            f"out must match data: got {out.dtype}[{out.size}] for {data.dtype}[{data.size}]")
+    if not out.flags.writeable:
+        raise LocalProtocolError("out must be writeable")
+    return data.reshape(-1), out.reshape(-1)
+
+
+def _fmt(addr: Address) -> str:
+    return f"{addr[0]}:{addr[1]}"

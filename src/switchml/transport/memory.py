@@ -1,0 +1,234 @@
+"""In-memory fabric: drives switch and worker endpoints on a virtual clock, with seeded faults.
+
+The fabric is a tiny discrete-event loop: datagrams become deliveries at ``now + latency`` (plus
+jitter), each one may be lost, duplicated or held back (reordered) with the given probabilities,
+drawn from one ``random.Random(seed)``; endpoint timers fire when the clock reaches them. The
+same seed gives the same run, so a failure found with loss can be replayed exactly.
+
+``MemoryCluster`` wires one switch and n workers of one job on a fabric: the tests' and the
+docs' way to run the real protocol code with no sockets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.errors import OperationFailed as OperationFailedError
+from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.events import Event, Joined, JoinFailed, OperationCompleted, OperationFailed
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.worker import WorkerEndpoint
+
+__all__ = ["Endpoint", "FaultModel", "MemoryCluster", "MemoryFabric"]
+
+Address = tuple[str, int]
+
+
+class Endpoint(Protocol):
+    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None: ...
+    def handle_timer(self, now: float) -> None: ...
+    def datagrams_to_send(self, now: float) -> Sequence[tuple[bytes | memoryview, Address]]: ...
+    def get_timer(self) -> float | None: ...
+    def next_event(self) -> Event | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FaultModel:
+    """Per-datagram fault probabilities (0..1) and delays (seconds)."""
+
+    loss_rate: float = 0.0
+    duplicate_rate: float = 0.0
+    reorder_rate: float = 0.0
+    """Probability that a datagram is held back by up to ``reorder_delay_s`` extra."""
+    latency_s: float = 50e-6
+    jitter_s: float = 0.0
+    reorder_delay_s: float = 2e-3
+
+    def __post_init__(self) -> None:
+        for name in ("loss_rate", "duplicate_rate", "reorder_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in 0..1, got {value}")
+        if self.latency_s < 0 or self.jitter_s < 0 or self.reorder_delay_s < 0:
+            raise ValueError("latency_s, jitter_s and reorder_delay_s must be >= 0")
+
+
+@dataclass
+class MemoryFabric:
+    """Moves datagrams between endpoints attached at addresses; a seeded virtual network."""
+
+    faults: FaultModel = field(default_factory=FaultModel)
+    seed: int = 0
+    drop_filter: Callable[[bytes, Address, Address], bool] | None = None
+    """Scripted drops for tests: return True to drop the datagram (src, dst given)."""
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.now = 0.0
+        self.endpoints: dict[Address, Endpoint] = {}
+        self.events: dict[Address, list[Event]] = {}
+        self.stats = {"sent": 0, "lost": 0, "duplicated": 0, "reordered": 0, "delivered": 0}
+        self._heap: list[tuple[float, int, Address, Address, bytes]] = []
+        self._counter = 0
+
+    def attach(self, addr: Address, endpoint: Endpoint) -> None:
+        self.endpoints[addr] = endpoint
+        self.events.setdefault(addr, [])
+
+    def detach(self, addr: Address) -> None:
+        """Remove an endpoint (a crash): datagrams to it vanish from now on."""
+        self.endpoints.pop(addr, None)
+
+    def flush(self, addr: Address) -> None:
+        """Collect an endpoint's outputs and events after a user command (join, start ...)."""
+        ep = self.endpoints.get(addr)
+        if ep is None:
+            return
+        f = self.faults
+        for data, dst in ep.datagrams_to_send(self.now):
+            payload = bytes(data)  # the switch's buffers are only valid until its next receive
+            self.stats["sent"] += 1
+            if self.drop_filter is not None and self.drop_filter(payload, addr, dst):
+                self.stats["lost"] += 1
+                continue
+            if f.loss_rate and self.rng.random() < f.loss_rate:
+                self.stats["lost"] += 1
+                continue
+            copies = 1
+            if f.duplicate_rate and self.rng.random() < f.duplicate_rate:
+                copies = 2
+                self.stats["duplicated"] += 1
+            for _ in range(copies):
+                delay = f.latency_s
+                if f.jitter_s:
+                    delay += self.rng.random() * f.jitter_s
+                if f.reorder_rate and self.rng.random() < f.reorder_rate:
+                    delay += self.rng.random() * f.reorder_delay_s
+                    self.stats["reordered"] += 1
+                self._counter += 1
+                heapq.heappush(self._heap, (self.now + delay, self._counter, addr, dst, payload))
+        while (ev := ep.next_event()) is not None:
+            self.events[addr].append(ev)
+
+    def step(self) -> bool:
+        """Advance to the next delivery or timer and process it. False when nothing is left."""
+        next_timer: tuple[float, Address] | None = None
+        for addr, ep in self.endpoints.items():
+            t = ep.get_timer()
+            if t is not None and (next_timer is None or t < next_timer[0]):
+                next_timer = (t, addr)
+        if self._heap and (next_timer is None or self._heap[0][0] <= next_timer[0]):
+            at, _, src, dst, payload = heapq.heappop(self._heap)
+            self.now = max(self.now, at)
+            ep = self.endpoints.get(dst)
+            if ep is None:
+                return True
+            self.stats["delivered"] += 1
+            ep.receive_datagram(payload, src, self.now)
+            self.flush(dst)
+            return True
+        if next_timer is not None:
+            self.now = max(self.now, next_timer[0])
+            self.endpoints[next_timer[1]].handle_timer(self.now)
+            self.flush(next_timer[1])
+            return True
+        return False
+
+    def run(self, until: Callable[[], bool], *, max_time_s: float = 3600.0,
+            max_steps: int = 10**8) -> None:
+        """Step until ``until()`` is true. Raises SwitchMLError if the network goes idle first
+        or the virtual clock passes ``max_time_s`` (a hang in virtual time is a bug)."""
+        steps = 0
+        while not until():
+            if not self.step():
+                raise SwitchMLError(f"fabric idle at t={self.now:.6f} s before the condition held")
+            steps += 1
+            if self.now > max_time_s or steps > max_steps:
+                raise SwitchMLError(f"condition not reached by t={self.now:.3f} s, {steps} steps")
+
+
+class MemoryCluster:
+    """One switch and the n workers of one job on a :class:`MemoryFabric`.
+
+    Example::
+
+        c = MemoryCluster(num_workers=4, seed=1, faults=FaultModel(loss_rate=0.01))
+        outs = c.allreduce([np.ones(1000, np.float32)] * 4)   # four arrays of 4.0
+    """
+
+    SWITCH = ("switch", 48864)
+
+    def __init__(self, *, num_workers: int, window: int = 8, elements_per_packet: int = 256,
+                 faults: FaultModel | None = None, seed: int = 0, job_id: int = 7,
+                 token: int = 0x5EC12E7, worker_config: WorkerConfig | None = None,
+                 switch: SwitchDataplane | None = None, fabric: MemoryFabric | None = None
+                 ) -> None:
+        self.spec = JobSpec(job_id=job_id, token=token, num_workers=num_workers, window=window,
+                            elements_per_packet=elements_per_packet)
+        self.fabric = fabric or MemoryFabric(faults or FaultModel(), seed)
+        if switch is None and self.SWITCH in self.fabric.endpoints:
+            switch = self.fabric.endpoints[self.SWITCH]  # type: ignore[assignment]
+        self.switch = switch or SwitchDataplane(SwitchConfig())
+        self.fabric.attach(self.SWITCH, self.switch)
+        self.addresses = [(f"worker{job_id}.{r}", 4000 + r) for r in range(num_workers)]
+        self.workers = [
+            WorkerEndpoint(spec=self.spec, rank=r, switch_address=self.SWITCH,
+                           config=worker_config)
+            for r in range(num_workers)
+        ]
+        for addr, w in zip(self.addresses, self.workers):
+            self.fabric.attach(addr, w)
+        self._joined = False
+
+    def join(self) -> None:
+        """Join every worker; raises SwitchMLError if any join fails."""
+        for addr, w in zip(self.addresses, self.workers):
+            w.join(self.fabric.now)
+            self.fabric.flush(addr)
+        self.fabric.run(lambda: all(self._has(a, (Joined, JoinFailed)) for a in self.addresses))
+        for a in self.addresses:
+            for ev in self.fabric.events[a]:
+                if isinstance(ev, JoinFailed):
+                    raise SwitchMLError(ev.reason)
+        self._joined = True
+
+    def _has(self, addr: Address, kinds: tuple[type, ...], seq: int | None = None) -> bool:
+        return any(isinstance(ev, kinds) and (seq is None or getattr(ev, "seq", None) == seq)
+                   for ev in self.fabric.events[addr])
+
+    def start(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None,
+              ranks: Sequence[int] | None = None) -> list[int]:
+        """Start one all-reduce on the given ranks (default all); returns their seqs."""
+        if not self._joined:
+            self.join()
+        ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
+        outs = arrays if outs is None else outs
+        seqs = []
+        for r, x, o in zip(ranks, arrays, outs):
+            seqs.append(self.workers[r].start_allreduce(x, o, self.fabric.now))
+            self.fabric.flush(self.addresses[r])
+        return seqs
+
+    def wait(self, seqs: Sequence[int], ranks: Sequence[int] | None = None) -> None:
+        """Run until the ranks finished their operation; raise OperationFailed on failure."""
+        ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
+        kinds = (OperationCompleted, OperationFailed)
+        self.fabric.run(lambda: all(self._has(self.addresses[r], kinds, s)
+                                    for r, s in zip(ranks, seqs)))
+        for r, s in zip(ranks, seqs):
+            for ev in self.fabric.events[self.addresses[r]]:
+                if isinstance(ev, OperationFailed) and ev.seq == s:
+                    raise OperationFailedError(ev.reason)
+
+    def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Sum the arrays (one per rank) out of place; return each rank's result."""
+        outs = [np.empty_like(a) for a in arrays]
+        self.wait(self.start(arrays, outs))
+        return outs
