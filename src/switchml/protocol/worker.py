@@ -64,7 +64,7 @@ from switchml.protocol.wire import (
     unpack_payload,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState"]
+__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState", "validate_arrays"]
 
 Address = tuple[str, int]
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
@@ -197,7 +197,7 @@ class WorkerEndpoint:
             detail = f": {self.error}" if self.error else ""
             raise LocalProtocolError(
                 f"can't start an operation in state {self.state.value}{detail}")
-        x, o = _flat_views(data, out)
+        x, o = validate_arrays(data, out)
         seq = self._seq
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         if x.size == 0:
@@ -514,7 +514,7 @@ class WorkerEndpoint:
         self._rto = min(max(self._srtt + 4 * self._rttvar, cfg.min_rto_s), cfg.max_rto_s)
 
 
-def _flat_views(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Validate the user's arrays and return flat views of both (no copies)."""
     for name, a in (("data", data), ("out", out)):
         if not isinstance(a, np.ndarray):

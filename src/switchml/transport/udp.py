@@ -1,0 +1,495 @@
+"""UDP transports: the software switch server and the worker client (threads around the core).
+
+Both pumps follow one rule: feed each received datagram to the endpoint with the monotonic clock,
+send everything it returns at once, fire its timer when due. The switch loop is a blocking
+``recvfrom_into`` on a preallocated buffer (one system call per datagram, no copy into Python
+bytes); the worker's loop is non-blocking reads with ``select`` only when nothing is pending, so a
+busy worker makes one system call per datagram too.
+
+Socket buffers: a switch receives up to ``n x W`` datagrams in a burst. The server asks for
+``rcvbuf_bytes`` (SO_RCVBUFFORCE as root, else SO_RCVBUF, which the kernel caps at
+``net.core.rmem_max``) and logs what it got. Datagrams the kernel drops for lack of buffer are
+recovered by retransmission, at a cost in speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.errors import (
+    LocalProtocolError,
+    OperationFailed,
+    SwitchMLError,
+    TransportError,
+)
+from switchml.protocol.events import (
+    JobCreated,
+    JobRemoved,
+    Joined,
+    JoinFailed,
+    Left,
+    MemberJoined,
+    OperationCompleted,
+)
+from switchml.protocol.events import OperationFailed as OperationFailedEvent
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.wire import MAX_DATAGRAM_BYTES
+from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
+
+__all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient"]
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]
+DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
+SOCKET_BUFFER_BYTES = 32 * 2**20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+
+
+def _size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:
+    """Grow both socket buffers as far as allowed; return what the kernel granted."""
+    for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
+        except OSError:  # not root: capped at net.core.[rw]mem_max
+            sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+
+
+def _fmt(addr: Address) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+class SwitchServer:
+    """A software switch on a UDP socket.
+
+    Example::
+
+        with SwitchServer(host="127.0.0.1", port=0) as server:   # serves in a thread
+            print(server.address)
+
+    ``serve_forever()`` runs in the caller's thread instead (the ``switchml switch`` command).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 config: SwitchConfig | None = None,
+                 rcvbuf_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+        self.dataplane = SwitchDataplane(config)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise TransportError(f"can't listen on {host}:{port}: {exc.strerror}") from exc
+        self.rcvbuf, self.sndbuf = _size_buffers(self.sock, rcvbuf_bytes)
+        self.address: Address = self.sock.getsockname()
+        self.internal_errors = 0
+        self.send_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards dataplane for stats() from other threads
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop`. Never raises for anything a peer sends."""
+        log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B)", _fmt(self.address),
+                 self.rcvbuf, self.sndbuf)
+        buf = bytearray(MAX_DATAGRAM_BYTES + 1)
+        view = memoryview(buf)
+        dp = self.dataplane
+        sock = self.sock
+        recv = sock.recvfrom_into
+        send = sock.sendto
+        clock = time.monotonic
+        lock = self._lock
+        while not self._stop.is_set():
+            try:
+                nbytes, addr = recv(buf)
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("recv failed: %s", exc)
+                continue
+            now = clock()
+            with lock:
+                try:
+                    dp.receive_datagram(view[:nbytes], addr, now)
+                    out = dp.datagrams_to_send(now)
+                except Exception:  # a bug must not take the shared switch down
+                    self.internal_errors += 1
+                    log.exception("internal error on a datagram from %s; dropped", _fmt(addr))
+                    continue
+                for data, dst in out:
+                    try:
+                        send(data, dst)
+                    except OSError:
+                        self.send_errors += 1
+                while (ev := dp.next_event()) is not None:
+                    self._log_event(ev)
+        log.info("switch on %s stopped: %s", _fmt(self.address), self.stats())
+
+    @staticmethod
+    def _log_event(ev: object) -> None:
+        if isinstance(ev, JobCreated):
+            log.info("job %d created: n=%d slots %d..%d, %d elements per packet", ev.job_id,
+                     ev.num_workers, ev.slot_base, ev.slot_base + ev.window - 1,
+                     ev.elements_per_packet)
+        elif isinstance(ev, MemberJoined):
+            log.info("job %d: rank %d joined from %s", ev.job_id, ev.rank, _fmt(ev.address))
+        elif isinstance(ev, JobRemoved):
+            log.info("job %d removed (%s); its slots are free", ev.job_id, ev.reason)
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            s = self.dataplane.stats()
+        s["internal_errors"] = self.internal_errors
+        s["send_errors"] = self.send_errors
+        return s
+
+    def start(self) -> SwitchServer:
+        """Serve in a daemon thread."""
+        self._thread = threading.Thread(target=self.serve_forever, name="switchml-switch",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (wakes the blocking receive) and close the socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:  # wake recvfrom_into with an empty datagram (dropped as short if it gets that far)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                host = self.address[0] if self.address[0] != "0.0.0.0" else "127.0.0.1"
+                s.sendto(b"", (host, self.address[1]))
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.sock.close()
+
+    def __enter__(self) -> SwitchServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class AllreduceHandle:
+    """The pending result of :meth:`WorkerClient.allreduce_async`."""
+
+    def __init__(self, out: np.ndarray, finish: Callable[[], None] | None = None) -> None:
+        self.out = out
+        self.seq: int | None = None
+        self._finish = finish
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[AllreduceHandle], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Block until done; return the output array.
+
+        Raises:
+            OperationFailed: the operation failed (the message names who stopped answering).
+            TimeoutError: ``timeout`` passed first (the operation goes on).
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"all-reduce not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.out
+
+    def add_done_callback(self, fn: Callable[[AllreduceHandle], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if already done); runs on the I/O thread."""
+        if self._done.is_set():
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def _set(self, error: BaseException | None) -> None:
+        if error is None and self._finish is not None:
+            try:
+                self._finish()
+            except Exception as exc:  # copying back failed: report, don't kill the I/O thread
+                error = exc
+        self._error = error
+        self._done.set()
+        for fn in self._callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("all-reduce done callback failed")
+
+
+class WorkerClient:
+    """One rank of a job, all-reducing numpy arrays through a switch over UDP.
+
+    Operations run one at a time, in the order they were issued, on an I/O thread; every rank
+    must issue the same operations (size, dtype) in the same order.
+
+    Example::
+
+        spec = new_job_spec(num_workers=2)        # shared with every rank, e.g. by a launcher
+        with WorkerClient(("127.0.0.1", 48864), spec, rank=0) as w:
+            total = w.allreduce(np.ones(1_000_000, np.float32))
+
+    Raises (constructor):
+        OperationFailed: the switch refused or did not answer the JOIN in ``join_timeout_s``.
+    """
+
+    def __init__(self, switch: Address, spec: JobSpec, rank: int,
+                 config: WorkerConfig | None = None, *, bind_host: str | None = None,
+                 buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+        self.switch = (socket.gethostbyname(switch[0]), int(switch[1]))
+        self.endpoint = WorkerEndpoint(spec=spec, rank=rank, switch_address=self.switch,
+                                       config=config)
+        self.spec = spec
+        self.rank = rank
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((bind_host or ("127.0.0.1" if self.switch[0].startswith("127.")
+                                          else "0.0.0.0"), 0))
+            self.sock.connect(self.switch)  # filters other sources; surfaces ICMP unreachable
+        except OSError as exc:
+            self.sock.close()
+            raise TransportError(f"can't open a socket towards {_fmt(self.switch)}: {exc}") \
+                from exc
+        _size_buffers(self.sock, buffer_bytes)
+        self.sock.setblocking(False)
+        self.icmp_errors = 0
+        self.send_blocked = 0
+        self._queue: queue.SimpleQueue[tuple[np.ndarray, np.ndarray, AllreduceHandle] | None] = \
+            queue.SimpleQueue()
+        self._pending: dict[int, AllreduceHandle] = {}
+        self._waiting: list[tuple[np.ndarray, np.ndarray, AllreduceHandle]] = []
+        self._joined = threading.Event()
+        self._closed = threading.Event()
+        self._join_error: str | None = None
+        self._fatal: str | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name=f"switchml-worker-{rank}",
+                                        daemon=True)
+        self._thread.start()
+        self._joined.wait()
+        if self._join_error is not None:
+            self.close()
+            raise OperationFailed(self._join_error)
+
+    # -- user API ----------------------------------------------------------------------------
+
+    def allreduce(self, data: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Sum ``data`` over all ranks; return ``out`` (a new array if None; may be ``data``)."""
+        return self.allreduce_async(data, out).wait()
+
+    def allreduce_async(self, data: np.ndarray, out: np.ndarray | None = None
+                        ) -> AllreduceHandle:
+        """Queue an all-reduce and return at once; ``handle.wait()`` gives the result.
+
+        Raises:
+            LocalProtocolError: bad arrays (dtype, size), or the client is closed or failed.
+        """
+        if self._closed.is_set():
+            raise LocalProtocolError("client is closed")
+        if self._fatal is not None:
+            raise LocalProtocolError(f"client failed earlier: {self._fatal}")
+        if not isinstance(data, np.ndarray):
+            raise LocalProtocolError(f"data must be a numpy array, got {type(data).__name__}")
+        if out is None:
+            out = np.empty_like(data)
+        elif out.shape != data.shape or out.dtype != data.dtype:
+            raise LocalProtocolError(f"out must match data: {out.dtype}{out.shape} vs "
+                                     f"{data.dtype}{data.shape}")
+        src = np.ascontiguousarray(data)
+        dst = out if out.flags.c_contiguous and out.flags.writeable else np.empty_like(src)
+        finish = None if dst is out else (lambda: np.copyto(out, dst))
+        validate_arrays(src, dst)  # the core's own checks, raised in the caller's thread
+        handle = AllreduceHandle(out, finish)
+        self._queue.put((src, dst, handle))
+        os.write(self._wake_w, b"x")
+        return handle
+
+    def close(self) -> None:
+        """Leave the job and stop the I/O thread. Idempotent; pending operations fail."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._queue.put(None)
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self.sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Sent, retransmitted, results, timeouts and drops of this rank (a snapshot)."""
+        c = dict(self.endpoint.counters)
+        c.update({f"drop_{k}": v for k, v in self.endpoint.drops.items()})
+        c["icmp_errors"] = self.icmp_errors
+        c["send_blocked"] = self.send_blocked
+        return c
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- I/O thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ep = self.endpoint
+        try:
+            ep.join(time.monotonic())
+            self._pump_loop()
+        except Exception as exc:  # never let the thread die silently
+            log.exception("worker %d I/O thread failed", self.rank)
+            self._fatal = f"I/O thread failed: {exc!r}"
+            self._join_error = self._join_error or self._fatal
+        finally:
+            self._joined.set()
+            self._fail_all(self._fatal or "client closed")
+
+    def _pump_loop(self) -> None:
+        ep = self.endpoint
+        sock = self.sock
+        buf = bytearray(MAX_DATAGRAM_BYTES + 1)
+        view = memoryview(buf)
+        clock = time.monotonic
+        closing = False
+        waiting = self._waiting
+        while True:
+            self._transmit(clock())
+            if ep.state is WorkerState.CLOSED:
+                return
+            if ep.state is WorkerState.ERROR and self._fatal is None and self._joined.is_set():
+                self._fatal = ep.error
+            # Take new commands.
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                else:
+                    waiting.append(item)
+            if closing and ep.state not in (WorkerState.CLOSING, WorkerState.CLOSED):
+                ep.close(clock())
+                continue
+            if waiting and ep.state is WorkerState.READY:
+                src, dst, handle = waiting.pop(0)
+                try:
+                    seq = ep.start_allreduce(src, dst, clock())
+                except SwitchMLError as exc:
+                    handle._set(exc)
+                    continue
+                handle.seq = seq
+                self._pending[seq] = handle
+                continue
+            if waiting and ep.state is WorkerState.ERROR:
+                for _, _, handle in waiting:
+                    handle._set(OperationFailed(f"job failed earlier: {ep.error}"))
+                waiting.clear()
+            # Read everything pending, then wait for a datagram, a command or the timer.
+            got = False
+            while True:
+                try:
+                    nbytes = sock.recv_into(buf)
+                except BlockingIOError:
+                    break
+                except ConnectionRefusedError:
+                    self.icmp_errors += 1  # nothing listens at the switch address (yet)
+                    continue
+                ep.receive_datagram(view[:nbytes], self.switch, clock())
+                got = True
+                self._transmit(clock())
+            if got:
+                continue
+            timer = ep.get_timer()
+            now = clock()
+            if timer is not None and timer <= now:
+                ep.handle_timer(now)
+                continue
+            timeout = None if timer is None else timer - now
+            readable, _, _ = select.select([sock, self._wake_r], [], [], timeout)
+            if self._wake_r in readable:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+
+    def _transmit(self, now: float) -> None:
+        """Send the endpoint's datagrams and dispatch its events."""
+        ep = self.endpoint
+        for data, _ in ep.datagrams_to_send(now):
+            try:
+                self.sock.send(data)
+            except BlockingIOError:
+                self.send_blocked += 1  # treated as a loss: the retransmission timer recovers
+            except ConnectionRefusedError:
+                self.icmp_errors += 1
+        while (ev := ep.next_event()) is not None:
+            if isinstance(ev, OperationCompleted):
+                handle = self._pending.pop(ev.seq, None)
+                if handle is not None:
+                    handle._set(None)
+            elif isinstance(ev, OperationFailedEvent):
+                handle = self._pending.pop(ev.seq, None)
+                reason = ev.reason
+                if self.icmp_errors:
+                    reason += (f" ({self.icmp_errors} ICMP port-unreachable errors: is a switch "
+                               f"listening at {_fmt(self.switch)}?)")
+                self._fatal = reason
+                if handle is not None:
+                    handle._set(OperationFailed(reason))
+            elif isinstance(ev, Joined):
+                log.debug("worker %d joined job %d (slots %d..)", self.rank, self.spec.job_id,
+                          ev.slot_base)
+                self._joined.set()
+            elif isinstance(ev, JoinFailed):
+                self._join_error = ev.reason + (
+                    f" ({self.icmp_errors} ICMP port-unreachable errors: is a switch listening "
+                    f"at {_fmt(self.switch)}?)" if self.icmp_errors else "")
+                self._joined.set()
+            elif isinstance(ev, Left):
+                pass
+
+    def _fail_all(self, reason: str) -> None:
+        for handle in self._pending.values():
+            handle._set(OperationFailed(reason))
+        self._pending.clear()
+        for _, _, handle in self._waiting:
+            handle._set(OperationFailed(reason))
+        self._waiting.clear()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[2]._set(OperationFailed(reason))
