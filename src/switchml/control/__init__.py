@@ -22,7 +22,7 @@ from switchml.protocol.errors import ConfigError
 __all__ = ["decode_job_spec", "encode_job_spec", "new_job_spec"]
 
 
-def new_job_spec(num_workers: int, *, window: int = 16, elements_per_packet: int = 8192
+def new_job_spec(num_workers: int, *, window: int = 16, elements_per_packet: int = 16000
                  ) -> JobSpec:
     """Return a JobSpec with a fresh random job id and an unguessable token."""
     return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),

@@ -3,18 +3,22 @@
 Theory of operation. The switch adds int32. For each block (one packet's elements) every worker
 computes ``e`` with ``max|x| < 2**e`` over its own finite elements (:func:`block_exponent`); the
 switch returns ``emax``, the max over workers. Every worker then sends
-``q = rint(x * 2**-emax * S)`` with ``S = floor((2**31 - 1) / n)``. Since ``|x| < 2**emax``,
-``|q| <= S`` and the n-way sum satisfies ``|sum q| <= n * S <= 2**31 - 1``: no overflow for any n
-and any magnitudes. The receiver computes ``sum q * 2**emax / S``.
+``q = rint(x * 2**(P - emax))`` with ``P = 31 - n.bit_length()`` (:func:`scale_bits`). Since
+``|x| < 2**emax``, ``|q| <= 2**P`` and the n-way sum satisfies
+``|sum q| <= n * 2**P < 2**31``: no overflow for any n and any magnitudes. The receiver computes
+``sum q * 2**(emax - P)``.
 
-Error bound (documented in ``docs/protocol.md``, checked by ``tests/protocol/test_quantize.py``):
-each worker's rounding error is at most ``0.5 * 2**emax / S`` per element, so the sum is off by at
-most ``n * 0.5 * 2**emax / S`` (about ``n**2 * 2**(emax - 32)``) before the final rounding of the
-result to the output dtype. Elements far smaller than the block max lose relative precision.
+A power-of-two scale (rather than the original's ``(2**31 - 1) / n``) costs at most one bit of
+resolution and buys exactness: multiplying by ``2**k`` never rounds, so float32 blocks are scaled
+in float32 (half the memory traffic of float64) and the result is the integer sum correctly
+rounded once to the output dtype.
 
-Computation happens in float64, where ``x * 2**-emax`` is exact for every float16/32/64 input
-(``ldexp`` is used where the combined factor would overflow float64). Non-finite elements are sent
-as 0 with the NONFINITE flag; a flagged result block is written as NaN.
+Error bound (``docs/protocol.md``; checked by the tests): each worker's rounding error is at most
+``0.5 * 2**(emax - P)`` per element, so the sum is off by at most ``n * 0.5 * 2**(emax - P)``
+(about ``n**2 * 2**(emax - 32)``) plus the final rounding to the output dtype. Elements far
+smaller than the block max lose relative precision (as in SwitchML).
+
+Non-finite elements are sent as 0 with the NONFINITE flag; a flagged result block is all NaN.
 """
 
 from __future__ import annotations
@@ -25,15 +29,15 @@ import numpy as np
 
 from switchml.protocol.wire import EXP_ZERO
 
-__all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "scale_for"]
+__all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "scale_bits"]
 
-INT32_MAX = 2**31 - 1
-_FAST_EXP_LIMIT = 900  # |emax| below this: 2**-emax * S fits float64 comfortably
+_F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
 
 
-def scale_for(num_workers: int) -> float:
-    """Return ``S = floor((2**31 - 1) / n)``, the fixed-point scale of a full-range element."""
-    return float(INT32_MAX // num_workers)
+def scale_bits(num_workers: int) -> int:
+    """Return ``P``: a full-range element (``|x| < 2**emax``) becomes at most ``2**P``."""
+    return 31 - num_workers.bit_length()
 
 
 def block_exponent(x: np.ndarray) -> tuple[int, bool]:
@@ -57,19 +61,22 @@ def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = Fa
     """Scale a float block to little-endian int32 with the agreed exponent ``emax``.
 
     Args:
-        x: the block (any float dtype); not modified.
+        x: the block (float16, float32 or float64); not modified.
         emax: the max block exponent over all workers (``>= block_exponent(x)[0]``).
         num_workers: n, the number of workers whose values will be summed.
         nonfinite: the block holds NaN/Inf; those elements are sent as 0.
     """
     if emax == EXP_ZERO:
         return np.zeros(x.size, dtype="<i4")
-    s = scale_for(num_workers)
-    y = x.astype(np.float64)  # always a fresh array we can modify
-    if -_FAST_EXP_LIMIT < emax < _FAST_EXP_LIMIT:
-        y *= s * 2.0**-emax  # exact power-of-two factor times S: one rounding, as ldexp then *S
+    shift = scale_bits(num_workers) - emax
+    if x.dtype in (_F32, _F16) and -126 <= shift <= 127:
+        # 2**shift is a normal float32 and the product is below 2**P: exact in float32.
+        y = np.multiply(x, np.float32(2.0**shift), dtype=np.float32)
+    elif -1000 < shift < 1000:
+        y = x.astype(np.float64)
+        y *= 2.0**shift
     else:
-        y = np.ldexp(y, -emax) * s
+        y = np.ldexp(x.astype(np.float64), shift)
     if nonfinite:
         y[~np.isfinite(y)] = 0.0
     np.rint(y, out=y)
@@ -78,22 +85,27 @@ def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = Fa
 
 def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
                     *, nonfinite: bool = False) -> None:
-    """Write ``q * 2**emax / S`` into ``out`` (same length), or NaN if ``nonfinite``."""
+    """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
+
+    The integer sum is rounded once, to ``out``'s dtype.
+    """
     if nonfinite:
         out[...] = np.nan
         return
     if emax == EXP_ZERO:
         out[...] = 0
         return
-    s = scale_for(num_workers)
-    if -_FAST_EXP_LIMIT < emax < _FAST_EXP_LIMIT:
-        out[...] = q * (2.0**emax / s)
+    shift = emax - scale_bits(num_workers)
+    if out.dtype == _F32 and -126 <= shift <= 127:
+        np.multiply(q, np.float32(2.0**shift), out=out, dtype=np.float32, casting="unsafe")
+    elif -1000 < shift < 1000:
+        out[...] = q * 2.0**shift  # exact in float64 (|q| < 2**31), one rounding into out
     else:
-        out[...] = np.ldexp(q / s, emax)
+        out[...] = np.ldexp(q.astype(np.float64), shift)
 
 
 def error_bound(emax: int, num_workers: int) -> float:
-    """Return the largest absolute error of a sum before the final cast to the output dtype."""
+    """Return the largest absolute error of a sum before the final rounding to the output dtype."""
     if emax == EXP_ZERO:
         return 0.0
-    return num_workers * 0.5 * math.ldexp(1.0, emax) / scale_for(num_workers)
+    return num_workers * 0.5 * math.ldexp(1.0, emax - scale_bits(num_workers))

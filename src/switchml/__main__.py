@@ -1,0 +1,5 @@
+import sys
+
+from switchml.cli import main
+
+sys.exit(main())

@@ -1,0 +1,268 @@
+"""All-reduce benchmark: switchml against torch.distributed gloo, same sizes, same run.
+
+Every measurement runs N worker processes on this machine. switchml workers all-reduce through a
+software switch (a process of its own unless ``--switch`` names a running one); gloo workers run
+``torch.distributed.all_reduce`` (ring) over TCP on loopback. Both do ``warmup`` untimed and
+``iters`` timed operations on a float32 tensor of the given size; each worker measures its own
+wall time and CPU time over the timed loop.
+
+Figure of merit (SwitchML's): ATE/s, aggregated tensor elements per second as one worker sees
+it, ``numel * iters / elapsed``; we report the slowest worker. The switchml result is checked
+against the exact expected sum every time (``max_rel_error``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BenchConfig", "Measurement", "parse_size", "run_benchmark"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64MiB``, ``1k``, ``4096`` into bytes; raises ValueError saying what is accepted."""
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if not num or unit not in _UNITS:
+        raise ValueError(f"bad size {text!r}: expected a number with an optional unit "
+                         f"(B, KiB, MiB, GiB, KB, MB, GB), e.g. 64MiB")
+    value = int(float(num) * _UNITS[unit])
+    if value < 4:
+        raise ValueError(f"size {text!r} is below one float32 element (4 bytes)")
+    return value
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workers: int = 4
+    sizes_bytes: tuple[int, ...] = (64 * 2**20,)
+    iters: int = 5
+    warmup: int = 2
+    switch: tuple[str, int] | None = None
+    window: int = 16
+    elements_per_packet: int = 16000
+    baselines: tuple[str, ...] = ("gloo",)
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        unknown = set(self.baselines) - {"gloo"}
+        if unknown:
+            raise ValueError(f"unknown baseline(s) {sorted(unknown)}; known: gloo")
+
+
+@dataclass
+class Measurement:
+    system: str
+    workers: int
+    size_bytes: int
+    numel: int
+    iters: int
+    elapsed_s: float  # slowest worker
+    ate_per_s: float
+    goodput_gbps: float
+    cpu_percent: list[float] = field(default_factory=list)  # per worker process
+    max_rel_error: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+def _switch_main(conn: Any) -> None:
+    from switchml.transport.udp import SwitchServer
+    server = SwitchServer(host="127.0.0.1", port=0)
+    conn.send(server.address)
+    server.start()
+    conn.recv()  # any message (or EOF when the parent dies) stops the switch
+    conn.send(server.stats())
+    server.stop()
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
+                     warmup: int, iters: int, barrier: Any, results: Any) -> None:
+    from switchml.control import decode_job_spec
+    from switchml.transport.udp import WorkerClient
+    try:
+        spec = decode_job_spec(spec_text)
+        n = spec.num_workers
+        base = np.linspace(-1.0, 1.0, numel, dtype=np.float32)
+        x = base * np.float32(rank + 1)
+        expected = base.astype(np.float64) * (n * (n + 1) / 2)
+        out = np.empty_like(x)
+        with WorkerClient(switch, spec, rank) as w:
+            for _ in range(warmup):
+                w.allreduce(x, out)
+            barrier.wait()
+            c0, t0 = _cpu_s(), time.perf_counter()
+            for _ in range(iters):
+                w.allreduce(x, out)
+            elapsed = time.perf_counter() - t0
+            cpu = _cpu_s() - c0
+            scale = np.max(np.abs(expected)) or 1.0
+            err = float(np.max(np.abs(out - expected)) / scale)
+            results.put((rank, elapsed, cpu, err, w.counters, None))
+    except BaseException as exc:  # report, don't hang the parent
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}"))
+
+
+def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: int,
+                 barrier: Any, results: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n)
+        x = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+        for _ in range(warmup):
+            dist.all_reduce(x)
+        barrier.wait()
+        c0, t0 = _cpu_s(), time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        elapsed = time.perf_counter() - t0
+        cpu = _cpu_s() - c0
+        dist.destroy_process_group()
+        results.put((rank, elapsed, cpu, None, {}, None))
+    except BaseException as exc:
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}"))
+
+
+def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[tuple]:
+    rows = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(rows) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"benchmark workers did not finish within {timeout_s:g} s")
+            try:
+                rows.append(results.get(timeout=min(left, 1.0)))
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and len(rows) < n:
+                    raise RuntimeError(f"worker process exited with {dead[0].exitcode}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [r[5] for r in rows if r[5]]
+    if errors:
+        raise RuntimeError(f"worker failed: {errors[0]}")
+    return sorted(rows)
+
+
+def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] | None,
+             ctx: Any) -> Measurement:
+    n = cfg.workers
+    numel = size // 4
+    results = ctx.Queue()
+    barrier = ctx.Barrier(n)
+    if system == "switchml":
+        from switchml.control import encode_job_spec, new_job_spec
+        spec = encode_job_spec(new_job_spec(n, window=cfg.window,
+                                            elements_per_packet=cfg.elements_per_packet))
+        procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
+                                                            cfg.iters, barrier, results))
+                 for r in range(n)]
+    else:
+        port = _free_port()
+        procs = [ctx.Process(target=_gloo_worker, args=(r, n, port, numel, cfg.warmup,
+                                                        cfg.iters, barrier, results))
+                 for r in range(n)]
+    for p in procs:
+        p.start()
+    rows = _collect(procs, results, n, cfg.timeout_s)
+    elapsed = max(r[1] for r in rows)
+    ate = numel * cfg.iters / elapsed
+    errs = [r[3] for r in rows if r[3] is not None]
+    counters: dict[str, int] = {}
+    for r in rows:
+        for k, v in r[4].items():
+            counters[k] = counters.get(k, 0) + v
+    return Measurement(
+        system=system, workers=n, size_bytes=size, numel=numel, iters=cfg.iters,
+        elapsed_s=elapsed, ate_per_s=ate, goodput_gbps=ate * 32 / 1e9,
+        cpu_percent=[100.0 * r[2] / r[1] for r in rows],
+        max_rel_error=max(errs) if errs else None,
+        extra={"worker_counters": counters} if counters else {},
+    )
+
+
+def run_benchmark(cfg: BenchConfig, progress: Any = None
+                  ) -> tuple[list[Measurement], dict[str, Any]]:
+    """Run every (size, system) pair; return the measurements (switchml first per size) and
+    the benchmark switch's final counters (empty when ``cfg.switch`` names an outside switch).
+
+    ``progress``: optional callable(str) told what runs next.
+    """
+    ctx = mp.get_context("spawn")
+    switch = cfg.switch
+    switch_proc = parent = None
+    if switch is None:
+        parent, child = ctx.Pipe()
+        switch_proc = ctx.Process(target=_switch_main, args=(child,), daemon=True)
+        switch_proc.start()
+        if not parent.poll(30):
+            raise RuntimeError("the benchmark's switch process did not start within 30 s")
+        switch = tuple(parent.recv())
+    out: list[Measurement] = []
+    switch_stats: dict[str, Any] = {}
+    try:
+        for size in cfg.sizes_bytes:
+            for system in ("switchml", *cfg.baselines):
+                if progress is not None:
+                    progress(f"{system} n={cfg.workers} size={size} B")
+                out.append(_measure(system, cfg, size, switch, ctx))
+    finally:
+        if switch_proc is not None and parent is not None:
+            try:
+                parent.send("stop")
+                if parent.poll(10):
+                    switch_stats = parent.recv()
+            except (OSError, EOFError):
+                pass
+            switch_proc.join(timeout=10)
+            if switch_proc.is_alive():
+                switch_proc.kill()
+    return out, switch_stats
+
+
+def write_json(path: str, cfg: BenchConfig, results: list[Measurement],
+               switch_stats: dict[str, Any]) -> None:
+    doc = {
+        "benchmark": "allreduce",
+        "config": asdict(cfg),
+        "switch_stats": switch_stats,
+        "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
+        "results": [asdict(m) for m in results],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)

@@ -1,0 +1,194 @@
+"""The ``switchml`` command.
+
+Usage recipes::
+
+    switchml switch                          # a software switch on 127.0.0.1:48864
+    switchml switch --host 0.0.0.0 --port 9000 --pool-slots 8192
+    switchml bench allreduce --workers 4 --size 64MiB --json results.json
+    switchml bench allreduce --workers 2 --size 1MiB --size 16MiB --switch 127.0.0.1:48864
+
+Definitions: a *job* is one group of n workers (ranks 0..n-1) that all-reduce together; the
+switch gives each job a *window* of W aggregation *slots* (each holding k int32 elements in two
+*sets*) out of its *pool*. Every flag may also come from the environment as ``SWITCHML_<FLAG>``
+(e.g. ``SWITCHML_PORT=9000``).
+
+Failure modes: a port in use makes ``switch`` exit with status 2 and the reason; a benchmark
+worker that fails or hangs makes ``bench`` exit non-zero within its ``--timeout-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from switchml import __version__
+from switchml.protocol.errors import SwitchMLError
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("switchml")
+
+
+def _env(dest: str, default: object) -> object:
+    return os.environ.get(f"SWITCHML_{dest.upper()}", default)
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _size(text: str) -> int:
+    from switchml.bench.allreduce import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchml",
+        description="In-network aggregation for distributed training: a software SwitchML "
+                    "switch, worker library and benchmarks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'switchml COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"switchml {__version__}")
+    parser.add_argument("--log-level", default=_env("log_level", "info"),
+                        choices=["debug", "info", "warning", "error"],
+                        help="log verbosity (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sw = sub.add_parser("switch", help="run a software switch in the foreground",
+                        description="Run a software switch until SIGINT/SIGTERM. Jobs register "
+                                    "themselves with their first JOIN; see docs/protocol.md.")
+    sw.add_argument("--host", default=_env("host", "127.0.0.1"),
+                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    sw.add_argument("--port", type=int, default=int(_env("port", 48864)),  # type: ignore[arg-type]
+                    help="UDP port (default 48864; 0 picks a free one)")
+    sw.add_argument("--pool-slots", type=int, default=int(_env("pool_slots", 4096)),  # type: ignore[arg-type]
+                    help="aggregation slots shared by all jobs (default 4096)")
+    sw.add_argument("--stats-interval-s", type=float, default=0.0,
+                    help="log the counters every this many seconds (default 0: only at exit)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    ar = bsub.add_parser(
+        "allreduce", help="all-reduce ATE/s of switchml against gloo",
+        description="Run N worker processes on this machine and measure all-reduce throughput "
+                    "in ATE/s (aggregated tensor elements per second, per worker) for switchml "
+                    "and for torch.distributed gloo (ring all-reduce) in the same run.")
+    ar.add_argument("--workers", "-n", type=int, default=4, help="worker processes (default 4)")
+    ar.add_argument("--size", type=_size, action="append", dest="sizes",
+                    help="tensor size in bytes of float32, with unit (e.g. 64MiB); repeat for "
+                         "several (default 64MiB)")
+    ar.add_argument("--iters", type=int, default=5, help="timed operations per size (default 5)")
+    ar.add_argument("--warmup", type=int, default=2, help="untimed operations first (default 2)")
+    ar.add_argument("--switch", type=_address, default=None,
+                    help="HOST:PORT of a running switch (default: start one for the benchmark)")
+    ar.add_argument("--window", type=int, default=16, help="slots per job, W (default 16)")
+    ar.add_argument("--elements-per-packet", type=int, default=16000,
+                    help="int32 elements per packet, k (default 16000 = 64 KB datagrams, for "
+                         "loopback; 358 fits a 1500-byte MTU)")
+    ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
+    ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    ar.add_argument("--timeout-s", type=float, default=600.0,
+                    help="give up on a measurement after this long (default 600)")
+    return parser
+
+
+def _run_switch(args: argparse.Namespace) -> int:
+    import threading
+
+    from switchml.protocol.config import SwitchConfig
+    from switchml.transport.udp import SwitchServer
+
+    server = SwitchServer(host=args.host, port=args.port,
+                          config=SwitchConfig(pool_slots=args.pool_slots))
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    server.start()
+    print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}",
+          flush=True)
+    interval = args.stats_interval_s if args.stats_interval_s > 0 else None
+    while not stop.wait(interval):
+        log.info("stats: %s", server.stats())
+    server.stop()
+    return 0
+
+
+def _run_bench_allreduce(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.allreduce import BenchConfig, run_benchmark, write_json
+
+    cfg = BenchConfig(
+        workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
+        warmup=args.warmup, switch=args.switch, window=args.window,
+        elements_per_packet=args.elements_per_packet,
+        baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s)
+    console = Console(stderr=True)
+    with console.status("starting") as status:
+        results, switch_stats = run_benchmark(
+            cfg, progress=lambda what: status.update(f"measuring {what}"))
+    table = Table(title=f"all-reduce, {cfg.workers} workers, float32, {cfg.iters} timed ops "
+                        f"(ATE/s = elements/s per worker, slowest worker)")
+    for col in ("size", "switchml ATE/s", "gloo ATE/s", "switchml/gloo", "switchml Gbit/s",
+                "max rel err", "switchml CPU %", "gloo CPU %"):
+        table.add_column(col, justify="right")
+    for size in cfg.sizes_bytes:
+        sm = next(m for m in results if m.system == "switchml" and m.size_bytes == size)
+        gl = next((m for m in results if m.system == "gloo" and m.size_bytes == size), None)
+        table.add_row(
+            _human(size), f"{sm.ate_per_s:.3g}", f"{gl.ate_per_s:.3g}" if gl else "-",
+            f"{sm.ate_per_s / gl.ate_per_s:.2f}" if gl else "-", f"{sm.goodput_gbps:.2f}",
+            f"{sm.max_rel_error:.1e}" if sm.max_rel_error is not None else "-",
+            "/".join(f"{c:.0f}" for c in sm.cpu_percent),
+            "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    if args.json:
+        write_json(args.json, cfg, results, switch_stats)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _human(nbytes: int) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "switch":
+            return _run_switch(args)
+        if args.command == "bench" and args.bench == "allreduce":
+            return _run_bench_allreduce(args)
+    except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
+        print(f"switchml: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error("unknown command")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Wire format: golden bytes, round trips and strict decoding (``switchml.protocol.wire``)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from switchml.protocol import wire
+from switchml.protocol.errors import RemoteProtocolError, SwitchMLError, WireError
+from switchml.protocol.wire import (
+    EXP_ZERO,
+    HEADER_SIZE,
+    ControlInfo,
+    ElementType,
+    Flags,
+    Header,
+    MessageType,
+    pack_control_info,
+    pack_header,
+    unpack_control_info,
+    unpack_header,
+    unpack_payload,
+)
+
+LAYOUT = "<HBBBBHIQIIIHBBhh"
+
+# A header where every field has a distinct, multi-byte value, so that a swapped or shifted
+# field shows up in the bytes.
+SAMPLE = Header(
+    type=MessageType.REQUEST,
+    job=0xA1B2C3D4,
+    rank=0x0102,
+    token=0x1122334455667788,
+    seq=0xDEADBEEF,
+    chunk=0x01020304,
+    slot=0x0A0B0C0D,
+    set_bit=1,
+    count=3,
+    elem=ElementType.INT32,
+    flags=int(Flags.HAS_DATA | Flags.NONFINITE),
+    exp_data=-1234,
+    exp_next=4321,
+)
+
+
+def _raw(*, magic=0x4D53, version=1, mtype=int(MessageType.REQUEST), flags=0, set_bit=0,
+         rank=0, job=1, token=2, seq=3, chunk=4, slot=5, count=0, elem=int(ElementType.INT32),
+         reserved=0, exp_data=EXP_ZERO, exp_next=EXP_ZERO) -> bytes:
+    """Hand-built header bytes with any field (also an invalid one)."""
+    return struct.pack(LAYOUT, magic, version, mtype, flags, set_bit, rank, job, token, seq,
+                       chunk, slot, count, elem, reserved, exp_data, exp_next)
+
+
+def _reason(data: bytes) -> str:
+    with pytest.raises(WireError) as info:
+        unpack_header(data)
+    return info.value.reason
+
+
+# -- Layout -----------------------------------------------------------------------------------
+
+
+def test_header_size_is_40_bytes():
+    assert HEADER_SIZE == 40
+    assert struct.calcsize(LAYOUT) == 40
+    assert wire.HEADER.format == LAYOUT
+
+
+def test_constants():
+    assert wire.MAGIC == 0x4D53
+    assert wire.VERSION == 1
+    assert EXP_ZERO == -32768
+    assert wire.MAX_DATAGRAM_BYTES == 65507
+    assert wire.MAX_ELEMENTS_PER_PACKET == (65507 - 40) // 4 == 16366
+
+
+def test_header_golden_bytes():
+    expected = struct.pack(
+        LAYOUT, 0x4D53, 1, 1, 0x03, 1, 0x0102, 0xA1B2C3D4, 0x1122334455667788, 0xDEADBEEF,
+        0x01020304, 0x0A0B0C0D, 3, 1, 0, -1234, 4321,
+    )
+    got = pack_header(SAMPLE)
+    assert got == expected
+    # Spot checks independent of struct: magic reads "SM", fields at their byte offsets.
+    assert got[0:2] == b"SM"
+    assert got[2] == 1  # version
+    assert got[3] == 1  # type REQUEST
+    assert got[4] == 0x03  # flags
+    assert got[5] == 1  # set
+    assert got[6:8] == bytes([0x02, 0x01])  # rank, little-endian
+    assert got[8:12] == bytes([0xD4, 0xC3, 0xB2, 0xA1])  # job
+    assert got[12:20] == bytes.fromhex("8877665544332211")  # token
+    assert got[20:24] == bytes.fromhex("efbeadde")  # seq
+    assert got[24:28] == bytes.fromhex("04030201")  # chunk
+    assert got[28:32] == bytes.fromhex("0d0c0b0a")  # slot
+    assert got[32:34] == bytes([3, 0])  # count
+    assert got[34] == 1  # elem INT32
+    assert got[35] == 0  # reserved
+    assert got[36:38] == (-1234).to_bytes(2, "little", signed=True)
+    assert got[38:40] == (4321).to_bytes(2, "little", signed=True)
+
+
+def test_header_golden_bytes_defaults():
+    got = pack_header(Header(MessageType.LEAVE, job=9))
+    assert got == struct.pack(LAYOUT, 0x4D53, 1, 20, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0,
+                              -32768, -32768)
+
+
+def test_pack_header_out_of_range_field_raises_struct_error():
+    with pytest.raises(struct.error):
+        pack_header(Header(MessageType.REQUEST, job=2**32))
+    with pytest.raises(struct.error):
+        pack_header(Header(MessageType.REQUEST, job=1, rank=2**16))
+
+
+def test_build_concatenates_header_and_payload():
+    payload = np.array([1, -2, 3], dtype="<i4").tobytes()
+    assert wire.build(SAMPLE, payload) == pack_header(SAMPLE) + payload
+
+
+# -- Round trips ------------------------------------------------------------------------------
+
+
+def test_message_types_are_the_documented_numbers():
+    assert {t.name: int(t) for t in MessageType} == {
+        "REQUEST": 1, "RESULT": 2, "WAITING": 3, "REGISTER": 16, "REGISTERED": 17, "JOIN": 18,
+        "JOINED": 19, "LEAVE": 20, "LEFT": 21, "REFUSED": 31,
+    }
+    assert {int(f) for f in (Flags.NONFINITE, Flags.HAS_DATA, Flags.HAS_EXP, Flags.RESENT)} == {
+        1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("mtype", list(MessageType), ids=lambda t: t.name)
+def test_round_trip_every_message_type(mtype):
+    if mtype in wire.DATA_TYPES:
+        values = np.array([7, -8, 2**31 - 1, -(2**31)], dtype="<i4")
+        payload = values.tobytes()
+        elem = ElementType.INT32
+        count = values.size
+    else:
+        payload = pack_control_info(ControlInfo(3, 16, 256, 12))
+        elem = ElementType.BYTES
+        count = len(payload)
+    h = Header(mtype, job=4000000000, rank=65535, token=2**64 - 1, seq=2**32 - 1, chunk=77,
+               slot=1234, set_bit=1, count=count, elem=elem, flags=int(Flags.HAS_EXP),
+               exp_data=-32768, exp_next=32767)
+    data = pack_header(h) + payload
+    got = unpack_header(data)
+    assert got == h
+    assert got.type is mtype
+    assert got.elem is elem
+    assert got.payload_bytes == len(payload)
+    body = unpack_payload(data, got)
+    assert body.tobytes() == payload
+    if elem is ElementType.INT32:
+        assert body.dtype == np.dtype("<i4")
+        assert body.tolist() == [7, -8, 2**31 - 1, -(2**31)]
+    else:
+        assert body.dtype == np.uint8
+
+
+def test_round_trip_accepts_bytearray_and_memoryview():
+    payload = np.arange(3, dtype="<i4").tobytes()
+    data = pack_header(SAMPLE) + payload
+    for view in (bytearray(data), memoryview(data)):
+        assert unpack_header(view) == SAMPLE
+        assert unpack_payload(view, SAMPLE).tolist() == [0, 1, 2]
+
+
+def test_unpack_payload_is_a_read_only_view():
+    data = pack_header(SAMPLE) + np.array([1, 2, 3], dtype="<i4").tobytes()
+    body = unpack_payload(data, unpack_header(data))
+    assert not body.flags.writeable
+    with pytest.raises(ValueError):
+        body[0] = 5
+
+
+def test_all_known_flags_accepted():
+    for flags in range(16):
+        h = Header(MessageType.RESULT, job=1, flags=flags)
+        assert unpack_header(pack_header(h)).flags == flags
+
+
+def test_zero_count_payload():
+    h = Header(MessageType.REQUEST, job=1, count=0, elem=ElementType.INT32)
+    data = pack_header(h)
+    assert len(data) == HEADER_SIZE
+    assert unpack_header(data) == h
+    assert unpack_payload(data, h).size == 0
+
+
+# -- Decode errors ----------------------------------------------------------------------------
+
+
+def test_valid_raw_header_decodes():
+    # The baseline for the error cases below: with no field broken, _raw decodes.
+    h = unpack_header(_raw())
+    assert (h.type, h.job, h.token, h.seq, h.chunk, h.slot) == (MessageType.REQUEST, 1, 2, 3, 4,
+                                                                 5)
+
+
+@pytest.mark.parametrize("size", [0, 1, 20, 39])
+def test_short(size):
+    assert _reason(_raw()[:size]) == "short"
+
+
+def test_bad_magic():
+    assert _reason(_raw(magic=0x534D)) == "bad_magic"  # "MS": byte-swapped
+    assert _reason(_raw(magic=0)) == "bad_magic"
+
+
+@pytest.mark.parametrize("version", [0, 2, 255])
+def test_bad_version(version):
+    assert _reason(_raw(version=version)) == "bad_version"
+
+
+@pytest.mark.parametrize("mtype", [0, 4, 15, 22, 30, 32, 255])
+def test_bad_type(mtype):
+    assert _reason(_raw(mtype=mtype)) == "bad_type"
+
+
+@pytest.mark.parametrize("elem", [2, 3, 255])
+def test_bad_elem(elem):
+    assert _reason(_raw(elem=elem)) == "bad_elem"
+
+
+@pytest.mark.parametrize("set_bit", [2, 255])
+def test_bad_set(set_bit):
+    assert _reason(_raw(set_bit=set_bit)) == "bad_set"
+
+
+@pytest.mark.parametrize("flags", [0x10, 0x20, 0x80, 0xFF])
+def test_bad_flags(flags):
+    assert _reason(_raw(flags=flags)) == "bad_flags"
+
+
+def test_length_mismatch_truncated_payload():
+    payload = np.arange(4, dtype="<i4").tobytes()
+    data = _raw(count=4) + payload
+    assert unpack_header(data).count == 4
+    assert _reason(data[:-1]) == "length_mismatch"
+    assert _reason(data[:-4]) == "length_mismatch"
+    assert _reason(_raw(count=4)) == "length_mismatch"
+
+
+def test_length_mismatch_trailing_garbage():
+    payload = np.arange(4, dtype="<i4").tobytes()
+    assert _reason(_raw(count=4) + payload + b"\x00") == "length_mismatch"
+    assert _reason(_raw(count=0) + b"x") == "length_mismatch"
+
+
+def test_length_counts_elements_of_the_element_type():
+    # 8 bytes are 8 BYTES elements but 2 INT32 elements.
+    assert unpack_header(_raw(count=8, elem=0) + bytes(8)).count == 8
+    assert _reason(_raw(count=8, elem=1) + bytes(8)) == "length_mismatch"
+    assert unpack_header(_raw(count=2, elem=1) + bytes(8)).count == 2
+
+
+def test_wire_error_hierarchy_and_message():
+    err = WireError("bad_magic", "0x1234")
+    assert isinstance(err, RemoteProtocolError)
+    assert isinstance(err, SwitchMLError)
+    assert err.reason == "bad_magic"
+    assert str(err) == "bad_magic: 0x1234"
+    assert str(WireError("short")) == "short"
+
+
+# -- Control info -----------------------------------------------------------------------------
+
+
+def test_control_info_golden_and_round_trip():
+    info = ControlInfo(num_workers=40, window=16, elements_per_packet=16366, slot_base=4000)
+    raw = pack_control_info(info)
+    assert raw == struct.pack("<IIII", 40, 16, 16366, 4000)
+    assert unpack_control_info(raw) == info
+    assert unpack_control_info(memoryview(raw)) == info
+    assert unpack_control_info(np.frombuffer(raw, dtype=np.uint8)) == info
+    assert ControlInfo(1, 2, 3).slot_base == 0
+
+
+def test_control_info_inside_a_datagram():
+    info = ControlInfo(2, 8, 64, 0)
+    h = Header(MessageType.JOIN, job=5, rank=1, token=99, count=16, elem=ElementType.BYTES)
+    data = pack_header(h) + pack_control_info(info)
+    got = unpack_header(data)
+    assert unpack_control_info(unpack_payload(data, got)) == info
+
+
+@pytest.mark.parametrize("size", [0, 15, 17, 32])
+def test_bad_control(size):
+    with pytest.raises(WireError) as info:
+        unpack_control_info(bytes(size))
+    assert info.value.reason == "bad_control"
