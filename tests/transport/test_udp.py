@@ -1,0 +1,219 @@
+"""The UDP path end to end: switch server, worker clients in several processes, failures."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import udp_procs
+
+from switchml.control import encode_job_spec, new_job_spec
+from switchml.protocol.config import WorkerConfig
+from switchml.protocol.errors import LocalProtocolError, OperationFailed
+from switchml.protocol.wire import HEADER_SIZE, MessageType, pack_header, Header
+from switchml.transport.udp import SwitchServer, WorkerClient
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def server():
+    with SwitchServer(host="127.0.0.1", port=0) as s:
+        yield s
+
+
+def _run_job(server, n, numel, dtype, ops, *, window=8, k=4096):
+    spec = encode_job_spec(new_job_spec(n, window=window, elements_per_packet=k))
+    q = CTX.Queue()
+    procs = [CTX.Process(target=udp_procs.allreduce_worker,
+                         args=(server.address, spec, r, numel, dtype, ops, q))
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    return procs, q
+
+
+def _collect(procs, q, n, timeout=120):
+    rows = [q.get(timeout=timeout) for _ in range(n)]
+    for p in procs:
+        p.join(timeout=30)
+    return sorted(rows, key=lambda r: r[0])
+
+
+def _check(rows, n, numel, dtype, ops):
+    for rank, outs, _counters, err in rows:
+        assert err is None, f"rank {rank}: {err}"
+    for op in range(ops):
+        ref = np.sum([udp_procs.rank_input(r, numel, dtype, op).astype(np.float64)
+                      for r in range(n)], axis=0)
+        first = rows[0][1][op]
+        for _rank, outs, _c, _e in rows:
+            assert np.array_equal(outs[op], first), "ranks disagree"
+        if np.dtype(dtype).kind == "i":
+            assert np.array_equal(first, ref.astype(dtype))
+        else:
+            tol = np.max(np.abs(ref)) * 2.0**-20 + 1e-30
+            assert np.max(np.abs(first.astype(np.float64) - ref)) <= tol
+
+
+@pytest.mark.parametrize("n,dtype", [(2, "float32"), (3, "int32"), (4, "float64")])
+def test_processes_allreduce_over_udp(server, n, dtype):
+    numel, ops = 300_001, 3
+    procs, q = _run_job(server, n, numel, dtype, ops)
+    rows = _collect(procs, q, n)
+    _check(rows, n, numel, dtype, ops)
+    assert server.stats()["internal_errors"] == 0
+
+
+def test_two_concurrent_jobs_are_isolated(server):
+    numel, ops = 200_000, 4
+    a = _run_job(server, 2, numel, "float32", ops)
+    b = _run_job(server, 3, numel, "int32", ops)
+    rows_a = _collect(*a, 2)
+    rows_b = _collect(*b, 3)
+    _check(rows_a, 2, numel, "float32", ops)
+    _check(rows_b, 3, numel, "int32", ops)
+    # Both jobs left: their slots are back in the pool.
+    deadline = time.monotonic() + 5
+    while server.stats()["jobs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stats()["slots_in_use"] == 0
+
+
+def test_dead_worker_fails_the_others_in_bounded_time(server):
+    n, op_timeout = 3, 2.0
+    spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=4096))
+    q = CTX.Queue()
+    procs = [CTX.Process(target=udp_procs.dying_worker,
+                         args=(server.address, spec, r, 1, op_timeout, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    rows = sorted([q.get(timeout=60) for _ in range(n - 1)])
+    for p in procs:
+        p.join(timeout=30)
+    assert [r[0] for r in rows] == [0, 2]
+    for _rank, outcome, seconds in rows:
+        assert outcome.startswith("OperationFailed"), outcome
+        assert "rank(s) [1]" in outcome, outcome
+        assert seconds < op_timeout + 3.0
+
+
+def test_switch_gone_fails_in_bounded_time():
+    srv = SwitchServer(port=0).start()
+    spec = new_job_spec(1, window=4, elements_per_packet=1024)
+    w = WorkerClient(srv.address, spec, 0, WorkerConfig(op_timeout_s=1.5, max_rto_s=0.3))
+    assert np.array_equal(w.allreduce(np.arange(10, dtype=np.int32)), np.arange(10))
+    srv.stop()
+    t0 = time.monotonic()
+    with pytest.raises(OperationFailed, match="switch at 127.0.0.1"):
+        w.allreduce(np.ones(100_000, np.float32))
+    assert time.monotonic() - t0 < 4.0
+    with pytest.raises(LocalProtocolError, match="failed earlier"):
+        w.allreduce_async(np.ones(10, np.float32))
+    w.close()
+
+
+def test_join_without_switch_fails_with_clear_error():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(OperationFailed, match=f"127.0.0.1:{port}"):
+        WorkerClient(("127.0.0.1", port), new_job_spec(2), 0, WorkerConfig(join_timeout_s=1.0))
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_async_handles_and_argument_errors(server):
+    spec = new_job_spec(1, window=4, elements_per_packet=1000)
+    with WorkerClient(server.address, spec, 0) as w:
+        xs = [np.full(5000, i, np.float32) for i in range(5)]
+        handles = [w.allreduce_async(x) for x in xs]
+        for i, h in enumerate(handles):
+            assert np.array_equal(h.wait(timeout=30), xs[i])
+        # non-contiguous input and output views work (copied internally)
+        base = np.arange(20, dtype=np.int32)
+        out = np.zeros(20, np.int32)
+        w.allreduce(base[::2], out[::2])
+        assert np.array_equal(out[::2], base[::2])
+        with pytest.raises(LocalProtocolError, match="unsupported dtype"):
+            w.allreduce(np.ones(3, np.int64))
+        with pytest.raises(LocalProtocolError, match="out must match"):
+            w.allreduce(np.ones(3, np.float32), np.ones(4, np.float32))
+        x = np.ones(10, np.float32)
+        w.allreduce(x, x)  # in place
+        assert np.array_equal(x, np.ones(10, np.float32))
+    with pytest.raises(LocalProtocolError, match="closed"):
+        w.allreduce(np.ones(3, np.float32))
+
+
+def test_switch_survives_garbage_datagrams(server):
+    rng = random.Random(1234)
+    spec = new_job_spec(2, window=4, elements_per_packet=512)
+    valid = pack_header(Header(MessageType.REQUEST, spec.job_id, count=0))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for i in range(3000):
+            kind = i % 3
+            if kind == 0:
+                data = rng.randbytes(rng.randrange(0, 2000))
+            elif kind == 1:
+                data = valid[: rng.randrange(0, HEADER_SIZE)]
+            else:
+                b = bytearray(valid + rng.randbytes(rng.randrange(0, 64)))
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+                data = bytes(b)
+            s.sendto(data, server.address)
+    # Still serving: a real job completes.
+    results = {}
+
+    def run(rank):
+        with WorkerClient(server.address, spec, rank) as w:
+            results[rank] = w.allreduce(np.full(10_000, rank + 1, np.int32))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(np.array_equal(results[r], np.full(10_000, 3, np.int32)) for r in range(2))
+    stats = server.stats()
+    assert stats["internal_errors"] == 0
+    assert sum(stats["drops"].values()) >= 2900
+
+
+def test_switch_command_logs_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "switchml", "switch", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on udp 127.0.0.1:" in line
+        port = int(line.rsplit(":", 1)[1])
+        spec = new_job_spec(1, window=2, elements_per_packet=256)
+        with WorkerClient(("127.0.0.1", port), spec, 0) as w:
+            assert np.array_equal(w.allreduce(np.arange(7, dtype=np.int32)), np.arange(7))
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0
+        assert "SIGTERM received" in err and "stopped" in err
+        assert f"job {spec.job_id} created" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_switch_command_reports_port_in_use():
+    with SwitchServer(port=0) as srv:
+        res = subprocess.run(
+            [sys.executable, "-m", "switchml", "switch", "--port", str(srv.address[1])],
+            capture_output=True, text=True, timeout=30, env={**os.environ})
+    assert res.returncode == 2
+    assert "can't listen on" in res.stderr
