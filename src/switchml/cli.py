@@ -148,7 +148,7 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
     table = Table(title=f"all-reduce, {cfg.workers} workers, float32, {cfg.iters} timed ops "
                         f"(ATE/s = elements/s per worker, slowest worker)")
     for col in ("size", "switchml ATE/s", "gloo ATE/s", "switchml/gloo", "switchml Gbit/s",
-                "max rel err", "switchml CPU %", "gloo CPU %"):
+                "max rel err", "switchml CPU % (workers | switch)", "gloo CPU %"):
         table.add_column(col, justify="right")
     for size in cfg.sizes_bytes:
         sm = next(m for m in results if m.system == "switchml" and m.size_bytes == size)
@@ -157,7 +157,9 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
             _human(size), f"{sm.ate_per_s:.3g}", f"{gl.ate_per_s:.3g}" if gl else "-",
             f"{sm.ate_per_s / gl.ate_per_s:.2f}" if gl else "-", f"{sm.goodput_gbps:.2f}",
             f"{sm.max_rel_error:.1e}" if sm.max_rel_error is not None else "-",
-            "/".join(f"{c:.0f}" for c in sm.cpu_percent),
+            "/".join(f"{c:.0f}" for c in sm.cpu_percent) + (
+                f" | {sm.extra['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in sm.extra
+                else ""),
             "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     if args.json:

@@ -19,7 +19,7 @@ import udp_procs
 from switchml.control import encode_job_spec, new_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import LocalProtocolError, OperationFailed
-from switchml.protocol.wire import HEADER_SIZE, MessageType, pack_header, Header
+from switchml.protocol.wire import HEADER_SIZE, Header, MessageType, pack_header
 from switchml.transport.udp import SwitchServer, WorkerClient
 
 CTX = mp.get_context("spawn")
@@ -50,7 +50,7 @@ def _collect(procs, q, n, timeout=120):
 
 
 def _check(rows, n, numel, dtype, ops):
-    for rank, outs, _counters, err in rows:
+    for rank, _outs, _counters, err in rows:
         assert err is None, f"rank {rank}: {err}"
     for op in range(ops):
         ref = np.sum([udp_procs.rank_input(r, numel, dtype, op).astype(np.float64)

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import resource
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -94,9 +95,17 @@ def _switch_main(conn: Any) -> None:
     server = SwitchServer(host="127.0.0.1", port=0)
     conn.send(server.address)
     server.start()
-    conn.recv()  # any message (or EOF when the parent dies) stops the switch
-    conn.send(server.stats())
+    try:
+        while conn.recv() == "cpu":  # CPU seconds so far; anything else (or EOF) stops
+            conn.send(time.process_time())
+    except EOFError:
+        pass
+    stats = server.stats()
     server.stop()
+    try:
+        conn.send(stats)
+    except OSError:
+        pass
 
 
 def _cpu_s() -> float:
@@ -180,11 +189,11 @@ def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[t
 
 
 def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] | None,
-             ctx: Any) -> Measurement:
+             ctx: Any, switch_cpu: Any = None) -> Measurement:
     n = cfg.workers
     numel = size // 4
     results = ctx.Queue()
-    barrier = ctx.Barrier(n)
+    barrier = ctx.Barrier(n + 1)  # the workers and this process: marks the timed loop's start
     if system == "switchml":
         from switchml.control import encode_job_spec, new_job_spec
         spec = encode_job_spec(new_job_spec(n, window=cfg.window,
@@ -199,7 +208,19 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
                  for r in range(n)]
     for p in procs:
         p.start()
+    cpu0 = None
+    try:
+        barrier.wait(timeout=cfg.timeout_s)
+        if switch_cpu is not None and system == "switchml":
+            cpu0 = switch_cpu()
+    except threading.BrokenBarrierError:
+        pass  # a worker failed before the timed loop; _collect reports why
+    t0 = time.perf_counter()
     rows = _collect(procs, results, n, cfg.timeout_s)
+    extra: dict[str, Any] = {}
+    if cpu0 is not None and switch_cpu is not None:
+        # From the start of the timed loop until the last worker reported.
+        extra["switch_cpu_percent"] = 100.0 * (switch_cpu() - cpu0) / (time.perf_counter() - t0)
     elapsed = max(r[1] for r in rows)
     ate = numel * cfg.iters / elapsed
     errs = [r[3] for r in rows if r[3] is not None]
@@ -212,7 +233,7 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
         elapsed_s=elapsed, ate_per_s=ate, goodput_gbps=ate * 32 / 1e9,
         cpu_percent=[100.0 * r[2] / r[1] for r in rows],
         max_rel_error=max(errs) if errs else None,
-        extra={"worker_counters": counters} if counters else {},
+        extra={**extra, **({"worker_counters": counters} if counters else {})},
     )
 
 
@@ -233,6 +254,14 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
         if not parent.poll(30):
             raise RuntimeError("the benchmark's switch process did not start within 30 s")
         switch = tuple(parent.recv())
+    switch_cpu = None
+    if parent is not None:
+        pipe = parent
+
+        def switch_cpu() -> float:
+            pipe.send("cpu")
+            return float(pipe.recv())
+
     out: list[Measurement] = []
     switch_stats: dict[str, Any] = {}
     try:
@@ -240,7 +269,7 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
             for system in ("switchml", *cfg.baselines):
                 if progress is not None:
                     progress(f"{system} n={cfg.workers} size={size} B")
-                out.append(_measure(system, cfg, size, switch, ctx))
+                out.append(_measure(system, cfg, size, switch, ctx, switch_cpu))
     finally:
         if switch_proc is not None and parent is not None:
             try:
