@@ -68,6 +68,8 @@ _REQUEST = int(MessageType.REQUEST)
 _INT32 = int(ElementType.INT32)
 _KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
+_NONFINITE = int(Flags.NONFINITE)
+_RESULT = int(MessageType.RESULT)
 
 Address = tuple[str, int]
 _HALF = 2**31
@@ -218,7 +220,8 @@ class SwitchDataplane:
         handler = self._handlers.get(h.type)
         if handler is None:
             # A REQUEST reaching here is well-formed but not int32 (the fast path takes those).
-            self.drops["bad_payload" if h.type is MessageType.REQUEST else "unexpected_type"] += 1
+            reason = "bad_payload" if h.type is MessageType.REQUEST else "unexpected_type"
+            self.drops[reason] += 1
             return
         handler(h, data, addr)
 
@@ -407,7 +410,7 @@ class SwitchDataplane:
                 np.add(acc, np.frombuffer(data, dtype="<i4", count=count, offset=HEADER_SIZE),
                        out=acc)
             job.seen[v][s] = prior | me
-            job.flags[v][s] |= flags & Flags.NONFINITE
+            job.flags[v][s] |= flags & _NONFINITE
             if exp_next > job.exp_next[v][s]:
                 job.exp_next[v][s] = exp_next
             job.missing[v][s] -= 1
@@ -441,7 +444,7 @@ class SwitchDataplane:
         job.seq[v][s] = seq
         job.chunk[v][s] = chunk
         job.count[v][s] = count
-        job.flags[v][s] = flags & (Flags.NONFINITE | _SHAPE_FLAGS)
+        job.flags[v][s] = flags & (_NONFINITE | _SHAPE_FLAGS)
         job.exp_data[v][s] = exp_data
         job.exp_next[v][s] = exp_next
         job.seen[v][s] = me
@@ -452,9 +455,9 @@ class SwitchDataplane:
         """Write the result header into the slot buffer and send it to every member."""
         count = job.count[v][s]
         buf = job.buf[v][s]
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, MessageType.RESULT, job.flags[v][s], v, rank,
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, _RESULT, job.flags[v][s], v, rank,
                          job.job_id, job.token, seq, chunk, slot, count,
-                         ElementType.INT32, 0, job.exp_data[v][s], job.exp_next[v][s])
+                         _INT32, 0, job.exp_data[v][s], job.exp_next[v][s])
         datagram = memoryview(buf)[: HEADER_SIZE + 4 * count]
         for member in job.members:
             if member is not None:
