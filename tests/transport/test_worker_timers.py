@@ -145,16 +145,15 @@ def test_backoff_doubles_up_to_max_rto() -> None:
     c.wait(c.start(inputs, outs))
     times = [s.t for s in script.sends(MessageType.REQUEST, src=a0)]
     assert len(times) == losses + 1
-    gaps = np.diff([t0, *times[1:]]) if times[0] == t0 else None
-    assert gaps is not None
-    assert list(gaps) == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
+    assert times[0] == t0
+    assert list(np.diff(times)) == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5, 0.5])
     w0 = c.workers[0]
     assert w0.counters["retransmissions"] == losses
     assert np.array_equal(outs[0], int_sum(inputs)) and np.array_equal(outs[1], outs[0])
     # rank 1's chunk was in but had no result: its retransmissions got WAITING naming rank 0.
     w1 = c.workers[1]
-    assert w1.counters["retransmissions"] > 0
-    assert w1.counters["waiting_received"] == w1.counters["retransmissions"]
+    # (rank 1 backs off on the same schedule, so its last retry may meet the completed round.)
+    assert w1.counters["waiting_received"] >= losses - 1
     assert c.switch.waiting_sent == w1.counters["waiting_received"]
 
 
@@ -212,11 +211,14 @@ def test_dropped_result_is_resent_from_the_shadow_copy(chunk: int) -> None:
     for o in outs:
         assert np.array_equal(o, expected[0])
     assert len(script.dropped) == 1
-    assert c.switch.results_resent == 1
     assert c.workers[1].counters["retransmissions"] == 1
     resent = [s for s in script.sends(MessageType.RESULT, dst=a1, chunk=chunk)
               if s.h.flags & Flags.RESENT]
     assert len(resent) == 1
+    # (Ranks 0 and 2, blocked meanwhile, may also retry into the round rank 1 then completes
+    # and get copies of their own; every copy is counted.)
+    all_resent = [s for s in script.sends(MessageType.RESULT) if s.h.flags & Flags.RESENT]
+    assert c.switch.results_resent == len(all_resent) >= 1
     original = script.dropped[0].h
     assert (resent[0].h.seq, resent[0].h.slot, resent[0].h.set_bit, resent[0].h.exp_data,
             resent[0].h.exp_next, resent[0].h.count) == (

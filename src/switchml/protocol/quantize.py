@@ -96,12 +96,30 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
         out[...] = 0
         return
     shift = emax - scale_bits(num_workers)
-    if out.dtype == _F32 and -126 <= shift <= 127:
+    if emax >= np.finfo(out.dtype).maxexp:
+        _dequantize_at_the_edge(out, q, emax, num_workers)
+    elif out.dtype == _F32 and -126 <= shift <= 127:
         np.multiply(q, np.float32(2.0**shift), out=out, dtype=np.float32, casting="unsafe")
     elif -1000 < shift < 1000:
         out[...] = q * 2.0**shift  # exact in float64 (|q| < 2**31), one rounding into out
     else:
         out[...] = np.ldexp(q.astype(np.float64), shift)
+
+
+def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int) -> None:
+    """Dequantize a block whose ``2**emax`` exceeds the output dtype's range.
+
+    A sum within the quantization error of the dtype's largest finite value may come out past
+    it (an element at ``finfo.max`` rounds up to ``2**P`` quanta = ``2**emax``). Such results are
+    clamped to +-max; sums further out are genuine overflows and stay inf.
+    """
+    info = np.finfo(out.dtype)
+    shift = emax - scale_bits(num_workers)
+    with np.errstate(over="ignore"):
+        out[...] = np.ldexp(q.astype(np.float64), shift)
+    max_in_quanta = math.ldexp(float(info.max), -shift)
+    near = np.abs(q) <= max_in_quanta + 0.5 * num_workers
+    np.clip(out, -info.max, info.max, out=out, where=near)
 
 
 def error_bound(emax: int, num_workers: int) -> float:

@@ -283,6 +283,10 @@ class SwitchDataplane:
             return
         job = self._jobs.get(h.job)
         if job is None:
+            if h.rank >= asked.num_workers:  # refuse before allocating anything
+                self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of "
+                             f"{asked.num_workers}")
+                return
             job = self._create_job(h, asked, addr)
             if job is None:
                 return
