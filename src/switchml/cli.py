@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="aggregation slots shared by all jobs (default 4096)")
     sw.add_argument("--stats-interval-s", type=float, default=0.0,
                     help="log the counters every this many seconds (default 0: only at exit)")
+    sw.add_argument("--stop-on-stdin-eof", action="store_true",
+                    help="also stop when standard input closes (used by the PyTorch backend's "
+                         "embedded switch, so it dies with the process that started it)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -123,6 +126,13 @@ def _run_switch(args: argparse.Namespace) -> int:
     server.start()
     print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}",
           flush=True)
+    if args.stop_on_stdin_eof:
+        def _watch_stdin() -> None:
+            while sys.stdin.read(4096):
+                pass
+            log.info("standard input closed, stopping")
+            stop.set()
+        threading.Thread(target=_watch_stdin, daemon=True).start()
     interval = args.stats_interval_s if args.stats_interval_s > 0 else None
     while not stop.wait(interval):
         log.info("stats: %s", server.stats())

@@ -1,0 +1,414 @@
+"""The torch.distributed backend "switchml": all-reduce through the switch, the rest via gloo.
+
+``import switchml.torch`` registers it; then ``dist.init_process_group("switchml")`` under
+``torchrun`` needs nothing else:
+
+* Switch: ``SWITCHML_SWITCH=host:port`` names a running switch (jobs across machines). Unset, the
+  group's rank 0 starts a software switch on 127.0.0.1 in a process of its own (stopped when the
+  group is destroyed or rank 0 exits) and shares its address through the store.
+* Job: rank 0 draws a job id and token (:func:`switchml.control.new_job_spec`) and shares them
+  through the group's store; every rank JOINs the switch.
+* Every other collective (broadcast, all_gather, reduce_scatter, barrier, send/recv ...) and
+  every reduce op but SUM and AVG runs on an internal gloo group over the same store and is
+  counted in :meth:`SwitchMLProcessGroup.stats`, so a user sees what did not go through the switch.
+
+All-reduce details: SUM and AVG of float32, float16, float64 (fixed point with block exponents,
+error bound in docs/protocol.md), bfloat16 (summed as float32, rounded back once), int32 (exact),
+int64 (exact modulo 2**64 for up to 511 ranks: each value travels as three int32 limbs of
+22/22/20 bits, so int64 costs three times the bytes). AVG divides after the sum (integers:
+truncating division). Tensors are reduced in place, in any shape; non-contiguous and CUDA tensors
+go through a contiguous host copy. Calls return at once; a communication thread aggregates, and
+operations run in issue order: every rank must issue the same collectives in the same order (as
+with any backend).
+
+Failure: a rank or switch that stops answering makes pending operations raise ``RuntimeError``
+after ``timeout`` (the process group's) without progress, naming the silent ranks or the switch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.protocol.config import WorkerConfig
+from switchml.protocol.errors import SwitchMLError, TransportError
+from switchml.transport.udp import AllreduceHandle, WorkerClient
+
+__all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "register", "stats"]
+
+log = logging.getLogger(__name__)
+BACKEND_NAME = "switchml"
+_STORE_SWITCH_KEY = "switchml/switch"
+_STORE_JOB_KEY = "switchml/job"
+_RedOp = dist.ReduceOp.RedOpType
+_SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
+_NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
+_SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
+_LIMB_BITS = (22, 22, 20)
+
+_switch_lock = threading.Lock()
+_switch_address: tuple[str, int] | None = None
+_embedded: subprocess.Popen[str] | None = None
+
+
+class SwitchMLWork(dist.Work):
+    """A pending collective: ``wait()`` raises if the operation failed (unlike a bare future)."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._future.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+
+def _completed(value: Any) -> SwitchMLWork:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return SwitchMLWork(fut)
+
+
+class _Plan:
+    """How one tensor travels: the numpy array sent, and what to do after the sum."""
+
+    __slots__ = ("tensor", "array", "staging", "kind")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        t = tensor.detach()
+        self.staging: torch.Tensor | None = None
+        if t.dtype is torch.int64:
+            self.kind = "limbs"
+            self.array = _to_limbs(t.reshape(-1).cpu().numpy())
+            return
+        self.kind = "plain"
+        if t.dtype is torch.bfloat16:
+            self.staging = t.to(device="cpu", dtype=torch.float32).contiguous()
+        elif t.device.type != "cpu" or not t.is_contiguous():
+            self.staging = t.to("cpu").contiguous()
+        src = self.staging if self.staging is not None else t
+        self.array = src.reshape(-1).numpy()
+
+    def finish(self, size: int, average: bool) -> None:
+        """Write the sum back into the user's tensor, in place (runs on the I/O thread)."""
+        t = self.tensor.detach()
+        if self.kind == "limbs":
+            t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
+        elif self.staging is not None:
+            t.copy_(self.staging.reshape(t.shape))
+        if average:
+            if t.is_floating_point():
+                t.div_(size)
+            else:
+                t.copy_(torch.div(t, size, rounding_mode="trunc"))
+
+
+def _to_limbs(x: np.ndarray) -> np.ndarray:
+    """Split int64 into three int32 limbs (low 22 bits, next 22, signed top 20)."""
+    out = np.empty((3, x.size), dtype=np.int32)
+    out[0] = x & (2**22 - 1)
+    out[1] = (x >> 22) & (2**22 - 1)
+    out[2] = x >> 44  # arithmetic shift: signed, |.| < 2**19
+    return out.reshape(-1)
+
+
+def _from_limbs(limbs: np.ndarray) -> np.ndarray:
+    parts = limbs.reshape(3, -1).astype(np.int64)
+    with np.errstate(over="ignore"):
+        return parts[0] + (parts[1] << 22) + (parts[2] << 44)  # wraps modulo 2**64 like int64
+
+
+class SwitchMLProcessGroup(dist.ProcessGroup):
+    """A process group whose all-reduce goes through a switchml switch."""
+
+    def __init__(self, *, rank: int, size: int, client: WorkerClient, gloo: dist.ProcessGroup,
+                 switch: tuple[str, int]) -> None:
+        super().__init__(rank, size)
+        self.client = client
+        self.switch = switch
+        self._gloo = gloo
+        self._stats_lock = threading.Lock()
+        self.switch_ops: Counter[str] = Counter()
+        self.delegated: Counter[str] = Counter()
+        self._closed = False
+        weakref.finalize(self, client.close)
+
+    # -- identity ----------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # -- the switch path ---------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        op = opts.reduceOp.op if opts is not None else _RedOp.SUM
+        if op not in _SWITCH_OPS or any(t.dtype not in _SUPPORTED for t in tensors):
+            return self._delegate("allreduce", lambda: self._gloo.allreduce(tensors, opts),
+                                  f"allreduce:{op.name}")
+        return self._allreduce_switch(tensors, average=op == _RedOp.AVG)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        op = opts.reduceOp.op if opts is not None else _RedOp.SUM
+        if op not in _SWITCH_OPS or any(t.dtype not in _SUPPORTED for t in tensors):
+            return self._delegate("allreduce_coalesced",
+                                  lambda: self._gloo.allreduce_coalesced(tensors, opts),
+                                  f"allreduce_coalesced:{op.name}")
+        return self._allreduce_switch(tensors, average=op == _RedOp.AVG)
+
+    def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
+        """Queue one switch operation per tensor; the Work completes when all are done."""
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        plans = [_Plan(t) for t in tensors]
+        size = self.size()
+        with self._stats_lock:
+            self.switch_ops["allreduce"] += 1
+        if not plans:
+            future.set_result(tensors)
+            return SwitchMLWork(future)
+        state = {"left": len(plans), "error": None}
+        lock = threading.Lock()
+
+        def on_done(handle: AllreduceHandle, plan: _Plan) -> None:
+            error = handle.exception()
+            if error is None:
+                try:
+                    plan.finish(size, average)
+                except Exception as exc:  # surfaced through the future
+                    error = exc
+            with lock:
+                if error is not None and state["error"] is None:
+                    state["error"] = error
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                if state["error"] is not None:
+                    err = state["error"]
+                    future.set_exception(RuntimeError(f"switchml all_reduce failed: {err}"))
+                else:
+                    future.set_result(tensors)
+
+        try:
+            for plan in plans:
+                handle = self.client.allreduce_async(plan.array, plan.array)
+                handle.add_done_callback(lambda h, p=plan: on_done(h, p))
+        except SwitchMLError as exc:
+            raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
+        return SwitchMLWork(future)
+
+    # -- everything else: gloo, counted ------------------------------------------------------
+
+    def _delegate(self, name: str, call: Any, key: str | None = None) -> dist.Work:
+        with self._stats_lock:
+            self.delegated[key or name] += 1
+        return call()
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._delegate("broadcast", lambda: self._gloo.broadcast(tensors, opts))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        return self._delegate("allgather", lambda: self._gloo.allgather(outputs, inputs, opts))
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                        opts: Any = None) -> dist.Work:
+        return self._delegate("allgather_into_tensor",
+                              lambda: self._gloo._allgather_base(output, input, opts))
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None
+                                        ) -> dist.Work:
+        return self._delegate("allgather_into_tensor_coalesced",
+                              lambda: self._gloo.allgather_into_tensor_coalesced(outputs, inputs,
+                                                                                 opts))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        return self._delegate("reduce_scatter",
+                              lambda: self._gloo.reduce_scatter(outputs, inputs, opts))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                             opts: Any = None) -> dist.Work:
+        return self._delegate("reduce_scatter_tensor",
+                              lambda: self._gloo._reduce_scatter_base(output, input, opts))
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None
+                                        ) -> dist.Work:
+        return self._delegate("reduce_scatter_tensor_coalesced",
+                              lambda: self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs,
+                                                                                 opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._delegate("reduce", lambda: self._gloo.reduce(tensors, opts))
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any) -> dist.Work:
+        return self._delegate("gather", lambda: self._gloo.gather(outputs, inputs, opts))
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any) -> dist.Work:
+        return self._delegate("scatter", lambda: self._gloo.scatter(outputs, inputs, opts))
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        return self._delegate("alltoall", lambda: self._gloo.alltoall(outputs, inputs, opts))
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> dist.Work:
+        return self._delegate("alltoall_base", lambda: self._gloo.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, opts))
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._delegate("barrier", lambda: self._gloo.barrier(opts))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return self._delegate("send", lambda: self._gloo.send(tensors, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        return self._delegate("recv", lambda: self._gloo.recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        return self._delegate("recv_anysource", lambda: self._gloo.recv_anysource(tensors, tag))
+
+    # -- introspection and life cycle --------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """What went through the switch, what was delegated to gloo, and the worker counters."""
+        with self._stats_lock:
+            return {"switch_ops": dict(self.switch_ops), "delegated": dict(self.delegated),
+                    "worker": self.client.counters, "switch": f"{self.switch[0]}:{self.switch[1]}"}
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Counters of a switchml group (the default group if None)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, SwitchMLProcessGroup):
+        raise TypeError(f"not a switchml process group: {type(pg).__name__}")
+    return pg.stats()
+
+
+# -- creation ----------------------------------------------------------------------------------
+
+def _parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"SWITCHML_SWITCH must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _start_embedded_switch() -> tuple[str, int]:
+    """Start ``switchml switch`` on a free loopback port; it exits when this process does."""
+    global _embedded
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
+         "--stop-on-stdin-eof"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on udp" not in line:
+        proc.kill()
+        raise TransportError(f"the embedded switch did not start (said {line!r})")
+    _embedded = proc
+    atexit.register(stop_embedded_switch)
+    address = _parse_address(line.rsplit(" ", 1)[1])
+    log.info("rank 0 started an embedded switch at %s:%d (pid %d)", *address, proc.pid)
+    return address
+
+
+def stop_embedded_switch() -> None:
+    """Stop the switch this process started, if any (idempotent)."""
+    global _embedded, _switch_address
+    proc, _embedded = _embedded, None
+    if proc is None:
+        return
+    _switch_address = None
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()  # the switch exits on EOF
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+
+
+def _resolve_switch(store: dist.Store, rank: int) -> tuple[str, int]:
+    global _switch_address
+    env = os.environ.get("SWITCHML_SWITCH")
+    if env:
+        return _parse_address(env)
+    with _switch_lock:
+        if _switch_address is None:
+            if rank == 0:
+                _switch_address = _start_embedded_switch()
+                store.set(_STORE_SWITCH_KEY, f"{_switch_address[0]}:{_switch_address[1]}")
+            else:
+                _switch_address = _parse_address(store.get(_STORE_SWITCH_KEY).decode())
+        elif rank == 0:
+            store.set(_STORE_SWITCH_KEY, f"{_switch_address[0]}:{_switch_address[1]}")
+        return _switch_address
+
+
+def _create(store: dist.Store, rank: int, size: int,
+            timeout: datetime.timedelta) -> SwitchMLProcessGroup:
+    """The creator torch calls for every "switchml" group (default group and new_group)."""
+    switch = _resolve_switch(store, rank)
+    if rank == 0:
+        window = int(os.environ.get("SWITCHML_WINDOW", "16"))
+        k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
+        spec = new_job_spec(size, window=window, elements_per_packet=k)
+        store.set(_STORE_JOB_KEY, encode_job_spec(spec))
+    else:
+        spec = decode_job_spec(store.get(_STORE_JOB_KEY).decode())
+    gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    seconds = max(timeout.total_seconds(), 2.0)
+    config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
+                          join_timeout_s=seconds)
+    client = WorkerClient(switch, spec, rank, config)
+    pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
+    # Device-level lookups (all_gather_into_tensor, reduce_scatter_tensor) find gloo's backend.
+    cpu = torch.device("cpu")
+    pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
+    return pg
+
+
+def register() -> None:
+    """Register the "switchml" backend with torch.distributed (idempotent)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=devices)
