@@ -96,7 +96,8 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
         out[...] = 0
         return
     shift = emax - scale_bits(num_workers)
-    if emax >= np.finfo(out.dtype).maxexp:
+    if emax + num_workers.bit_length() >= np.finfo(out.dtype).maxexp:
+        # |sum| < n * 2**emax may reach past the dtype's largest finite value
         _dequantize_at_the_edge(out, q, emax, num_workers)
     elif out.dtype == _F32 and -126 <= shift <= 127:
         np.multiply(q, np.float32(2.0**shift), out=out, dtype=np.float32, casting="unsafe")
@@ -107,7 +108,7 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
 
 
 def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int) -> None:
-    """Dequantize a block whose ``2**emax`` exceeds the output dtype's range.
+    """Dequantize a block whose sum may exceed the output dtype's range.
 
     A sum within the quantization error of the dtype's largest finite value may come out past
     it (an element at ``finfo.max`` rounds up to ``2**P`` quanta = ``2**emax``). Such results are
