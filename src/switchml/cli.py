@@ -81,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also stop when standard input closes (used by the PyTorch backend's "
                          "embedded switch, so it dies with the process that started it)")
 
+    demo = sub.add_parser(
+        "demo", help="train a model with gloo and with switchml, side by side",
+        description="Train a small CNN on scikit-learn's digits with DistributedDataParallel in "
+                    "N worker processes, once on gloo and once on switchml (embedded switch, no "
+                    "set-up); print a table and save loss curves (PNG) and figures (JSON).")
+    demo.add_argument("--workers", "-n", type=int, default=4, help="worker processes (default 4)")
+    demo.add_argument("--epochs", type=int, default=8, help="passes over the data (default 8)")
+    demo.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    demo.add_argument("--out", default="switchml-demo",
+                      help="folder for loss.png and demo.json (default ./switchml-demo)")
+    demo.add_argument("--backend", action="append", choices=["gloo", "switchml"],
+                      help="run only this backend (repeatable; default both)")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     ar = bsub.add_parser(
@@ -140,6 +154,45 @@ def _run_switch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from switchml.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
+                     lr=args.lr, out_dir=args.out,
+                     backends=tuple(args.backend or ("gloo", "switchml")))
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(backend: str, step: int, total: int, loss: float) -> None:
+            if backend not in tasks:
+                tasks[backend] = progress.add_task(f"training on {backend}", total=total,
+                                                   info="")
+            progress.update(tasks[backend], completed=step, info=f"loss {loss:.3f}")
+
+        results = run_demo(cfg, on_progress)
+    table = Table(title=f"DDP training on digits, {cfg.workers} workers, {cfg.epochs} epochs")
+    for col in ("backend", "steps", "step time (ms)", "samples/s", "final loss", "test accuracy",
+                "through the switch"):
+        table.add_column(col, justify="right")
+    for r in results:
+        via = "-"
+        if r.backend_stats:
+            via = (f"{r.backend_stats['switch_ops'].get('allreduce', 0)} all-reduces; delegated "
+                   f"{sum(r.backend_stats['delegated'].values())}")
+        table.add_row(r.backend, str(r.steps), f"{1e3 * r.mean_step_s:.1f}",
+                      f"{r.samples_per_s:.0f}", f"{r.final_loss:.4f}",
+                      f"{100 * r.test_accuracy:.1f}%", via)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    console.print(f"loss curves: {cfg.out_dir}/loss.png, figures: {cfg.out_dir}/demo.json")
+    return 0
+
+
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -193,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "switch":
             return _run_switch(args)
+        if args.command == "demo":
+            return _run_demo(args)
         if args.command == "bench" and args.bench == "allreduce":
             return _run_bench_allreduce(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
