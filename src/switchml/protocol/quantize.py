@@ -29,15 +29,19 @@ import numpy as np
 
 from switchml.protocol.wire import EXP_ZERO
 
-__all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "scale_bits"]
+__all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "residual_into",
+           "scale_bits"]
 
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 
 
-def scale_bits(num_workers: int) -> int:
-    """Return ``P``: a full-range element (``|x| < 2**emax``) becomes at most ``2**P``."""
-    return 31 - num_workers.bit_length()
+def scale_bits(num_workers: int, bits: int = 32) -> int:
+    """Return ``P``: a full-range element (``|x| < 2**emax``) becomes at most ``2**P``.
+
+    ``bits`` is the integer width on the wire (32, or 16 for the bandwidth-halving mode).
+    """
+    return bits - 1 - num_workers.bit_length()
 
 
 def block_exponent(x: np.ndarray) -> tuple[int, bool]:
@@ -57,18 +61,21 @@ def block_exponent(x: np.ndarray) -> tuple[int, bool]:
     return math.frexp(m)[1], nonfinite
 
 
-def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = False) -> np.ndarray:
-    """Scale a float block to little-endian int32 with the agreed exponent ``emax``.
+def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = False,
+             bits: int = 32) -> np.ndarray:
+    """Scale a float block to little-endian int32 (or int16) with the agreed exponent ``emax``.
 
     Args:
         x: the block (float16, float32 or float64); not modified.
         emax: the max block exponent over all workers (``>= block_exponent(x)[0]``).
         num_workers: n, the number of workers whose values will be summed.
         nonfinite: the block holds NaN/Inf; those elements are sent as 0.
+        bits: 32 or 16, the integer width on the wire.
     """
+    wire = "<i4" if bits == 32 else "<i2"
     if emax == EXP_ZERO:
-        return np.zeros(x.size, dtype="<i4")
-    shift = scale_bits(num_workers) - emax
+        return np.zeros(x.size, dtype=wire)
+    shift = scale_bits(num_workers, bits) - emax
     if x.dtype in (_F32, _F16) and -126 <= shift <= 127:
         # 2**shift is a normal float32 and the product is below 2**P: exact in float32.
         y = np.multiply(x, np.float32(2.0**shift), dtype=np.float32)
@@ -80,11 +87,11 @@ def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = Fa
     if nonfinite:
         y[~np.isfinite(y)] = 0.0
     np.rint(y, out=y)
-    return y.astype("<i4")
+    return y.astype(wire)
 
 
 def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
-                    *, nonfinite: bool = False) -> None:
+                    *, nonfinite: bool = False, bits: int = 32) -> None:
     """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
 
     The integer sum is rounded once, to ``out``'s dtype.
@@ -95,10 +102,10 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
     if emax == EXP_ZERO:
         out[...] = 0
         return
-    shift = emax - scale_bits(num_workers)
+    shift = emax - scale_bits(num_workers, bits)
     if emax + num_workers.bit_length() >= np.finfo(out.dtype).maxexp:
         # |sum| < n * 2**emax may reach past the dtype's largest finite value
-        _dequantize_at_the_edge(out, q, emax, num_workers)
+        _dequantize_at_the_edge(out, q, emax, num_workers, bits)
     elif out.dtype == _F32 and -126 <= shift <= 127:
         np.multiply(q, np.float32(2.0**shift), out=out, dtype=np.float32, casting="unsafe")
     elif -1000 < shift < 1000:
@@ -107,7 +114,8 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
         out[...] = np.ldexp(q.astype(np.float64), shift)
 
 
-def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int) -> None:
+def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
+                            bits: int) -> None:
     """Dequantize a block whose sum may exceed the output dtype's range.
 
     A sum within the quantization error of the dtype's largest finite value may come out past
@@ -115,7 +123,7 @@ def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_worke
     clamped to +-max; sums further out are genuine overflows and stay inf.
     """
     info = np.finfo(out.dtype)
-    shift = emax - scale_bits(num_workers)
+    shift = emax - scale_bits(num_workers, bits)
     with np.errstate(over="ignore"):
         out[...] = np.ldexp(q.astype(np.float64), shift)
     max_in_quanta = math.ldexp(float(info.max), -shift)
@@ -123,8 +131,26 @@ def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_worke
     np.clip(out, -info.max, info.max, out=out, where=near)
 
 
-def error_bound(emax: int, num_workers: int) -> float:
+def error_bound(emax: int, num_workers: int, bits: int = 32) -> float:
     """Return the largest absolute error of a sum before the final rounding to the output dtype."""
     if emax == EXP_ZERO:
         return 0.0
-    return num_workers * 0.5 * math.ldexp(1.0, emax - scale_bits(num_workers))
+    return num_workers * 0.5 * math.ldexp(1.0, emax - scale_bits(num_workers, bits))
+
+
+def residual_into(out: np.ndarray, x: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
+                  *, bits: int = 32) -> None:
+    """Write this worker's own quantization error ``x - q * 2**(emax - P)`` into ``out``.
+
+    Error feedback adds it to the next step's input, so rounding errors are not lost but
+    delayed (used by the 16-bit DDP hook). Non-finite inputs leave a residual of 0.
+    """
+    if emax == EXP_ZERO:
+        out[...] = x
+        return
+    back = np.empty(x.size, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        back[...] = np.ldexp(q.astype(np.float64), emax - scale_bits(num_workers, bits))
+        r = x.astype(np.float64) - back
+    r[~np.isfinite(r)] = 0.0
+    out[...] = r

@@ -66,6 +66,9 @@ __all__ = ["SlotAllocator", "SwitchDataplane"]
 
 _REQUEST = int(MessageType.REQUEST)
 _INT32 = int(ElementType.INT32)
+_INT16 = int(ElementType.INT16)
+_DATA_ITEMSIZE = {_INT32: 4, _INT16: 2}
+_ACC_DTYPE = {_INT32: "<i4", _INT16: "<i2"}
 _KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 _NONFINITE = int(Flags.NONFINITE)
@@ -131,11 +134,12 @@ class _Job:
     seq: list[list[int]] = field(default_factory=list)  # -1: never used
     chunk: list[list[int]] = field(default_factory=list)
     count: list[list[int]] = field(default_factory=list)
+    elem: list[list[int]] = field(default_factory=list)  # INT32 or INT16 for the round
     flags: list[list[int]] = field(default_factory=list)
     exp_data: list[list[int]] = field(default_factory=list)
     exp_next: list[list[int]] = field(default_factory=list)
     buf: list[list[bytearray]] = field(default_factory=list)
-    acc: list[list[np.ndarray]] = field(default_factory=list)
+    acc: dict[int, list[list[np.ndarray]]] = field(default_factory=dict)
     elements_aggregated: int = 0
 
     def __post_init__(self) -> None:
@@ -146,14 +150,18 @@ class _Job:
         self.seq = [[-1] * w, [-1] * w]
         self.chunk = [[0] * w, [0] * w]
         self.count = [[0] * w, [0] * w]
+        self.elem = [[_INT32] * w, [_INT32] * w]
         self.flags = [[0] * w, [0] * w]
         self.exp_data = [[EXP_ZERO] * w, [EXP_ZERO] * w]
         self.exp_next = [[EXP_ZERO] * w, [EXP_ZERO] * w]
         size = HEADER_SIZE + 4 * self.elements_per_packet
         self.buf = [[bytearray(size) for _ in range(w)] for _ in range(2)]
-        self.acc = [
-            [np.frombuffer(b, dtype="<i4", offset=HEADER_SIZE) for b in bufs] for bufs in self.buf
-        ]
+        # One accumulator view per wire width over the same bytes.
+        self.acc = {
+            elem: [[np.frombuffer(b, dtype=dt, offset=HEADER_SIZE) for b in bufs]
+                   for bufs in self.buf]
+            for elem, dt in _ACC_DTYPE.items()
+        }
 
     @property
     def info(self) -> ControlInfo:
@@ -208,8 +216,8 @@ class SwitchDataplane:
         if len(data) >= HEADER_SIZE:
             f = HEADER.unpack_from(data)
             if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~_KNOWN_FLAGS and f[12] == _INT32
-                    and len(data) == HEADER_SIZE + 4 * f[11]):
+                    and not f[3] & ~_KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
+                    and len(data) == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
                 self._handle_request(f, data, addr)
                 return
         try:
@@ -219,7 +227,8 @@ class SwitchDataplane:
             return
         handler = self._handlers.get(h.type)
         if handler is None:
-            # A REQUEST reaching here is well-formed but not int32 (the fast path takes those).
+            # A REQUEST reaching here is well-formed but not int32/int16 (the fast path takes
+            # those).
             reason = "bad_payload" if h.type is MessageType.REQUEST else "unexpected_type"
             self.drops[reason] += 1
             return
@@ -368,7 +377,7 @@ class SwitchDataplane:
 
         ``f`` is the raw header tuple (see ``wire.HEADER``), already checked for framing.
         """
-        (_m, _v, _t, flags, v, rank, job_id, token, seq, chunk, slot, count, _e, _r, exp_data,
+        (_m, _v, _t, flags, v, rank, job_id, token, seq, chunk, slot, count, elem, _r, exp_data,
          exp_next) = f
         job = self._jobs.get(job_id)
         if job is None:
@@ -387,7 +396,7 @@ class SwitchDataplane:
         if not 0 <= s < job.window:
             self.drops["bad_slot"] += 1
             return
-        if count > job.elements_per_packet:
+        if count * _DATA_ITEMSIZE[elem] > 4 * job.elements_per_packet:
             self.drops["bad_payload"] += 1
             return
         me = 1 << rank
@@ -396,7 +405,8 @@ class SwitchDataplane:
             self.drops["stale"] += 1
             return
         if order > 0:
-            self._start_round(job, data, v, s, me, seq, chunk, count, flags, exp_data, exp_next)
+            self._start_round(job, data, v, s, me, seq, chunk, count, elem, flags, exp_data,
+                              exp_next)
         else:
             prior = job.seen[v][s]
             if prior & me:
@@ -405,13 +415,13 @@ class SwitchDataplane:
             if job.missing[v][s] == 0:
                 self.drops["late_duplicate"] += 1
                 return
-            if (count != job.count[v][s] or exp_data != job.exp_data[v][s]
-                    or (flags ^ job.flags[v][s]) & _SHAPE_FLAGS):
+            if (count != job.count[v][s] or elem != job.elem[v][s]
+                    or exp_data != job.exp_data[v][s] or (flags ^ job.flags[v][s]) & _SHAPE_FLAGS):
                 self.drops["inconsistent_chunk"] += 1
                 return
             if count:
-                acc = job.acc[v][s][:count]
-                np.add(acc, np.frombuffer(data, dtype="<i4", count=count, offset=HEADER_SIZE),
+                acc = job.acc[elem][v][s][:count]
+                np.add(acc, np.frombuffer(data, dtype=acc.dtype, count=count, offset=HEADER_SIZE),
                        out=acc)
             job.seen[v][s] = prior | me
             job.flags[v][s] |= flags & _NONFINITE
@@ -437,17 +447,18 @@ class SwitchDataplane:
         return 0 if chunk == cur_chunk else (1 if chunk > cur_chunk else -1)
 
     def _start_round(self, job: _Job, data: bytes | bytearray | memoryview, v: int, s: int,
-                     me: int, seq: int, chunk: int, count: int, flags: int, exp_data: int,
-                     exp_next: int) -> None:
+                     me: int, seq: int, chunk: int, count: int, elem: int, flags: int,
+                     exp_data: int, exp_next: int) -> None:
         """First contributor overwrites: no explicit reset of a recycled set."""
         if job.seq[v][s] >= 0 and job.missing[v][s]:
             self.rounds_abandoned += 1  # only after a failed operation; counted for operators
         if count:
-            job.acc[v][s][:count] = np.frombuffer(data, dtype="<i4", count=count,
-                                                  offset=HEADER_SIZE)
+            acc = job.acc[elem][v][s]
+            acc[:count] = np.frombuffer(data, dtype=acc.dtype, count=count, offset=HEADER_SIZE)
         job.seq[v][s] = seq
         job.chunk[v][s] = chunk
         job.count[v][s] = count
+        job.elem[v][s] = elem
         job.flags[v][s] = flags & (_NONFINITE | _SHAPE_FLAGS)
         job.exp_data[v][s] = exp_data
         job.exp_next[v][s] = exp_next
@@ -458,11 +469,12 @@ class SwitchDataplane:
                   s: int) -> None:
         """Write the result header into the slot buffer and send it to every member."""
         count = job.count[v][s]
+        elem = job.elem[v][s]
         buf = job.buf[v][s]
         HEADER.pack_into(buf, 0, MAGIC, VERSION, _RESULT, job.flags[v][s], v, rank,
                          job.job_id, job.token, seq, chunk, slot, count,
-                         _INT32, 0, job.exp_data[v][s], job.exp_next[v][s])
-        datagram = memoryview(buf)[: HEADER_SIZE + 4 * count]
+                         elem, 0, job.exp_data[v][s], job.exp_next[v][s])
+        datagram = memoryview(buf)[: HEADER_SIZE + _DATA_ITEMSIZE[elem] * count]
         for member in job.members:
             if member is not None:
                 self._out.append((datagram, member))
@@ -474,7 +486,8 @@ class SwitchDataplane:
         if job.missing[v][s] == 0:
             # The result was lost on its way to this worker: resend the stored copy.
             count = job.count[v][s]
-            datagram = bytearray(job.buf[v][s][: HEADER_SIZE + 4 * count])
+            datagram = bytearray(job.buf[v][s][: HEADER_SIZE + _DATA_ITEMSIZE[job.elem[v][s]]
+                                               * count])
             datagram[4] |= Flags.RESENT
             self._out.append((bytes(datagram), addr))
             self.results_resent += 1

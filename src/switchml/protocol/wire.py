@@ -24,6 +24,7 @@ __all__ = [
     "EXP_ZERO",
     "HEADER",
     "HEADER_SIZE",
+    "ITEMSIZE",
     "MAGIC",
     "MAX_DATAGRAM_BYTES",
     "MAX_ELEMENTS_PER_PACKET",
@@ -100,9 +101,12 @@ class ElementType(IntEnum):
 
     BYTES = 0
     INT32 = 1
+    INT16 = 2
+    """16-bit fixed point (the bandwidth-halving mode): twice the elements per slot."""
 
 
-_ITEMSIZE = {ElementType.BYTES: 1, ElementType.INT32: 4}
+_ITEMSIZE = {ElementType.BYTES: 1, ElementType.INT32: 4, ElementType.INT16: 2}
+ITEMSIZE = {int(k): v for k, v in _ITEMSIZE.items()}
 _TYPES = {int(t): t for t in MessageType}
 _ELEMS = {int(t): t for t in ElementType}
 
@@ -173,7 +177,8 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
 
 def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.ndarray:
     """Return the payload as a read-only numpy view (int32 or uint8), without a copy."""
-    dtype = np.dtype("<i4") if header.elem is ElementType.INT32 else np.dtype(np.uint8)
+    dtype = {ElementType.INT32: np.dtype("<i4"), ElementType.INT16: np.dtype("<i2")}.get(
+        header.elem, np.dtype(np.uint8))
     return np.frombuffer(data, dtype=dtype, count=header.count, offset=HEADER_SIZE)
 
 

@@ -45,7 +45,7 @@ from switchml.protocol.events import (
     OperationCompleted,
     OperationFailed,
 )
-from switchml.protocol.quantize import block_exponent, dequantize_into, quantize
+from switchml.protocol.quantize import block_exponent, dequantize_into, quantize, residual_into
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -78,6 +78,8 @@ _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
 _KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
 _INT32 = int(ElementType.INT32)
+_INT16 = int(ElementType.INT16)
+_WIRE = {32: (_INT32, 4, "<i4"), 16: (_INT16, 2, "<i2")}  # bits -> (elem, itemsize, dtype)
 _LEAVE_TIMEOUT_S = 1.0
 
 
@@ -96,15 +98,19 @@ class _Op:
 
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
-                 "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk")
+                 "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
+                 "bits", "elem", "itemsize", "wire_dtype", "residual")
 
     def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, k: int, window: int,
-                 now: float) -> None:
+                 now: float, bits: int = 32, residual: np.ndarray | None = None) -> None:
         self.seq = seq
         self.x = x
         self.out = out
         self.is_float = x.dtype.kind == "f"
-        self.k = k
+        self.bits = bits
+        self.elem, self.itemsize, self.wire_dtype = _WIRE[bits]
+        self.residual = residual
+        self.k = k * 4 // self.itemsize  # a slot holds 4k bytes: 2k elements at 16 bits
         self.L = -(-x.size // k)
         self.E = min(window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
@@ -188,30 +194,49 @@ class WorkerEndpoint:
         self._control_deadline = now + self.config.join_timeout_s
         self._send_join(now)
 
-    def start_allreduce(self, data: np.ndarray, out: np.ndarray, now: float) -> int:
+    def start_allreduce(self, data: np.ndarray, out: np.ndarray, now: float, *, bits: int = 32,
+                        residual: np.ndarray | None = None) -> int:
         """Start summing ``data`` over all ranks into ``out`` (may be ``data`` itself).
 
-        Every rank must start the same operations, with the same size and dtype, in the same
-        order. Returns the operation's sequence number; ``OperationCompleted(seq)`` follows.
-        Call ``datagrams_to_send`` afterwards.
+        Every rank must start the same operations, with the same size, dtype and ``bits``, in
+        the same order. Returns the operation's sequence number; ``OperationCompleted(seq)``
+        follows. Call ``datagrams_to_send`` afterwards.
+
+        Args:
+            bits: 32, or 16 for floats: 16-bit fixed point on the wire, half the bytes, about
+                ``15 - log2(n)`` bits of the block max (pair it with ``residual``).
+            residual: float array of data's size; receives this rank's own quantization error
+                (error feedback: add it to the next operation's input).
 
         Raises:
             LocalProtocolError: not ready (joining, busy, failed, closed), unsupported dtype,
-                size or dtype mismatch between ``data`` and ``out``, or a non-contiguous or
-                read-only output.
+                size or dtype mismatch between ``data`` and ``out``, a non-contiguous or
+                read-only output, ``bits=16`` on integers, or a bad ``residual``.
         """
         if self.state is not WorkerState.READY:
             detail = f": {self.error}" if self.error else ""
             raise LocalProtocolError(
                 f"can't start an operation in state {self.state.value}{detail}")
         x, o = validate_arrays(data, out)
+        if bits not in _WIRE:
+            raise LocalProtocolError(f"bits must be 32 or 16, got {bits}")
+        if bits != 32 and x.dtype.kind != "f":
+            raise LocalProtocolError(f"bits={bits} is for float data; {x.dtype} is summed exactly "
+                                     "in 32 bits")
+        if residual is not None:
+            if (not isinstance(residual, np.ndarray) or residual.dtype.kind != "f"
+                    or residual.size != x.size or not residual.flags.c_contiguous
+                    or not residual.flags.writeable or x.dtype.kind != "f"):
+                raise LocalProtocolError("residual must be a writeable C-contiguous float array "
+                                         "of data's size, for float data")
+            residual = residual.reshape(-1)
         seq = self._seq
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         if x.size == 0:
             self._events.append(OperationCompleted(seq))
             self.counters["operations_completed"] += 1
             return seq
-        op = _Op(seq, x, o, self.spec.elements_per_packet, self.spec.window, now)
+        op = _Op(seq, x, o, self.spec.elements_per_packet, self.spec.window, now, bits, residual)
         self._op = op
         self._heap = []
         self.state = WorkerState.BUSY
@@ -244,8 +269,8 @@ class WorkerEndpoint:
         if len(data) >= HEADER_SIZE:
             f = HEADER.unpack_from(data)
             if (f[2] == _RESULT and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~_KNOWN_FLAGS and f[12] == _INT32
-                    and len(data) == HEADER_SIZE + 4 * f[11]):
+                    and not f[3] & ~_KNOWN_FLAGS and (f[12] == _INT32 or f[12] == _INT16)
+                    and len(data) == HEADER_SIZE + (4 if f[12] == _INT32 else 2) * f[11]):
                 if f[6] != self.spec.job_id or f[7] != self.spec.token:
                     self.drops["foreign"] += 1
                     return
@@ -366,8 +391,12 @@ class WorkerEndpoint:
                 b = p - op.E
                 exp_data = op.lane_emax[i]
                 nonfinite = b in op.nonfinite
-                payload = quantize(op.x[b * k:(b + 1) * k], exp_data, self.spec.num_workers,
-                                   nonfinite=nonfinite)
+                xb = op.x[b * k:(b + 1) * k]
+                payload = quantize(xb, exp_data, self.spec.num_workers, nonfinite=nonfinite,
+                                   bits=op.bits)
+                if op.residual is not None and not retransmit:
+                    residual_into(op.residual[b * k:(b + 1) * k], xb, payload, exp_data,
+                                  self.spec.num_workers, bits=op.bits)
                 flags |= _HAS_DATA | (_NONFINITE if nonfinite else 0)
         else:
             payload = op.x[p * k:(p + 1) * k]
@@ -375,7 +404,7 @@ class WorkerEndpoint:
         count = len(payload) // 4 if isinstance(payload, bytes) else payload.size
         hdr = HEADER.pack(MAGIC, VERSION, _REQUEST, flags, set_bit, self.rank,
                           self.spec.job_id, self.spec.token, op.seq, p, self.slot_base + i, count,
-                          _INT32, 0, exp_data, exp_next)
+                          op.elem, 0, exp_data, exp_next)
         self._out.append((b"".join((hdr, payload)), self.switch_address))
         self.counters["packets_sent"] += 1
         rto = min(self._rto * (2 ** op.lane_tries[i]), self.config.max_rto_s)
@@ -387,7 +416,7 @@ class WorkerEndpoint:
 
     def _handle_result(self, f: tuple, data: bytes | bytearray | memoryview, now: float) -> None:
         """Take a result (``f``: the raw header tuple, framing and job already checked)."""
-        (_m, _v, _t, flags, set_bit, _rank, _job, _token, seq, p, slot, count, _e, _r, exp_data,
+        (_m, _v, _t, flags, set_bit, _rank, _job, _token, seq, p, slot, count, elem, _r, exp_data,
          exp_next) = f
         op = self._op
         if op is None or seq != op.seq:
@@ -400,6 +429,9 @@ class WorkerEndpoint:
         if slot != self.slot_base + i or set_bit != op.lane_set[i]:
             self.drops["bad_slot"] += 1
             return
+        if count and elem != op.elem:
+            self.drops["bad_count"] += 1
+            return
         k = op.k
         if op.is_float:
             if p >= op.E:
@@ -408,9 +440,9 @@ class WorkerEndpoint:
                 if count != blk.size:
                     self.drops["bad_count"] += 1
                     return
-                q = np.frombuffer(data, dtype="<i4", count=count, offset=HEADER_SIZE)
+                q = np.frombuffer(data, dtype=op.wire_dtype, count=count, offset=HEADER_SIZE)
                 dequantize_into(blk, q, exp_data, self.spec.num_workers,
-                                nonfinite=bool(flags & _NONFINITE))
+                                nonfinite=bool(flags & _NONFINITE), bits=op.bits)
             elif count:
                 self.drops["bad_count"] += 1
                 return

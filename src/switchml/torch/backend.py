@@ -384,6 +384,23 @@ def _resolve_switch(store: dist.Store, rank: int) -> tuple[str, int]:
         return _switch_address
 
 
+def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int) -> tuple[str, int]:
+    """The switch for a hook over any group: SWITCHML_SWITCH, or rank 0's (embedded) switch,
+    shared with ``broadcast_object_list`` over ``pg``."""
+    global _switch_address
+    env = os.environ.get("SWITCHML_SWITCH")
+    if env:
+        return _parse_address(env)
+    box: list[Any] = [None]
+    if rank == 0:
+        with _switch_lock:
+            if _switch_address is None:
+                _switch_address = _start_embedded_switch()
+            box[0] = _switch_address
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    return tuple(box[0])  # type: ignore[return-value]
+
+
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""

@@ -71,6 +71,10 @@ def _fmt(addr: Address) -> str:
     return f"{addr[0]}:{addr[1]}"
 
 
+# A queued all-reduce: input, output, handle, bits, residual.
+_Command = tuple[np.ndarray, np.ndarray, "AllreduceHandle", int, "np.ndarray | None"]
+
+
 class SwitchServer:
     """A software switch on a UDP socket.
 
@@ -274,10 +278,9 @@ class WorkerClient:
         self.sock.setblocking(False)
         self.icmp_errors = 0
         self.send_blocked = 0
-        self._queue: queue.SimpleQueue[tuple[np.ndarray, np.ndarray, AllreduceHandle] | None] = \
-            queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._pending: dict[int, AllreduceHandle] = {}
-        self._waiting: list[tuple[np.ndarray, np.ndarray, AllreduceHandle]] = []
+        self._waiting: list[_Command] = []
         self._joined = threading.Event()
         self._closed = threading.Event()
         self._join_error: str | None = None
@@ -294,12 +297,17 @@ class WorkerClient:
 
     # -- user API ----------------------------------------------------------------------------
 
-    def allreduce(self, data: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Sum ``data`` over all ranks; return ``out`` (a new array if None; may be ``data``)."""
-        return self.allreduce_async(data, out).wait()
+    def allreduce(self, data: np.ndarray, out: np.ndarray | None = None, *, bits: int = 32,
+                  residual: np.ndarray | None = None) -> np.ndarray:
+        """Sum ``data`` over all ranks; return ``out`` (a new array if None; may be ``data``).
 
-    def allreduce_async(self, data: np.ndarray, out: np.ndarray | None = None
-                        ) -> AllreduceHandle:
+        ``bits=16`` sends floats as 16-bit fixed point (half the bytes); ``residual`` receives
+        this rank's quantization error for error feedback. See ``WorkerEndpoint``.
+        """
+        return self.allreduce_async(data, out, bits=bits, residual=residual).wait()
+
+    def allreduce_async(self, data: np.ndarray, out: np.ndarray | None = None, *,
+                        bits: int = 32, residual: np.ndarray | None = None) -> AllreduceHandle:
         """Queue an all-reduce and return at once; ``handle.wait()`` gives the result.
 
         Raises:
@@ -321,7 +329,10 @@ class WorkerClient:
         finish = None if dst is out else (lambda: np.copyto(out, dst))
         validate_arrays(src, dst)  # the core's own checks, raised in the caller's thread
         handle = AllreduceHandle(out, finish)
-        self._queue.put((src, dst, handle))
+        if bits not in (32, 16) or (bits == 16 and src.dtype.kind != "f"):
+            raise LocalProtocolError(f"bits must be 32, or 16 for float data; got {bits} for "
+                                     f"{src.dtype}")
+        self._queue.put((src, dst, handle, bits, residual))
         os.write(self._wake_w, b"x")
         return handle
 
@@ -402,9 +413,9 @@ class WorkerClient:
                 ep.close(clock())
                 continue
             if waiting and ep.state is WorkerState.READY:
-                src, dst, handle = waiting.pop(0)
+                src, dst, handle, bits, residual = waiting.pop(0)
                 try:
-                    seq = ep.start_allreduce(src, dst, clock())
+                    seq = ep.start_allreduce(src, dst, clock(), bits=bits, residual=residual)
                 except SwitchMLError as exc:
                     handle._set(exc)
                     continue
@@ -412,8 +423,8 @@ class WorkerClient:
                 self._pending[seq] = handle
                 continue
             if waiting and ep.state is WorkerState.ERROR:
-                for _, _, handle in waiting:
-                    handle._set(OperationFailed(f"job failed earlier: {ep.error}"))
+                for command in waiting:
+                    command[2]._set(OperationFailed(f"job failed earlier: {ep.error}"))
                 waiting.clear()
             # Read everything pending, then wait for a datagram, a command or the timer.
             got = False
@@ -483,8 +494,8 @@ class WorkerClient:
         for handle in self._pending.values():
             handle._set(OperationFailed(reason))
         self._pending.clear()
-        for _, _, handle in self._waiting:
-            handle._set(OperationFailed(reason))
+        for command in self._waiting:
+            command[2]._set(OperationFailed(reason))
         self._waiting.clear()
         while True:
             try:
