@@ -111,7 +111,7 @@ class _Op:
         self.elem, self.itemsize, self.wire_dtype = _WIRE[bits]
         self.residual = residual
         self.k = k * 4 // self.itemsize  # a slot holds 4k bytes: 2k elements at 16 bits
-        self.L = -(-x.size // k)
+        self.L = -(-x.size // self.k)
         self.E = min(window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
         e = self.E
@@ -171,8 +171,8 @@ class WorkerEndpoint:
         self.drops: Counter[str] = Counter()
         """Dropped datagrams by reason."""
         self.counters: Counter[str] = Counter()
-        """``packets_sent``, ``retransmissions``, ``results_received``, ``waiting_received``,
-        ``operations_completed``, ``operations_failed``."""
+        """``packets_sent``, ``payload_bytes_sent``, ``retransmissions``, ``results_received``,
+        ``waiting_received``, ``operations_completed``, ``operations_failed``."""
         self._handlers = {
             MessageType.WAITING: self._handle_waiting,
             MessageType.JOINED: self._handle_joined,
@@ -407,6 +407,7 @@ class WorkerEndpoint:
                           op.elem, 0, exp_data, exp_next)
         self._out.append((b"".join((hdr, payload)), self.switch_address))
         self.counters["packets_sent"] += 1
+        self.counters["payload_bytes_sent"] += count * op.itemsize
         rto = min(self._rto * (2 ** op.lane_tries[i]), self.config.max_rto_s)
         deadline = now + rto
         op.lane_deadline[i] = deadline
