@@ -4,8 +4,8 @@
 ``torchrun`` needs nothing else:
 
 * Switch: ``SWITCHML_SWITCH=host:port`` names a running switch (jobs across machines). Unset, the
-  group's rank 0 starts a software switch on 127.0.0.1 in a process of its own (stopped when the
-  group is destroyed or rank 0 exits) and shares its address through the store.
+  group's rank 0 starts a software switch on 127.0.0.1 in a process of its own (stopped 2 s after
+  the group is destroyed, or when rank 0 exits) and shares its address through the store.
 * Job: rank 0 draws a job id and token (:func:`switchml.control.new_job_spec`) and shares them
   through the group's store; every rank JOINs the switch.
 * Every other collective (broadcast, all_gather, reduce_scatter, barrier, send/recv ...) and
@@ -58,7 +58,7 @@ _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
 _NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
 _SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
-_LIMB_BITS = (22, 22, 20)
+_SWITCH_GRACE_S = 2.0
 
 _switch_lock = threading.Lock()
 _switch_address: tuple[str, int] | None = None
@@ -160,7 +160,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         self._stats_lock = threading.Lock()
         self.switch_ops: Counter[str] = Counter()
         self.delegated: Counter[str] = Counter()
-        self._closed = False
+        self.owns_switch = False
         weakref.finalize(self, client.close)
 
     # -- identity ----------------------------------------------------------------------------
@@ -313,7 +313,15 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                     "worker": self.client.counters, "switch": f"{self.switch[0]}:{self.switch[1]}"}
 
     def shutdown(self) -> None:
+        """Called by ``dist.destroy_process_group``: leave the job; the group that started the
+        embedded switch stops it after a grace period (peers may still be collecting their last
+        results)."""
         self.client.close()
+        if self.owns_switch:
+            self.owns_switch = False
+            timer = threading.Timer(_SWITCH_GRACE_S, stop_embedded_switch)
+            timer.daemon = True
+            timer.start()
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
@@ -367,21 +375,24 @@ def stop_embedded_switch() -> None:
         proc.kill()
 
 
-def _resolve_switch(store: dist.Store, rank: int) -> tuple[str, int]:
+def _resolve_switch(store: dist.Store, rank: int) -> tuple[tuple[str, int], bool]:
+    """Return the switch address, and whether this call started the embedded switch."""
     global _switch_address
     env = os.environ.get("SWITCHML_SWITCH")
     if env:
-        return _parse_address(env)
+        return _parse_address(env), False
+    started = False
     with _switch_lock:
         if _switch_address is None:
             if rank == 0:
                 _switch_address = _start_embedded_switch()
-                store.set(_STORE_SWITCH_KEY, f"{_switch_address[0]}:{_switch_address[1]}")
+                started = True
             else:
                 _switch_address = _parse_address(store.get(_STORE_SWITCH_KEY).decode())
-        elif rank == 0:
+                return _switch_address, False
+        if rank == 0:
             store.set(_STORE_SWITCH_KEY, f"{_switch_address[0]}:{_switch_address[1]}")
-        return _switch_address
+        return _switch_address, started
 
 
 def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int) -> tuple[str, int]:
@@ -404,7 +415,7 @@ def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int) -> tuple[str, 
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""
-    switch = _resolve_switch(store, rank)
+    switch, started = _resolve_switch(store, rank)
     if rank == 0:
         window = int(os.environ.get("SWITCHML_WINDOW", "16"))
         k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
@@ -418,6 +429,7 @@ def _create(store: dist.Store, rank: int, size: int,
                           join_timeout_s=seconds)
     client = WorkerClient(switch, spec, rank, config)
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
+    pg.owns_switch = started
     # Device-level lookups (all_gather_into_tensor, reduce_scatter_tensor) find gloo's backend.
     cpu = torch.device("cpu")
     pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
