@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
-from switchml.protocol.events import JobCreated, JobRemoved, MemberJoined
+from switchml.protocol.events import JobCreated, JobRefused, JobRemoved, MemberJoined
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     EXP_ZERO,
@@ -480,6 +480,18 @@ BAD_CASES = {
 }
 
 
+def _assert_only_unknown_job_echo(out, case, bad, addr):
+    """Bad datagrams get no answer, except an unknown job: one header-only UNKNOWN_JOB echo to
+    the sender (so a worker notices a restarted switch), never larger than the request."""
+    if case != "unknown_job":
+        assert out == []
+        return
+    assert len(out) == 1
+    o = out[0]
+    assert o.addr == addr and o.header.type is MessageType.UNKNOWN_JOB
+    assert o.header.count == 0 and len(o.raw) <= len(bad)
+
+
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_isolation_bad_datagram_dropped_and_other_job_unaffected(sw, case):
     a = join_job(sw, 1, TOKEN, 2, window=4, k=8, host="a")
@@ -490,12 +502,12 @@ def test_isolation_bad_datagram_dropped_and_other_job_unaffected(sw, case):
     assert a.send(0, [1, 2, 3, 4], seq=1) == []
     assert b.send(0, [5, 5, 5, 5], seq=1) == []
     for _ in range(2):
-        assert deliver(sw, bad, addr) == []
+        _assert_only_unknown_job_echo(deliver(sw, bad, addr), case, bad, addr)
     assert sw.drops == {BAD_CASES[case]: 2}
     # Job b completes interleaved with more bad traffic.
     out = b.send(1, [1, 1, 1, 1], seq=1)
     assert_result_to_all(b, out, [6, 6, 6, 6], seq=1, chunk=0)
-    assert deliver(sw, bad, addr) == []
+    _assert_only_unknown_job_echo(deliver(sw, bad, addr), case, bad, addr)
     # Job a's open round was not touched either.
     out = a.send(1, [10, 20, 30, 40], seq=1)
     assert_result_to_all(a, out, [11, 22, 33, 44], seq=1, chunk=0)
@@ -527,7 +539,7 @@ def test_undecodable_and_unexpected_types_dropped(sw, job2):
     assert deliver(sw, b"hello", job2.addrs[0]) == []
     assert deliver(sw, b"\x00" * 64, job2.addrs[0]) == []
     for mtype in (MessageType.RESULT, MessageType.WAITING, MessageType.JOINED,
-                  MessageType.REFUSED, MessageType.REGISTER):
+                  MessageType.REFUSED, MessageType.UNKNOWN_JOB):
         h = Header(mtype, job2.job_id, token=TOKEN)
         assert deliver(sw, pack_header(h), job2.addrs[0]) == []
     assert sw.drops == {"short": 1, "bad_magic": 1, "unexpected_type": 5}
@@ -602,7 +614,7 @@ def test_refused_join_of_new_job_leaves_no_state(sw):
     (o,) = deliver(sw, control(MessageType.JOIN, 5, TOKEN, 3, ControlInfo(2, 8, 8)), ("w", 1))
     assert o.header.type is MessageType.REFUSED
     assert "rank 3" in o.payload.tobytes().decode()
-    assert drain_events(sw) == []
+    assert [type(e) for e in drain_events(sw)] == [JobRefused]  # no JobCreated
     assert sw.stats()["jobs"] == 0
     assert sw.stats()["slots_in_use"] == 0
 
@@ -624,7 +636,7 @@ def test_job_larger_than_pool_refused(sw):
     assert sw.stats()["jobs"] == 0
     assert sw.stats()["slots_in_use"] == 0
     assert sw.drops == {"refused": 1}
-    assert drain_events(sw) == []
+    assert [type(e) for e in drain_events(sw)] == [JobRefused]  # no JobCreated
 
 
 def test_job_larger_than_remaining_pool_refused(sw, job2):
@@ -650,7 +662,7 @@ def test_join_with_invalid_geometry_refused(sw, info, fragments):
     reason = o.payload.tobytes().decode()
     assert any(f in reason for f in fragments), reason
     assert sw.stats()["jobs"] == 0 and sw.stats()["slots_in_use"] == 0
-    assert drain_events(sw) == []
+    assert [type(e) for e in drain_events(sw)] == [JobRefused]  # no JobCreated
 
 
 def test_leave_of_all_members_frees_slots(sw):
@@ -673,7 +685,9 @@ def test_leave_of_all_members_frees_slots(sw):
     st_ = sw.stats()
     assert st_["jobs"] == 0 and st_["slots_in_use"] == 0 and st_["memory_bytes"] == 0
     assert sw.jobs == {}
-    assert drain_events(sw) == [JobRemoved(11, "left")]
+    refused, removed = drain_events(sw)
+    assert isinstance(refused, JobRefused) and refused.job_id == 12
+    assert removed == JobRemoved(11, "left")
     # A new job can take the whole pool again.
     new = join_job(sw, 12, TOKEN2, 1, window=POOL, k=8, host="n")
     assert new.slot_base == 0
@@ -704,7 +718,8 @@ def test_remove_job_operator_action(sw, job2):
     assert sw.remove_job(7, "operator") is False
     assert drain_events(sw) == [JobRemoved(7, "operator")]
     assert sw.stats()["slots_in_use"] == 0
-    assert job2.send(0, [1]) == []
+    (echo,) = job2.send(0, [1])
+    assert echo.header.type is MessageType.UNKNOWN_JOB and echo.addr == job2.addrs[0]
     assert sw.drops == {"unknown_job": 1}
 
 
@@ -844,8 +859,9 @@ def _check_one(sw: SwitchDataplane, data: bytes, addr) -> None:
     if h.type is not MessageType.REQUEST or delta == 1:
         assert all(o.addr == addr for o in out)  # control replies and WAITING: to the sender
     if delta == 0 and not out:
-        # Silently accepted: only a contribution to a job the sender belongs to.
-        assert h.type is MessageType.REQUEST
+        # Silently accepted: only a contribution or a lease renewal (KEEPALIVE) of a job the
+        # sender belongs to.
+        assert h.type in (MessageType.REQUEST, MessageType.KEEPALIVE)
         assert h.job != VICTIM_JOB
 
 

@@ -125,8 +125,8 @@ def test_build_concatenates_header_and_payload():
 
 def test_message_types_are_the_documented_numbers():
     assert {t.name: int(t) for t in MessageType} == {
-        "REQUEST": 1, "RESULT": 2, "WAITING": 3, "REGISTER": 16, "REGISTERED": 17, "JOIN": 18,
-        "JOINED": 19, "LEAVE": 20, "LEFT": 21, "REFUSED": 31,
+        "REQUEST": 1, "RESULT": 2, "WAITING": 3, "UNKNOWN_JOB": 4, "JOIN": 18,
+        "JOINED": 19, "LEAVE": 20, "LEFT": 21, "KEEPALIVE": 22, "REFUSED": 31,
     }
     assert {int(f) for f in (Flags.NONFINITE, Flags.HAS_DATA, Flags.HAS_EXP, Flags.RESENT)} == {
         1, 2, 4, 8}
@@ -216,7 +216,7 @@ def test_bad_version(version):
     assert _reason(_raw(version=version)) == "bad_version"
 
 
-@pytest.mark.parametrize("mtype", [0, 4, 15, 22, 30, 32, 255])
+@pytest.mark.parametrize("mtype", [0, 5, 15, 16, 17, 23, 30, 32, 255])
 def test_bad_type(mtype):
     assert _reason(_raw(mtype=mtype)) == "bad_type"
 

@@ -204,7 +204,8 @@ def test_switch_command_logs_and_stops_on_sigterm():
         _out, err = proc.communicate(timeout=10)
         assert proc.returncode == 0
         assert "SIGTERM received" in err and "stopped" in err
-        assert f"job {spec.job_id} created" in err
+        assert f"event=job_created job={spec.job_id}" in err
+        assert f"event=job_finished job={spec.job_id}" in err
     finally:
         if proc.poll() is None:
             proc.kill()

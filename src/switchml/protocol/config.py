@@ -28,8 +28,18 @@ class SwitchConfig:
     """Largest chunk a job may ask for, in int32 elements (1..16366). Default: the UDP maximum."""
     max_workers: int = 4096
     """Largest number of workers in one job (the seen bitmaps have no fixed width)."""
+    lease_timeout_s: float = 30.0
+    """A job that sends nothing for this long loses its slots (its workers died without
+    leaving). Idle workers keep their lease with keep-alive JOINs (``WorkerConfig``)."""
+    secret: bytes | None = None
+    """If set, creating a job needs a JOIN proven with this secret (HMAC-SHA256); joining an
+    existing job needs only its token. Required when the switch listens beyond loopback."""
 
     def __post_init__(self) -> None:
+        _check(self.lease_timeout_s > 0, f"lease_timeout_s must be > 0, got "
+               f"{self.lease_timeout_s}")
+        _check(self.secret is None or len(self.secret) >= 16,
+               "secret must be at least 16 bytes (use a random one)")
         _check(self.pool_slots >= 1, f"pool_slots must be >= 1, got {self.pool_slots}")
         _check(1 <= self.max_elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
                f"max_elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET} "
@@ -85,8 +95,18 @@ class WorkerConfig:
     pass before it issues the same operation). Default 15 s."""
     join_timeout_s: float = 10.0
     """Joining fails if the switch does not answer within this time. Default 10 s."""
+    keepalive_s: float = 5.0
+    """An idle worker re-sends JOIN this often, so the switch keeps the job's lease (keep it
+    well below the switch's ``lease_timeout_s``, default 30 s). Default 5 s."""
+    max_restarts: int = 3
+    """How often one operation may be restarted after the switch lost the job (a switch restart
+    or an expired lease) before it fails. 0 disables transparent restarts."""
+    secret: bytes | None = None
+    """The switch's secret, needed to create a job on a switch that has one."""
 
     def __post_init__(self) -> None:
+        _check(self.keepalive_s > 0, f"keepalive_s must be > 0, got {self.keepalive_s}")
+        _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         _check(0 < self.min_rto_s <= self.initial_rto_s <= self.max_rto_s,
                "expected 0 < min_rto_s <= initial_rto_s <= max_rto_s, got "
                f"{self.min_rto_s}, {self.initial_rto_s}, {self.max_rto_s}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 __all__ = [
     "Event",
     "JobCreated",
+    "JobRefused",
     "JobRemoved",
     "Joined",
     "JoinFailed",
@@ -14,6 +15,7 @@ __all__ = [
     "MemberJoined",
     "OperationCompleted",
     "OperationFailed",
+    "OperationRestarted",
 ]
 
 Address = tuple[str, int]
@@ -37,6 +39,16 @@ class MemberJoined:
     job_id: int
     rank: int
     address: Address
+
+
+@dataclass(frozen=True, slots=True)
+class JobRefused:
+    """Switch: a JOIN was refused (no room, bad geometry, missing secret, taken rank)."""
+
+    job_id: int
+    rank: int
+    address: Address
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +90,19 @@ class OperationFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class OperationRestarted:
+    """Worker: the switch lost the job (restart, expired lease); the operation starts over from
+    its input on a new epoch, as ``new_seq``."""
+
+    seq: int
+    new_seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Left:
     """Worker: LEAVE was acknowledged (or given up on); the endpoint is closed."""
 
 
-Event = (JobCreated | MemberJoined | JobRemoved | Joined | JoinFailed | OperationCompleted
-         | OperationFailed | Left)
+Event = (JobCreated | MemberJoined | JobRefused | JobRemoved | Joined | JoinFailed
+         | OperationCompleted | OperationFailed | OperationRestarted | Left)

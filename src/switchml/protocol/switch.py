@@ -36,6 +36,7 @@ keep datagrams longer (the in-memory fabric) copy them.
 
 from __future__ import annotations
 
+import hmac
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ import numpy as np
 
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
-from switchml.protocol.events import Event, JobCreated, JobRemoved, MemberJoined
+from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -55,10 +56,11 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
+    join_proof,
     pack_control_info,
     pack_header,
-    unpack_control_info,
     unpack_header,
+    unpack_join,
     unpack_payload,
 )
 
@@ -73,9 +75,12 @@ _KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESE
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 _NONFINITE = int(Flags.NONFINITE)
 _RESULT = int(MessageType.RESULT)
+_UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
+_BYTES = int(ElementType.BYTES)
 
 Address = tuple[str, int]
 _HALF = 2**31
+_EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
 
 
@@ -141,6 +146,9 @@ class _Job:
     buf: list[list[bytearray]] = field(default_factory=list)
     acc: dict[int, list[list[np.ndarray]]] = field(default_factory=dict)
     elements_aggregated: int = 0
+    last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
+    min_seq: int | None = None  # set by an epoch JOIN: older requests predate a restart
+    started: bool = False  # a request was accepted (membership is then fixed)
 
     def __post_init__(self) -> None:
         w = self.window
@@ -201,9 +209,11 @@ class SwitchDataplane:
         self.results_resent = 0
         self.waiting_sent = 0
         self.rounds_abandoned = 0
+        self._now = 0.0
         self._handlers = {
             MessageType.JOIN: self._handle_join,
             MessageType.LEAVE: self._handle_leave,
+            MessageType.KEEPALIVE: self._handle_keepalive,
         }
 
     # -- Endpoint contract -------------------------------------------------------------------
@@ -212,13 +222,14 @@ class SwitchDataplane:
                          now: float) -> None:
         """Process one datagram. Call ``datagrams_to_send`` afterwards."""
         self.packets_in += 1
+        self._now = now
         # NOTE: REQUEST fast path, inlined for speed: one struct unpack, no Header object.
         if len(data) >= HEADER_SIZE:
             f = HEADER.unpack_from(data)
             if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
                     and not f[3] & ~_KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
                     and len(data) == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
-                self._handle_request(f, data, addr)
+                self._handle_request(f, data, addr, now)
                 return
         try:
             h = unpack_header(data)
@@ -232,13 +243,19 @@ class SwitchDataplane:
             reason = "bad_payload" if h.type is MessageType.REQUEST else "unexpected_type"
             self.drops[reason] += 1
             return
-        handler(h, data, addr)
+        handler(h, data, addr, now)
 
     def handle_timer(self, now: float) -> None:
-        """The switch has no timers yet (leases are future work); kept for the contract."""
+        """Expire the leases of jobs that have been silent for ``lease_timeout_s``."""
+        lease = self.config.lease_timeout_s
+        for job in [j for j in self._jobs.values() if j.last_seen + lease <= now]:
+            self.remove_job(job.job_id, f"lease expired after {lease:g} s of silence")
 
     def get_timer(self) -> float | None:
-        return None
+        """When the next lease runs out (None without jobs)."""
+        if not self._jobs:
+            return None
+        return min(j.last_seen for j in self._jobs.values()) + self.config.lease_timeout_s
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
         """Return and forget the datagrams to send, in order. Valid until the next receive."""
@@ -278,15 +295,19 @@ class SwitchDataplane:
 
     def _refuse(self, h: Header, addr: Address, reason: str) -> None:
         self.drops["refused"] += 1
+        self._events.append(JobRefused(h.job, h.rank, addr, reason))
         payload = reason.encode()[:1024]
         reply = Header(MessageType.REFUSED, h.job, rank=h.rank, token=h.token,
                        count=len(payload), elem=ElementType.BYTES)
         self._out.append((pack_header(reply) + payload, addr))
 
-    def _handle_join(self, h: Header, data: bytes | bytearray | memoryview, addr: Address) -> None:
-        """JOIN creates the job on first use (same token and geometry for every rank after)."""
+    def _handle_join(self, h: Header, data: bytes | bytearray | memoryview, addr: Address,
+                     now: float) -> None:
+        """JOIN creates the job on first use (same token and geometry for every rank after),
+        refreshes its lease (idle workers re-send it as keep-alive), and carries in ``seq`` the
+        first operation of the worker's epoch (raised after a switch restart)."""
         try:
-            asked = unpack_control_info(unpack_payload(data, h))
+            asked, proof = unpack_join(unpack_payload(data, h))
         except WireError as exc:
             self.drops[exc.reason] += 1
             return
@@ -295,6 +316,13 @@ class SwitchDataplane:
             if h.rank >= asked.num_workers:  # refuse before allocating anything
                 self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of "
                              f"{asked.num_workers}")
+                return
+            secret = self.config.secret
+            if secret is not None and not hmac.compare_digest(
+                    proof, join_proof(secret, h.job, h.token, asked)):
+                self.drops["bad_secret"] += 1
+                self._refuse(h, addr, "creating a job on this switch needs its secret "
+                             "(SWITCHML_SECRET)")
                 return
             job = self._create_job(h, asked, addr)
             if job is None:
@@ -312,9 +340,18 @@ class SwitchDataplane:
         if h.rank >= job.num_workers:
             self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
             return
-        if job.members[h.rank] != addr:
+        old = job.members[h.rank]
+        if old != addr:
+            if old is not None and job.started:
+                self._refuse(h, addr, f"rank {h.rank} of job {h.job} is joined from "
+                             f"{old[0]}:{old[1]} and the job is running; a restarted worker "
+                             "cannot take over its state: start a new job")
+                return
             job.members[h.rank] = addr
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
+        if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
+            job.min_seq = h.seq  # a new epoch: older requests are stale from now on
+        job.last_seen = now
         reply = Header(MessageType.JOINED, h.job, rank=h.rank, token=h.token, count=16,
                        elem=ElementType.BYTES)
         self._out.append((pack_header(reply) + pack_control_info(job.info), addr))
@@ -340,13 +377,14 @@ class SwitchDataplane:
             return None
         job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
                    asked.elements_per_packet, [None] * asked.num_workers)
+        job.last_seen = self._now
         self._jobs[h.job] = job
         self._events.append(JobCreated(h.job, job.num_workers, base, job.window,
                                        job.elements_per_packet))
         return job
 
     def _handle_leave(self, h: Header, data: bytes | bytearray | memoryview,
-                      addr: Address) -> None:
+                      addr: Address, now: float) -> None:
         """A member leaves; the job and its slots go when the last joined member has left."""
         job = self._jobs.get(h.job)
         if job is not None:
@@ -360,6 +398,19 @@ class SwitchDataplane:
         reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token)
         self._out.append((pack_header(reply), addr))
 
+    def _handle_keepalive(self, h: Header, data: bytes | bytearray | memoryview,
+                          addr: Address, now: float) -> None:
+        """Renew the lease of a member's job; an unknown job is answered with UNKNOWN_JOB."""
+        job = self._jobs.get(h.job)
+        if job is None:
+            self.drops["unknown_job"] += 1
+            self._unknown_job(HEADER.unpack_from(data), addr)
+            return
+        if h.token != job.token or h.rank >= job.num_workers or job.members[h.rank] != addr:
+            self.drops["bad_keepalive"] += 1
+            return
+        job.last_seen = now
+
     def remove_job(self, job_id: int, reason: str) -> bool:
         """Forget a job and free its slots (operator action or last LEAVE)."""
         job = self._jobs.pop(job_id, None)
@@ -372,7 +423,7 @@ class SwitchDataplane:
     # -- Data --------------------------------------------------------------------------------
 
     def _handle_request(self, f: tuple, data: bytes | bytearray | memoryview,
-                        addr: Address) -> None:
+                        addr: Address, now: float) -> None:
         """Steps 1-4 of the module docstring, after the isolation checks.
 
         ``f`` is the raw header tuple (see ``wire.HEADER``), already checked for framing.
@@ -382,6 +433,7 @@ class SwitchDataplane:
         job = self._jobs.get(job_id)
         if job is None:
             self.drops["unknown_job"] += 1
+            self._unknown_job(f, addr)
             return
         if token != job.token:
             self.drops["bad_token"] += 1
@@ -392,6 +444,16 @@ class SwitchDataplane:
         if job.members[rank] != addr:
             self.drops["wrong_source"] += 1
             return
+        if job.min_seq is not None:
+            ahead = (seq - job.min_seq) & _MASK32
+            if ahead >= _HALF:
+                self.drops["stale_epoch"] += 1  # from before a restart: tell it to catch up
+                self._unknown_job(f, addr)
+                return
+            if ahead > _EPOCH_TRAIL:  # keep the bound within reach of wrapping seq numbers
+                job.min_seq = (seq - _EPOCH_TRAIL) & _MASK32
+        job.last_seen = now
+        job.started = True
         s = slot - job.slot_base
         if not 0 <= s < job.window:
             self.drops["bad_slot"] += 1
@@ -431,6 +493,12 @@ class SwitchDataplane:
         job.seen[1 - v][s] &= ~me
         if job.missing[v][s] == 0:
             self._complete(job, rank, seq, chunk, slot, v, s)
+
+    def _unknown_job(self, f: tuple, addr: Address) -> None:
+        """Answer with UNKNOWN_JOB: a header-only echo, never larger than the request."""
+        self._out.append((HEADER.pack(MAGIC, VERSION, _UNKNOWN_JOB, 0, f[4], f[5], f[6], f[7],
+                                      f[8], f[9], f[10], 0, _BYTES, 0, EXP_ZERO, EXP_ZERO),
+                          addr))
 
     @staticmethod
     def _compare_round(job: _Job, v: int, s: int, seq: int, chunk: int) -> int:

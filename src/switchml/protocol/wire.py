@@ -12,6 +12,8 @@ element type, or whose length disagrees with its element count raises :class:`Wi
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
@@ -29,15 +31,18 @@ __all__ = [
     "MAX_DATAGRAM_BYTES",
     "MAX_ELEMENTS_PER_PACKET",
     "VERSION",
+    "PROOF_SIZE",
     "ControlInfo",
     "ElementType",
     "Flags",
     "Header",
     "MessageType",
+    "join_proof",
     "pack_control_info",
     "pack_header",
     "unpack_control_info",
     "unpack_header",
+    "unpack_join",
     "unpack_payload",
 ]
 
@@ -63,20 +68,25 @@ class MessageType(IntEnum):
     WAITING = 3
     """Switch -> worker: answer to a retransmission into a still-open set; payload = bitmap of
     the ranks that have not contributed yet (so a worker can name silent peers)."""
-    REGISTER = 16
-    """Worker -> switch: create job (job, token in header; ControlInfo payload)."""
-    REGISTERED = 17
+    UNKNOWN_JOB = 4
+    """Switch -> worker: header only, echoing the request: the switch has no such job, or the
+    request is from an epoch before the job's last restart. The worker re-joins and retries."""
     JOIN = 18
-    """Worker -> switch: rank joins job; the switch records its address for results."""
+    """Worker -> switch: rank joins job (creating it if unknown); ControlInfo payload, plus a
+    proof of the switch's secret where it has one; ``seq`` = first operation of the epoch."""
     JOINED = 19
     LEAVE = 20
     """Worker -> switch: release the job and its slots (any member, with the token)."""
     LEFT = 21
+    KEEPALIVE = 22
+    """Worker -> switch: header only; an idle member renews the job's lease. Never creates a
+    job: an unknown job is answered with UNKNOWN_JOB (the switch restarted)."""
     REFUSED = 31
     """Switch -> worker: a control request was refused; payload = UTF-8 reason."""
 
 
-DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING})
+DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
+                        MessageType.UNKNOWN_JOB})
 
 
 class Flags(IntFlag):
@@ -184,7 +194,7 @@ def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.n
 
 @dataclass(frozen=True, slots=True)
 class ControlInfo:
-    """Job geometry carried by REGISTER (asked) and REGISTERED/JOINED (granted)."""
+    """Job geometry carried by JOIN (asked) and JOINED (granted)."""
 
     num_workers: int
     window: int
@@ -193,6 +203,8 @@ class ControlInfo:
 
 
 _CONTROL = struct.Struct("<IIII")
+PROOF_SIZE = 32
+"""JOIN may append an HMAC-SHA256 proof of the switch's secret (needed to create a job)."""
 
 
 def pack_control_info(info: ControlInfo) -> bytes:
@@ -205,6 +217,22 @@ def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo
     if len(raw) != _CONTROL.size:
         raise WireError("bad_control", f"control payload of {len(raw)} bytes, expected 16")
     return ControlInfo(*_CONTROL.unpack(raw))
+
+
+def unpack_join(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, bytes]:
+    """Decode a JOIN payload: ControlInfo, then an optional 32-byte proof (b"" if absent)."""
+    raw = bytes(payload)
+    if len(raw) not in (_CONTROL.size, _CONTROL.size + PROOF_SIZE):
+        raise WireError("bad_control",
+                        f"JOIN payload of {len(raw)} bytes, expected 16 or {16 + PROOF_SIZE}")
+    return ControlInfo(*_CONTROL.unpack(raw[:_CONTROL.size])), raw[_CONTROL.size:]
+
+
+def join_proof(secret: bytes, job: int, token: int, info: ControlInfo) -> bytes:
+    """HMAC-SHA256 over the job's identity and geometry, keyed with the switch's secret."""
+    msg = struct.pack("<IQIII", job, token, info.num_workers, info.window,
+                      info.elements_per_packet)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def build(header: Header, payload: bytes | memoryview = b"") -> bytes:

@@ -44,6 +44,7 @@ from switchml.protocol.events import (
     Left,
     OperationCompleted,
     OperationFailed,
+    OperationRestarted,
 )
 from switchml.protocol.quantize import block_exponent, dequantize_into, quantize, residual_into
 from switchml.protocol.wire import (
@@ -57,6 +58,7 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
+    join_proof,
     pack_control_info,
     pack_header,
     unpack_control_info,
@@ -70,6 +72,9 @@ Address = tuple[str, int]
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
                     np.dtype(np.int32))
 _CONTROL_RETRY_S = 0.2
+EPOCH_SEQ_STRIDE = 2**16
+"""After the switch lost the job, the operation restarts as ``seq + EPOCH_SEQ_STRIDE``: every rank
+computes the same number, and the switch drops anything older (REFERENCE 11.3, issue 5)."""
 # Plain ints on the hot path: IntFlag arithmetic costs about a microsecond per operation.
 _NONFINITE = int(Flags.NONFINITE)
 _HAS_DATA = int(Flags.HAS_DATA)
@@ -88,6 +93,8 @@ class WorkerState(Enum):
     JOINING = "joining"
     READY = "ready"
     BUSY = "busy"
+    REJOINING = "rejoining"
+    """Busy, but the switch lost the job: joining again before restarting the operation."""
     CLOSING = "closing"
     CLOSED = "closed"
     ERROR = "error"
@@ -99,7 +106,7 @@ class _Op:
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
                  "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
-                 "bits", "elem", "itemsize", "wire_dtype", "residual")
+                 "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts")
 
     def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, k: int, window: int,
                  now: float, bits: int = 32, residual: np.ndarray | None = None) -> None:
@@ -110,6 +117,7 @@ class _Op:
         self.bits = bits
         self.elem, self.itemsize, self.wire_dtype = _WIRE[bits]
         self.residual = residual
+        self.restarts = 0
         self.k = k * 4 // self.itemsize  # a slot holds 4k bytes: 2k elements at 16 bits
         self.L = -(-x.size // self.k)
         self.E = min(window, self.L)
@@ -158,6 +166,8 @@ class WorkerEndpoint:
         self.slot_base = 0
         self._next_set = [0] * spec.window
         self._seq = 0
+        self._epoch_seq = 0  # first operation of the current epoch; sent in JOIN/KEEPALIVE
+        self._keepalive_at = 0.0
         self._op: _Op | None = None
         self._heap: list[tuple[float, int, int]] = []
         self._out: list[tuple[bytes, Address]] = []
@@ -178,6 +188,7 @@ class WorkerEndpoint:
             MessageType.JOINED: self._handle_joined,
             MessageType.REFUSED: self._handle_refused,
             MessageType.LEFT: self._handle_left,
+            MessageType.UNKNOWN_JOB: self._handle_unknown_job,
         }
 
     # -- User commands -----------------------------------------------------------------------
@@ -230,6 +241,8 @@ class WorkerEndpoint:
                 raise LocalProtocolError("residual must be a writeable C-contiguous float array "
                                          "of data's size, for float data")
             residual = residual.reshape(-1)
+        if self.config.max_restarts and np.shares_memory(x, o):
+            x = x.copy()  # a restart after a switch failure needs the input, not partial sums
         seq = self._seq
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         if x.size == 0:
@@ -295,20 +308,26 @@ class WorkerEndpoint:
         st = self.state
         if st is WorkerState.BUSY:
             self._handle_op_timers(now)
-        elif st in (WorkerState.JOINING, WorkerState.CLOSING):
+        elif st is WorkerState.READY:
+            if now >= self._keepalive_at:
+                self._send_keepalive(now)
+        elif st in (WorkerState.JOINING, WorkerState.REJOINING, WorkerState.CLOSING):
             if now >= self._control_deadline:
-                if st is WorkerState.JOINING:
-                    self._join_failed(
-                        f"switch at {_fmt(self.switch_address)} did not answer JOIN for job "
-                        f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
-                else:
+                if st is WorkerState.CLOSING:
                     self.state = WorkerState.CLOSED
                     self._events.append(Left())
-            elif now >= self._control_retry_at:
+                    return
+                reason = (f"switch at {_fmt(self.switch_address)} did not answer JOIN for job "
+                          f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
                 if st is WorkerState.JOINING:
-                    self._send_join(now)
+                    self._join_failed(reason)
                 else:
+                    self._fail(f"restart after the switch lost the job failed: {reason}")
+            elif now >= self._control_retry_at:
+                if st is WorkerState.CLOSING:
                     self._send_leave(now)
+                else:
+                    self._send_join(now)
 
     def get_timer(self) -> float | None:
         """Absolute time of the next deadline, or None."""
@@ -324,8 +343,10 @@ class WorkerEndpoint:
                 heapq.heappop(heap)
             fail_at = op.last_progress + self.config.op_timeout_s
             return min(heap[0][0], fail_at) if heap else fail_at
-        if st in (WorkerState.JOINING, WorkerState.CLOSING):
+        if st in (WorkerState.JOINING, WorkerState.REJOINING, WorkerState.CLOSING):
             return min(self._control_retry_at, self._control_deadline)
+        if st is WorkerState.READY:
+            return self._keepalive_at
         return None
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
@@ -349,10 +370,21 @@ class WorkerEndpoint:
                       count=count, elem=ElementType.BYTES)
 
     def _send_join(self, now: float) -> None:
-        info = ControlInfo(self.spec.num_workers, self.spec.window, self.spec.elements_per_packet)
-        self._out.append((pack_header(self._control_header(MessageType.JOIN, 16))
-                          + pack_control_info(info), self.switch_address))
+        spec = self.spec
+        info = ControlInfo(spec.num_workers, spec.window, spec.elements_per_packet)
+        payload = pack_control_info(info)
+        if self.config.secret is not None:
+            payload += join_proof(self.config.secret, spec.job_id, spec.token, info)
+        header = Header(MessageType.JOIN, spec.job_id, rank=self.rank, token=spec.token,
+                        seq=self._epoch_seq, count=len(payload), elem=ElementType.BYTES)
+        self._out.append((pack_header(header) + payload, self.switch_address))
         self._arm_control_retry(now)
+
+    def _send_keepalive(self, now: float) -> None:
+        header = Header(MessageType.KEEPALIVE, self.spec.job_id, rank=self.rank,
+                        token=self.spec.token, seq=self._epoch_seq)
+        self._out.append((pack_header(header), self.switch_address))
+        self._keepalive_at = now + self.config.keepalive_s
 
     def _send_leave(self, now: float) -> None:
         self._out.append((pack_header(self._control_header(MessageType.LEAVE)),
@@ -469,6 +501,7 @@ class WorkerEndpoint:
             self._op = None
             self._heap = []
             self.state = WorkerState.READY
+            self._keepalive_at = now + self.config.keepalive_s
             self.counters["operations_completed"] += 1
             self._events.append(OperationCompleted(op.seq))
 
@@ -484,9 +517,8 @@ class WorkerEndpoint:
         op.waiting_chunk = h.chunk
 
     def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
-        if self.state is not WorkerState.JOINING:
-            self.drops["unexpected_control"] += 1
-            return
+        if self.state not in (WorkerState.JOINING, WorkerState.REJOINING):
+            return  # a late answer to a retried or keep-alive JOIN
         try:
             info = unpack_control_info(unpack_payload(data, h))
         except WireError as exc:
@@ -498,16 +530,72 @@ class WorkerEndpoint:
             self._join_failed(f"switch granted {info}, which does not match the job spec")
             return
         self.slot_base = info.slot_base
+        if self.state is WorkerState.REJOINING:
+            self._resume_after_rejoin(now)
+            return
         self.state = WorkerState.READY
+        self._keepalive_at = now + self.config.keepalive_s
         self._events.append(Joined(info.slot_base, info.window))
 
     def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
-        if self.state is not WorkerState.JOINING:
+        if self.state not in (WorkerState.JOINING, WorkerState.REJOINING):
             self.drops["unexpected_control"] += 1
             return
         reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
-        self._join_failed(f"switch at {_fmt(self.switch_address)} refused JOIN: {reason}")
+        reason = f"switch at {_fmt(self.switch_address)} refused JOIN: {reason}"
+        if self.state is WorkerState.JOINING:
+            self._join_failed(reason)
+        else:
+            self._fail(f"restart after the switch lost the job failed: {reason}")
+
+    def _handle_unknown_job(self, h: Header, data: bytes | bytearray | memoryview,
+                            now: float) -> None:
+        """The switch has lost the job (restarted, lease expired) or we are behind its epoch."""
+        st = self.state
+        if st is WorkerState.BUSY and self._op is not None and h.seq == self._op.seq:
+            self._restart(now)
+        elif st is WorkerState.READY:
+            # Idle: the next operation starts the new epoch; every rank computes the same seq.
+            self._epoch_seq = self._seq = (self._seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
+            self.state = WorkerState.JOINING
+            self._control_deadline = now + self.config.join_timeout_s
+            self._control_backoff = _CONTROL_RETRY_S
+            self._send_join(now)
+        else:
+            self.drops["stale_unknown_job"] += 1
+
+    def _restart(self, now: float) -> None:
+        """Join again on a new epoch, then run the operation from its input (issue 5)."""
+        op = self._op
+        assert op is not None
+        if op.restarts >= self.config.max_restarts:
+            self._fail(f"operation {op.seq} of job {self.spec.job_id}: the switch at "
+                       f"{_fmt(self.switch_address)} lost the job {op.restarts + 1} times "
+                       f"(restarts allowed: {self.config.max_restarts})")
+            return
+        new_seq = (op.seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
+        self._events.append(OperationRestarted(op.seq, new_seq, "the switch lost the job"))
+        self.counters["operations_restarted"] += 1
+        self._epoch_seq = new_seq
+        self.state = WorkerState.REJOINING
+        self._heap = []
+        self._control_deadline = now + self.config.join_timeout_s
+        self._control_backoff = _CONTROL_RETRY_S
+        self._send_join(now)
+
+    def _resume_after_rejoin(self, now: float) -> None:
+        old = self._op
+        assert old is not None
+        op = _Op(self._epoch_seq, old.x, old.out, self.spec.elements_per_packet,
+                 self.spec.window, now, old.bits, old.residual)
+        op.restarts = old.restarts + 1
+        self._op = op
+        self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
+        self._next_set = [0] * self.spec.window  # a fresh switch: every rank starts on set 0
+        self.state = WorkerState.BUSY
+        for p in range(op.E):
+            self._send_chunk(op, p, now, retransmit=False)
 
     def _handle_left(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
         if self.state is not WorkerState.CLOSING:

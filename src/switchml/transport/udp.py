@@ -14,6 +14,7 @@ recovered by retransmission, at a cost in speed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -34,12 +35,14 @@ from switchml.protocol.errors import (
 )
 from switchml.protocol.events import (
     JobCreated,
+    JobRefused,
     JobRemoved,
     Joined,
     JoinFailed,
     Left,
     MemberJoined,
     OperationCompleted,
+    OperationRestarted,
 )
 from switchml.protocol.events import OperationFailed as OperationFailedEvent
 from switchml.protocol.switch import SwitchDataplane
@@ -106,8 +109,12 @@ class SwitchServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`. Never raises for anything a peer sends."""
-        log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B)", _fmt(self.address),
-                 self.rcvbuf, self.sndbuf)
+        log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B, pool %d slots, lease "
+                 "%g s, job creation %s)", _fmt(self.address), self.rcvbuf, self.sndbuf,
+                 self.dataplane.config.pool_slots, self.dataplane.config.lease_timeout_s,
+                 "needs the secret" if self.dataplane.config.secret else "open")
+        timers = threading.Thread(target=self._run_timers, name="switchml-timers", daemon=True)
+        timers.start()
         buf = bytearray(MAX_DATAGRAM_BYTES + 1)
         view = memoryview(buf)
         dp = self.dataplane
@@ -142,16 +149,23 @@ class SwitchServer:
                     self._log_event(ev)
         log.info("switch on %s stopped: %s", _fmt(self.address), self.stats())
 
-    @staticmethod
-    def _log_event(ev: object) -> None:
+    def _log_event(self, ev: object) -> None:
+        """Structured job logs: ``event=... job=...`` key/value pairs, one line each."""
         if isinstance(ev, JobCreated):
-            log.info("job %d created: n=%d slots %d..%d, %d elements per packet", ev.job_id,
-                     ev.num_workers, ev.slot_base, ev.slot_base + ev.window - 1,
-                     ev.elements_per_packet)
+            log.info("event=job_created job=%d n=%d slots=%d..%d elements_per_packet=%d "
+                     "free_slots=%d", ev.job_id, ev.num_workers, ev.slot_base,
+                     ev.slot_base + ev.window - 1, ev.elements_per_packet,
+                     self.dataplane.allocator.free_slots)
         elif isinstance(ev, MemberJoined):
-            log.info("job %d: rank %d joined from %s", ev.job_id, ev.rank, _fmt(ev.address))
+            log.info("event=member_joined job=%d rank=%d address=%s", ev.job_id, ev.rank,
+                     _fmt(ev.address))
         elif isinstance(ev, JobRemoved):
-            log.info("job %d removed (%s); its slots are free", ev.job_id, ev.reason)
+            kind = "job_expired" if "lease" in ev.reason else "job_finished"
+            log.info("event=%s job=%d reason=%r free_slots=%d", kind, ev.job_id, ev.reason,
+                     self.dataplane.allocator.free_slots)
+        elif isinstance(ev, JobRefused):
+            log.warning("event=job_refused job=%d rank=%d address=%s reason=%r", ev.job_id,
+                        ev.rank, _fmt(ev.address), ev.reason)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -166,6 +180,30 @@ class SwitchServer:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def _run_timers(self) -> None:
+        """Fire the dataplane's deadlines (job leases) from a thread of their own, so the receive
+        loop stays a plain blocking read with no timeout."""
+        dp = self.dataplane
+        while not self._stop.is_set():
+            with self._lock:
+                timer = dp.get_timer()
+            now = time.monotonic()
+            wait = 1.0 if timer is None else min(max(timer - now, 0.0), 1.0)
+            if self._stop.wait(wait):
+                return
+            with self._lock:
+                now = time.monotonic()
+                timer = dp.get_timer()
+                if timer is not None and timer <= now:
+                    dp.handle_timer(now)
+                    for data, dst in dp.datagrams_to_send(now):
+                        try:
+                            self.sock.sendto(data, dst)
+                        except OSError:
+                            self.send_errors += 1
+                    while (ev := dp.next_event()) is not None:
+                        self._log_event(ev)
 
     def stop(self) -> None:
         """Stop serving (wakes the blocking receive) and close the socket. Idempotent."""
@@ -261,6 +299,9 @@ class WorkerClient:
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
                  buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
         self.switch = (socket.gethostbyname(switch[0]), int(switch[1]))
+        env_secret = os.environ.get("SWITCHML_SECRET")
+        if env_secret and (config is None or config.secret is None):
+            config = dataclasses.replace(config or WorkerConfig(), secret=env_secret.encode())
         self.endpoint = WorkerEndpoint(spec=spec, rank=rank, switch_address=self.switch,
                                        config=config)
         self.spec = spec
@@ -487,6 +528,13 @@ class WorkerClient:
                     f" ({self.icmp_errors} ICMP port-unreachable errors: is a switch listening "
                     f"at {_fmt(self.switch)}?)" if self.icmp_errors else "")
                 self._joined.set()
+            elif isinstance(ev, OperationRestarted):
+                log.warning("worker %d, job %d: %s; operation %d restarts as %d", self.rank,
+                            self.spec.job_id, ev.reason, ev.seq, ev.new_seq)
+                handle = self._pending.pop(ev.seq, None)
+                if handle is not None:
+                    handle.seq = ev.new_seq
+                    self._pending[ev.new_seq] = handle
             elif isinstance(ev, Left):
                 pass
 

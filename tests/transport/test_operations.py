@@ -1,0 +1,178 @@
+"""Shared-switch operations: leases, keep-alives, switch restarts, rejoins, the secret."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.errors import OperationFailed, SwitchMLError
+from switchml.protocol.events import JobRemoved, OperationRestarted
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.worker import WorkerEndpoint, WorkerState
+from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
+
+SECRET = b"0123456789abcdef-secret"
+
+
+def _inputs(n: int, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+
+
+def test_silent_job_loses_its_slots_after_the_lease():
+    sw = SwitchDataplane(SwitchConfig(pool_slots=8, lease_timeout_s=3.0))
+    c = MemoryCluster(num_workers=2, window=8, switch=sw,
+                      worker_config=WorkerConfig(keepalive_s=1.0))
+    c.join()
+    assert sw.stats()["slots_in_use"] == 8
+    # Idle but alive: keep-alives hold the lease far beyond its length.
+    c.fabric.run(lambda: c.fabric.now > 20.0)
+    assert sw.stats()["jobs"] == 1
+    # Both workers die without LEAVE: the lease expires, the slots come back.
+    for a in c.addresses:
+        c.fabric.detach(a)
+    c.fabric.run(lambda: sw.stats()["jobs"] == 0, max_time_s=40.0)
+    assert sw.stats()["slots_in_use"] == 0
+    assert 20.0 < c.fabric.now <= 24.0 + 1e-6  # last keep-alive + 3 s lease
+    removed = [e for e in c.fabric.events[c.SWITCH] if isinstance(e, JobRemoved)]
+    assert removed and "lease expired" in removed[0].reason
+    # A new job fits in the freed pool.
+    d = MemoryCluster(num_workers=1, window=8, job_id=99, fabric=c.fabric)
+    assert np.array_equal(d.allreduce([np.arange(5, dtype=np.int32)])[0], np.arange(5))
+
+
+@pytest.mark.parametrize("faults", [FaultModel(), FaultModel(loss_rate=0.05, reorder_rate=0.2)],
+                         ids=["clean", "lossy"])
+def test_switch_restart_mid_operation_is_retried_transparently(faults):
+    n, size = 3, 20_000
+    xs = _inputs(n, size, seed=3)
+    clean = MemoryCluster(num_workers=n, window=4, elements_per_packet=512)
+    expected = clean.allreduce(xs)[0]
+    c = MemoryCluster(num_workers=n, window=4, elements_per_packet=512, faults=faults, seed=7)
+    first = c.allreduce(xs)  # the job has history: seq 1 comes next, sets have alternated
+    assert np.array_equal(first[0], expected)
+    outs = [x.copy() for x in xs]  # in place: the restart must use the input, not partial sums
+    seqs = c.start(outs, outs)
+    c.fabric.run(lambda: c.switch.stats()["results_multicast"] > 25)
+    # The switch crashes and comes back empty at the same address; datagrams already on
+    # their way (old epoch) reach the new one.
+    c.fabric.detach(c.SWITCH)
+    c.switch = SwitchDataplane()
+    c.fabric.attach(c.SWITCH, c.switch)
+    restarted = {}
+    for r, a in enumerate(c.addresses):
+        c.fabric.run(lambda a=a: any(isinstance(e, OperationRestarted)
+                                     for e in c.fabric.events[a]), max_time_s=120)
+        restarted[r] = [e for e in c.fabric.events[a] if isinstance(e, OperationRestarted)]
+    new_seqs = [restarted[r][-1].new_seq for r in range(n)]
+    assert len(set(new_seqs)) == 1 and new_seqs[0] > seqs[0]
+    c.wait(new_seqs)
+    for o in outs:
+        assert np.array_equal(o, expected)
+    # The job goes on: the next operation is exact too.
+    again = c.allreduce(xs)
+    assert np.array_equal(again[0], expected)
+
+
+def test_idle_workers_rejoin_a_restarted_switch():
+    n = 2
+    xs = _inputs(n, 3000, seed=4)
+    c = MemoryCluster(num_workers=n, window=4, elements_per_packet=256,
+                      worker_config=WorkerConfig(keepalive_s=0.5))
+    expected = c.allreduce(xs)[0]
+    c.fabric.detach(c.SWITCH)
+    c.switch = SwitchDataplane()
+    c.fabric.attach(c.SWITCH, c.switch)
+    # Keep-alives meet UNKNOWN_JOB; the workers join again and the next operation just works.
+    c.fabric.run(lambda: c.switch.stats()["jobs"] == 1, max_time_s=10)
+    c.fabric.run(lambda: all(w.state is WorkerState.READY for w in c.workers), max_time_s=20)
+    assert np.array_equal(c.allreduce(xs)[0], expected)
+
+
+def test_restarts_are_bounded():
+    c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64,
+                      worker_config=WorkerConfig(max_restarts=1, op_timeout_s=5.0,
+                                                 join_timeout_s=2.0))
+    c.join()
+    seqs = c.start(_inputs(2, 10_000, 1))
+    failed = lambda: all(w.state is WorkerState.ERROR for w in c.workers)  # noqa: E731
+    crashes = 0
+    while not failed():  # the switch keeps losing the job
+        c.fabric.run(lambda: c.switch.stats()["results_multicast"] > 3 or failed(),
+                     max_time_s=60)
+        c.fabric.detach(c.SWITCH)
+        c.switch = SwitchDataplane()
+        c.fabric.attach(c.SWITCH, c.switch)
+        crashes += 1
+        c.fabric.run(lambda: c.switch.stats()["jobs"] or failed(), max_time_s=60)
+    assert crashes == 2
+    with pytest.raises(OperationFailed, match="lost the job 2 times"):
+        c.wait([seqs[0] + 2**16] * 2)  # the failure is reported for the restarted operation
+
+
+def test_restarted_worker_cannot_rejoin_a_running_job():
+    c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
+    c.allreduce(_inputs(2, 100, 1))
+    # Rank 1 restarts as a new process (new address) with the same spec.
+    w = WorkerEndpoint(spec=c.spec, rank=1, switch_address=c.SWITCH)
+    c.fabric.attach(("restarted", 1), w)
+    w.join(c.fabric.now)
+    c.fabric.flush(("restarted", 1))
+    c.fabric.run(lambda: w.state is not WorkerState.JOINING)
+    assert w.state is WorkerState.ERROR
+    assert "is joined from" in w.error and "start a new job" in w.error
+
+
+def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
+    c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
+    c.join()
+    c.fabric.detach(c.addresses[1])
+    w = WorkerEndpoint(spec=c.spec, rank=1, switch_address=c.SWITCH)
+    c.addresses[1] = ("restarted", 1)
+    c.workers[1] = w
+    c.fabric.attach(c.addresses[1], w)
+    w.join(c.fabric.now)
+    c.fabric.flush(c.addresses[1])
+    c.fabric.run(lambda: w.state is WorkerState.READY)
+    xs = _inputs(2, 1000, 2)
+    out = c.allreduce(xs)
+    assert np.allclose(out[0], xs[0] + xs[1], atol=1e-5)
+
+
+def test_creating_a_job_needs_the_secret_joining_one_needs_the_token():
+    fabric = MemoryFabric()
+    sw = SwitchDataplane(SwitchConfig(secret=SECRET))
+    with pytest.raises(SwitchMLError, match="needs its secret"):
+        MemoryCluster(num_workers=2, switch=sw, fabric=fabric).join()
+    assert sw.stats()["jobs"] == 0 and sw.drops["bad_secret"] == 2
+    wrong = WorkerConfig(secret=b"not the secret, 16+ bytes")
+    with pytest.raises(SwitchMLError, match="needs its secret"):
+        MemoryCluster(num_workers=1, switch=sw, fabric=fabric, job_id=8,
+                      worker_config=wrong).join()
+    good = MemoryCluster(num_workers=2, switch=sw, fabric=fabric, job_id=9,
+                         worker_config=WorkerConfig(secret=SECRET))
+    xs = [np.arange(4, dtype=np.int32)] * 2
+    assert np.array_equal(good.allreduce(xs)[0], 2 * np.arange(4))
+
+
+def test_secret_must_be_long_enough():
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        SwitchConfig(secret=b"short")
+
+
+def test_worker_restart_events_name_the_new_sequence_number():
+    spec = JobSpec(job_id=1, token=2, num_workers=1, window=2, elements_per_packet=8)
+    c = MemoryCluster(num_workers=1, window=2, elements_per_packet=8, job_id=1, token=2)
+    assert c.spec == spec
+    c.allreduce([np.ones(100, np.float32)])
+    seqs = c.start([np.ones(100, np.float32)])
+    c.fabric.detach(c.SWITCH)
+    c.switch = SwitchDataplane()
+    c.fabric.attach(c.SWITCH, c.switch)
+    c.fabric.run(lambda: any(isinstance(e, OperationRestarted)
+                             for e in c.fabric.events[c.addresses[0]]), max_time_s=60)
+    (ev,) = [e for e in c.fabric.events[c.addresses[0]] if isinstance(e, OperationRestarted)]
+    assert ev.seq == seqs[0] and ev.new_seq == seqs[0] + 2**16
+    c.wait([ev.new_seq])
+    assert c.workers[0].counters["operations_restarted"] == 1
