@@ -3,7 +3,8 @@
 Usage recipes::
 
     switchml switch                          # a software switch on 127.0.0.1:48864
-    switchml switch --host 0.0.0.0 --port 9000 --pool-slots 8192
+    switchml stats                           # its live counters (metrics on 127.0.0.1:9109)
+    switchml switch --host 0.0.0.0 --secret-file /etc/switchml.secret --pool-slots 8192
     switchml bench allreduce --workers 4 --size 64MiB --json results.json
     switchml bench allreduce --workers 2 --size 1MiB --size 16MiB --switch 127.0.0.1:48864
 
@@ -77,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="aggregation slots shared by all jobs (default 4096)")
     sw.add_argument("--stats-interval-s", type=float, default=0.0,
                     help="log the counters every this many seconds (default 0: only at exit)")
+    sw.add_argument("--lease-timeout-s", type=float,
+                    default=float(_env("lease_timeout_s", 30.0)),  # type: ignore[arg-type]
+                    help="a job silent for this long loses its slots (default 30)")
+    sw.add_argument("--secret-file", default=_env("secret_file", None),
+                    help="file holding the secret needed to create jobs (workers pass it in "
+                         "SWITCHML_SECRET); SWITCHML_SECRET also works here")
+    sw.add_argument("--insecure", action="store_true",
+                    help="allow listening beyond loopback without a secret (anyone who can "
+                         "reach the port can then create jobs)")
+    sw.add_argument("--metrics-port", type=int,
+                    default=int(_env("metrics_port", 9109)),  # type: ignore[arg-type]
+                    help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
+                         "by 'switchml stats'")
     sw.add_argument("--stop-on-stdin-eof", action="store_true",
                     help="also stop when standard input closes (used by the PyTorch backend's "
                          "embedded switch, so it dies with the process that started it)")
@@ -94,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for loss.png and demo.json (default ./switchml-demo)")
     demo.add_argument("--backend", action="append", choices=["gloo", "switchml"],
                       help="run only this backend (repeatable; default both)")
+
+    stats = sub.add_parser(
+        "stats", help="live counters of a running switch",
+        description="Show a running switch's counters (like a hardware switch's port counters) "
+                    "from its Prometheus endpoint, refreshed every --interval-s.")
+    stats.add_argument("--url", default=_env("stats_url", "http://127.0.0.1:9109/metrics"),
+                       help="the switch's metrics URL (default http://127.0.0.1:9109/metrics)")
+    stats.add_argument("--interval-s", type=float, default=1.0,
+                       help="refresh period in seconds (default 1)")
+    stats.add_argument("--once", action="store_true", help="print one table and exit")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -127,8 +151,24 @@ def _run_switch(args: argparse.Namespace) -> int:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
 
-    server = SwitchServer(host=args.host, port=args.port,
-                          config=SwitchConfig(pool_slots=args.pool_slots))
+    secret = None
+    if args.secret_file:
+        with open(args.secret_file, "rb") as f:
+            secret = f.read().strip()
+    elif os.environ.get("SWITCHML_SECRET"):
+        secret = os.environ["SWITCHML_SECRET"].encode()
+    if secret is None and not _is_loopback(args.host) and not args.insecure:
+        raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
+                         "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
+    server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
+        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret))
+    if args.metrics_port:
+        from switchml.control.metrics import start_exporter
+        try:
+            start_exporter(server.stats, args.pool_slots, "127.0.0.1", args.metrics_port)
+            log.info("metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
+        except OSError as exc:
+            log.warning("metrics endpoint not started on port %d: %s", args.metrics_port, exc)
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -151,6 +191,80 @@ def _run_switch(args: argparse.Namespace) -> int:
     while not stop.wait(interval):
         log.info("stats: %s", server.stats())
     server.stop()
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    import socket
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    from switchml.control.metrics import read_metrics
+
+    def snapshot() -> dict:
+        try:
+            return read_metrics(args.url)
+        except OSError as exc:
+            raise ValueError(f"can't read {args.url}: {exc} (is a switch running with "
+                             "--metrics-port?)") from exc
+
+    def table(now: dict, before: dict | None, dt: float) -> Table:
+        t = Table(title=f"switchml switch {args.url}")
+        t.add_column("counter")
+        t.add_column("value", justify="right")
+        t.add_column("per second", justify="right")
+
+        def rate(key: str, label: str | None = None) -> str:
+            if before is None or dt <= 0:
+                return ""
+            a = now.get(key, {}) if label is not None else now.get(key, 0)
+            b = before.get(key, {}) if label is not None else before.get(key, 0)
+            if label is not None:
+                a, b = a.get(label, 0), b.get(label, 0)
+            return f"{(a - b) / dt:,.0f}"
+
+        for key, name in (("switchml_packets_in_total", "packets in"),
+                          ("switchml_packets_out_total", "packets out"),
+                          ("switchml_results_multicast_total", "results multicast"),
+                          ("switchml_results_resent_total", "results resent (shadow copy)"),
+                          ("switchml_waiting_sent_total", "WAITING answers")):
+            t.add_row(name, f"{now.get(key, 0):,.0f}", rate(key))
+        t.add_row("jobs", f"{now.get('switchml_jobs', 0):.0f}", "")
+        t.add_row("slots in use", f"{now.get('switchml_slots_in_use', 0):.0f} / "
+                  f"{now.get('switchml_pool_slots', 0):.0f}", "")
+        t.add_row("slot memory", f"{now.get('switchml_memory_bytes', 0) / 2**20:.1f} MiB", "")
+        for job, n in sorted(now.get("switchml_elements_aggregated_total", {}).items()):
+            t.add_row(f"job {job} elements", f"{n:,.0f}",
+                      rate("switchml_elements_aggregated_total", job))
+        for reason, n in sorted(now.get("switchml_drops_total", {}).items()):
+            t.add_row(f"drops: {reason}", f"{n:,.0f}", rate("switchml_drops_total", reason))
+        return t
+
+    current = snapshot()
+    if args.once:
+        Console().print(table(current, None, 0.0))
+        return 0
+    with Live(table(current, None, 0.0), refresh_per_second=4) as live:
+        try:
+            while True:
+                t0 = time.monotonic()
+                time.sleep(args.interval_s)
+                nxt = snapshot()
+                live.update(table(nxt, current, time.monotonic() - t0))
+                current = nxt
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -248,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_switch(args)
         if args.command == "demo":
             return _run_demo(args)
+        if args.command == "stats":
+            return _run_stats(args)
         if args.command == "bench" and args.bench == "allreduce":
             return _run_bench_allreduce(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:

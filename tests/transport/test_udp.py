@@ -189,10 +189,17 @@ def test_switch_survives_garbage_datagrams(server):
     assert sum(stats["drops"].values()) >= 2900
 
 
-def test_switch_command_logs_and_stops_on_sigterm():
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_switch_command_logs_exports_metrics_and_stops_on_sigterm():
+    metrics = _free_tcp_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "switchml", "switch", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "switchml", "switch", "--port", "0", "--metrics-port",
+         str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on udp 127.0.0.1:" in line
@@ -200,6 +207,19 @@ def test_switch_command_logs_and_stops_on_sigterm():
         spec = new_job_spec(1, window=2, elements_per_packet=256)
         with WorkerClient(("127.0.0.1", port), spec, 0) as w:
             assert np.array_equal(w.allreduce(np.arange(7, dtype=np.int32)), np.arange(7))
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(b"junk", ("127.0.0.1", port))
+            url = f"http://127.0.0.1:{metrics}/metrics"
+            from switchml.control.metrics import read_metrics
+            m = read_metrics(url)
+            assert m["switchml_jobs"] == 1
+            assert m["switchml_elements_aggregated_total"] == {str(spec.job_id): 7}
+            assert m["switchml_drops_total"]["short"] == 1
+            assert m["switchml_packets_in_total"] >= 3
+            res = subprocess.run([sys.executable, "-m", "switchml", "stats", "--once", "--url",
+                                  url], capture_output=True, text=True, timeout=30)
+            assert res.returncode == 0, res.stderr
+            assert f"job {spec.job_id} elements" in res.stdout and "drops: short" in res.stdout
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=10)
         assert proc.returncode == 0
@@ -211,10 +231,28 @@ def test_switch_command_logs_and_stops_on_sigterm():
             proc.kill()
 
 
+def test_switch_command_refuses_exposure_without_a_secret():
+    res = subprocess.run([sys.executable, "-m", "switchml", "switch", "--host", "0.0.0.0",
+                          "--port", "0", "--metrics-port", "0"],
+                         capture_output=True, text=True, timeout=30,
+                         env={k: v for k, v in os.environ.items() if k != "SWITCHML_SECRET"})
+    assert res.returncode == 2
+    assert "--secret-file" in res.stderr
+
+
+def test_stats_without_a_switch_says_so():
+    port = _free_tcp_port()
+    res = subprocess.run([sys.executable, "-m", "switchml", "stats", "--once", "--url",
+                          f"http://127.0.0.1:{port}/metrics"], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 2 and "is a switch running" in res.stderr
+
+
 def test_switch_command_reports_port_in_use():
     with SwitchServer(port=0) as srv:
         res = subprocess.run(
-            [sys.executable, "-m", "switchml", "switch", "--port", str(srv.address[1])],
+            [sys.executable, "-m", "switchml", "switch", "--port", str(srv.address[1]),
+             "--metrics-port", "0"],
             capture_output=True, text=True, timeout=30, env={**os.environ})
     assert res.returncode == 2
     assert "can't listen on" in res.stderr

@@ -346,7 +346,7 @@ def _start_embedded_switch() -> tuple[str, int]:
     global _embedded
     proc = subprocess.Popen(
         [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
-         "--stop-on-stdin-eof"],
+         "--metrics-port", "0", "--stop-on-stdin-eof"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -1,0 +1,90 @@
+"""Prometheus metrics of a running switch, and the reader behind ``switchml stats``.
+
+The exporter is a prometheus-client *collector*: it reads the dataplane's counters when
+scraped, so the packet path pays nothing for it. Metric names:
+
+| metric | type | labels |
+|---|---|---|
+| ``switchml_packets_in_total`` / ``switchml_packets_out_total`` | counter | |
+| ``switchml_results_multicast_total`` | counter | |
+| ``switchml_results_resent_total`` (from shadow copies) | counter | |
+| ``switchml_waiting_sent_total`` | counter | |
+| ``switchml_drops_total`` | counter | ``reason`` |
+| ``switchml_elements_aggregated_total`` | counter | ``job`` |
+| ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
+| ``switchml_memory_bytes`` (slot memory held by jobs) | gauge | |
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["SwitchCollector", "read_metrics", "start_exporter"]
+
+
+class SwitchCollector:
+    """A prometheus-client collector over ``stats()`` of a SwitchServer."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], pool_slots: int) -> None:
+        self._stats = stats
+        self._pool_slots = pool_slots
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        s = self._stats()
+        for name, key, doc in (
+                ("switchml_packets_in", "packets_in", "Datagrams received"),
+                ("switchml_packets_out", "packets_out", "Datagrams sent"),
+                ("switchml_results_multicast", "results_multicast",
+                 "Completed slots sent to every member"),
+                ("switchml_results_resent", "results_resent",
+                 "Results resent from shadow copies to one worker"),
+                ("switchml_waiting_sent", "waiting_sent",
+                 "WAITING answers to retransmissions into open slots")):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        drops = CounterMetricFamily("switchml_drops", "Dropped datagrams", labels=["reason"])
+        for reason, n in sorted(s["drops"].items()):
+            drops.add_metric([reason], n)
+        yield drops
+        elems = CounterMetricFamily("switchml_elements_aggregated",
+                                    "Aggregated elements per live job", labels=["job"])
+        for job, n in sorted(s["elements_aggregated"].items()):
+            elems.add_metric([str(job)], n)
+        yield elems
+        yield GaugeMetricFamily("switchml_jobs", "Live jobs", value=s["jobs"])
+        yield GaugeMetricFamily("switchml_slots_in_use", "Slots held by jobs",
+                                value=s["slots_in_use"])
+        yield GaugeMetricFamily("switchml_pool_slots", "Slots in the pool",
+                                value=self._pool_slots)
+        yield GaugeMetricFamily("switchml_memory_bytes", "Slot memory held by jobs",
+                                value=s["memory_bytes"])
+
+
+def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: str,
+                   port: int) -> tuple[Any, Any]:
+    """Serve ``/metrics`` on host:port in a thread; returns (server, thread)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SwitchCollector(stats, pool_slots))
+    return start_http_server(port, addr=host, registry=registry)
+
+
+def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Scrape a switch's metrics endpoint into ``{name: value | {label: value}}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - user's URL
+        text = resp.read().decode()
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if sample.labels:
+                label = next(iter(sample.labels.values()))
+                out.setdefault(sample.name, {})[label] = sample.value
+            else:
+                out[sample.name] = sample.value
+    return out
