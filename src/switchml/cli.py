@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     sw.add_argument("--port", type=int, default=int(_env("port", 48864)),  # type: ignore[arg-type]
                     help="UDP port (default 48864; 0 picks a free one)")
-    sw.add_argument("--pool-slots", type=int, default=int(_env("pool_slots", 4096)),  # type: ignore[arg-type]
-                    help="aggregation slots shared by all jobs (default 4096)")
+    sw.add_argument("--pool-slots", type=int, default=int(_env("pool_slots", 1024)),  # type: ignore[arg-type]
+                    help="aggregation slots shared by all jobs; bounds the switch's slot "
+                         "memory at 128 KiB per slot (default 1024 = 128 MiB)")
     sw.add_argument("--stats-interval-s", type=float, default=0.0,
                     help="log the counters every this many seconds (default 0: only at exit)")
     sw.add_argument("--lease-timeout-s", type=float,
@@ -142,6 +143,34 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ar.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a measurement after this long (default 600)")
+    so = bsub.add_parser(
+        "soak", help="jobs with loss and churn against one switch: exact or error, never wrong",
+        description="Run several jobs of worker processes (int32 all-reduces, every result "
+                    "checked exactly) with seeded loss in every worker, while jobs stop and "
+                    "start and workers are killed; report operations, errors, wrong results "
+                    "(must be 0) and the switch's memory over time.")
+    so.add_argument("--duration-s", type=float, default=60.0, help="run time (default 60)")
+    so.add_argument("--jobs", type=int, default=3, help="concurrent jobs (default 3)")
+    so.add_argument("--workers", type=int, default=2, help="workers per job (default 2)")
+    so.add_argument("--loss", type=float, default=0.01,
+                    help="datagram loss rate in each direction, 0..1 (default 0.01)")
+    so.add_argument("--churn-interval-s", type=float, default=5.0,
+                    help="stop or kill one job this often (default 5)")
+    so.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    so.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    fz = bsub.add_parser(
+        "fuzz", help="hostile datagrams at a switch while a job runs",
+        description="Send hostile datagrams (random bytes, truncated and oversized ones, valid "
+                    "headers with wrong fields, forged requests, JOIN floods) at a fresh switch "
+                    "while a 2-rank job runs; report drops, the job's results and the switch's "
+                    "memory.")
+    fz.add_argument("--datagrams", type=int, default=1_000_000,
+                    help="hostile datagrams in all (default 1000000)")
+    fz.add_argument("--senders", type=int, default=2, help="sender processes (default 2)")
+    fz.add_argument("--no-secret", action="store_true",
+                    help="run the switch without a job-creation secret (JOIN floods then fill "
+                         "the pool, which bounds the memory)")
+    fz.add_argument("--json", metavar="PATH", help="write the report as JSON")
     return parser
 
 
@@ -345,6 +374,89 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench_soak(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.soak import SoakConfig, run_soak
+
+    if not 0.0 <= args.loss < 1.0:
+        raise ValueError(f"--loss must be in [0, 1), got {args.loss}")
+    cfg = SoakConfig(duration_s=args.duration_s, jobs=args.jobs, workers=args.workers,
+                     loss_rate=args.loss, churn_interval_s=args.churn_interval_s, seed=args.seed)
+    console = Console(stderr=True)
+    with console.status("soaking") as status:
+        report = run_soak(cfg, lambda r: status.update(
+            f"soaking: {r.memory[-1][0]:.0f}/{cfg.duration_s:.0f} s, {r.operations} operations, "
+            f"{r.errors} errors, {r.wrong_results} wrong, switch RSS "
+            f"{r.memory[-1][1] / 2**20:.1f} MiB"))
+    t = Table(title=f"soak: {cfg.jobs} jobs x {cfg.workers} workers, loss {cfg.loss_rate:g}, "
+                    f"{cfg.duration_s:g} s")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rss = [m[1] for m in report.memory]
+    for name, value in (
+            ("operations completed", report.operations),
+            ("wrong results", report.wrong_results),
+            ("errors raised (expected after kills)", report.errors),
+            ("jobs started / stopped", f"{report.jobs_started} / {report.jobs_stopped}"),
+            ("workers killed", report.workers_killed),
+            ("switch RSS first / max / last (MiB)",
+             f"{rss[0] / 2**20:.1f} / {max(rss) / 2**20:.1f} / {rss[-1] / 2**20:.1f}"),
+            ("switch jobs / slots in use after the leases ran out",
+             f"{report.switch_stats.get('jobs')} / {report.switch_stats.get('slots_in_use')}"),
+            ("switch drops", report.switch_stats.get("drops"))):
+        t.add_row(name, str(value))
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    for e in report.error_samples:
+        console.print(f"error sample: {e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(report), f, indent=2)
+    return 1 if report.wrong_results else 0
+
+
+def _run_bench_fuzz(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.soak import FuzzConfig, run_fuzz
+
+    cfg = FuzzConfig(datagrams=args.datagrams, senders=args.senders, secret=not args.no_secret)
+    console = Console(stderr=True)
+    with console.status("fuzzing") as status:
+        rep = run_fuzz(cfg, lambda st: status.update(
+            f"fuzzing: switch received {st['packets_in']:,} datagrams, dropped "
+            f"{sum(st['drops'].values()):,}"))
+    t = Table(title=f"fuzz: {rep['datagrams_sent']:,} hostile datagrams in {rep['seconds']} s")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rss = [m[1] for m in rep["memory"]]
+    for name, value in (
+            ("switch datagrams received", f"{rep['switch_packets_in']:,}"),
+            ("switch internal errors", rep["internal_errors"]),
+            ("legit operations / wrong / errors",
+             f"{rep['legit_operations']} / {rep['legit_wrong_results']} / "
+             f"{len(rep['legit_errors'])}"),
+            ("switch RSS before / max / after (MiB)",
+             f"{rss[0] / 2**20:.1f} / {max(rss) / 2**20:.1f} / {rss[-1] / 2**20:.1f}"),
+            ("jobs at end", rep["jobs_at_end"])):
+        t.add_row(name, str(value))
+    for reason, n in sorted(rep["drops"].items(), key=lambda kv: -kv[1]):
+        t.add_row(f"drops: {reason}", f"{n:,}")
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=2)
+    bad = rep["legit_wrong_results"] or rep["legit_errors"] or rep["internal_errors"]
+    return 1 if bad else 0
+
+
 def _human(nbytes: int) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= div and nbytes % div == 0:
@@ -366,6 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_stats(args)
         if args.command == "bench" and args.bench == "allreduce":
             return _run_bench_allreduce(args)
+        if args.command == "bench" and args.bench == "soak":
+            return _run_bench_soak(args)
+        if args.command == "bench" and args.bench == "fuzz":
+            return _run_bench_fuzz(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"switchml: error: {exc}", file=sys.stderr)
         return 2

@@ -21,9 +21,11 @@ def _check(cond: bool, message: str) -> None:
 class SwitchConfig:
     """Switch resources. Every job's slots come out of one bounded pool."""
 
-    pool_slots: int = 4096
-    """Aggregation slots in the pool (each has two sets of ``max_elements_per_packet`` int32).
-    Memory is allocated per job, only for the slots it holds. Default 4096."""
+    pool_slots: int = 1024
+    """Aggregation slots in the pool (each has two sets of up to ``max_elements_per_packet``
+    int32). Memory is allocated per job, for the slots it holds: at most
+    ``pool_slots * 2 * (40 + 4 * max_elements_per_packet)`` bytes, 128 MiB by default. A job
+    asking more slots than the largest free range is refused. Default 1024."""
     max_elements_per_packet: int = MAX_ELEMENTS_PER_PACKET
     """Largest chunk a job may ask for, in int32 elements (1..16366). Default: the UDP maximum."""
     max_workers: int = 4096

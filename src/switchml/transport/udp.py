@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import queue
+import random
 import select
 import socket
 import threading
@@ -103,6 +104,9 @@ class SwitchServer:
         self.address: Address = self.sock.getsockname()
         self.internal_errors = 0
         self.send_errors = 0
+        self._refusals_window_start = 0.0
+        self._refusals_logged = 0
+        self._refusals_suppressed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards dataplane for stats() from other threads
@@ -164,8 +168,20 @@ class SwitchServer:
             log.info("event=%s job=%d reason=%r free_slots=%d", kind, ev.job_id, ev.reason,
                      self.dataplane.allocator.free_slots)
         elif isinstance(ev, JobRefused):
-            log.warning("event=job_refused job=%d rank=%d address=%s reason=%r", ev.job_id,
-                        ev.rank, _fmt(ev.address), ev.reason)
+            # Anyone can send JOINs: at most 10 refusal lines per 10 s, then a count.
+            now = time.monotonic()
+            if now - self._refusals_window_start > 10.0:
+                if self._refusals_suppressed:
+                    log.warning("event=job_refused_suppressed count=%d",
+                                self._refusals_suppressed)
+                self._refusals_window_start, self._refusals_logged = now, 0
+                self._refusals_suppressed = 0
+            if self._refusals_logged < 10:
+                self._refusals_logged += 1
+                log.warning("event=job_refused job=%d rank=%d address=%s reason=%r", ev.job_id,
+                            ev.rank, _fmt(ev.address), ev.reason)
+            else:
+                self._refusals_suppressed += 1
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -297,7 +313,15 @@ class WorkerClient:
 
     def __init__(self, switch: Address, spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
-                 buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+                 buffer_bytes: int = SOCKET_BUFFER_BYTES, loss_rate: float = 0.0,
+                 loss_seed: int = 0) -> None:
+        if not 0.0 <= loss_rate < 1.0:
+            raise ValueError(f"loss_rate must be in [0, 1), got {loss_rate}")
+        # Fault injection for tests and soak runs: drop this fraction of datagrams in each
+        # direction, from a seeded generator (reproducible), without touching the socket.
+        self._loss_rate = loss_rate
+        self._loss_rng = random.Random(loss_seed)
+        self.injected_losses = 0
         self.switch = (socket.gethostbyname(switch[0]), int(switch[1]))
         env_secret = os.environ.get("SWITCHML_SECRET")
         if env_secret and (config is None or config.secret is None):
@@ -402,6 +426,7 @@ class WorkerClient:
         c = dict(self.endpoint.counters)
         c.update({f"drop_{k}": v for k, v in self.endpoint.drops.items()})
         c["icmp_errors"] = self.icmp_errors
+        c["injected_losses"] = self.injected_losses
         c["send_blocked"] = self.send_blocked
         return c
 
@@ -477,6 +502,9 @@ class WorkerClient:
                 except ConnectionRefusedError:
                     self.icmp_errors += 1  # nothing listens at the switch address (yet)
                     continue
+                if self._loss_rate and self._loss_rng.random() < self._loss_rate:
+                    self.injected_losses += 1
+                    continue
                 ep.receive_datagram(view[:nbytes], self.switch, clock())
                 got = True
                 self._transmit(clock())
@@ -499,6 +527,9 @@ class WorkerClient:
         """Send the endpoint's datagrams and dispatch its events."""
         ep = self.endpoint
         for data, _ in ep.datagrams_to_send(now):
+            if self._loss_rate and self._loss_rng.random() < self._loss_rate:
+                self.injected_losses += 1
+                continue
             try:
                 self.sock.send(data)
             except BlockingIOError:

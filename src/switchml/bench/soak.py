@@ -1,0 +1,381 @@
+"""Soak and fuzz runs against a switch process: the promise is exact results or errors, never
+a wrong sum, a crash, a hang or unbounded memory.
+
+``run_soak``: several jobs of worker processes all-reduce int32 data (exact, so every result is
+checked bit for bit) with seeded loss injected in every worker, while jobs are stopped and
+started and workers are killed (SIGKILL) at random. Reports operations completed, errors raised
+(expected after a kill), wrong results (must be 0), and the switch's memory over time.
+
+``run_fuzz``: a legitimate job runs while sender processes throw hostile datagrams at the switch
+(random bytes, truncated and oversized datagrams, valid headers with wrong fields, forged
+requests for the live job, floods). Reports the switch's drop counters, the legitimate job's
+results (must stay exact) and the switch's memory before, during and after.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FuzzConfig", "SoakConfig", "run_fuzz", "run_soak", "rss_bytes"]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _switch_proc(conn: Any, lease_timeout_s: float, secret: bytes | None) -> None:
+    from switchml.protocol.config import SwitchConfig
+    from switchml.transport.udp import SwitchServer
+    server = SwitchServer(host="127.0.0.1", port=0,
+                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret))
+    conn.send(server.address)
+    server.start()
+    try:
+        while True:
+            msg = conn.recv()
+            if msg == "stats":
+                conn.send(server.stats())
+            else:
+                break
+    except EOFError:
+        pass
+    server.stop()
+
+
+class _Switch:
+    """A switch in a process of its own, with a pipe for its counters."""
+
+    def __init__(self, ctx: Any, lease_timeout_s: float, secret: bytes | None = None) -> None:
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_switch_proc, args=(child, lease_timeout_s, secret),
+                                daemon=True)
+        self.proc.start()
+        if not self._conn.poll(30):
+            raise RuntimeError("switch process did not start")
+        self.address = tuple(self._conn.recv())
+
+    def stats(self) -> dict[str, Any]:
+        self._conn.send("stats")
+        return self._conn.recv()  # type: ignore[no-any-return]
+
+    def rss(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def stop(self) -> None:
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _expected(job_seed: int, op: int, n: int, numel: int) -> np.ndarray:
+    total = np.zeros(numel, dtype=np.int64)
+    for r in range(n):
+        total += _input(job_seed, op, r, numel)
+    return total.astype(np.int32)
+
+
+def _input(job_seed: int, op: int, rank: int, numel: int) -> np.ndarray:
+    rng = np.random.default_rng([job_seed, op, rank])
+    return rng.integers(-2**24, 2**24, numel, dtype=np.int32)
+
+
+def _soak_worker(switch: tuple[str, int], spec_text: str, rank: int, job_seed: int,
+                 numel: int, loss_rate: float, op_timeout_s: float, results: Any) -> None:
+    from switchml.control import decode_job_spec
+    from switchml.protocol.config import WorkerConfig
+    from switchml.protocol.errors import SwitchMLError
+    from switchml.transport.udp import WorkerClient
+    spec = decode_job_spec(spec_text)
+    done = wrong = 0
+    error = None
+    try:
+        cfg = WorkerConfig(op_timeout_s=op_timeout_s, max_rto_s=0.5, keepalive_s=1.0)
+        with WorkerClient(switch, spec, rank, cfg, loss_rate=loss_rate,
+                          loss_seed=job_seed * 1000 + rank) as w:
+            op = 0
+            while True:
+                out = w.allreduce(_input(job_seed, op, rank, numel))
+                if not np.array_equal(out, _expected(job_seed, op, spec.num_workers, numel)):
+                    wrong += 1
+                done += 1
+                op += 1
+                if op % 5 == 0:
+                    results.put(("progress", job_seed, rank, done, wrong))
+                    done = wrong = 0
+    except SwitchMLError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - reported
+        error = f"unexpected {type(exc).__name__}: {exc}"
+    results.put(("end", job_seed, rank, done, wrong, error))
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    duration_s: float = 60.0
+    jobs: int = 3
+    workers: int = 2
+    numel: int = 50_000
+    loss_rate: float = 0.01
+    churn_interval_s: float = 5.0
+    """Every this often, one random job is stopped cleanly or has a worker killed."""
+    kill_fraction: float = 0.5
+    lease_timeout_s: float = 5.0
+    op_timeout_s: float = 5.0
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    config: dict[str, Any]
+    operations: int = 0
+    wrong_results: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    jobs_started: int = 0
+    jobs_stopped: int = 0
+    workers_killed: int = 0
+    memory: list[tuple[float, int]] = field(default_factory=list)  # (seconds, switch RSS)
+    switch_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def run_soak(cfg: SoakConfig, progress: Any = None) -> SoakReport:
+    """Run the soak; ``progress(report)`` is called about once a second."""
+    from switchml.control import encode_job_spec, new_job_spec
+    ctx = mp.get_context("spawn")
+    rng = random.Random(cfg.seed)
+    switch = _Switch(ctx, cfg.lease_timeout_s)
+    results = ctx.Queue()
+    report = SoakReport(config=cfg.__dict__.copy())
+    jobs: dict[int, list[Any]] = {}
+    next_seed = 1
+
+    def start_job() -> None:
+        nonlocal next_seed
+        seed, next_seed = next_seed, next_seed + 1
+        spec = encode_job_spec(new_job_spec(cfg.workers, window=8, elements_per_packet=4096))
+        procs = [ctx.Process(target=_soak_worker, args=(
+            switch.address, spec, r, seed, cfg.numel, cfg.loss_rate, cfg.op_timeout_s, results),
+            daemon=True) for r in range(cfg.workers)]
+        for p in procs:
+            p.start()
+        jobs[seed] = procs
+        report.jobs_started += 1
+
+    def stop_job(seed: int, kill_one: bool) -> None:
+        procs = jobs.pop(seed)
+        if kill_one:
+            victim = rng.choice(procs)
+            os.kill(victim.pid, signal.SIGKILL)  # a crash: no LEAVE
+            report.workers_killed += 1
+            # Its peers must fail on their own within op_timeout_s; give them that long.
+            for p in procs:
+                p.join(timeout=cfg.op_timeout_s + 10)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # the rest stop at once (SIGTERM, no LEAVE: the lease frees them)
+            p.join(timeout=5)
+        report.jobs_stopped += 1
+
+    start = time.monotonic()
+    try:
+        for _ in range(cfg.jobs):
+            start_job()
+        next_churn = start + cfg.churn_interval_s
+        next_sample = start
+        while time.monotonic() - start < cfg.duration_s:
+            now = time.monotonic()
+            if now >= next_sample:
+                report.memory.append((round(now - start, 1), switch.rss()))
+                next_sample = now + 1.0
+                if progress is not None:
+                    progress(report)
+            if now >= next_churn:
+                seed = rng.choice(sorted(jobs))
+                stop_job(seed, kill_one=rng.random() < cfg.kill_fraction)
+                start_job()
+                next_churn = time.monotonic() + cfg.churn_interval_s
+            _drain(results, report, timeout=0.2)
+        for seed in list(jobs):
+            stop_job(seed, kill_one=False)
+        _drain(results, report, timeout=1.0)
+        # Stopped workers never sent LEAVE: their leases must give every slot back.
+        time.sleep(cfg.lease_timeout_s + 1.5)
+        report.memory.append((round(time.monotonic() - start, 1), switch.rss()))
+        report.switch_stats = switch.stats()
+    finally:
+        for procs in jobs.values():
+            for p in procs:
+                p.kill()
+        switch.stop()
+    return report
+
+
+def _drain(results: Any, report: SoakReport, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:
+            return
+        report.operations += msg[3]
+        report.wrong_results += msg[4]
+        if msg[0] == "end" and msg[5]:
+            report.errors += 1
+            if len(report.error_samples) < 5:
+                report.error_samples.append(msg[5])
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+
+_HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
+
+
+def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
+                 done: Any) -> None:
+    """Send ``count`` hostile datagrams of every kind, as fast as the socket takes them."""
+    rng = random.Random(seed)
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
+    kinds = 0
+    for i in range(count):
+        kind = i % 7
+        if kind == 0:  # random bytes
+            data = rng.randbytes(rng.randrange(0, 1500))
+        elif kind == 1:  # truncated header
+            data = _HEADER.pack(0x4D53, 1, 1, 0, 0, 0, live_job, 0, 0, 0, 0, 0, 1, 0, 0, 0)[
+                :rng.randrange(40)]
+        elif kind == 2:  # oversized / length mismatch
+            data = _HEADER.pack(0x4D53, 1, 1, 2, 0, 0, live_job, 0, 0, 0, 0, 10, 1, 0, 0, 0) \
+                + bytes(rng.randrange(41, 60000))
+        elif kind == 3:  # valid header, random fields (types, jobs, ranks, slots, sets)
+            count_ = rng.randrange(0, 64)
+            data = _HEADER.pack(0x4D53, 1, rng.choice([1, 2, 3, 4, 18, 20, 22, 31]),
+                                rng.randrange(16), rng.randrange(2), rng.randrange(70000 % 65536),
+                                rng.choice([live_job, rng.getrandbits(32)]), rng.getrandbits(64),
+                                rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(32),
+                                count_, 1, 0, rng.randrange(-2000, 2000), 0) \
+                + bytes(4 * count_)
+        elif kind == 4:  # JOIN floods for new jobs (each would take slots if accepted)
+            data = _HEADER.pack(0x4D53, 1, 18, 0, 0, 0, rng.getrandbits(32), rng.getrandbits(64),
+                                0, 0, 0, 16, 0, 0, 0, 0) + struct.pack(
+                "<IIII", rng.randrange(1, 5000), rng.randrange(1, 100000), 16000, 0)
+        elif kind == 5:  # forged requests for the live job (wrong token, wrong source)
+            data = _HEADER.pack(0x4D53, 1, 1, 2, rng.randrange(2), rng.randrange(4), live_job,
+                                rng.getrandbits(64), rng.randrange(100), rng.randrange(100),
+                                rng.randrange(64), 256, 1, 0, 0, 0) + bytes(1024)
+        else:  # keep-alives and leaves with wrong tokens
+            data = _HEADER.pack(0x4D53, 1, rng.choice([20, 22]), 0, 0, rng.randrange(4),
+                                live_job, rng.getrandbits(64), 0, 0, 0, 0, 0, 0, 0, 0)
+        try:
+            socks[i % 4].sendto(data, address)
+        except OSError:
+            pass
+        kinds += 1
+    for s in socks:
+        s.close()
+    done.put(kinds)
+
+
+def _legit_worker(switch: tuple[str, int], spec_text: str, rank: int, secret: bytes | None,
+                  stop: Any, results: Any) -> None:
+    from switchml.control import decode_job_spec
+    from switchml.protocol.config import WorkerConfig
+    from switchml.transport.udp import WorkerClient
+    spec = decode_job_spec(spec_text)
+    done = wrong = 0
+    error = None
+    try:
+        with WorkerClient(switch, spec, rank, WorkerConfig(op_timeout_s=30, secret=secret)) as w:
+            op = 0
+            while not stop.is_set():
+                out = w.allreduce(_input(7, op, rank, 20_000))
+                wrong += not np.array_equal(out, _expected(7, op, spec.num_workers, 20_000))
+                done += 1
+                op += 1
+    except BaseException as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    results.put((rank, done, wrong, error))
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    datagrams: int = 1_000_000
+    senders: int = 2
+    seed: int = 0
+    secret: bool = True
+    """Run the switch with a job-creation secret (as it must be when exposed). Without it, the
+    JOIN flood creates jobs until the pool is full: memory stays bounded by the pool."""
+
+
+def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
+    """Fuzz a fresh switch while a 2-rank job runs; return the figures."""
+    from switchml.control import encode_job_spec, new_job_spec
+    ctx = mp.get_context("spawn")
+    secret = os.urandom(32) if cfg.secret else None
+    switch = _Switch(ctx, lease_timeout_s=30.0, secret=secret)
+    spec = new_job_spec(2, window=8, elements_per_packet=4096)
+    results, done, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_legit_worker, args=(
+        switch.address, encode_job_spec(spec), r, secret, stop, results), daemon=True)
+        for r in range(2)]
+    memory: list[tuple[float, int]] = []
+    start = time.monotonic()
+    try:
+        for p in workers:
+            p.start()
+        time.sleep(2.0)
+        memory.append((round(time.monotonic() - start, 1), switch.rss()))
+        per_sender = cfg.datagrams // cfg.senders
+        senders = [ctx.Process(target=_fuzz_sender, args=(
+            switch.address, per_sender, cfg.seed + i, spec.job_id, done), daemon=True)
+            for i in range(cfg.senders)]
+        for p in senders:
+            p.start()
+        while any(p.is_alive() for p in senders):
+            time.sleep(1.0)
+            memory.append((round(time.monotonic() - start, 1), switch.rss()))
+            if progress is not None:
+                progress(switch.stats())
+        sent = sum(done.get(timeout=10) for _ in senders)
+        time.sleep(1.0)
+        stop.set()
+        legit = [results.get(timeout=60) for _ in workers]
+        memory.append((round(time.monotonic() - start, 1), switch.rss()))
+        stats = switch.stats()
+    finally:
+        stop.set()
+        for p in workers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        switch.stop()
+    return {
+        "datagrams_sent": sent,
+        "switch_packets_in": stats["packets_in"],
+        "drops": stats["drops"],
+        "internal_errors": stats["internal_errors"],
+        "legit_operations": sum(r[1] for r in legit),
+        "legit_wrong_results": sum(r[2] for r in legit),
+        "legit_errors": [r[3] for r in legit if r[3]],
+        "memory": memory,
+        "jobs_at_end": stats["jobs"],
+        "seconds": round(time.monotonic() - start, 1),
+    }
