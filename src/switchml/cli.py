@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--datagrams", type=int, default=1_000_000,
                     help="hostile datagrams in all (default 1000000)")
     fz.add_argument("--senders", type=int, default=2, help="sender processes (default 2)")
+    fz.add_argument("--rate", type=float, default=20_000.0,
+                    help="datagrams per second per sender (default 20000; 0: unpaced)")
     fz.add_argument("--no-secret", action="store_true",
                     help="run the switch without a job-creation secret (JOIN floods then fill "
                          "the pool, which bounds the memory)")
@@ -427,7 +429,8 @@ def _run_bench_fuzz(args: argparse.Namespace) -> int:
 
     from switchml.bench.soak import FuzzConfig, run_fuzz
 
-    cfg = FuzzConfig(datagrams=args.datagrams, senders=args.senders, secret=not args.no_secret)
+    cfg = FuzzConfig(datagrams=args.datagrams, senders=args.senders,
+                     rate_per_sender=args.rate, secret=not args.no_secret)
     console = Console(stderr=True)
     with console.status("fuzzing") as status:
         rep = run_fuzz(cfg, lambda st: status.update(

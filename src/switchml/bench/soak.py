@@ -250,9 +250,11 @@ _HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
 
 
 def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
-                 done: Any) -> None:
-    """Send ``count`` hostile datagrams of every kind, as fast as the socket takes them."""
+                 rate: float, done: Any) -> None:
+    """Send ``count`` hostile datagrams of every kind at about ``rate`` per second (paced so
+    that the switch reads them rather than the kernel dropping them at its socket)."""
     rng = random.Random(seed)
+    t0 = time.monotonic()
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
     kinds = 0
     for i in range(count):
@@ -289,6 +291,10 @@ def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
         except OSError:
             pass
         kinds += 1
+        if i % 500 == 499:
+            ahead = (i + 1) / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
     for s in socks:
         s.close()
     done.put(kinds)
@@ -319,6 +325,9 @@ def _legit_worker(switch: tuple[str, int], spec_text: str, rank: int, secret: by
 class FuzzConfig:
     datagrams: int = 1_000_000
     senders: int = 2
+    rate_per_sender: float = 20_000.0
+    """Datagrams per second per sender; 0 for as fast as possible (the kernel then drops
+    much of the flood at the switch's socket before the switch sees it)."""
     seed: int = 0
     secret: bool = True
     """Run the switch with a job-creation secret (as it must be when exposed). Without it, the
@@ -345,7 +354,8 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
         memory.append((round(time.monotonic() - start, 1), switch.rss()))
         per_sender = cfg.datagrams // cfg.senders
         senders = [ctx.Process(target=_fuzz_sender, args=(
-            switch.address, per_sender, cfg.seed + i, spec.job_id, done), daemon=True)
+            switch.address, per_sender, cfg.seed + i, spec.job_id,
+            cfg.rate_per_sender or float("inf"), done), daemon=True)
             for i in range(cfg.senders)]
         for p in senders:
             p.start()
