@@ -652,7 +652,8 @@ def test_job_larger_than_remaining_pool_refused(sw, job2):
     # n = 0: rank 0 is outside the job too; either reason names the problem
     (ControlInfo(0, 4, 8), ("num_workers must be in 1..64, got 0", "rank 0 outside job 3 of 0")),
     (ControlInfo(65, 4, 8), ("num_workers must be in 1..64, got 65",)),
-    (ControlInfo(2, 0, 8), ("window must be >= 1, got 0",)),
+    (ControlInfo(2, 0, 8), ("window must be in 1..256, got 0",)),
+    (ControlInfo(2, 257, 8), ("window must be in 1..256, got 257",)),
     (ControlInfo(2, 4, 0), (f"elements_per_packet must be in 1..{MAX_K}, got 0",)),
     (ControlInfo(2, 4, MAX_K + 1), (f"elements_per_packet must be in 1..{MAX_K}, got 65",)),
 ])
@@ -677,9 +678,10 @@ def test_leave_of_all_members_frees_slots(sw):
     assert (o.header.job, o.header.rank) == (11, 0)
     assert sw.stats()["jobs"] == 1  # rank 1 is still there
     assert sw.stats()["slots_in_use"] == POOL
-    # rank 0 left: its requests are no longer accepted
-    assert job.send(0, [1]) == []
-    assert sw.drops == {"refused": 1, "wrong_source": 1}
+    # rank 0 left: its requests are no longer accepted; it is told to join again
+    (echo,) = job.send(0, [1])
+    assert echo.header.type is MessageType.UNKNOWN_JOB and echo.addr == job.addrs[0]
+    assert sw.drops == {"refused": 1, "not_joined": 1}
     (o,) = deliver(sw, control(MessageType.LEAVE, 11, TOKEN, 1), job.addrs[1])
     assert o.header.type is MessageType.LEFT
     st_ = sw.stats()

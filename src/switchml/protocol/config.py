@@ -30,6 +30,9 @@ class SwitchConfig:
     """Largest chunk a job may ask for, in int32 elements (1..16366). Default: the UDP maximum."""
     max_workers: int = 4096
     """Largest number of workers in one job (the seen bitmaps have no fixed width)."""
+    max_window: int = 256
+    """Most slots one job may hold (W), so that one JOIN cannot take the whole pool. Default
+    256 (32 MiB of slot memory at the largest chunk size)."""
     lease_timeout_s: float = 30.0
     """A job that sends nothing for this long loses its slots (its workers died without
     leaving). Idle workers keep their lease with keep-alive JOINs (``WorkerConfig``)."""
@@ -48,6 +51,7 @@ class SwitchConfig:
                f"(a UDP datagram holds at most that many int32), got "
                f"{self.max_elements_per_packet}")
         _check(self.max_workers >= 1, f"max_workers must be >= 1, got {self.max_workers}")
+        _check(self.max_window >= 1, f"max_window must be >= 1, got {self.max_window}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,8 +145,8 @@ def residual_into(out: np.ndarray, x: np.ndarray, q: np.ndarray, emax: int, num_
     Error feedback adds it to the next step's input, so rounding errors are not lost but
     delayed (used by the 16-bit DDP hook). Non-finite inputs leave a residual of 0.
     """
-    if emax == EXP_ZERO:
-        out[...] = x
+    if emax == EXP_ZERO:  # nothing was sent; keep what is finite for the next step
+        out[...] = np.where(np.isfinite(x), x, 0)
         return
     back = np.empty(x.size, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):

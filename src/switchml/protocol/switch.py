@@ -364,8 +364,8 @@ class SwitchDataplane:
         elif not 1 <= asked.elements_per_packet <= cfg.max_elements_per_packet:
             problem = (f"elements_per_packet must be in 1..{cfg.max_elements_per_packet}, got "
                        f"{asked.elements_per_packet}")
-        elif asked.window < 1:
-            problem = f"window must be >= 1, got {asked.window}"
+        elif not 1 <= asked.window <= cfg.max_window:
+            problem = f"window must be in 1..{cfg.max_window}, got {asked.window}"
         if problem is not None:
             self._refuse(h, addr, problem)
             return None
@@ -375,8 +375,13 @@ class SwitchDataplane:
                          f"largest free range is {self.allocator.largest_free()} of a pool of "
                          f"{cfg.pool_slots}")
             return None
-        job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
-                   asked.elements_per_packet, [None] * asked.num_workers)
+        try:
+            job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
+                       asked.elements_per_packet, [None] * asked.num_workers)
+        except MemoryError:
+            self.allocator.release(base, asked.window)
+            self._refuse(h, addr, f"no memory for job {h.job}")
+            return None
         job.last_seen = self._now
         self._jobs[h.job] = job
         self._events.append(JobCreated(h.job, job.num_workers, base, job.window,
@@ -406,7 +411,15 @@ class SwitchDataplane:
             self.drops["unknown_job"] += 1
             self._unknown_job(HEADER.unpack_from(data), addr)
             return
-        if h.token != job.token or h.rank >= job.num_workers or job.members[h.rank] != addr:
+        if h.token != job.token or h.rank >= job.num_workers:
+            self.drops["bad_keepalive"] += 1
+            return
+        member = job.members[h.rank]
+        if member is None:  # a member of an earlier incarnation of the job: rejoin
+            self.drops["not_joined"] += 1
+            self._unknown_job(HEADER.unpack_from(data), addr)
+            return
+        if member != addr:
             self.drops["bad_keepalive"] += 1
             return
         job.last_seen = now
@@ -441,8 +454,15 @@ class SwitchDataplane:
         if rank >= job.num_workers:
             self.drops["bad_rank"] += 1
             return
-        if job.members[rank] != addr:
-            self.drops["wrong_source"] += 1
+        member = job.members[rank]
+        if member != addr:
+            if member is None:
+                # Right token, but this rank has not joined this incarnation of the job (the
+                # switch restarted, or its lease expired and another rank re-created it).
+                self.drops["not_joined"] += 1
+                self._unknown_job(f, addr)
+            else:
+                self.drops["wrong_source"] += 1
             return
         if job.min_seq is not None:
             ahead = (seq - job.min_seq) & _MASK32

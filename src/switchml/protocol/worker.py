@@ -452,7 +452,7 @@ class WorkerEndpoint:
         (_m, _v, _t, flags, set_bit, _rank, _job, _token, seq, p, slot, count, elem, _r, exp_data,
          exp_next) = f
         op = self._op
-        if op is None or seq != op.seq:
+        if op is None or seq != op.seq or self.state is not WorkerState.BUSY:
             self.drops["stale_result"] += 1
             return
         i = p % op.E
@@ -508,7 +508,7 @@ class WorkerEndpoint:
     def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
         op = self._op
-        if op is None or h.seq != op.seq:
+        if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
             self.drops["stale_result"] += 1
             return
         self.counters["waiting_received"] += 1
@@ -527,7 +527,11 @@ class WorkerEndpoint:
         spec = self.spec
         if (info.num_workers, info.window, info.elements_per_packet) != (
                 spec.num_workers, spec.window, spec.elements_per_packet):
-            self._join_failed(f"switch granted {info}, which does not match the job spec")
+            reason = f"switch granted {info}, which does not match the job spec"
+            if self.state is WorkerState.REJOINING:
+                self._fail(f"restart after the switch lost the job failed: {reason}")
+            else:
+                self._join_failed(reason)
             return
         self.slot_base = info.slot_base
         if self.state is WorkerState.REJOINING:
@@ -555,9 +559,12 @@ class WorkerEndpoint:
         st = self.state
         if st is WorkerState.BUSY and self._op is not None and h.seq == self._op.seq:
             self._restart(now)
-        elif st is WorkerState.READY:
-            # Idle: the next operation starts the new epoch; every rank computes the same seq.
+        elif st is WorkerState.READY and h.seq == self._epoch_seq:
+            # Idle, and the answer is to our current keep-alive (not a stray echo of an older
+            # epoch): the next operation starts the new epoch; every rank computes the same seq,
+            # and a fresh switch means every slot starts on set 0, as for the busy ranks.
             self._epoch_seq = self._seq = (self._seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
+            self._next_set = [0] * self.spec.window
             self.state = WorkerState.JOINING
             self._control_deadline = now + self.config.join_timeout_s
             self._control_backoff = _CONTROL_RETRY_S
@@ -577,6 +584,9 @@ class WorkerEndpoint:
         new_seq = (op.seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
         self._events.append(OperationRestarted(op.seq, new_seq, "the switch lost the job"))
         self.counters["operations_restarted"] += 1
+        # From here on the operation is ``new_seq``: a failure is reported under it, and late
+        # results of the old epoch no longer match it.
+        op.seq = new_seq
         self._epoch_seq = new_seq
         self.state = WorkerState.REJOINING
         self._heap = []

@@ -251,6 +251,7 @@ class AllreduceHandle:
         self.seq: int | None = None
         self._finish = finish
         self._done = threading.Event()
+        self._lock = threading.Lock()  # orders add_done_callback against _set
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[AllreduceHandle], None]] = []
 
@@ -272,23 +273,31 @@ class AllreduceHandle:
 
     def add_done_callback(self, fn: Callable[[AllreduceHandle], None]) -> None:
         """Call ``fn(handle)`` when done (at once if already done); runs on the I/O thread."""
-        if self._done.is_set():
-            fn(self)
-        else:
-            self._callbacks.append(fn)
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def exception(self) -> BaseException | None:
         return self._error
 
     def _set(self, error: BaseException | None) -> None:
+        """Complete the handle (once; later calls are ignored) and run its callbacks."""
+        if self._done.is_set():
+            return
         if error is None and self._finish is not None:
             try:
                 self._finish()
             except Exception as exc:  # copying back failed: report, don't kill the I/O thread
                 error = exc
-        self._error = error
-        self._done.set()
-        for fn in self._callbacks:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
             try:
                 fn(self)
             except Exception:
@@ -348,6 +357,9 @@ class WorkerClient:
         self._waiting: list[_Command] = []
         self._joined = threading.Event()
         self._closed = threading.Event()
+        # Held across "closed?", queue put and wake-up write, and by whoever closes: a command
+        # is either seen by the I/O thread or refused, and nobody writes to a closed pipe.
+        self._submit_lock = threading.Lock()
         self._join_error: str | None = None
         self._fatal: str | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -378,10 +390,6 @@ class WorkerClient:
         Raises:
             LocalProtocolError: bad arrays (dtype, size), or the client is closed or failed.
         """
-        if self._closed.is_set():
-            raise LocalProtocolError("client is closed")
-        if self._fatal is not None:
-            raise LocalProtocolError(f"client failed earlier: {self._fatal}")
         if not isinstance(data, np.ndarray):
             raise LocalProtocolError(f"data must be a numpy array, got {type(data).__name__}")
         if out is None:
@@ -397,34 +405,40 @@ class WorkerClient:
         if bits not in (32, 16) or (bits == 16 and src.dtype.kind != "f"):
             raise LocalProtocolError(f"bits must be 32, or 16 for float data; got {bits} for "
                                      f"{src.dtype}")
-        self._queue.put((src, dst, handle, bits, residual))
-        os.write(self._wake_w, b"x")
+        with self._submit_lock:
+            if self._fatal is not None:
+                raise LocalProtocolError(f"client failed earlier: {self._fatal}")
+            if self._closed.is_set():
+                raise LocalProtocolError("client is closed")
+            self._queue.put((src, dst, handle, bits, residual))
+            os.write(self._wake_w, b"x")
         return handle
 
     def close(self) -> None:
-        """Leave the job and stop the I/O thread. Idempotent; pending operations fail."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._queue.put(None)
-        try:
+        """Leave the job and stop the I/O thread. Idempotent; pending operations fail.
+
+        Safe from any thread, including a done-callback on the I/O thread (which then only
+        asks the thread to stop; the thread closes its own socket and pipes when it ends).
+        """
+        with self._submit_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            self._queue.put(None)
             os.write(self._wake_w, b"x")
-        except OSError:
-            pass
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-        self.sock.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
     @property
     def counters(self) -> dict[str, int]:
         """Sent, retransmitted, results, timeouts and drops of this rank (a snapshot)."""
-        c = dict(self.endpoint.counters)
-        c.update({f"drop_{k}": v for k, v in self.endpoint.drops.items()})
+        for _ in range(10):  # the I/O thread may add a key while we copy
+            try:
+                c = dict(self.endpoint.counters)
+                c.update({f"drop_{k}": v for k, v in list(self.endpoint.drops.items())})
+                break
+            except RuntimeError:
+                continue
         c["icmp_errors"] = self.icmp_errors
         c["injected_losses"] = self.injected_losses
         c["send_blocked"] = self.send_blocked
@@ -448,8 +462,16 @@ class WorkerClient:
             self._fatal = f"I/O thread failed: {exc!r}"
             self._join_error = self._join_error or self._fatal
         finally:
+            with self._submit_lock:  # no command can be queued after this
+                self._closed.set()
             self._joined.set()
             self._fail_all(self._fatal or "client closed")
+            self.sock.close()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _pump_loop(self) -> None:
         ep = self.endpoint
@@ -482,8 +504,9 @@ class WorkerClient:
                 src, dst, handle, bits, residual = waiting.pop(0)
                 try:
                     seq = ep.start_allreduce(src, dst, clock(), bits=bits, residual=residual)
-                except SwitchMLError as exc:
-                    handle._set(exc)
+                except Exception as exc:  # e.g. MemoryError copying the input: fail this one
+                    handle._set(exc if isinstance(exc, SwitchMLError) else OperationFailed(
+                        f"could not start the all-reduce: {exc!r}"))
                     continue
                 handle.seq = seq
                 self._pending[seq] = handle
@@ -509,6 +532,10 @@ class WorkerClient:
                 got = True
                 self._transmit(clock())
             if got:
+                timer = ep.get_timer()  # a steady inflow must not starve the timers
+                now = clock()
+                if timer is not None and timer <= now:
+                    ep.handle_timer(now)
                 continue
             timer = ep.get_timer()
             now = clock()
@@ -568,6 +595,13 @@ class WorkerClient:
                     self._pending[ev.new_seq] = handle
             elif isinstance(ev, Left):
                 pass
+        if ep.state is WorkerState.ERROR and self._pending:
+            # Whatever the failure (a refused rejoin, a bad grant), no handle may wait forever.
+            reason = ep.error or "the worker failed"
+            self._fatal = self._fatal or reason
+            for handle in self._pending.values():
+                handle._set(OperationFailed(reason))
+            self._pending.clear()
 
     def _fail_all(self, reason: str) -> None:
         for handle in self._pending.values():

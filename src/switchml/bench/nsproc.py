@@ -1,0 +1,141 @@
+"""Process bodies for testbed benchmarks, started inside namespaces as
+``python -m switchml.bench.nsproc ROLE JSON``. Each prints one JSON line with its figures.
+
+Roles: ``switch`` (prints ``ready``, serves until stdin closes, then prints its counters and
+CPU), ``switchml`` / ``gloo`` / ``ps`` (a worker: warm-up, then timed all-reduces), and
+``ps-server`` (a TensorFlow-style parameter server: workers push their vector over TCP, it sums
+and every worker pulls the sum).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc), flush=True)
+
+
+def _timed(allreduce: Any, x: np.ndarray, warmup: int, iters: int) -> dict[str, Any]:
+    for _ in range(warmup):
+        allreduce(x)
+    c0, t0 = _cpu(), time.perf_counter()
+    for _ in range(iters):
+        allreduce(x)
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "cpu_s": _cpu() - c0}
+
+
+def switch(a: dict[str, Any]) -> None:
+    from switchml.protocol.config import SwitchConfig
+    from switchml.transport.udp import SwitchServer
+    server = SwitchServer(host="0.0.0.0", port=a["port"], config=SwitchConfig())
+    server.start()
+    c0 = _cpu()
+    print("ready", flush=True)
+    sys.stdin.read()
+    stats = server.stats()
+    server.stop()
+    _emit({"cpu_s": _cpu() - c0, "drops": stats["drops"],
+           "results_resent": stats["results_resent"], "packets_in": stats["packets_in"]})
+
+
+def switchml(a: dict[str, Any]) -> None:
+    from switchml.control import decode_job_spec
+    from switchml.protocol.config import WorkerConfig
+    from switchml.transport.udp import WorkerClient
+    spec = decode_job_spec(a["spec"])
+    x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
+    out = np.empty_like(x)
+    cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02)
+    with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg) as w:
+        r = _timed(lambda v: w.allreduce(v, out), x, a["warmup"], a["iters"])
+        n = spec.num_workers
+        r["max_abs_error"] = float(np.max(np.abs(out - n * (n + 1) / 2)))
+        r["retransmissions"] = w.counters.get("retransmissions", 0)
+    _emit(r)
+
+
+def gloo(a: dict[str, Any]) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{a['master']}:{a['port']}",
+                            rank=a["rank"], world_size=a["n"],
+                            timeout=datetime.timedelta(seconds=300))
+    x = torch.full((a["numel"],), float(a["rank"] + 1))
+    r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
+    dist.destroy_process_group()
+    _emit(r)
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def ps_server(a: dict[str, Any]) -> None:
+    """Sum one vector from each of n workers per round; send the sum back to each."""
+    n, nbytes, rounds = a["n"], a["numel"] * 4, a["rounds"]
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("0.0.0.0", a["port"]))
+    lsock.listen(n)
+    print("ready", flush=True)
+    conns = [lsock.accept()[0] for _ in range(n)]
+    bufs = [np.empty(a["numel"], np.float32) for _ in range(n)]
+    total = np.empty(a["numel"], np.float32)
+    c0 = _cpu()
+    for _ in range(rounds):
+        threads = [threading.Thread(target=_recv_exact, args=(c, memoryview(b).cast("B")))
+                   for c, b in zip(conns, bufs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        np.sum(bufs, axis=0, out=total)
+        senders = [threading.Thread(target=c.sendall, args=(memoryview(total).cast("B"),))
+                   for c in conns]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+    _emit({"cpu_s": _cpu() - c0, "bytes_per_round": nbytes})
+
+
+def ps(a: dict[str, Any]) -> None:
+    sock = socket.create_connection((a["server"], a["port"]), timeout=300)
+    x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
+    out = np.empty_like(x)
+
+    def allreduce(v: np.ndarray) -> None:
+        sock.sendall(memoryview(v).cast("B"))
+        _recv_exact(sock, memoryview(out).cast("B"))
+
+    _emit(_timed(allreduce, x, a["warmup"], a["iters"]))
+
+
+ROLES = {"switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_server,
+         "ps": ps}
+
+if __name__ == "__main__":
+    ROLES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -1,0 +1,186 @@
+"""All-reduce over the emulated testbed: switchml, gloo (ring) and a parameter server, over the
+same shaped links in the same run.
+
+Each worker runs in its own namespace, behind a link of ``rate`` bits/s each way; the switch
+namespace routes worker-to-worker traffic (gloo's ring crosses two links per hop, as in a real
+star) and hosts the software switch; the parameter server has a host (and link) of its own, as in
+TensorFlow's deployment. Bounds per worker, in elements/s: in-network aggregation B/32 (each worker
+sends and receives its vector once), ring B/32 / (2(n-1)/n), parameter server B/32 / n (its one
+link carries all n vectors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
+
+__all__ = ["TestbedBenchConfig", "run_testbed_allreduce"]
+
+SWITCH_PORT = 48864
+SYSTEMS = ("switchml", "gloo", "ps")
+
+
+@dataclass(frozen=True)
+class TestbedBenchConfig:
+    __test__ = False
+
+    workers: int = 4
+    sizes_bytes: tuple[int, ...] = (64 * 2**20,)
+    rate_bps: float = 1e9
+    loss_rate: float = 0.0
+    mtu: int = 9000
+    iters: int = 3
+    warmup: int = 1
+    systems: tuple[str, ...] = SYSTEMS
+    window: int = 64
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+
+    @property
+    def elements_per_packet(self) -> int:
+        """The largest chunk that fits the MTU without IP fragmentation (IP 20 + UDP 8 +
+        switchml 40 bytes of headers), at most the UDP limit."""
+        return max(1, min((self.mtu - 68) // 4, 16366))
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _nsproc(role: str, args: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "switchml.bench.nsproc", role, json.dumps(args)]
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise TestbedError(f"a benchmark process did not finish in {timeout_s:g} s") \
+                from None
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise TestbedError(f"a benchmark process failed ({p.returncode}): "
+                               f"{stderr.strip()[-1500:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
+             switch_pid: int) -> dict[str, Any]:
+    topo, n = tb.topology, cfg.workers
+    numel = size // 4
+    common = {"numel": numel, "warmup": cfg.warmup, "iters": cfg.iters}
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    extra: dict[str, Any] = {}
+    if system == "switchml":
+        from switchml.control import encode_job_spec, new_job_spec
+        spec = encode_job_spec(new_job_spec(n, window=cfg.window,
+                                            elements_per_packet=cfg.elements_per_packet))
+        cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
+        procs = [tb.popen(tb.worker_ns(r), _nsproc("switchml", {
+            **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
+            "port": SWITCH_PORT}), **pipe) for r in range(n)]
+        rows = _wait_all(procs, cfg.timeout_s)
+        extra["switch_cpu_percent"] = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (
+            time.perf_counter() - t0)
+        extra["max_abs_error"] = max(r["max_abs_error"] for r in rows)
+        extra["retransmissions"] = sum(r["retransmissions"] for r in rows)
+    elif system == "gloo":
+        port = 29000 + secrets.randbelow(20000)
+        procs = [tb.popen(tb.worker_ns(r), _nsproc("gloo", {
+            **common, "rank": r, "n": n, "master": topo.worker_ip(0), "port": port}), **pipe)
+            for r in range(n)]
+        rows = _wait_all(procs, cfg.timeout_s)
+    else:
+        port = 31000 + secrets.randbelow(20000)
+        server = tb.popen(tb.ps_ns, _nsproc("ps-server", {
+            "numel": numel, "n": n, "port": port, "rounds": cfg.warmup + cfg.iters}), **pipe)
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "ready":
+            raise TestbedError("the parameter server did not start")
+        procs = [tb.popen(tb.worker_ns(r), _nsproc("ps", {
+            **common, "rank": r, "server": topo.ps_ip, "port": port}), **pipe)
+            for r in range(n)]
+        rows = _wait_all(procs, cfg.timeout_s)
+        extra["server_cpu_s"] = _wait_all([server], 60)[0]["cpu_s"]
+    elapsed = max(r["elapsed_s"] for r in rows)
+    ate = numel * cfg.iters / elapsed
+    line = cfg.rate_bps / 32
+    return {
+        "system": system, "workers": n, "size_bytes": size, "numel": numel,
+        "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate, "mtu": cfg.mtu,
+        "iters": cfg.iters, "elapsed_s": elapsed, "ate_per_s": ate,
+        "bound_line_ate": line, "bound_ring_ate": line / (2 * (n - 1) / n) if n > 1 else line,
+        "bound_ps_ate": line / n, "fraction_of_line_rate": ate / line,
+        "cpu_percent": [100 * r["cpu_s"] / r["elapsed_s"] for r in rows], **extra,
+    }
+
+
+def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
+                          ) -> list[dict[str, Any]]:
+    """Build the testbed, run every (size, system), tear it down; return the rows."""
+    topo = Topology(workers=cfg.workers, link=LinkSpec(
+        bandwidth_bps=cfg.rate_bps, loss_rate=cfg.loss_rate, mtu=cfg.mtu))
+    rows: list[dict[str, Any]] = []
+    with Testbed(topo) as tb:
+        switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert switch.stdout is not None and switch.stdin is not None
+        if switch.stdout.readline().strip() != "ready":
+            raise TestbedError("the switch did not start in its namespace")
+        for size in cfg.sizes_bytes:
+            for system in cfg.systems:
+                if progress is not None:
+                    progress(f"{system}, n={cfg.workers}, {size} B, "
+                             f"{cfg.rate_bps / 1e6:g} Mbit/s, loss {cfg.loss_rate:g}")
+                rows.append(_measure(tb, cfg, system, size, switch.pid))
+        switch.stdin.close()
+        stats = json.loads(switch.stdout.readline())
+        for r in rows:
+            r["testbed_losses"] = None
+        if rows:
+            rows[-1]["switch_final"] = stats
+            rows[-1]["testbed_losses"] = tb.loss_counter()
+    return rows
+
+
+def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
+                  csv_path: str | None) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"benchmark": "allreduce-testbed", "machine": {
+                "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows},
+                f, indent=2)
+    if csv_path:
+        import csv
+        keys = ["system", "workers", "size_bytes", "rate_bps", "loss_rate", "mtu", "ate_per_s",
+                "bound_line_ate", "bound_ring_ate", "bound_ps_ate", "fraction_of_line_rate",
+                "elapsed_s", "switch_cpu_percent"]
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow(r)
+
+
+_ = asdict

@@ -1,0 +1,191 @@
+"""Build a Topology in Linux network namespaces and tear down exactly what was built.
+
+Every namespace name carries a per-run prefix, every object created is remembered, and teardown
+(in ``__exit__``, on exceptions, on Ctrl-C and on SIGTERM through the CLI's handler) removes those
+and nothing else: deleting a namespace removes its veth ends, qdiscs and nft tables with it.
+Every ``ip``/``tc``/``nft`` failure raises :class:`TestbedError` with the command and its stderr;
+each qdisc is read back after it is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+from switchml.protocol.errors import SwitchMLError
+from switchml.testbed.topology import Topology, nft_loss_ruleset, tbf_args
+
+__all__ = ["Testbed", "TestbedError", "check_environment"]
+
+log = logging.getLogger(__name__)
+_TOOLS = ("ip", "tc", "nft")
+
+
+class TestbedError(SwitchMLError):
+    """An environment problem: not root, a tool missing, or a command that failed."""
+
+    __test__ = False  # not a pytest test class
+
+
+def check_environment() -> None:
+    """Raise TestbedError saying what is missing (root, ip, tc, nft)."""
+    if os.geteuid() != 0:
+        raise TestbedError("the testbed needs root (network namespaces, tc, nftables); run "
+                           "as root or use the loopback benchmarks instead")
+    missing = [t for t in _TOOLS if shutil.which(t) is None]
+    if missing:
+        raise TestbedError(f"missing tools: {', '.join(missing)} (Debian packages iproute2 and "
+                           "nftables)")
+
+
+def _run(argv: Sequence[str], stdin: str | None = None) -> str:
+    res = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise TestbedError(f"{' '.join(argv)} failed ({res.returncode}): "
+                           f"{res.stderr.strip() or res.stdout.strip()}")
+    return res.stdout
+
+
+class Testbed:
+    """A live Topology. Use as a context manager.
+
+    Example::
+
+        with Testbed(Topology(workers=4, link=LinkSpec(bandwidth_bps=1e9))) as tb:
+            tb.run(tb.worker_ns(0), ["ping", "-c1", tb.topology.switch_ip(0)])
+    """
+
+    def __init__(self, topology: Topology, prefix: str | None = None) -> None:
+        self.topology = topology
+        self.prefix = prefix or f"sm{secrets.token_hex(2)}"
+        if len(self.prefix) > 8 or not self.prefix.isalnum():
+            raise TestbedError(f"prefix must be 1..8 letters/digits, got {self.prefix!r}")
+        self.namespaces: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    # -- names -------------------------------------------------------------------------------
+
+    @property
+    def switch_ns(self) -> str:
+        return f"{self.prefix}sw"
+
+    @property
+    def ps_ns(self) -> str:
+        return f"{self.prefix}ps"
+
+    def worker_ns(self, i: int) -> str:
+        return f"{self.prefix}w{i}"
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> Testbed:
+        check_environment()
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.namespaces.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def _build(self) -> None:
+        topo, link = self.topology, self.topology.link
+        self._add_ns(self.switch_ns)
+        _run(["ip", "netns", "exec", self.switch_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        ends = [(i, self.worker_ns(i), topo.worker_ip(i), topo.switch_ip(i))
+                for i in range(topo.workers)]
+        ends.append((topo.ps_link, self.ps_ns, topo.ps_ip, f"{topo.subnet}.{topo.ps_link}.1"))
+        for i, ns, host_ip, switch_ip in ends:
+            self._add_ns(ns)
+            near, far = f"{self.prefix}s{i}", f"{self.prefix}h{i}"
+            # Created inside the switch namespace: nothing ever appears in the root namespace.
+            _run(["ip", "-n", self.switch_ns, "link", "add", near, "mtu", str(link.mtu), "type",
+                  "veth", "peer", "name", far, "mtu", str(link.mtu), "netns", ns])
+            _run(["ip", "-n", self.switch_ns, "addr", "add", f"{switch_ip}/24", "dev", near])
+            _run(["ip", "-n", ns, "addr", "add", f"{host_ip}/24", "dev", far])
+            _run(["ip", "-n", self.switch_ns, "link", "set", near, "up"])
+            _run(["ip", "-n", ns, "link", "set", far, "up"])
+            _run(["ip", "-n", ns, "route", "add", "default", "via", switch_ip])
+            for where, dev in ((self.switch_ns, near), (ns, far)):
+                self._shape(where, dev)
+            if link.loss_rate > 0:
+                _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                     stdin=nft_loss_ruleset("smlloss", link.loss_rate, ("input",)))
+        if link.loss_rate > 0:
+            _run(["ip", "netns", "exec", self.switch_ns, "nft", "-f", "-"],
+                 stdin=nft_loss_ruleset("smlloss", link.loss_rate, ("input", "forward")))
+        log.info("testbed %s up: %d workers, %s", self.prefix, topo.workers, link)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        args = tbf_args(self.topology.link)
+        if not args:
+            return
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *args])
+        shown = _run(["tc", "-n", ns, "qdisc", "show", "dev", dev])
+        if "tbf" not in shown:
+            raise TestbedError(f"tbf on {ns}/{dev} did not stick: {shown.strip()}")
+
+    def teardown(self) -> None:
+        """Kill the processes started here and delete the namespaces created here. Idempotent."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        errors = []
+        for ns in reversed(self.namespaces):
+            res = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+            if res.returncode != 0:
+                errors.append(f"{ns}: {res.stderr.strip()}")
+        self.namespaces.clear()
+        if errors:
+            log.warning("testbed %s teardown: %s", self.prefix, "; ".join(errors))
+
+    # -- running things inside ---------------------------------------------------------------
+
+    def argv(self, ns: str, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def run(self, ns: str, argv: Sequence[str], timeout: float = 600.0) -> str:
+        """Run a command in a namespace; return stdout; raise TestbedError on failure."""
+        res = subprocess.run(self.argv(ns, argv), capture_output=True, text=True,
+                             timeout=timeout)
+        if res.returncode != 0:
+            raise TestbedError(f"{' '.join(argv)} in {ns} failed ({res.returncode}): "
+                               f"{res.stderr.strip()[-2000:]}")
+        return res.stdout
+
+    def popen(self, ns: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start a process in a namespace; it is killed at teardown."""
+        proc = subprocess.Popen(self.argv(ns, argv), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def qdisc(self, ns: str, dev: str) -> str:
+        return _run(["tc", "-n", ns, "qdisc", "show", "dev", dev])
+
+    def loss_counter(self) -> int:
+        """Packets dropped so far by the loss rules in every namespace."""
+        total = 0
+        for ns in self.namespaces:
+            res = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet",
+                                  "smlloss"], capture_output=True, text=True)
+            for line in res.stdout.splitlines():
+                if "counter packets" in line:
+                    total += int(line.split("counter packets")[1].split()[0])
+        return total
