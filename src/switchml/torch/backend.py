@@ -4,8 +4,9 @@
 ``torchrun`` needs nothing else:
 
 * Switch: ``SWITCHML_SWITCH=host:port`` names a running switch (jobs across machines). Unset, the
-  group's rank 0 starts a software switch on 127.0.0.1 in a process of its own (stopped 2 s after
-  the group is destroyed, or when rank 0 exits) and shares its address through the store.
+  group's rank 0 starts a software switch on 127.0.0.1 in a process of its own, with a random
+  secret (stopped 2 s after its last group is destroyed, or when rank 0 exits) and shares its
+  address and secret through the store.
 * Job: rank 0 draws a job id and token (:func:`switchml.control.new_job_spec`) and shares them
   through the group's store; every rank JOINs the switch.
 * Every other collective (broadcast, all_gather, reduce_scatter, barrier, send/recv ...) and
@@ -23,6 +24,7 @@ with any backend).
 
 Failure: a rank or switch that stops answering makes pending operations raise ``RuntimeError``
 after ``timeout`` (the process group's) without progress, naming the silent ranks or the switch.
+Futures fail through :func:`failable_future`, which C++ consumers (DDP's reducer) see as errors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import atexit
 import datetime
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -48,7 +51,8 @@ from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
 from switchml.transport.udp import AllreduceHandle, WorkerClient
 
-__all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "register", "stats"]
+__all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "embedded_switch_pid", "failable_future",
+           "register", "stats", "stop_embedded_switch"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -60,19 +64,22 @@ _NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
 _SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
 _SWITCH_GRACE_S = 2.0
 
-_switch_lock = threading.Lock()
-_switch_address: tuple[str, int] | None = None
-_embedded: subprocess.Popen[str] | None = None
 
 
 class SwitchMLWork(dist.Work):
-    """A pending collective: ``wait()`` raises if the operation failed (unlike a bare future)."""
+    """A pending collective: ``wait()`` raises if the operation failed (unlike a bare future)
+    and honours its timeout."""
 
     def __init__(self, future: torch.futures.Future[Any]) -> None:
         super().__init__()
         self._future = future
+        self._event = threading.Event()
+        future.add_done_callback(lambda _f: self._event.set())
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
+        if seconds > 0 and not self._event.wait(seconds):
+            raise RuntimeError(f"switchml collective not done after {seconds:g} s")
         self._future.wait()  # raises the operation's error
         return True
 
@@ -90,6 +97,22 @@ class SwitchMLWork(dist.Work):
         except Exception:
             return False
         return True
+
+
+def failable_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
+    """Return (completer, future). Complete ``completer`` with a value or an exception
+    *object*; ``future`` then holds the value or raises. (``Future.set_exception`` is not seen
+    as an error by C++ consumers such as DDP's reducer, which then crash reading the value; an
+    exception raised in a ``then`` callback is.)"""
+    completer: torch.futures.Future[Any] = torch.futures.Future()
+
+    def unwrap(f: torch.futures.Future[Any]) -> Any:
+        value = f.value()
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    return completer, completer.then(unwrap)
 
 
 def _completed(value: Any) -> SwitchMLWork:
@@ -190,13 +213,13 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
 
     def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
         """Queue one switch operation per tensor; the Work completes when all are done."""
-        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        completer, future = failable_future()
         plans = [_Plan(t) for t in tensors]
         size = self.size()
         with self._stats_lock:
             self.switch_ops["allreduce"] += 1
         if not plans:
-            future.set_result(tensors)
+            completer.set_result(tensors)
             return SwitchMLWork(future)
         state = {"left": len(plans), "error": None}
         lock = threading.Lock()
@@ -216,9 +239,9 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             if last:
                 if state["error"] is not None:
                     err = state["error"]
-                    future.set_exception(RuntimeError(f"switchml all_reduce failed: {err}"))
+                    completer.set_result(RuntimeError(f"switchml all_reduce failed: {err}"))
                 else:
-                    future.set_result(tensors)
+                    completer.set_result(tensors)
 
         try:
             for plan in plans:
@@ -313,15 +336,12 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                     "worker": self.client.counters, "switch": f"{self.switch[0]}:{self.switch[1]}"}
 
     def shutdown(self) -> None:
-        """Called by ``dist.destroy_process_group``: leave the job; the group that started the
-        embedded switch stops it after a grace period (peers may still be collecting their last
-        results)."""
+        """Called by ``dist.destroy_process_group``: leave the job and release the embedded
+        switch (stopped after a grace period once no group of this process uses it)."""
         self.client.close()
         if self.owns_switch:
             self.owns_switch = False
-            timer = threading.Timer(_SWITCH_GRACE_S, stop_embedded_switch)
-            timer.daemon = True
-            timer.start()
+            _EMBEDDED.release()
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
@@ -341,95 +361,154 @@ def _parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _start_embedded_switch() -> tuple[str, int]:
-    """Start ``switchml switch`` on a free loopback port; it exits when this process does."""
-    global _embedded
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
-         "--metrics-port", "0", "--stop-on-stdin-eof"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on udp" not in line:
-        proc.kill()
-        raise TransportError(f"the embedded switch did not start (said {line!r})")
-    _embedded = proc
-    atexit.register(stop_embedded_switch)
-    address = _parse_address(line.rsplit(" ", 1)[1])
-    log.info("rank 0 started an embedded switch at %s:%d (pid %d)", *address, proc.pid)
-    return address
+class _Embedded:
+    """The software switch this process started for its groups, shared and reference-counted.
+
+    Each group whose rank 0 is this process acquires it; the last release stops it after a
+    grace period (peers may still be collecting their last results); a new group within the
+    grace period cancels the stop. It has a random secret, so that nobody else on the machine
+    can create jobs on it; ranks get the secret through the group's store.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[str] | None = None
+        self.address: tuple[str, int] | None = None
+        self.secret: bytes = b""
+        self.users = 0
+        self.timer: threading.Timer | None = None
+
+    def acquire(self) -> tuple[tuple[str, int], bytes]:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            self.users += 1
+            assert self.address is not None
+            return self.address, self.secret
+
+    def release(self) -> None:
+        with self.lock:
+            self.users = max(0, self.users - 1)
+            if self.users == 0 and self.proc is not None and self.timer is None:
+                self.timer = threading.Timer(_SWITCH_GRACE_S, self.stop)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _start(self) -> None:
+        secret = secrets.token_hex(32)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
+             "--metrics-port", "0", "--stop-on-stdin-eof"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "SWITCHML_SECRET": secret})
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "listening on udp" not in line:
+            proc.kill()
+            raise TransportError(f"the embedded switch did not start (said {line!r})")
+        self.proc, self.secret = proc, secret.encode()
+        self.address = _parse_address(line.rsplit(" ", 1)[1])
+        atexit.register(self.stop)
+        log.info("started an embedded switch at %s:%d (pid %d)", *self.address, proc.pid)
+
+    def stop(self) -> None:
+        """Stop the switch (idempotent); it also exits by itself when this process does."""
+        with self.lock:
+            proc, self.proc = self.proc, None
+            self.timer = None
+            self.users = 0
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the switch exits on EOF
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+
+
+_EMBEDDED = _Embedded()
+_incarnation = 0  # how many times this process created a default group: keys stay fresh
 
 
 def stop_embedded_switch() -> None:
     """Stop the switch this process started, if any (idempotent)."""
-    global _embedded, _switch_address
-    proc, _embedded = _embedded, None
-    if proc is None:
-        return
-    _switch_address = None
-    try:
-        if proc.stdin is not None:
-            proc.stdin.close()  # the switch exits on EOF
-        proc.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
+    _EMBEDDED.stop()
 
 
-def _resolve_switch(store: dist.Store, rank: int) -> tuple[tuple[str, int], bool]:
-    """Return the switch address, and whether this call started the embedded switch."""
-    global _switch_address
+def embedded_switch_pid() -> int | None:
+    """The process id of the switch this process started, if it is running."""
+    proc = _EMBEDDED.proc
+    return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def _resolve_switch(store: dist.Store, rank: int
+                    ) -> tuple[tuple[str, int], bytes | None, bool]:
+    """Return (switch address, secret, whether this call acquired the embedded switch).
+
+    SWITCHML_SWITCH wins; otherwise rank 0 acquires this process's embedded switch and
+    publishes its address and secret in the group's store; other ranks always read them there.
+    """
     env = os.environ.get("SWITCHML_SWITCH")
     if env:
-        return _parse_address(env), False
-    started = False
-    with _switch_lock:
-        if _switch_address is None:
-            if rank == 0:
-                _switch_address = _start_embedded_switch()
-                started = True
-            else:
-                _switch_address = _parse_address(store.get(_STORE_SWITCH_KEY).decode())
-                return _switch_address, False
-        if rank == 0:
-            store.set(_STORE_SWITCH_KEY, f"{_switch_address[0]}:{_switch_address[1]}")
-        return _switch_address, started
+        secret = os.environ.get("SWITCHML_SECRET")
+        return _parse_address(env), secret.encode() if secret else None, False
+    key = f"switchml/{_incarnation}"
+    if rank == 0:
+        address, secret = _EMBEDDED.acquire()
+        store.set(f"{key}/switch", f"{address[0]}:{address[1]}")
+        store.set(f"{key}/secret", secret)
+        return address, secret, True
+    address = _parse_address(store.get(f"{key}/switch").decode())
+    return address, store.get(f"{key}/secret"), False
 
 
-def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int) -> tuple[str, int]:
-    """The switch for a hook over any group: SWITCHML_SWITCH, or rank 0's (embedded) switch,
+def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int
+                                ) -> tuple[tuple[str, int], bytes | None, bool]:
+    """The switch for a hook over any group: SWITCHML_SWITCH, or rank 0's embedded switch,
     shared with ``broadcast_object_list`` over ``pg``."""
-    global _switch_address
     env = os.environ.get("SWITCHML_SWITCH")
     if env:
-        return _parse_address(env)
+        secret = os.environ.get("SWITCHML_SECRET")
+        return _parse_address(env), secret.encode() if secret else None, False
     box: list[Any] = [None]
     if rank == 0:
-        with _switch_lock:
-            if _switch_address is None:
-                _switch_address = _start_embedded_switch()
-            box[0] = _switch_address
+        box[0] = _EMBEDDED.acquire()
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-    return tuple(box[0])  # type: ignore[return-value]
+    address, secret = box[0]
+    return tuple(address), secret, rank == 0  # type: ignore[return-value]
 
 
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""
-    switch, started = _resolve_switch(store, rank)
+    global _incarnation
+    if not dist.is_initialized():
+        _incarnation += 1  # a (re)created world: never read keys of an earlier one
+    switch, secret, acquired = _resolve_switch(store, rank)
+    key = f"switchml/{_incarnation}/job"
     if rank == 0:
         window = int(os.environ.get("SWITCHML_WINDOW", "16"))
         k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
         spec = new_job_spec(size, window=window, elements_per_packet=k)
-        store.set(_STORE_JOB_KEY, encode_job_spec(spec))
+        store.set(key, encode_job_spec(spec))
     else:
-        spec = decode_job_spec(store.get(_STORE_JOB_KEY).decode())
+        spec = decode_job_spec(store.get(key).decode())
     gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
     seconds = max(timeout.total_seconds(), 2.0)
     config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
-                          join_timeout_s=seconds)
-    client = WorkerClient(switch, spec, rank, config)
+                          join_timeout_s=seconds, secret=secret)
+    try:
+        client = WorkerClient(switch, spec, rank, config)
+    except BaseException:
+        if acquired:
+            _EMBEDDED.release()
+        raise
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
-    pg.owns_switch = started
+    pg.owns_switch = acquired
     # Device-level lookups (all_gather_into_tensor, reduce_scatter_tensor) find gloo's backend.
     cpu = torch.device("cpu")
     pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)

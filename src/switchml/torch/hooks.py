@@ -63,7 +63,7 @@ class SwitchMLHookState:
         # tuned by users
         "bits", "process_group",
         # internal
-        "client", "world_size", "_owns_client", "residuals",
+        "client", "world_size", "_owns_client", "_owns_switch", "residuals",
         # stats
         "buckets", "bytes_sent",
     )
@@ -81,18 +81,19 @@ class SwitchMLHookState:
         self.residuals: dict[int, torch.Tensor] = {}
         self.buckets = 0
         self.bytes_sent = 0
+        self._owns_switch = False
         if isinstance(pg, SwitchMLProcessGroup):
             self.client = pg.client  # the group's own switch job
             self._owns_client = False
             return
         rank = dist.get_rank(pg)
-        switch = _resolve_address_over_group(pg, rank)
+        switch, secret, self._owns_switch = _resolve_address_over_group(pg, rank)
         box: list[Any] = [encode_job_spec(new_job_spec(
             self.world_size, window=window, elements_per_packet=elements_per_packet))
             if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
         self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
-            op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s))
+            op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret))
         self._owns_client = True
 
     def __getstate__(self) -> dict[str, Any]:
@@ -104,8 +105,14 @@ class SwitchMLHookState:
                            f"(saved settings: {state})")
 
     def close(self) -> None:
+        """Leave the hook's switch job (and release an embedded switch this rank started)."""
         if self._owns_client:
             self.client.close()
+            self._owns_client = False
+        if self._owns_switch:
+            from switchml.torch.backend import _EMBEDDED
+            self._owns_switch = False
+            _EMBEDDED.release()
 
 
 def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
@@ -131,7 +138,8 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     state.buckets += 1
     state.bytes_sent += work.numel() * state.bits // 8
     # 4. Aggregate on the communication thread; the future resolves there.
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    from switchml.torch.backend import failable_future
+    completer, future = failable_future()
     handle = state.client.allreduce_async(
         array, array, bits=state.bits,
         residual=residual.numpy() if residual is not None else None)
@@ -139,11 +147,11 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     def done(h: Any) -> None:
         error = h.exception()
         if error is not None:
-            future.set_exception(RuntimeError(f"switchml DDP hook failed: {error}"))
+            completer.set_result(RuntimeError(f"switchml DDP hook failed: {error}"))
             return
         if staged:
             buffer.copy_(work)
-        future.set_result(buffer)
+        completer.set_result(buffer)
 
     handle.add_done_callback(done)
     return future

@@ -1,0 +1,71 @@
+"""Failures end in a RuntimeError naming who went silent, in bounded time: never a hang."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch_procs as tp
+
+TIMEOUT_S = 5.0  # the process group's timeout: the switchml operation timeout
+
+
+def _dead_rank_run(mode, timeout_s=TIMEOUT_S):
+    world, die_rank, die_step = 3, 2, 3
+    with tp.Procs(deadline_s=60) as procs:
+        procs.start_ranks(tp.dying_rank_body, world, mode, die_rank, die_step, timeout_s)
+        results = procs.results([0, 1])
+        procs.join(20)
+        codes = [p.exitcode for p in procs.procs]
+    for rank in (0, 1):
+        res = results[rank]
+        assert res["error"] is not None, f"rank {rank} finished training without its peer"
+        assert res["step"] == die_step, res
+        assert res["seconds"] < timeout_s + 5, res
+        assert re.search(rf"rank\(s\) \[{die_rank}\]", res["error"]), res["error"]
+    # rank 0 crashed (os._exit) after the failure and rank 2 died mid-training: the embedded
+    # switch must not survive its owner even without atexit.
+    assert codes[0] == 3 and codes[2] == 0, codes
+    assert procs.leftover_switches == []
+    assert procs.leftover == []
+
+
+@pytest.mark.timeout(90)
+def test_dead_rank_fails_the_others_naming_it():
+    """Gradients averaged with dist.all_reduce; rank 2 dies before step 3's all-reduce."""
+    _dead_rank_run("manual")
+
+
+@pytest.mark.timeout(90)
+def test_dead_rank_under_ddp_fails_the_others_naming_it():
+    _dead_rank_run("ddp", timeout_s=3.0)
+
+
+@pytest.mark.timeout(90)
+def test_dead_switch_fails_the_ranks_naming_it():
+    world = 2
+    with tp.Procs(deadline_s=75) as procs:
+        switch_proc = procs.start(tp.switch_server_body, procs.q)
+        kind, address, pid = procs.get(timeout=30)
+        assert kind == "switch" and pid == switch_proc.pid
+        where = f"{address[0]}:{address[1]}"
+        procs.start_ranks(tp.switch_loss_body, world, TIMEOUT_S,
+                          env={"SWITCHML_SWITCH": where})
+        started = set()
+        while len(started) < world:  # every rank has completed ops through the switch
+            msg = procs.get(timeout=45)
+            assert msg[0] == "progress", msg
+            started.add(msg[1])
+        switch_proc.kill()
+        killed_at = time.time()
+        results = procs.results(world, timeout=TIMEOUT_S + 20)
+    for rank, res in results.items():
+        assert res["switch"] == where, res
+        assert res["error"] is not None, f"rank {rank} never noticed the switch was gone"
+        assert res["ok_ops"] >= 5, res
+        assert res["when"] - killed_at < TIMEOUT_S + 5, res
+        assert res["seconds"] < TIMEOUT_S + 5, res
+        assert "switch" in res["error"] and where in res["error"], res["error"]
+    assert procs.leftover_switches == []
+    assert procs.leftover == []
