@@ -393,7 +393,7 @@ class _Embedded:
         with self.lock:
             self.users = max(0, self.users - 1)
             if self.users == 0 and self.proc is not None and self.timer is None:
-                self.timer = threading.Timer(_SWITCH_GRACE_S, self.stop)
+                self.timer = threading.Timer(_SWITCH_GRACE_S, self._stop_if_unused)
                 self.timer.daemon = True
                 self.timer.start()
 
@@ -413,6 +413,12 @@ class _Embedded:
         self.address = _parse_address(line.rsplit(" ", 1)[1])
         atexit.register(self.stop)
         log.info("started an embedded switch at %s:%d (pid %d)", *self.address, proc.pid)
+
+    def _stop_if_unused(self) -> None:
+        with self.lock:
+            if self.users:  # acquired again while the timer was firing
+                return
+        self.stop()
 
     def stop(self) -> None:
         """Stop the switch (idempotent); it also exits by itself when this process does."""
