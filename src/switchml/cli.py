@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="int32 elements per packet, k (default 16000 = 64 KB datagrams, for "
                          "loopback; 358 fits a 1500-byte MTU)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
+    tbg = ar.add_argument_group(
+        "testbed", "run over an emulated star network instead of loopback (needs root): one "
+        "namespace per worker, the switch in the middle, links shaped with tc tbf both ways")
+    tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
+    tbg.add_argument("--rate-mbit", type=float, default=1000.0,
+                     help="link rate in Mbit/s, each direction (default 1000)")
+    tbg.add_argument("--loss", type=float, default=0.0,
+                     help="packet loss rate on every link, 0..1 (default 0)")
+    tbg.add_argument("--mtu", type=int, default=65000,
+                     help="link MTU in bytes; chunks are sized to fit it (default 65000, jumbo)")
+    tbg.add_argument("--systems", default="switchml,gloo,ps",
+                     help="comma list of switchml, gloo, ps (parameter server) (default all)")
+    tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
     ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ar.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a measurement after this long (default 600)")
@@ -338,7 +351,51 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench_testbed(args: argparse.Namespace) -> int:
+    import signal as _signal
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.testbed import TestbedBenchConfig, run_testbed_allreduce, write_outputs
+
+    def _term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # run the testbed's teardown
+
+    _signal.signal(_signal.SIGTERM, _term)
+    cfg = TestbedBenchConfig(
+        workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]),
+        rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu, iters=args.iters,
+        warmup=args.warmup, systems=tuple(x.strip() for x in args.systems.split(",") if x),
+        window=args.window, timeout_s=args.timeout_s)
+    console = Console(stderr=True)
+    with console.status("building the testbed") as status:
+        rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
+            f"measuring {what}"))
+    n = cfg.workers
+    table = Table(title=f"all-reduce over the testbed: {n} workers, {args.rate_mbit:g} Mbit/s "
+                        f"links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per worker)")
+    for col in ("size", "system", "ATE/s", "of line rate B/32", "ring bound", "vs gloo",
+                "worker CPU %", "switch CPU %"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        gloo = next((g for g in rows if g["system"] == "gloo"
+                     and g["size_bytes"] == r["size_bytes"]), None)
+        table.add_row(_human(r["size_bytes"]), r["system"], f"{r['ate_per_s']:.3g}",
+                      f"{100 * r['fraction_of_line_rate']:.0f}%",
+                      f"{100 * r['bound_ring_ate'] / r['bound_line_ate']:.0f}%",
+                      f"{r['ate_per_s'] / gloo['ate_per_s']:.2f}" if gloo else "-",
+                      "/".join(f"{c:.0f}" for c in r["cpu_percent"]),
+                      f"{r['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in r else "-")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    write_outputs(rows, args.json, args.csv)
+    bad = [r for r in rows if r["system"] == "switchml" and r.get("max_abs_error", 0) > 1e-3]
+    return 1 if bad else 0
+
+
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
+    if args.testbed:
+        return _run_bench_testbed(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -60,6 +60,8 @@ class Testbed:
             tb.run(tb.worker_ns(0), ["ping", "-c1", tb.topology.switch_ip(0)])
     """
 
+    __test__ = False  # not a pytest test class
+
     def __init__(self, topology: Topology, prefix: str | None = None) -> None:
         self.topology = topology
         self.prefix = prefix or f"sm{secrets.token_hex(2)}"
@@ -80,6 +82,10 @@ class Testbed:
 
     def worker_ns(self, i: int) -> str:
         return f"{self.prefix}w{i}"
+
+    def host_device(self, i: int) -> str:
+        """The network device of worker i inside its namespace."""
+        return f"{self.prefix}h{i}"
 
     # -- life cycle --------------------------------------------------------------------------
 

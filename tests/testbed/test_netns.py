@@ -1,0 +1,140 @@
+"""The testbed for real (root): rates, loss, exact switchml over shaped lossy links, teardown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology, check_environment
+
+try:
+    check_environment()
+    SKIP = None
+except TestbedError as exc:
+    SKIP = str(exc)
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")]
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_link_rate_is_within_ten_percent():
+    rate = 200e6
+    with Testbed(Topology(workers=2, link=LinkSpec(bandwidth_bps=rate, mtu=1500))) as tb:
+        sink = tb.popen(tb.worker_ns(1), _py("""
+            import socket, time, json
+            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", 5201)); s.listen(1); print("ready", flush=True)
+            c, _ = s.accept(); buf = bytearray(1 << 20); n = 0; t0 = None
+            while True:
+                k = c.recv_into(buf)
+                if not k: break
+                if t0 is None: t0 = time.perf_counter()
+                n += k
+            print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
+        """), stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "ready"
+        tb.run(tb.worker_ns(0), _py(f"""
+            import socket, time
+            c = socket.create_connection(("{tb.topology.worker_ip(1)}", 5201))
+            data = bytes(1 << 16); end = time.perf_counter() + 3.0
+            while time.perf_counter() < end: c.sendall(data)
+            c.close()
+        """))
+        res = json.loads(sink.stdout.readline())
+        measured = res["bytes"] * 8 / res["seconds"]
+        # worker 0 -> switch -> worker 1 crosses two shaped links; the rate is the link's
+        assert 0.9 * rate <= measured <= 1.1 * rate, measured
+        assert "tbf" in tb.qdisc(tb.switch_ns, f"{tb.prefix}s1")
+
+
+def test_loss_is_applied_at_the_asked_rate():
+    loss, count = 0.05, 20_000
+    with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=None, loss_rate=loss))) as tb:
+        sink = tb.popen(tb.switch_ns, _py("""
+            import socket, json
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+            s.bind(("0.0.0.0", 6000)); s.settimeout(2.0); print("ready", flush=True); n = 0
+            try:
+                while True: s.recv(2048); n += 1
+            except socket.timeout: pass
+            print(json.dumps({"received": n}))
+        """), stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "ready"
+        tb.run(tb.worker_ns(0), _py(f"""
+            import socket, time
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            for i in range({count}):
+                s.sendto(b"x" * 100, ("{tb.topology.switch_ip(0)}", 6000))
+                if i % 1000 == 999: time.sleep(0.01)
+        """))
+        received = json.loads(sink.stdout.readline())["received"]
+        dropped = count - received
+        sigma = (count * loss * (1 - loss)) ** 0.5
+        assert abs(dropped - count * loss) <= 5 * sigma, (dropped, count * loss)
+        assert tb.loss_counter() == dropped
+
+
+def test_switchml_is_exact_over_shaped_lossy_links():
+    from switchml.control import encode_job_spec, new_job_spec
+    n = 3
+    spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=2200))
+    link = LinkSpec(bandwidth_bps=300e6, loss_rate=0.01, mtu=9000)
+    with Testbed(Topology(workers=n, link=link)) as tb:
+        switch = tb.popen(tb.switch_ns, [sys.executable, "-m", "switchml.bench.nsproc", "switch",
+                                         json.dumps({"port": 48864})],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert switch.stdout.readline().strip() == "ready"
+        procs = [tb.popen(tb.worker_ns(r), _py(f"""
+            import numpy as np
+            from switchml.control import decode_job_spec
+            from switchml.transport.udp import WorkerClient
+            spec = decode_job_spec("{spec}")
+            with WorkerClient(("{tb.topology.switch_ip(r)}", 48864), spec, {r}) as w:
+                for op in range(4):
+                    rng = np.random.default_rng(op)
+                    xs = rng.integers(-2**20, 2**20, ({n}, 300_000), dtype=np.int32)
+                    out = w.allreduce(xs[{r}])
+                    assert np.array_equal(out, xs.sum(axis=0, dtype=np.int32)), op
+                print(w.counters.get("retransmissions", 0))
+        """), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+        retransmissions = 0
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            retransmissions += int(out.strip().splitlines()[-1])
+        assert retransmissions > 0  # the loss really happened and was recovered
+        assert tb.loss_counter() > 0
+
+
+def test_teardown_removes_exactly_what_was_created():
+    before = _namespaces()
+    with Testbed(Topology(workers=2)) as tb:
+        created = set(tb.namespaces)
+        assert created <= _namespaces() and len(created) == 4
+    assert _namespaces() == before
+    with pytest.raises(RuntimeError, match="boom"), Testbed(Topology(workers=1)) as tb:
+        created = set(tb.namespaces)
+        raise RuntimeError("boom")
+    assert _namespaces() == before
+    # no veth was ever created in the root namespace
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert tb.prefix not in links
+
+
+def test_failed_command_raises_with_its_stderr():
+    with pytest.raises(TestbedError, match="mtu must be|failed"):
+        with Testbed(Topology(workers=1, link=LinkSpec(mtu=65535))) as tb:
+            tb.run(tb.switch_ns, ["ip", "link", "set", "nonexistent0", "up"])
