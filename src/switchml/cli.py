@@ -120,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refresh period in seconds (default 1)")
     stats.add_argument("--once", action="store_true", help="print one table and exit")
 
+    tb = sub.add_parser(
+        "testbed", help="build an emulated star network and hold it until Ctrl-C (root)",
+        description="Build the emulated network (one namespace per worker, one for the switch, "
+                    "one for a parameter server; veth links shaped with tc tbf both ways, "
+                    "nftables loss where packets arrive), print how to run things in it, and "
+                    "tear it down on Ctrl-C or SIGTERM, removing exactly what it created.")
+    tb.add_argument("--workers", "-n", type=int, default=4, help="worker hosts (default 4)")
+    tb.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="link rate in Mbit/s each way; 0 for unshaped (default 1000)")
+    tb.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    tb.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     ar = bsub.add_parser(
@@ -156,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ar.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a measurement after this long (default 600)")
+    pl = bsub.add_parser("plot", help="PNG plots from testbed benchmark JSON files",
+                         description="Draw ATE/s against size (with the line-rate and ring "
+                                     "bounds), speedup over gloo against n, and slowdown "
+                                     "against loss, from 'bench allreduce --testbed --json' "
+                                     "files.")
+    pl.add_argument("files", nargs="+", help="JSON files")
+    pl.add_argument("--out", default="plots", help="output folder (default ./plots)")
     so = bsub.add_parser(
         "soak", help="jobs with loss and churn against one switch: exact or error, never wrong",
         description="Run several jobs of worker processes (int32 all-reduces, every result "
@@ -235,6 +254,31 @@ def _run_switch(args: argparse.Namespace) -> int:
     while not stop.wait(interval):
         log.info("stats: %s", server.stats())
     server.stop()
+    return 0
+
+
+def _run_testbed(args: argparse.Namespace) -> int:
+    import threading
+
+    from switchml.testbed import LinkSpec, Testbed, Topology
+
+    link = LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 if args.rate_mbit else None,
+                    loss_rate=args.loss, mtu=args.mtu)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with Testbed(Topology(workers=args.workers, link=link)) as bed:
+        topo = bed.topology
+        print(f"testbed {bed.prefix} is up: {args.workers} workers, {link}")
+        print(f"  switch:  ip netns exec {bed.switch_ns} switchml switch --host 0.0.0.0 "
+              "--insecure")
+        for i in range(args.workers):
+            print(f"  worker {i}: ip netns exec {bed.worker_ns(i)} ...   (address "
+                  f"{topo.worker_ip(i)}, switch at {topo.switch_ip(i)})")
+        print(f"  parameter server host: ip netns exec {bed.ps_ns} ...   ({topo.ps_ip})")
+        print("Ctrl-C tears it down.", flush=True)
+        stop.wait()
+    print("testbed removed")
     return 0
 
 
@@ -536,8 +580,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_demo(args)
         if args.command == "stats":
             return _run_stats(args)
+        if args.command == "testbed":
+            return _run_testbed(args)
         if args.command == "bench" and args.bench == "allreduce":
             return _run_bench_allreduce(args)
+        if args.command == "bench" and args.bench == "plot":
+            from switchml.bench.plots import plot_results
+            for path in plot_results(args.files, args.out):
+                print(path)
+            return 0
         if args.command == "bench" and args.bench == "soak":
             return _run_bench_soak(args)
         if args.command == "bench" and args.bench == "fuzz":
