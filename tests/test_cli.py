@@ -21,6 +21,13 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     ([], "switch"),
     (["switch"], "--pool-slots"),
     (["bench", "allreduce"], "ATE/s"),
+    (["bench", "train"], "network-bound"),
+    (["bench", "soak"], "wrong results"),
+    (["bench", "fuzz"], "hostile"),
+    (["bench", "plot"], "speedup"),
+    (["testbed"], "namespace"),
+    (["stats"], "counters"),
+    (["demo"], "digits"),
 ])
 def test_help_explains(argv, expect):
     res = _run(*argv, "--help")

@@ -168,6 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ar.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a measurement after this long (default 600)")
+    tr = bsub.add_parser(
+        "train", help="DDP training over the testbed, gloo against switchml (root)",
+        description="Train a convolutional model (CNN on digits) and a network-bound model "
+                    "(a 6.4M-parameter embedding table, like NCF/DeepLight) with "
+                    "DistributedDataParallel on gloo and on switchml over the same emulated "
+                    "links; report step time, samples/s, time to a target loss and speedup.")
+    tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
+    tr.add_argument("--model", action="append", choices=["cnn", "embed"],
+                    help="model to train (repeatable; default both)")
+    tr.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    tr.add_argument("--batch", type=int, default=64, help="per-worker batch (default 64)")
+    tr.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="link rate in Mbit/s (default 1000)")
+    tr.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    tr.add_argument("--plot", metavar="PNG", help="save training loss against time")
     pl = bsub.add_parser("plot", help="PNG plots from testbed benchmark JSON files",
                          description="Draw ATE/s against size (with the line-rate and ring "
                                      "bounds), speedup over gloo against n, and slowdown "
@@ -437,6 +454,53 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _run_bench_train(args: argparse.Namespace) -> int:
+    import csv
+    import json
+    import signal as _signal
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.testbed import TrainBenchConfig, plot_training, run_testbed_train
+
+    def _term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # run the testbed's teardown
+
+    _signal.signal(_signal.SIGTERM, _term)
+    cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("cnn", "embed")),
+                           steps=args.steps, batch=args.batch, rate_bps=args.rate_mbit * 1e6,
+                           loss_rate=args.loss)
+    console = Console(stderr=True)
+    with console.status("building the testbed") as status:
+        rows = run_testbed_train(cfg, progress=lambda what: status.update(what))
+    table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
+                        f"{args.rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}")
+    for col in ("model", "parameters", "backend", "step time (ms)", "samples/s", "final loss",
+                "time to target (s)", "speedup"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ttt = r["time_to_target_s"]
+        table.add_row(r["model"], f"{r['params']:,}", r["backend"], f"{1e3 * r['step_s']:.0f}",
+                      f"{r['samples_per_s']:.0f}", f"{r['final_loss']:.4f}",
+                      f"{ttt:.1f}" if ttt is not None else "-", f"{r['speedup_step']:.2f}")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "train-testbed", "config": cfg.__dict__, "results": rows}, f,
+                      indent=2)
+    if args.csv:
+        keys = ["model", "backend", "workers", "params", "rate_bps", "loss_rate", "step_s",
+                "samples_per_s", "final_loss", "target_loss", "time_to_target_s", "speedup_step"]
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        plot_training(rows, args.plot)
+    return 0
+
+
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
     if args.testbed:
         return _run_bench_testbed(args)
@@ -584,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_testbed(args)
         if args.command == "bench" and args.bench == "allreduce":
             return _run_bench_allreduce(args)
+        if args.command == "bench" and args.bench == "train":
+            return _run_bench_train(args)
         if args.command == "bench" and args.bench == "plot":
             from switchml.bench.plots import plot_results
             for path in plot_results(args.files, args.out):

@@ -138,3 +138,16 @@ def test_failed_command_raises_with_its_stderr():
     with pytest.raises(TestbedError, match="mtu must be|failed"):
         with Testbed(Topology(workers=1, link=LinkSpec(mtu=65535))) as tb:
             tb.run(tb.switch_ns, ["ip", "link", "set", "nonexistent0", "up"])
+
+
+@pytest.mark.slow
+def test_training_over_the_testbed_matches_gloo():
+    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
+    rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("embed",),
+                                              rate_bps=1e9, batch=32))
+    by = {r["backend"]: r for r in rows}
+    assert set(by) == {"gloo", "switchml"}
+    gloo, sml = by["gloo"]["losses"], by["switchml"]["losses"]
+    # same data, same seeds: the fixed-point sums keep the curves together
+    assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(gloo, sml)), (gloo, sml)
+    assert by["switchml"]["step_s"] > 0 and by["switchml"]["speedup_step"] > 0

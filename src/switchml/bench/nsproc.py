@@ -137,5 +137,80 @@ def ps(a: dict[str, Any]) -> None:
 ROLES = {"switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_server,
          "ps": ps}
 
+
+def train(a: dict[str, Any]) -> None:
+    """DDP training of one model on one backend; rank 0 reports per-step losses and times."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    if a["backend"] == "switchml":
+        import switchml.torch  # noqa: F401
+    rank, n = a["rank"], a["n"]
+    dist.init_process_group(a["backend"], init_method=f"tcp://{a['master']}:{a['port']}",
+                            rank=rank, world_size=n, timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batch = a["batch"]
+    if a["model"] == "cnn":  # convolutional, on real digits
+        from sklearn.datasets import load_digits
+
+        from switchml.demo import build_model
+        model: nn.Module = build_model()
+        digits = load_digits()
+        xs = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        ys = torch.tensor(digits.target)
+        loss_fn: Any = nn.CrossEntropyLoss()
+
+        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = torch.randint(0, len(ys), (batch,), generator=gen)
+            return xs[idx], ys[idx]
+    else:  # network-bound: a large embedding table (NCF/DeepLight-like), synthetic clicks
+        rows, dim = a.get("rows", 200_000), 32
+
+        class Rec(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
+                self.mlp = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.mlp(self.emb(ids)).squeeze(1)
+
+        model = Rec()
+        truth = torch.Generator().manual_seed(7)
+        weights = torch.randn(rows, generator=truth)
+        loss_fn = nn.BCEWithLogitsLoss()
+
+        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = torch.randint(0, rows, (batch, 8), generator=gen)
+            return ids, (weights[ids].sum(1) > 0).float()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    losses, times = [], []
+    dist.barrier()
+    t0 = time.perf_counter()
+    c0 = _cpu()
+    for step in range(a["steps"]):
+        x, y = batch_of(step)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    _emit({"losses": losses, "times": times, "elapsed_s": elapsed, "cpu_s": _cpu() - c0,
+           "params": params})
+
+
+ROLES["train"] = train
+
+
 if __name__ == "__main__":
     ROLES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -191,3 +191,120 @@ def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
             for r in rows:
                 w.writerow(r)
 
+
+
+@dataclass(frozen=True)
+class TrainBenchConfig:
+    """Data-parallel training over the testbed, gloo against switchml, same links."""
+
+    __test__ = False
+
+    workers: int = 4
+    models: tuple[str, ...] = ("cnn", "embed")
+    steps: int = 60
+    batch: int = 64
+    rate_bps: float = 1e9
+    loss_rate: float = 0.0
+    mtu: int = 65000
+    window: int = 16
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.models) - {"cnn", "embed"}
+        if unknown:
+            raise ValueError(f"unknown model(s) {sorted(unknown)}; known: cnn, embed")
+        if self.steps < 2:
+            raise ValueError("--steps must be >= 2")
+
+
+_LR = {"cnn": 0.05, "embed": 0.05}
+
+
+def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
+    """Train every model on gloo and on switchml over one testbed; return one row each."""
+    topo = Topology(workers=cfg.workers, link=LinkSpec(
+        bandwidth_bps=cfg.rate_bps, loss_rate=cfg.loss_rate, mtu=cfg.mtu))
+    k = TestbedBenchConfig(mtu=cfg.mtu).elements_per_packet
+    rows: list[dict[str, Any]] = []
+    with Testbed(topo) as tb:
+        switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert switch.stdout is not None and switch.stdin is not None
+        if switch.stdout.readline().strip() != "ready":
+            raise TestbedError("the switch did not start in its namespace")
+        for model in cfg.models:
+            for backend in ("gloo", "switchml"):
+                if progress is not None:
+                    progress(f"training {model} on {backend}, n={cfg.workers}")
+                port = 33000 + secrets.randbelow(20000)
+                procs = []
+                for r in range(cfg.workers):
+                    env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r),
+                           "SWITCHML_SWITCH": f"{topo.switch_ip(r)}:{SWITCH_PORT}",
+                           "SWITCHML_WINDOW": str(cfg.window),
+                           "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
+                    env.pop("SWITCHML_SECRET", None)
+                    procs.append(tb.popen(tb.worker_ns(r), _nsproc("train", {
+                        "backend": backend, "model": model, "rank": r, "n": cfg.workers,
+                        "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
+                        "batch": cfg.batch, "lr": _LR[model]}), env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                out = _wait_all(procs, cfg.timeout_s)
+                lead = out[0]
+                # Step time from the second half (after warm-up and bucket rebuilding).
+                times = lead["times"]
+                half = len(times) // 2
+                step_s = (times[-1] - times[half - 1]) / (len(times) - half)
+                rows.append({
+                    "model": model, "backend": backend, "workers": cfg.workers,
+                    "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
+                    "params": lead["params"], "steps": cfg.steps, "batch": cfg.batch,
+                    "step_s": step_s, "samples_per_s": cfg.batch * cfg.workers / step_s,
+                    "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
+                    "times": times,
+                    "cpu_percent": [100 * o["cpu_s"] / o["elapsed_s"] for o in out],
+                })
+        switch.stdin.close()
+    _add_time_to_target(rows)
+    return rows
+
+
+def _smooth(xs: list[float], w: int = 5) -> list[float]:
+    return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1])
+            for i in range(len(xs))]
+
+
+def _add_time_to_target(rows: list[dict[str, Any]]) -> None:
+    """Target loss per model: the worse of the backends' final smoothed losses, plus 5%."""
+    for model in {r["model"] for r in rows}:
+        group = [r for r in rows if r["model"] == model]
+        target = 1.05 * max(_smooth(r["losses"])[-1] for r in group)
+        for r in group:
+            sm = _smooth(r["losses"])
+            hit = next((i for i, v in enumerate(sm) if v <= target), None)
+            r["target_loss"] = target
+            r["time_to_target_s"] = r["times"][hit] if hit is not None else None
+        gloo = next(r for r in group if r["backend"] == "gloo")
+        for r in group:
+            r["speedup_step"] = gloo["step_s"] / r["step_s"]
+
+
+def plot_training(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in rows:
+            if r["model"] == model:
+                ax.plot(r["times"], _smooth(r["losses"]), label=r["backend"])
+        ax.set_title(f"{model}: {rows[0]['workers']} workers, "
+                     f"{rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
+        ax.set_xlabel("seconds since training start")
+        ax.set_ylabel("training loss (rank 0, 5-step mean)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
