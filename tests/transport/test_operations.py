@@ -176,3 +176,32 @@ def test_worker_restart_events_name_the_new_sequence_number():
     assert ev.seq == seqs[0] and ev.new_seq == seqs[0] + 2**16
     c.wait([ev.new_seq])
     assert c.workers[0].counters["operations_restarted"] == 1
+
+
+@pytest.mark.parametrize("down_s", [0.0, 0.05, 0.5])
+def test_ranks_that_notice_a_restart_late_still_catch_up(down_s):
+    """One rank retransmits much later than the others (a slow path): it finds the job already
+    re-created by the others and must be told to join the new epoch, not silently dropped."""
+    n = 3
+    xs = _inputs(n, 20_000, seed=0)
+    expected = MemoryCluster(num_workers=n, window=4, elements_per_packet=512).allreduce(xs)[0]
+    c = MemoryCluster(num_workers=n, window=4, elements_per_packet=512,
+                      worker_config=WorkerConfig(op_timeout_s=5))
+    slow = WorkerEndpoint(spec=c.spec, rank=2, switch_address=c.SWITCH,
+                          config=WorkerConfig(min_rto_s=0.3, initial_rto_s=0.3, op_timeout_s=5))
+    c.workers[2] = slow
+    c.fabric.attach(c.addresses[2], slow)
+    c.allreduce(xs)
+    outs = [np.empty_like(x) for x in xs]
+    c.start(xs, outs)
+    c.fabric.run(lambda: c.switch.stats()["results_multicast"] > 25)
+    c.fabric.detach(c.SWITCH)
+    if down_s:
+        t = c.fabric.now
+        c.fabric.run(lambda: c.fabric.now > t + down_s)
+    c.switch = SwitchDataplane()
+    c.fabric.attach(c.SWITCH, c.switch)
+    c.fabric.run(lambda: all(w.state is WorkerState.READY for w in c.workers), max_time_s=60)
+    for o in outs:
+        assert np.array_equal(o, expected)
+    assert all(w.counters["operations_restarted"] == 1 for w in c.workers)
