@@ -145,24 +145,35 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
     }
 
 
+def _start_switch(tb: Testbed) -> subprocess.Popen[str]:
+    """Start the software switch in the switch namespace; it stops when its stdin closes."""
+    switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert switch.stdout is not None and switch.stdin is not None
+    if switch.stdout.readline().strip() != "ready":
+        raise TestbedError("the switch did not start in its namespace")
+    return switch
+
+
+def _topology(workers: int, rate_bps: float, loss_rate: float, mtu: int) -> Topology:
+    return Topology(workers=workers, link=LinkSpec(bandwidth_bps=rate_bps, loss_rate=loss_rate,
+                                                   mtu=mtu))
+
+
 def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
                           ) -> list[dict[str, Any]]:
     """Build the testbed, run every (size, system), tear it down; return the rows."""
-    topo = Topology(workers=cfg.workers, link=LinkSpec(
-        bandwidth_bps=cfg.rate_bps, loss_rate=cfg.loss_rate, mtu=cfg.mtu))
+    topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
-        switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert switch.stdout is not None and switch.stdin is not None
-        if switch.stdout.readline().strip() != "ready":
-            raise TestbedError("the switch did not start in its namespace")
+        switch = _start_switch(tb)
         for size in cfg.sizes_bytes:
             for system in cfg.systems:
                 if progress is not None:
                     progress(f"{system}, n={cfg.workers}, {size} B, "
                              f"{cfg.rate_bps / 1e6:g} Mbit/s, loss {cfg.loss_rate:g}")
                 rows.append(_measure(tb, cfg, system, size, switch.pid))
+        assert switch.stdin is not None and switch.stdout is not None
         switch.stdin.close()
         stats = json.loads(switch.stdout.readline())
         for r in rows:
@@ -222,16 +233,11 @@ _LR = {"cnn": 0.05, "embed": 0.05}
 
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
     """Train every model on gloo and on switchml over one testbed; return one row each."""
-    topo = Topology(workers=cfg.workers, link=LinkSpec(
-        bandwidth_bps=cfg.rate_bps, loss_rate=cfg.loss_rate, mtu=cfg.mtu))
+    topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     k = TestbedBenchConfig(mtu=cfg.mtu).elements_per_packet
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
-        switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert switch.stdout is not None and switch.stdin is not None
-        if switch.stdout.readline().strip() != "ready":
-            raise TestbedError("the switch did not start in its namespace")
+        switch = _start_switch(tb)
         for model in cfg.models:
             for backend in ("gloo", "switchml"):
                 if progress is not None:
@@ -264,6 +270,7 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                     "times": times,
                     "cpu_percent": [100 * o["cpu_s"] / o["elapsed_s"] for o in out],
                 })
+        assert switch.stdin is not None
         switch.stdin.close()
     _add_time_to_target(rows)
     return rows
