@@ -115,11 +115,6 @@ def test_pack_header_out_of_range_field_raises_struct_error():
         pack_header(Header(MessageType.REQUEST, job=1, rank=2**16))
 
 
-def test_build_concatenates_header_and_payload():
-    payload = np.array([1, -2, 3], dtype="<i4").tobytes()
-    assert wire.build(SAMPLE, payload) == pack_header(SAMPLE) + payload
-
-
 # -- Round trips ------------------------------------------------------------------------------
 
 

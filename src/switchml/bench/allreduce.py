@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from switchml.bench.switchproc import SwitchProcess
+
 __all__ = ["BenchConfig", "Measurement", "parse_size", "run_benchmark"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -89,24 +91,6 @@ def _free_port() -> int:
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-def _switch_main(conn: Any) -> None:
-    from switchml.transport.udp import SwitchServer
-    server = SwitchServer(host="127.0.0.1", port=0)
-    conn.send(server.address)
-    server.start()
-    try:
-        while conn.recv() == "cpu":  # CPU seconds so far; anything else (or EOF) stops
-            conn.send(time.process_time())
-    except EOFError:
-        pass
-    stats = server.stats()
-    server.stop()
-    try:
-        conn.send(stats)
-    except OSError:
-        pass
-
 
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -245,23 +229,8 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
     ``progress``: optional callable(str) told what runs next.
     """
     ctx = mp.get_context("spawn")
-    switch = cfg.switch
-    switch_proc = parent = None
-    if switch is None:
-        parent, child = ctx.Pipe()
-        switch_proc = ctx.Process(target=_switch_main, args=(child,), daemon=True)
-        switch_proc.start()
-        if not parent.poll(30):
-            raise RuntimeError("the benchmark's switch process did not start within 30 s")
-        switch = tuple(parent.recv())
-    switch_cpu = None
-    if parent is not None:
-        pipe = parent
-
-        def switch_cpu() -> float:
-            pipe.send("cpu")
-            return float(pipe.recv())
-
+    own = SwitchProcess(ctx) if cfg.switch is None else None
+    switch = own.address if own is not None else cfg.switch
     out: list[Measurement] = []
     switch_stats: dict[str, Any] = {}
     try:
@@ -269,18 +238,13 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
             for system in ("switchml", *cfg.baselines):
                 if progress is not None:
                     progress(f"{system} n={cfg.workers} size={size} B")
-                out.append(_measure(system, cfg, size, switch, ctx, switch_cpu))
+                out.append(_measure(system, cfg, size, switch, ctx,
+                                    own.cpu_s if own is not None else None))
+        if own is not None:
+            switch_stats = own.stats()
     finally:
-        if switch_proc is not None and parent is not None:
-            try:
-                parent.send("stop")
-                if parent.poll(10):
-                    switch_stats = parent.recv()
-            except (OSError, EOFError):
-                pass
-            switch_proc.join(timeout=10)
-            if switch_proc.is_alive():
-                switch_proc.kill()
+        if own is not None:
+            own.stop()
     return out, switch_stats
 
 

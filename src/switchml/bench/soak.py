@@ -26,64 +26,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FuzzConfig", "SoakConfig", "run_fuzz", "run_soak", "rss_bytes"]
+from switchml.bench.switchproc import SwitchProcess
 
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _switch_proc(conn: Any, lease_timeout_s: float, secret: bytes | None) -> None:
-    from switchml.protocol.config import SwitchConfig
-    from switchml.transport.udp import SwitchServer
-    server = SwitchServer(host="127.0.0.1", port=0,
-                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret))
-    conn.send(server.address)
-    server.start()
-    try:
-        while True:
-            msg = conn.recv()
-            if msg == "stats":
-                conn.send(server.stats())
-            else:
-                break
-    except EOFError:
-        pass
-    server.stop()
-
-
-class _Switch:
-    """A switch in a process of its own, with a pipe for its counters."""
-
-    def __init__(self, ctx: Any, lease_timeout_s: float, secret: bytes | None = None) -> None:
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_switch_proc, args=(child, lease_timeout_s, secret),
-                                daemon=True)
-        self.proc.start()
-        if not self._conn.poll(30):
-            raise RuntimeError("switch process did not start")
-        self.address = tuple(self._conn.recv())
-
-    def stats(self) -> dict[str, Any]:
-        self._conn.send("stats")
-        return self._conn.recv()  # type: ignore[no-any-return]
-
-    def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def stop(self) -> None:
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
+__all__ = ["FuzzConfig", "SoakConfig", "run_fuzz", "run_soak"]
 
 
 def _expected(job_seed: int, op: int, n: int, numel: int) -> np.ndarray:
@@ -162,7 +107,7 @@ def run_soak(cfg: SoakConfig, progress: Any = None) -> SoakReport:
     from switchml.control import encode_job_spec, new_job_spec
     ctx = mp.get_context("spawn")
     rng = random.Random(cfg.seed)
-    switch = _Switch(ctx, cfg.lease_timeout_s)
+    switch = SwitchProcess(ctx, cfg.lease_timeout_s)
     results = ctx.Queue()
     report = SoakReport(config=cfg.__dict__.copy())
     jobs: dict[int, list[Any]] = {}
@@ -339,7 +284,7 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
     from switchml.control import encode_job_spec, new_job_spec
     ctx = mp.get_context("spawn")
     secret = os.urandom(32) if cfg.secret else None
-    switch = _Switch(ctx, lease_timeout_s=30.0, secret=secret)
+    switch = SwitchProcess(ctx, lease_timeout_s=30.0, secret=secret)
     spec = new_job_spec(2, window=8, elements_per_packet=4096)
     results, done, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=_legit_worker, args=(

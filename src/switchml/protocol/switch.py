@@ -49,6 +49,7 @@ from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
+    KNOWN_FLAGS,
     MAGIC,
     VERSION,
     ControlInfo,
@@ -71,7 +72,6 @@ _INT32 = int(ElementType.INT32)
 _INT16 = int(ElementType.INT16)
 _DATA_ITEMSIZE = {_INT32: 4, _INT16: 2}
 _ACC_DTYPE = {_INT32: "<i4", _INT16: "<i2"}
-_KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 _NONFINITE = int(Flags.NONFINITE)
 _RESULT = int(MessageType.RESULT)
@@ -227,7 +227,7 @@ class SwitchDataplane:
         if len(data) >= HEADER_SIZE:
             f = HEADER.unpack_from(data)
             if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~_KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
+                    and not f[3] & ~KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
                     and len(data) == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
                 self._handle_request(f, data, addr, now)
                 return

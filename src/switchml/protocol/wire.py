@@ -26,6 +26,7 @@ __all__ = [
     "EXP_ZERO",
     "HEADER",
     "HEADER_SIZE",
+    "KNOWN_FLAGS",
     "ITEMSIZE",
     "MAGIC",
     "MAX_DATAGRAM_BYTES",
@@ -103,7 +104,8 @@ class Flags(IntFlag):
     """Result: a unicast copy from the shadow set, answering a retransmission."""
 
 
-_KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
+KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
+"""Every flag bit this version defines; a datagram with another bit set is rejected."""
 
 
 class ElementType(IntEnum):
@@ -175,7 +177,7 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
         raise WireError("bad_elem", str(elem))
     if set_bit > 1:
         raise WireError("bad_set", str(set_bit))
-    if flags & ~_KNOWN_FLAGS:
+    if flags & ~KNOWN_FLAGS:
         raise WireError("bad_flags", f"0x{flags:02x}")
     if len(data) != HEADER_SIZE + count * _ITEMSIZE[e]:
         raise WireError(
@@ -234,7 +236,3 @@ def join_proof(secret: bytes, job: int, token: int, info: ControlInfo) -> bytes:
                       info.elements_per_packet)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
-
-def build(header: Header, payload: bytes | memoryview = b"") -> bytes:
-    """Concatenate an encoded header and a payload into one datagram."""
-    return pack_header(header) + bytes(payload)

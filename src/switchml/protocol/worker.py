@@ -51,6 +51,7 @@ from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
+    KNOWN_FLAGS,
     MAGIC,
     VERSION,
     ControlInfo,
@@ -66,7 +67,8 @@ from switchml.protocol.wire import (
     unpack_payload,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState", "validate_arrays"]
+__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState", "format_address",
+           "validate_arrays"]
 
 Address = tuple[str, int]
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
@@ -81,7 +83,6 @@ _HAS_DATA = int(Flags.HAS_DATA)
 _HAS_EXP = int(Flags.HAS_EXP)
 _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
-_KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
 _INT32 = int(ElementType.INT32)
 _INT16 = int(ElementType.INT16)
 _WIRE = {32: (_INT32, 4, "<i4"), 16: (_INT16, 2, "<i2")}  # bits -> (elem, itemsize, dtype)
@@ -160,6 +161,7 @@ class WorkerEndpoint:
         self.spec = spec
         self.rank = rank
         self.switch_address = switch_address
+        self._switch_text = format_address(switch_address)  # for error messages
         self.config = config or WorkerConfig()
         self.state = WorkerState.NEW
         self.error: str | None = None
@@ -241,7 +243,7 @@ class WorkerEndpoint:
                 raise LocalProtocolError("residual must be a writeable C-contiguous float array "
                                          "of data's size, for float data")
             residual = residual.reshape(-1)
-        if self.config.max_restarts and np.shares_memory(x, o):
+        if self.config.max_restarts and np.may_share_memory(x, o):
             x = x.copy()  # a restart after a switch failure needs the input, not partial sums
         seq = self._seq
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -282,7 +284,7 @@ class WorkerEndpoint:
         if len(data) >= HEADER_SIZE:
             f = HEADER.unpack_from(data)
             if (f[2] == _RESULT and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~_KNOWN_FLAGS and (f[12] == _INT32 or f[12] == _INT16)
+                    and not f[3] & ~KNOWN_FLAGS and (f[12] == _INT32 or f[12] == _INT16)
                     and len(data) == HEADER_SIZE + (4 if f[12] == _INT32 else 2) * f[11]):
                 if f[6] != self.spec.job_id or f[7] != self.spec.token:
                     self.drops["foreign"] += 1
@@ -317,7 +319,7 @@ class WorkerEndpoint:
                     self.state = WorkerState.CLOSED
                     self._events.append(Left())
                     return
-                reason = (f"switch at {_fmt(self.switch_address)} did not answer JOIN for job "
+                reason = (f"switch at {self._switch_text} did not answer JOIN for job "
                           f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
                 if st is WorkerState.JOINING:
                     self._join_failed(reason)
@@ -547,7 +549,7 @@ class WorkerEndpoint:
             self.drops["unexpected_control"] += 1
             return
         reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
-        reason = f"switch at {_fmt(self.switch_address)} refused JOIN: {reason}"
+        reason = f"switch at {self._switch_text} refused JOIN: {reason}"
         if self.state is WorkerState.JOINING:
             self._join_failed(reason)
         else:
@@ -578,7 +580,7 @@ class WorkerEndpoint:
         assert op is not None
         if op.restarts >= self.config.max_restarts:
             self._fail(f"operation {op.seq} of job {self.spec.job_id}: the switch at "
-                       f"{_fmt(self.switch_address)} lost the job {op.restarts + 1} times "
+                       f"{self._switch_text} lost the job {op.restarts + 1} times "
                        f"(restarts allowed: {self.config.max_restarts})")
             return
         new_seq = (op.seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
@@ -633,10 +635,10 @@ class WorkerEndpoint:
         if op.waiting_missing and op.last_heard > op.last_progress:
             ranks = [r for r in range(self.spec.num_workers) if op.waiting_missing >> r & 1]
             return (f"{where} made no progress for {idle:.1f} s: the switch at "
-                    f"{_fmt(self.switch_address)} answers, but rank(s) {ranks} have not sent "
+                    f"{self._switch_text} answers, but rank(s) {ranks} have not sent "
                     f"chunk {op.waiting_chunk}")
         return (f"{where} made no progress for {idle:.1f} s: no answer from the switch at "
-                f"{_fmt(self.switch_address)} for {op.last_progress - op.last_heard + idle:.1f} s")
+                f"{self._switch_text} for {op.last_progress - op.last_heard + idle:.1f} s")
 
     def _fail(self, reason: str) -> None:
         op = self._op
@@ -684,5 +686,6 @@ def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.n
     return data.reshape(-1), out.reshape(-1)
 
 
-def _fmt(addr: Address) -> str:
+def format_address(addr: Address) -> str:
+    """``host:port``, as every error message and log line writes an address."""
     return f"{addr[0]}:{addr[1]}"

@@ -115,12 +115,6 @@ def failable_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[A
     return completer, completer.then(unwrap)
 
 
-def _completed(value: Any) -> SwitchMLWork:
-    fut: torch.futures.Future[Any] = torch.futures.Future()
-    fut.set_result(value)
-    return SwitchMLWork(fut)
-
-
 class _Plan:
     """How one tensor travels: the numpy array sent, and what to do after the sum."""
 

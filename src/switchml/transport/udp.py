@@ -49,6 +49,7 @@ from switchml.protocol.events import OperationFailed as OperationFailedEvent
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import MAX_DATAGRAM_BYTES
 from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
+from switchml.protocol.worker import format_address as _fmt
 
 __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient"]
 
@@ -69,10 +70,6 @@ def _size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:
             sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
     return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
-
-
-def _fmt(addr: Address) -> str:
-    return f"{addr[0]}:{addr[1]}"
 
 
 # A queued all-reduce: input, output, handle, bits, residual.

@@ -1,0 +1,73 @@
+"""A software switch in a process of its own, driven over a pipe (used by the benchmarks)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["SwitchProcess", "rss_bytes"]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None) -> None:
+    from switchml.protocol.config import SwitchConfig
+    from switchml.transport.udp import SwitchServer
+    server = SwitchServer(host="127.0.0.1", port=0,
+                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret))
+    conn.send(server.address)
+    server.start()
+    try:
+        while True:  # "stats", "cpu" (CPU seconds so far); anything else, or EOF, stops
+            msg = conn.recv()
+            if msg == "stats":
+                conn.send(server.stats())
+            elif msg == "cpu":
+                conn.send(time.process_time())
+            else:
+                break
+    except EOFError:
+        pass
+    server.stop()
+
+
+class SwitchProcess:
+    """Start a switch on a free loopback port in a child process of ``ctx`` (spawn)."""
+
+    def __init__(self, ctx: Any, lease_timeout_s: float = 30.0,
+                 secret: bytes | None = None) -> None:
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, lease_timeout_s, secret),
+                                daemon=True)
+        self.proc.start()
+        if not self._conn.poll(30):
+            self.proc.kill()
+            raise RuntimeError("the switch process did not start within 30 s")
+        self.address: tuple[str, int] = tuple(self._conn.recv())
+
+    def stats(self) -> dict[str, Any]:
+        self._conn.send("stats")
+        return self._conn.recv()  # type: ignore[no-any-return]
+
+    def cpu_s(self) -> float:
+        self._conn.send("cpu")
+        return float(self._conn.recv())
+
+    def rss(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def stop(self) -> None:
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
