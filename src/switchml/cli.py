@@ -343,7 +343,8 @@ def _run_stats(args: argparse.Namespace) -> int:
                           ("switchml_packets_out_total", "packets out"),
                           ("switchml_results_multicast_total", "results multicast"),
                           ("switchml_results_resent_total", "results resent (shadow copy)"),
-                          ("switchml_waiting_sent_total", "WAITING answers")):
+                          ("switchml_waiting_sent_total", "WAITING answers"),
+                          ("switchml_mismatch_sent_total", "MISMATCH answers")):
             t.add_row(name, f"{now.get(key, 0):,.0f}", rate(key))
         t.add_row("jobs", f"{now.get('switchml_jobs', 0):.0f}", "")
         t.add_row("slots in use", f"{now.get('switchml_slots_in_use', 0):.0f} / "

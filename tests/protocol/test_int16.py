@@ -18,6 +18,7 @@ from switchml.protocol.wire import (
     pack_control_info,
     pack_header,
     unpack_header,
+    unpack_mismatch,
     unpack_payload,
 )
 from switchml.protocol.worker import WorkerEndpoint
@@ -67,7 +68,11 @@ def test_mixed_widths_in_one_round_are_inconsistent():
     _join(sw, 2, k=4)
     sw.receive_datagram(_req(0, [1, 2]), ("w", 0), 0)
     sw.receive_datagram(_req(1, [1, 2], elem=ElementType.INT32), ("w", 1), 0)
-    assert sw.datagrams_to_send(0) == []
+    ((reply, addr),) = sw.datagrams_to_send(0)
+    h = unpack_header(reply)
+    assert (h.type, addr) == (MessageType.MISMATCH, ("w", 1))
+    m = unpack_mismatch(unpack_payload(reply, h))
+    assert (m.theirs.elem, m.mine.elem) == (ElementType.INT16, ElementType.INT32)
     assert sw.drops["inconsistent_chunk"] == 1
 
 

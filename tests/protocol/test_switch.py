@@ -30,6 +30,7 @@ from switchml.protocol.wire import (
     pack_header,
     unpack_control_info,
     unpack_header,
+    unpack_mismatch,
     unpack_payload,
 )
 
@@ -66,12 +67,12 @@ class Job:
     def req(self, rank: int, values, *, slot: int = 0, set_bit: int = 0, seq: int = 0,
             chunk: int = 0, flags: int = Flags.HAS_DATA, exp_data: int = EXP_ZERO,
             exp_next: int = EXP_ZERO, token: int | None = None, job_id: int | None = None,
-            count: int | None = None) -> bytes:
+            count: int | None = None, digest: int = 0) -> bytes:
         """A REQUEST for local slot ``slot`` (absolute slot = slot_base + slot)."""
         return request(self.job_id if job_id is None else job_id,
                        self.token if token is None else token, rank, self.slot_base + slot,
                        set_bit, seq, chunk, values, flags=flags, exp_data=exp_data,
-                       exp_next=exp_next, count=count)
+                       exp_next=exp_next, count=count, digest=digest)
 
     def send(self, rank: int, values, **kw) -> list[Out]:
         """Send a REQUEST from ``rank``'s own address and return the decoded output."""
@@ -86,12 +87,12 @@ class Job:
 
 def request(job_id: int, token: int, rank: int, slot: int, set_bit: int, seq: int, chunk: int,
             values, *, flags: int = Flags.HAS_DATA, exp_data: int = EXP_ZERO,
-            exp_next: int = EXP_ZERO, count: int | None = None) -> bytes:
+            exp_next: int = EXP_ZERO, count: int | None = None, digest: int = 0) -> bytes:
     payload = np.asarray(values, dtype=np.int64).astype("<i4").tobytes()
     n = len(payload) // 4 if count is None else count
     h = Header(MessageType.REQUEST, job_id, rank=rank, token=token, seq=seq, chunk=chunk,
                slot=slot, set_bit=set_bit, count=n, elem=ElementType.INT32, flags=int(flags),
-               exp_data=exp_data, exp_next=exp_next)
+               exp_data=exp_data, exp_next=exp_next, digest=digest)
     return pack_header(h) + payload
 
 
@@ -482,7 +483,11 @@ BAD_CASES = {
 
 def _assert_only_unknown_job_echo(out, case, bad, addr):
     """Bad datagrams get no answer, except an unknown job: one header-only UNKNOWN_JOB echo to
-    the sender (so a worker notices a restarted switch), never larger than the request."""
+    the sender (so a worker notices a restarted switch), never larger than the request; and a
+    member's chunk that disagrees with its round: one MISMATCH to that member."""
+    if case == "inconsistent_chunk":
+        assert [(o.addr, o.header.type) for o in out] == [(addr, MessageType.MISMATCH)]
+        return
     if case != "unknown_job":
         assert out == []
         return
@@ -519,9 +524,14 @@ def test_isolation_bad_datagram_dropped_and_other_job_unaffected(sw, case):
 def test_inconsistent_exponent_or_flags_within_round(sw, job2):
     flags = int(Flags.HAS_DATA | Flags.HAS_EXP)
     assert job2.send(0, [1, 1], flags=flags, exp_data=4) == []
-    assert job2.send(1, [1, 1], flags=flags, exp_data=5) == []  # other exp_data
-    assert job2.send(1, [1, 1], flags=Flags.HAS_DATA, exp_data=4) == []  # no HAS_EXP
-    assert job2.send(1, [1, 1], flags=Flags.HAS_EXP, exp_data=4) == []  # no HAS_DATA
+    for bad_flags, bad_exp in ((flags, 5),  # other exp_data
+                               (Flags.HAS_DATA, 4),  # no HAS_EXP
+                               (Flags.HAS_EXP, 4)):  # no HAS_DATA
+        (o,) = job2.send(1, [1, 1], flags=bad_flags, exp_data=bad_exp)
+        assert o.header.type is MessageType.MISMATCH and o.addr == job2.addrs[1]
+        m = unpack_mismatch(o.payload)
+        assert (m.theirs.flags, m.theirs.exp_data) == (flags, 4)
+        assert (m.mine.flags, m.mine.exp_data) == (int(bad_flags), bad_exp)
     assert sw.drops == {"inconsistent_chunk": 3}
     out = job2.send(1, [2, 2], flags=flags | Flags.NONFINITE, exp_data=4)  # NONFINITE may differ
     h = assert_result_to_all(job2, out, [3, 3], seq=0, chunk=0)
@@ -975,3 +985,44 @@ def test_property_valid_headers_never_raise_and_victim_stays_correct(traffic):
     assert st_["elements_aggregated"][VICTIM_JOB] == 4 * len(traffic)
     assert st_["packets_in"] == 4 + 2 * len(traffic) + hostile_count
     assert total_drops(sw) <= hostile_count
+
+
+def test_chunks_that_disagree_are_answered_with_mismatch_on_both_sides(sw):
+    """Ranks that issue different sizes: the refused rank hears who it disagrees with at once,
+    the contributors hear it on their next retransmission, so nobody waits for a timeout."""
+    j = join_job(sw, 3, TOKEN, 3)
+    assert j.send(0, [1, 1], chunk=5) == []
+    (o,) = j.send(1, [1, 1, 1], chunk=5)  # rank 1 thinks the chunk holds 3 elements
+    assert (o.addr, o.header.type) == (j.addrs[1], MessageType.MISMATCH)
+    assert (o.header.job, o.header.token, o.header.rank, o.header.chunk) == (3, TOKEN, 1, 5)
+    m = unpack_mismatch(o.payload)
+    assert (m.theirs.count, m.mine.count, m.ranks) == (2, 3, 0b001)
+    assert m.theirs.elem == m.mine.elem == ElementType.INT32
+    assert "2 int32" in m.theirs.describe() and "3 int32" in m.mine.describe()
+    assert j.send(2, [1, 1], chunk=5) == []  # rank 2 agrees with rank 0: accepted
+    for r in (0, 2):  # contributors retransmit: MISMATCH naming rank 1 instead of WAITING
+        (o,) = j.send(r, [1, 1], chunk=5)
+        assert (o.addr, o.header.type) == (j.addrs[r], MessageType.MISMATCH)
+        m = unpack_mismatch(o.payload)
+        assert (m.theirs.count, m.mine.count, m.ranks) == (3, 2, 0b010)
+    assert sw.stats()["mismatch_sent"] == 3
+    assert sw.stats()["waiting_sent"] == 0
+    # A new round on the slot forgets the conflict: a retransmission there gets WAITING again.
+    assert j.send(0, [1, 1], chunk=6) == []
+    (o,) = j.send(0, [1, 1], chunk=6)
+    assert o.header.type is MessageType.WAITING
+    assert int.from_bytes(o.payload.tobytes(), "little") == 0b110
+
+
+def test_operation_digest_must_match_and_is_echoed_in_the_result(sw, job2):
+    """Same chunk geometry, different operations (e.g. 1000 vs 1001 elements: every chunk but
+    the last looks the same): the digest tells them apart at the first chunk."""
+    assert job2.send(0, [1, 1], digest=0x11) == []
+    (o,) = job2.send(1, [1, 1], digest=0x22)
+    assert o.header.type is MessageType.MISMATCH
+    m = unpack_mismatch(o.payload)
+    assert (m.theirs.digest, m.mine.digest, m.ranks) == (0x11, 0x22, 0b01)
+    assert m.theirs.count == m.mine.count == 2
+    out = job2.send(1, [2, 2], digest=0x11)  # the agreeing chunk still completes the round
+    h = assert_result_to_all(job2, out, [3, 3], seq=0, chunk=0)
+    assert h.digest == 0x11

@@ -42,6 +42,7 @@ SAMPLE = Header(
     flags=int(Flags.HAS_DATA | Flags.NONFINITE),
     exp_data=-1234,
     exp_next=4321,
+    digest=0xA7,
 )
 
 
@@ -79,7 +80,7 @@ def test_constants():
 def test_header_golden_bytes():
     expected = struct.pack(
         LAYOUT, 0x4D53, 1, 1, 0x03, 1, 0x0102, 0xA1B2C3D4, 0x1122334455667788, 0xDEADBEEF,
-        0x01020304, 0x0A0B0C0D, 3, 1, 0, -1234, 4321,
+        0x01020304, 0x0A0B0C0D, 3, 1, 0xA7, -1234, 4321,
     )
     got = pack_header(SAMPLE)
     assert got == expected
@@ -97,7 +98,7 @@ def test_header_golden_bytes():
     assert got[28:32] == bytes.fromhex("0d0c0b0a")  # slot
     assert got[32:34] == bytes([3, 0])  # count
     assert got[34] == 1  # elem INT32
-    assert got[35] == 0  # reserved
+    assert got[35] == 0xA7  # operation digest
     assert got[36:38] == (-1234).to_bytes(2, "little", signed=True)
     assert got[38:40] == (4321).to_bytes(2, "little", signed=True)
 
@@ -120,7 +121,7 @@ def test_pack_header_out_of_range_field_raises_struct_error():
 
 def test_message_types_are_the_documented_numbers():
     assert {t.name: int(t) for t in MessageType} == {
-        "REQUEST": 1, "RESULT": 2, "WAITING": 3, "UNKNOWN_JOB": 4, "JOIN": 18,
+        "REQUEST": 1, "RESULT": 2, "WAITING": 3, "UNKNOWN_JOB": 4, "MISMATCH": 5, "JOIN": 18,
         "JOINED": 19, "LEAVE": 20, "LEFT": 21, "KEEPALIVE": 22, "REFUSED": 31,
     }
     assert {int(f) for f in (Flags.NONFINITE, Flags.HAS_DATA, Flags.HAS_EXP, Flags.RESENT)} == {
@@ -211,7 +212,7 @@ def test_bad_version(version):
     assert _reason(_raw(version=version)) == "bad_version"
 
 
-@pytest.mark.parametrize("mtype", [0, 5, 15, 16, 17, 23, 30, 32, 255])
+@pytest.mark.parametrize("mtype", [0, 6, 15, 16, 17, 23, 30, 32, 255])
 def test_bad_type(mtype):
     assert _reason(_raw(mtype=mtype)) == "bad_type"
 
@@ -288,3 +289,27 @@ def test_bad_control(size):
     with pytest.raises(WireError) as info:
         unpack_control_info(bytes(size))
     assert info.value.reason == "bad_control"
+
+
+def test_operation_digest_separates_what_ranks_may_disagree_about():
+    d = wire.operation_digest
+    assert 0 <= d(1000, True, 32) <= 255
+    assert d(1000, True, 32) == d(1000, True, 32)  # deterministic: every rank computes it
+    others = {d(1001, True, 32), d(1000, False, 32), d(1000, True, 16), d(999, True, 32)}
+    assert d(1000, True, 32) not in others
+    # 8 bits: over many sizes the digests spread over (nearly) every value.
+    assert len({d(n, True, 32) for n in range(1, 5000)}) > 250
+
+
+def test_mismatch_payload_round_trip_and_short_payload_rejected():
+    a = wire.ChunkShape(16366, int(ElementType.INT32), int(Flags.HAS_DATA), -7, 0x12)
+    b = wire.ChunkShape(3, int(ElementType.INT16), int(Flags.HAS_EXP), EXP_ZERO, 0xFE)
+    raw = wire.pack_mismatch(a, b, (1 << 40) | 1, 41)
+    assert len(raw) == 7 + 7 + 6
+    m = wire.unpack_mismatch(raw)
+    assert (m.theirs, m.mine, m.ranks) == (a, b, (1 << 40) | 1)
+    assert "16366 int32" in a.describe() and "2^-7" in a.describe()
+    assert "3 int16" in b.describe() and "look-ahead" in b.describe()
+    with pytest.raises(WireError) as e:
+        wire.unpack_mismatch(raw[:14])
+    assert e.value.reason == "bad_mismatch"

@@ -69,3 +69,18 @@ def test_dead_switch_fails_the_ranks_naming_it():
         assert "switch" in res["error"] and where in res["error"], res["error"]
     assert procs.leftover_switches == []
     assert procs.leftover == []
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_all_reduce_different_sizes_get_an_error_at_once():
+    """A script bug (one rank's tensor has another size) is an immediate error on every rank
+    saying the ranks disagree, not a timeout and not a wrong sum."""
+    world, timeout_s = 3, 30.0
+    with tp.Procs(deadline_s=60) as procs:
+        procs.start_ranks(tp.mismatch_body, world, timeout_s)
+        results = procs.results(world)
+    for rank, res in results.items():
+        assert res["error"] is not None, f"rank {rank} completed a mismatched all-reduce"
+        assert "the ranks disagree" in res["error"], res["error"]
+        assert res["seconds"] < 5.0, res  # far below the 30 s process-group timeout
+    assert "rank(s) [1]" in results[0]["error"] and "rank(s) [1]" in results[2]["error"]

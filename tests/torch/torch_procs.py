@@ -820,7 +820,8 @@ def reinit_body(rank: int, world: int, q: Any, delay_s: float, timeout_s: float,
                 port2: int) -> dict[str, Any]:
     """Two default-group lifetimes in the same processes, ``delay_s`` apart.
 
-    The second one all-reduces for 3 s (longer than the backend's 2 s switch grace period).
+    The second one all-reduces for about 3 s (longer than the backend's 2 s switch grace
+    period).
     """
     import torch
     import torch.distributed as dist
@@ -835,14 +836,14 @@ def reinit_body(rank: int, world: int, q: Any, delay_s: float, timeout_s: float,
     outcome: dict[str, Any] = {"first_ok": first_ok, "ops": 0, "error": None}
     try:
         _init("switchml", timeout_s=timeout_s)
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:
+        # A fixed number of operations (every rank must issue the same ones), about 3 s.
+        for _ in range(100):
             x = torch.full((1000,), float(rank + 1))
             dist.all_reduce(x)
             if not bool(torch.all(x == sum(range(1, world + 1)))):
                 raise AssertionError(f"wrong sum {x[:3]}")
             outcome["ops"] += 1
-            time.sleep(0.02)
+            time.sleep(0.03)
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported
         outcome["error"] = f"{type(exc).__name__}: {exc}"
@@ -975,3 +976,19 @@ def lifecycle_body(rank: int, world: int, q: Any) -> dict[str, Any]:
             time.sleep(0.05)
         alive_after_destroy = pid_alive(pid)
     return {"ok": ok, "switch_pid": pid, "alive_after_destroy": alive_after_destroy}
+
+
+def mismatch_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, Any]:
+    """Rank 1 all-reduces a tensor of another size (a bug in the user's script)."""
+    import torch
+    import torch.distributed as dist
+
+    _init("switchml", timeout_s=timeout_s)
+    dist.all_reduce(torch.ones(100))  # a good operation first
+    x = torch.ones(30_000 + (7 if rank == 1 else 0))
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}

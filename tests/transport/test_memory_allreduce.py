@@ -8,6 +8,8 @@ to the output dtype, which adds at most half an ulp of the result. int32 sums ar
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -601,6 +603,46 @@ def test_detached_switch_is_named() -> None:
         assert cfg.op_timeout_s - 1e-9 <= idle <= cfg.op_timeout_s + cfg.max_rto_s + 1e-3
         assert c.workers[r].counters["retransmissions"] > 0
         assert_failed_endpoint_refuses(c, r)
+
+
+MISMATCHED_OPERATIONS = {
+    # name: (the odd rank, everybody's (size, dtype, bits), the odd rank's); k = 16, window 4
+    "last_chunk_shorter": (1, (48, np.float32, 32), (40, np.float32, 32)),
+    "fewer_chunks": (1, (48, np.int32, 32), (32, np.int32, 32)),
+    "fewer_lanes": (0, (160, np.float32, 32), (16, np.float32, 32)),
+    "float_vs_int": (2, (48, np.float32, 32), (48, np.int32, 32)),
+    "other_bits": (1, (64, np.float32, 16), (64, np.float32, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHED_OPERATIONS))
+def test_ranks_that_disagree_about_an_operation_all_fail_fast(case: str) -> None:
+    """A rank that all-reduces another size, type or width: every rank gets an error saying the
+    ranks disagree, long before the timeout, and nobody returns a wrong sum."""
+    odd, usual, other = MISMATCHED_OPERATIONS[case]
+    c = MemoryCluster(num_workers=3, window=4, elements_per_packet=16, worker_config=FAIL_CONFIG)
+    c.join()
+    t0 = c.fabric.now
+    for r in range(3):
+        size, dtype, bits = other if r == odd else usual
+        x = np.ones(size, dtype)
+        c.workers[r].start_allreduce(x, np.empty_like(x), t0, bits=bits)
+        c.fabric.flush(c.addresses[r])
+    c.fabric.run(lambda: all(failures(c, r) for r in range(3)))
+    assert c.fabric.now - t0 < FAIL_CONFIG.op_timeout_s / 2
+    for r in range(3):
+        (ev,) = failures(c, r)
+        assert "the ranks disagree" in ev.reason, ev.reason
+        assert "same size, dtype and bits" in ev.reason
+        assert c.workers[r].state is WorkerState.ERROR
+        assert not any(isinstance(e, OperationCompleted) for e in c.fabric.events[c.addresses[r]])
+        # The others name the odd rank; the odd rank names (some of) the others.
+        if r != odd:
+            assert f"rank(s) [{odd}]" in ev.reason, ev.reason
+        else:
+            assert re.search(r"rank\(s\) \[\d(, \d)?\]", ev.reason), ev.reason
+            assert f"[{odd}" not in ev.reason and f" {odd}]" not in ev.reason
+    assert c.switch.stats()["mismatch_sent"] >= 3
 
 
 # -- Stale results ----------------------------------------------------------------------------

@@ -44,15 +44,16 @@ def dying_worker(switch, spec_text, rank, die_rank, op_timeout_s, results) -> No
         spec = decode_job_spec(spec_text)
         cfg = WorkerConfig(op_timeout_s=op_timeout_s, max_rto_s=0.5)
         w = WorkerClient(tuple(switch), spec, rank, cfg)
-        x = np.ones(200_000, np.float32)
-        w.allreduce(x)
+        w.allreduce(np.ones(200_000, np.float32))
+        x = np.ones(10_000_000, np.float32)  # the same operation on every rank: rank 1 dies
+        # well before it could finish
         if rank == die_rank:
             w.allreduce_async(x)
-            time.sleep(0.05)
+            time.sleep(0.02)
             os._exit(0)  # no LEAVE, no goodbye: a crash
         t0 = time.monotonic()
         try:
-            w.allreduce(np.ones(2_000_000, np.float32))
+            w.allreduce(x)
             results.put((rank, "completed", time.monotonic() - t0))
         except SwitchMLError as exc:
             results.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - t0))

@@ -9,6 +9,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_results_multicast_total`` | counter | |
 | ``switchml_results_resent_total`` (from shadow copies) | counter | |
 | ``switchml_waiting_sent_total`` | counter | |
+| ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_drops_total`` | counter | ``reason`` |
 | ``switchml_elements_aggregated_total`` | counter | ``job`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
@@ -42,7 +43,9 @@ class SwitchCollector:
                 ("switchml_results_resent", "results_resent",
                  "Results resent from shadow copies to one worker"),
                 ("switchml_waiting_sent", "waiting_sent",
-                 "WAITING answers to retransmissions into open slots")):
+                 "WAITING answers to retransmissions into open slots"),
+                ("switchml_mismatch_sent", "mismatch_sent",
+                 "MISMATCH answers: ranks sent a chunk with different shapes")):
             yield CounterMetricFamily(name, doc, value=s[key])
         drops = CounterMetricFamily("switchml_drops", "Dropped datagrams", labels=["reason"])
         for reason, n in sorted(s["drops"].items()):

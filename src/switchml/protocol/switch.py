@@ -52,6 +52,7 @@ from switchml.protocol.wire import (
     KNOWN_FLAGS,
     MAGIC,
     VERSION,
+    ChunkShape,
     ControlInfo,
     ElementType,
     Flags,
@@ -60,6 +61,7 @@ from switchml.protocol.wire import (
     join_proof,
     pack_control_info,
     pack_header,
+    pack_mismatch,
     unpack_header,
     unpack_join,
     unpack_payload,
@@ -143,6 +145,9 @@ class _Job:
     flags: list[list[int]] = field(default_factory=list)
     exp_data: list[list[int]] = field(default_factory=list)
     exp_next: list[list[int]] = field(default_factory=list)
+    digest: list[list[int]] = field(default_factory=list)  # operation digest of the round
+    conflict: list[list[int]] = field(default_factory=list)  # ranks whose chunk disagreed
+    conflict_shape: list[list[ChunkShape | None]] = field(default_factory=list)
     buf: list[list[bytearray]] = field(default_factory=list)
     acc: dict[int, list[list[np.ndarray]]] = field(default_factory=dict)
     elements_aggregated: int = 0
@@ -162,6 +167,9 @@ class _Job:
         self.flags = [[0] * w, [0] * w]
         self.exp_data = [[EXP_ZERO] * w, [EXP_ZERO] * w]
         self.exp_next = [[EXP_ZERO] * w, [EXP_ZERO] * w]
+        self.digest = [[0] * w, [0] * w]
+        self.conflict = [[0] * w, [0] * w]
+        self.conflict_shape = [[None] * w, [None] * w]
         size = HEADER_SIZE + 4 * self.elements_per_packet
         self.buf = [[bytearray(size) for _ in range(w)] for _ in range(2)]
         # One accumulator view per wire width over the same bytes.
@@ -208,6 +216,7 @@ class SwitchDataplane:
         self.results_multicast = 0
         self.results_resent = 0
         self.waiting_sent = 0
+        self.mismatch_sent = 0
         self.rounds_abandoned = 0
         self._now = 0.0
         self._handlers = {
@@ -283,6 +292,7 @@ class SwitchDataplane:
             "results_multicast": self.results_multicast,
             "results_resent": self.results_resent,
             "waiting_sent": self.waiting_sent,
+            "mismatch_sent": self.mismatch_sent,
             "rounds_abandoned": self.rounds_abandoned,
             "drops": dict(self.drops),
             "jobs": len(self._jobs),
@@ -441,7 +451,7 @@ class SwitchDataplane:
 
         ``f`` is the raw header tuple (see ``wire.HEADER``), already checked for framing.
         """
-        (_m, _v, _t, flags, v, rank, job_id, token, seq, chunk, slot, count, elem, _r, exp_data,
+        (_m, _v, _t, flags, v, rank, job_id, token, seq, chunk, slot, count, elem, digest, exp_data,
          exp_next) = f
         job = self._jobs.get(job_id)
         if job is None:
@@ -488,7 +498,7 @@ class SwitchDataplane:
             return
         if order > 0:
             self._start_round(job, data, v, s, me, seq, chunk, count, elem, flags, exp_data,
-                              exp_next)
+                              exp_next, digest)
         else:
             prior = job.seen[v][s]
             if prior & me:
@@ -497,9 +507,11 @@ class SwitchDataplane:
             if job.missing[v][s] == 0:
                 self.drops["late_duplicate"] += 1
                 return
-            if (count != job.count[v][s] or elem != job.elem[v][s]
+            if (count != job.count[v][s] or elem != job.elem[v][s] or digest != job.digest[v][s]
                     or exp_data != job.exp_data[v][s] or (flags ^ job.flags[v][s]) & _SHAPE_FLAGS):
                 self.drops["inconsistent_chunk"] += 1
+                self._mismatch(job, rank, seq, chunk, slot, v, s, addr,
+                               ChunkShape(count, elem, flags & _SHAPE_FLAGS, exp_data, digest))
                 return
             if count:
                 acc = job.acc[elem][v][s][:count]
@@ -536,7 +548,7 @@ class SwitchDataplane:
 
     def _start_round(self, job: _Job, data: bytes | bytearray | memoryview, v: int, s: int,
                      me: int, seq: int, chunk: int, count: int, elem: int, flags: int,
-                     exp_data: int, exp_next: int) -> None:
+                     exp_data: int, exp_next: int, digest: int) -> None:
         """First contributor overwrites: no explicit reset of a recycled set."""
         if job.seq[v][s] >= 0 and job.missing[v][s]:
             self.rounds_abandoned += 1  # only after a failed operation; counted for operators
@@ -550,8 +562,10 @@ class SwitchDataplane:
         job.flags[v][s] = flags & (_NONFINITE | _SHAPE_FLAGS)
         job.exp_data[v][s] = exp_data
         job.exp_next[v][s] = exp_next
+        job.digest[v][s] = digest
         job.seen[v][s] = me
         job.missing[v][s] = job.num_workers - 1
+        job.conflict[v][s] = 0
 
     def _complete(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int,
                   s: int) -> None:
@@ -561,13 +575,39 @@ class SwitchDataplane:
         buf = job.buf[v][s]
         HEADER.pack_into(buf, 0, MAGIC, VERSION, _RESULT, job.flags[v][s], v, rank,
                          job.job_id, job.token, seq, chunk, slot, count,
-                         elem, 0, job.exp_data[v][s], job.exp_next[v][s])
+                         elem, job.digest[v][s], job.exp_data[v][s], job.exp_next[v][s])
         datagram = memoryview(buf)[: HEADER_SIZE + _DATA_ITEMSIZE[elem] * count]
         for member in job.members:
             if member is not None:
                 self._out.append((datagram, member))
         self.results_multicast += 1
         job.elements_aggregated += count
+
+    def _round_shape(self, job: _Job, v: int, s: int) -> ChunkShape:
+        return ChunkShape(job.count[v][s], job.elem[v][s], job.flags[v][s] & _SHAPE_FLAGS,
+                          job.exp_data[v][s], job.digest[v][s])
+
+    def _mismatch(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int, s: int,
+                  addr: Address, refused: ChunkShape | None) -> None:
+        """Tell ``rank`` that the ranks disagree about this chunk (the round can't complete).
+
+        ``refused``: the shape of ``rank``'s own chunk that was just refused (it is compared
+        with the round's); None: ``rank`` is a contributor of the round, and is told about the
+        refused chunks.
+        """
+        if refused is not None:
+            job.conflict[v][s] |= 1 << rank
+            job.conflict_shape[v][s] = refused
+            theirs, mine, ranks = self._round_shape(job, v, s), refused, job.seen[v][s]
+        else:
+            theirs = job.conflict_shape[v][s]
+            assert theirs is not None
+            mine, ranks = self._round_shape(job, v, s), job.conflict[v][s]
+        payload = pack_mismatch(theirs, mine, ranks, job.num_workers)
+        reply = Header(MessageType.MISMATCH, job.job_id, rank=rank, token=job.token, seq=seq,
+                       chunk=chunk, slot=slot, set_bit=v, count=len(payload))
+        self._out.append((pack_header(reply) + payload, addr))
+        self.mismatch_sent += 1
 
     def _answer_retransmission(self, job: _Job, rank: int, seq: int, chunk: int, slot: int,
                                v: int, s: int, addr: Address) -> None:
@@ -579,6 +619,10 @@ class SwitchDataplane:
             datagram[4] |= Flags.RESENT
             self._out.append((bytes(datagram), addr))
             self.results_resent += 1
+            return
+        if job.conflict[v][s]:
+            # Still open, and some rank sent this chunk with another shape: it never completes.
+            self._mismatch(job, rank, seq, chunk, slot, v, s, addr, None)
             return
         # Still open: this worker's data is in; tell it who is missing.
         missing = job.all_ranks & ~job.seen[v][s]

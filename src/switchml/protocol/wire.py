@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import zlib
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
@@ -33,17 +34,22 @@ __all__ = [
     "MAX_ELEMENTS_PER_PACKET",
     "VERSION",
     "PROOF_SIZE",
+    "ChunkShape",
     "ControlInfo",
     "ElementType",
     "Flags",
     "Header",
     "MessageType",
+    "Mismatch",
     "join_proof",
     "pack_control_info",
     "pack_header",
+    "operation_digest",
+    "pack_mismatch",
     "unpack_control_info",
     "unpack_header",
     "unpack_join",
+    "unpack_mismatch",
     "unpack_payload",
 ]
 
@@ -72,6 +78,10 @@ class MessageType(IntEnum):
     UNKNOWN_JOB = 4
     """Switch -> worker: header only, echoing the request: the switch has no such job, or the
     request is from an epoch before the job's last restart. The worker re-joins and retries."""
+    MISMATCH = 5
+    """Switch -> worker: the ranks disagree about a chunk (size, element type, exponent or
+    shape flags differ): the operation cannot complete. Payload: see ``pack_mismatch``. Sent
+    to a rank whose chunk was refused, and to a contributor that retransmits into the round."""
     JOIN = 18
     """Worker -> switch: rank joins job (creating it if unknown); ControlInfo payload, plus a
     proof of the switch's secret where it has one; ``seq`` = first operation of the epoch."""
@@ -87,7 +97,7 @@ class MessageType(IntEnum):
 
 
 DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
-                        MessageType.UNKNOWN_JOB})
+                        MessageType.UNKNOWN_JOB, MessageType.MISMATCH})
 
 
 class Flags(IntFlag):
@@ -140,6 +150,7 @@ class Header:
     flags: int = 0
     exp_data: int = EXP_ZERO
     exp_next: int = EXP_ZERO
+    digest: int = 0
 
     @property
     def payload_bytes(self) -> int:
@@ -150,7 +161,7 @@ def pack_header(h: Header) -> bytes:
     """Encode a header (raises ``struct.error`` on out-of-range fields: a local bug)."""
     return HEADER.pack(
         MAGIC, VERSION, h.type, h.flags, h.set_bit, h.rank, h.job, h.token, h.seq, h.chunk,
-        h.slot, h.count, h.elem, 0, h.exp_data, h.exp_next,
+        h.slot, h.count, h.elem, h.digest, h.exp_data, h.exp_next,
     )
 
 
@@ -164,7 +175,7 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
     if len(data) < HEADER_SIZE:
         raise WireError("short", f"{len(data)} bytes < header {HEADER_SIZE}")
     (magic, version, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
-     _reserved, exp_data, exp_next) = HEADER.unpack_from(data)
+     digest, exp_data, exp_next) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireError("bad_magic", f"0x{magic:04x}")
     if version != VERSION:
@@ -184,7 +195,7 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
             "length_mismatch", f"{len(data)} bytes for {count} x {e.name} after the header"
         )
     return Header(t, job, rank, token, seq, chunk, slot, set_bit, count, e, flags, exp_data,
-                  exp_next)
+                  exp_next, digest)
 
 
 def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.ndarray:
@@ -236,3 +247,67 @@ def join_proof(secret: bytes, job: int, token: int, info: ControlInfo) -> bytes:
                       info.elements_per_packet)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
+
+
+def operation_digest(size: int, is_float: bool, bits: int) -> int:
+    """The 8-bit digest of an operation that every REQUEST carries (header byte 35).
+
+    Ranks that disagree about an operation (another element count, floats against integers,
+    another wire width) send different digests with probability 255/256, so the switch refuses
+    the first chunk that disagrees instead of summing mismatched blocks or stalling.
+    """
+    return zlib.crc32(struct.pack("<QBB", size, is_float, bits)) & 0xFF
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkShape:
+    """What a REQUEST says about its chunk: the fields every rank must agree on."""
+
+    count: int
+    elem: int
+    flags: int  # HAS_DATA | HAS_EXP bits
+    exp_data: int
+    digest: int
+
+    def describe(self) -> str:
+        name = _ELEMS[self.elem].name.lower() if self.elem in _ELEMS else f"type {self.elem}"
+        parts = [f"{self.count} {name}"]
+        if self.flags & Flags.HAS_DATA:
+            parts.append("data" + ("" if self.exp_data == EXP_ZERO
+                                   else f" scaled by 2^{self.exp_data}"))
+        if self.flags & Flags.HAS_EXP:
+            parts.append("look-ahead exponent")
+        parts.append(f"operation digest 0x{self.digest:02x}")
+        return ", ".join(parts)
+
+
+_SHAPE = struct.Struct("<HBBhB")
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A MISMATCH payload: ``theirs`` (the shape of ``ranks``) disagrees with ``mine``."""
+
+    theirs: ChunkShape
+    mine: ChunkShape
+    ranks: int  # bitmap of the ranks that sent ``theirs``
+
+
+def pack_mismatch(theirs: ChunkShape, mine: ChunkShape, ranks: int, num_workers: int) -> bytes:
+    """MISMATCH payload: two 7-byte shapes (``<HBBhB``: count, elem, flags, exp_data, digest),
+    then the little-endian bitmap (``ceil(n/8)`` bytes) of the ranks whose chunk had
+    ``theirs``."""
+    return (_SHAPE.pack(theirs.count, theirs.elem, theirs.flags, theirs.exp_data, theirs.digest)
+            + _SHAPE.pack(mine.count, mine.elem, mine.flags, mine.exp_data, mine.digest)
+            + ranks.to_bytes((num_workers + 7) // 8, "little"))
+
+
+def unpack_mismatch(payload: bytes | memoryview | np.ndarray) -> Mismatch:
+    """Decode a MISMATCH payload; raises WireError(``bad_mismatch``) when too short."""
+    raw = bytes(payload)
+    if len(raw) < 2 * _SHAPE.size + 1:
+        raise WireError("bad_mismatch", f"MISMATCH payload of {len(raw)} bytes, expected at "
+                        f"least {2 * _SHAPE.size + 1}")
+    theirs = ChunkShape(*_SHAPE.unpack_from(raw, 0))
+    mine = ChunkShape(*_SHAPE.unpack_from(raw, _SHAPE.size))
+    return Mismatch(theirs, mine, int.from_bytes(raw[2 * _SHAPE.size:], "little"))

@@ -60,10 +60,12 @@ from switchml.protocol.wire import (
     Header,
     MessageType,
     join_proof,
+    operation_digest,
     pack_control_info,
     pack_header,
     unpack_control_info,
     unpack_header,
+    unpack_mismatch,
     unpack_payload,
 )
 
@@ -107,7 +109,7 @@ class _Op:
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
                  "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
-                 "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts")
+                 "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts", "digest")
 
     def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, k: int, window: int,
                  now: float, bits: int = 32, residual: np.ndarray | None = None) -> None:
@@ -119,6 +121,7 @@ class _Op:
         self.elem, self.itemsize, self.wire_dtype = _WIRE[bits]
         self.residual = residual
         self.restarts = 0
+        self.digest = operation_digest(x.size, self.is_float, bits)
         self.k = k * 4 // self.itemsize  # a slot holds 4k bytes: 2k elements at 16 bits
         self.L = -(-x.size // self.k)
         self.E = min(window, self.L)
@@ -184,9 +187,11 @@ class WorkerEndpoint:
         """Dropped datagrams by reason."""
         self.counters: Counter[str] = Counter()
         """``packets_sent``, ``payload_bytes_sent``, ``retransmissions``, ``results_received``,
-        ``waiting_received``, ``operations_completed``, ``operations_failed``."""
+        ``waiting_received``, ``mismatch_received``, ``operations_completed``,
+        ``operations_failed``."""
         self._handlers = {
             MessageType.WAITING: self._handle_waiting,
+            MessageType.MISMATCH: self._handle_mismatch,
             MessageType.JOINED: self._handle_joined,
             MessageType.REFUSED: self._handle_refused,
             MessageType.LEFT: self._handle_left,
@@ -438,7 +443,7 @@ class WorkerEndpoint:
         count = len(payload) // 4 if isinstance(payload, bytes) else payload.size
         hdr = HEADER.pack(MAGIC, VERSION, _REQUEST, flags, set_bit, self.rank,
                           self.spec.job_id, self.spec.token, op.seq, p, self.slot_base + i, count,
-                          op.elem, 0, exp_data, exp_next)
+                          op.elem, op.digest, exp_data, exp_next)
         self._out.append((b"".join((hdr, payload)), self.switch_address))
         self.counters["packets_sent"] += 1
         self.counters["payload_bytes_sent"] += count * op.itemsize
@@ -517,6 +522,33 @@ class WorkerEndpoint:
         op.last_heard = now
         op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         op.waiting_chunk = h.chunk
+
+    def _handle_mismatch(self, h: Header, data: bytes | bytearray | memoryview,
+                         now: float) -> None:
+        """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
+        op = self._op
+        if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
+            self.drops["stale_result"] += 1
+            return
+        try:
+            m = unpack_mismatch(unpack_payload(data, h))
+        except WireError as exc:
+            self.drops[exc.reason] += 1
+            return
+        ranks = [r for r in range(self.spec.num_workers) if m.ranks >> r & 1]
+        self.counters["mismatch_received"] += 1
+        kind = "float" if op.is_float else "int32"
+        mine = f"{op.x.size} {kind} elements in {op.bits} bits"
+        if m.theirs.digest != m.mine.digest:
+            what = (f"rank(s) {ranks} are in another operation (digest 0x{m.theirs.digest:02x}; "
+                    f"this rank's, 0x{m.mine.digest:02x}, is {mine}): another size, float "
+                    "against integer data, or other bits")
+        else:
+            what = (f"about chunk {h.chunk}, rank(s) {ranks} sent {m.theirs.describe()}; this "
+                    f"rank sent {m.mine.describe()} ({mine})")
+        self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): the ranks "
+                   f"disagree: {what}. Every rank must issue the same operations, with the "
+                   "same size, dtype and bits, in the same order")
 
     def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
         if self.state not in (WorkerState.JOINING, WorkerState.REJOINING):
