@@ -17,11 +17,7 @@ OTHER_CHECKS = [
     "all_reduce_coalesced",
     "min_max_product_delegated_and_counted",
     "other_collectives_delegated",
-    pytest.param("tensor_collectives_counted", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: dist.all_gather_into_tensor/reduce_scatter_tensor run on gloo but are not counted "
-        "in stats()['delegated']: torch 2.13 calls ProcessGroup.all_gather_single/"
-        "reduce_scatter_single, which SwitchMLProcessGroup does not override (its "
-        "_allgather_base/_reduce_scatter_base overrides are never called)"))),
+    "tensor_collectives_counted",
     "stats_api",
     "new_group_subset",
     "overlap_async_returns_before_completion",

@@ -259,10 +259,13 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> dist.Work:
         return self._delegate("allgather", lambda: self._gloo.allgather(outputs, inputs, opts))
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                        opts: Any = None) -> dist.Work:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          opts: Any = None) -> dist.Work:
+        """``dist.all_gather_into_tensor`` / ``all_gather_single`` (torch >= 2.13 call this)."""
         return self._delegate("allgather_into_tensor",
                               lambda: self._gloo._allgather_base(output, input, opts))
+
+    _allgather_base = all_gather_single  # the name older torch versions call
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
@@ -276,10 +279,13 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         return self._delegate("reduce_scatter",
                               lambda: self._gloo.reduce_scatter(outputs, inputs, opts))
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                             opts: Any = None) -> dist.Work:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                              opts: Any = None) -> dist.Work:
+        """``dist.reduce_scatter_tensor`` / ``reduce_scatter_single`` (torch >= 2.13)."""
         return self._delegate("reduce_scatter_tensor",
                               lambda: self._gloo._reduce_scatter_base(output, input, opts))
+
+    _reduce_scatter_base = reduce_scatter_single  # the name older torch versions call
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
@@ -509,7 +515,8 @@ def _create(store: dist.Store, rank: int, size: int,
         raise
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
     pg.owns_switch = acquired
-    # Device-level lookups (all_gather_into_tensor, reduce_scatter_tensor) find gloo's backend.
+    # Device-level lookups (``group._get_backend(device)``, used by some torch helpers) find
+    # gloo's backend; the collectives themselves come through the methods above and are counted.
     cpu = torch.device("cpu")
     pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
     return pg
