@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=int(_env("metrics_port", 9109)),  # type: ignore[arg-type]
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
                          "by 'switchml stats'")
+    sw.add_argument("--no-batching", action="store_true",
+                    help="one system call per datagram: turn off UDP GSO/GRO batching (also: "
+                         "SWITCHML_GSO=0)")
     sw.add_argument("--stop-on-stdin-eof", action="store_true",
                     help="also stop when standard input closes (used by the PyTorch backend's "
                          "embedded switch, so it dies with the process that started it)")
@@ -152,10 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="int32 elements per packet, k (default 16000 = 64 KB datagrams, for "
                          "loopback; 358 fits a 1500-byte MTU)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
+    ar.add_argument("--no-batching", action="store_true",
+                    help="switch and workers make one system call per datagram (no UDP "
+                         "GSO/GRO): the baseline for small packets")
     tbg = ar.add_argument_group(
         "testbed", "run over an emulated star network instead of loopback (needs root): one "
         "namespace per worker, the switch in the middle, links shaped with tc tbf both ways")
     tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
+    tbg.add_argument("--no-fast-retransmit", action="store_true",
+                     help="switchml workers wait for each lost chunk's timeout instead of "
+                          "re-sending it when a later chunk's result arrives (the baseline "
+                          "for the loss benchmark)")
     tbg.add_argument("--rate-mbit", type=float, default=1000.0,
                      help="link rate in Mbit/s, each direction (default 1000)")
     tbg.add_argument("--loss", type=float, default=0.0,
@@ -241,7 +251,8 @@ def _run_switch(args: argparse.Namespace) -> int:
         raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
                          "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
     server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
-        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret))
+        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret),
+        batching=not args.no_batching)
     if args.metrics_port:
         from switchml.control.metrics import start_exporter
         try:
@@ -429,7 +440,8 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]),
         rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu, iters=args.iters,
         warmup=args.warmup, systems=tuple(x.strip() for x in args.systems.split(",") if x),
-        window=args.window, timeout_s=args.timeout_s)
+        window=args.window, timeout_s=args.timeout_s,
+        fast_retransmit=not args.no_fast_retransmit)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
@@ -514,7 +526,8 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
         warmup=args.warmup, switch=args.switch, window=args.window,
         elements_per_packet=args.elements_per_packet,
-        baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s)
+        baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
+        batching=not args.no_batching)
     console = Console(stderr=True)
     with console.status("starting") as status:
         results, switch_stats = run_benchmark(

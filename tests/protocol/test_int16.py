@@ -68,7 +68,8 @@ def test_mixed_widths_in_one_round_are_inconsistent():
     _join(sw, 2, k=4)
     sw.receive_datagram(_req(0, [1, 2]), ("w", 0), 0)
     sw.receive_datagram(_req(1, [1, 2], elem=ElementType.INT32), ("w", 1), 0)
-    ((reply, addr),) = sw.datagrams_to_send(0)
+    (reply, addr), (_, contributor) = sw.datagrams_to_send(0)  # the refused rank, rank 0
+    assert contributor == ("w", 0)
     h = unpack_header(reply)
     assert (h.type, addr) == (MessageType.MISMATCH, ("w", 1))
     m = unpack_mismatch(unpack_payload(reply, h))

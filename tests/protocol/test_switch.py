@@ -486,7 +486,9 @@ def _assert_only_unknown_job_echo(out, case, bad, addr):
     the sender (so a worker notices a restarted switch), never larger than the request; and a
     member's chunk that disagrees with its round: one MISMATCH to that member."""
     if case == "inconsistent_chunk":
-        assert [(o.addr, o.header.type) for o in out] == [(addr, MessageType.MISMATCH)]
+        # To the sender; the round's contributor (rank 0 of job a) is told once, the first time.
+        assert out[0].addr == addr and all(o.header.type is MessageType.MISMATCH for o in out)
+        assert [o.addr for o in out[1:]] in ([], [("a0", 1000)])
         return
     if case != "unknown_job":
         assert out == []
@@ -527,8 +529,9 @@ def test_inconsistent_exponent_or_flags_within_round(sw, job2):
     for bad_flags, bad_exp in ((flags, 5),  # other exp_data
                                (Flags.HAS_DATA, 4),  # no HAS_EXP
                                (Flags.HAS_EXP, 4)):  # no HAS_DATA
-        (o,) = job2.send(1, [1, 1], flags=bad_flags, exp_data=bad_exp)
+        o, *to_rank0 = job2.send(1, [1, 1], flags=bad_flags, exp_data=bad_exp)
         assert o.header.type is MessageType.MISMATCH and o.addr == job2.addrs[1]
+        assert [x.addr for x in to_rank0] in ([], [job2.addrs[0]])  # only the first time
         m = unpack_mismatch(o.payload)
         assert (m.theirs.flags, m.theirs.exp_data) == (flags, 4)
         assert (m.mine.flags, m.mine.exp_data) == (int(bad_flags), bad_exp)
@@ -869,7 +872,10 @@ def _check_one(sw: SwitchDataplane, data: bytes, addr) -> None:
         assert o.header.token != VICTIM_TOKEN
         assert o.addr in HOSTILE_ADDRS
     if h.type is not MessageType.REQUEST or delta == 1:
-        assert all(o.addr == addr for o in out)  # control replies and WAITING: to the sender
+        # Control replies and WAITING: to the sender. A refused chunk (MISMATCH) is also told
+        # to the members of the sender's own job that contributed to the round.
+        assert all(o.addr == addr or (o.header.type is MessageType.MISMATCH
+                                      and o.header.job == h.job) for o in out)
     if delta == 0 and not out:
         # Silently accepted: only a contribution or a lease renewal (KEEPALIVE) of a job the
         # sender belongs to.
@@ -988,24 +994,34 @@ def test_property_valid_headers_never_raise_and_victim_stays_correct(traffic):
 
 
 def test_chunks_that_disagree_are_answered_with_mismatch_on_both_sides(sw):
-    """Ranks that issue different sizes: the refused rank hears who it disagrees with at once,
-    the contributors hear it on their next retransmission, so nobody waits for a timeout."""
+    """Ranks that issue different sizes: the refused rank and the round's contributors hear it
+    at once, a later agreeing contributor when it contributes, a retransmission again; nobody
+    waits for a timeout."""
     j = join_job(sw, 3, TOKEN, 3)
     assert j.send(0, [1, 1], chunk=5) == []
-    (o,) = j.send(1, [1, 1, 1], chunk=5)  # rank 1 thinks the chunk holds 3 elements
-    assert (o.addr, o.header.type) == (j.addrs[1], MessageType.MISMATCH)
+    out = j.send(1, [1, 1, 1], chunk=5)  # rank 1 thinks the chunk holds 3 elements
+    assert [(o.addr, o.header.type) for o in out] == [(j.addrs[1], MessageType.MISMATCH),
+                                                      (j.addrs[0], MessageType.MISMATCH)]
+    o = out[0]
     assert (o.header.job, o.header.token, o.header.rank, o.header.chunk) == (3, TOKEN, 1, 5)
     m = unpack_mismatch(o.payload)
     assert (m.theirs.count, m.mine.count, m.ranks) == (2, 3, 0b001)
     assert m.theirs.elem == m.mine.elem == ElementType.INT32
     assert "2 int32" in m.theirs.describe() and "3 int32" in m.mine.describe()
-    assert j.send(2, [1, 1], chunk=5) == []  # rank 2 agrees with rank 0: accepted
+    m = unpack_mismatch(out[1].payload)  # rank 0, a contributor: told about rank 1
+    assert (out[1].header.rank, m.theirs.count, m.mine.count, m.ranks) == (0, 3, 2, 0b010)
+    # Rank 1 again: only rank 1 hears it (the contributors were told already).
+    assert [o.addr for o in j.send(1, [1, 1, 1], chunk=5)] == [j.addrs[1]]
+    # Rank 2 agrees with rank 0: accepted, and told at once about rank 1.
+    (o,) = j.send(2, [1, 1], chunk=5)
+    assert (o.addr, o.header.type) == (j.addrs[2], MessageType.MISMATCH)
+    assert unpack_mismatch(o.payload).ranks == 0b010
     for r in (0, 2):  # contributors retransmit: MISMATCH naming rank 1 instead of WAITING
         (o,) = j.send(r, [1, 1], chunk=5)
         assert (o.addr, o.header.type) == (j.addrs[r], MessageType.MISMATCH)
         m = unpack_mismatch(o.payload)
         assert (m.theirs.count, m.mine.count, m.ranks) == (3, 2, 0b010)
-    assert sw.stats()["mismatch_sent"] == 3
+    assert sw.stats()["mismatch_sent"] == 6
     assert sw.stats()["waiting_sent"] == 0
     # A new round on the slot forgets the conflict: a retransmission there gets WAITING again.
     assert j.send(0, [1, 1], chunk=6) == []
@@ -1014,12 +1030,19 @@ def test_chunks_that_disagree_are_answered_with_mismatch_on_both_sides(sw):
     assert int.from_bytes(o.payload.tobytes(), "little") == 0b110
 
 
+def test_a_rank_that_sends_its_right_chunk_after_a_wrong_one_clears_its_conflict(sw, job2):
+    assert job2.send(0, [1, 1]) == []
+    assert len(job2.send(1, [1, 1, 1])) == 2  # refused: MISMATCH to rank 1 and rank 0
+    out = job2.send(1, [2, 2])  # its right chunk: the round completes, no MISMATCH
+    assert_result_to_all(job2, out, [3, 3], seq=0, chunk=0)
+
+
 def test_operation_digest_must_match_and_is_echoed_in_the_result(sw, job2):
     """Same chunk geometry, different operations (e.g. 1000 vs 1001 elements: every chunk but
     the last looks the same): the digest tells them apart at the first chunk."""
     assert job2.send(0, [1, 1], digest=0x11) == []
-    (o,) = job2.send(1, [1, 1], digest=0x22)
-    assert o.header.type is MessageType.MISMATCH
+    o, to_rank0 = job2.send(1, [1, 1], digest=0x22)
+    assert o.header.type is MessageType.MISMATCH and to_rank0.addr == job2.addrs[0]
     m = unpack_mismatch(o.payload)
     assert (m.theirs.digest, m.mine.digest, m.ranks) == (0x11, 0x22, 0b01)
     assert m.theirs.count == m.mine.count == 2

@@ -58,6 +58,7 @@ class BenchConfig:
     elements_per_packet: int = 16000
     baselines: tuple[str, ...] = ("gloo",)
     timeout_s: float = 600.0
+    batching: bool = True  # UDP GSO/GRO in the switch and the workers
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -98,7 +99,8 @@ def _cpu_s() -> float:
 
 
 def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
-                     warmup: int, iters: int, barrier: Any, results: Any) -> None:
+                     warmup: int, iters: int, barrier: Any, results: Any,
+                     batching: bool = True) -> None:
     from switchml.control import decode_job_spec
     from switchml.transport.udp import WorkerClient
     try:
@@ -108,7 +110,7 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
         x = base * np.float32(rank + 1)
         expected = base.astype(np.float64) * (n * (n + 1) / 2)
         out = np.empty_like(x)
-        with WorkerClient(switch, spec, rank) as w:
+        with WorkerClient(switch, spec, rank, batching=batching) as w:
             for _ in range(warmup):
                 w.allreduce(x, out)
             barrier.wait()
@@ -183,7 +185,8 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
         spec = encode_job_spec(new_job_spec(n, window=cfg.window,
                                             elements_per_packet=cfg.elements_per_packet))
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
-                                                            cfg.iters, barrier, results))
+                                                            cfg.iters, barrier, results,
+                                                            cfg.batching))
                  for r in range(n)]
     else:
         port = _free_port()
@@ -229,7 +232,7 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
     ``progress``: optional callable(str) told what runs next.
     """
     ctx = mp.get_context("spawn")
-    own = SwitchProcess(ctx) if cfg.switch is None else None
+    own = SwitchProcess(ctx, batching=cfg.batching) if cfg.switch is None else None
     switch = own.address if own is not None else cfg.switch
     out: list[Measurement] = []
     switch_stats: dict[str, Any] = {}

@@ -60,12 +60,14 @@ def switchml(a: dict[str, Any]) -> None:
     spec = decode_job_spec(a["spec"])
     x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
     out = np.empty_like(x)
-    cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02)
+    cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02,
+                       fast_retransmit=a.get("fast_retransmit", True))
     with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg) as w:
         r = _timed(lambda v: w.allreduce(v, out), x, a["warmup"], a["iters"])
         n = spec.num_workers
         r["max_abs_error"] = float(np.max(np.abs(out - n * (n + 1) / 2)))
         r["retransmissions"] = w.counters.get("retransmissions", 0)
+        r["fast_retransmissions"] = w.counters.get("fast_retransmissions", 0)
     _emit(r)
 
 

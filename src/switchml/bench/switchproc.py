@@ -17,11 +17,13 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None) -> None:
+def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None,
+           batching: bool = True) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
     server = SwitchServer(host="127.0.0.1", port=0,
-                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret))
+                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret),
+                          batching=batching)
     conn.send(server.address)
     server.start()
     try:
@@ -42,9 +44,9 @@ class SwitchProcess:
     """Start a switch on a free loopback port in a child process of ``ctx`` (spawn)."""
 
     def __init__(self, ctx: Any, lease_timeout_s: float = 30.0,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, batching: bool = True) -> None:
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, lease_timeout_s, secret),
+        self.proc = ctx.Process(target=_serve, args=(child, lease_timeout_s, secret, batching),
                                 daemon=True)
         self.proc.start()
         if not self._conn.poll(30):

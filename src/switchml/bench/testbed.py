@@ -44,6 +44,8 @@ class TestbedBenchConfig:
     """Slots per job. On shaped links keep W x packet below tbf's queue (rate x 20 ms): a
     window of 64 x 64 KB overflowed it at 1 Gbit/s and cost a third of the throughput."""
     timeout_s: float = 900.0
+    fast_retransmit: bool = True
+    """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -106,12 +108,14 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
         procs = [tb.popen(tb.worker_ns(r), _nsproc("switchml", {
             **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
-            "port": SWITCH_PORT}), **pipe) for r in range(n)]
+            "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit}), **pipe)
+            for r in range(n)]
         rows = _wait_all(procs, cfg.timeout_s)
         extra["switch_cpu_percent"] = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (
             time.perf_counter() - t0)
         extra["max_abs_error"] = max(r["max_abs_error"] for r in rows)
         extra["retransmissions"] = sum(r["retransmissions"] for r in rows)
+        extra["fast_retransmissions"] = sum(r.get("fast_retransmissions", 0) for r in rows)
     elif system == "gloo":
         port = 29000 + secrets.randbelow(20000)
         # gloo binds to the address its host name resolves to; name the link instead.

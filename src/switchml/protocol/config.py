@@ -109,8 +109,18 @@ class WorkerConfig:
     or an expired lease) before it fails. 0 disables transparent restarts."""
     secret: bytes | None = None
     """The switch's secret, needed to create a job on a switch that has one."""
+    fast_retransmit: bool = True
+    """Re-send a chunk as soon as a chunk sent later has its result (RACK, RFC 8985), instead of
+    waiting for its timeout: results of one worker come back about in sending order, so a
+    later chunk's result means the earlier one was lost (or is late by more than the reorder
+    window). Default on."""
+    min_reorder_window_s: float = 0.001
+    """How much later a chunk must have been sent before its result marks an earlier chunk as
+    lost: the larger of this and a quarter of the smallest round trip seen. Default 1 ms."""
 
     def __post_init__(self) -> None:
+        _check(self.min_reorder_window_s >= 0,
+               f"min_reorder_window_s must be >= 0, got {self.min_reorder_window_s}")
         _check(self.keepalive_s > 0, f"keepalive_s must be > 0, got {self.keepalive_s}")
         _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         _check(0 < self.min_rto_s <= self.initial_rto_s <= self.max_rto_s,

@@ -522,6 +522,10 @@ class SwitchDataplane:
             if exp_next > job.exp_next[v][s]:
                 job.exp_next[v][s] = exp_next
             job.missing[v][s] -= 1
+            if job.conflict[v][s]:  # this chunk agrees with the round, but others did not
+                job.conflict[v][s] &= ~me
+                if job.conflict[v][s]:
+                    self._mismatch(job, rank, seq, chunk, slot, v, s, addr, None)
         job.seen[1 - v][s] &= ~me
         if job.missing[v][s] == 0:
             self._complete(job, rank, seq, chunk, slot, v, s)
@@ -592,17 +596,32 @@ class SwitchDataplane:
         """Tell ``rank`` that the ranks disagree about this chunk (the round can't complete).
 
         ``refused``: the shape of ``rank``'s own chunk that was just refused (it is compared
-        with the round's); None: ``rank`` is a contributor of the round, and is told about the
-        refused chunks.
+        with the round's); the round's contributors are told at once too, the first time
+        ``rank`` disagrees, so that nobody waits for a retransmission (a rank that fails and
+        exits may take the only other witness with it). None: ``rank`` is a contributor of a
+        round that already has a conflict, and is told about the refused chunks.
         """
         if refused is not None:
+            first = not job.conflict[v][s] >> rank & 1
             job.conflict[v][s] |= 1 << rank
             job.conflict_shape[v][s] = refused
-            theirs, mine, ranks = self._round_shape(job, v, s), refused, job.seen[v][s]
+            mine = self._round_shape(job, v, s)
+            self._send_mismatch(job, rank, seq, chunk, slot, v, mine, refused, job.seen[v][s],
+                                addr)
+            if first:
+                seen = job.seen[v][s]
+                for r, member in enumerate(job.members):
+                    if seen >> r & 1 and member is not None:
+                        self._send_mismatch(job, r, seq, chunk, slot, v, refused, mine, 1 << rank,
+                                            member)
         else:
             theirs = job.conflict_shape[v][s]
             assert theirs is not None
-            mine, ranks = self._round_shape(job, v, s), job.conflict[v][s]
+            self._send_mismatch(job, rank, seq, chunk, slot, v, theirs,
+                                self._round_shape(job, v, s), job.conflict[v][s], addr)
+
+    def _send_mismatch(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int,
+                       theirs: ChunkShape, mine: ChunkShape, ranks: int, addr: Address) -> None:
         payload = pack_mismatch(theirs, mine, ranks, job.num_workers)
         reply = Header(MessageType.MISMATCH, job.job_id, rank=rank, token=job.token, seq=seq,
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))

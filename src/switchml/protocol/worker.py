@@ -108,6 +108,7 @@ class _Op:
 
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
+                 "lane_xmit_at", "xmit_order",
                  "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
                  "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts", "digest")
 
@@ -129,7 +130,11 @@ class _Op:
         e = self.E
         self.lane_chunk = [-1] * e
         self.lane_set = [0] * e
-        self.lane_sent_at = [0.0] * e
+        self.lane_sent_at = [0.0] * e  # first transmission (RTT samples, Karn's rule)
+        self.lane_xmit_at = [0.0] * e  # latest transmission
+        # Transmissions in time order, (time, lane, chunk, tries), for RACK loss detection;
+        # entries whose lane has moved on are skipped lazily.
+        self.xmit_order: deque[tuple[float, int, int, int]] = deque()
         self.lane_tries = [0] * e
         self.lane_deadline = [0.0] * e
         self.lane_emax = [EXP_ZERO] * e
@@ -181,13 +186,16 @@ class WorkerEndpoint:
         self._control_deadline = 0.0
         self._control_backoff = _CONTROL_RETRY_S
         self._srtt: float | None = None
+        self._min_rtt: float | None = None
+        self._fast_retransmit = self.config.fast_retransmit
         self._rttvar = 0.0
         self._rto = self.config.initial_rto_s
         self.drops: Counter[str] = Counter()
         """Dropped datagrams by reason."""
         self.counters: Counter[str] = Counter()
         """``packets_sent``, ``payload_bytes_sent``, ``retransmissions``, ``results_received``,
-        ``waiting_received``, ``mismatch_received``, ``operations_completed``,
+        ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
+        ``operations_completed``,
         ``operations_failed``."""
         self._handlers = {
             MessageType.WAITING: self._handle_waiting,
@@ -451,6 +459,8 @@ class WorkerEndpoint:
         deadline = now + rto
         op.lane_deadline[i] = deadline
         heapq.heappush(self._heap, (deadline, i, p))
+        op.lane_xmit_at[i] = now
+        op.xmit_order.append((now, i, p, op.lane_tries[i]))
 
     # -- Receiving ---------------------------------------------------------------------------
 
@@ -497,6 +507,7 @@ class WorkerEndpoint:
         self.counters["results_received"] += 1
         if op.lane_tries[i] == 0:
             self._update_rtt(now - op.lane_sent_at[i])
+        delivered_xmit = op.lane_xmit_at[i]
         op.done += 1
         op.last_progress = op.last_heard = now
         nxt = p + op.E
@@ -504,6 +515,8 @@ class WorkerEndpoint:
             self._send_chunk(op, nxt, now, retransmit=False)
         else:
             op.lane_chunk[i] = -1
+        if self._fast_retransmit and op.done < op.T:
+            self._detect_losses(op, delivered_xmit, now)
         if op.done == op.T:
             self._op = None
             self._heap = []
@@ -511,6 +524,26 @@ class WorkerEndpoint:
             self._keepalive_at = now + self.config.keepalive_s
             self.counters["operations_completed"] += 1
             self._events.append(OperationCompleted(op.seq))
+
+    def _detect_losses(self, op: _Op, delivered_xmit: float, now: float) -> None:
+        """RACK (RFC 8985): a result for a chunk sent at ``delivered_xmit`` means every chunk
+        still outstanding that was sent more than the reorder window before it was lost (or its
+        result was): re-send those now rather than at their timeouts."""
+        if self._min_rtt is None:
+            return
+        window = max(self._min_rtt / 4, self.config.min_reorder_window_s)
+        order = op.xmit_order
+        lane_chunk, lane_tries = op.lane_chunk, op.lane_tries
+        while order:
+            t, i, p, tries = order[0]
+            if lane_chunk[i] != p or lane_tries[i] != tries:
+                order.popleft()  # that transmission is answered or superseded
+            elif t + window < delivered_xmit:
+                order.popleft()
+                self.counters["fast_retransmissions"] += 1
+                self._send_chunk(op, p, now, retransmit=True)
+            else:
+                break
 
     def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
@@ -689,6 +722,8 @@ class WorkerEndpoint:
 
     def _update_rtt(self, sample: float) -> None:
         """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
+        if self._min_rtt is None or sample < self._min_rtt:
+            self._min_rtt = sample
         if self._srtt is None:
             self._srtt = sample
             self._rttvar = sample / 2

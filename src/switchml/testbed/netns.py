@@ -177,8 +177,15 @@ class Testbed:
         return res.stdout
 
     def popen(self, ns: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start a process in a namespace; it is killed at teardown."""
-        proc = subprocess.Popen(self.argv(ns, argv), **kwargs)
+        """Start a process in a namespace; it is killed at teardown.
+
+        switchml's UDP GSO batching is off in there (``SWITCHML_GSO=0``, unless ``env`` says
+        otherwise): a veth carries a GSO run as one packet, so the loss rules would drop whole
+        runs where a real link loses datagrams one by one.
+        """
+        env = kwargs.pop("env", None)
+        env = {**os.environ, "SWITCHML_GSO": "0", **(env or {})}
+        proc = subprocess.Popen(self.argv(ns, argv), env=env, **kwargs)
         self._procs.append(proc)
         return proc
 

@@ -2,9 +2,11 @@
 
 Both pumps follow one rule: feed each received datagram to the endpoint with the monotonic clock,
 send everything it returns at once, fire its timer when due. The switch loop is a blocking
-``recvfrom_into`` on a preallocated buffer (one system call per datagram, no copy into Python
-bytes); the worker's loop is non-blocking reads with ``select`` only when nothing is pending, so a
-busy worker makes one system call per datagram too.
+``recvmsg_into`` on a preallocated buffer (no copy into Python bytes); the worker's loop is
+non-blocking reads with ``select`` only when nothing is pending. Where the kernel has them, both
+batch their system calls (``transport/batching.py``): UDP GRO hands them several datagrams of one
+sender per read, and what a batch released goes out with UDP GSO, one call per run of
+equal-sized datagrams to one destination.
 
 Socket buffers: a switch receives up to ``n x W`` datagrams in a burst. The server asks for
 ``rcvbuf_bytes`` (SO_RCVBUFFORCE as root, else SO_RCVBUF, which the kernel caps at
@@ -47,9 +49,15 @@ from switchml.protocol.events import (
 )
 from switchml.protocol.events import OperationFailed as OperationFailedEvent
 from switchml.protocol.switch import SwitchDataplane
-from switchml.protocol.wire import MAX_DATAGRAM_BYTES
 from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
 from switchml.protocol.worker import format_address as _fmt
+from switchml.transport.batching import (
+    RECV_BUFFER_BYTES,
+    BatchSender,
+    enable_gro,
+    gso_supported,
+    receive_segments,
+)
 
 __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient"]
 
@@ -89,7 +97,7 @@ class SwitchServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  config: SwitchConfig | None = None,
-                 rcvbuf_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+                 rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True) -> None:
         self.dataplane = SwitchDataplane(config)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -99,8 +107,12 @@ class SwitchServer:
             raise TransportError(f"can't listen on {host}:{port}: {exc.strerror}") from exc
         self.rcvbuf, self.sndbuf = _size_buffers(self.sock, rcvbuf_bytes)
         self.address: Address = self.sock.getsockname()
+        # Batched system calls (see transport/batching.py): GRO in, GSO out, where available.
+        self.gro = batching and enable_gro(self.sock)
+        self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock))
         self.internal_errors = 0
         self.send_errors = 0
+        self.truncated = 0
         self._refusals_window_start = 0.0
         self._refusals_logged = 0
         self._refusals_suppressed = 0
@@ -111,41 +123,44 @@ class SwitchServer:
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`. Never raises for anything a peer sends."""
         log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B, pool %d slots, lease "
-                 "%g s, job creation %s)", _fmt(self.address), self.rcvbuf, self.sndbuf,
-                 self.dataplane.config.pool_slots, self.dataplane.config.lease_timeout_s,
-                 "needs the secret" if self.dataplane.config.secret else "open")
+                 "%g s, job creation %s, GSO %s, GRO %s)", _fmt(self.address), self.rcvbuf,
+                 self.sndbuf, self.dataplane.config.pool_slots,
+                 self.dataplane.config.lease_timeout_s,
+                 "needs the secret" if self.dataplane.config.secret else "open",
+                 "on" if self._sender.gso else "off", "on" if self.gro else "off")
         timers = threading.Thread(target=self._run_timers, name="switchml-timers", daemon=True)
         timers.start()
-        buf = bytearray(MAX_DATAGRAM_BYTES + 1)
+        buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
         dp = self.dataplane
         sock = self.sock
-        recv = sock.recvfrom_into
-        send = sock.sendto
+        sender = self._sender
+        add = sender.add
         clock = time.monotonic
         lock = self._lock
         while not self._stop.is_set():
             try:
-                nbytes, addr = recv(buf)
+                nbytes, seg, addr, truncated = receive_segments(sock, buf, view)
             except OSError as exc:
                 if self._stop.is_set():
                     break
                 log.warning("recv failed: %s", exc)
                 continue
+            if truncated:  # larger than any datagram of the protocol
+                self.truncated += 1
+                continue
             now = clock()
             with lock:
                 try:
-                    dp.receive_datagram(view[:nbytes], addr, now)
-                    out = dp.datagrams_to_send(now)
+                    # One datagram, or several of one sender coalesced by GRO.
+                    for off in range(0, nbytes, seg) if nbytes else (0,):
+                        dp.receive_datagram(view[off:off + seg], addr, now)
+                        for data, dst in dp.datagrams_to_send(now):
+                            add(data, dst)
                 except Exception:  # a bug must not take the shared switch down
                     self.internal_errors += 1
                     log.exception("internal error on a datagram from %s; dropped", _fmt(addr))
-                    continue
-                for data, dst in out:
-                    try:
-                        send(data, dst)
-                    except OSError:
-                        self.send_errors += 1
+                sender.flush()
                 while (ev := dp.next_event()) is not None:
                     self._log_event(ev)
         log.info("switch on %s stopped: %s", _fmt(self.address), self.stats())
@@ -184,7 +199,11 @@ class SwitchServer:
         with self._lock:
             s = self.dataplane.stats()
         s["internal_errors"] = self.internal_errors
-        s["send_errors"] = self.send_errors
+        s["send_errors"] = self.send_errors + self._sender.errors + self._sender.blocked
+        s["truncated"] = self.truncated
+        s["send_calls"] = self._sender.calls
+        s["gso"] = self._sender.gso
+        s["gro"] = self.gro
         return s
 
     def start(self) -> SwitchServer:
@@ -320,7 +339,7 @@ class WorkerClient:
     def __init__(self, switch: Address, spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
                  buffer_bytes: int = SOCKET_BUFFER_BYTES, loss_rate: float = 0.0,
-                 loss_seed: int = 0) -> None:
+                 loss_seed: int = 0, batching: bool = True) -> None:
         if not 0.0 <= loss_rate < 1.0:
             raise ValueError(f"loss_rate must be in [0, 1), got {loss_rate}")
         # Fault injection for tests and soak runs: drop this fraction of datagrams in each
@@ -347,8 +366,12 @@ class WorkerClient:
                 from exc
         _size_buffers(self.sock, buffer_bytes)
         self.sock.setblocking(False)
+        self.gro = batching and enable_gro(self.sock)
+        self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
+                                   connected=True)
         self.icmp_errors = 0
         self.send_blocked = 0
+        self.truncated = 0
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._pending: dict[int, AllreduceHandle] = {}
         self._waiting: list[_Command] = []
@@ -439,6 +462,9 @@ class WorkerClient:
         c["icmp_errors"] = self.icmp_errors
         c["injected_losses"] = self.injected_losses
         c["send_blocked"] = self.send_blocked
+        c["send_errors"] = self._sender.errors
+        c["send_calls"] = self._sender.calls
+        c["truncated"] = self.truncated
         return c
 
     def __enter__(self) -> WorkerClient:
@@ -473,7 +499,7 @@ class WorkerClient:
     def _pump_loop(self) -> None:
         ep = self.endpoint
         sock = self.sock
-        buf = bytearray(MAX_DATAGRAM_BYTES + 1)
+        buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
         clock = time.monotonic
         closing = False
@@ -516,16 +542,23 @@ class WorkerClient:
             got = False
             while True:
                 try:
-                    nbytes = sock.recv_into(buf)
+                    nbytes, seg, _addr, truncated = receive_segments(sock, buf, view)
                 except BlockingIOError:
                     break
                 except ConnectionRefusedError:
                     self.icmp_errors += 1  # nothing listens at the switch address (yet)
                     continue
-                if self._loss_rate and self._loss_rng.random() < self._loss_rate:
-                    self.injected_losses += 1
+                if truncated:
+                    self.truncated += 1
                     continue
-                ep.receive_datagram(view[:nbytes], self.switch, clock())
+                now = clock()
+                # One datagram, or several coalesced by GRO: take them all, then send what
+                # they released in as few system calls as possible.
+                for off in range(0, nbytes, seg) if nbytes else (0,):
+                    if self._loss_rate and self._loss_rng.random() < self._loss_rate:
+                        self.injected_losses += 1
+                        continue
+                    ep.receive_datagram(view[off:off + seg], self.switch, now)
                 got = True
                 self._transmit(clock())
             if got:
@@ -550,16 +583,19 @@ class WorkerClient:
     def _transmit(self, now: float) -> None:
         """Send the endpoint's datagrams and dispatch its events."""
         ep = self.endpoint
+        sender = self._sender
         for data, _ in ep.datagrams_to_send(now):
             if self._loss_rate and self._loss_rng.random() < self._loss_rate:
                 self.injected_losses += 1
                 continue
-            try:
-                self.sock.send(data)
-            except BlockingIOError:
-                self.send_blocked += 1  # treated as a loss: the retransmission timer recovers
-            except ConnectionRefusedError:
-                self.icmp_errors += 1
+            sender.add(data, None)
+        sender.flush()
+        if sender.blocked or sender.refused:
+            # A full socket buffer is a loss (the retransmission timer recovers); a refusal is
+            # ICMP port unreachable: nothing listens at the switch address (yet).
+            self.send_blocked += sender.blocked
+            self.icmp_errors += sender.refused
+            sender.blocked = sender.refused = 0
         while (ev := ep.next_event()) is not None:
             if isinstance(ev, OperationCompleted):
                 handle = self._pending.pop(ev.seq, None)

@@ -1,0 +1,188 @@
+"""Batched UDP system calls: GSO on send, GRO on receive (Linux), with a plain fallback.
+
+A Python loop pays a few microseconds per system call, so small datagrams (the 1-4 KiB a
+real switch and a 1500-byte MTU want) are bounded by system calls, not by the network. Linux
+offers two batching mechanisms that the standard ``socket`` module can reach through ancillary
+data (no extension module needed):
+
+* **UDP GSO** (``UDP_SEGMENT``, Linux 4.18): one ``sendmsg`` carries a buffer of up to 64
+  equal-sized datagrams (the last may be shorter) to one destination; the kernel cuts it.
+* **UDP GRO** (``UDP_GRO``, Linux 5.0): a receiving socket may get several datagrams of one
+  sender in one ``recvmsg``, concatenated, with the segment size in a control message. On
+  loopback and veth a GSO send reaches a GRO socket as one buffer, never cut.
+
+:class:`BatchSender` groups what an endpoint wants to send by destination into runs of equal
+size and sends each run with one system call; :func:`receive_segments` reads one buffer and
+yields its datagrams. Both degrade to one datagram per call where the kernel refuses.
+Measured on this project's 2-vCPU VM: 1 KiB datagrams over loopback, 163 k/s with ``send``
+against 4.7 M/s with GSO + GRO (``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+__all__ = ["BatchSender", "enable_gro", "gso_supported", "receive_segments",
+           "RECV_BUFFER_BYTES"]
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]
+
+SOL_UDP = getattr(socket, "SOL_UDP", 17)
+UDP_SEGMENT = 103  # linux/udp.h
+UDP_GRO = 104
+MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS in the kernel
+MAX_GSO_BYTES = 65000  # payload bytes per GSO send (under the 65507-byte UDP limit)
+BATCH_MAX_DATAGRAM = MAX_GSO_BYTES // 2  # larger datagrams can't share a send: sent alone
+RECV_BUFFER_BYTES = 1 << 16  # a GRO buffer holds up to 64 KiB
+_ANC_SPACE = socket.CMSG_SPACE(4)
+_SEG = struct.Struct("=H")
+_GRO_INT = struct.Struct("=i")
+
+
+def _env_allows() -> bool:
+    return os.environ.get("SWITCHML_GSO", "1").lower() not in ("0", "no", "off", "false")
+
+
+def gso_supported(sock: socket.socket) -> bool:
+    """Whether ``sock`` accepts UDP_SEGMENT (and ``SWITCHML_GSO`` does not say 0)."""
+    if not _env_allows():
+        return False
+    try:
+        sock.setsockopt(SOL_UDP, UDP_SEGMENT, 0)  # 0 = no segmentation unless asked per send
+        return True
+    except OSError:
+        return False
+
+
+def enable_gro(sock: socket.socket) -> bool:
+    """Ask for UDP GRO on ``sock``; returns whether the kernel (and ``SWITCHML_GSO``) allow."""
+    if not _env_allows():
+        return False
+    try:
+        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+        return True
+    except OSError:
+        return False
+
+
+def receive_segments(sock: socket.socket, buf: bytearray, view: memoryview
+                     ) -> tuple[int, int, Address | None, bool]:
+    """One ``recvmsg_into``: returns (bytes, segment size, sender, truncated).
+
+    The datagrams are ``view[off:off + seg]`` for ``off`` in ``range(0, nbytes, seg)`` (the last
+    may be shorter); without GRO, ``seg == nbytes``. ``truncated``: the kernel cut the buffer
+    (it did not fit ``buf``): drop it. Raises what ``recvmsg_into`` raises.
+    """
+    nbytes, ancdata, flags, addr = sock.recvmsg_into([buf], _ANC_SPACE)
+    seg = nbytes
+    for level, kind, data in ancdata:
+        if level == SOL_UDP and kind == UDP_GRO:
+            seg = (_GRO_INT.unpack(data[:4])[0] if len(data) >= 4
+                   else _SEG.unpack(data[:2])[0])
+    return nbytes, seg or nbytes, addr, bool(flags & socket.MSG_TRUNC)
+
+
+def segments(nbytes: int, seg: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each datagram in a received buffer."""
+    for off in range(0, nbytes, seg):
+        yield off, min(off + seg, nbytes)
+
+
+class BatchSender:
+    """Queue datagrams, then send them grouped: one ``sendmsg`` per run of equal size.
+
+    ``connected``: the socket is connected (a worker's): destinations are ignored. Datagrams
+    larger than half a GSO buffer are sent at once (nothing to batch them with); smaller ones
+    are copied into the queue (the switch's results are views of its slot memory) until
+    :meth:`flush`. Without GSO every datagram is sent at once.
+
+    Counters: ``calls`` (system calls made), ``datagrams``, ``errors`` (send failures, each
+    a lost datagram: retransmission recovers), ``blocked`` (the socket buffer was full),
+    ``refused`` (ICMP port unreachable reported on a connected socket).
+    """
+
+    def __init__(self, sock: socket.socket, *, gso: bool, connected: bool = False) -> None:
+        self.sock = sock
+        self.gso = gso
+        self.connected = connected
+        self._queue: dict[Address | None, list[bytes]] = {}
+        self.calls = 0
+        self.datagrams = 0
+        self.errors = 0
+        self.blocked = 0
+        self.refused = 0
+
+    def add(self, data: bytes | bytearray | memoryview, addr: Address | None) -> None:
+        if not self.gso or len(data) > BATCH_MAX_DATAGRAM:
+            self._send_one(data, addr)
+            return
+        key = None if self.connected else addr
+        q = self._queue.get(key)
+        if q is None:
+            self._queue[key] = [bytes(data)]
+        else:
+            q.append(bytes(data))
+
+    def flush(self) -> None:
+        if not self._queue:
+            return
+        queued, self._queue = self._queue, {}
+        for addr, datagrams in queued.items():
+            i, total = 0, len(datagrams)
+            while i < total:
+                size = len(datagrams[i])
+                j = i + 1
+                limit = min(total, i + MAX_SEGMENTS, i + max(1, MAX_GSO_BYTES // max(size, 1)))
+                while j < limit and len(datagrams[j]) == size:
+                    j += 1
+                # A shorter datagram may end a run (the kernel allows a short last segment).
+                if j < total and j < limit and len(datagrams[j]) < size:
+                    j += 1
+                if j - i == 1:
+                    self._send_one(datagrams[i], addr)
+                else:
+                    self._send_run(datagrams[i:j], size, addr)
+                i = j
+
+    def _send_one(self, data: bytes | bytearray | memoryview, addr: Address | None) -> None:
+        self.calls += 1
+        self.datagrams += 1
+        try:
+            if self.connected or addr is None:
+                self.sock.send(data)
+            else:
+                self.sock.sendto(data, addr)
+        except BlockingIOError:
+            self.blocked += 1
+        except ConnectionRefusedError:
+            self.refused += 1
+        except OSError:
+            self.errors += 1
+
+    def _send_run(self, run: list[bytes], size: int, addr: Address | None) -> None:
+        self.calls += 1
+        self.datagrams += len(run)
+        anc = [(SOL_UDP, UDP_SEGMENT, _SEG.pack(size))]
+        try:
+            if self.connected or addr is None:
+                self.sock.sendmsg([b"".join(run)], anc)
+            else:
+                self.sock.sendmsg([b"".join(run)], anc, 0, addr)
+        except BlockingIOError:
+            self.blocked += len(run)
+        except ConnectionRefusedError:
+            self.refused += 1
+        except OSError as exc:
+            # The path refused segmentation (a device without it): send plainly from now on.
+            log.warning("UDP GSO send failed (%s); sending one datagram per call from now on",
+                        exc)
+            self.gso = False
+            self.calls -= 1
+            self.datagrams -= len(run)
+            for d in run:
+                self._send_one(d, addr)
