@@ -162,10 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         "testbed", "run over an emulated star network instead of loopback (needs root): one "
         "namespace per worker, the switch in the middle, links shaped with tc tbf both ways")
     tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
-    tbg.add_argument("--no-fast-retransmit", action="store_true",
-                     help="switchml workers wait for each lost chunk's timeout instead of "
-                          "re-sending it when a later chunk's result arrives (the baseline "
-                          "for the loss benchmark)")
+    tbg.add_argument("--fast-retransmit", action="store_true",
+                     help="switchml workers re-send a chunk as soon as a later chunk's result "
+                          "arrives (RACK) instead of at its timeout (off by default: it did "
+                          "not help on this testbed, see docs/benchmarks.md)")
     tbg.add_argument("--rate-mbit", type=float, default=1000.0,
                      help="link rate in Mbit/s, each direction (default 1000)")
     tbg.add_argument("--loss", type=float, default=0.0,
@@ -441,7 +441,7 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu, iters=args.iters,
         warmup=args.warmup, systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
-        fast_retransmit=not args.no_fast_retransmit)
+        fast_retransmit=args.fast_retransmit)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(

@@ -89,3 +89,23 @@ def test_fast_retransmission_under_random_loss_and_reordering_stays_exact(seed):
 def test_config_rejects_a_negative_reorder_window():
     with pytest.raises(ValueError, match="min_reorder_window_s"):
         WorkerConfig(min_reorder_window_s=-1.0)
+
+
+def test_spurious_re_sends_widen_the_reorder_window():
+    """Reordering far beyond the 1 ms window (up to 6 ms of jitter per hop), no loss: the first
+    re-sends are spurious, the switch answers them with WAITING, the window widens and later
+    operations re-send far less; every sum stays exact."""
+    fabric = MemoryFabric(FaultModel(latency_s=0.001, jitter_s=0.006), seed=11)
+    c = MemoryCluster(num_workers=N, window=WINDOW, elements_per_packet=K, fabric=fabric,
+                      worker_config=WorkerConfig(fast_retransmit=True, **CONFIG))
+    c.join()
+    rng = np.random.default_rng(2)
+    per_op = []
+    for _ in range(4):
+        xs = [rng.integers(-2**20, 2**20, SIZE, dtype=np.int32) for _ in range(N)]
+        before = sum(w.counters["fast_retransmissions"] for w in c.workers)
+        for out in c.allreduce(xs):
+            assert np.array_equal(out, np.sum(xs, axis=0, dtype=np.int32))
+        per_op.append(sum(w.counters["fast_retransmissions"] for w in c.workers) - before)
+    assert sum(w.counters["spurious_fast_retransmissions"] for w in c.workers) > 0
+    assert per_op[0] > 0 and per_op[-1] < per_op[0] / 2, per_op

@@ -61,7 +61,7 @@ def switchml(a: dict[str, Any]) -> None:
     x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
     out = np.empty_like(x)
     cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02,
-                       fast_retransmit=a.get("fast_retransmit", True))
+                       fast_retransmit=a.get("fast_retransmit", False))
     with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg) as w:
         r = _timed(lambda v: w.allreduce(v, out), x, a["warmup"], a["iters"])
         n = spec.num_workers

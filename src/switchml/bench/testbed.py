@@ -44,7 +44,7 @@ class TestbedBenchConfig:
     """Slots per job. On shaped links keep W x packet below tbf's queue (rate x 20 ms): a
     window of 64 x 64 KB overflowed it at 1 Gbit/s and cost a third of the throughput."""
     timeout_s: float = 900.0
-    fast_retransmit: bool = True
+    fast_retransmit: bool = False
     """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
 
     def __post_init__(self) -> None:

@@ -108,7 +108,7 @@ class _Op:
 
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
-                 "lane_xmit_at", "xmit_order",
+                 "lane_xmit_at", "xmit_order", "lane_fast", "spurious",
                  "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
                  "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts", "digest")
 
@@ -135,6 +135,8 @@ class _Op:
         # Transmissions in time order, (time, lane, chunk, tries), for RACK loss detection;
         # entries whose lane has moved on are skipped lazily.
         self.xmit_order: deque[tuple[float, int, int, int]] = deque()
+        self.lane_fast = [False] * e  # the lane's chunk was re-sent by RACK
+        self.spurious = 0  # RACK re-sends the switch answered with WAITING (not lost after all)
         self.lane_tries = [0] * e
         self.lane_deadline = [0.0] * e
         self.lane_emax = [EXP_ZERO] * e
@@ -188,6 +190,7 @@ class WorkerEndpoint:
         self._srtt: float | None = None
         self._min_rtt: float | None = None
         self._fast_retransmit = self.config.fast_retransmit
+        self._reo_scale = 1  # the reorder window, in units of the base window
         self._rttvar = 0.0
         self._rto = self.config.initial_rto_s
         self.drops: Counter[str] = Counter()
@@ -195,6 +198,7 @@ class WorkerEndpoint:
         self.counters: Counter[str] = Counter()
         """``packets_sent``, ``payload_bytes_sent``, ``retransmissions``, ``results_received``,
         ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
+        ``spurious_fast_retransmissions``,
         ``operations_completed``,
         ``operations_failed``."""
         self._handlers = {
@@ -424,6 +428,7 @@ class WorkerEndpoint:
             op.lane_chunk[i] = p
             op.lane_tries[i] = 0
             op.lane_sent_at[i] = now
+            op.lane_fast[i] = False
         k = op.k
         flags = 0
         exp_data = exp_next = EXP_ZERO
@@ -518,6 +523,8 @@ class WorkerEndpoint:
         if self._fast_retransmit and op.done < op.T:
             self._detect_losses(op, delivered_xmit, now)
         if op.done == op.T:
+            if not op.spurious and self._reo_scale > 1:
+                self._reo_scale //= 2  # a clean operation: narrow the window again
             self._op = None
             self._heap = []
             self.state = WorkerState.READY
@@ -529,9 +536,10 @@ class WorkerEndpoint:
         """RACK (RFC 8985): a result for a chunk sent at ``delivered_xmit`` means every chunk
         still outstanding that was sent more than the reorder window before it was lost (or its
         result was): re-send those now rather than at their timeouts."""
-        if self._min_rtt is None:
+        if self._min_rtt is None or self._srtt is None:
             return
-        window = max(self._min_rtt / 4, self.config.min_reorder_window_s)
+        window = min(max(self._min_rtt / 4, self.config.min_reorder_window_s) * self._reo_scale,
+                     self._srtt + 4 * self._rttvar)
         order = op.xmit_order
         lane_chunk, lane_tries = op.lane_chunk, op.lane_tries
         while order:
@@ -541,6 +549,7 @@ class WorkerEndpoint:
             elif t + window < delivered_xmit:
                 order.popleft()
                 self.counters["fast_retransmissions"] += 1
+                op.lane_fast[i] = True
                 self._send_chunk(op, p, now, retransmit=True)
             else:
                 break
@@ -553,6 +562,14 @@ class WorkerEndpoint:
             return
         self.counters["waiting_received"] += 1
         op.last_heard = now
+        i = h.chunk % op.E
+        if op.lane_fast[i] and op.lane_chunk[i] == h.chunk:
+            # Our chunk was in the switch all along: the RACK re-send was spurious, results
+            # come back more out of order than the window allows. Widen it (RFC 8985 6.2).
+            op.lane_fast[i] = False
+            op.spurious += 1
+            self.counters["spurious_fast_retransmissions"] += 1
+            self._reo_scale = min(self._reo_scale * 2, 1024)
         op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         op.waiting_chunk = h.chunk
 
