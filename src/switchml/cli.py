@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--rate-mbit", type=float, default=1000.0,
                     help="link rate in Mbit/s each way; 0 for unshaped (default 1000)")
     tb.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    tb.add_argument("--cleanup", action="store_true",
+                    help="only remove what testbed runs killed before their teardown (kill "
+                         "-9) left behind: their namespaces and the processes in them; every "
+                         "new testbed also does this first")
     tb.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -288,8 +292,14 @@ def _run_switch(args: argparse.Namespace) -> int:
 def _run_testbed(args: argparse.Namespace) -> int:
     import threading
 
-    from switchml.testbed import LinkSpec, Testbed, Topology
+    from switchml.testbed import LinkSpec, Testbed, Topology, check_environment, cleanup_stale
 
+    if args.cleanup:
+        check_environment()
+        removed = cleanup_stale()
+        print(f"removed {len(removed)} stale namespace(s)"
+              + (f": {', '.join(removed)}" if removed else ""))
+        return 0
     link = LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 if args.rate_mbit else None,
                     loss_rate=args.loss, mtu=args.mtu)
     stop = threading.Event()

@@ -155,3 +155,56 @@ def test_training_over_the_testbed_matches_gloo():
     # same data, same seeds: the fixed-point sums keep the curves together
     assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(gloo, sml)), (gloo, sml)
     assert by["switchml"]["step_s"] > 0 and by["switchml"]["speedup_step"] > 0
+
+
+def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
+    """kill -9 skips the teardown: the namespaces, and a process running in one, outlive the
+    owner. cleanup_stale (which every new testbed runs first) removes them, and only them."""
+    import os
+    import signal
+    import time
+
+    from switchml.testbed import cleanup_stale
+    from switchml.testbed.netns import CLAIMS_DIR
+
+    owner = subprocess.Popen(_py("""
+        import subprocess, sys, time
+        from switchml.testbed import Testbed, Topology
+        tb = Testbed(Topology(workers=1)).__enter__()
+        tb.popen(tb.worker_ns(0), ["sleep", "300"])
+        print(tb.prefix, flush=True)
+        time.sleep(300)
+    """), stdout=subprocess.PIPE, text=True)
+    prefix = owner.stdout.readline().strip()
+    assert prefix, "the owner did not build its testbed"
+    stale = {f"{prefix}sw", f"{prefix}w0", f"{prefix}ps"}
+    try:
+        assert stale <= _namespaces()
+        with Testbed(Topology(workers=1)) as live:
+            assert cleanup_stale() == []  # the owner is alive: nothing is touched
+            assert stale <= _namespaces()
+            owner.send_signal(signal.SIGKILL)
+            owner.wait(timeout=10)
+            sleeper = subprocess.run(["ip", "netns", "pids", f"{prefix}w0"], capture_output=True,
+                                     text=True).stdout.split()
+            assert sleeper, "the process in the namespace should have outlived its owner"
+            assert sorted(cleanup_stale()) == sorted(stale)
+            assert not stale & _namespaces()
+            assert set(live.namespaces) <= _namespaces()  # the live testbed is intact
+            assert not os.path.exists(os.path.join(CLAIMS_DIR, prefix))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and os.path.exists(f"/proc/{sleeper[0]}"):
+                time.sleep(0.05)
+            assert not os.path.exists(f"/proc/{sleeper[0]}"), "its process was not killed"
+        assert not os.path.exists(os.path.join(CLAIMS_DIR, live.prefix))  # clean teardown
+    finally:
+        owner.kill()
+        for ns in stale & _namespaces():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_cleanup_command_reports_what_it_removed():
+    res = subprocess.run([sys.executable, "-m", "switchml", "testbed", "--cleanup"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "stale namespace(s)" in res.stdout

@@ -6,7 +6,8 @@ a parameter server host. ``Testbed`` (netns.py) builds it, runs processes inside
 exactly what it created. Needs root; everything else in switchml does not.
 """
 
-from switchml.testbed.netns import Testbed, TestbedError, check_environment
+from switchml.testbed.netns import Testbed, TestbedError, check_environment, cleanup_stale
 from switchml.testbed.topology import LinkSpec, Topology
 
-__all__ = ["LinkSpec", "Testbed", "TestbedError", "Topology", "check_environment"]
+__all__ = ["LinkSpec", "Testbed", "TestbedError", "Topology", "check_environment",
+           "cleanup_stale"]

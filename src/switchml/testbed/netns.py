@@ -5,12 +5,18 @@ Every namespace name carries a per-run prefix, every object created is remembere
 and nothing else: deleting a namespace removes its veth ends, qdiscs and nft tables with it.
 Every ``ip``/``tc``/``nft`` failure raises :class:`TestbedError` with the command and its stderr;
 each qdisc is read back after it is applied.
+
+A run killed with SIGKILL cannot tear down. Each live testbed therefore leaves a claim,
+``/run/switchml-testbed/<prefix>`` holding its owner's pid, and :func:`cleanup_stale` (run by
+every new testbed, and by ``switchml testbed --cleanup``) removes the namespaces, and the
+processes in them, of claims whose owner is gone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -20,10 +26,11 @@ from typing import Any
 from switchml.protocol.errors import SwitchMLError
 from switchml.testbed.topology import Topology, nft_loss_ruleset, tbf_args
 
-__all__ = ["Testbed", "TestbedError", "check_environment"]
+__all__ = ["Testbed", "TestbedError", "check_environment", "cleanup_stale"]
 
 log = logging.getLogger(__name__)
 _TOOLS = ("ip", "tc", "nft")
+CLAIMS_DIR = "/run/switchml-testbed"
 
 
 class TestbedError(SwitchMLError):
@@ -49,6 +56,71 @@ def _run(argv: Sequence[str], stdin: str | None = None) -> str:
         raise TestbedError(f"{' '.join(argv)} failed ({res.returncode}): "
                            f"{res.stderr.strip() or res.stdout.strip()}")
     return res.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _delete_namespace(ns: str) -> str | None:
+    """Kill what runs in ``ns``, then delete it; returns an error message or None."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    for pid in (int(p) for p in pids.split() if p.isdigit()):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    res = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+    return None if res.returncode == 0 else f"{ns}: {res.stderr.strip()}"
+
+
+def cleanup_stale() -> list[str]:
+    """Remove the testbeds whose owner process is gone (killed before its teardown).
+
+    Only namespaces named by a claim in ``CLAIMS_DIR`` whose pid is dead are touched; returns
+    their names. Needs root.
+    """
+    try:
+        claims = sorted(os.listdir(CLAIMS_DIR))
+    except FileNotFoundError:
+        return []
+    removed: list[str] = []
+    live = _namespaces()
+    for prefix in claims:
+        path = os.path.join(CLAIMS_DIR, prefix)
+        try:
+            with open(path) as f:
+                pid = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = -1
+        if pid > 0 and _pid_alive(pid):
+            continue
+        pattern = re.compile(rf"{re.escape(prefix)}(sw|ps|w\d+)")
+        for ns in live:
+            if pattern.fullmatch(ns):
+                error = _delete_namespace(ns)
+                if error:
+                    log.warning("stale testbed %s: %s", prefix, error)
+                else:
+                    removed.append(ns)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        log.info("removed stale testbed %s (owner pid %d gone): %s", prefix, pid,
+                 ", ".join(removed) or "nothing left")
+    return removed
 
 
 class Testbed:
@@ -91,6 +163,10 @@ class Testbed:
 
     def __enter__(self) -> Testbed:
         check_environment()
+        cleanup_stale()
+        os.makedirs(CLAIMS_DIR, exist_ok=True)
+        with open(os.path.join(CLAIMS_DIR, self.prefix), "w") as f:
+            f.write(f"{os.getpid()}\n")
         try:
             self._build()
         except BaseException:
@@ -161,6 +237,11 @@ class Testbed:
         self.namespaces.clear()
         if errors:
             log.warning("testbed %s teardown: %s", self.prefix, "; ".join(errors))
+        else:
+            try:
+                os.unlink(os.path.join(CLAIMS_DIR, self.prefix))
+            except FileNotFoundError:
+                pass
 
     # -- running things inside ---------------------------------------------------------------
 
