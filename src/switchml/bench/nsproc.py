@@ -186,12 +186,21 @@ def train(a: dict[str, Any]) -> None:
         truth = torch.Generator().manual_seed(7)
         weights = torch.randn(rows, generator=truth)
         loss_fn = nn.BCEWithLogitsLoss()
+        # Item popularity is Zipf-like, as in real click logs: the head of the table is seen
+        # often enough to learn in a short run, the tail rarely (the gradient stays dense:
+        # the whole table's gradient is all-reduced every step).
+        popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
+        popularity /= popularity.sum()
 
         def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ids = torch.randint(0, rows, (batch, 8), generator=gen)
+            ids = torch.multinomial(popularity, batch * 8, replacement=True,
+                                    generator=gen).view(batch, 8)
             return ids, (weights[ids].sum(1) > 0).float()
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    if a["model"] == "cnn":
+        opt: Any = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    else:  # Adam, as recommendation models are usually trained
+        opt = torch.optim.Adam(ddp.parameters(), lr=a["lr"])
     losses, times = [], []
     dist.barrier()
     t0 = time.perf_counter()
