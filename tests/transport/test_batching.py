@@ -167,6 +167,9 @@ def test_small_packet_allreduce_is_exact_and_batched(batching_on):
             assert np.array_equal(out, expect)
         st = server.stats()
         assert st["internal_errors"] == 0 and st["truncated"] == 0
+        # Every datagram of a batch (also a short last one) reached the core whole.
+        assert st["drops"] == {}, st["drops"]
+        assert sum(c.get("retransmissions", 0) for c in counters) == 0, counters
         ratio_switch = st["packets_out"] / st["send_calls"]
         ratio_workers = [c["packets_sent"] / c["send_calls"] for c in counters]
         if batching_on:

@@ -154,7 +154,7 @@ class SwitchServer:
                 try:
                     # One datagram, or several of one sender coalesced by GRO.
                     for off in range(0, nbytes, seg) if nbytes else (0,):
-                        dp.receive_datagram(view[off:off + seg], addr, now)
+                        dp.receive_datagram(view[off:min(off + seg, nbytes)], addr, now)
                         for data, dst in dp.datagrams_to_send(now):
                             add(data, dst)
                 except Exception:  # a bug must not take the shared switch down
@@ -558,7 +558,7 @@ class WorkerClient:
                     if self._loss_rate and self._loss_rng.random() < self._loss_rate:
                         self.injected_losses += 1
                         continue
-                    ep.receive_datagram(view[off:off + seg], self.switch, now)
+                    ep.receive_datagram(view[off:min(off + seg, nbytes)], self.switch, now)
                 got = True
                 self._transmit(clock())
             if got:
