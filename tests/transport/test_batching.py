@@ -167,9 +167,11 @@ def test_small_packet_allreduce_is_exact_and_batched(batching_on):
             assert np.array_equal(out, expect)
         st = server.stats()
         assert st["internal_errors"] == 0 and st["truncated"] == 0
-        # Every datagram of a batch (also a short last one) reached the core whole.
-        assert st["drops"] == {}, st["drops"]
-        assert sum(c.get("retransmissions", 0) for c in counters) == 0, counters
+        # Every datagram of a batch (also a short last one) reached the core whole: nothing
+        # was dropped as malformed on either side. (Not "no retransmission at all": a starved
+        # CI machine may fire a timer early.)
+        assert "length_mismatch" not in st["drops"], st["drops"]
+        assert not any(c.get("drop_length_mismatch") for c in counters), counters
         ratio_switch = st["packets_out"] / st["send_calls"]
         ratio_workers = [c["packets_sent"] / c["send_calls"] for c in counters]
         if batching_on:
