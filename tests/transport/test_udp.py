@@ -256,3 +256,22 @@ def test_switch_command_reports_port_in_use():
             capture_output=True, text=True, timeout=30, env={**os.environ})
     assert res.returncode == 2
     assert "can't listen on" in res.stderr
+
+
+def test_switch_command_says_whether_it_batches_and_no_batching_turns_it_off():
+    from switchml.transport.batching import gso_supported
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        default = "GSO on, GRO on" if gso_supported(s) else "GSO off"
+    for flags, expect in (([], default), (["--no-batching"], "GSO off, GRO off")):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "switchml", "switch", "--port", "0", "--metrics-port", "0",
+             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert "listening on udp" in proc.stdout.readline()
+            proc.send_signal(signal.SIGTERM)
+            _out, err = proc.communicate(timeout=10)
+            assert proc.returncode == 0
+            assert expect in err, err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
