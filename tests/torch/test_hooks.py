@@ -79,3 +79,55 @@ def test_hook_arguments_are_checked():
         SwitchMLHookState(bits=8)
     with pytest.raises(ValueError, match="known: switchml, switchml16, allreduce, noop"):
         register_hook(None, "fastest")  # type: ignore[arg-type]
+
+
+class _Bucket:
+    """What the hook uses of ``dist.GradBucket``."""
+
+    def __init__(self, index, buffer, params):
+        self._index, self._buffer, self._params = index, buffer, params
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+
+def test_16_bit_residual_follows_the_buckets_parameters_not_only_its_index():
+    """DDP rebuilds its buckets after the first step: bucket 0 may then hold other parameters
+    of the same total size. Their gradient must not receive the old bucket's residual."""
+    import torch
+
+    from switchml.control import new_job_spec
+    from switchml.torch.hooks import SwitchMLHookState, switchml_hook
+    from switchml.transport.udp import SwitchServer, WorkerClient
+
+    with SwitchServer(port=0) as server:
+        state = object.__new__(SwitchMLHookState)
+        state.bits, state.process_group, state.world_size = 16, None, 1
+        state.residuals, state.buckets, state.bytes_sent = {}, 0, 0
+        state._owns_client = state._owns_switch = False
+        state.client = WorkerClient(server.address, new_job_spec(1, window=2), 0)
+        try:
+            first = [torch.zeros(4), torch.zeros(2)]
+            other = [torch.zeros(3), torch.zeros(3)]  # same size, other layers
+            grad = torch.tensor([0.1, 1e-3, 0.3, 7.7e-4, 0.5, 1e-5])
+            out = switchml_hook(state, _Bucket(0, grad.clone(), first)).wait()
+            layout, residual = state.residuals[0]
+            assert layout == tuple((p.data_ptr(), p.numel()) for p in first)
+            assert residual.abs().max() > 0  # 16 bits lose something: kept for next time
+            assert torch.allclose(out + residual, grad, atol=1e-7)
+            # The same bucket again: the residual is added (error feedback) and replaced.
+            switchml_hook(state, _Bucket(0, grad.clone(), first)).wait()
+            assert state.residuals[0][0] == layout
+            # A rebuilt bucket 0 with other parameters: a fresh residual, nothing carried over.
+            out = switchml_hook(state, _Bucket(0, grad.clone(), other)).wait()
+            layout2, residual2 = state.residuals[0]
+            assert layout2 == tuple((p.data_ptr(), p.numel()) for p in other)
+            assert torch.allclose(out + residual2, grad, atol=1e-7)
+        finally:
+            state.client.close()

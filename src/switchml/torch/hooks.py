@@ -78,7 +78,8 @@ class SwitchMLHookState:
         self.process_group = process_group
         pg = process_group or dist.distributed_c10d._get_default_group()
         self.world_size = dist.get_world_size(pg)
-        self.residuals: dict[int, torch.Tensor] = {}
+        # Per bucket index: which parameters the bucket holds, and their rounding residual.
+        self.residuals: dict[int, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
         self.buckets = 0
         self.bytes_sent = 0
         self._owns_switch = False
@@ -130,10 +131,14 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     # 3. Error feedback: add what rounding took from this bucket last time.
     residual = None
     if state.bits == 16:
-        residual = state.residuals.get(bucket.index())
-        if residual is None or residual.numel() != work.numel():
-            residual = torch.zeros_like(work)
-            state.residuals[bucket.index()] = residual
+        # Keyed by the bucket's parameters, not only its index: DDP rebuilds its buckets after
+        # the first iteration, and a residual must never be added to another layer's gradient.
+        layout = tuple((p.data_ptr(), p.numel()) for p in bucket.parameters())
+        entry = state.residuals.get(bucket.index())
+        if entry is None or entry[0] != layout or entry[1].numel() != work.numel():
+            entry = (layout, torch.zeros_like(work))
+            state.residuals[bucket.index()] = entry
+        residual = entry[1]
         work.add_(residual)
     state.buckets += 1
     state.bytes_sent += work.numel() * state.bits // 8
