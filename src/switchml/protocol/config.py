@@ -111,10 +111,11 @@ class WorkerConfig:
     """The switch's secret, needed to create a job on a switch that has one."""
     fast_retransmit: bool = False
     """Re-send a chunk as soon as a chunk sent later has its result (RACK, RFC 8985), instead of
-    waiting for its timeout; the reorder window widens when the switch shows a re-send was
-    spurious (a WAITING answer). Off by default: a slot completes when the *last* worker's
-    chunk arrives, so over deep queues results come back out of sending order by about a round
-    trip, and on the emulated network it did not beat the timeouts (docs/benchmarks.md)."""
+    waiting for its timeout; the reorder window widens when a re-send proves spurious (a
+    WAITING answer, or a result sooner than the smallest round trip after it). Off by default:
+    a slot completes when the *last* worker's chunk arrives, so over deep queues results come
+    back out of sending order by about a round trip, and on the emulated network it was only
+    level with the timeouts (docs/benchmarks.md)."""
     min_reorder_window_s: float = 0.001
     """How much later a chunk must have been sent before its result marks an earlier chunk as
     lost: the larger of this and a quarter of the smallest round trip seen. Default 1 ms."""

@@ -108,7 +108,7 @@ class _Op:
 
     __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
                  "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
-                 "lane_xmit_at", "xmit_order", "lane_fast", "spurious",
+                 "lane_xmit_at", "lane_xmits", "xmit_order", "lane_fast", "spurious",
                  "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
                  "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts", "digest")
 
@@ -132,8 +132,9 @@ class _Op:
         self.lane_set = [0] * e
         self.lane_sent_at = [0.0] * e  # first transmission (RTT samples, Karn's rule)
         self.lane_xmit_at = [0.0] * e  # latest transmission
-        # Transmissions in time order, (time, lane, chunk, tries), for RACK loss detection;
-        # entries whose lane has moved on are skipped lazily.
+        self.lane_xmits = [0] * e  # transmissions of the lane's current chunk
+        # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection
+        # (only kept with fast_retransmit on); entries whose lane has moved on are skipped.
         self.xmit_order: deque[tuple[float, int, int, int]] = deque()
         self.lane_fast = [False] * e  # the lane's chunk was re-sent by RACK
         self.spurious = 0  # RACK re-sends the switch answered with WAITING (not lost after all)
@@ -414,12 +415,21 @@ class WorkerEndpoint:
         self._control_retry_at = now + self._control_backoff
         self._control_backoff = min(self._control_backoff * 2, 2.0)
 
-    def _send_chunk(self, op: _Op, p: int, now: float, *, retransmit: bool) -> None:
-        """Build packet ``p`` from the input (also for a retransmission) and queue it."""
+    def _send_chunk(self, op: _Op, p: int, now: float, *, retransmit: bool,
+                    fast: bool = False) -> None:
+        """Build packet ``p`` from the input (also for a retransmission) and queue it.
+
+        ``fast``: a RACK re-send: it does not back the lane's timeout off (``lane_tries``
+        counts timeouts only) but, as any re-send, ends the lane's RTT samples (Karn).
+        """
         i = p % op.E
         if retransmit:
             set_bit = op.lane_set[i]
-            op.lane_tries[i] += 1
+            if fast:
+                op.lane_fast[i] = True
+            else:
+                op.lane_tries[i] += 1
+            op.lane_xmits[i] += 1
             self.counters["retransmissions"] += 1
         else:
             set_bit = self._next_set[i]
@@ -427,6 +437,7 @@ class WorkerEndpoint:
             op.lane_set[i] = set_bit
             op.lane_chunk[i] = p
             op.lane_tries[i] = 0
+            op.lane_xmits[i] = 0
             op.lane_sent_at[i] = now
             op.lane_fast[i] = False
         k = op.k
@@ -465,7 +476,8 @@ class WorkerEndpoint:
         op.lane_deadline[i] = deadline
         heapq.heappush(self._heap, (deadline, i, p))
         op.lane_xmit_at[i] = now
-        op.xmit_order.append((now, i, p, op.lane_tries[i]))
+        if self._fast_retransmit:
+            op.xmit_order.append((now, i, p, op.lane_xmits[i]))
 
     # -- Receiving ---------------------------------------------------------------------------
 
@@ -510,9 +522,15 @@ class WorkerEndpoint:
                 return
             blk[...] = np.frombuffer(data, dtype="<i4", count=count, offset=HEADER_SIZE)
         self.counters["results_received"] += 1
-        if op.lane_tries[i] == 0:
-            self._update_rtt(now - op.lane_sent_at[i])
         delivered_xmit = op.lane_xmit_at[i]
+        if op.lane_xmits[i] == 0:
+            self._update_rtt(now - op.lane_sent_at[i])
+        elif self._min_rtt is not None and now - delivered_xmit < self._min_rtt:
+            # Too soon to answer the re-send: it answers an earlier transmission (RFC 8985
+            # 6.2 step 2), so only that one's time says which chunks were sent before it.
+            delivered_xmit = op.lane_sent_at[i]
+            if op.lane_fast[i]:
+                self._spurious(op, i)  # the chunk was not lost: the RACK re-send was early
         op.done += 1
         op.last_progress = op.last_heard = now
         nxt = p + op.E
@@ -541,18 +559,25 @@ class WorkerEndpoint:
         window = min(max(self._min_rtt / 4, self.config.min_reorder_window_s) * self._reo_scale,
                      self._srtt + 4 * self._rttvar)
         order = op.xmit_order
-        lane_chunk, lane_tries = op.lane_chunk, op.lane_tries
+        lane_chunk, lane_xmits = op.lane_chunk, op.lane_xmits
         while order:
-            t, i, p, tries = order[0]
-            if lane_chunk[i] != p or lane_tries[i] != tries:
+            t, i, p, xmits = order[0]
+            if lane_chunk[i] != p or lane_xmits[i] != xmits:
                 order.popleft()  # that transmission is answered or superseded
             elif t + window < delivered_xmit:
                 order.popleft()
                 self.counters["fast_retransmissions"] += 1
-                op.lane_fast[i] = True
-                self._send_chunk(op, p, now, retransmit=True)
+                self._send_chunk(op, p, now, retransmit=True, fast=True)
             else:
                 break
+
+    def _spurious(self, op: _Op, i: int) -> None:
+        """A RACK re-send of lane ``i`` was not needed: results come back more out of order
+        than the reorder window allows. Widen it (RFC 8985 6.2)."""
+        op.lane_fast[i] = False
+        op.spurious += 1
+        self.counters["spurious_fast_retransmissions"] += 1
+        self._reo_scale = min(self._reo_scale * 2, 1024)
 
     def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
@@ -564,12 +589,7 @@ class WorkerEndpoint:
         op.last_heard = now
         i = h.chunk % op.E
         if op.lane_fast[i] and op.lane_chunk[i] == h.chunk:
-            # Our chunk was in the switch all along: the RACK re-send was spurious, results
-            # come back more out of order than the window allows. Widen it (RFC 8985 6.2).
-            op.lane_fast[i] = False
-            op.spurious += 1
-            self.counters["spurious_fast_retransmissions"] += 1
-            self._reo_scale = min(self._reo_scale * 2, 1024)
+            self._spurious(op, i)  # our chunk was in the switch all along
         op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         op.waiting_chunk = h.chunk
 
