@@ -208,3 +208,11 @@ def test_cleanup_command_reports_what_it_removed():
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "stale namespace(s)" in res.stdout
+
+
+def test_a_prefix_held_by_a_live_testbed_is_refused():
+    with Testbed(Topology(workers=1), prefix="smtestpx") as live:
+        with pytest.raises(TestbedError, match="in use by a live testbed"):
+            Testbed(Topology(workers=1), prefix="smtestpx").__enter__()
+        assert set(live.namespaces) <= _namespaces()  # untouched
+    assert not {ns for ns in _namespaces() if ns.startswith("smtestpx")}

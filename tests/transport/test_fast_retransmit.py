@@ -109,3 +109,16 @@ def test_spurious_re_sends_widen_the_reorder_window():
         per_op.append(sum(w.counters["fast_retransmissions"] for w in c.workers) - before)
     assert sum(w.counters["spurious_fast_retransmissions"] for w in c.workers) > 0
     assert per_op[0] > 0 and per_op[-1] < per_op[0] / 2, per_op
+
+
+def test_without_fast_retransmission_no_transmission_log_is_kept():
+    """RACK's log of transmissions is only kept when RACK is on (it grew with the operation)."""
+    fabric = MemoryFabric(FaultModel(latency_s=0.001), 0)
+    c = MemoryCluster(num_workers=N, window=WINDOW, elements_per_packet=K, fabric=fabric,
+                      worker_config=WorkerConfig(fast_retransmit=False, **CONFIG))
+    c.join()
+    xs = [np.ones(SIZE, np.int32) for _ in range(N)]
+    c.start(xs, [np.empty_like(x) for x in xs])
+    fabric.run(lambda: c.workers[0].counters["results_received"] >= 150)
+    op = c.workers[0]._op  # mid-operation, 150 of 200 chunks answered
+    assert op is not None and len(op.xmit_order) == 0

@@ -6,21 +6,24 @@ and nothing else: deleting a namespace removes its veth ends, qdiscs and nft tab
 Every ``ip``/``tc``/``nft`` failure raises :class:`TestbedError` with the command and its stderr;
 each qdisc is read back after it is applied.
 
-A run killed with SIGKILL cannot tear down. Each live testbed therefore leaves a claim,
-``/run/switchml-testbed/<prefix>`` holding its owner's pid, and :func:`cleanup_stale` (run by
-every new testbed, and by ``switchml testbed --cleanup``) removes the namespaces, and the
-processes in them, of claims whose owner is gone.
+A run killed with SIGKILL cannot tear down. Each live testbed therefore holds a claim,
+``/run/switchml-testbed/<prefix>``, locked with ``flock`` for its whole life (the kernel
+releases the lock when the owner dies), and :func:`cleanup_stale` (run by every new testbed,
+and by ``switchml testbed --cleanup``) removes the namespaces, and the processes in them, of
+claims nobody holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import secrets
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from switchml.protocol.errors import SwitchMLError
@@ -58,14 +61,16 @@ def _run(argv: Sequence[str], stdin: str | None = None) -> str:
     return res.stdout
 
 
-def _pid_alive(pid: int) -> bool:
+@contextlib.contextmanager
+def _claims_lock() -> Iterator[None]:
+    """Serialise cleanups and new claims (one lock file for the whole claims directory)."""
+    os.makedirs(CLAIMS_DIR, exist_ok=True)
+    fd = os.open(os.path.join(CLAIMS_DIR, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _namespaces() -> list[str]:
@@ -85,42 +90,50 @@ def _delete_namespace(ns: str) -> str | None:
     return None if res.returncode == 0 else f"{ns}: {res.stderr.strip()}"
 
 
+def _cleanup_stale_locked() -> list[str]:
+    removed: list[str] = []
+    live = _namespaces()
+    for prefix in sorted(c for c in os.listdir(CLAIMS_DIR) if not c.startswith(".")):
+        path = os.path.join(CLAIMS_DIR, prefix)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner holds the lock: alive
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            pattern = re.compile(rf"{re.escape(prefix)}(sw|ps|w\d+)")
+            mine, errors = [], []
+            for ns in live:
+                if pattern.fullmatch(ns):
+                    error = _delete_namespace(ns)
+                    (errors if error else mine).append(error or ns)
+            if errors:  # keep the claim: the next cleanup tries again
+                log.warning("stale testbed %s: %s", prefix, "; ".join(errors))
+            else:
+                os.unlink(path)
+            removed += mine
+            log.info("removed stale testbed %s (owner pid %s gone): %s", prefix, owner,
+                     ", ".join(mine) or "nothing left")
+        finally:
+            os.close(fd)
+    return removed
+
+
 def cleanup_stale() -> list[str]:
     """Remove the testbeds whose owner process is gone (killed before its teardown).
 
-    Only namespaces named by a claim in ``CLAIMS_DIR`` whose pid is dead are touched; returns
-    their names. Needs root.
+    A live testbed holds an exclusive ``flock`` on its claim ``CLAIMS_DIR/<prefix>`` for its
+    whole life (the kernel drops it when the owner dies, however it dies); only namespaces of
+    claims nobody holds are touched. Returns their names. Needs root.
     """
-    try:
-        claims = sorted(os.listdir(CLAIMS_DIR))
-    except FileNotFoundError:
+    if not os.path.isdir(CLAIMS_DIR):
         return []
-    removed: list[str] = []
-    live = _namespaces()
-    for prefix in claims:
-        path = os.path.join(CLAIMS_DIR, prefix)
-        try:
-            with open(path) as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pid = -1
-        if pid > 0 and _pid_alive(pid):
-            continue
-        pattern = re.compile(rf"{re.escape(prefix)}(sw|ps|w\d+)")
-        for ns in live:
-            if pattern.fullmatch(ns):
-                error = _delete_namespace(ns)
-                if error:
-                    log.warning("stale testbed %s: %s", prefix, error)
-                else:
-                    removed.append(ns)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        log.info("removed stale testbed %s (owner pid %d gone): %s", prefix, pid,
-                 ", ".join(removed) or "nothing left")
-    return removed
+    with _claims_lock():
+        return _cleanup_stale_locked()
 
 
 class Testbed:
@@ -140,6 +153,7 @@ class Testbed:
         if len(self.prefix) > 8 or not self.prefix.isalnum():
             raise TestbedError(f"prefix must be 1..8 letters/digits, got {self.prefix!r}")
         self.namespaces: list[str] = []
+        self._claim_fd: int | None = None
         self._procs: list[subprocess.Popen[Any]] = []
 
     # -- names -------------------------------------------------------------------------------
@@ -163,10 +177,18 @@ class Testbed:
 
     def __enter__(self) -> Testbed:
         check_environment()
-        cleanup_stale()
-        os.makedirs(CLAIMS_DIR, exist_ok=True)
-        with open(os.path.join(CLAIMS_DIR, self.prefix), "w") as f:
-            f.write(f"{os.getpid()}\n")
+        with _claims_lock():
+            _cleanup_stale_locked()
+            fd = os.open(os.path.join(CLAIMS_DIR, self.prefix), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise TestbedError(f"testbed prefix {self.prefix!r} is in use by a live "
+                                   "testbed") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._claim_fd = fd
         try:
             self._build()
         except BaseException:
@@ -235,13 +257,16 @@ class Testbed:
             if res.returncode != 0:
                 errors.append(f"{ns}: {res.stderr.strip()}")
         self.namespaces.clear()
-        if errors:
+        if errors:  # the claim stays (unlocked): the next cleanup tries again
             log.warning("testbed %s teardown: %s", self.prefix, "; ".join(errors))
-        else:
-            try:
-                os.unlink(os.path.join(CLAIMS_DIR, self.prefix))
-            except FileNotFoundError:
-                pass
+        fd, self._claim_fd = self._claim_fd, None
+        if fd is not None:
+            if not errors:
+                try:
+                    os.unlink(os.path.join(CLAIMS_DIR, self.prefix))
+                except FileNotFoundError:
+                    pass
+            os.close(fd)
 
     # -- running things inside ---------------------------------------------------------------
 

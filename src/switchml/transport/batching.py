@@ -20,6 +20,7 @@ against 4.7 M/s with GSO + GRO (``docs/benchmarks.md``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ MAX_GSO_BYTES = 65000  # payload bytes per GSO send (under the 65507-byte UDP li
 BATCH_MAX_DATAGRAM = MAX_GSO_BYTES // 2  # larger datagrams can't share a send: sent alone
 RECV_BUFFER_BYTES = 1 << 16  # a GRO buffer holds up to 64 KiB
 _ANC_SPACE = socket.CMSG_SPACE(4)
+_GSO_REFUSALS = {errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.EOPNOTSUPP}
 _SEG = struct.Struct("=H")
 _GRO_INT = struct.Struct("=i")
 
@@ -106,10 +108,14 @@ class BatchSender:
     ``refused`` (ICMP port unreachable reported on a connected socket).
     """
 
-    def __init__(self, sock: socket.socket, *, gso: bool, connected: bool = False) -> None:
+    def __init__(self, sock: socket.socket, *, gso: bool, connected: bool = False,
+                 raise_errors: bool = False) -> None:
         self.sock = sock
         self.gso = gso
         self.connected = connected
+        self.raise_errors = raise_errors
+        """Re-raise send errors other than a full buffer or ICMP port unreachable (a worker:
+        e.g. ENETUNREACH should fail at once, not by timeout); else count them."""
         self._queue: dict[Address | None, list[bytes]] = {}
         self.calls = 0
         self.datagrams = 0
@@ -143,8 +149,9 @@ class BatchSender:
                 # A shorter datagram may end a run (the kernel allows a short last segment).
                 if j < total and j < limit and len(datagrams[j]) < size:
                     j += 1
-                if j - i == 1:
-                    self._send_one(datagrams[i], addr)
+                if j - i == 1 or not self.gso:  # GSO may have been turned off meanwhile
+                    for d in datagrams[i:j]:
+                        self._send_one(d, addr)
                 else:
                     self._send_run(datagrams[i:j], size, addr)
                 i = j
@@ -162,6 +169,8 @@ class BatchSender:
         except ConnectionRefusedError:
             self.refused += 1
         except OSError:
+            if self.raise_errors:
+                raise
             self.errors += 1
 
     def _send_run(self, run: list[bytes], size: int, addr: Address | None) -> None:
@@ -178,6 +187,11 @@ class BatchSender:
         except ConnectionRefusedError:
             self.refused += 1
         except OSError as exc:
+            if exc.errno not in _GSO_REFUSALS:
+                if self.raise_errors:
+                    raise
+                self.errors += len(run)
+                return
             # The path refused segmentation (a device without it): send plainly from now on.
             log.warning("UDP GSO send failed (%s); sending one datagram per call from now on",
                         exc)

@@ -151,15 +151,19 @@ class SwitchServer:
                 continue
             now = clock()
             with lock:
-                try:
-                    # One datagram, or several of one sender coalesced by GRO.
-                    for off in range(0, nbytes, seg) if nbytes else (0,):
+                # One datagram, or several of one sender coalesced by GRO.
+                for off in range(0, nbytes, seg) if nbytes else (0,):
+                    try:
                         dp.receive_datagram(view[off:min(off + seg, nbytes)], addr, now)
-                        for data, dst in dp.datagrams_to_send(now):
-                            add(data, dst)
-                except Exception:  # a bug must not take the shared switch down
-                    self.internal_errors += 1
-                    log.exception("internal error on a datagram from %s; dropped", _fmt(addr))
+                        out = dp.datagrams_to_send(now)
+                    except Exception:  # a bug must not take the shared switch down
+                        self.internal_errors += 1
+                        log.exception("internal error on a datagram from %s; dropped",
+                                      _fmt(addr))
+                        dp.datagrams_to_send(now)  # nothing half-done goes out
+                        continue
+                    for data, dst in out:
+                        add(data, dst)
                 sender.flush()
                 while (ev := dp.next_event()) is not None:
                     self._log_event(ev)
@@ -368,7 +372,7 @@ class WorkerClient:
         self.sock.setblocking(False)
         self.gro = batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
-                                   connected=True)
+                                   connected=True, raise_errors=True)
         self.icmp_errors = 0
         self.send_blocked = 0
         self.truncated = 0
