@@ -431,6 +431,12 @@ def _run_demo(args: argparse.Namespace) -> int:
                       f"{100 * r.test_accuracy:.1f}%", via)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     console.print(f"loss curves: {cfg.out_dir}/loss.png, figures: {cfg.out_dir}/demo.json")
+    console.print("Same script, same loss: only the backend string differs. On one machine "
+                  "there is no network bandwidth to save, so the step times compare software "
+                  "paths (gloo's is C++, switchml's switch is Python). The speedup in-network "
+                  "aggregation exists for appears on bandwidth-bound links: see 'switchml bench "
+                  "allreduce --testbed' and 'switchml bench train' (root) and "
+                  "docs/benchmarks.md.")
     return 0
 
 
