@@ -10,8 +10,9 @@ Usage recipes::
 
 Definitions: a *job* is one group of n workers (ranks 0..n-1) that all-reduce together; the
 switch gives each job a *window* of W aggregation *slots* (each holding k int32 elements in two
-*sets*) out of its *pool*. Every flag may also come from the environment as ``SWITCHML_<FLAG>``
-(e.g. ``SWITCHML_PORT=9000``).
+*sets*) out of its *pool*. The switch's --host, --port, --pool-slots, --lease-timeout-s,
+--secret-file, --metrics-port and --log-level may also come from the environment as
+``SWITCHML_<FLAG>`` (e.g. ``SWITCHML_PORT=9000``), and stats' --url as ``SWITCHML_STATS_URL``.
 
 Failure modes: a port in use makes ``switch`` exit with status 2 and the reason; a benchmark
 worker that fails or hangs makes ``bench`` exit non-zero within its ``--timeout-s``.

@@ -35,7 +35,7 @@ class SwitchConfig:
     256 (32 MiB of slot memory at the largest chunk size)."""
     lease_timeout_s: float = 30.0
     """A job that sends nothing for this long loses its slots (its workers died without
-    leaving). Idle workers keep their lease with keep-alive JOINs (``WorkerConfig``)."""
+    leaving). Idle workers keep their lease with KEEPALIVE messages (``WorkerConfig``)."""
     secret: bytes | None = None
     """If set, creating a job needs a JOIN proven with this secret (HMAC-SHA256); joining an
     existing job needs only its token. Required when the switch listens beyond loopback."""
@@ -102,7 +102,7 @@ class WorkerConfig:
     join_timeout_s: float = 10.0
     """Joining fails if the switch does not answer within this time. Default 10 s."""
     keepalive_s: float = 5.0
-    """An idle worker re-sends JOIN this often, so the switch keeps the job's lease (keep it
+    """An idle worker sends KEEPALIVE this often, so the switch keeps the job's lease (keep it
     well below the switch's ``lease_timeout_s``, default 30 s). Default 5 s."""
     max_restarts: int = 3
     """How often one operation may be restarted after the switch lost the job (a switch restart

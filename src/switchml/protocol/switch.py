@@ -1,6 +1,6 @@
 """The switch dataplane: a pool of integer aggregation slots shared by many jobs (sans-I/O).
 
-Theory of operation (SwitchML, NSDI'21 section 4, and ``shared/REFERENCE.md`` section 1). Each slot
+Theory of operation (SwitchML, NSDI'21 section 4; docs/protocol.md section 3). Each slot
 ``s`` of a job has two sets ``v`` in {0, 1}. Per (s, v) the switch keeps ``seen`` (bitmap of
 ranks that contributed), ``missing`` (contributions still expected; 0 = complete), the int32
 accumulator with the block exponents and flags, and the round key ``(seq, chunk)`` of the
@@ -9,7 +9,7 @@ operation and chunk that currently own it.
 A REQUEST from rank w for (s, v) with key K:
 
 1. K older than the set's key: a stale packet from an earlier round or operation: dropped
-   (``stale``). The P4 original cannot tell rounds apart; a software switch can (REFERENCE 11.3).
+   (``stale``). The P4 original cannot tell rounds apart; a software switch can (docs/design.md).
 2. K newer: a new round. The first contributor *overwrites* the accumulator (no explicit reset),
    ``seen = {w}``, ``missing = n - 1``; the other set keeps its last result (the shadow copy).
 3. K equal and w already in ``seen``: a retransmission. If the set is complete, w lost the result:
@@ -314,7 +314,7 @@ class SwitchDataplane:
     def _handle_join(self, h: Header, data: bytes | bytearray | memoryview, addr: Address,
                      now: float) -> None:
         """JOIN creates the job on first use (same token and geometry for every rank after),
-        refreshes its lease (idle workers re-send it as keep-alive), and carries in ``seq`` the
+        refreshes its lease (as KEEPALIVE does for idle workers), and carries in ``seq`` the
         first operation of the worker's epoch (raised after a switch restart)."""
         try:
             asked, proof = unpack_join(unpack_payload(data, h))

@@ -78,7 +78,7 @@ SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.floa
 _CONTROL_RETRY_S = 0.2
 EPOCH_SEQ_STRIDE = 2**16
 """After the switch lost the job, the operation restarts as ``seq + EPOCH_SEQ_STRIDE``: every rank
-computes the same number, and the switch drops anything older (REFERENCE 11.3, issue 5)."""
+computes the same number, and the switch drops anything older (docs/protocol.md, epochs)."""
 # Plain ints on the hot path: IntFlag arithmetic costs about a microsecond per operation.
 _NONFINITE = int(Flags.NONFINITE)
 _HAS_DATA = int(Flags.HAS_DATA)
