@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from switchml import __version__
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIGNAL_POLL_S = 0.5
+
+
 def _run_switch(args: argparse.Namespace) -> int:
     import threading
 
@@ -284,8 +288,13 @@ def _run_switch(args: argparse.Namespace) -> int:
             stop.set()
         threading.Thread(target=_watch_stdin, daemon=True).start()
     interval = args.stats_interval_s if args.stats_interval_s > 0 else None
-    while not stop.wait(interval):
-        log.info("stats: %s", server.stats())
+    next_stats = time.monotonic() + interval if interval else None
+    # Wake up at least twice a second: a signal delivered to another thread only runs its
+    # Python handler when the main thread executes bytecode, which a bare wait() never does.
+    while not stop.wait(_SIGNAL_POLL_S):
+        if next_stats is not None and time.monotonic() >= next_stats:
+            log.info("stats: %s", server.stats())
+            next_stats += interval
     server.stop()
     return 0
 
@@ -316,7 +325,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
                   f"{topo.worker_ip(i)}, switch at {topo.switch_ip(i)})")
         print(f"  parameter server host: ip netns exec {bed.ps_ns} ...   ({topo.ps_ip})")
         print("Ctrl-C tears it down.", flush=True)
-        stop.wait()
+        while not stop.wait(_SIGNAL_POLL_S):  # see _run_switch: signals need the main thread
+            pass
     print("testbed removed")
     return 0
 
