@@ -84,3 +84,18 @@ def test_ranks_that_all_reduce_different_sizes_get_an_error_at_once():
         assert "the ranks disagree" in res["error"], res["error"]
         assert res["seconds"] < 5.0, res  # far below the 30 s process-group timeout
     assert "rank(s) [1]" in results[0]["error"] and "rank(s) [1]" in results[2]["error"]
+
+
+@pytest.mark.timeout(90)
+def test_a_then_callback_may_wait_for_another_collective():
+    """torch runs a future's then-callbacks on the thread that completes it; if that were the
+    worker's I/O thread, waiting there for another collective would deadlock for good."""
+    world = 2
+    with tp.Procs(deadline_s=60) as procs:
+        procs.start_ranks(tp.nested_wait_body, world)
+        results = procs.results(world)
+    for rank, res in results.items():
+        assert res["error"] is None, (rank, res)
+        assert res["seconds"] < 5.0, (rank, res)
+        assert res["y"] == [2.0] * 8, (rank, res)
+        assert res["threads"] and not res["threads"][0].startswith("switchml-worker"), res

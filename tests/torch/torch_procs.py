@@ -26,6 +26,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 import uuid
@@ -992,3 +993,27 @@ def mismatch_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, 
     except RuntimeError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - t0}
     return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def nested_wait_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """A then-callback that waits for another switchml collective (as PowerSGD-style hooks do):
+    it must not deadlock the worker's single I/O thread."""
+    import torch
+    import torch.distributed as dist
+
+    _init("switchml", timeout_s=5.0)
+    x, y = torch.ones(8), torch.ones(8)
+    threads: list[str] = []
+
+    def then(fut: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return dist.all_reduce(y, async_op=True).get_future().wait()
+
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x, async_op=True).get_future().then(then).wait()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - t0, "threads": threads,
+            "y": y.tolist()}

@@ -18,7 +18,7 @@ import udp_procs
 
 from switchml.control import encode_job_spec, new_job_spec
 from switchml.protocol.config import WorkerConfig
-from switchml.protocol.errors import LocalProtocolError, OperationFailed
+from switchml.protocol.errors import LocalProtocolError, OperationFailed, SwitchMLError
 from switchml.protocol.wire import HEADER_SIZE, Header, MessageType, pack_header
 from switchml.transport.udp import SwitchServer, WorkerClient
 
@@ -275,3 +275,42 @@ def test_switch_command_says_whether_it_batches_and_no_batching_turns_it_off():
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
+    """While a slow done-callback holds the I/O thread, other threads keep submitting (more
+    than the wake-up pipe holds); then the callback closes the client. Nobody blocks for good,
+    and every handle ends (completed or failed)."""
+    import threading
+    with SwitchServer(port=0) as srv:
+        c = WorkerClient(srv.address, new_job_spec(1, window=2, elements_per_packet=64), 0)
+        release, closed = threading.Event(), threading.Event()
+
+        def slow_then_close(_h):
+            release.wait(20)
+            c.close()  # needs the submit lock that a blocked writer would hold
+            closed.set()
+
+        first = c.allreduce_async(np.ones(4, np.float32))
+        first.add_done_callback(slow_then_close)
+        handles = []
+
+        def flood():
+            x = np.ones(1, np.float32)
+            for _ in range(70_000):  # more wake-ups than a 64 KiB pipe holds
+                try:
+                    handles.append(c.allreduce_async(x))
+                except LocalProtocolError:
+                    return  # closed
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "a submitting thread blocked on the wake-up pipe"
+        release.set()
+        assert closed.wait(20), "the callback could not close the client"
+        first.wait(timeout=5)
+        for h in handles:  # every handle ends: a result or an error, never a hang
+            try:
+                h.wait(timeout=20)
+            except SwitchMLError:
+                pass

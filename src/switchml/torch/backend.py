@@ -34,6 +34,7 @@ import datetime
 import logging
 import os
 import secrets
+import select
 import subprocess
 import sys
 import threading
@@ -63,6 +64,7 @@ _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
 _NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
 _SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
 _SWITCH_GRACE_S = 2.0
+_SWITCH_START_S = 30.0  # the embedded switch must say where it listens within this
 
 
 
@@ -113,6 +115,19 @@ def failable_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[A
         return value
 
     return completer, completer.then(unwrap)
+
+
+def complete_elsewhere(completer: torch.futures.Future[Any], value: Any) -> None:
+    """Complete ``completer`` on a short-lived thread of its own, not on the caller's.
+
+    Completions come from a worker's single I/O thread, and torch runs every chained ``then``
+    callback on the thread that completes the future. A callback that waits for another
+    switchml collective (PowerSGD-style hooks do) would block the only thread that can finish
+    it: a deadlock no timeout breaks. A thread per completed collective costs tens of
+    microseconds.
+    """
+    threading.Thread(target=completer.set_result, args=(value,), name="switchml-complete",
+                     daemon=True).start()
 
 
 class _Plan:
@@ -233,9 +248,10 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             if last:
                 if state["error"] is not None:
                     err = state["error"]
-                    completer.set_result(RuntimeError(f"switchml all_reduce failed: {err}"))
+                    complete_elsewhere(completer,
+                                       RuntimeError(f"switchml all_reduce failed: {err}"))
                 else:
-                    completer.set_result(tensors)
+                    complete_elsewhere(completer, tensors)
 
         try:
             for plan in plans:
@@ -405,10 +421,16 @@ class _Embedded:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "SWITCHML_SECRET": secret})
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        ready, _, _ = select.select([proc.stdout], [], [], _SWITCH_START_S)
+        line = proc.stdout.readline() if ready else ""
         if "listening on udp" not in line:
             proc.kill()
-            raise TransportError(f"the embedded switch did not start (said {line!r})")
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            said = f"said {line!r}" if ready else f"said nothing in {_SWITCH_START_S:g} s"
+            raise TransportError(f"the embedded switch did not start ({said})")
         self.proc, self.secret = proc, secret.encode()
         self.address = _parse_address(line.rsplit(" ", 1)[1])
         atexit.register(self.stop)
@@ -418,7 +440,11 @@ class _Embedded:
         with self.lock:
             if self.users:  # acquired again while the timer was firing
                 return
-        self.stop()
+            # Decide and detach in one critical section: an acquire() after this starts a
+            # new switch instead of getting the one being stopped.
+            proc, self.proc = self.proc, None
+            self.timer = None
+        self._terminate(proc)
 
     def stop(self) -> None:
         """Stop the switch (idempotent); it also exits by itself when this process does."""
@@ -426,6 +452,10 @@ class _Embedded:
             proc, self.proc = self.proc, None
             self.timer = None
             self.users = 0
+        self._terminate(proc)
+
+    @staticmethod
+    def _terminate(proc: subprocess.Popen[str] | None) -> None:
         if proc is None:
             return
         try:

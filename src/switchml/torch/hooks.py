@@ -143,7 +143,7 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     state.buckets += 1
     state.bytes_sent += work.numel() * state.bits // 8
     # 4. Aggregate on the communication thread; the future resolves there.
-    from switchml.torch.backend import failable_future
+    from switchml.torch.backend import complete_elsewhere, failable_future
     completer, future = failable_future()
     handle = state.client.allreduce_async(
         array, array, bits=state.bits,
@@ -151,12 +151,15 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
 
     def done(h: Any) -> None:
         error = h.exception()
+        if error is None and staged:
+            try:
+                buffer.copy_(work)
+            except Exception as exc:  # never leave DDP waiting on a future nobody completes
+                error = exc
         if error is not None:
-            completer.set_result(RuntimeError(f"switchml DDP hook failed: {error}"))
+            complete_elsewhere(completer, RuntimeError(f"switchml DDP hook failed: {error}"))
             return
-        if staged:
-            buffer.copy_(work)
-        completer.set_result(buffer)
+        complete_elsewhere(completer, buffer)
 
     handle.add_done_callback(done)
     return future

@@ -388,10 +388,17 @@ class WorkerClient:
         self._fatal: str | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # Non-blocking writes too: a full pipe already means a wake-up is pending, and a
+        # blocking write under the submit lock could deadlock with a busy I/O thread.
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name=f"switchml-worker-{rank}",
                                         daemon=True)
         self._thread.start()
-        self._joined.wait()
+        try:
+            self._joined.wait()
+        except BaseException:  # e.g. Ctrl-C while joining: leave no thread or socket behind
+            self.close()
+            raise
         if self._join_error is not None:
             self.close()
             raise OperationFailed(self._join_error)
@@ -435,7 +442,7 @@ class WorkerClient:
             if self._closed.is_set():
                 raise LocalProtocolError("client is closed")
             self._queue.put((src, dst, handle, bits, residual))
-            os.write(self._wake_w, b"x")
+            self._wake()
         return handle
 
     def close(self) -> None:
@@ -449,9 +456,16 @@ class WorkerClient:
                 return
             self._closed.set()
             self._queue.put(None)
-            os.write(self._wake_w, b"x")
+            self._wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+
+    def _wake(self) -> None:
+        """Wake the I/O thread (call with the submit lock held, so the pipe is open)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is pending anyway
 
     @property
     def counters(self) -> dict[str, int]:
