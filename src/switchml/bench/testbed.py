@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -71,22 +73,39 @@ def _nsproc(role: str, args: dict[str, Any]) -> list[str]:
 
 def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[dict[str, Any]]:
     """Wait for every process; the first failure (or the deadline) kills the rest and raises
-    with that process's stderr, so one dead worker never leaves the others hanging."""
+    with that process's stderr, so one dead worker never leaves the others hanging.
+
+    Each process's pipes are read while it runs (a thread per process), so a process that
+    writes more than a pipe holds never stalls.
+    """
+    outputs: dict[int, tuple[str, str]] = {}
+
+    def read(i: int, p: subprocess.Popen[str]) -> None:
+        outputs[i] = p.communicate()
+
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True)
+               for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.returncode not in (None, 0)]
         if failed or time.monotonic() > deadline:
             for q in procs:
                 q.kill()
+            for t in readers:
+                t.join(timeout=10)
             if failed:
-                _, stderr = failed[0].communicate()
+                _, stderr = outputs.get(procs.index(failed[0]), ("", ""))
                 raise TestbedError(f"a benchmark process failed ({failed[0].returncode}): "
                                    f"{stderr.strip()[-1500:]}")
             raise TestbedError(f"benchmark processes did not finish in {timeout_s:g} s")
         time.sleep(0.05)
+    for t in readers:
+        t.join(timeout=30)
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate()
+    for i, p in enumerate(procs):
+        stdout, stderr = outputs.get(i, ("", ""))
         if p.returncode != 0:
             raise TestbedError(f"a benchmark process failed ({p.returncode}): "
                                f"{stderr.strip()[-1500:]}")
@@ -128,8 +147,7 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         port = 31000 + secrets.randbelow(20000)
         server = tb.popen(tb.ps_ns, _nsproc("ps-server", {
             "numel": numel, "n": n, "port": port, "rounds": cfg.warmup + cfg.iters}), **pipe)
-        assert server.stdout is not None
-        if server.stdout.readline().strip() != "ready":
+        if _read_line(server, 60).strip() != "ready":
             raise TestbedError("the parameter server did not start")
         procs = [tb.popen(tb.worker_ns(r), _nsproc("ps", {
             **common, "rank": r, "server": topo.ps_ip, "port": port}), **pipe)
@@ -153,10 +171,23 @@ def _start_switch(tb: Testbed) -> subprocess.Popen[str]:
     """Start the software switch in the switch namespace; it stops when its stdin closes."""
     switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert switch.stdout is not None and switch.stdin is not None
-    if switch.stdout.readline().strip() != "ready":
+    if _read_line(switch, 60).strip() != "ready":
         raise TestbedError("the switch did not start in its namespace")
     return switch
+
+
+def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """One line of a child's stdout, or "" if none comes within ``timeout_s`` (never a hang;
+    the main thread also gets back to signal handlers)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""
 
 
 def _topology(workers: int, rate_bps: float, loss_rate: float, mtu: int) -> Topology:
@@ -177,9 +208,12 @@ def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
                     progress(f"{system}, n={cfg.workers}, {size} B, "
                              f"{cfg.rate_bps / 1e6:g} Mbit/s, loss {cfg.loss_rate:g}")
                 rows.append(_measure(tb, cfg, system, size, switch.pid))
-        assert switch.stdin is not None and switch.stdout is not None
+        assert switch.stdin is not None
         switch.stdin.close()
-        stats = json.loads(switch.stdout.readline())
+        line = _read_line(switch, 60)
+        if not line:
+            raise TestbedError("the switch did not report its counters when stopped")
+        stats = json.loads(line)
         for r in rows:
             r["testbed_losses"] = None
         if rows:
