@@ -99,3 +99,17 @@ def test_a_then_callback_may_wait_for_another_collective():
         assert res["seconds"] < 5.0, (rank, res)
         assert res["y"] == [2.0] * 8, (rank, res)
         assert res["threads"] and not res["threads"][0].startswith("switchml-worker"), res
+
+
+@pytest.mark.timeout(90)
+def test_init_with_no_switch_at_the_address_fails_clearly_and_leaves_nothing_running():
+    port = tp.free_port()  # nothing listens there (UDP)
+    where = f"127.0.0.1:{port}"
+    with tp.Procs(deadline_s=60) as procs:
+        procs.start_ranks(tp.bad_switch_body, 2, env={"SWITCHML_SWITCH": where})
+        results = procs.results(2)
+    for rank, res in results.items():
+        assert res["error"] is not None, f"rank {rank} initialised without a switch"
+        assert where in res["error"] and "JOIN" in res["error"], res["error"]
+        assert res["seconds"] < 3.0 + 10, res
+        assert not [t for t in res["threads"] if t.startswith("switchml-")], res["threads"]

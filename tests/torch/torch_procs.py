@@ -1017,3 +1017,15 @@ def nested_wait_body(rank: int, world: int, q: Any) -> dict[str, Any]:
         error = str(exc)
     return {"error": error, "seconds": time.monotonic() - t0, "threads": threads,
             "y": y.tolist()}
+
+
+def bad_switch_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """init_process_group with SWITCHML_SWITCH naming a port where nothing listens."""
+    t0 = time.monotonic()
+    try:
+        _init("switchml", timeout_s=3.0)
+    except Exception as exc:  # noqa: BLE001 - reported
+        time.sleep(0.5)  # let a leaked I/O thread show itself
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0,
+                "threads": [t.name for t in threading.enumerate()]}
+    return {"error": None, "seconds": time.monotonic() - t0, "threads": []}

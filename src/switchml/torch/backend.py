@@ -525,21 +525,28 @@ def _create(store: dist.Store, rank: int, size: int,
     if not dist.is_initialized():
         _incarnation += 1  # a (re)created world: never read keys of an earlier one
     switch, secret, acquired = _resolve_switch(store, rank)
-    key = f"switchml/{_incarnation}/job"
-    if rank == 0:
-        window = int(os.environ.get("SWITCHML_WINDOW", "16"))
-        k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
-        spec = new_job_spec(size, window=window, elements_per_packet=k)
-        store.set(key, encode_job_spec(spec))
-    else:
-        spec = decode_job_spec(store.get(key).decode())
-    gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
-    seconds = max(timeout.total_seconds(), 2.0)
-    config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
-                          join_timeout_s=seconds, secret=secret)
+    gloo: Any = None
     try:
+        key = f"switchml/{_incarnation}/job"
+        if rank == 0:
+            window = int(os.environ.get("SWITCHML_WINDOW", "16"))
+            k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
+            spec = new_job_spec(size, window=window, elements_per_packet=k)
+            store.set(key, encode_job_spec(spec))
+        else:
+            spec = decode_job_spec(store.get(key).decode())
+        gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        seconds = max(timeout.total_seconds(), 2.0)
+        config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
+                              join_timeout_s=seconds, secret=secret)
         client = WorkerClient(switch, spec, rank, config)
     except BaseException:
+        # Nothing set up for a group that failed to form may outlive it.
+        if gloo is not None:
+            try:
+                gloo.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                pass
         if acquired:
             _EMBEDDED.release()
         raise
