@@ -194,3 +194,5 @@ def test_receive_segments_single_datagram_and_empty():
         assert (bytes(view[:n]), seg, addr[1], trunc) == (b"hello", 5, tx.getsockname()[1], False)
         n, seg, _, trunc = receive_segments(rx, buf, view)
         assert (n, seg, trunc) == (0, 0, False)
+        assert list(batching.segments(n, seg)) == [(0, 0)]  # still handed on, counted as short
+    assert list(batching.segments(10, 4)) == [(0, 4), (4, 8), (8, 10)]  # a short last one

@@ -27,7 +27,7 @@ import socket
 import struct
 from collections.abc import Iterator
 
-__all__ = ["BatchSender", "enable_gro", "gso_supported", "receive_segments",
+__all__ = ["BatchSender", "enable_gro", "gso_supported", "receive_segments", "segments",
            "RECV_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,9 @@ def receive_segments(sock: socket.socket, buf: bytearray, view: memoryview
                      ) -> tuple[int, int, Address | None, bool]:
     """One ``recvmsg_into``: returns (bytes, segment size, sender, truncated).
 
-    The datagrams are ``view[off:off + seg]`` for ``off`` in ``range(0, nbytes, seg)`` (the last
-    may be shorter); without GRO, ``seg == nbytes``. ``truncated``: the kernel cut the buffer
-    (it did not fit ``buf``): drop it. Raises what ``recvmsg_into`` raises.
+    The datagrams are ``view[start:end]`` for each ``(start, end)`` of :func:`segments` (the
+    last may be shorter); without GRO, ``seg == nbytes``. ``truncated``: the kernel cut the
+    buffer (it did not fit ``buf``): drop it. Raises what ``recvmsg_into`` raises.
     """
     nbytes, ancdata, flags, addr = sock.recvmsg_into([buf], _ANC_SPACE)
     seg = nbytes
@@ -90,7 +90,11 @@ def receive_segments(sock: socket.socket, buf: bytearray, view: memoryview
 
 
 def segments(nbytes: int, seg: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each datagram in a received buffer."""
+    """(start, end) of each datagram in a received buffer; an empty datagram is one (0, 0)
+    (it still reaches the endpoint, which counts it as malformed)."""
+    if not nbytes:
+        yield 0, 0
+        return
     for off in range(0, nbytes, seg):
         yield off, min(off + seg, nbytes)
 

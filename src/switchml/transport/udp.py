@@ -57,6 +57,7 @@ from switchml.transport.batching import (
     enable_gro,
     gso_supported,
     receive_segments,
+    segments,
 )
 
 __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient"]
@@ -152,9 +153,9 @@ class SwitchServer:
             now = clock()
             with lock:
                 # One datagram, or several of one sender coalesced by GRO.
-                for off in range(0, nbytes, seg) if nbytes else (0,):
+                for start, end in segments(nbytes, seg):
                     try:
-                        dp.receive_datagram(view[off:min(off + seg, nbytes)], addr, now)
+                        dp.receive_datagram(view[start:end], addr, now)
                         out = dp.datagrams_to_send(now)
                     except Exception:  # a bug must not take the shared switch down
                         self.internal_errors += 1
@@ -572,11 +573,11 @@ class WorkerClient:
                 now = clock()
                 # One datagram, or several coalesced by GRO: take them all, then send what
                 # they released in as few system calls as possible.
-                for off in range(0, nbytes, seg) if nbytes else (0,):
+                for start, end in segments(nbytes, seg):
                     if self._loss_rate and self._loss_rng.random() < self._loss_rate:
                         self.injected_losses += 1
                         continue
-                    ep.receive_datagram(view[off:min(off + seg, nbytes)], self.switch, now)
+                    ep.receive_datagram(view[start:end], self.switch, now)
                 got = True
                 self._transmit(clock())
             if got:
