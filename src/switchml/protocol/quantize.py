@@ -1,4 +1,4 @@
-"""Fixed-point conversion with block exponents agreed through the switch (pure numpy).
+"""Fixed-point conversion with block exponents agreed through the switch.
 
 Theory of operation. The switch adds int32. For each block (one packet's elements) every worker
 computes ``e`` with ``max|x| < 2**e`` over its own finite elements (:func:`block_exponent`); the
@@ -27,12 +27,12 @@ import math
 
 import numpy as np
 
+from switchml.protocol import kernels
 from switchml.protocol.wire import EXP_ZERO
 
 __all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "residual_into",
            "scale_bits"]
 
-_F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 
 
@@ -44,21 +44,24 @@ def scale_bits(num_workers: int, bits: int = 32) -> int:
     return bits - 1 - num_workers.bit_length()
 
 
+def _kernel_input(x: np.ndarray) -> np.ndarray:
+    """A contiguous float32/float64 copy or view the kernels take (float16 widens exactly)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    return x.astype(np.float32) if x.dtype == _F16 else x
+
+
 def block_exponent(x: np.ndarray) -> tuple[int, bool]:
     """Return ``(e, nonfinite)``: ``max|x| < 2**e`` over finite elements, and whether any is not.
 
-    An all-zero (or empty, or all non-finite) block gives ``EXP_ZERO``.
+    An all-zero (or empty, or all non-finite) block gives ``EXP_ZERO``. (The worker computes
+    every block's exponent of an operation in one pass with ``kernels.block_exponents``.)
     """
     if x.size == 0:
         return EXP_ZERO, False
-    m = float(np.max(np.abs(x)))
-    nonfinite = not math.isfinite(m)
-    if nonfinite:
-        finite = x[np.isfinite(x)]
-        m = float(np.max(np.abs(finite))) if finite.size else 0.0
-    if m == 0.0:
-        return EXP_ZERO, nonfinite
-    return math.frexp(m)[1], nonfinite
+    exps = np.empty(1, np.int64)
+    nonfinite = np.empty(1, np.uint8)
+    kernels.block_exponents(_kernel_input(x), x.size, exps, nonfinite)
+    return int(exps[0]), bool(nonfinite[0])
 
 
 def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = False,
@@ -72,63 +75,31 @@ def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = Fa
         nonfinite: the block holds NaN/Inf; those elements are sent as 0.
         bits: 32 or 16, the integer width on the wire.
     """
-    wire = "<i4" if bits == 32 else "<i2"
-    if emax == EXP_ZERO:
-        return np.zeros(x.size, dtype=wire)
-    shift = scale_bits(num_workers, bits) - emax
-    if x.dtype in (_F32, _F16) and -126 <= shift <= 127:
-        # 2**shift is a normal float32 and the product is below 2**P: exact in float32.
-        y = np.multiply(x, np.float32(2.0**shift), dtype=np.float32)
-    elif -1000 < shift < 1000:
-        y = x.astype(np.float64)
-        y *= 2.0**shift
-    else:
-        y = np.ldexp(x.astype(np.float64), shift)
-    if nonfinite:
-        y[~np.isfinite(y)] = 0.0
-    np.rint(y, out=y)
-    return y.astype(wire)
+    out = np.empty(x.size, dtype="<i4" if bits == 32 else "<i2")
+    kernels.quantize_block(_kernel_input(x), emax, scale_bits(num_workers, bits), nonfinite, out)
+    return out
 
 
 def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
                     *, nonfinite: bool = False, bits: int = 32) -> None:
     """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
 
-    The integer sum is rounded once, to ``out``'s dtype.
-    """
-    if nonfinite:
-        out[...] = np.nan
-        return
-    if emax == EXP_ZERO:
-        out[...] = 0
-        return
-    shift = emax - scale_bits(num_workers, bits)
-    if emax + num_workers.bit_length() >= np.finfo(out.dtype).maxexp:
-        # |sum| < n * 2**emax may reach past the dtype's largest finite value
-        _dequantize_at_the_edge(out, q, emax, num_workers, bits)
-    elif out.dtype == _F32 and -126 <= shift <= 127:
-        np.multiply(q, np.float32(2.0**shift), out=out, dtype=np.float32, casting="unsafe")
-    elif -1000 < shift < 1000:
-        out[...] = q * 2.0**shift  # exact in float64 (|q| < 2**31), one rounding into out
-    else:
-        out[...] = np.ldexp(q.astype(np.float64), shift)
-
-
-def _dequantize_at_the_edge(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
-                            bits: int) -> None:
-    """Dequantize a block whose sum may exceed the output dtype's range.
-
-    A sum within the quantization error of the dtype's largest finite value may come out past
-    it (an element at ``finfo.max`` rounds up to ``2**P`` quanta = ``2**emax``). Such results are
-    clamped to +-max; sums further out are genuine overflows and stay inf.
+    The integer sum is rounded once, to ``out``'s dtype. A sum within the quantization error of
+    the dtype's largest finite value may come out past it (an element at ``finfo.max`` rounds up
+    to ``2**P`` quanta = ``2**emax``): such results are clamped to +-max; sums further out are
+    genuine overflows and stay inf.
     """
     info = np.finfo(out.dtype)
-    shift = emax - scale_bits(num_workers, bits)
-    with np.errstate(over="ignore"):
-        out[...] = np.ldexp(q.astype(np.float64), shift)
-    max_in_quanta = math.ldexp(float(info.max), -shift)
-    near = np.abs(q) <= max_in_quanta + 0.5 * num_workers
-    np.clip(out, -info.max, info.max, out=out, where=near)
+    edge = emax + num_workers.bit_length() >= info.maxexp
+    flat = out.reshape(-1)
+    direct = out.dtype != _F16 and flat.flags.c_contiguous and np.shares_memory(flat, out)
+    target = flat if direct else np.empty(out.size, np.float64)  # float64: one rounding
+    kernels.dequantize_block(np.ascontiguousarray(q).reshape(-1), emax,
+                             scale_bits(num_workers, bits), nonfinite, target, num_workers, edge,
+                             float(info.max))
+    if not direct:
+        with np.errstate(over="ignore"):
+            out[...] = target.reshape(out.shape)
 
 
 def error_bound(emax: int, num_workers: int, bits: int = 32) -> float:
@@ -145,12 +116,7 @@ def residual_into(out: np.ndarray, x: np.ndarray, q: np.ndarray, emax: int, num_
     Error feedback adds it to the next step's input, so rounding errors are not lost but
     delayed (used by the 16-bit DDP hook). Non-finite inputs leave a residual of 0.
     """
-    if emax == EXP_ZERO:  # nothing was sent; keep what is finite for the next step
-        out[...] = np.where(np.isfinite(x), x, 0)
-        return
-    back = np.empty(x.size, dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        back[...] = np.ldexp(q.astype(np.float64), emax - scale_bits(num_workers, bits))
-        r = x.astype(np.float64) - back
-    r[~np.isfinite(r)] = 0.0
-    out[...] = r
+    r = np.empty(x.size, np.float64)
+    kernels.residual_block(_kernel_input(x), np.ascontiguousarray(q).reshape(-1), emax,
+                           scale_bits(num_workers, bits), r)
+    out[...] = r.reshape(out.shape)

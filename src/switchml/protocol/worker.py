@@ -29,7 +29,6 @@ trusted, so a new job must be joined.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, deque
 from enum import Enum
 
@@ -46,7 +45,8 @@ from switchml.protocol.events import (
     OperationFailed,
     OperationRestarted,
 )
-from switchml.protocol.quantize import block_exponent, dequantize_into, quantize, residual_into
+from switchml.protocol import kernels as K
+from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -89,6 +89,15 @@ _INT32 = int(ElementType.INT32)
 _INT16 = int(ElementType.INT16)
 _WIRE = {32: (_INT32, 4, "<i4"), 16: (_INT16, 2, "<i2")}  # bits -> (elem, itemsize, dtype)
 _LEAVE_TIMEOUT_S = 1.0
+_F16 = np.dtype(np.float16)
+_NO_RESIDUAL = np.empty(0, np.float64)
+# Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
+_KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
+                    ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
+                    ("retransmissions", K.WC.RETRANSMISSIONS),
+                    ("spurious_fast_retransmissions", K.WC.SPURIOUS))
+_KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
+                 ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 
 
 class WorkerState(Enum):
@@ -104,16 +113,22 @@ class WorkerState(Enum):
 
 
 class _Op:
-    """State of the operation in flight. Lane lists are indexed by lane ``i < E``."""
+    """State of the operation in flight, as arrays the kernels work on (``kernels.O``, ``LN``).
 
-    __slots__ = ("seq", "x", "out", "is_float", "L", "E", "T", "k", "lane_chunk", "lane_set",
-                 "lane_sent_at", "lane_tries", "lane_deadline", "lane_emax", "nonfinite",
-                 "lane_xmit_at", "lane_xmits", "xmit_order", "lane_fast", "spurious",
-                 "done", "last_progress", "last_heard", "waiting_missing", "waiting_chunk",
-                 "bits", "elem", "itemsize", "wire_dtype", "residual", "restarts", "digest")
+    Float16 data is staged in float32 (exact both ways); the result is copied back on
+    completion. Requests are built into ``txbuf`` (one preallocated datagram per lane) and sent
+    from views of it, with no copy per datagram.
+    """
 
-    def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, k: int, window: int,
-                 now: float, bits: int = 32, residual: np.ndarray | None = None) -> None:
+    __slots__ = ("seq", "x", "out", "is_float", "bits", "elem", "itemsize", "wire_dtype",
+                 "residual", "restarts", "digest", "k", "L", "E", "T", "opv", "lane", "lanef",
+                 "exps", "nonf", "xk", "outk", "res", "txbuf", "views", "sendq", "sendlen",
+                 "xmit_order", "spurious", "waiting_missing", "waiting_chunk", "stage_out",
+                 "stage_res", "fmax")
+
+    def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
+                 slot_base: int, bits: int = 32, residual: np.ndarray | None = None,
+                 rack: bool = False) -> None:
         self.seq = seq
         self.x = x
         self.out = out
@@ -123,30 +138,62 @@ class _Op:
         self.residual = residual
         self.restarts = 0
         self.digest = operation_digest(x.size, self.is_float, bits)
-        self.k = k * 4 // self.itemsize  # a slot holds 4k bytes: 2k elements at 16 bits
+        self.k = spec.elements_per_packet * 4 // self.itemsize  # 16 bits: 2k per slot
         self.L = -(-x.size // self.k)
-        self.E = min(window, self.L)
+        self.E = min(spec.window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
-        e = self.E
-        self.lane_chunk = [-1] * e
-        self.lane_set = [0] * e
-        self.lane_sent_at = [0.0] * e  # first transmission (RTT samples, Karn's rule)
-        self.lane_xmit_at = [0.0] * e  # latest transmission
-        self.lane_xmits = [0] * e  # transmissions of the lane's current chunk
+        # Staging: the kernels take float32, float64 and int32.
+        self.xk = x.astype(np.float32) if x.dtype == _F16 else x
+        self.stage_out = out.dtype == _F16
+        self.outk = np.empty(x.size, np.float64) if self.stage_out else out  # one rounding
+        self.stage_res = residual is not None and residual.dtype != np.float64
+        if residual is None:
+            self.res = _NO_RESIDUAL
+        else:
+            self.res = np.empty(x.size, np.float64) if self.stage_res else residual
+        n = spec.num_workers
+        info = np.finfo(out.dtype) if self.is_float else None
+        self.fmax = float(info.max) if info is not None else 0.0
+        opv = np.zeros(K.O_FIELDS, np.int64)
+        opv[K.O.SEQ] = seq
+        opv[K.O.L], opv[K.O.E], opv[K.O.T], opv[K.O.K] = self.L, self.E, self.T, self.k
+        opv[K.O.JOB] = spec.job_id
+        opv[K.O.TOKEN] = np.uint64(spec.token).view(np.int64)
+        opv[K.O.RANK] = rank
+        opv[K.O.SLOT_BASE] = slot_base
+        opv[K.O.ELEM], opv[K.O.ITEMSIZE], opv[K.O.DIGEST] = self.elem, self.itemsize, self.digest
+        opv[K.O.P] = scale_bits(n, bits)
+        opv[K.O.N] = n
+        opv[K.O.IS_FLOAT] = self.is_float
+        opv[K.O.EDGE_EXP] = (info.maxexp - n.bit_length()) if info is not None else 0
+        opv[K.O.RACK] = rack
+        self.opv = opv
+        self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
+        self.lane[K.LN.CHUNK] = -1
+        self.lane[K.LN.EMAX] = EXP_ZERO
+        self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
+        self.exps = np.empty(self.L if self.is_float else 0, np.int64)
+        self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
+        if self.is_float:  # every block's exponent in one pass
+            K.block_exponents(self.xk, self.k, self.exps, self.nonf)
+        self.txbuf = np.empty((self.E, HEADER_SIZE + self.k * self.itemsize), np.uint8)
+        self.views = [memoryview(self.txbuf[i]) for i in range(self.E)]
+        # A batch of results releases at most one packet per lane.
+        self.sendq = np.empty(self.E, np.int64)
+        self.sendlen = np.empty(self.E, np.int64)
         # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection
         # (only kept with fast_retransmit on); entries whose lane has moved on are skipped.
         self.xmit_order: deque[tuple[float, int, int, int]] = deque()
-        self.lane_fast = [False] * e  # the lane's chunk was re-sent by RACK
-        self.spurious = 0  # RACK re-sends the switch answered with WAITING (not lost after all)
-        self.lane_tries = [0] * e
-        self.lane_deadline = [0.0] * e
-        self.lane_emax = [EXP_ZERO] * e
-        self.nonfinite: set[int] = set()
-        self.done = 0
-        self.last_progress = now
-        self.last_heard = now
+        self.spurious = 0  # the spurious RACK re-send count when the operation started
         self.waiting_missing = 0
         self.waiting_chunk = -1
+
+    def finish(self) -> None:
+        """Copy staged results into the caller's arrays."""
+        if self.stage_out:
+            self.out[...] = self.outk
+        if self.stage_res:
+            self.residual[...] = self.res
 
 
 class WorkerEndpoint:
@@ -177,32 +224,29 @@ class WorkerEndpoint:
         self.state = WorkerState.NEW
         self.error: str | None = None
         self.slot_base = 0
-        self._next_set = [0] * spec.window
         self._seq = 0
         self._epoch_seq = 0  # first operation of the current epoch; sent in JOIN/KEEPALIVE
         self._keepalive_at = 0.0
         self._op: _Op | None = None
-        self._heap: list[tuple[float, int, int]] = []
         self._out: list[tuple[bytes, Address]] = []
         self._events: deque[Event] = deque()
         self._control_retry_at = 0.0
         self._control_deadline = 0.0
         self._control_backoff = _CONTROL_RETRY_S
-        self._srtt: float | None = None
-        self._min_rtt: float | None = None
         self._fast_retransmit = self.config.fast_retransmit
-        self._reo_scale = 1  # the reorder window, in units of the base window
-        self._rttvar = 0.0
-        self._rto = self.config.initial_rto_s
-        self.drops: Counter[str] = Counter()
-        """Dropped datagrams by reason."""
-        self.counters: Counter[str] = Counter()
-        """``packets_sent``, ``payload_bytes_sent``, ``retransmissions``, ``results_received``,
-        ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
-        ``spurious_fast_retransmissions``,
-        ``operations_completed``,
-        ``operations_failed``."""
+        # Round-trip estimate and operation times, shared with the kernels (kernels.R).
+        self._rtt = np.zeros(K.R_FIELDS, np.float64)
+        self._rtt[K.R.SRTT] = self._rtt[K.R.MIN_RTT] = -1.0
+        self._rtt[K.R.RTO] = self.config.initial_rto_s
+        self._rtt[K.R.MIN_RTO] = self.config.min_rto_s
+        self._rtt[K.R.MAX_RTO] = self.config.max_rto_s
+        self._rtt[K.R.REO_SCALE] = 1.0
+        self._next_set_arr = np.zeros(spec.window, np.int64)
+        self._cnt = np.zeros(K.WC.N, np.int64)
+        self._drops: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
         self._handlers = {
+            MessageType.RESULT: self._handle_stray_result,
             MessageType.WAITING: self._handle_waiting,
             MessageType.MISMATCH: self._handle_mismatch,
             MessageType.JOINED: self._handle_joined,
@@ -267,15 +311,23 @@ class WorkerEndpoint:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         if x.size == 0:
             self._events.append(OperationCompleted(seq))
-            self.counters["operations_completed"] += 1
+            self._counters["operations_completed"] += 1
             return seq
-        op = _Op(seq, x, o, self.spec.elements_per_packet, self.spec.window, now, bits, residual)
-        self._op = op
-        self._heap = []
-        self.state = WorkerState.BUSY
-        for p in range(op.E):
-            self._send_chunk(op, p, now, retransmit=False)
+        self._begin(_Op(seq, x, o, self.spec, self.rank, self.slot_base, bits, residual,
+                        self._fast_retransmit), now)
         return seq
+
+    def _begin(self, op: _Op, now: float) -> None:
+        """Make ``op`` the operation in flight and send its first window."""
+        self._op = op
+        op.spurious = int(self._cnt[K.WC.SPURIOUS])
+        self._rtt[K.R.FMAX] = op.fmax
+        self.state = WorkerState.BUSY
+        self._rtt[K.R.LAST_PROGRESS] = self._rtt[K.R.LAST_HEARD] = now
+        K.send_first(op.E, now, op.opv, op.lane, op.lanef, self._rtt, self._next_set_arr,
+                     op.exps, op.nonf, op.xk, op.res, op.txbuf, self._cnt, op.sendlen)
+        for i in range(op.E):
+            self._queue_lane(op, i, int(op.sendlen[i]), now)
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -298,28 +350,63 @@ class WorkerEndpoint:
     def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
                          now: float) -> None:
         """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards."""
-        # NOTE: RESULT fast path, inlined for speed: one struct unpack, no Header object.
-        if len(data) >= HEADER_SIZE:
-            f = HEADER.unpack_from(data)
-            if (f[2] == _RESULT and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~KNOWN_FLAGS and (f[12] == _INT32 or f[12] == _INT16)
-                    and len(data) == HEADER_SIZE + (4 if f[12] == _INT32 else 2) * f[11]):
-                if f[6] != self.spec.job_id or f[7] != self.spec.token:
-                    self.drops["foreign"] += 1
-                    return
-                self._handle_result(f, data, now)
-                return
+        if self._op is None or not len(data):
+            self._receive_other(data, now)
+            return
+        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        if not buf.flags.writeable:
+            buf = buf.copy()
+        self.receive_batch(buf, len(buf), len(buf), addr, now)
+
+    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
+                      now: float) -> None:
+        """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` (uint8; one GRO
+        buffer from the switch, or one datagram with ``seg = nbytes``). Results of the
+        operation in flight go through the compiled kernel, many per call; anything else
+        datagram by datagram, in order.
+        """
+        if nbytes <= 0 or seg <= 0:
+            self._receive_other(b"", now)
+            return
+        nseg = -(-nbytes // seg)
+        view = None
+        i = 0
+        while i < nseg:
+            op = self._op
+            if op is None or self.state is not WorkerState.BUSY:
+                nxt, code = i, K.WS.OTHER
+            else:
+                limit = 1 if self._fast_retransmit else nseg
+                nxt, nsend, code = K.worker_results(
+                    buf, nbytes, seg, i, limit, now, op.opv, op.lane, op.lanef, self._rtt,
+                    self._next_set_arr, op.exps, op.nonf, op.xk, op.outk, op.res, op.txbuf,
+                    self._cnt, op.sendq, op.sendlen)
+                for j in range(nsend):
+                    self._queue_lane(op, int(op.sendq[j]), int(op.sendlen[j]), now)
+                if code == K.WS.OP_COMPLETE:
+                    self._complete(op, now)
+                elif code == K.WS.ONE:
+                    self._detect_losses(op, float(self._rtt[K.R.DELIVERED_XMIT]), now)
+            if code == K.WS.OTHER and nxt < nseg:
+                if view is None:
+                    view = memoryview(buf)
+                self._receive_other(view[nxt * seg:min((nxt + 1) * seg, nbytes)], now)
+                nxt += 1
+            i = nxt
+
+    def _receive_other(self, data: bytes | bytearray | memoryview, now: float) -> None:
+        """Any datagram but a result of the operation in flight (control, errors, strays)."""
         try:
             h = unpack_header(data)
         except WireError as exc:
-            self.drops[exc.reason] += 1
+            self._drops[exc.reason] += 1
             return
         if h.job != self.spec.job_id or h.token != self.spec.token:
-            self.drops["foreign"] += 1
+            self._drops["foreign"] += 1
             return
         handler = self._handlers.get(h.type)
         if handler is None:
-            self.drops["unexpected_type"] += 1
+            self._drops["unexpected_type"] += 1
             return
         handler(h, data, now)
 
@@ -355,14 +442,8 @@ class WorkerEndpoint:
         if st is WorkerState.BUSY:
             op = self._op
             assert op is not None
-            heap = self._heap
-            while heap:
-                deadline, i, p = heap[0]
-                if op.lane_chunk[i] == p and op.lane_deadline[i] == deadline:
-                    break
-                heapq.heappop(heap)
-            fail_at = op.last_progress + self.config.op_timeout_s
-            return min(heap[0][0], fail_at) if heap else fail_at
+            fail_at = float(self._rtt[K.R.LAST_PROGRESS]) + self.config.op_timeout_s
+            return min(float(K.next_deadline(op.lane, op.lanef)), fail_at)
         if st in (WorkerState.JOINING, WorkerState.REJOINING, WorkerState.CLOSING):
             return min(self._control_retry_at, self._control_deadline)
         if st is WorkerState.READY:
@@ -381,7 +462,28 @@ class WorkerEndpoint:
     @property
     def rto_s(self) -> float:
         """The current retransmission timeout before backoff."""
-        return self._rto
+        return float(self._rtt[K.R.RTO])
+
+    @property
+    def counters(self) -> Counter[str]:
+        """A snapshot: ``packets_sent``, ``payload_bytes_sent``, ``retransmissions``,
+        ``results_received``, ``waiting_received``, ``mismatch_received``,
+        ``fast_retransmissions``, ``spurious_fast_retransmissions``, ``operations_completed``,
+        ``operations_restarted``, ``operations_failed``."""
+        c = Counter(self._counters)
+        for name, i in _KERNEL_COUNTERS:
+            if self._cnt[i]:
+                c[name] += int(self._cnt[i])
+        return c
+
+    @property
+    def drops(self) -> Counter[str]:
+        """A snapshot of the datagrams dropped, by reason."""
+        c = Counter(self._drops)
+        for name, i in _KERNEL_DROPS:
+            if self._cnt[i]:
+                c[name] += int(self._cnt[i])
+        return c
 
     # -- Sending -----------------------------------------------------------------------------
 
@@ -417,156 +519,54 @@ class WorkerEndpoint:
 
     def _send_chunk(self, op: _Op, p: int, now: float, *, retransmit: bool,
                     fast: bool = False) -> None:
-        """Build packet ``p`` from the input (also for a retransmission) and queue it.
+        """(Re-)send packet ``p``, rebuilt from the input (``kernels.send_chunk``).
 
-        ``fast``: a RACK re-send: it does not back the lane's timeout off (``lane_tries``
-        counts timeouts only) but, as any re-send, ends the lane's RTT samples (Karn).
-        """
-        i = p % op.E
-        if retransmit:
-            set_bit = op.lane_set[i]
-            if fast:
-                op.lane_fast[i] = True
-            else:
-                op.lane_tries[i] += 1
-            op.lane_xmits[i] += 1
-            self.counters["retransmissions"] += 1
-        else:
-            set_bit = self._next_set[i]
-            self._next_set[i] = set_bit ^ 1
-            op.lane_set[i] = set_bit
-            op.lane_chunk[i] = p
-            op.lane_tries[i] = 0
-            op.lane_xmits[i] = 0
-            op.lane_sent_at[i] = now
-            op.lane_fast[i] = False
-        k = op.k
-        flags = 0
-        exp_data = exp_next = EXP_ZERO
-        payload: np.ndarray | bytes = b""
-        if op.is_float:
-            if p < op.L:
-                exp_next, nonfinite = block_exponent(op.x[p * k:(p + 1) * k])
-                if nonfinite:
-                    op.nonfinite.add(p)
-                flags |= _HAS_EXP
-            if p >= op.E:
-                b = p - op.E
-                exp_data = op.lane_emax[i]
-                nonfinite = b in op.nonfinite
-                xb = op.x[b * k:(b + 1) * k]
-                payload = quantize(xb, exp_data, self.spec.num_workers, nonfinite=nonfinite,
-                                   bits=op.bits)
-                if op.residual is not None and not retransmit:
-                    residual_into(op.residual[b * k:(b + 1) * k], xb, payload, exp_data,
-                                  self.spec.num_workers, bits=op.bits)
-                flags |= _HAS_DATA | (_NONFINITE if nonfinite else 0)
-        else:
-            payload = op.x[p * k:(p + 1) * k]
-            flags |= _HAS_DATA
-        count = len(payload) // 4 if isinstance(payload, bytes) else payload.size
-        hdr = HEADER.pack(MAGIC, VERSION, _REQUEST, flags, set_bit, self.rank,
-                          self.spec.job_id, self.spec.token, op.seq, p, self.slot_base + i, count,
-                          op.elem, op.digest, exp_data, exp_next)
-        self._out.append((b"".join((hdr, payload)), self.switch_address))
-        self.counters["packets_sent"] += 1
-        self.counters["payload_bytes_sent"] += count * op.itemsize
-        rto = min(self._rto * (2 ** op.lane_tries[i]), self.config.max_rto_s)
-        deadline = now + rto
-        op.lane_deadline[i] = deadline
-        heapq.heappush(self._heap, (deadline, i, p))
-        op.lane_xmit_at[i] = now
+        ``fast``: a RACK re-send: it does not back the lane's timeout off but, as any re-send,
+        ends the lane's RTT samples (Karn)."""
+        n = K.send_chunk(p, retransmit, fast, now, op.opv, op.lane, op.lanef, self._rtt,
+                         self._next_set_arr, op.exps, op.nonf, op.xk, op.res, op.txbuf,
+                         self._cnt)
+        self._queue_lane(op, p % op.E, int(n), now)
+
+    def _queue_lane(self, op: _Op, i: int, nbytes: int, now: float) -> None:
+        """Queue lane ``i``'s datagram (a view of its transmit buffer, valid until the lane
+        sends again)."""
+        self._out.append((op.views[i][:nbytes], self.switch_address))
         if self._fast_retransmit:
-            op.xmit_order.append((now, i, p, op.lane_xmits[i]))
+            op.xmit_order.append((now, i, int(op.lane[K.LN.CHUNK, i]),
+                                  int(op.lane[K.LN.XMITS, i])))
 
     # -- Receiving ---------------------------------------------------------------------------
 
-    def _handle_result(self, f: tuple, data: bytes | bytearray | memoryview, now: float) -> None:
-        """Take a result (``f``: the raw header tuple, framing and job already checked)."""
-        (_m, _v, _t, flags, set_bit, _rank, _job, _token, seq, p, slot, count, elem, _r, exp_data,
-         exp_next) = f
-        op = self._op
-        if op is None or seq != op.seq or self.state is not WorkerState.BUSY:
-            self.drops["stale_result"] += 1
-            return
-        i = p % op.E
-        if p >= op.T or op.lane_chunk[i] != p:
-            self.drops["duplicate_result"] += 1
-            return
-        if slot != self.slot_base + i or set_bit != op.lane_set[i]:
-            self.drops["bad_slot"] += 1
-            return
-        if count and elem != op.elem:
-            self.drops["bad_count"] += 1
-            return
-        k = op.k
-        if op.is_float:
-            if p >= op.E:
-                b = p - op.E
-                blk = op.out[b * k:(b + 1) * k]
-                if count != blk.size:
-                    self.drops["bad_count"] += 1
-                    return
-                q = np.frombuffer(data, dtype=op.wire_dtype, count=count, offset=HEADER_SIZE)
-                dequantize_into(blk, q, exp_data, self.spec.num_workers,
-                                nonfinite=bool(flags & _NONFINITE), bits=op.bits)
-            elif count:
-                self.drops["bad_count"] += 1
-                return
-            if p < op.L:
-                op.lane_emax[i] = exp_next
-        else:
-            blk = op.out[p * k:(p + 1) * k]
-            if count != blk.size:
-                self.drops["bad_count"] += 1
-                return
-            blk[...] = np.frombuffer(data, dtype="<i4", count=count, offset=HEADER_SIZE)
-        self.counters["results_received"] += 1
-        delivered_xmit = op.lane_xmit_at[i]
-        if op.lane_xmits[i] == 0:
-            self._update_rtt(now - op.lane_sent_at[i])
-        elif self._min_rtt is not None and now - delivered_xmit < self._min_rtt:
-            # Too soon to answer the re-send: it answers an earlier transmission (RFC 8985
-            # 6.2 step 2), so only that one's time says which chunks were sent before it.
-            delivered_xmit = op.lane_sent_at[i]
-            if op.lane_fast[i]:
-                self._spurious(op, i)  # the chunk was not lost: the RACK re-send was early
-        op.done += 1
-        op.last_progress = op.last_heard = now
-        nxt = p + op.E
-        if nxt < op.T:
-            self._send_chunk(op, nxt, now, retransmit=False)
-        else:
-            op.lane_chunk[i] = -1
-        if self._fast_retransmit and op.done < op.T:
-            self._detect_losses(op, delivered_xmit, now)
-        if op.done == op.T:
-            if not op.spurious and self._reo_scale > 1:
-                self._reo_scale //= 2  # a clean operation: narrow the window again
-            self._op = None
-            self._heap = []
-            self.state = WorkerState.READY
-            self._keepalive_at = now + self.config.keepalive_s
-            self.counters["operations_completed"] += 1
-            self._events.append(OperationCompleted(op.seq))
+    def _complete(self, op: _Op, now: float) -> None:
+        """The operation's last result arrived (the kernel took it)."""
+        op.finish()
+        if self._cnt[K.WC.SPURIOUS] == op.spurious and self._rtt[K.R.REO_SCALE] > 1:
+            self._rtt[K.R.REO_SCALE] //= 2  # a clean operation: narrow the window again
+        self._op = None
+        self.state = WorkerState.READY
+        self._keepalive_at = now + self.config.keepalive_s
+        self._counters["operations_completed"] += 1
+        self._events.append(OperationCompleted(op.seq))
 
     def _detect_losses(self, op: _Op, delivered_xmit: float, now: float) -> None:
         """RACK (RFC 8985): a result for a chunk sent at ``delivered_xmit`` means every chunk
         still outstanding that was sent more than the reorder window before it was lost (or its
         result was): re-send those now rather than at their timeouts."""
-        if self._min_rtt is None or self._srtt is None:
+        rtt = self._rtt
+        if rtt[K.R.MIN_RTT] < 0 or rtt[K.R.SRTT] < 0:
             return
-        window = min(max(self._min_rtt / 4, self.config.min_reorder_window_s) * self._reo_scale,
-                     self._srtt + 4 * self._rttvar)
+        window = min(max(rtt[K.R.MIN_RTT] / 4, self.config.min_reorder_window_s)
+                     * rtt[K.R.REO_SCALE], rtt[K.R.SRTT] + 4 * rtt[K.R.RTTVAR])
         order = op.xmit_order
-        lane_chunk, lane_xmits = op.lane_chunk, op.lane_xmits
+        lane_chunk, lane_xmits = op.lane[K.LN.CHUNK], op.lane[K.LN.XMITS]
         while order:
             t, i, p, xmits = order[0]
             if lane_chunk[i] != p or lane_xmits[i] != xmits:
                 order.popleft()  # that transmission is answered or superseded
             elif t + window < delivered_xmit:
                 order.popleft()
-                self.counters["fast_retransmissions"] += 1
+                self._counters["fast_retransmissions"] += 1
                 self._send_chunk(op, p, now, retransmit=True, fast=True)
             else:
                 break
@@ -574,21 +574,25 @@ class WorkerEndpoint:
     def _spurious(self, op: _Op, i: int) -> None:
         """A RACK re-send of lane ``i`` was not needed: results come back more out of order
         than the reorder window allows. Widen it (RFC 8985 6.2)."""
-        op.lane_fast[i] = False
-        op.spurious += 1
-        self.counters["spurious_fast_retransmissions"] += 1
-        self._reo_scale = min(self._reo_scale * 2, 1024)
+        op.lane[K.LN.FAST, i] = 0
+        self._cnt[K.WC.SPURIOUS] += 1
+        self._rtt[K.R.REO_SCALE] = min(self._rtt[K.R.REO_SCALE] * 2, 1024)
+
+    def _handle_stray_result(self, h: Header, data: bytes | bytearray | memoryview,
+                             now: float) -> None:
+        """A result while no operation is in flight, or one the kernel did not take."""
+        self._drops["stale_result"] += 1
 
     def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
         op = self._op
         if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
-            self.drops["stale_result"] += 1
+            self._drops["stale_result"] += 1
             return
-        self.counters["waiting_received"] += 1
-        op.last_heard = now
+        self._counters["waiting_received"] += 1
+        self._rtt[K.R.LAST_HEARD] = now
         i = h.chunk % op.E
-        if op.lane_fast[i] and op.lane_chunk[i] == h.chunk:
+        if op.lane[K.LN.FAST, i] and op.lane[K.LN.CHUNK, i] == h.chunk:
             self._spurious(op, i)  # our chunk was in the switch all along
         op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         op.waiting_chunk = h.chunk
@@ -598,15 +602,15 @@ class WorkerEndpoint:
         """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
         op = self._op
         if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
-            self.drops["stale_result"] += 1
+            self._drops["stale_result"] += 1
             return
         try:
             m = unpack_mismatch(unpack_payload(data, h))
         except WireError as exc:
-            self.drops[exc.reason] += 1
+            self._drops[exc.reason] += 1
             return
         ranks = [r for r in range(self.spec.num_workers) if m.ranks >> r & 1]
-        self.counters["mismatch_received"] += 1
+        self._counters["mismatch_received"] += 1
         kind = "float" if op.is_float else "int32"
         mine = f"{op.x.size} {kind} elements in {op.bits} bits"
         if m.theirs.digest != m.mine.digest:
@@ -626,7 +630,7 @@ class WorkerEndpoint:
         try:
             info = unpack_control_info(unpack_payload(data, h))
         except WireError as exc:
-            self.drops[exc.reason] += 1
+            self._drops[exc.reason] += 1
             return
         spec = self.spec
         if (info.num_workers, info.window, info.elements_per_packet) != (
@@ -648,7 +652,7 @@ class WorkerEndpoint:
     def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
         if self.state not in (WorkerState.JOINING, WorkerState.REJOINING):
-            self.drops["unexpected_control"] += 1
+            self._drops["unexpected_control"] += 1
             return
         reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
         reason = f"switch at {self._switch_text} refused JOIN: {reason}"
@@ -668,13 +672,13 @@ class WorkerEndpoint:
             # epoch): the next operation starts the new epoch; every rank computes the same seq,
             # and a fresh switch means every slot starts on set 0, as for the busy ranks.
             self._epoch_seq = self._seq = (self._seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
-            self._next_set = [0] * self.spec.window
+            self._next_set_arr[:] = 0
             self.state = WorkerState.JOINING
             self._control_deadline = now + self.config.join_timeout_s
             self._control_backoff = _CONTROL_RETRY_S
             self._send_join(now)
         else:
-            self.drops["stale_unknown_job"] += 1
+            self._drops["stale_unknown_job"] += 1
 
     def _restart(self, now: float) -> None:
         """Join again on a new epoch, then run the operation from its input (issue 5)."""
@@ -687,13 +691,12 @@ class WorkerEndpoint:
             return
         new_seq = (op.seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
         self._events.append(OperationRestarted(op.seq, new_seq, "the switch lost the job"))
-        self.counters["operations_restarted"] += 1
+        self._counters["operations_restarted"] += 1
         # From here on the operation is ``new_seq``: a failure is reported under it, and late
         # results of the old epoch no longer match it.
         op.seq = new_seq
         self._epoch_seq = new_seq
         self.state = WorkerState.REJOINING
-        self._heap = []
         self._control_deadline = now + self.config.join_timeout_s
         self._control_backoff = _CONTROL_RETRY_S
         self._send_join(now)
@@ -701,19 +704,16 @@ class WorkerEndpoint:
     def _resume_after_rejoin(self, now: float) -> None:
         old = self._op
         assert old is not None
-        op = _Op(self._epoch_seq, old.x, old.out, self.spec.elements_per_packet,
-                 self.spec.window, now, old.bits, old.residual)
+        op = _Op(self._epoch_seq, old.x, old.out, self.spec, self.rank, self.slot_base,
+                 old.bits, old.residual, self._fast_retransmit)
         op.restarts = old.restarts + 1
-        self._op = op
         self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
-        self._next_set = [0] * self.spec.window  # a fresh switch: every rank starts on set 0
-        self.state = WorkerState.BUSY
-        for p in range(op.E):
-            self._send_chunk(op, p, now, retransmit=False)
+        self._next_set_arr[:] = 0  # a fresh switch: every rank starts on set 0
+        self._begin(op, now)
 
     def _handle_left(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
         if self.state is not WorkerState.CLOSING:
-            self.drops["unexpected_control"] += 1
+            self._drops["unexpected_control"] += 1
             return
         self.state = WorkerState.CLOSED
         self._events.append(Left())
@@ -723,52 +723,38 @@ class WorkerEndpoint:
     def _handle_op_timers(self, now: float) -> None:
         op = self._op
         assert op is not None
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            deadline, i, p = heapq.heappop(heap)
-            if op.lane_chunk[i] == p and op.lane_deadline[i] == deadline:
-                self._send_chunk(op, p, now, retransmit=True)
-        idle = now - op.last_progress
+        chunk, deadline = op.lane[K.LN.CHUNK], op.lanef[K.LF.DEADLINE]
+        for i in np.flatnonzero((chunk >= 0) & (deadline <= now)):
+            self._send_chunk(op, int(chunk[i]), now, retransmit=True)
+        idle = now - float(self._rtt[K.R.LAST_PROGRESS])
         if idle >= self.config.op_timeout_s:
             self._fail(self._silence_reason(op, idle))
 
     def _silence_reason(self, op: _Op, idle: float) -> str:
         where = f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})"
-        if op.waiting_missing and op.last_heard > op.last_progress:
+        last_heard, last_progress = float(self._rtt[K.R.LAST_HEARD]), float(
+            self._rtt[K.R.LAST_PROGRESS])
+        if op.waiting_missing and last_heard > last_progress:
             ranks = [r for r in range(self.spec.num_workers) if op.waiting_missing >> r & 1]
             return (f"{where} made no progress for {idle:.1f} s: the switch at "
                     f"{self._switch_text} answers, but rank(s) {ranks} have not sent "
                     f"chunk {op.waiting_chunk}")
         return (f"{where} made no progress for {idle:.1f} s: no answer from the switch at "
-                f"{self._switch_text} for {op.last_progress - op.last_heard + idle:.1f} s")
+                f"{self._switch_text} for {last_progress - last_heard + idle:.1f} s")
 
     def _fail(self, reason: str) -> None:
         op = self._op
         assert op is not None
         self._op = None
-        self._heap = []
         self.state = WorkerState.ERROR
         self.error = reason
-        self.counters["operations_failed"] += 1
+        self._counters["operations_failed"] += 1
         self._events.append(OperationFailed(op.seq, reason))
 
     def _join_failed(self, reason: str) -> None:
         self.state = WorkerState.ERROR
         self.error = reason
         self._events.append(JoinFailed(reason))
-
-    def _update_rtt(self, sample: float) -> None:
-        """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
-        if self._min_rtt is None or sample < self._min_rtt:
-            self._min_rtt = sample
-        if self._srtt is None:
-            self._srtt = sample
-            self._rttvar = sample / 2
-        else:
-            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - sample)
-            self._srtt = 0.875 * self._srtt + 0.125 * sample
-        cfg = self.config
-        self._rto = min(max(self._srtt + 4 * self._rttvar, cfg.min_rto_s), cfg.max_rto_s)
 
 
 def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

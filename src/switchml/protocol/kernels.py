@@ -1,0 +1,827 @@
+"""Compiled per-datagram kernels: the one implementation of every per-packet rule.
+
+The switch and the worker cost too much per datagram as chains of Python statements and numpy
+calls (tens of microseconds each: at a 1500-byte MTU a 1 Gbit/s link carries 83,000 datagrams
+per second). The rules that run once per datagram live here, as numba functions that take a
+whole batch of datagrams (a GRO buffer of one sender) and the endpoint's state as numpy arrays,
+and work through the batch without returning to Python:
+
+* :func:`switch_requests`: validate a REQUEST, check job, rank, epoch, slot and round, aggregate
+  into the slot, max the exponent, complete the round and write the result header in place.
+* :func:`block_exponents`, :func:`quantize_block`, :func:`dequantize_block`: the numerics
+  (``quantize.py`` explains them).
+* :func:`worker_results` / :func:`build_request`: the worker takes results (dequantize into the
+  output), updates its lanes and round-trip estimate, and builds the requests they release
+  straight into a preallocated transmit buffer.
+
+A kernel stops (returns the index of the datagram) at anything rare that needs Python: control
+messages, malformed datagrams, another job in the same buffer, retransmissions to answer,
+disagreeing ranks. The Python side (``switch.py``, ``worker.py``) handles that one datagram and
+calls the kernel again for the rest, so datagrams are always processed in order and each rule
+exists once. With ``NUMBA_DISABLE_JIT=1`` the kernels run as plain Python (for debugging and
+coverage; very slow); without numba installed they do too, with a warning.
+
+Header offsets (``wire.HEADER``, little-endian): magic 0 (u16), version 2, type 3, flags 4,
+set 5, rank 6 (u16), job 8 (u32), token 12 (u64), seq 20 (u32), chunk 24 (u32), slot 28 (u32),
+count 32 (u16), elem 34, digest 35, exp_data 36 (i16), exp_next 38 (i16).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from enum import IntEnum
+
+import numpy as np
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps the core importable
+    warnings.warn("numba is not installed: switchml's per-packet kernels run as plain Python "
+                  "(correct, but about 100x slower)", RuntimeWarning, stacklevel=2)
+
+    def njit(*args, **kwargs):  # type: ignore[no-redef]
+        if args and callable(args[0]):
+            return args[0]
+        return lambda f: f
+
+__all__ = [
+    "J_FIELDS", "S_FIELDS", "SC", "SS", "WC", "WS", "J", "S", "O", "R", "LN", "LF", "block_exponents", "build_request", "dequantize_block",
+    "quantize_block", "switch_requests", "worker_results", "warm_up",
+]
+
+_KW = {"cache": True, "nogil": True}
+
+# -- wire constants (checked against wire.py by tests/protocol/test_kernels.py) ------------------
+HDR = 40
+MAGIC = 0x4D53
+VERSION = 1
+T_REQUEST = 1
+T_RESULT = 2
+KNOWN_FLAGS = 0x0F
+F_NONFINITE = 0x01
+F_HAS_DATA = 0x02
+F_HAS_EXP = 0x04
+SHAPE_FLAGS = F_HAS_DATA | F_HAS_EXP
+E_INT32 = 1
+E_INT16 = 2
+EXP_ZERO = -32768
+HALF = 1 << 31
+EPOCH_TRAIL = 1 << 30
+MASK32 = (1 << 32) - 1
+
+
+class J(IntEnum):
+    """Indexes of a switch job's scalar fields (``jobv``, int64)."""
+
+    JOB = 0
+    TOKEN = 1  # stored as the signed reinterpretation of the u64 token
+    N = 2
+    SLOT_BASE = 3
+    WINDOW = 4
+    MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
+    MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
+    AGGREGATED = 7  # elements aggregated
+    NWORDS = 8  # 64-bit words per bitmap
+
+
+J_FIELDS = 9
+
+
+class S(IntEnum):
+    """Indexes of a slot set's fields (``st[field, set, slot]``, int64)."""
+
+    SEQ = 0  # -1: never used
+    CHUNK = 1
+    COUNT = 2
+    ELEM = 3
+    FLAGS = 4
+    EXP_DATA = 5
+    EXP_NEXT = 6
+    DIGEST = 7
+    MISSING = 8
+
+
+S_FIELDS = 9
+
+
+class SC(IntEnum):
+    """Switch counters (``cnt``, int64)."""
+
+    PACKETS = 0  # requests taken by the kernel
+    STALE = 1
+    BAD_SLOT = 2
+    BAD_PAYLOAD = 3
+    LATE_DUPLICATE = 4
+    MULTICAST = 5
+    ABANDONED = 6
+    N = 7
+
+
+class SS(IntEnum):
+    """Why :func:`switch_requests` stopped."""
+
+    DONE = 0  # every datagram taken
+    OTHER = 1  # not a request of this job and rank, or from before the epoch: Python's path
+    RETRANSMISSION = 2  # the rank already contributed to the round: Python answers
+    MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
+    CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
+
+
+# -- little-endian field access ------------------------------------------------------------------
+
+@njit(**_KW)
+def _u16(d, o):
+    return np.int64(d[o]) | (np.int64(d[o + 1]) << 8)
+
+
+@njit(**_KW)
+def _u32(d, o):
+    return (np.int64(d[o]) | (np.int64(d[o + 1]) << 8) | (np.int64(d[o + 2]) << 16)
+            | (np.int64(d[o + 3]) << 24))
+
+
+@njit(**_KW)
+def _i16(d, o):
+    v = _u16(d, o)
+    return v - 65536 if v >= 32768 else v
+
+
+@njit(**_KW)
+def _i64(d, o):
+    """The u64 at ``o``, reinterpreted as int64 (tokens are compared bit for bit)."""
+    lo = _u32(d, o)
+    hi = _u32(d, o + 4)
+    return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
+
+
+@njit(**_KW)
+def _put16(d, o, v):
+    d[o] = v & 0xFF
+    d[o + 1] = (v >> 8) & 0xFF
+
+
+@njit(**_KW)
+def _put32(d, o, v):
+    d[o] = v & 0xFF
+    d[o + 1] = (v >> 8) & 0xFF
+    d[o + 2] = (v >> 16) & 0xFF
+    d[o + 3] = (v >> 24) & 0xFF
+
+
+@njit(**_KW)
+def _put64(d, o, v):
+    u = np.uint64(v)
+    _put32(d, o, np.int64(u & np.uint64(MASK32)))
+    _put32(d, o + 4, np.int64(u >> np.uint64(32)))
+
+
+@njit(**_KW)
+def write_header(d, o, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
+                 digest, exp_data, exp_next):
+    """Write a 40-byte header at ``d[o:]`` (``token`` as int64 bits)."""
+    _put16(d, o, MAGIC)
+    d[o + 2] = VERSION
+    d[o + 3] = mtype
+    d[o + 4] = flags
+    d[o + 5] = set_bit
+    _put16(d, o + 6, rank)
+    _put32(d, o + 8, job)
+    _put64(d, o + 12, token)
+    _put32(d, o + 20, seq)
+    _put32(d, o + 24, chunk)
+    _put32(d, o + 28, slot)
+    _put16(d, o + 32, count)
+    d[o + 34] = elem
+    d[o + 35] = digest
+    _put16(d, o + 36, exp_data & 0xFFFF)
+    _put16(d, o + 38, exp_next & 0xFFFF)
+
+
+@njit(**_KW)
+def request_framing(d, o, n):
+    """Whether ``d[o:o+n]`` is a well-formed REQUEST with an int32 or int16 payload."""
+    if n < HDR or _u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_REQUEST:
+        return False
+    if d[o + 5] > 1 or (d[o + 4] & ~KNOWN_FLAGS) != 0:
+        return False
+    elem = d[o + 34]
+    if elem == E_INT32:
+        return n == HDR + 4 * _u16(d, o + 32)
+    if elem == E_INT16:
+        return n == HDR + 2 * _u16(d, o + 32)
+    return False
+
+
+# -- the switch ---------------------------------------------------------------------------------
+
+@njit(**_KW)
+def _clear_bit(bm, v, s, rank):
+    w = rank >> 6
+    bm[v, s, w] &= ~(np.uint64(1) << np.uint64(rank & 63))
+
+
+@njit(**_KW)
+def _has_bit(bm, v, s, rank):
+    return (bm[v, s, rank >> 6] >> np.uint64(rank & 63)) & np.uint64(1) != 0
+
+
+@njit(**_KW)
+def _any_bit(bm, v, s):
+    for w in range(bm.shape[2]):
+        if bm[v, s, w] != 0:
+            return True
+    return False
+
+
+@njit(**_KW)
+def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs, cnt, done):
+    """Aggregate the REQUESTs of one sender's buffer, from segment ``start`` on.
+
+    ``d``: the received bytes (uint8); datagram ``i`` is ``d[i*seg : min((i+1)*seg, nbytes)]``.
+    The caller has checked that segment ``start`` is a REQUEST of this job from ``rank`` at the
+    rank's joined address; every later segment must be one too (same job, token and rank), else
+    the kernel stops there. ``done`` receives the (set, slot) of every round completed here; the
+    result datagram is then ``bufs[set, slot, :HDR + itemsize * count]``.
+
+    Returns ``(next, ndone, code)``: the segment to go on from, completions written, and why it
+    stopped (``SS.DONE`` when ``next`` is past the end; else the Python side handles segment
+    ``next`` (``SS.CONFLICT_ADDED``: segment ``next - 1``) and calls again).
+    """
+    nseg = (nbytes + seg - 1) // seg if nbytes > 0 else 0
+    job_id = jobv[J.JOB]
+    token = jobv[J.TOKEN]
+    n = jobv[J.N]
+    base = jobv[J.SLOT_BASE]
+    window = jobv[J.WINDOW]
+    max_bytes = jobv[J.MAX_BYTES]
+    ndone = 0
+    i = start
+    while i < nseg:
+        o = i * seg
+        ln = min(seg, nbytes - o)
+        if not request_framing(d, o, ln):
+            return i, ndone, SS.OTHER
+        if (_u32(d, o + 8) != job_id or _i64(d, o + 12) != token or _u16(d, o + 6) != rank):
+            return i, ndone, SS.OTHER
+        seq = _u32(d, o + 20)
+        min_seq = jobv[J.MIN_SEQ]
+        if min_seq >= 0:
+            ahead = (seq - min_seq) & MASK32
+            if ahead >= HALF:
+                return i, ndone, SS.OTHER  # from before a restart: Python tells it
+            if ahead > EPOCH_TRAIL:  # keep the bound within reach of wrapping seq numbers
+                jobv[J.MIN_SEQ] = (seq - EPOCH_TRAIL) & MASK32
+        cnt[SC.PACKETS] += 1
+        flags = np.int64(d[o + 4])
+        v = np.int64(d[o + 5])
+        chunk = _u32(d, o + 24)
+        s = _u32(d, o + 28) - base
+        count = _u16(d, o + 32)
+        elem = np.int64(d[o + 34])
+        digest = np.int64(d[o + 35])
+        exp_data = _i16(d, o + 36)
+        exp_next = _i16(d, o + 38)
+        itemsize = 4 if elem == E_INT32 else 2
+        if s < 0 or s >= window:
+            cnt[SC.BAD_SLOT] += 1
+            i += 1
+            continue
+        if count * itemsize > max_bytes:
+            cnt[SC.BAD_PAYLOAD] += 1
+            i += 1
+            continue
+        # Order (seq, chunk) against the set's round (seq: serial-number arithmetic, RFC 1982).
+        cur = st[S.SEQ, v, s]
+        if cur < 0:
+            order = 1
+        elif seq != cur:
+            order = 1 if ((seq - cur) & MASK32) < HALF else -1
+        else:
+            cc = st[S.CHUNK, v, s]
+            order = 0 if chunk == cc else (1 if chunk > cc else -1)
+        if order < 0:
+            cnt[SC.STALE] += 1
+            i += 1
+            continue
+        pay = d[o + HDR:o + HDR + count * itemsize]
+        acc_b = bufs[v, s, HDR:HDR + count * itemsize]
+        stopped_conflict = False
+        if order > 0:
+            # A new round: the first contributor overwrites (no explicit reset of a slot).
+            if cur >= 0 and st[S.MISSING, v, s] != 0:
+                cnt[SC.ABANDONED] += 1  # only after a failed operation
+            acc_b[:] = pay
+            st[S.SEQ, v, s] = seq
+            st[S.CHUNK, v, s] = chunk
+            st[S.COUNT, v, s] = count
+            st[S.ELEM, v, s] = elem
+            st[S.FLAGS, v, s] = flags & (F_NONFINITE | SHAPE_FLAGS)
+            st[S.EXP_DATA, v, s] = exp_data
+            st[S.EXP_NEXT, v, s] = exp_next
+            st[S.DIGEST, v, s] = digest
+            for w in range(seen.shape[2]):
+                seen[v, s, w] = 0
+                conflict[v, s, w] = 0
+            seen[v, s, rank >> 6] = np.uint64(1) << np.uint64(rank & 63)
+            st[S.MISSING, v, s] = n - 1
+        else:
+            if _has_bit(seen, v, s, rank):
+                return i, ndone, SS.RETRANSMISSION
+            if st[S.MISSING, v, s] == 0:
+                cnt[SC.LATE_DUPLICATE] += 1  # a rank that has already moved on
+                i += 1
+                continue
+            if (count != st[S.COUNT, v, s] or elem != st[S.ELEM, v, s]
+                    or digest != st[S.DIGEST, v, s] or exp_data != st[S.EXP_DATA, v, s]
+                    or ((flags ^ st[S.FLAGS, v, s]) & SHAPE_FLAGS) != 0):
+                return i, ndone, SS.MISMATCH
+            if count:  # integer adds wrap, as a switch's adders do
+                if elem == E_INT32:
+                    a32 = acc_b.view(np.int32)
+                    x32 = pay.view(np.int32)
+                    for j in range(count):
+                        a32[j] += x32[j]
+                else:
+                    a16 = acc_b.view(np.int16)
+                    x16 = pay.view(np.int16)
+                    for j in range(count):
+                        a16[j] += x16[j]
+            seen[v, s, rank >> 6] |= np.uint64(1) << np.uint64(rank & 63)
+            st[S.FLAGS, v, s] |= flags & F_NONFINITE
+            if exp_next > st[S.EXP_NEXT, v, s]:
+                st[S.EXP_NEXT, v, s] = exp_next
+            st[S.MISSING, v, s] -= 1
+            if _any_bit(conflict, v, s):  # this chunk agrees, but others did not
+                _clear_bit(conflict, v, s, rank)
+                stopped_conflict = _any_bit(conflict, v, s)
+        _clear_bit(seen, 1 - v, s, rank)
+        if st[S.MISSING, v, s] == 0:
+            b = bufs[v, s]
+            write_header(b, 0, T_RESULT, st[S.FLAGS, v, s], v, rank, job_id, token, seq, chunk,
+                         s + base, count, elem, st[S.DIGEST, v, s], st[S.EXP_DATA, v, s],
+                         st[S.EXP_NEXT, v, s])
+            done[ndone, 0] = v
+            done[ndone, 1] = s
+            ndone += 1
+            cnt[SC.MULTICAST] += 1
+            jobv[J.AGGREGATED] += count
+        i += 1
+        if stopped_conflict:
+            return i, ndone, SS.CONFLICT_ADDED
+    return i, ndone, SS.DONE
+
+
+# -- numerics (quantize.py documents them) ------------------------------------------------------
+
+@njit(**_KW)
+def _exponent(m):
+    """e with m < 2**e (m > 0, finite): frexp's exponent."""
+    return math.frexp(m)[1]
+
+
+@njit(**_KW)
+def block_exponents(x, k, exps, nonfinite):
+    """Per block of ``k`` elements: ``max|x| < 2**e`` over finite elements (EXP_ZERO for an
+    all-zero block) and whether the block holds a NaN or Inf. One pass over ``x``."""
+    nblocks = exps.size
+    for b in range(nblocks):
+        lo = b * k
+        hi = min(lo + k, x.size)
+        m = 0.0
+        bad = False
+        for j in range(lo, hi):
+            a = abs(np.float64(x[j]))
+            if a > m:
+                if a == np.inf:
+                    bad = True
+                else:
+                    m = a
+            elif a != a:  # NaN
+                bad = True
+        exps[b] = EXP_ZERO if m == 0.0 else _exponent(m)
+        nonfinite[b] = bad
+
+
+@njit(**_KW)
+def quantize_block(x, emax, n_bits, nonfinite, out):
+    """``out[j] = rint(x[j] * 2**(P - emax))`` (P = ``n_bits``), non-finite elements as 0.
+
+    Exact scaling (a power of two) in float64; ``out`` is int32 or int16."""
+    if emax == EXP_ZERO:
+        for j in range(x.size):
+            out[j] = 0
+        return
+    shift = n_bits - emax
+    if -1000 < shift < 1000:
+        f = 2.0 ** shift
+        for j in range(x.size):
+            y = np.float64(x[j]) * f
+            if nonfinite and not math.isfinite(y):
+                y = 0.0
+            out[j] = np.rint(y)
+    else:
+        for j in range(x.size):
+            y = math.ldexp(np.float64(x[j]), shift)
+            if nonfinite and not math.isfinite(y):
+                y = 0.0
+            out[j] = np.rint(y)
+
+
+@njit(**_KW)
+def dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax):
+    """``out[j] = q[j] * 2**(emax - P)``, rounded once to ``out``'s dtype; NaN if ``nonfinite``.
+
+    ``edge``: ``emax`` is so large that ``|sum| < n * 2**emax`` may pass the output dtype's
+    largest finite value ``fmax``: a sum within the quantization error past it is clamped to
+    it (an element at the maximum rounds up to ``2**emax``); further out it is a genuine
+    overflow and becomes inf."""
+    if nonfinite:
+        for j in range(out.size):
+            out[j] = np.nan
+        return
+    if emax == EXP_ZERO:
+        for j in range(out.size):
+            out[j] = 0
+        return
+    shift = emax - n_bits
+    if edge:
+        max_in_quanta = math.ldexp(fmax, -shift)
+        for j in range(out.size):
+            qj = np.float64(q[j])
+            v = math.ldexp(qj, shift)
+            if abs(qj) <= max_in_quanta + 0.5 * num_workers:
+                if v > fmax:
+                    v = fmax
+                elif v < -fmax:
+                    v = -fmax
+            out[j] = v
+    elif -1000 < shift < 1000:
+        f = 2.0 ** shift
+        for j in range(out.size):
+            out[j] = np.float64(q[j]) * f
+    else:
+        for j in range(out.size):
+            out[j] = math.ldexp(np.float64(q[j]), shift)
+
+
+@njit(**_KW)
+def residual_block(x, q, emax, n_bits, r):
+    """``r = x - q * 2**(emax - P)``: this rank's own rounding error (error feedback); 0 where
+    it is not finite. An unsent block (EXP_ZERO) keeps what is finite of ``x``."""
+    if emax == EXP_ZERO:
+        for j in range(x.size):
+            v = np.float64(x[j])
+            r[j] = v if math.isfinite(v) else 0.0
+        return
+    shift = emax - n_bits
+    for j in range(x.size):
+        v = np.float64(x[j]) - math.ldexp(np.float64(q[j]), shift)
+        r[j] = v if math.isfinite(v) else 0.0
+
+
+# -- the worker ---------------------------------------------------------------------------------
+
+class O(IntEnum):
+    """Indexes of a worker operation's scalar fields (``opv``, int64)."""
+
+    SEQ = 0
+    L = 1  # blocks
+    E = 2  # lanes
+    T = 3  # packets
+    K = 4  # elements per block
+    DONE = 5
+    JOB = 6
+    TOKEN = 7
+    RANK = 8
+    SLOT_BASE = 9
+    ELEM = 10
+    ITEMSIZE = 11
+    DIGEST = 12
+    P = 13  # scale bits
+    N = 14  # workers
+    IS_FLOAT = 15
+    EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
+    RACK = 17  # fast retransmission on: keep the transmission log
+
+
+O_FIELDS = 18
+
+
+class R(IntEnum):
+    """Indexes of the round-trip estimator and times (``rtt``, float64)."""
+
+    SRTT = 0  # < 0: no sample yet
+    RTTVAR = 1
+    RTO = 2
+    MIN_RTT = 3  # < 0: no sample yet
+    MIN_RTO = 4
+    MAX_RTO = 5
+    LAST_PROGRESS = 6
+    LAST_HEARD = 7
+    REO_SCALE = 8  # RACK's reorder window, in units of the base window
+    DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
+    FMAX = 10  # largest finite value of the output dtype
+
+
+R_FIELDS = 11
+
+
+class LN(IntEnum):
+    """Lane fields (``lane[field, i]``, int64)."""
+
+    CHUNK = 0  # -1: idle
+    SET = 1
+    XMITS = 2  # transmissions of the current chunk after the first
+    TRIES = 3  # timeouts of the current chunk (backoff)
+    EMAX = 4  # agreed exponent of the block this lane sends data of next
+    FAST = 5  # the current chunk was re-sent by RACK
+
+
+class LF(IntEnum):
+    """Lane time fields (``lanef[field, i]``, float64)."""
+
+    SENT_AT = 0  # first transmission (RTT samples, Karn's rule)
+    XMIT_AT = 1  # latest transmission
+    DEADLINE = 2
+
+
+LN_FIELDS = 6
+LNF_FIELDS = 3
+
+
+class WC(IntEnum):
+    """Worker counters (``cnt``, int64)."""
+
+    RESULTS = 0
+    PACKETS_SENT = 1
+    PAYLOAD_BYTES = 2
+    RETRANSMISSIONS = 3
+    STALE_RESULT = 4
+    DUPLICATE_RESULT = 5
+    BAD_SLOT = 6
+    BAD_COUNT = 7
+    SPURIOUS = 8
+    N = 9
+
+
+class WS(IntEnum):
+    """Why :func:`worker_results` stopped."""
+
+    DONE = 0  # every datagram taken
+    OTHER = 1  # not a RESULT of this job: Python's path
+    OP_COMPLETE = 2  # the operation's last result: Python completes it
+    ONE = 3  # took one result (``limit`` reached): RACK runs, then call again
+
+
+@njit(**_KW)
+def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, residual):
+    """Write packet ``p`` (lane ``i``) into ``txbuf[i]`` from the input; return its length.
+
+    Float: the exponent of block ``p`` (p < L) and the data of block ``p - E`` (p >= E), scaled
+    with the lane's agreed exponent. Integers: block ``p``. A retransmission is rebuilt the same
+    way, never replayed from stored bytes; ``residual``: record this rank's rounding error."""
+    L = opv[O.L]
+    E = opv[O.E]
+    k = opv[O.K]
+    itemsize = opv[O.ITEMSIZE]
+    b = txbuf[i]
+    flags = 0
+    exp_data = EXP_ZERO
+    exp_next = EXP_ZERO
+    count = 0
+    if opv[O.IS_FLOAT]:
+        if p < L:
+            exp_next = exps[p]
+            flags |= F_HAS_EXP
+        if p >= E:
+            blk = p - E
+            lo = blk * k
+            hi = min(lo + k, x.size)
+            count = hi - lo
+            exp_data = lane[LN.EMAX, i]
+            bad = nonf[blk] != 0
+            pay = b[HDR:HDR + count * itemsize]
+            if itemsize == 4:
+                q32 = pay.view(np.int32)
+                quantize_block(x[lo:hi], exp_data, opv[O.P], bad, q32)
+                if residual:
+                    residual_block(x[lo:hi], q32, exp_data, opv[O.P], res[lo:hi])
+            else:
+                q16 = pay.view(np.int16)
+                quantize_block(x[lo:hi], exp_data, opv[O.P], bad, q16)
+                if residual:
+                    residual_block(x[lo:hi], q16, exp_data, opv[O.P], res[lo:hi])
+            flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
+    else:
+        lo = p * k
+        hi = min(lo + k, x.size)
+        count = hi - lo
+        b[HDR:HDR + 4 * count] = x[lo:hi].view(np.uint8)
+        flags |= F_HAS_DATA
+    write_header(b, 0, T_REQUEST, flags, set_bit, opv[O.RANK], opv[O.JOB], opv[O.TOKEN],
+                 opv[O.SEQ], p, opv[O.SLOT_BASE] + i, count, opv[O.ELEM], opv[O.DIGEST],
+                 exp_data, exp_next)
+    cnt[WC.PACKETS_SENT] += 1
+    cnt[WC.PAYLOAD_BYTES] += count * itemsize
+    return HDR + count * itemsize
+
+
+@njit(**_KW)
+def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res,
+               txbuf, cnt):
+    """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
+
+    ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
+    only). Returns the datagram's length (it is ``txbuf[p mod E]``)."""
+    i = p % opv[O.E]
+    if retransmit:
+        set_bit = lane[LN.SET, i]
+        if fast:
+            lane[LN.FAST, i] = 1
+        else:
+            lane[LN.TRIES, i] += 1
+        lane[LN.XMITS, i] += 1
+        cnt[WC.RETRANSMISSIONS] += 1
+    else:
+        set_bit = next_set[i]
+        next_set[i] = set_bit ^ 1
+        lane[LN.SET, i] = set_bit
+        lane[LN.CHUNK, i] = p
+        lane[LN.TRIES, i] = 0
+        lane[LN.XMITS, i] = 0
+        lane[LN.FAST, i] = 0
+        lanef[LF.SENT_AT, i] = now
+    n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
+                      res.size > 0 and not retransmit)
+    rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
+    lanef[LF.DEADLINE, i] = now + rto
+    lanef[LF.XMIT_AT, i] = now
+    return n
+
+
+@njit(**_KW)
+def _update_rtt(rtt, sample):
+    """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
+    if rtt[R.MIN_RTT] < 0 or sample < rtt[R.MIN_RTT]:
+        rtt[R.MIN_RTT] = sample
+    if rtt[R.SRTT] < 0:
+        rtt[R.SRTT] = sample
+        rtt[R.RTTVAR] = sample / 2
+    else:
+        rtt[R.RTTVAR] = 0.75 * rtt[R.RTTVAR] + 0.25 * abs(rtt[R.SRTT] - sample)
+        rtt[R.SRTT] = 0.875 * rtt[R.SRTT] + 0.125 * sample
+    rtt[R.RTO] = min(max(rtt[R.SRTT] + 4 * rtt[R.RTTVAR], rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
+
+
+@njit(**_KW)
+def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, next_set, exps,
+                   nonf, x, out, res, txbuf, cnt, sendq, sendlen):
+    """Take the RESULTs of one buffer from segment ``start``: dequantize into ``out``, time the
+    round trip, and build the packet each result releases on its lane.
+
+    Returns ``(next, nsend, code)``: lanes whose packet is ready are ``sendq[:nsend]`` (lengths
+    in ``sendlen``); ``code`` says why it stopped (``WC``). ``limit``: stop after this many
+    results taken (RACK looks for losses after each)."""
+    nseg = (nbytes + seg - 1) // seg if nbytes > 0 else 0
+    E = opv[O.E]
+    T = opv[O.T]
+    L = opv[O.L]
+    k = opv[O.K]
+    itemsize = opv[O.ITEMSIZE]
+    nsend = 0
+    taken = 0
+    i = start
+    while i < nseg:
+        o = i * seg
+        ln = min(seg, nbytes - o)
+        if ln < HDR or _u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
+            return i, nsend, WS.OTHER
+        if d[o + 5] > 1 or (d[o + 4] & ~KNOWN_FLAGS) != 0:
+            return i, nsend, WS.OTHER
+        elem = np.int64(d[o + 34])
+        count = _u16(d, o + 32)
+        if elem == E_INT32:
+            isz = 4
+        elif elem == E_INT16:
+            isz = 2
+        else:
+            return i, nsend, WS.OTHER
+        if ln != HDR + isz * count:
+            return i, nsend, WS.OTHER
+        if _u32(d, o + 8) != opv[O.JOB] or _i64(d, o + 12) != opv[O.TOKEN]:
+            return i, nsend, WS.OTHER
+        i += 1
+        flags = np.int64(d[o + 4])
+        set_bit = np.int64(d[o + 5])
+        seq = _u32(d, o + 20)
+        p = _u32(d, o + 24)
+        slot = _u32(d, o + 28)
+        exp_data = _i16(d, o + 36)
+        exp_next = _i16(d, o + 38)
+        if seq != opv[O.SEQ]:
+            cnt[WC.STALE_RESULT] += 1
+            continue
+        ln_i = p % E
+        if p >= T or lane[LN.CHUNK, ln_i] != p:
+            cnt[WC.DUPLICATE_RESULT] += 1
+            continue
+        if slot != opv[O.SLOT_BASE] + ln_i or set_bit != lane[LN.SET, ln_i]:
+            cnt[WC.BAD_SLOT] += 1
+            continue
+        if count and elem != opv[O.ELEM]:
+            cnt[WC.BAD_COUNT] += 1
+            continue
+        pay = d[o + HDR:o + HDR + count * isz]
+        if opv[O.IS_FLOAT]:
+            if p >= E:
+                blk = p - E
+                lo = blk * k
+                hi = min(lo + k, out.size)
+                if count != hi - lo:
+                    cnt[WC.BAD_COUNT] += 1
+                    continue
+                edge = exp_data >= opv[O.EDGE_EXP]
+                if isz == 4:
+                    dequantize_block(pay.view(np.int32), exp_data, opv[O.P],
+                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[O.N], edge,
+                                     rtt[R.FMAX])
+                else:
+                    dequantize_block(pay.view(np.int16), exp_data, opv[O.P],
+                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[O.N], edge,
+                                     rtt[R.FMAX])
+            elif count:
+                cnt[WC.BAD_COUNT] += 1
+                continue
+            if p < L:
+                lane[LN.EMAX, ln_i] = exp_next
+        else:
+            lo = p * k
+            hi = min(lo + k, out.size)
+            if count != hi - lo:
+                cnt[WC.BAD_COUNT] += 1
+                continue
+            out[lo:hi].view(np.uint8)[:] = pay
+        cnt[WC.RESULTS] += 1
+        delivered = lanef[LF.XMIT_AT, ln_i]
+        if lane[LN.XMITS, ln_i] == 0:
+            _update_rtt(rtt, now - lanef[LF.SENT_AT, ln_i])
+        elif rtt[R.MIN_RTT] >= 0 and now - delivered < rtt[R.MIN_RTT]:
+            # Too soon to answer the re-send: it answers an earlier transmission (RFC 8985
+            # 6.2 step 2), so only that one's time says which chunks were sent before it.
+            delivered = lanef[LF.SENT_AT, ln_i]
+            if lane[LN.FAST, ln_i]:
+                # The chunk was not lost: the RACK re-send was early; widen the window.
+                lane[LN.FAST, ln_i] = 0
+                cnt[WC.SPURIOUS] += 1
+                rtt[R.REO_SCALE] = min(rtt[R.REO_SCALE] * 2, 1024.0)
+        rtt[R.DELIVERED_XMIT] = delivered
+        opv[O.DONE] += 1
+        rtt[R.LAST_PROGRESS] = now
+        rtt[R.LAST_HEARD] = now
+        nxt = p + E
+        if nxt < T:
+            sendlen[nsend] = send_chunk(nxt, False, False, now, opv, lane, lanef, rtt, next_set,
+                                        exps, nonf, x, res, txbuf, cnt)
+            sendq[nsend] = ln_i
+            nsend += 1
+        else:
+            lane[LN.CHUNK, ln_i] = -1
+        if opv[O.DONE] == T:
+            return i, nsend, WS.OP_COMPLETE
+        taken += 1
+        if taken >= limit:
+            return i, nsend, WS.ONE
+    return i, nsend, WS.DONE
+
+
+@njit(**_KW)
+def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, txbuf, cnt,
+               sendlen):
+    """Start packets ``0 .. count-1`` (the first window); lengths into ``sendlen``."""
+    for p in range(count):
+        sendlen[p] = send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps,
+                                nonf, x, res, txbuf, cnt)
+
+
+@njit(**_KW)
+def next_deadline(lane, lanef):
+    """The earliest retransmission deadline of a busy lane (inf when none is busy)."""
+    best = np.inf
+    for i in range(lane.shape[1]):
+        if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] < best:
+            best = lanef[LF.DEADLINE, i]
+    return best
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel for the types switchml uses, so that no
+    operation pays for compilation. Takes a few seconds on a fresh install, about 0.2 s after."""
+    from switchml.protocol.quantize import block_exponent, dequantize_into, quantize
+
+    for dt in (np.float32, np.float64):
+        x = np.ones(8, dtype=dt)
+        for bits in (32, 16):
+            e, _ = block_exponent(x)
+            q = quantize(x, e, 2, bits=bits)
+            dequantize_into(np.empty(8, dtype=dt), q, e, 2, bits=bits)
