@@ -7,6 +7,7 @@ Usage recipes::
     switchml switch --host 0.0.0.0 --secret-file /etc/switchml.secret --pool-slots 8192
     switchml bench allreduce --workers 4 --size 64MiB --json results.json
     switchml bench allreduce --workers 2 --size 1MiB --size 16MiB --switch 127.0.0.1:48864
+    switchml bench switch --workers 4 --elements-per-packet 256 --seconds 5   # switch capacity
 
 Definitions: a *job* is one group of n workers (ranks 0..n-1) that all-reduce together; the
 switch gives each job a *window* of W aggregation *slots* (each holding k int32 elements in two
@@ -127,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tb = sub.add_parser(
         "testbed", help="build an emulated star network and hold it until Ctrl-C (root)",
-        description="Build the emulated network (one namespace per worker, one for the switch, "
-                    "one for a parameter server; veth links shaped with tc tbf both ways, "
-                    "nftables loss where packets arrive), print how to run things in it, and "
+        description="Build the emulated network (one namespace per worker, a router, the "
+                    "switch host behind it, a parameter server; veth links shaped with tc tbf "
+                    "both ways, nftables loss per datagram in the router, UDP GSO/GRO on), "
+                    "print how to run things in it, and "
                     "tear it down on Ctrl-C or SIGTERM, removing exactly what it created.")
     tb.add_argument("--workers", "-n", type=int, default=4, help="worker hosts (default 4)")
     tb.add_argument("--rate-mbit", type=float, default=1000.0,
@@ -139,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only remove what testbed runs killed before their teardown (kill "
                          "-9) left behind: their namespaces and the processes in them; every "
                          "new testbed also does this first")
-    tb.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
+    tb.add_argument("--mtu", type=int, default=1500,
+                    help="link MTU in bytes (default 1500, Ethernet; 9000 for jumbo frames; "
+                         "veth takes up to 65535 but that is not a real network)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -166,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "GSO/GRO): the baseline for small packets")
     tbg = ar.add_argument_group(
         "testbed", "run over an emulated star network instead of loopback (needs root): one "
-        "namespace per worker, the switch in the middle, links shaped with tc tbf both ways")
+        "namespace per worker, a router in the middle with the switch behind it, links shaped "
+        "with tc tbf both ways")
     tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
     tbg.add_argument("--fast-retransmit", action="store_true",
                      help="switchml workers re-send a chunk as soon as a later chunk's result "
@@ -176,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="link rate in Mbit/s, each direction (default 1000)")
     tbg.add_argument("--loss", type=float, default=0.0,
                      help="packet loss rate on every link, 0..1 (default 0)")
-    tbg.add_argument("--mtu", type=int, default=65000,
-                     help="link MTU in bytes; chunks are sized to fit it (default 65000, jumbo)")
+    tbg.add_argument("--mtu", type=int, default=1500,
+                     help="link MTU in bytes; chunks are sized to fit it (default 1500, "
+                          "Ethernet; 9000 for jumbo frames; veth takes up to 65535 but that is "
+                          "not a real network)")
     tbg.add_argument("--systems", default="switchml,gloo,ps",
                      help="comma list of switchml, gloo, ps (parameter server) (default all)")
     tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
@@ -198,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rate-mbit", type=float, default=1000.0,
                     help="link rate in Mbit/s (default 1000)")
     tr.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    tr.add_argument("--mtu", type=int, default=1500,
+                    help="link MTU in bytes; switchml's chunks are sized to fit it (default "
+                         "1500, Ethernet; 9000 for jumbo frames; veth takes up to 65535 but "
+                         "that is not a real network)")
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time")
@@ -238,6 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the switch without a job-creation secret (JOIN floods then fill "
                          "the pool, which bounds the memory)")
     fz.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    sc = bsub.add_parser(
+        "switch", help="switch capacity: aggregated datagrams/s of one software switch",
+        description="Run the software switch in a process pinned to one core and a traffic "
+                    "generator pinned to another, which joins a job as N ranks and replays "
+                    "valid int32 requests as fast as the switch answers (W slots in flight per "
+                    "rank, self-clocked). Report datagrams/s in and out of the switch, payload "
+                    "GB/s, switch and generator CPU (which one was the bottleneck), switch CPU "
+                    "time per datagram, drops and wrong results (must be 0).")
+    sc.add_argument("--workers", "-n", type=int, default=4, help="ranks in the job (default 4)")
+    sc.add_argument("--elements-per-packet", "-k", type=int, default=256,
+                    help="int32 elements per request, K (default 256 = 1 KiB payload; 358 fits "
+                         "a 1500-byte MTU, 2200 a 9000-byte one)")
+    sc.add_argument("--window", "-w", type=int, default=64,
+                    help="slots in flight per rank, W (default 64)")
+    sc.add_argument("--seconds", type=float, default=5.0,
+                    help="measured interval in seconds, after 0.5 s of warm-up (default 5)")
+    sc.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
+                    help="UDP GSO/GRO in the switch and the generator (default on)")
+    sc.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     return parser
 
 
@@ -324,6 +354,9 @@ def _run_testbed(args: argparse.Namespace) -> int:
             print(f"  worker {i}: ip netns exec {bed.worker_ns(i)} ...   (address "
                   f"{topo.worker_ip(i)}, switch at {topo.switch_ip(i)})")
         print(f"  parameter server host: ip netns exec {bed.ps_ns} ...   ({topo.ps_ip})")
+        print(f"  router (loss rules: nft list ruleset): ip netns exec {bed.router_ns} ...")
+        print("  UDP GSO/GRO batching: " + ("on, loss per datagram" if bed.batching else
+                                            "off (no ethtool): SWITCHML_GSO=0 in there"))
         print("Ctrl-C tears it down.", flush=True)
         while not stop.wait(_SIGNAL_POLL_S):  # see _run_switch: signals need the main thread
             pass
@@ -510,12 +543,13 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     _signal.signal(_signal.SIGTERM, _term)
     cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("cnn", "embed")),
                            steps=args.steps, batch=args.batch, rate_bps=args.rate_mbit * 1e6,
-                           loss_rate=args.loss)
+                           loss_rate=args.loss, mtu=args.mtu)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_train(cfg, progress=lambda what: status.update(what))
     table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
-                        f"{args.rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}")
+                        f"{args.rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
+                        f"MTU {cfg.mtu}")
     for col in ("model", "parameters", "backend", "step time (ms)", "samples/s", "final loss",
                 "time to target (s)", "speedup"):
         table.add_column(col, justify="right")
@@ -666,6 +700,69 @@ def _run_bench_fuzz(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _run_bench_switch(args: argparse.Namespace) -> int:
+    import signal as _signal
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from switchml.bench.switchcap import SwitchCapConfig, run_switchcap, write_json
+
+    def _term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # run the benchmark's teardown
+
+    cfg = SwitchCapConfig(workers=args.workers, elements_per_packet=args.elements_per_packet,
+                          window=args.window, seconds=args.seconds, batching=args.batching)
+    _signal.signal(_signal.SIGTERM, _term)
+    console = Console(stderr=True)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("starting", total=1.0)
+            r = run_switchcap(cfg, progress=lambda text, frac: bar.update(
+                task, description=text, completed=frac))
+    except KeyboardInterrupt:
+        console.print("interrupted; the switch and the generator were stopped")
+        return 130
+    g = r.generator
+    t = Table(title=f"switch capacity: {cfg.workers} ranks x {cfg.window} slots, K = "
+                    f"{cfg.elements_per_packet} int32 ({cfg.datagram_bytes} B datagrams), "
+                    f"{r.interval_s:.1f} s, batching {'on' if cfg.batching else 'off'}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for name, value in (
+            ("datagrams/s into the switch", f"{r.switch_in_per_s:,.0f}"),
+            ("datagrams/s out of the switch", f"{r.switch_out_per_s:,.0f}"),
+            ("payload GB/s (requests x K x 4 B)", f"{r.payload_gbytes_per_s:.3f}"),
+            ("switch CPU time per datagram in (us)", f"{r.switch_cpu_us_per_datagram:.2f}"),
+            ("datagrams/s in at 100% of a core (1e6 / us per datagram)",
+             f"{r.switch_capacity_per_s:,.0f}"),
+            ("switch CPU %", f"{r.switch_cpu_percent:.0f}"),
+            ("generator CPU %", f"{r.generator_cpu_percent:.0f}"),
+            ("other CPU % (rest of the machine)", f"{r.other_cpu_percent:.0f}"),
+            ("bottleneck", r.bottleneck),
+            ("results received (whole run)", f"{g['results_total']:,}"),
+            ("requests sent - in flight at end",
+             f"{g['requests_total']:,} - {g['in_flight_at_end']}"),
+            ("wrong results", r.wrong_results),
+            ("retransmissions", g["retransmissions_total"]),
+            ("unexpected replies", g["unexpected_total"] or 0),
+            ("switch drops", r.drops or 0),
+            ("switch errors", {k: v for k, v in r.switch_errors.items() if v} or 0),
+            ("GSO / GRO (switch; generator)",
+             f"{r.switch_stats.get('gso')} / {r.switch_stats.get('gro')}; "
+             f"{g['gso']} / {g['gro']}")):
+        t.add_row(name, str(value))
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    if args.json:
+        write_json(args.json, r)
+        console.print(f"wrote {args.json}")
+    bad = (r.wrong_results or not r.consistent or r.drops
+           or any(r.switch_errors.values()))
+    return 1 if bad else 0
+
+
 def _human(nbytes: int) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= div and nbytes % div == 0:
@@ -700,6 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_bench_soak(args)
         if args.command == "bench" and args.bench == "fuzz":
             return _run_bench_fuzz(args)
+        if args.command == "bench" and args.bench == "switch":
+            return _run_bench_switch(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"switchml: error: {exc}", file=sys.stderr)
         return 2

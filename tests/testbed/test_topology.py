@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from switchml.protocol.errors import ConfigError
-from switchml.testbed.topology import LinkSpec, Topology, nft_loss_ruleset, tbf_args
+from switchml.testbed.topology import (
+    GSO_RUN_BYTES,
+    LinkSpec,
+    Topology,
+    ethtool_args,
+    nft_loss_ruleset,
+    tbf_args,
+)
 
 
 def test_tbf_arguments_carry_rate_burst_and_queue():
@@ -17,18 +24,50 @@ def test_tbf_arguments_carry_rate_burst_and_queue():
     assert tbf_args(LinkSpec(bandwidth_bps=None)) == []
 
 
-def test_loss_rules_drop_where_packets_arrive():
-    text = nft_loss_ruleset("smlloss", 0.01, ("input", "forward"))
+def test_the_bucket_holds_a_whole_gso_run():
+    # a smaller bucket makes tbf cut the run and pace its datagrams one by one: no GRO batches
+    assert int(tbf_args(LinkSpec(bandwidth_bps=100e6, mtu=1500))[4]) >= GSO_RUN_BYTES
+    assert GSO_RUN_BYTES >= 65536 + 64 * 66  # 64 KiB of payload, 64 segments' headers
+
+
+def test_loss_rules_drop_in_the_router_once_per_link():
+    text = nft_loss_ruleset("smlloss", 0.01, "sms251")
     assert "table inet smlloss" in text
-    assert text.count("numgen random mod 1000000 < 10000 counter drop") == 2
+    assert text.count("numgen random mod 1000000 < 10000 counter drop") == 3
+    # forward: once for the link a packet came in on, once for the one it leaves on
+    assert 'iifname != "sms251" numgen' in text and 'oifname != "sms251" numgen' in text
     assert "hook input" in text and "hook forward" in text and "hook output" not in text
+
+
+def test_every_end_sends_wire_packets_and_only_hosts_merge():
+    assert ethtool_args("h0", True) == ["h0", "tso", "off", "tx-udp-segmentation", "off",
+                                        "gro", "on"]
+    assert ethtool_args("s0", False)[-2:] == ["gro", "off"]
 
 
 def test_addresses_are_per_link():
     topo = Topology(workers=3)
     assert [topo.worker_ip(i) for i in range(3)] == ["10.201.0.2", "10.201.1.2", "10.201.2.2"]
-    assert topo.switch_ip(2) == "10.201.2.1"
+    assert topo.gateway_ip(2) == "10.201.2.1"
+    assert topo.switch_ip(2) == topo.switch_ip() == "10.201.251.2"  # one switch host
     assert topo.ps_ip == "10.201.250.2"
+
+
+def test_the_default_mtu_is_ethernets():
+    from switchml.bench.testbed import TestbedBenchConfig, TrainBenchConfig, elements_for_mtu
+    from switchml.cli import build_parser
+    assert LinkSpec().mtu == 1500
+    assert TestbedBenchConfig().mtu == TrainBenchConfig().mtu == 1500
+    parser = build_parser()
+    assert parser.parse_args(["testbed"]).mtu == 1500
+    assert parser.parse_args(["bench", "allreduce", "--testbed"]).mtu == 1500
+    assert parser.parse_args(["bench", "train"]).mtu == 1500
+    assert parser.parse_args(["bench", "allreduce", "--testbed", "--mtu", "9000"]).mtu == 9000
+    # IPv4 20 + UDP 8 + switchml 40 bytes of headers, 4-byte elements
+    assert elements_for_mtu(1500) == 358 and 20 + 8 + 40 + 4 * 358 <= 1500 < 20 + 8 + 40 + 4 * 359
+    assert elements_for_mtu(9000) == 2233
+    assert elements_for_mtu(65535) == 16366  # the UDP limit
+    assert TestbedBenchConfig(mtu=9000).elements_per_packet == 2233
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -1,12 +1,12 @@
 """All-reduce over the emulated testbed: switchml, gloo (ring) and a parameter server, over the
 same shaped links in the same run.
 
-Each worker runs in its own namespace, behind a link of ``rate`` bits/s each way; the switch
+Each worker runs in its own namespace, behind a link of ``rate`` bits/s each way; the router
 namespace routes worker-to-worker traffic (gloo's ring crosses two links per hop, as in a real
-star) and hosts the software switch; the parameter server has a host (and link) of its own, as in
-TensorFlow's deployment. Bounds per worker, in elements/s: in-network aggregation B/32 (each worker
-sends and receives its vector once), ring B/32 / (2(n-1)/n), parameter server B/32 / n (its one
-link carries all n vectors).
+star) and, over an internal unshaped link, reaches the software switch's host; the parameter
+server has a host (and link) of its own, as in TensorFlow's deployment. Bounds per worker, in
+elements/s: in-network aggregation B/32 (each worker sends and receives its vector once), ring
+B/32 / (2(n-1)/n), parameter server B/32 / n (its one link carries all n vectors).
 """
 
 from __future__ import annotations
@@ -24,10 +24,21 @@ from typing import Any
 
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
-__all__ = ["TestbedBenchConfig", "run_testbed_allreduce"]
+__all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]
 
 SWITCH_PORT = 48864
 SYSTEMS = ("switchml", "gloo", "ps")
+DEFAULT_MTU = 1500
+"""Ethernet's MTU; 9000 for jumbo frames. Larger MTUs (veth takes up to 65535) are no real
+network's."""
+
+
+def elements_for_mtu(mtu: int, itemsize: int = 4) -> int:
+    """The largest chunk (elements) whose datagram fits the MTU without IP fragmentation:
+    IPv4 20 + UDP 8 + switchml 40 bytes of headers, at most the UDP limit (16366 int32).
+
+    Local until ``switchml.protocol.wire`` has a shared helper of the same name."""
+    return max(1, min((mtu - 20 - 8 - 40) // itemsize, (65507 - 40) // itemsize))
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,7 @@ class TestbedBenchConfig:
     sizes_bytes: tuple[int, ...] = (64 * 2**20,)
     rate_bps: float = 1e9
     loss_rate: float = 0.0
-    mtu: int = 9000
+    mtu: int = DEFAULT_MTU
     iters: int = 3
     warmup: int = 1
     systems: tuple[str, ...] = SYSTEMS
@@ -56,9 +67,8 @@ class TestbedBenchConfig:
 
     @property
     def elements_per_packet(self) -> int:
-        """The largest chunk that fits the MTU without IP fragmentation (IP 20 + UDP 8 +
-        switchml 40 bytes of headers), at most the UDP limit."""
-        return max(1, min((self.mtu - 68) // 4, 16366))
+        """The largest chunk that fits the MTU (:func:`elements_for_mtu`)."""
+        return elements_for_mtu(self.mtu)
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -254,7 +264,7 @@ class TrainBenchConfig:
     batch: int = 64
     rate_bps: float = 1e9
     loss_rate: float = 0.0
-    mtu: int = 65000
+    mtu: int = DEFAULT_MTU
     window: int = 16
     timeout_s: float = 900.0
 
@@ -272,7 +282,7 @@ _LR = {"cnn": 0.05, "embed": 0.05}
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
     """Train every model on gloo and on switchml over one testbed; return one row each."""
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
-    k = TestbedBenchConfig(mtu=cfg.mtu).elements_per_packet
+    k = elements_for_mtu(cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
         switch = _start_switch(tb)

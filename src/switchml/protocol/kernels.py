@@ -46,8 +46,9 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
         return lambda f: f
 
 __all__ = [
-    "J_FIELDS", "S_FIELDS", "SC", "SS", "WC", "WS", "J", "S", "O", "R", "LN", "LF", "block_exponents", "build_request", "dequantize_block",
-    "quantize_block", "switch_requests", "worker_results", "warm_up",
+    "J", "J_FIELDS", "LF", "LN", "OP", "R", "S", "S_FIELDS", "SC", "SS", "WC", "WS",
+    "block_exponents", "build_request", "dequantize_block", "quantize_block", "residual_block",
+    "send_chunk", "send_first", "switch_requests", "worker_results",
 ]
 
 _KW = {"cache": True, "nogil": True}
@@ -482,7 +483,7 @@ def residual_block(x, q, emax, n_bits, r):
 
 # -- the worker ---------------------------------------------------------------------------------
 
-class O(IntEnum):
+class OP(IntEnum):
     """Indexes of a worker operation's scalar fields (``opv``, int64)."""
 
     SEQ = 0
@@ -581,16 +582,16 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
     Float: the exponent of block ``p`` (p < L) and the data of block ``p - E`` (p >= E), scaled
     with the lane's agreed exponent. Integers: block ``p``. A retransmission is rebuilt the same
     way, never replayed from stored bytes; ``residual``: record this rank's rounding error."""
-    L = opv[O.L]
-    E = opv[O.E]
-    k = opv[O.K]
-    itemsize = opv[O.ITEMSIZE]
+    L = opv[OP.L]
+    E = opv[OP.E]
+    k = opv[OP.K]
+    itemsize = opv[OP.ITEMSIZE]
     b = txbuf[i]
     flags = 0
     exp_data = EXP_ZERO
     exp_next = EXP_ZERO
     count = 0
-    if opv[O.IS_FLOAT]:
+    if opv[OP.IS_FLOAT]:
         if p < L:
             exp_next = exps[p]
             flags |= F_HAS_EXP
@@ -604,14 +605,14 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
             pay = b[HDR:HDR + count * itemsize]
             if itemsize == 4:
                 q32 = pay.view(np.int32)
-                quantize_block(x[lo:hi], exp_data, opv[O.P], bad, q32)
+                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q32)
                 if residual:
-                    residual_block(x[lo:hi], q32, exp_data, opv[O.P], res[lo:hi])
+                    residual_block(x[lo:hi], q32, exp_data, opv[OP.P], res[lo:hi])
             else:
                 q16 = pay.view(np.int16)
-                quantize_block(x[lo:hi], exp_data, opv[O.P], bad, q16)
+                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q16)
                 if residual:
-                    residual_block(x[lo:hi], q16, exp_data, opv[O.P], res[lo:hi])
+                    residual_block(x[lo:hi], q16, exp_data, opv[OP.P], res[lo:hi])
             flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
     else:
         lo = p * k
@@ -619,8 +620,8 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
         count = hi - lo
         b[HDR:HDR + 4 * count] = x[lo:hi].view(np.uint8)
         flags |= F_HAS_DATA
-    write_header(b, 0, T_REQUEST, flags, set_bit, opv[O.RANK], opv[O.JOB], opv[O.TOKEN],
-                 opv[O.SEQ], p, opv[O.SLOT_BASE] + i, count, opv[O.ELEM], opv[O.DIGEST],
+    write_header(b, 0, T_REQUEST, flags, set_bit, opv[OP.RANK], opv[OP.JOB], opv[OP.TOKEN],
+                 opv[OP.SEQ], p, opv[OP.SLOT_BASE] + i, count, opv[OP.ELEM], opv[OP.DIGEST],
                  exp_data, exp_next)
     cnt[WC.PACKETS_SENT] += 1
     cnt[WC.PAYLOAD_BYTES] += count * itemsize
@@ -634,7 +635,7 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
 
     ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
     only). Returns the datagram's length (it is ``txbuf[p mod E]``)."""
-    i = p % opv[O.E]
+    i = p % opv[OP.E]
     if retransmit:
         set_bit = lane[LN.SET, i]
         if fast:
@@ -684,11 +685,10 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
     in ``sendlen``); ``code`` says why it stopped (``WC``). ``limit``: stop after this many
     results taken (RACK looks for losses after each)."""
     nseg = (nbytes + seg - 1) // seg if nbytes > 0 else 0
-    E = opv[O.E]
-    T = opv[O.T]
-    L = opv[O.L]
-    k = opv[O.K]
-    itemsize = opv[O.ITEMSIZE]
+    E = opv[OP.E]
+    T = opv[OP.T]
+    L = opv[OP.L]
+    k = opv[OP.K]
     nsend = 0
     taken = 0
     i = start
@@ -709,7 +709,7 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
             return i, nsend, WS.OTHER
         if ln != HDR + isz * count:
             return i, nsend, WS.OTHER
-        if _u32(d, o + 8) != opv[O.JOB] or _i64(d, o + 12) != opv[O.TOKEN]:
+        if _u32(d, o + 8) != opv[OP.JOB] or _i64(d, o + 12) != opv[OP.TOKEN]:
             return i, nsend, WS.OTHER
         i += 1
         flags = np.int64(d[o + 4])
@@ -719,21 +719,21 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
         slot = _u32(d, o + 28)
         exp_data = _i16(d, o + 36)
         exp_next = _i16(d, o + 38)
-        if seq != opv[O.SEQ]:
+        if seq != opv[OP.SEQ]:
             cnt[WC.STALE_RESULT] += 1
             continue
         ln_i = p % E
         if p >= T or lane[LN.CHUNK, ln_i] != p:
             cnt[WC.DUPLICATE_RESULT] += 1
             continue
-        if slot != opv[O.SLOT_BASE] + ln_i or set_bit != lane[LN.SET, ln_i]:
+        if slot != opv[OP.SLOT_BASE] + ln_i or set_bit != lane[LN.SET, ln_i]:
             cnt[WC.BAD_SLOT] += 1
             continue
-        if count and elem != opv[O.ELEM]:
+        if count and elem != opv[OP.ELEM]:
             cnt[WC.BAD_COUNT] += 1
             continue
         pay = d[o + HDR:o + HDR + count * isz]
-        if opv[O.IS_FLOAT]:
+        if opv[OP.IS_FLOAT]:
             if p >= E:
                 blk = p - E
                 lo = blk * k
@@ -741,14 +741,14 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
                 if count != hi - lo:
                     cnt[WC.BAD_COUNT] += 1
                     continue
-                edge = exp_data >= opv[O.EDGE_EXP]
+                edge = exp_data >= opv[OP.EDGE_EXP]
                 if isz == 4:
-                    dequantize_block(pay.view(np.int32), exp_data, opv[O.P],
-                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[O.N], edge,
+                    dequantize_block(pay.view(np.int32), exp_data, opv[OP.P],
+                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[OP.N], edge,
                                      rtt[R.FMAX])
                 else:
-                    dequantize_block(pay.view(np.int16), exp_data, opv[O.P],
-                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[O.N], edge,
+                    dequantize_block(pay.view(np.int16), exp_data, opv[OP.P],
+                                     (flags & F_NONFINITE) != 0, out[lo:hi], opv[OP.N], edge,
                                      rtt[R.FMAX])
             elif count:
                 cnt[WC.BAD_COUNT] += 1
@@ -776,7 +776,7 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
                 cnt[WC.SPURIOUS] += 1
                 rtt[R.REO_SCALE] = min(rtt[R.REO_SCALE] * 2, 1024.0)
         rtt[R.DELIVERED_XMIT] = delivered
-        opv[O.DONE] += 1
+        opv[OP.DONE] += 1
         rtt[R.LAST_PROGRESS] = now
         rtt[R.LAST_HEARD] = now
         nxt = p + E
@@ -787,7 +787,7 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
             nsend += 1
         else:
             lane[LN.CHUNK, ln_i] = -1
-        if opv[O.DONE] == T:
+        if opv[OP.DONE] == T:
             return i, nsend, WS.OP_COMPLETE
         taken += 1
         if taken >= limit:
@@ -812,16 +812,3 @@ def next_deadline(lane, lanef):
         if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] < best:
             best = lanef[LF.DEADLINE, i]
     return best
-
-
-def warm_up() -> None:
-    """Compile (or load from the cache) every kernel for the types switchml uses, so that no
-    operation pays for compilation. Takes a few seconds on a fresh install, about 0.2 s after."""
-    from switchml.protocol.quantize import block_exponent, dequantize_into, quantize
-
-    for dt in (np.float32, np.float64):
-        x = np.ones(8, dtype=dt)
-        for bits in (32, 16):
-            e, _ = block_exponent(x)
-            q = quantize(x, e, 2, bits=bits)
-            dequantize_into(np.empty(8, dtype=dt), q, e, 2, bits=bits)

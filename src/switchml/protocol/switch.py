@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from switchml.protocol import kernels as K
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
@@ -84,6 +85,9 @@ Address = tuple[str, int]
 _HALF = 2**31
 _EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
+_MAX_COMPLETIONS = 65536 // HEADER_SIZE + 1  # a 64 KiB buffer of header-only requests
+_KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
+                 ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
 
 
 class SlotAllocator:
@@ -124,9 +128,23 @@ class SlotAllocator:
         self._free = merged
 
 
+def _bitmap(words: np.ndarray) -> int:
+    """A bitmap of uint64 words as a Python int (bit r = rank r)."""
+    return int.from_bytes(words.tobytes(), "little")
+
+
+def _store_bitmap(words: np.ndarray, value: int) -> None:
+    words[:] = np.frombuffer(value.to_bytes(8 * words.size, "little"), np.uint64)
+
+
 @dataclass(slots=True)
 class _Job:
-    """One job's membership and slot state. Lists are indexed ``[set][local slot]``."""
+    """One job's membership and slot state, as arrays the kernel works on.
+
+    ``st[field, set, slot]`` holds each (slot, set)'s round (``kernels.S``); ``seen`` and
+    ``conflict`` are bitmaps of 64-bit words ``[set, slot, word]``; ``bufs[set, slot]`` is the
+    result datagram of the (slot, set): header, then the accumulator.
+    """
 
     job_id: int
     token: int
@@ -136,48 +154,53 @@ class _Job:
     elements_per_packet: int
     members: list[Address | None]
     all_ranks: int = 0
-    seen: list[list[int]] = field(default_factory=list)
-    missing: list[list[int]] = field(default_factory=list)
-    seq: list[list[int]] = field(default_factory=list)  # -1: never used
-    chunk: list[list[int]] = field(default_factory=list)
-    count: list[list[int]] = field(default_factory=list)
-    elem: list[list[int]] = field(default_factory=list)  # INT32 or INT16 for the round
-    flags: list[list[int]] = field(default_factory=list)
-    exp_data: list[list[int]] = field(default_factory=list)
-    exp_next: list[list[int]] = field(default_factory=list)
-    digest: list[list[int]] = field(default_factory=list)  # operation digest of the round
-    conflict: list[list[int]] = field(default_factory=list)  # ranks whose chunk disagreed
-    conflict_shape: list[list[ChunkShape | None]] = field(default_factory=list)
-    buf: list[list[bytearray]] = field(default_factory=list)
-    acc: dict[int, list[list[np.ndarray]]] = field(default_factory=dict)
-    elements_aggregated: int = 0
+    jobv: np.ndarray = field(default=None)  # type: ignore[assignment]
+    st: np.ndarray = field(default=None)  # type: ignore[assignment]
+    seen: np.ndarray = field(default=None)  # type: ignore[assignment]
+    conflict: np.ndarray = field(default=None)  # type: ignore[assignment]
+    conflict_shape: dict[tuple[int, int], ChunkShape] = field(default_factory=dict)
+    bufs: np.ndarray = field(default=None)  # type: ignore[assignment]
+    views: list[list[memoryview]] = field(default_factory=list)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
-    min_seq: int | None = None  # set by an epoch JOIN: older requests predate a restart
     started: bool = False  # a request was accepted (membership is then fixed)
 
     def __post_init__(self) -> None:
         w = self.window
         self.all_ranks = (1 << self.num_workers) - 1
-        self.seen = [[0] * w, [0] * w]
-        self.missing = [[0] * w, [0] * w]
-        self.seq = [[-1] * w, [-1] * w]
-        self.chunk = [[0] * w, [0] * w]
-        self.count = [[0] * w, [0] * w]
-        self.elem = [[_INT32] * w, [_INT32] * w]
-        self.flags = [[0] * w, [0] * w]
-        self.exp_data = [[EXP_ZERO] * w, [EXP_ZERO] * w]
-        self.exp_next = [[EXP_ZERO] * w, [EXP_ZERO] * w]
-        self.digest = [[0] * w, [0] * w]
-        self.conflict = [[0] * w, [0] * w]
-        self.conflict_shape = [[None] * w, [None] * w]
-        size = HEADER_SIZE + 4 * self.elements_per_packet
-        self.buf = [[bytearray(size) for _ in range(w)] for _ in range(2)]
-        # One accumulator view per wire width over the same bytes.
-        self.acc = {
-            elem: [[np.frombuffer(b, dtype=dt, offset=HEADER_SIZE) for b in bufs]
-                   for bufs in self.buf]
-            for elem, dt in _ACC_DTYPE.items()
-        }
+        nwords = (self.num_workers + 63) // 64
+        jobv = np.zeros(K.J_FIELDS, np.int64)
+        jobv[K.J.JOB] = self.job_id
+        jobv[K.J.TOKEN] = np.uint64(self.token).view(np.int64)
+        jobv[K.J.N] = self.num_workers
+        jobv[K.J.SLOT_BASE] = self.slot_base
+        jobv[K.J.WINDOW] = w
+        jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
+        jobv[K.J.MIN_SEQ] = -1
+        jobv[K.J.NWORDS] = nwords
+        self.jobv = jobv
+        self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
+        self.st[K.S.SEQ] = -1
+        self.st[K.S.ELEM] = _INT32
+        self.st[K.S.EXP_DATA] = EXP_ZERO
+        self.st[K.S.EXP_NEXT] = EXP_ZERO
+        self.seen = np.zeros((2, w, nwords), np.uint64)
+        self.conflict = np.zeros((2, w, nwords), np.uint64)
+        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet), np.uint8)
+        self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
+
+    @property
+    def min_seq(self) -> int | None:
+        """Set by an epoch JOIN: older requests predate a restart."""
+        m = int(self.jobv[K.J.MIN_SEQ])
+        return None if m < 0 else m
+
+    @min_seq.setter
+    def min_seq(self, value: int) -> None:
+        self.jobv[K.J.MIN_SEQ] = value
+
+    @property
+    def elements_aggregated(self) -> int:
+        return int(self.jobv[K.J.AGGREGATED])
 
     @property
     def info(self) -> ControlInfo:
@@ -185,6 +208,13 @@ class _Job:
 
     def memory_bytes(self) -> int:
         return 2 * self.window * (HEADER_SIZE + 4 * self.elements_per_packet)
+
+    def shape(self, v: int, s: int) -> ChunkShape:
+        """What the round of (slot ``s``, set ``v``) says about its chunk."""
+        st = self.st
+        return ChunkShape(int(st[K.S.COUNT, v, s]), int(st[K.S.ELEM, v, s]),
+                          int(st[K.S.FLAGS, v, s]) & _SHAPE_FLAGS, int(st[K.S.EXP_DATA, v, s]),
+                          int(st[K.S.DIGEST, v, s]))
 
 
 class SwitchDataplane:
@@ -209,15 +239,15 @@ class SwitchDataplane:
         self._jobs: dict[int, _Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
         self._events: deque[Event] = deque()
-        self.drops: Counter[str] = Counter()
-        """Dropped datagrams by reason (``bad_magic``, ``unknown_job``, ``bad_token``, ...)."""
+        self._drops: Counter[str] = Counter()
+        self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
+        self._done = np.empty((_MAX_COMPLETIONS, 2), np.int64)
+        self._scratch = np.empty(0, np.uint8)
         self.packets_in = 0
         self.packets_out = 0
-        self.results_multicast = 0
         self.results_resent = 0
         self.waiting_sent = 0
         self.mismatch_sent = 0
-        self.rounds_abandoned = 0
         self._now = 0.0
         self._handlers = {
             MessageType.JOIN: self._handle_join,
@@ -227,32 +257,108 @@ class SwitchDataplane:
 
     # -- Endpoint contract -------------------------------------------------------------------
 
-    def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
+    def receive_datagram(self, data: bytes | bytearray | memoryview | np.ndarray, addr: Address,
                          now: float) -> None:
         """Process one datagram. Call ``datagrams_to_send`` afterwards."""
-        self.packets_in += 1
+        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        if not buf.flags.writeable:
+            buf = buf.copy()
+        self.receive_batch(buf, len(buf), len(buf), addr, now)
+
+    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
+                      now: float) -> None:
+        """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` of one sender (a GRO
+        buffer; ``seg = nbytes`` for one datagram), in order. Requests go through the compiled
+        kernel, many per call; control messages and anything rare datagram by datagram.
+        Call ``datagrams_to_send`` afterwards: results are views of slot memory, valid until
+        the next receive. Never raises for peer input: bad datagrams are dropped and counted.
+        """
         self._now = now
-        # NOTE: REQUEST fast path, inlined for speed: one struct unpack, no Header object.
-        if len(data) >= HEADER_SIZE:
-            f = HEADER.unpack_from(data)
-            if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                    and not f[3] & ~KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
-                    and len(data) == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
-                self._handle_request(f, data, addr, now)
-                return
+        if nbytes <= 0 or seg <= 0:
+            self.packets_in += 1
+            self._drops["short"] += 1
+            return
+        nseg = -(-nbytes // seg)
+        self.packets_in += nseg
+        view = memoryview(buf)
+        i = 0
+        while i < nseg:
+            o = i * seg
+            end = min(o + seg, nbytes)
+            f = self._request_fields(view, o, end)
+            if f is None:
+                self._receive_other(view[o:end], addr, now)
+                i += 1
+                continue
+            job = self._admit(f, addr, now)
+            if job is None:
+                i += 1
+                continue
+            rank = f[5]
+            nxt, ndone, code = K.switch_requests(buf, nbytes, seg, i, rank, job.jobv, job.st,
+                                                 job.seen, job.conflict, job.bufs, self._cnt,
+                                                 self._done)
+            if ndone:
+                self._multicast(job, ndone)
+            if code == K.SS.RETRANSMISSION or code == K.SS.MISMATCH:
+                g = HEADER.unpack_from(view, nxt * seg)
+                if code == K.SS.RETRANSMISSION:
+                    self._answer_retransmission(job, g, addr)
+                else:
+                    self._drops["inconsistent_chunk"] += 1
+                    self._mismatch(job, g, addr, ChunkShape(
+                        g[11], g[12], g[3] & _SHAPE_FLAGS, g[14], g[13]))
+                nxt += 1
+            elif code == K.SS.CONFLICT_ADDED:
+                self._mismatch(job, HEADER.unpack_from(view, (nxt - 1) * seg), addr, None)
+            elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
+                self._drops["internal"] += 1
+                nxt += 1
+            i = nxt
+
+    @staticmethod
+    def _request_fields(view: memoryview, o: int, end: int) -> tuple | None:
+        """The header tuple of a well-formed int32/int16 REQUEST at ``view[o:end]``, or None.
+
+        The same framing rules as ``kernels.request_framing``."""
+        if end - o < HEADER_SIZE:
+            return None
+        f = HEADER.unpack_from(view, o)
+        if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
+                and not f[3] & ~KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
+                and end - o == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
+            return f
+        return None
+
+    def _receive_other(self, data: memoryview, addr: Address, now: float) -> None:
+        """Control messages and malformed datagrams."""
         try:
             h = unpack_header(data)
         except WireError as exc:
-            self.drops[exc.reason] += 1
+            self._drops[exc.reason] += 1
             return
         handler = self._handlers.get(h.type)
         if handler is None:
-            # A REQUEST reaching here is well-formed but not int32/int16 (the fast path takes
-            # those).
+            # A REQUEST reaching here is well-formed but not int32/int16.
             reason = "bad_payload" if h.type is MessageType.REQUEST else "unexpected_type"
-            self.drops[reason] += 1
+            self._drops[reason] += 1
             return
         handler(h, data, addr, now)
+
+    def _multicast(self, job: _Job, ndone: int) -> None:
+        """Send every round the kernel completed to every member (views of slot memory)."""
+        out = self._out
+        members = [m for m in job.members if m is not None]
+        views = job.views
+        st = job.st
+        full = len(views[0][0])
+        for j in range(ndone):
+            v, s = self._done[j]
+            size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(
+                st[K.S.COUNT, v, s])
+            datagram = views[v][s] if size == full else views[v][s][:size]
+            for m in members:
+                out.append((datagram, m))
 
     def handle_timer(self, now: float) -> None:
         """Expire the leases of jobs that have been silent for ``lease_timeout_s``."""
@@ -284,6 +390,24 @@ class SwitchDataplane:
         """Job id -> geometry of every live job."""
         return {j.job_id: j.info for j in self._jobs.values()}
 
+    @property
+    def drops(self) -> Counter[str]:
+        """A snapshot of the dropped datagrams by reason (``bad_magic``, ``unknown_job``,
+        ``bad_token``, ``stale``, ...)."""
+        c = Counter(self._drops)
+        for name, i in _KERNEL_DROPS:
+            if self._cnt[i]:
+                c[name] += int(self._cnt[i])
+        return c
+
+    @property
+    def results_multicast(self) -> int:
+        return int(self._cnt[K.SC.MULTICAST])
+
+    @property
+    def rounds_abandoned(self) -> int:
+        return int(self._cnt[K.SC.ABANDONED])
+
     def stats(self) -> dict[str, object]:
         """A snapshot of the counters (for logs, ``switchml stats`` and tests)."""
         return {
@@ -304,7 +428,7 @@ class SwitchDataplane:
     # -- Control -----------------------------------------------------------------------------
 
     def _refuse(self, h: Header, addr: Address, reason: str) -> None:
-        self.drops["refused"] += 1
+        self._drops["refused"] += 1
         self._events.append(JobRefused(h.job, h.rank, addr, reason))
         payload = reason.encode()[:1024]
         reply = Header(MessageType.REFUSED, h.job, rank=h.rank, token=h.token,
@@ -319,7 +443,7 @@ class SwitchDataplane:
         try:
             asked, proof = unpack_join(unpack_payload(data, h))
         except WireError as exc:
-            self.drops[exc.reason] += 1
+            self._drops[exc.reason] += 1
             return
         job = self._jobs.get(h.job)
         if job is None:
@@ -330,7 +454,7 @@ class SwitchDataplane:
             secret = self.config.secret
             if secret is not None and not hmac.compare_digest(
                     proof, join_proof(secret, h.job, h.token, asked)):
-                self.drops["bad_secret"] += 1
+                self._drops["bad_secret"] += 1
                 self._refuse(h, addr, "creating a job on this switch needs its secret "
                              "(SWITCHML_SECRET)")
                 return
@@ -338,7 +462,7 @@ class SwitchDataplane:
             if job is None:
                 return
         elif h.token != job.token:
-            self.drops["bad_token"] += 1
+            self._drops["bad_token"] += 1
             return
         elif (asked.num_workers, asked.window, asked.elements_per_packet) != (
                 job.num_workers, job.window, job.elements_per_packet):
@@ -404,7 +528,7 @@ class SwitchDataplane:
         job = self._jobs.get(h.job)
         if job is not None:
             if h.token != job.token:
-                self.drops["bad_token"] += 1
+                self._drops["bad_token"] += 1
                 return
             if h.rank < job.num_workers and job.members[h.rank] == addr:
                 job.members[h.rank] = None
@@ -418,19 +542,19 @@ class SwitchDataplane:
         """Renew the lease of a member's job; an unknown job is answered with UNKNOWN_JOB."""
         job = self._jobs.get(h.job)
         if job is None:
-            self.drops["unknown_job"] += 1
+            self._drops["unknown_job"] += 1
             self._unknown_job(HEADER.unpack_from(data), addr)
             return
         if h.token != job.token or h.rank >= job.num_workers:
-            self.drops["bad_keepalive"] += 1
+            self._drops["bad_keepalive"] += 1
             return
         member = job.members[h.rank]
         if member is None:  # a member of an earlier incarnation of the job: rejoin
-            self.drops["not_joined"] += 1
+            self._drops["not_joined"] += 1
             self._unknown_job(HEADER.unpack_from(data), addr)
             return
         if member != addr:
-            self.drops["bad_keepalive"] += 1
+            self._drops["bad_keepalive"] += 1
             return
         job.last_seen = now
 
@@ -445,90 +569,43 @@ class SwitchDataplane:
 
     # -- Data --------------------------------------------------------------------------------
 
-    def _handle_request(self, f: tuple, data: bytes | bytearray | memoryview,
-                        addr: Address, now: float) -> None:
-        """Steps 1-4 of the module docstring, after the isolation checks.
+    def _admit(self, f: tuple, addr: Address, now: float) -> _Job | None:
+        """The isolation checks of a REQUEST (``f``: its header tuple), before it touches any
+        slot: its job, token, rank, the address the rank joined from, and its epoch. Returns
+        the job, or None when the request was dropped (and answered, where that helps).
 
-        ``f`` is the raw header tuple (see ``wire.HEADER``), already checked for framing.
-        """
-        (_m, _v, _t, flags, v, rank, job_id, token, seq, chunk, slot, count, elem, digest, exp_data,
-         exp_next) = f
+        The kernel repeats the job, token, rank and epoch checks for the datagrams after the
+        first of a buffer (a GRO buffer has one sender address, so one member check holds)."""
+        (_m, _v, _t, _flags, _set, rank, job_id, token, seq) = f[:9]
         job = self._jobs.get(job_id)
         if job is None:
-            self.drops["unknown_job"] += 1
+            self._drops["unknown_job"] += 1
             self._unknown_job(f, addr)
-            return
+            return None
         if token != job.token:
-            self.drops["bad_token"] += 1
-            return
+            self._drops["bad_token"] += 1
+            return None
         if rank >= job.num_workers:
-            self.drops["bad_rank"] += 1
-            return
+            self._drops["bad_rank"] += 1
+            return None
         member = job.members[rank]
         if member != addr:
             if member is None:
                 # Right token, but this rank has not joined this incarnation of the job (the
                 # switch restarted, or its lease expired and another rank re-created it).
-                self.drops["not_joined"] += 1
+                self._drops["not_joined"] += 1
                 self._unknown_job(f, addr)
             else:
-                self.drops["wrong_source"] += 1
-            return
-        if job.min_seq is not None:
-            ahead = (seq - job.min_seq) & _MASK32
-            if ahead >= _HALF:
-                self.drops["stale_epoch"] += 1  # from before a restart: tell it to catch up
-                self._unknown_job(f, addr)
-                return
-            if ahead > _EPOCH_TRAIL:  # keep the bound within reach of wrapping seq numbers
-                job.min_seq = (seq - _EPOCH_TRAIL) & _MASK32
+                self._drops["wrong_source"] += 1
+            return None
+        min_seq = job.min_seq
+        if min_seq is not None and ((seq - min_seq) & _MASK32) >= _HALF:
+            self._drops["stale_epoch"] += 1  # from before a restart: tell it to catch up
+            self._unknown_job(f, addr)
+            return None
         job.last_seen = now
         job.started = True
-        s = slot - job.slot_base
-        if not 0 <= s < job.window:
-            self.drops["bad_slot"] += 1
-            return
-        if count * _DATA_ITEMSIZE[elem] > 4 * job.elements_per_packet:
-            self.drops["bad_payload"] += 1
-            return
-        me = 1 << rank
-        order = self._compare_round(job, v, s, seq, chunk)
-        if order < 0:
-            self.drops["stale"] += 1
-            return
-        if order > 0:
-            self._start_round(job, data, v, s, me, seq, chunk, count, elem, flags, exp_data,
-                              exp_next, digest)
-        else:
-            prior = job.seen[v][s]
-            if prior & me:
-                self._answer_retransmission(job, rank, seq, chunk, slot, v, s, addr)
-                return
-            if job.missing[v][s] == 0:
-                self.drops["late_duplicate"] += 1
-                return
-            if (count != job.count[v][s] or elem != job.elem[v][s] or digest != job.digest[v][s]
-                    or exp_data != job.exp_data[v][s] or (flags ^ job.flags[v][s]) & _SHAPE_FLAGS):
-                self.drops["inconsistent_chunk"] += 1
-                self._mismatch(job, rank, seq, chunk, slot, v, s, addr,
-                               ChunkShape(count, elem, flags & _SHAPE_FLAGS, exp_data, digest))
-                return
-            if count:
-                acc = job.acc[elem][v][s][:count]
-                np.add(acc, np.frombuffer(data, dtype=acc.dtype, count=count, offset=HEADER_SIZE),
-                       out=acc)
-            job.seen[v][s] = prior | me
-            job.flags[v][s] |= flags & _NONFINITE
-            if exp_next > job.exp_next[v][s]:
-                job.exp_next[v][s] = exp_next
-            job.missing[v][s] -= 1
-            if job.conflict[v][s]:  # this chunk agrees with the round, but others did not
-                job.conflict[v][s] &= ~me
-                if job.conflict[v][s]:
-                    self._mismatch(job, rank, seq, chunk, slot, v, s, addr, None)
-        job.seen[1 - v][s] &= ~me
-        if job.missing[v][s] == 0:
-            self._complete(job, rank, seq, chunk, slot, v, s)
+        return job
 
     def _unknown_job(self, f: tuple, addr: Address) -> None:
         """Answer with UNKNOWN_JOB: a header-only echo, never larger than the request."""
@@ -536,89 +613,37 @@ class SwitchDataplane:
                                       f[8], f[9], f[10], 0, _BYTES, 0, EXP_ZERO, EXP_ZERO),
                           addr))
 
-    @staticmethod
-    def _compare_round(job: _Job, v: int, s: int, seq: int, chunk: int) -> int:
-        """Order (seq, chunk) against the set's round: -1 older, 0 same, 1 newer.
+    def _mismatch(self, job: _Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
+        """Tell the sender of ``f`` that the ranks disagree about this chunk (the round can't
+        complete).
 
-        ``seq`` compares with serial-number arithmetic (RFC 1982), so it may wrap.
-        """
-        cur = job.seq[v][s]
-        if cur < 0:
-            return 1
-        if seq != cur:
-            return 1 if ((seq - cur) & _MASK32) < _HALF else -1
-        cur_chunk = job.chunk[v][s]
-        return 0 if chunk == cur_chunk else (1 if chunk > cur_chunk else -1)
-
-    def _start_round(self, job: _Job, data: bytes | bytearray | memoryview, v: int, s: int,
-                     me: int, seq: int, chunk: int, count: int, elem: int, flags: int,
-                     exp_data: int, exp_next: int, digest: int) -> None:
-        """First contributor overwrites: no explicit reset of a recycled set."""
-        if job.seq[v][s] >= 0 and job.missing[v][s]:
-            self.rounds_abandoned += 1  # only after a failed operation; counted for operators
-        if count:
-            acc = job.acc[elem][v][s]
-            acc[:count] = np.frombuffer(data, dtype=acc.dtype, count=count, offset=HEADER_SIZE)
-        job.seq[v][s] = seq
-        job.chunk[v][s] = chunk
-        job.count[v][s] = count
-        job.elem[v][s] = elem
-        job.flags[v][s] = flags & (_NONFINITE | _SHAPE_FLAGS)
-        job.exp_data[v][s] = exp_data
-        job.exp_next[v][s] = exp_next
-        job.digest[v][s] = digest
-        job.seen[v][s] = me
-        job.missing[v][s] = job.num_workers - 1
-        job.conflict[v][s] = 0
-
-    def _complete(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int,
-                  s: int) -> None:
-        """Write the result header into the slot buffer and send it to every member."""
-        count = job.count[v][s]
-        elem = job.elem[v][s]
-        buf = job.buf[v][s]
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, _RESULT, job.flags[v][s], v, rank,
-                         job.job_id, job.token, seq, chunk, slot, count,
-                         elem, job.digest[v][s], job.exp_data[v][s], job.exp_next[v][s])
-        datagram = memoryview(buf)[: HEADER_SIZE + _DATA_ITEMSIZE[elem] * count]
-        for member in job.members:
-            if member is not None:
-                self._out.append((datagram, member))
-        self.results_multicast += 1
-        job.elements_aggregated += count
-
-    def _round_shape(self, job: _Job, v: int, s: int) -> ChunkShape:
-        return ChunkShape(job.count[v][s], job.elem[v][s], job.flags[v][s] & _SHAPE_FLAGS,
-                          job.exp_data[v][s], job.digest[v][s])
-
-    def _mismatch(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int, s: int,
-                  addr: Address, refused: ChunkShape | None) -> None:
-        """Tell ``rank`` that the ranks disagree about this chunk (the round can't complete).
-
-        ``refused``: the shape of ``rank``'s own chunk that was just refused (it is compared
+        ``refused``: the shape of the sender's own chunk that was just refused (it is compared
         with the round's); the round's contributors are told at once too, the first time
-        ``rank`` disagrees, so that nobody waits for a retransmission (a rank that fails and
-        exits may take the only other witness with it). None: ``rank`` is a contributor of a
+        this rank disagrees, so that nobody waits for a retransmission (a rank that fails and
+        exits may take the only other witness with it). None: the sender is a contributor of a
         round that already has a conflict, and is told about the refused chunks.
         """
+        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        s = slot - job.slot_base
+        conflict = _bitmap(job.conflict[v, s])
         if refused is not None:
-            first = not job.conflict[v][s] >> rank & 1
-            job.conflict[v][s] |= 1 << rank
-            job.conflict_shape[v][s] = refused
-            mine = self._round_shape(job, v, s)
-            self._send_mismatch(job, rank, seq, chunk, slot, v, mine, refused, job.seen[v][s],
-                                addr)
+            first = not conflict >> rank & 1
+            _store_bitmap(job.conflict[v, s], conflict | 1 << rank)
+            job.conflict_shape[v, s] = refused
+            mine = job.shape(v, s)
+            seen = _bitmap(job.seen[v, s])
+            self._send_mismatch(job, rank, seq, chunk, slot, v, mine, refused, seen, addr)
             if first:
-                seen = job.seen[v][s]
                 for r, member in enumerate(job.members):
                     if seen >> r & 1 and member is not None:
                         self._send_mismatch(job, r, seq, chunk, slot, v, refused, mine, 1 << rank,
                                             member)
         else:
-            theirs = job.conflict_shape[v][s]
-            assert theirs is not None
-            self._send_mismatch(job, rank, seq, chunk, slot, v, theirs,
-                                self._round_shape(job, v, s), job.conflict[v][s], addr)
+            theirs = job.conflict_shape.get((v, s))
+            if theirs is None:  # no refused chunk recorded: nothing to tell
+                return
+            self._send_mismatch(job, rank, seq, chunk, slot, v, theirs, job.shape(v, s),
+                                conflict, addr)
 
     def _send_mismatch(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int,
                        theirs: ChunkShape, mine: ChunkShape, ranks: int, addr: Address) -> None:
@@ -628,27 +653,29 @@ class SwitchDataplane:
         self._out.append((pack_header(reply) + payload, addr))
         self.mismatch_sent += 1
 
-    def _answer_retransmission(self, job: _Job, rank: int, seq: int, chunk: int, slot: int,
-                               v: int, s: int, addr: Address) -> None:
-        if job.missing[v][s] == 0:
+    def _answer_retransmission(self, job: _Job, f: tuple, addr: Address) -> None:
+        """A rank re-sent a chunk that is already in its round."""
+        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        s = slot - job.slot_base
+        st = job.st
+        if st[K.S.MISSING, v, s] == 0:
             # The result was lost on its way to this worker: resend the stored copy.
-            count = job.count[v][s]
-            datagram = bytearray(job.buf[v][s][: HEADER_SIZE + _DATA_ITEMSIZE[job.elem[v][s]]
-                                               * count])
+            size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(
+                st[K.S.COUNT, v, s])
+            datagram = bytearray(job.views[v][s][:size])
             datagram[4] |= Flags.RESENT
             self._out.append((bytes(datagram), addr))
             self.results_resent += 1
             return
-        if job.conflict[v][s]:
+        if job.conflict[v, s].any():
             # Still open, and some rank sent this chunk with another shape: it never completes.
-            self._mismatch(job, rank, seq, chunk, slot, v, s, addr, None)
+            self._mismatch(job, f, addr, None)
             return
         # Still open: this worker's data is in; tell it who is missing.
-        missing = job.all_ranks & ~job.seen[v][s]
+        missing = job.all_ranks & ~_bitmap(job.seen[v, s])
         payload = missing.to_bytes((job.num_workers + 7) // 8, "little")
         reply = Header(MessageType.WAITING, job.job_id, rank=rank, token=job.token, seq=seq,
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))
         self._out.append((pack_header(reply) + payload, addr))
         self.waiting_sent += 1
-        self.drops["duplicate"] += 1
-
+        self._drops["duplicate"] += 1

@@ -34,6 +34,7 @@ from enum import Enum
 
 import numpy as np
 
+from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import LocalProtocolError, WireError
 from switchml.protocol.events import (
@@ -45,15 +46,10 @@ from switchml.protocol.events import (
     OperationFailed,
     OperationRestarted,
 )
-from switchml.protocol import kernels as K
 from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import (
     EXP_ZERO,
-    HEADER,
     HEADER_SIZE,
-    KNOWN_FLAGS,
-    MAGIC,
-    VERSION,
     ControlInfo,
     ElementType,
     Flags,
@@ -155,18 +151,18 @@ class _Op:
         info = np.finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
         opv = np.zeros(K.O_FIELDS, np.int64)
-        opv[K.O.SEQ] = seq
-        opv[K.O.L], opv[K.O.E], opv[K.O.T], opv[K.O.K] = self.L, self.E, self.T, self.k
-        opv[K.O.JOB] = spec.job_id
-        opv[K.O.TOKEN] = np.uint64(spec.token).view(np.int64)
-        opv[K.O.RANK] = rank
-        opv[K.O.SLOT_BASE] = slot_base
-        opv[K.O.ELEM], opv[K.O.ITEMSIZE], opv[K.O.DIGEST] = self.elem, self.itemsize, self.digest
-        opv[K.O.P] = scale_bits(n, bits)
-        opv[K.O.N] = n
-        opv[K.O.IS_FLOAT] = self.is_float
-        opv[K.O.EDGE_EXP] = (info.maxexp - n.bit_length()) if info is not None else 0
-        opv[K.O.RACK] = rack
+        opv[K.OP.SEQ] = seq
+        opv[K.OP.L], opv[K.OP.E], opv[K.OP.T], opv[K.OP.K] = self.L, self.E, self.T, self.k
+        opv[K.OP.JOB] = spec.job_id
+        opv[K.OP.TOKEN] = np.uint64(spec.token).view(np.int64)
+        opv[K.OP.RANK] = rank
+        opv[K.OP.SLOT_BASE] = slot_base
+        opv[K.OP.ELEM], opv[K.OP.ITEMSIZE], opv[K.OP.DIGEST] = self.elem, self.itemsize, self.digest
+        opv[K.OP.P] = scale_bits(n, bits)
+        opv[K.OP.N] = n
+        opv[K.OP.IS_FLOAT] = self.is_float
+        opv[K.OP.EDGE_EXP] = (info.maxexp - n.bit_length()) if info is not None else 0
+        opv[K.OP.RACK] = rack
         self.opv = opv
         self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
         self.lane[K.LN.CHUNK] = -1

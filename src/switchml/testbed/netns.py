@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from switchml.protocol.errors import SwitchMLError
-from switchml.testbed.topology import Topology, nft_loss_ruleset, tbf_args
+from switchml.testbed.topology import Topology, ethtool_args, nft_loss_ruleset, tbf_args
 
 __all__ = ["Testbed", "TestbedError", "check_environment", "cleanup_stale"]
 
@@ -105,7 +105,7 @@ def _cleanup_stale_locked() -> list[str]:
             except BlockingIOError:
                 continue  # its owner holds the lock: alive
             owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            pattern = re.compile(rf"{re.escape(prefix)}(sw|ps|w\d+)")
+            pattern = re.compile(rf"{re.escape(prefix)}(sw|rt|ps|w\d+)")
             mine, errors = [], []
             for ns in live:
                 if pattern.fullmatch(ns):
@@ -155,12 +155,21 @@ class Testbed:
         self.namespaces: list[str] = []
         self._claim_fd: int | None = None
         self._procs: list[subprocess.Popen[Any]] = []
+        self.batching = False
+        """Whether processes started here may batch with UDP GSO/GRO (set when built: needs
+        ethtool to make every veth carry single datagrams)."""
 
     # -- names -------------------------------------------------------------------------------
 
     @property
     def switch_ns(self) -> str:
+        """The switch host, where ``switchml switch`` runs (behind the router)."""
         return f"{self.prefix}sw"
+
+    @property
+    def router_ns(self) -> str:
+        """The router: every link ends here, the loss rules and half the shaping live here."""
+        return f"{self.prefix}rt"
 
     @property
     def ps_ns(self) -> str:
@@ -206,31 +215,38 @@ class Testbed:
 
     def _build(self) -> None:
         topo, link = self.topology, self.topology.link
-        self._add_ns(self.switch_ns)
-        _run(["ip", "netns", "exec", self.switch_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        ends = [(i, self.worker_ns(i), topo.worker_ip(i), topo.switch_ip(i))
-                for i in range(topo.workers)]
-        ends.append((topo.ps_link, self.ps_ns, topo.ps_ip, f"{topo.subnet}.{topo.ps_link}.1"))
-        for i, ns, host_ip, switch_ip in ends:
+        self.batching = shutil.which("ethtool") is not None
+        if not self.batching:
+            log.warning("ethtool not found (Debian package ethtool): UDP GSO/GRO batching is "
+                        "off in the testbed (SWITCHML_GSO=0), so that loss stays per datagram")
+        self._add_ns(self.router_ns)
+        _run(["ip", "netns", "exec", self.router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        ends = [(i, self.worker_ns(i), topo.worker_ip(i)) for i in range(topo.workers)]
+        ends.append((topo.ps_link, self.ps_ns, topo.ps_ip))
+        ends.append((topo.switch_link, self.switch_ns, topo.switch_ip()))
+        for i, ns, host_ip in ends:
             self._add_ns(ns)
-            near, far = f"{self.prefix}s{i}", f"{self.prefix}h{i}"
-            # Created inside the switch namespace: nothing ever appears in the root namespace.
-            _run(["ip", "-n", self.switch_ns, "link", "add", near, "mtu", str(link.mtu), "type",
+            near, far, gateway = f"{self.prefix}s{i}", f"{self.prefix}h{i}", topo.gateway_ip(i)
+            # Created inside the router namespace: nothing ever appears in the root namespace.
+            _run(["ip", "-n", self.router_ns, "link", "add", near, "mtu", str(link.mtu), "type",
                   "veth", "peer", "name", far, "mtu", str(link.mtu), "netns", ns])
-            _run(["ip", "-n", self.switch_ns, "addr", "add", f"{switch_ip}/24", "dev", near])
+            _run(["ip", "-n", self.router_ns, "addr", "add", f"{gateway}/24", "dev", near])
             _run(["ip", "-n", ns, "addr", "add", f"{host_ip}/24", "dev", far])
-            _run(["ip", "-n", self.switch_ns, "link", "set", near, "up"])
+            _run(["ip", "-n", self.router_ns, "link", "set", near, "up"])
             _run(["ip", "-n", ns, "link", "set", far, "up"])
-            _run(["ip", "-n", ns, "route", "add", "default", "via", switch_ip])
-            for where, dev in ((self.switch_ns, near), (ns, far)):
-                self._shape(where, dev)
-            if link.loss_rate > 0:
-                _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
-                     stdin=nft_loss_ruleset("smlloss", link.loss_rate, ("input",)))
+            _run(["ip", "-n", ns, "route", "add", "default", "via", gateway])
+            for where, dev, host_end in ((self.router_ns, near, False), (ns, far, True)):
+                if self.batching:
+                    _run(["ip", "netns", "exec", where, "ethtool", "-K",
+                          *ethtool_args(dev, host_end)])
+                if i != topo.switch_link:  # the internal link is the switch itself: unshaped
+                    self._shape(where, dev)
         if link.loss_rate > 0:
-            _run(["ip", "netns", "exec", self.switch_ns, "nft", "-f", "-"],
-                 stdin=nft_loss_ruleset("smlloss", link.loss_rate, ("input", "forward")))
-        log.info("testbed %s up: %d workers, %s", self.prefix, topo.workers, link)
+            _run(["ip", "netns", "exec", self.router_ns, "nft", "-f", "-"],
+                 stdin=nft_loss_ruleset("smlloss", link.loss_rate,
+                                        f"{self.prefix}s{topo.switch_link}"))
+        log.info("testbed %s up: %d workers, %s, batching %s", self.prefix, topo.workers, link,
+                 "on" if self.batching else "off (no ethtool)")
 
     def _shape(self, ns: str, dev: str) -> None:
         args = tbf_args(self.topology.link)
@@ -285,12 +301,13 @@ class Testbed:
     def popen(self, ns: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start a process in a namespace; it is killed at teardown.
 
-        switchml's UDP GSO batching is off in there (``SWITCHML_GSO=0``, unless ``env`` says
-        otherwise): a veth carries a GSO run as one packet, so the loss rules would drop whole
-        runs where a real link loses datagrams one by one.
+        switchml batches with UDP GSO/GRO in there as anywhere (every veth end is set to carry
+        single datagrams, so loss is per datagram). Without ethtool the links would carry GSO
+        runs whole and the loss rules would drop whole runs, so batching is then turned off
+        (``SWITCHML_GSO=0``, unless ``env`` says otherwise).
         """
         env = kwargs.pop("env", None)
-        env = {**os.environ, "SWITCHML_GSO": "0", **(env or {})}
+        env = {**os.environ, **({} if self.batching else {"SWITCHML_GSO": "0"}), **(env or {})}
         proc = subprocess.Popen(self.argv(ns, argv), env=env, **kwargs)
         self._procs.append(proc)
         return proc

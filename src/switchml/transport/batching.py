@@ -104,8 +104,11 @@ class BatchSender:
 
     ``connected``: the socket is connected (a worker's): destinations are ignored. Datagrams
     larger than half a GSO buffer are sent at once (nothing to batch them with); smaller ones
-    are copied into the queue (the switch's results are views of its slot memory) until
-    :meth:`flush`. Without GSO every datagram is sent at once.
+    are queued *by reference* until :meth:`flush`, which hands the kernel the list of buffers
+    (``sendmsg`` gathers them: no copy in Python). So a queued buffer must not change before
+    ``flush``: the endpoints' buffers (slot memory, a worker lane's transmit buffer) stay valid
+    until their next receive, and the pumps flush before that. Without GSO every datagram is
+    sent at once.
 
     Counters: ``calls`` (system calls made), ``datagrams``, ``errors`` (send failures, each
     a lost datagram: retransmission recovers), ``blocked`` (the socket buffer was full),
@@ -120,7 +123,7 @@ class BatchSender:
         self.raise_errors = raise_errors
         """Re-raise send errors other than a full buffer or ICMP port unreachable (a worker:
         e.g. ENETUNREACH should fail at once, not by timeout); else count them."""
-        self._queue: dict[Address | None, list[bytes]] = {}
+        self._queue: dict[Address | None, list[bytes | bytearray | memoryview]] = {}
         self.calls = 0
         self.datagrams = 0
         self.errors = 0
@@ -134,9 +137,9 @@ class BatchSender:
         key = None if self.connected else addr
         q = self._queue.get(key)
         if q is None:
-            self._queue[key] = [bytes(data)]
+            self._queue[key] = [data]
         else:
-            q.append(bytes(data))
+            q.append(data)
 
     def flush(self) -> None:
         if not self._queue:
@@ -177,15 +180,16 @@ class BatchSender:
                 raise
             self.errors += 1
 
-    def _send_run(self, run: list[bytes], size: int, addr: Address | None) -> None:
+    def _send_run(self, run: list[bytes | bytearray | memoryview], size: int,
+                  addr: Address | None) -> None:
         self.calls += 1
         self.datagrams += len(run)
         anc = [(SOL_UDP, UDP_SEGMENT, _SEG.pack(size))]
         try:
             if self.connected or addr is None:
-                self.sock.sendmsg([b"".join(run)], anc)
+                self.sock.sendmsg(run, anc)
             else:
-                self.sock.sendmsg([b"".join(run)], anc, 0, addr)
+                self.sock.sendmsg(run, anc, 0, addr)
         except BlockingIOError:
             self.blocked += len(run)
         except ConnectionRefusedError:

@@ -133,6 +133,7 @@ class SwitchServer:
         timers.start()
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
+        arr = np.frombuffer(buf, np.uint8)
         dp = self.dataplane
         sock = self.sock
         sender = self._sender
@@ -152,19 +153,17 @@ class SwitchServer:
                 continue
             now = clock()
             with lock:
-                # One datagram, or several of one sender coalesced by GRO.
-                for start, end in segments(nbytes, seg):
-                    try:
-                        dp.receive_datagram(view[start:end], addr, now)
-                        out = dp.datagrams_to_send(now)
-                    except Exception:  # a bug must not take the shared switch down
-                        self.internal_errors += 1
-                        log.exception("internal error on a datagram from %s; dropped",
-                                      _fmt(addr))
-                        dp.datagrams_to_send(now)  # nothing half-done goes out
-                        continue
-                    for data, dst in out:
-                        add(data, dst)
+                # One datagram, or several of one sender coalesced by GRO: one call.
+                try:
+                    dp.receive_batch(arr, nbytes, seg, addr, now)
+                    out = dp.datagrams_to_send(now)
+                except Exception:  # a bug must not take the shared switch down
+                    self.internal_errors += 1
+                    log.exception("internal error on a buffer from %s; dropped", _fmt(addr))
+                    dp.datagrams_to_send(now)  # nothing half-done goes out
+                    out = []
+                for data, dst in out:
+                    add(data, dst)
                 sender.flush()
                 while (ev := dp.next_event()) is not None:
                     self._log_event(ev)
@@ -520,6 +519,7 @@ class WorkerClient:
         sock = self.sock
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
+        arr = np.frombuffer(buf, np.uint8)
         clock = time.monotonic
         closing = False
         waiting = self._waiting
@@ -571,13 +571,16 @@ class WorkerClient:
                     self.truncated += 1
                     continue
                 now = clock()
-                # One datagram, or several coalesced by GRO: take them all, then send what
-                # they released in as few system calls as possible.
-                for start, end in segments(nbytes, seg):
-                    if self._loss_rate and self._loss_rng.random() < self._loss_rate:
-                        self.injected_losses += 1
-                        continue
-                    ep.receive_datagram(view[start:end], self.switch, now)
+                # One datagram, or several coalesced by GRO: take them all in one call, then
+                # send what they released in as few system calls as possible.
+                if self._loss_rate:
+                    for start, end in segments(nbytes, seg):
+                        if self._loss_rng.random() < self._loss_rate:
+                            self.injected_losses += 1
+                            continue
+                        ep.receive_datagram(view[start:end], self.switch, now)
+                else:
+                    ep.receive_batch(arr, nbytes, seg, self.switch, now)
                 got = True
                 self._transmit(clock())
             if got:
