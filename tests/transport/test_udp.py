@@ -259,10 +259,12 @@ def test_switch_command_reports_port_in_use():
 
 
 def test_switch_command_says_whether_it_batches_and_no_batching_turns_it_off():
-    from switchml.transport.batching import gso_supported
+    from switchml.transport.batching import gso_supported, recvmmsg_supported
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        default = "GSO on, GRO on" if gso_supported(s) else "GSO off"
-    for flags, expect in (([], default), (["--no-batching"], "GSO off, GRO off")):
+        default = ("GSO on, receive " + ("recvmmsg" if recvmmsg_supported() else "GRO")
+                   if gso_supported(s) else "GSO off")
+    for flags, expect in (([], default),
+                          (["--no-batching"], "GSO off, receive one datagram per call")):
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchml", "switch", "--port", "0", "--metrics-port", "0",
              *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -50,7 +50,9 @@ def switch(a: dict[str, Any]) -> None:
     stats = server.stats()
     server.stop()
     _emit({"cpu_s": _cpu() - c0, "drops": stats["drops"],
-           "results_resent": stats["results_resent"], "packets_in": stats["packets_in"]})
+           "results_resent": stats["results_resent"], "packets_in": stats["packets_in"],
+           "packets_out": stats["packets_out"], "recv_calls": stats["recv_calls"],
+           "send_calls": stats["send_calls"]})
 
 
 def switchml(a: dict[str, Any]) -> None:
@@ -67,7 +69,10 @@ def switchml(a: dict[str, Any]) -> None:
         n = spec.num_workers
         r["max_abs_error"] = float(np.max(np.abs(out - n * (n + 1) / 2)))
         r["retransmissions"] = w.counters.get("retransmissions", 0)
-        r["fast_retransmissions"] = w.counters.get("fast_retransmissions", 0)
+        c = w.counters
+        r["fast_retransmissions"] = c.get("fast_retransmissions", 0)
+        r["system_calls"] = {k: c.get(k, 0) for k in ("packets_sent", "results_received",
+                                                       "send_calls", "recv_calls")}
     _emit(r)
 
 

@@ -145,6 +145,13 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         extra["max_abs_error"] = max(r["max_abs_error"] for r in rows)
         extra["retransmissions"] = sum(r["retransmissions"] for r in rows)
         extra["fast_retransmissions"] = sum(r.get("fast_retransmissions", 0) for r in rows)
+        calls = [r.get("system_calls", {}) for r in rows]
+        extra["worker_datagrams_per_recv_call"] = round(
+            sum(c.get("results_received", 0) for c in calls)
+            / max(1, sum(c.get("recv_calls", 0) for c in calls)), 2)
+        extra["worker_datagrams_per_send_call"] = round(
+            sum(c.get("packets_sent", 0) for c in calls)
+            / max(1, sum(c.get("send_calls", 0) for c in calls)), 2)
     elif system == "gloo":
         port = 29000 + secrets.randbelow(20000)
         # gloo binds to the address its host name resolves to; name the link instead.

@@ -236,20 +236,22 @@ def _any_bit(bm, v, s):
 
 
 @njit(**_KW)
-def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs, cnt, done):
-    """Aggregate the REQUESTs of one sender's buffer, from segment ``start`` on.
+def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, conflict, bufs,
+                    cnt, done):
+    """Aggregate the REQUESTs of a batch of datagrams, from datagram ``start`` on.
 
-    ``d``: the received bytes (uint8); datagram ``i`` is ``d[i*seg : min((i+1)*seg, nbytes)]``.
-    The caller has checked that segment ``start`` is a REQUEST of this job from ``rank`` at the
-    rank's joined address; every later segment must be one too (same job, token and rank), else
-    the kernel stops there. ``done`` receives the (set, slot) of every round completed here; the
-    result datagram is then ``bufs[set, slot, :HDR + itemsize * count]``.
+    ``d``: the received bytes (uint8); datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``
+    and came from the sender ``srcs[i]`` (a number per address). The caller has checked that
+    datagram ``start`` is a REQUEST of this job from ``rank`` at the rank's joined address;
+    every later one must be too (same sender, job, token and rank), else the kernel stops
+    there. ``done`` receives ``(set, slot, length)`` of every round completed
+    here: the result datagram is ``bufs[set, slot, :length]``.
 
     Returns ``(next, ndone, code)``: the segment to go on from, completions written, and why it
     stopped (``SS.DONE`` when ``next`` is past the end; else the Python side handles segment
     ``next`` (``SS.CONFLICT_ADDED``: segment ``next - 1``) and calls again).
     """
-    nseg = (nbytes + seg - 1) // seg if nbytes > 0 else 0
+    src = srcs[start]
     job_id = jobv[J.JOB]
     token = jobv[J.TOKEN]
     n = jobv[J.N]
@@ -259,18 +261,18 @@ def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs,
     ndone = 0
     i = start
     while i < nseg:
-        o = i * seg
-        ln = min(seg, nbytes - o)
-        if not request_framing(d, o, ln):
-            return i, ndone, SS.OTHER
+        o = starts[i]
+        ln = lens[i]
+        if srcs[i] != src or not request_framing(d, o, ln):
+            return i, ndone, SS.OTHER.value
         if (_u32(d, o + 8) != job_id or _i64(d, o + 12) != token or _u16(d, o + 6) != rank):
-            return i, ndone, SS.OTHER
+            return i, ndone, SS.OTHER.value
         seq = _u32(d, o + 20)
         min_seq = jobv[J.MIN_SEQ]
         if min_seq >= 0:
             ahead = (seq - min_seq) & MASK32
             if ahead >= HALF:
-                return i, ndone, SS.OTHER  # from before a restart: Python tells it
+                return i, ndone, SS.OTHER.value  # from before a restart: Python tells it
             if ahead > EPOCH_TRAIL:  # keep the bound within reach of wrapping seq numbers
                 jobv[J.MIN_SEQ] = (seq - EPOCH_TRAIL) & MASK32
         cnt[SC.PACKETS] += 1
@@ -328,7 +330,7 @@ def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs,
             st[S.MISSING, v, s] = n - 1
         else:
             if _has_bit(seen, v, s, rank):
-                return i, ndone, SS.RETRANSMISSION
+                return i, ndone, SS.RETRANSMISSION.value
             if st[S.MISSING, v, s] == 0:
                 cnt[SC.LATE_DUPLICATE] += 1  # a rank that has already moved on
                 i += 1
@@ -336,7 +338,7 @@ def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs,
             if (count != st[S.COUNT, v, s] or elem != st[S.ELEM, v, s]
                     or digest != st[S.DIGEST, v, s] or exp_data != st[S.EXP_DATA, v, s]
                     or ((flags ^ st[S.FLAGS, v, s]) & SHAPE_FLAGS) != 0):
-                return i, ndone, SS.MISMATCH
+                return i, ndone, SS.MISMATCH.value
             if count:  # integer adds wrap, as a switch's adders do
                 if elem == E_INT32:
                     a32 = acc_b.view(np.int32)
@@ -364,13 +366,14 @@ def switch_requests(d, nbytes, seg, start, rank, jobv, st, seen, conflict, bufs,
                          st[S.EXP_NEXT, v, s])
             done[ndone, 0] = v
             done[ndone, 1] = s
+            done[ndone, 2] = HDR + itemsize * count
             ndone += 1
             cnt[SC.MULTICAST] += 1
             jobv[J.AGGREGATED] += count
         i += 1
         if stopped_conflict:
-            return i, ndone, SS.CONFLICT_ADDED
-    return i, ndone, SS.DONE
+            return i, ndone, SS.CONFLICT_ADDED.value
+    return i, ndone, SS.DONE.value
 
 
 # -- numerics (quantize.py documents them) ------------------------------------------------------
@@ -676,15 +679,15 @@ def _update_rtt(rtt, sample):
 
 
 @njit(**_KW)
-def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, next_set, exps,
-                   nonf, x, out, res, txbuf, cnt, sendq, sendlen):
-    """Take the RESULTs of one buffer from segment ``start``: dequantize into ``out``, time the
+def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
+                   exps, nonf, x, out, res, txbuf, cnt, sendq, sendlen):
+    """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
+    from datagram ``start`` on: dequantize into ``out``, time the
     round trip, and build the packet each result releases on its lane.
 
     Returns ``(next, nsend, code)``: lanes whose packet is ready are ``sendq[:nsend]`` (lengths
     in ``sendlen``); ``code`` says why it stopped (``WC``). ``limit``: stop after this many
     results taken (RACK looks for losses after each)."""
-    nseg = (nbytes + seg - 1) // seg if nbytes > 0 else 0
     E = opv[OP.E]
     T = opv[OP.T]
     L = opv[OP.L]
@@ -693,12 +696,12 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
     taken = 0
     i = start
     while i < nseg:
-        o = i * seg
-        ln = min(seg, nbytes - o)
+        o = starts[i]
+        ln = lens[i]
         if ln < HDR or _u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
-            return i, nsend, WS.OTHER
+            return i, nsend, WS.OTHER.value
         if d[o + 5] > 1 or (d[o + 4] & ~KNOWN_FLAGS) != 0:
-            return i, nsend, WS.OTHER
+            return i, nsend, WS.OTHER.value
         elem = np.int64(d[o + 34])
         count = _u16(d, o + 32)
         if elem == E_INT32:
@@ -706,11 +709,11 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
         elif elem == E_INT16:
             isz = 2
         else:
-            return i, nsend, WS.OTHER
+            return i, nsend, WS.OTHER.value
         if ln != HDR + isz * count:
-            return i, nsend, WS.OTHER
+            return i, nsend, WS.OTHER.value
         if _u32(d, o + 8) != opv[OP.JOB] or _i64(d, o + 12) != opv[OP.TOKEN]:
-            return i, nsend, WS.OTHER
+            return i, nsend, WS.OTHER.value
         i += 1
         flags = np.int64(d[o + 4])
         set_bit = np.int64(d[o + 5])
@@ -788,11 +791,11 @@ def worker_results(d, nbytes, seg, start, limit, now, opv, lane, lanef, rtt, nex
         else:
             lane[LN.CHUNK, ln_i] = -1
         if opv[OP.DONE] == T:
-            return i, nsend, WS.OP_COMPLETE
+            return i, nsend, WS.OP_COMPLETE.value
         taken += 1
         if taken >= limit:
-            return i, nsend, WS.ONE
-    return i, nsend, WS.DONE
+            return i, nsend, WS.ONE.value
+    return i, nsend, WS.DONE.value
 
 
 @njit(**_KW)
@@ -802,6 +805,42 @@ def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, 
     for p in range(count):
         sendlen[p] = send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps,
                                 nonf, x, res, txbuf, cnt)
+
+
+@njit(**_KW)
+def gro_segments(nbytes, seg, starts, lens):
+    """Fill ``starts``/``lens`` with the datagrams of a GRO buffer (all ``seg`` long but the
+    last); return their number."""
+    n = 0
+    o = 0
+    while o < nbytes and n < starts.size:
+        starts[n] = o
+        lens[n] = min(seg, nbytes - o)
+        o += seg
+        n += 1
+    return n
+
+
+@njit(**_KW)
+def split_buffers(starts, lens, senders, gso, n, out_starts, out_lens, out_senders):
+    """Cut ``n`` received buffers (each a datagram, or a GRO buffer of datagrams ``gso[i]``
+    long but the last) into datagrams; return their number."""
+    m = 0
+    for i in range(n):
+        seg = gso[i] if gso[i] > 0 else lens[i]
+        o = starts[i]
+        end = o + lens[i]
+        while True:
+            if m >= out_starts.size:
+                return m
+            out_starts[m] = o
+            out_lens[m] = min(seg, end - o)
+            out_senders[m] = senders[i]
+            m += 1
+            o += seg
+            if o >= end:
+                break
+    return m
 
 
 @njit(**_KW)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hmac
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,7 +86,8 @@ Address = tuple[str, int]
 _HALF = 2**31
 _EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
-_MAX_COMPLETIONS = 65536 // HEADER_SIZE + 1  # a 64 KiB buffer of header-only requests
+_MAX_SEGMENTS = 4096  # datagrams in one GRO buffer (the kernel merges at most 64)
+_MAX_COMPLETIONS = _MAX_SEGMENTS  # rounds one kernel call can complete
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
 
@@ -241,8 +243,10 @@ class SwitchDataplane:
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
-        self._done = np.empty((_MAX_COMPLETIONS, 2), np.int64)
-        self._scratch = np.empty(0, np.uint8)
+        self._done = np.empty((_MAX_COMPLETIONS, 3), np.int64)
+        self._starts = np.empty(_MAX_SEGMENTS, np.int64)
+        self._lens = np.empty(_MAX_SEGMENTS, np.int64)
+        self._one_sender = np.zeros(_MAX_SEGMENTS, np.int64)
         self.packets_in = 0
         self.packets_out = 0
         self.results_resent = 0
@@ -268,23 +272,44 @@ class SwitchDataplane:
     def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
                       now: float) -> None:
         """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` of one sender (a GRO
-        buffer; ``seg = nbytes`` for one datagram), in order. Requests go through the compiled
-        kernel, many per call; control messages and anything rare datagram by datagram.
-        Call ``datagrams_to_send`` afterwards: results are views of slot memory, valid until
-        the next receive. Never raises for peer input: bad datagrams are dropped and counted.
+        buffer; ``seg = nbytes`` for one datagram), in order. Call ``datagrams_to_send``
+        afterwards: results are views of slot memory, valid until the next receive. Never
+        raises for peer input: bad datagrams are dropped and counted.
         """
         self._now = now
         if nbytes <= 0 or seg <= 0:
             self.packets_in += 1
             self._drops["short"] += 1
             return
-        nseg = -(-nbytes // seg)
-        self.packets_in += nseg
+        count = K.gro_segments(nbytes, seg, self._starts, self._lens)
+        excess = -(-nbytes // seg) - count
+        if excess:  # more than a GRO buffer can hold: malformed
+            self.packets_in += excess
+            self._drops["too_many_segments"] += excess
+        self._receive(buf, self._starts, self._lens, self._one_sender, count,
+                      lambda _key: addr, now)
+
+    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
+                     now: float) -> None:
+        """Process ``count`` datagrams ``buf[starts[i] : starts[i] + lens[i]]`` (int64 arrays)
+        of several senders (``recvmmsg``): ``senders[i]`` is a number per sender address and
+        ``address_of`` turns it into the address. In order, as ``receive_batch``."""
+        self._now = now
+        self._receive(buf, starts, lens, senders, count, address_of, now)
+
+    def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 senders: np.ndarray, count: int, address_of: Callable[[int], Address],
+                 now: float) -> None:
+        """Requests go through the compiled kernel, many per call; control messages and
+        anything rare datagram by datagram."""
+        self.packets_in += count
         view = memoryview(buf)
         i = 0
-        while i < nseg:
-            o = i * seg
-            end = min(o + seg, nbytes)
+        while i < count:
+            o = int(starts[i])
+            end = o + int(lens[i])
+            addr = address_of(int(senders[i]))
             f = self._request_fields(view, o, end)
             if f is None:
                 self._receive_other(view[o:end], addr, now)
@@ -294,14 +319,13 @@ class SwitchDataplane:
             if job is None:
                 i += 1
                 continue
-            rank = f[5]
-            nxt, ndone, code = K.switch_requests(buf, nbytes, seg, i, rank, job.jobv, job.st,
-                                                 job.seen, job.conflict, job.bufs, self._cnt,
-                                                 self._done)
+            nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i, f[5],
+                                                 job.jobv, job.st, job.seen, job.conflict,
+                                                 job.bufs, self._cnt, self._done)
             if ndone:
                 self._multicast(job, ndone)
             if code == K.SS.RETRANSMISSION or code == K.SS.MISMATCH:
-                g = HEADER.unpack_from(view, nxt * seg)
+                g = HEADER.unpack_from(view, int(starts[nxt]))
                 if code == K.SS.RETRANSMISSION:
                     self._answer_retransmission(job, g, addr)
                 else:
@@ -310,7 +334,7 @@ class SwitchDataplane:
                         g[11], g[12], g[3] & _SHAPE_FLAGS, g[14], g[13]))
                 nxt += 1
             elif code == K.SS.CONFLICT_ADDED:
-                self._mismatch(job, HEADER.unpack_from(view, (nxt - 1) * seg), addr, None)
+                self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr, None)
             elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
                 self._drops["internal"] += 1
                 nxt += 1
@@ -350,12 +374,8 @@ class SwitchDataplane:
         out = self._out
         members = [m for m in job.members if m is not None]
         views = job.views
-        st = job.st
         full = len(views[0][0])
-        for j in range(ndone):
-            v, s = self._done[j]
-            size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(
-                st[K.S.COUNT, v, s])
+        for v, s, size in self._done[:ndone].tolist():
             datagram = views[v][s] if size == full else views[v][s][:size]
             for m in members:
                 out.append((datagram, m))

@@ -87,6 +87,7 @@ _WIRE = {32: (_INT32, 4, "<i4"), 16: (_INT16, 2, "<i2")}  # bits -> (elem, items
 _LEAVE_TIMEOUT_S = 1.0
 _F16 = np.dtype(np.float16)
 _NO_RESIDUAL = np.empty(0, np.float64)
+_MAX_SEGMENTS = 4096  # datagrams in one GRO buffer (the kernel merges at most 64)
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
@@ -239,6 +240,8 @@ class WorkerEndpoint:
         self._rtt[K.R.REO_SCALE] = 1.0
         self._next_set_arr = np.zeros(spec.window, np.int64)
         self._cnt = np.zeros(K.WC.N, np.int64)
+        self._starts = np.empty(_MAX_SEGMENTS, np.int64)
+        self._lens = np.empty(_MAX_SEGMENTS, np.int64)
         self._drops: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._handlers = {
@@ -357,36 +360,44 @@ class WorkerEndpoint:
     def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
                       now: float) -> None:
         """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` (uint8; one GRO
-        buffer from the switch, or one datagram with ``seg = nbytes``). Results of the
-        operation in flight go through the compiled kernel, many per call; anything else
-        datagram by datagram, in order.
-        """
+        buffer from the switch, or one datagram with ``seg = nbytes``), in order."""
         if nbytes <= 0 or seg <= 0:
             self._receive_other(b"", now)
             return
-        nseg = -(-nbytes // seg)
+        count = K.gro_segments(nbytes, seg, self._starts, self._lens)
+        excess = -(-nbytes // seg) - count
+        if excess:
+            self._drops["too_many_segments"] += excess
+        self.receive_many(buf, self._starts, self._lens, count, now)
+
+    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
+                     now: float) -> None:
+        """Process ``count`` datagrams ``buf[starts[i] : starts[i] + lens[i]]`` (int64 arrays;
+        ``recvmmsg``) from the switch, in order. Results of the operation in flight go through
+        the compiled kernel, many per call; anything else datagram by datagram."""
         view = None
         i = 0
-        while i < nseg:
+        while i < count:
             op = self._op
             if op is None or self.state is not WorkerState.BUSY:
                 nxt, code = i, K.WS.OTHER
             else:
-                limit = 1 if self._fast_retransmit else nseg
+                limit = 1 if self._fast_retransmit else count
                 nxt, nsend, code = K.worker_results(
-                    buf, nbytes, seg, i, limit, now, op.opv, op.lane, op.lanef, self._rtt,
-                    self._next_set_arr, op.exps, op.nonf, op.xk, op.outk, op.res, op.txbuf,
-                    self._cnt, op.sendq, op.sendlen)
+                    buf, starts, lens, count, i, limit, now, op.opv, op.lane, op.lanef,
+                    self._rtt, self._next_set_arr, op.exps, op.nonf, op.xk, op.outk, op.res,
+                    op.txbuf, self._cnt, op.sendq, op.sendlen)
                 for j in range(nsend):
                     self._queue_lane(op, int(op.sendq[j]), int(op.sendlen[j]), now)
                 if code == K.WS.OP_COMPLETE:
                     self._complete(op, now)
-                elif code == K.WS.ONE:
+                elif code == K.WS.ONE and self._fast_retransmit:
                     self._detect_losses(op, float(self._rtt[K.R.DELIVERED_XMIT]), now)
-            if code == K.WS.OTHER and nxt < nseg:
+            if code == K.WS.OTHER and nxt < count:
                 if view is None:
                     view = memoryview(buf)
-                self._receive_other(view[nxt * seg:min((nxt + 1) * seg, nbytes)], now)
+                o = int(starts[nxt])
+                self._receive_other(view[o:o + int(lens[nxt])], now)
                 nxt += 1
             i = nxt
 

@@ -20,15 +20,22 @@ against 4.7 M/s with GSO + GRO (``docs/benchmarks.md``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import os
 import socket
 import struct
+import sys
 from collections.abc import Iterator
 
-__all__ = ["BatchSender", "enable_gro", "gso_supported", "receive_segments", "segments",
-           "RECV_BUFFER_BYTES"]
+import numpy as np
+
+from switchml.protocol.kernels import split_buffers
+
+__all__ = ["BatchSender", "MultiReceiver", "enable_gro", "gso_supported", "receive_segments",
+           "recvmmsg_supported", "segments", "RECV_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -208,3 +215,149 @@ class BatchSender:
             self.datagrams -= len(run)
             for d in run:
                 self._send_one(d, addr)
+
+
+# -- recvmmsg: many datagrams of many senders per system call ---------------------------------
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
+                ("msg_iov", ctypes.c_void_p), ("msg_iovlen", ctypes.c_size_t),
+                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
+                ("msg_flags", ctypes.c_int)]
+
+
+class _Mmsghdr(ctypes.Structure):
+    _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
+
+
+MSG_WAITFORONE = 0x10000
+_SLOT_BYTES = 1 << 16  # any UDP datagram fits
+_LIBC = None
+
+
+def _libc() -> ctypes.CDLL | None:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            lib.recvmmsg.restype = ctypes.c_int
+            lib.recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
+                                     ctypes.c_void_p]
+            _LIBC = lib
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC or None
+
+
+def recvmmsg_supported() -> bool:
+    """Whether this platform's C library has ``recvmmsg`` (Linux) and ``SWITCHML_GSO`` allows."""
+    return _env_allows() and sys.platform.startswith("linux") and _libc() is not None
+
+
+class MultiReceiver:
+    """``recvmmsg(2)`` through ctypes: up to ``count`` buffers, of any senders, per call, each
+    a datagram or a UDP GRO buffer of several.
+
+    GRO merges only datagrams that the network device coalesced (a GSO run over loopback or a
+    veth); datagrams that queue up at a socket one by one (a receiver that fell behind a paced
+    link) still cost one ``recvmsg`` each. ``recvmmsg`` takes whatever is queued in one call,
+    so the busier a pump gets, the fewer system calls it makes per datagram. The datagrams land
+    in one preallocated buffer: after :meth:`receive` returned ``n`` datagrams, datagram ``i``
+    is ``buf[starts[i] : starts[i] + lens[i]]`` and ``senders[i]`` numbers its source address
+    (``address_of`` turns the number back into ``(host, port)``). IPv4 only.
+    """
+
+    def __init__(self, sock: socket.socket, count: int = MAX_SEGMENTS) -> None:
+        lib = _libc()
+        if lib is None:
+            raise OSError("recvmmsg is not available")
+        self._lib = lib
+        self.sock = sock
+        self.count = count
+        self.buf = np.zeros(count * _SLOT_BYTES, np.uint8)
+        self._names = np.zeros((count, 16), np.uint8)
+        self._control = np.zeros((count, _ANC_SPACE), np.uint8)
+        self.gro = enable_gro(sock)
+        self._iovs = (_Iovec * count)()
+        self._msgs = (_Mmsghdr * count)()
+        base, names = self.buf.ctypes.data, self._names.ctypes.data
+        for i in range(count):
+            self._iovs[i].iov_base = base + i * _SLOT_BYTES
+            self._iovs[i].iov_len = _SLOT_BYTES
+            hdr = self._msgs[i].msg_hdr
+            hdr.msg_name = names + 16 * i
+            hdr.msg_namelen = 16
+            hdr.msg_iov = ctypes.addressof(self._iovs[i])
+            hdr.msg_iovlen = 1
+            if self.gro:
+                hdr.msg_control = self._control.ctypes.data + _ANC_SPACE * i
+        raw = np.frombuffer(self._msgs, np.uint8).reshape(count, ctypes.sizeof(_Mmsghdr))
+        off = _Mmsghdr.msg_len.offset
+        self._msg_len = raw[:, off:off + 4].view(np.uint32)[:, 0]
+        off = _Msghdr.msg_controllen.offset
+        self._controllen = raw[:, off:off + 8].view(np.uint64)[:, 0]
+        self._slot_starts = np.arange(count, dtype=np.int64) * _SLOT_BYTES
+        self._slot_lens = np.zeros(count, np.int64)
+        self._slot_senders = np.zeros(count, np.int64)
+        self._gso = np.zeros(count, np.int64)
+        limit = count * MAX_SEGMENTS  # a GRO buffer holds at most 64 datagrams
+        self.starts = np.zeros(limit, np.int64)
+        self.lens = np.zeros(limit, np.int64)
+        self.senders = np.zeros(limit, np.int64)
+        self._addresses: dict[int, Address] = {}
+
+    def receive(self, *, block: bool = False) -> int:
+        """Receive up to ``count`` datagrams; return how many (0: none was waiting).
+
+        ``block``: wait for the first one (``MSG_WAITFORONE``), then take what is queued.
+        Raises ``ConnectionRefusedError`` (ICMP port unreachable on a connected socket) and
+        other ``OSError`` as ``recvmsg`` would."""
+        flags = MSG_WAITFORONE if block else socket.MSG_DONTWAIT
+        if self.gro:
+            self._controllen[:] = _ANC_SPACE  # value-result: the kernel wrote what it used
+        while True:
+            n = self._lib.recvmmsg(self.sock.fileno(), self._msgs, self.count, flags, None)
+            if n >= 0:
+                break
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return 0
+            raise OSError(err, os.strerror(err)) if err != errno.ECONNREFUSED else \
+                ConnectionRefusedError(err, os.strerror(err))
+        self._slot_lens[:n] = self._msg_len[:n]
+        nm = self._names[:n].astype(np.int64)
+        self._slot_senders[:n] = ((nm[:, 4] << 40) | (nm[:, 5] << 32) | (nm[:, 6] << 24)
+                                  | (nm[:, 7] << 16) | (nm[:, 2] << 8) | nm[:, 3])
+        if not self.gro:
+            self.starts[:n] = self._slot_starts[:n]
+            self.lens[:n] = self._slot_lens[:n]
+            self.senders[:n] = self._slot_senders[:n]
+            return n
+        # A GRO buffer says its segment size in a (SOL_UDP, UDP_GRO) control message.
+        ctl = self._control[:n]
+        used = self._controllen[:n] >= 20
+        level = ctl[:, 8:12].view(np.int32)[:, 0]
+        kind = ctl[:, 12:16].view(np.int32)[:, 0]
+        size = ctl[:, 16:20].view(np.int32)[:, 0]
+        self._gso[:n] = np.where(used & (level == SOL_UDP) & (kind == UDP_GRO), size, 0)
+        return int(split_buffers(self._slot_starts, self._slot_lens, self._slot_senders,
+                                 self._gso, n, self.starts, self.lens, self.senders))
+
+    def number_senders(self, n: int) -> None:
+        """Kept for callers: ``senders`` is filled by :meth:`receive`."""
+
+    def address_of(self, key: int) -> Address:
+        """The ``(host, port)`` of a sender number."""
+        addr = self._addresses.get(key)
+        if addr is None:
+            if len(self._addresses) > 65536:  # anyone can send: keep the cache bounded
+                self._addresses.clear()
+            addr = (socket.inet_ntoa((key >> 16).to_bytes(4, "big")), key & 0xFFFF)
+            self._addresses[key] = addr
+        return addr

@@ -54,9 +54,11 @@ from switchml.protocol.worker import format_address as _fmt
 from switchml.transport.batching import (
     RECV_BUFFER_BYTES,
     BatchSender,
+    MultiReceiver,
     enable_gro,
     gso_supported,
     receive_segments,
+    recvmmsg_supported,
     segments,
 )
 
@@ -108,12 +110,15 @@ class SwitchServer:
             raise TransportError(f"can't listen on {host}:{port}: {exc.strerror}") from exc
         self.rcvbuf, self.sndbuf = _size_buffers(self.sock, rcvbuf_bytes)
         self.address: Address = self.sock.getsockname()
-        # Batched system calls (see transport/batching.py): GRO in, GSO out, where available.
-        self.gro = batching and enable_gro(self.sock)
+        # Batched system calls (see transport/batching.py): recvmmsg (or else GRO) in, GSO out,
+        # where available.
+        self._rx = MultiReceiver(self.sock) if batching and recvmmsg_supported() else None
+        self.gro = self._rx is None and batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock))
         self.internal_errors = 0
         self.send_errors = 0
         self.truncated = 0
+        self.recv_calls = 0
         self._refusals_window_start = 0.0
         self._refusals_logged = 0
         self._refusals_suppressed = 0
@@ -124,22 +129,68 @@ class SwitchServer:
     def serve_forever(self) -> None:
         """Serve until :meth:`stop`. Never raises for anything a peer sends."""
         log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B, pool %d slots, lease "
-                 "%g s, job creation %s, GSO %s, GRO %s)", _fmt(self.address), self.rcvbuf,
+                 "%g s, job creation %s, GSO %s, receive %s)", _fmt(self.address), self.rcvbuf,
                  self.sndbuf, self.dataplane.config.pool_slots,
                  self.dataplane.config.lease_timeout_s,
                  "needs the secret" if self.dataplane.config.secret else "open",
-                 "on" if self._sender.gso else "off", "on" if self.gro else "off")
+                 "on" if self._sender.gso else "off",
+                 "recvmmsg" if self._rx else ("GRO" if self.gro else "one datagram per call"))
         timers = threading.Thread(target=self._run_timers, name="switchml-timers", daemon=True)
         timers.start()
+        if self._rx is not None:
+            self._serve_mmsg(self._rx)
+        else:
+            self._serve_gro()
+        log.info("switch on %s stopped: %s", _fmt(self.address), self.stats())
+
+    def _serve_mmsg(self, rx: MultiReceiver) -> None:
+        """The receive loop with recvmmsg: every datagram queued at the socket per call."""
+        dp = self.dataplane
+        clock = time.monotonic
+        while not self._stop.is_set():
+            try:
+                n = rx.receive(block=True)
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("recv failed: %s", exc)
+                continue
+            if not n:
+                continue
+            self.recv_calls += 1
+            rx.number_senders(n)
+            now = clock()
+            self._process(dp.receive_many, (rx.buf, rx.starts, rx.lens, rx.senders, n,
+                                            rx.address_of, now), now, "a batch")
+
+    def _process(self, receive: Callable[..., None], args: tuple, now: float,
+                 what: str) -> None:
+        """Run one receive call of the dataplane; send what it released; log its events."""
+        dp = self.dataplane
+        with self._lock:
+            try:
+                receive(*args)
+                out = dp.datagrams_to_send(now)
+            except Exception:  # a bug must not take the shared switch down
+                self.internal_errors += 1
+                log.exception("internal error on %s; dropped", what)
+                dp.datagrams_to_send(now)  # nothing half-done goes out
+                out = []
+            add = self._sender.add
+            for data, dst in out:
+                add(data, dst)
+            self._sender.flush()
+            while (ev := dp.next_event()) is not None:
+                self._log_event(ev)
+
+    def _serve_gro(self) -> None:
+        """The receive loop with recvmsg: one datagram, or a GRO buffer of one sender."""
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
         arr = np.frombuffer(buf, np.uint8)
         dp = self.dataplane
         sock = self.sock
-        sender = self._sender
-        add = sender.add
         clock = time.monotonic
-        lock = self._lock
         while not self._stop.is_set():
             try:
                 nbytes, seg, addr, truncated = receive_segments(sock, buf, view)
@@ -151,23 +202,10 @@ class SwitchServer:
             if truncated:  # larger than any datagram of the protocol
                 self.truncated += 1
                 continue
+            self.recv_calls += 1
             now = clock()
-            with lock:
-                # One datagram, or several of one sender coalesced by GRO: one call.
-                try:
-                    dp.receive_batch(arr, nbytes, seg, addr, now)
-                    out = dp.datagrams_to_send(now)
-                except Exception:  # a bug must not take the shared switch down
-                    self.internal_errors += 1
-                    log.exception("internal error on a buffer from %s; dropped", _fmt(addr))
-                    dp.datagrams_to_send(now)  # nothing half-done goes out
-                    out = []
-                for data, dst in out:
-                    add(data, dst)
-                sender.flush()
-                while (ev := dp.next_event()) is not None:
-                    self._log_event(ev)
-        log.info("switch on %s stopped: %s", _fmt(self.address), self.stats())
+            self._process(dp.receive_batch, (arr, nbytes, seg, addr, now), now,
+                          f"a buffer from {_fmt(addr)}")
 
     def _log_event(self, ev: object) -> None:
         """Structured job logs: ``event=... job=...`` key/value pairs, one line each."""
@@ -206,8 +244,10 @@ class SwitchServer:
         s["send_errors"] = self.send_errors + self._sender.errors + self._sender.blocked
         s["truncated"] = self.truncated
         s["send_calls"] = self._sender.calls
+        s["recv_calls"] = self.recv_calls
         s["gso"] = self._sender.gso
         s["gro"] = self.gro
+        s["recvmmsg"] = self._rx is not None
         return s
 
     def start(self) -> SwitchServer:
@@ -370,12 +410,14 @@ class WorkerClient:
                 from exc
         _size_buffers(self.sock, buffer_bytes)
         self.sock.setblocking(False)
-        self.gro = batching and enable_gro(self.sock)
+        self._rx = MultiReceiver(self.sock) if batching and recvmmsg_supported() else None
+        self.gro = self._rx is None and batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=True, raise_errors=True)
         self.icmp_errors = 0
         self.send_blocked = 0
         self.truncated = 0
+        self.recv_calls = 0
         self._queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._pending: dict[int, AllreduceHandle] = {}
         self._waiting: list[_Command] = []
@@ -482,6 +524,7 @@ class WorkerClient:
         c["send_blocked"] = self.send_blocked
         c["send_errors"] = self._sender.errors
         c["send_calls"] = self._sender.calls
+        c["recv_calls"] = self.recv_calls
         c["truncated"] = self.truncated
         return c
 
@@ -558,8 +601,8 @@ class WorkerClient:
                     command[2]._set(OperationFailed(f"job failed earlier: {ep.error}"))
                 waiting.clear()
             # Read everything pending, then wait for a datagram, a command or the timer.
-            got = False
-            while True:
+            got = self._read_mmsg() if self._rx is not None else False
+            while self._rx is None:
                 try:
                     nbytes, seg, _addr, truncated = receive_segments(sock, buf, view)
                 except BlockingIOError:
@@ -570,6 +613,7 @@ class WorkerClient:
                 if truncated:
                     self.truncated += 1
                     continue
+                self.recv_calls += 1
                 now = clock()
                 # One datagram, or several coalesced by GRO: take them all in one call, then
                 # send what they released in as few system calls as possible.
@@ -601,6 +645,34 @@ class WorkerClient:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+
+    def _read_mmsg(self) -> bool:
+        """Take every datagram queued at the socket, many per recvmmsg call."""
+        rx, ep, clock = self._rx, self.endpoint, time.monotonic
+        assert rx is not None
+        got = False
+        while True:
+            try:
+                n = rx.receive()
+            except ConnectionRefusedError:
+                self.icmp_errors += 1  # nothing listens at the switch address (yet)
+                continue
+            if not n:
+                return got
+            self.recv_calls += 1
+            now = clock()
+            if self._loss_rate:
+                view = memoryview(rx.buf)
+                for i in range(n):
+                    if self._loss_rng.random() < self._loss_rate:
+                        self.injected_losses += 1
+                        continue
+                    o = int(rx.starts[i])
+                    ep.receive_datagram(view[o:o + int(rx.lens[i])], self.switch, now)
+            else:
+                ep.receive_many(rx.buf, rx.starts, rx.lens, n, now)
+            got = True
+            self._transmit(clock())
 
     def _transmit(self, now: float) -> None:
         """Send the endpoint's datagrams and dispatch its events."""

@@ -1,0 +1,841 @@
+"""Switch capacity: how many REQUEST datagrams per second one software switch aggregates.
+
+The switch runs in a process of its own (``bench.switchproc.SwitchProcess``: the real
+``SwitchServer`` with its default settings), pinned to one core where there are two or more.
+One generator process, pinned to another core, joins a job as N ranks (one UDP socket each: the
+switch checks that a rank's data comes from the address it joined from) and replays prebuilt,
+valid int32 REQUEST datagrams as fast as the switch answers: every rank keeps W slots in
+flight, and a slot's next request leaves when its RESULT arrives (self-clocked, as real workers
+do). Requests are built once in numpy buffers; per round only ``seq``, ``chunk`` and ``set`` are
+patched. With batching (default) requests go out with UDP GSO and results come in with UDP GRO
+(``transport/batching.py``), and a whole GRO batch is checked and answered with a few numpy
+operations, so the generator's cost per datagram is far below the switch's.
+
+Every result is checked (header against the outstanding request of its slot, payload against
+the exact sum), and the switch's own counters are read before and after the measured interval.
+The generator's CPU use is reported next to the switch's: a switch near 100% of its core is the
+bottleneck; a generator near 100% means the figure is a lower bound of the switch's capacity.
+
+Figures: datagrams/s into and out of the switch, payload GB/s (requests x K x 4 bytes), switch
+CPU time per datagram received, drops by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from switchml.bench.switchproc import SwitchProcess
+from switchml.protocol.wire import (
+    EXP_ZERO,
+    HEADER,
+    HEADER_SIZE,
+    MAX_ELEMENTS_PER_PACKET,
+    ControlInfo,
+    ElementType,
+    Flags,
+    Header,
+    MessageType,
+    operation_digest,
+    pack_control_info,
+    pack_header,
+    unpack_control_info,
+    unpack_header,
+)
+from switchml.transport.batching import (
+    MAX_GSO_BYTES,
+    MAX_SEGMENTS,
+    RECV_BUFFER_BYTES,
+    SOL_UDP,
+    UDP_SEGMENT,
+    enable_gro,
+    gso_supported,
+    receive_segments,
+    segments,
+)
+
+__all__ = ["SwitchCapConfig", "SwitchCapResult", "run_switchcap", "write_json"]
+
+# The switch's default limits (the benchmark runs it with its default settings).
+_MAX_WINDOW = 256
+_MAX_WORKERS = 256  # one socket per rank in one process; far above what two cores can feed
+_MAX_SECONDS = 3600.0
+_CHUNKS_PER_OP_LANES = 1 << 16  # an operation is W x 65536 chunks; then seq moves on
+_REQUEST = int(MessageType.REQUEST)
+_RESULT = int(MessageType.RESULT)
+_SEQ_CHUNK = struct.Struct("<II")
+_SOCKET_BUFFER_BYTES = 8 * 2**20
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+
+
+@dataclass(frozen=True)
+class SwitchCapConfig:
+    workers: int = 4
+    elements_per_packet: int = 256
+    window: int = 64
+    seconds: float = 5.0
+    batching: bool = True
+    """UDP GSO/GRO in the switch and in the generator."""
+    warmup_s: float = 0.5
+    """Traffic before the measured interval starts."""
+    drain_s: float = 2.0
+    """After the interval: how long to wait for the results of requests in flight."""
+    rto_s: float = 1.0
+    """A request without its result for this long is sent again (loss recovery only; on
+    loopback it should never fire)."""
+    first_result_timeout_s: float = 120.0
+    """How long the first result may take (a switch may compile its data plane first)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.workers <= _MAX_WORKERS:
+            raise ValueError(f"--workers must be in 1..{_MAX_WORKERS}, got {self.workers}")
+        if not 1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET:
+            raise ValueError(f"--elements-per-packet must be in 1..{MAX_ELEMENTS_PER_PACKET} "
+                             f"(int32 elements in one UDP datagram), got "
+                             f"{self.elements_per_packet}")
+        if not 1 <= self.window <= _MAX_WINDOW:
+            raise ValueError(f"--window must be in 1..{_MAX_WINDOW} (the switch's default "
+                             f"max_window), got {self.window}")
+        if not 0 < self.seconds <= _MAX_SECONDS:
+            raise ValueError(f"--seconds must be in (0, {_MAX_SECONDS:g}], got {self.seconds}")
+        if (self.warmup_s < 0 or self.drain_s < 0 or self.rto_s <= 0
+                or self.first_result_timeout_s <= 0):
+            raise ValueError("warmup_s and drain_s must be >= 0, rto_s and "
+                             "first_result_timeout_s > 0")
+
+    @property
+    def datagram_bytes(self) -> int:
+        return HEADER_SIZE + 4 * self.elements_per_packet
+
+
+@dataclass
+class SwitchCapResult:
+    config: dict[str, Any]
+    interval_s: float
+    """Measured interval, as the parent saw it between its two snapshots of the switch."""
+    switch_datagrams_in: int
+    switch_datagrams_out: int
+    switch_in_per_s: float
+    switch_out_per_s: float
+    payload_gbytes_per_s: float
+    """Requests into the switch x K x 4 bytes, per second (aggregated over the ranks)."""
+    switch_cpu_percent: float
+    generator_cpu_percent: float
+    other_cpu_percent: float
+    """CPU the rest of the machine used meanwhile (this parent, other processes, interrupts),
+    in % of one core: more than a few percent means the figures were taken under load."""
+    switch_cpu_us_per_datagram: float
+    """Switch CPU time over the interval / datagrams it received in the interval."""
+    switch_capacity_per_s: float
+    """1e6 / ``switch_cpu_us_per_datagram``: datagrams in per second the switch would take with
+    a whole core (an extrapolation; equals the measured rate when the switch is the
+    bottleneck, and is less disturbed by other load than the rate is)."""
+    bottleneck: str
+    generator: dict[str, Any]
+    """Generator counters over the interval (requests, results, per second) and for the
+    whole run (``*_total``)."""
+    drops: dict[str, int]
+    """Switch drop counters over the whole run (a fresh switch), by reason."""
+    switch_errors: dict[str, int]
+    switch_stats: dict[str, Any]
+    pinned: dict[str, Any]
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wrong_results(self) -> int:
+        return int(self.generator["wrong_results_total"])
+
+    @property
+    def consistent(self) -> bool:
+        """Every request sent was answered by exactly one result, except those in flight."""
+        g = self.generator
+        return bool(g["results_total"] == g["requests_total"] - g["in_flight_at_end"])
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds spent busy by the whole machine so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _pin_process(pid: int, cpu: int) -> None:
+    """Pin every thread of ``pid`` (affinity is per thread on Linux) to ``cpu``."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:  # a thread that just ended
+            pass
+
+
+def _size_buffers(sock: socket.socket, nbytes: int) -> None:
+    for force, plain in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF),
+                         (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
+        except OSError:  # not root: capped at net.core.[rw]mem_max
+            sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
+
+
+def _record_dtype(k: int) -> np.dtype:
+    """One datagram as a numpy record: the 40-byte header (``wire.HEADER``), then k int32."""
+    dt = np.dtype([
+        ("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("flags", "u1"), ("set", "u1"),
+        ("rank", "<u2"), ("job", "<u4"), ("token", "<u8"), ("seq", "<u4"), ("chunk", "<u4"),
+        ("slot", "<u4"), ("count", "<u2"), ("elem", "u1"), ("digest", "u1"),
+        ("exp_data", "<i2"), ("exp_next", "<i2"), ("payload", "<i4", (k,))])
+    assert dt.itemsize == HEADER_SIZE + 4 * k and HEADER.size == HEADER_SIZE
+    return dt
+
+
+def _rank_values(rank: int, k: int) -> np.ndarray:
+    """What rank ``rank`` sends in every request (distinct per rank and element)."""
+    return (np.arange(k, dtype=np.int64) * 7 + 1000 * (rank + 1) - 3 * rank).astype(np.int32)
+
+
+def _send_rows(sock: socket.socket, rows: np.ndarray, gso: bool, per_call: int) -> int:
+    """Send the datagrams in ``rows`` (uint8, one per row); GSO runs of up to ``per_call``.
+    Returns how many the kernel refused for lack of buffer (lost: recovered by ``rto_s``)."""
+    m, size = rows.shape
+    blocked = 0
+    if gso and m > 1:
+        anc = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+        for i in range(0, m, per_call):
+            chunk = rows[i:i + per_call]
+            try:
+                if len(chunk) == 1:
+                    sock.send(chunk[0])
+                else:
+                    sock.sendmsg([chunk], anc)
+            except BlockingIOError:
+                blocked += len(chunk)
+        return blocked
+    for i in range(m):
+        try:
+            sock.send(rows[i])
+        except BlockingIOError:
+            blocked += 1
+    return blocked
+
+
+# -- the generator process -----------------------------------------------------------------------
+
+class _Generator:
+    """N ranks of one job in one process; see the module docstring."""
+
+    def __init__(self, switch: tuple[str, int], cfg: SwitchCapConfig, job_id: int,
+                 token: int) -> None:
+        self.cfg = cfg
+        self.switch = switch
+        self.job_id = job_id
+        self.token = token
+        n, w, k = cfg.workers, cfg.window, cfg.elements_per_packet
+        self.n, self.w, self.k = n, w, k
+        self.size = cfg.datagram_bytes
+        self.chunks_per_op = w * _CHUNKS_PER_OP_LANES
+        self.digest = operation_digest(self.chunks_per_op * k, False, 32)
+        self.rec = _record_dtype(k)
+        self.socks: list[socket.socket] = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.socks.append(s)
+            s.bind(("127.0.0.1", 0))
+            s.connect(switch)  # only the switch's datagrams reach this rank
+            _size_buffers(s, _SOCKET_BUFFER_BYTES)
+        self.gro = cfg.batching and all(enable_gro(s) for s in self.socks)
+        self.gso = cfg.batching and all(gso_supported(s) for s in self.socks)
+        self.per_call = max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // self.size))
+        total = sum(_rank_values(r, k).astype(np.int64) for r in range(n))
+        self.expected = total.astype(np.int32)  # int32 sums wrap, like the switch's
+        self.expected_bytes = self.expected.tobytes()
+        self.slot_base = 0
+        self.raw: list[np.ndarray] = []
+        self.req: list[np.ndarray] = []
+        self.outstanding = [np.zeros(w, dtype=bool) for _ in range(n)]
+        self.sent_at = [np.zeros(w) for _ in range(n)]
+        self.rounds = [np.zeros(w, dtype=np.int64) for _ in range(n)]  # requests per lane
+        self.target: np.ndarray | None = None
+        """Set when the interval ends: per lane, the most requests any rank has sent on it.
+        Ranks stop a lane there, so that no rank waits for a request another rank won't
+        send (every lane ends complete, with nothing in flight)."""
+        # Counters (per run).
+        self.requests = 0  # first transmissions
+        self.retransmissions = 0
+        self.results = 0
+        self.wrong = 0
+        self.unexpected: dict[str, int] = {}
+        self.send_blocked = 0
+        self.recv_calls = 0
+        self.joins_sent = 0
+        self.control_replies: dict[str, int] = {}
+        """Late answers to JOIN retries (JOINED) and to LEAVE: expected, not anomalies."""
+        self.send_calls = 0
+
+    # -- control ---------------------------------------------------------------------------
+
+    def join(self, timeout_s: float = 15.0) -> None:
+        """JOIN every rank (rank 0 first: it creates the job); raise on REFUSED or silence."""
+        cfg = self.cfg
+        info = pack_control_info(ControlInfo(cfg.workers, cfg.window, cfg.elements_per_packet))
+        deadline = time.monotonic() + timeout_s
+        buf = bytearray(RECV_BUFFER_BYTES)
+        view = memoryview(buf)
+        for rank, sock in enumerate(self.socks):
+            join = pack_header(Header(MessageType.JOIN, self.job_id, rank=rank,
+                                      token=self.token, count=len(info),
+                                      elem=ElementType.BYTES)) + info
+            granted = None
+            wait = 0.25
+            while granted is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the switch at {self.switch[0]}:{self.switch[1]} did "
+                                       f"not answer JOIN of rank {rank} within {timeout_s:g} s")
+                sock.send(join)
+                self.joins_sent += 1
+                sock.settimeout(wait)
+                wait = min(2 * wait, 2.0)  # the switch may be busy compiling
+                try:
+                    nbytes, _seg, _addr, _trunc = receive_segments(sock, buf, view)
+                except TimeoutError:
+                    continue
+                try:
+                    h = unpack_header(view[:nbytes])
+                except Exception:  # noqa: BLE001 - not ours; ask again
+                    continue
+                body = bytes(view[HEADER_SIZE:nbytes])
+                if h.type is MessageType.REFUSED:
+                    raise RuntimeError(f"the switch refused rank {rank}: "
+                                       f"{body.decode(errors='replace')}")
+                if h.type is MessageType.JOINED and h.job == self.job_id:
+                    granted = unpack_control_info(body)
+            if rank == 0:
+                self.slot_base = granted.slot_base
+            sock.setblocking(False)
+        self._build()
+
+    def leave(self) -> None:
+        for rank, sock in enumerate(self.socks):
+            try:
+                sock.send(pack_header(Header(MessageType.LEAVE, self.job_id, rank=rank,
+                                             token=self.token)))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Prebuild W requests per rank (chunk i on lane i, set 0) from ``wire.pack_header``."""
+        w, k = self.w, self.k
+        for rank in range(self.n):
+            raw = np.zeros((w, self.size), dtype=np.uint8)
+            req = raw.view(self.rec).reshape(w)
+            hdr = pack_header(Header(MessageType.REQUEST, self.job_id, rank=rank,
+                                     token=self.token, seq=1, chunk=0, slot=self.slot_base,
+                                     set_bit=0, count=k, elem=ElementType.INT32,
+                                     flags=int(Flags.HAS_DATA), exp_data=EXP_ZERO,
+                                     exp_next=EXP_ZERO, digest=self.digest))
+            raw[:, :HEADER_SIZE] = np.frombuffer(hdr, dtype=np.uint8)
+            req["chunk"] = np.arange(w)
+            req["slot"] = self.slot_base + np.arange(w)
+            req["payload"] = _rank_values(rank, k)
+            # The record layout must be the wire's: decode a built request with wire.py.
+            h = unpack_header(raw[w - 1].tobytes())
+            assert (h.type, h.rank, h.job, h.token, h.seq, h.chunk, h.slot, h.count, h.digest) \
+                == (MessageType.REQUEST, rank, self.job_id, self.token, 1, w - 1,
+                    self.slot_base + w - 1, k, self.digest)
+            self.raw.append(raw)
+            self.req.append(req)
+
+    def start(self) -> None:
+        """Fill every rank's window."""
+        now = time.monotonic()
+        for r, sock in enumerate(self.socks):
+            self._send(r, sock, self.raw[r])
+            self.requests += self.w
+            self.outstanding[r][:] = True
+            self.sent_at[r][:] = now
+            self.rounds[r][:] = 1
+
+    def stop(self) -> None:
+        """Stop sending: each lane ends at the round the furthest rank has reached."""
+        self.target = np.max(np.stack(self.rounds), axis=0)
+
+    def _send(self, r: int, sock: socket.socket, rows: np.ndarray) -> None:
+        m = len(rows)
+        self.send_calls += -(-m // self.per_call) if self.gso and m > 1 else m
+        self.send_blocked += _send_rows(sock, rows, self.gso, self.per_call)
+
+    def _advance(self, r: int, lanes: np.ndarray) -> None:
+        """Move ``lanes`` of rank r to their next chunk (chunk + W, other set)."""
+        req = self.req[r]
+        ch = req["chunk"][lanes] + self.w
+        wrap = ch >= self.chunks_per_op
+        if wrap.any():  # the next operation: seq + 1, chunks from 0 again
+            ch[wrap] -= self.chunks_per_op
+            req["seq"][lanes[wrap]] += 1
+        req["chunk"][lanes] = ch
+        req["set"][lanes] ^= 1
+
+    # -- results ---------------------------------------------------------------------------
+
+    def on_batch(self, r: int, data: np.ndarray, now: float) -> None:
+        """Take m equal-sized datagrams (uint8, shape (m, size)) from rank r's socket."""
+        arr = data.view(self.rec).reshape(len(data))
+        req = self.req[r]
+        lanes = arr["slot"].astype(np.int64) - self.slot_base
+        inside = (lanes >= 0) & (lanes < self.w)
+        lanes_c = np.where(inside, lanes, 0)
+        match = (inside & (arr["type"] == _RESULT) & (arr["job"] == self.job_id)
+                 & (arr["seq"] == req["seq"][lanes_c]) & (arr["chunk"] == req["chunk"][lanes_c])
+                 & (arr["set"] == req["set"][lanes_c]) & self.outstanding[r][lanes_c])
+        if not match.all():
+            self.unexpected["unmatched_result"] = (self.unexpected.get("unmatched_result", 0)
+                                                   + int(len(match) - match.sum()))
+            arr = arr[match]
+            lanes = lanes[match]
+        if self.retransmissions:  # only a re-send can bring two results for one lane
+            lanes, first = np.unique(lanes, return_index=True)
+            dup = len(arr) - len(lanes)
+            if dup:
+                self.unexpected["duplicate_result"] = (
+                    self.unexpected.get("duplicate_result", 0) + dup)
+            arr = arr[first]
+        if not len(lanes):
+            return
+        bad = (arr["payload"] != self.expected).any(axis=1) | (arr["count"] != self.k)
+        self.wrong += int(bad.sum())
+        self.results += len(lanes)
+        if self.target is not None:  # draining: a lane goes on only up to its target round
+            go = self.rounds[r][lanes] < self.target[lanes]
+            self.outstanding[r][lanes[~go]] = False
+            lanes = lanes[go]
+            if not len(lanes):
+                return
+        self._advance(r, lanes)
+        self.rounds[r][lanes] += 1
+        self._send(r, self.socks[r], self.raw[r][lanes])
+        self.requests += len(lanes)
+        self.sent_at[r][lanes] = now
+
+    def on_one(self, r: int, view: memoryview, now: float) -> None:
+        """One datagram, without numpy (the --no-batching path)."""
+        if len(view) != self.size:
+            self._other(view)
+            return
+        f = HEADER.unpack_from(view)
+        i = f[10] - self.slot_base
+        req = self.req[r]
+        if not (f[2] == _RESULT and 0 <= i < self.w and f[6] == self.job_id
+                and self.outstanding[r][i]):
+            self.unexpected["unmatched_result"] = self.unexpected.get("unmatched_result", 0) + 1
+            return
+        rec = req[i]
+        if f[8] != rec["seq"] or f[9] != rec["chunk"] or f[4] != rec["set"]:
+            self.unexpected["unmatched_result"] = self.unexpected.get("unmatched_result", 0) + 1
+            return
+        if f[11] != self.k or bytes(view[HEADER_SIZE:]) != self.expected_bytes:
+            self.wrong += 1
+        self.results += 1
+        if self.target is not None and self.rounds[r][i] >= self.target[i]:
+            self.outstanding[r][i] = False
+            return
+        self.rounds[r][i] += 1
+        chunk = int(rec["chunk"]) + self.w
+        seq = int(rec["seq"])
+        if chunk >= self.chunks_per_op:
+            chunk -= self.chunks_per_op
+            seq += 1
+        row = self.raw[r][i]
+        _SEQ_CHUNK.pack_into(row, 20, seq, chunk)  # seq at byte 20, chunk at 24
+        row[5] ^= 1  # set
+        self.send_calls += 1
+        try:
+            self.socks[r].send(row)
+        except BlockingIOError:
+            self.send_blocked += 1
+        self.requests += 1
+        self.sent_at[r][i] = now
+
+    def _other(self, view: memoryview) -> None:
+        """Anything but a full-size result: WAITING, UNKNOWN_JOB, MISMATCH, LEFT, ..."""
+        try:
+            name = unpack_header(view).type.name.lower()
+        except Exception:  # noqa: BLE001
+            name = "malformed"
+        if name in ("joined", "left"):
+            self.control_replies[name] = self.control_replies.get(name, 0) + 1
+        else:
+            self.unexpected[name] = self.unexpected.get(name, 0) + 1
+
+    def retransmit_stuck(self, now: float) -> None:
+        for r, sock in enumerate(self.socks):
+            stuck = np.flatnonzero(self.outstanding[r] & (now - self.sent_at[r] > self.cfg.rto_s))
+            if len(stuck):
+                self._send(r, sock, self.raw[r][stuck])
+                self.retransmissions += len(stuck)
+                self.sent_at[r][stuck] = now
+
+    def in_flight(self) -> int:
+        return int(sum(int(o.sum()) for o in self.outstanding))
+
+    def counters(self) -> dict[str, Any]:
+        return {"t": time.monotonic(), "cpu_s": time.process_time(),
+                "requests": self.requests, "results": self.results,
+                "retransmissions": self.retransmissions, "wrong_results": self.wrong,
+                "send_calls": self.send_calls, "recv_calls": self.recv_calls}
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, conn: Any) -> dict[str, Any]:
+        """Warm up, tell the parent (``mark``), run the interval, tell it (``end``), drain."""
+        cfg = self.cfg
+        ep = select.epoll()
+        rank_of = {}
+        for r, s in enumerate(self.socks):
+            ep.register(s.fileno(), select.EPOLLIN)
+            rank_of[s.fileno()] = r
+        buf = bytearray(RECV_BUFFER_BYTES)
+        view = memoryview(buf)
+        npbuf = np.frombuffer(buf, dtype=np.uint8)
+        size = self.size
+        gro = self.gro
+        parent = os.getppid()
+        t0 = time.monotonic()
+        inf = float("inf")
+        t_first = t_mark = t_end = t_drain = inf  # set when the first result arrives
+        marked = ended = False
+        mark: dict[str, Any] = {}
+        end: dict[str, Any] = {}
+        next_check = t0 + 0.05
+        self.start()
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.05
+                if os.getppid() != parent:  # the parent died: stop at once
+                    raise SystemExit(1)
+                if t_first == inf:
+                    # The warm-up counts from the first result: a switch that compiles its
+                    # data plane on first use (numba, cold cache) may take half a minute.
+                    if self.results:
+                        t_first = now
+                        t_mark = now + cfg.warmup_s
+                        t_end = t_mark + cfg.seconds
+                        t_drain = t_end + cfg.drain_s
+                        conn.send(("first", now - t0))
+                    elif now - t0 > cfg.first_result_timeout_s:
+                        raise TimeoutError(f"no result from the switch within "
+                                           f"{cfg.first_result_timeout_s:g} s of the first "
+                                           "requests")
+                if not marked and now >= t_mark:
+                    marked = True
+                    mark = self.counters()
+                    conn.send(("mark", mark))
+                if not ended and now >= t_end:
+                    ended = True
+                    self.stop()
+                    end = self.counters()
+                    conn.send(("end", end))
+                if ended and (not self.in_flight() or now >= t_drain):
+                    break
+                if t_first != inf:  # no re-sends while the switch has not answered at all
+                    self.retransmit_stuck(now)
+            for fd, _ev in ep.poll(0.05):
+                r = rank_of[fd]
+                sock = self.socks[r]
+                for _ in range(64):  # read until empty (bounded: let the others in)
+                    try:
+                        if gro:
+                            nbytes, seg, _a, truncated = receive_segments(sock, buf, view)
+                        else:
+                            nbytes = sock.recv_into(buf)
+                            seg, truncated = nbytes, False
+                    except BlockingIOError:
+                        break
+                    self.recv_calls += 1
+                    if truncated:
+                        self.unexpected["truncated"] = self.unexpected.get("truncated", 0) + 1
+                        continue
+                    if seg == size and nbytes % size == 0:
+                        if nbytes == size and not gro:
+                            self.on_one(r, view[:nbytes], now)
+                        else:
+                            self.on_batch(r, npbuf[:nbytes].reshape(-1, size), now)
+                    else:  # other message types, or a short last datagram in the batch
+                        for a, b in segments(nbytes, seg):
+                            if b - a == size:
+                                self.on_batch(r, npbuf[a:b].reshape(1, size), now)
+                            else:
+                                self._other(view[a:b])
+        ep.close()
+        final = self.counters()
+        return {
+            "mark": mark, "end": end, "final": final,
+            "in_flight_at_end": self.in_flight(),
+            "first_result_after_s": t_first - t0,
+            "unexpected": dict(self.unexpected),
+            "send_blocked": self.send_blocked,
+            "joins_sent": self.joins_sent,
+            "control_replies": dict(self.control_replies),
+            "gso": self.gso, "gro": self.gro,
+        }
+
+
+def _generator_main(conn: Any, switch: tuple[str, int], cfg_dict: dict[str, Any],
+                    job_id: int, token: int, cpu: int | None) -> None:
+    gen = None
+    try:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        cfg = SwitchCapConfig(**cfg_dict)
+        gen = _Generator(switch, cfg, job_id, token)
+        gen.join()
+        conn.send(("joined", {"slot_base": gen.slot_base, "gso": gen.gso, "gro": gen.gro}))
+        if conn.recv() != "go":
+            return
+        report = gen.run(conn)
+        gen.leave()
+        conn.send(("done", report))
+    except KeyboardInterrupt:
+        pass
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+    finally:
+        if gen is not None:
+            gen.close()
+
+
+# -- the parent ----------------------------------------------------------------------------------
+
+def _recv(conn: Any, proc: Any, timeout_s: float, what: str) -> tuple[str, Any]:
+    """The generator's next message, or an error naming what did not happen in time."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(min(0.25, max(0.0, deadline - time.monotonic()))):
+        if not proc.is_alive():
+            raise RuntimeError(f"the generator process exited with {proc.exitcode} before "
+                               f"{what}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the generator did not report {what} within {timeout_s:g} s")
+    kind, body = conn.recv()
+    if kind == "error":
+        raise RuntimeError(f"the generator failed: {body}")
+    return kind, body
+
+
+def _switch_snapshot(sw: SwitchProcess) -> dict[str, Any]:
+    """Switch counters and CPU at one instant (CPU first: the stats call costs the switch)."""
+    cpu = _proc_cpu_s(sw.proc.pid)
+    busy = _machine_busy_s()
+    t = time.monotonic()
+    stats = sw.stats()
+    return {"t": t, "cpu_s": cpu, "busy_s": busy, "stats": stats}
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Start processes with SIGINT ignored (the disposition survives exec, and Python keeps
+    it): on Ctrl-C only this process gets KeyboardInterrupt, and its teardown stops them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_switchcap(cfg: SwitchCapConfig,
+                  progress: Callable[[str, float], None] | None = None) -> SwitchCapResult:
+    """Run the benchmark; everything it started is stopped when it returns or raises.
+
+    ``progress(text, fraction)``: optional, called about four times a second.
+    """
+    from switchml.control import new_job_spec
+
+    def tell(text: str, fraction: float) -> None:
+        if progress is not None:
+            progress(text, fraction)
+
+    cores = sorted(os.sched_getaffinity(0))
+    load_before = os.getloadavg()[0]
+    switch_cpu, gen_cpu = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
+    ctx = mp.get_context("spawn")
+    spec = new_job_spec(cfg.workers, window=cfg.window,
+                        elements_per_packet=cfg.elements_per_packet)
+    tell("starting the switch", 0.0)
+    with _children_ignore_sigint():  # Ctrl-C reaches this process only; it stops the others
+        sw = SwitchProcess(ctx, batching=cfg.batching)
+    gen = None
+    parent_conn = None
+    ok = False
+    try:
+        parent_conn, child_conn = ctx.Pipe()
+        gen = ctx.Process(target=_generator_main, daemon=True,
+                          args=(child_conn, sw.address, asdict(cfg), spec.job_id, spec.token,
+                                gen_cpu))
+        with _children_ignore_sigint():
+            gen.start()
+        child_conn.close()
+        tell("joining", 0.0)
+        _kind, joined = _recv(parent_conn, gen, 60.0, "joining the job")
+        if switch_cpu is not None:
+            _pin_process(sw.proc.pid, switch_cpu)  # all its threads exist by now
+        first = _switch_snapshot(sw)
+        parent_conn.send("go")
+        tell("warming up", 0.0)
+        tell("waiting for the first result (the switch may be compiling)", 0.0)
+        _kind, first_s = _recv(parent_conn, gen, cfg.first_result_timeout_s + 30.0,
+                               "the switch's first result")
+        tell("warming up", 0.0)
+        _kind, g_mark = _recv(parent_conn, gen, cfg.warmup_s + 30.0, "the start of the interval")
+        s_mark = _switch_snapshot(sw)
+        c_gen0 = _proc_cpu_s(gen.pid)
+        t_end = time.monotonic() + cfg.seconds
+        while not parent_conn.poll(0.25):
+            left = t_end - time.monotonic()
+            if not gen.is_alive():
+                raise RuntimeError(f"the generator process exited with {gen.exitcode}")
+            if left < -30.0:
+                raise TimeoutError("the generator did not end the interval in time")
+            tell(f"measuring ({max(left, 0):.0f} s left)",
+                 min(1.0, 1.0 - max(left, 0.0) / cfg.seconds))
+        s_end = _switch_snapshot(sw)
+        c_gen1 = _proc_cpu_s(gen.pid)
+        _kind, g_end = _recv(parent_conn, gen, 1.0, "the end of the interval")
+        tell("draining", 1.0)
+        _kind, report = _recv(parent_conn, gen, cfg.drain_s + 30.0, "its final counters")
+        final = _switch_snapshot(sw)
+        ok = True
+    finally:
+        if gen is not None:
+            if not ok:
+                gen.terminate()
+            gen.join(timeout=5)
+            if gen.is_alive():
+                gen.terminate()
+                gen.join(timeout=5)
+            if gen.is_alive():
+                gen.kill()
+                gen.join()
+        if parent_conn is not None:
+            parent_conn.close()
+        sw.stop()
+
+    dt = s_end["t"] - s_mark["t"]
+    st0, st1 = s_mark["stats"], s_end["stats"]
+    d_in = int(st1.get("packets_in", 0)) - int(st0.get("packets_in", 0))
+    d_out = int(st1.get("packets_out", 0)) - int(st0.get("packets_out", 0))
+    sw_cpu = s_end["cpu_s"] - s_mark["cpu_s"]
+    gen_cpu_s = c_gen1 - c_gen0
+    sw_pct = 100.0 * sw_cpu / dt
+    gen_pct = 100.0 * gen_cpu_s / dt
+    other_pct = max(0.0, 100.0 * (s_end["busy_s"] - s_mark["busy_s"]) / dt - sw_pct - gen_pct)
+    if sw_pct >= 90.0 and gen_pct >= 90.0:
+        bottleneck = "both near 100% (the rate is a lower bound of the switch's)"
+    elif sw_pct >= 90.0:
+        bottleneck = "switch"
+    elif gen_pct >= 90.0:
+        bottleneck = "generator"
+    elif other_pct >= 20.0:
+        bottleneck = f"undetermined: other processes used {other_pct:.0f}% of a core"
+    else:
+        bottleneck = "neither at 90% CPU (latency-bound)"
+    g_dt = g_end["t"] - g_mark["t"]
+    gfin = report["final"]
+    generator = {
+        "interval_s": g_dt,
+        "requests": g_end["requests"] - g_mark["requests"],
+        "results": g_end["results"] - g_mark["results"],
+        "requests_per_s": (g_end["requests"] - g_mark["requests"]) / g_dt,
+        "results_per_s": (g_end["results"] - g_mark["results"]) / g_dt,
+        "cpu_percent_own_clock": 100.0 * (g_end["cpu_s"] - g_mark["cpu_s"]) / g_dt,
+        "send_calls": g_end["send_calls"] - g_mark["send_calls"],
+        "recv_calls": g_end["recv_calls"] - g_mark["recv_calls"],
+        "requests_total": gfin["requests"],
+        "results_total": gfin["results"],
+        "retransmissions_total": gfin["retransmissions"],
+        "wrong_results_total": gfin["wrong_results"],
+        "in_flight_at_end": report["in_flight_at_end"],
+        "first_result_after_s": first_s,
+        "unexpected_total": report["unexpected"],
+        "send_blocked_total": report["send_blocked"],
+        "joins_sent": report["joins_sent"],
+        "control_replies_total": report["control_replies"],
+        "gso": report["gso"], "gro": report["gro"],
+    }
+    fs = final["stats"]
+    errors = {key: int(fs.get(key, 0)) - int(first["stats"].get(key, 0))
+              for key in ("internal_errors", "send_errors", "truncated")}
+    return SwitchCapResult(
+        config={**asdict(cfg), "datagram_bytes": cfg.datagram_bytes},
+        interval_s=dt,
+        switch_datagrams_in=d_in, switch_datagrams_out=d_out,
+        switch_in_per_s=d_in / dt, switch_out_per_s=d_out / dt,
+        payload_gbytes_per_s=d_in * cfg.elements_per_packet * 4 / dt / 1e9,
+        switch_cpu_percent=sw_pct, generator_cpu_percent=gen_pct, other_cpu_percent=other_pct,
+        switch_cpu_us_per_datagram=1e6 * sw_cpu / d_in if d_in else float("nan"),
+        switch_capacity_per_s=d_in / sw_cpu if sw_cpu > 0 else float("nan"),
+        bottleneck=bottleneck, generator=generator,
+        drops={str(k): int(v) for k, v in dict(fs.get("drops", {})).items()},
+        switch_errors=errors,
+        switch_stats={k: v for k, v in fs.items() if k != "elements_aggregated"},
+        pinned={"switch_cpu": switch_cpu, "generator_cpu": gen_cpu, "cores": len(cores)},
+        machine={"cpus": os.cpu_count(), "uname": " ".join(os.uname()), "commit": _commit(),
+                 "date": time.strftime("%Y-%m-%d"), "loadavg_before": load_before},
+    )
+
+
+def write_json(path: str, result: SwitchCapResult) -> None:
+    doc = {"benchmark": "switch-capacity", **asdict(result),
+           "wrong_results": result.wrong_results, "consistent": result.consistent}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)

@@ -1,0 +1,149 @@
+"""``switchml bench switch``: the switch capacity benchmark, end to end over loopback."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from switchml.bench.switchcap import SwitchCapConfig, run_switchcap
+from switchml.cli import main
+
+
+def _check_counts(doc: dict, workers: int) -> None:
+    """What must hold after any run on loopback, batched or not."""
+    g = doc["generator"]
+    assert doc["switch_datagrams_in"] > 0 and doc["switch_datagrams_out"] > 0
+    assert g["requests"] > 0 and g["results"] > 0
+    assert g["wrong_results_total"] == 0
+    assert doc["drops"] == {}
+    assert not any(doc["switch_errors"].values())
+    assert g["unexpected_total"] == {}
+    # Every request was answered by exactly one result, once the drain ended with nothing
+    # in flight (results are counted per rank, like requests).
+    assert g["in_flight_at_end"] == 0
+    assert g["results_total"] == g["requests_total"] - g["in_flight_at_end"]
+    # The switch saw every request (first transmissions and re-sends) and every JOIN, and
+    # possibly some of the LEAVEs (sent just before its counters were read).
+    extra_in = (doc["switch_stats"]["packets_in"] - g["requests_total"]
+                - g["retransmissions_total"] - g["joins_sent"])
+    assert 0 <= extra_in <= workers
+    # The slot completes when the last rank's request arrives and goes to every rank: in and
+    # out agree over the interval up to the window in flight at either edge.
+    assert abs(doc["switch_datagrams_in"] - doc["switch_datagrams_out"]) <= 2 * workers * 64
+    assert doc["switch_cpu_percent"] > 0 and doc["generator_cpu_percent"] > 0
+    assert doc["switch_cpu_us_per_datagram"] > 0
+
+
+def test_cli_short_run_writes_consistent_json(tmp_path):
+    path = tmp_path / "switch.json"
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "switchml", "bench", "switch", "--workers", "2",
+                          "--seconds", "1", "--json", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    assert "datagrams/s into the switch" in res.stdout
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "switch-capacity"
+    assert doc["config"]["workers"] == 2 and doc["config"]["elements_per_packet"] == 256
+    assert doc["wrong_results"] == 0 and doc["consistent"] is True
+    assert 0.9 < doc["interval_s"] < 2.0  # the time limit holds
+    assert elapsed < 60
+    _check_counts(doc, 2)
+    assert doc["generator"]["gso"] == doc["switch_stats"]["gso"]
+
+
+def test_without_batching_one_datagram_per_call():
+    r = run_switchcap(SwitchCapConfig(workers=2, elements_per_packet=358, window=16,
+                                      seconds=1.0, batching=False))
+    from dataclasses import asdict
+    doc = asdict(r)
+    _check_counts(doc, 2)
+    g = r.generator
+    assert not g["gso"] and not g["gro"]
+    assert not r.switch_stats["gso"] and not r.switch_stats["gro"]
+    assert g["recv_calls"] == g["results"]  # one datagram per receive
+    assert not mp.active_children()  # the switch and the generator are gone
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "0"], "--workers must be in 1.."),
+    (["--elements-per-packet", "20000"], "--elements-per-packet must be in 1..16366"),
+    (["--window", "0"], "--window must be in 1..256"),
+    (["--seconds", "-1"], "--seconds must be in (0"),
+])
+def test_bad_arguments_say_what_is_wrong(argv, message, capsys):
+    assert main(["bench", "switch", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains():
+    res = subprocess.run([sys.executable, "-m", "switchml", "bench", "switch", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    assert "--no-batching" in res.stdout and "bottleneck" in res.stdout
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.add(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
+                         ids=["ctrl-c", "sigterm", "kill-9"])
+def test_interrupt_stops_everything(sig):
+    """Ctrl-C and SIGTERM: the command stops its processes and exits 130. kill -9: the switch
+    sees its pipe close and the generator sees its parent gone; both exit by themselves."""
+    proc = subprocess.Popen([sys.executable, "-m", "switchml", "bench", "switch", "--workers",
+                             "2", "--seconds", "60"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        kids: set[int] = set()
+        while time.monotonic() < deadline:  # the switch, the generator (and a resource tracker)
+            kids = _children(proc.pid)
+            if len(kids) >= 2:
+                break
+            time.sleep(0.2)
+        assert len(kids) >= 2, "the benchmark did not start its processes"
+        time.sleep(2.0)  # well into the traffic
+        kids |= _children(proc.pid)
+        proc.send_signal(sig)  # to the parent only: it must stop the others
+        _out, err = proc.communicate(timeout=30)
+        if sig == signal.SIGKILL:
+            assert proc.returncode == -signal.SIGKILL
+        else:
+            assert proc.returncode == 130, err
+            assert "interrupted" in err
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "a benchmark process outlived the command"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
