@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=int(_env("metrics_port", 9109)),  # type: ignore[arg-type]
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
                          "by 'switchml stats'")
+    sw.add_argument("--mtu", type=int, default=None,
+                    help="refuse jobs whose datagrams would not fit this MTU (e.g. 1500 or "
+                         "9000), instead of letting IP fragment them; default: any size UDP "
+                         "carries (workers size their chunks to their own path MTU)")
     sw.add_argument("--no-batching", action="store_true",
                     help="one system call per datagram: turn off UDP GSO/GRO batching (also: "
                          "SWITCHML_GSO=0)")
@@ -161,9 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--switch", type=_address, default=None,
                     help="HOST:PORT of a running switch (default: start one for the benchmark)")
     ar.add_argument("--window", type=int, default=16, help="slots per job, W (default 16)")
-    ar.add_argument("--elements-per-packet", type=int, default=16000,
-                    help="int32 elements per packet, k (default 16000 = 64 KB datagrams, for "
-                         "loopback; 358 fits a 1500-byte MTU)")
+    ar.add_argument("--elements-per-packet", type=int, default=None,
+                    help="int32 elements per packet, k (default: the largest that fits the "
+                         "MTU: 16366 (64 KB datagrams) on loopback, 358 at 1500, 2233 at 9000)")
+    ar.add_argument("--bits", type=int, choices=(32, 16), default=32,
+                    help="switchml's wire width for floats: 32, or 16 (fixed point in half the "
+                         "bytes, the DDP hook's bandwidth-halving mode) (default 32)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     ar.add_argument("--no-batching", action="store_true",
                     help="switch and workers make one system call per datagram (no UDP "
@@ -181,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="link rate in Mbit/s, each direction (default 1000)")
     tbg.add_argument("--loss", type=float, default=0.0,
                      help="packet loss rate on every link, 0..1 (default 0)")
-    tbg.add_argument("--mtu", type=int, default=1500,
-                     help="link MTU in bytes; chunks are sized to fit it (default 1500, "
-                          "Ethernet; 9000 for jumbo frames; veth takes up to 65535 but that is "
-                          "not a real network)")
+    ar.add_argument("--mtu", type=int, default=None,
+                    help="MTU in bytes that chunks must fit (no IP fragmentation). Testbed: "
+                         "the link MTU (default 1500, Ethernet; 9000 for jumbo frames; veth "
+                         "takes up to 65535 but that is not a real network). Loopback: default "
+                         "the route's MTU (65536)")
     tbg.add_argument("--systems", default="switchml,gloo,ps",
                      help="comma list of switchml, gloo, ps (parameter server) (default all)")
     tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
@@ -278,6 +286,7 @@ def _run_switch(args: argparse.Namespace) -> int:
     import threading
 
     from switchml.protocol.config import SwitchConfig
+    from switchml.protocol.wire import elements_for_mtu
     from switchml.transport.udp import SwitchServer
 
     secret = None
@@ -290,7 +299,8 @@ def _run_switch(args: argparse.Namespace) -> int:
         raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
                          "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
     server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
-        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret),
+        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
+        **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
         batching=not args.no_batching)
     if args.metrics_port:
         from switchml.control.metrics import start_exporter
@@ -490,7 +500,12 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from switchml.bench.testbed import TestbedBenchConfig, run_testbed_allreduce, write_outputs
+    from switchml.bench.testbed import (
+        DEFAULT_MTU,
+        TestbedBenchConfig,
+        run_testbed_allreduce,
+        write_outputs,
+    )
 
     def _term(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # run the testbed's teardown
@@ -498,10 +513,11 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
     _signal.signal(_signal.SIGTERM, _term)
     cfg = TestbedBenchConfig(
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]),
-        rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu, iters=args.iters,
-        warmup=args.warmup, systems=tuple(x.strip() for x in args.systems.split(",") if x),
+        rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu or DEFAULT_MTU,
+        iters=args.iters, warmup=args.warmup,
+        systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
-        fast_retransmit=args.fast_retransmit)
+        fast_retransmit=args.fast_retransmit, bits=args.bits)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
@@ -582,11 +598,13 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from switchml.bench.allreduce import BenchConfig, run_benchmark, write_json
+    from switchml.transport.udp import elements_per_packet_for
 
     cfg = BenchConfig(
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
         warmup=args.warmup, switch=args.switch, window=args.window,
-        elements_per_packet=args.elements_per_packet,
+        elements_per_packet=args.elements_per_packet or elements_per_packet_for(
+            args.switch or ("127.0.0.1", 1), args.mtu), bits=args.bits,
         baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
         batching=not args.no_batching)
     console = Console(stderr=True)

@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from switchml.transport.udp import elements_per_packet_for
+
 TAG_ENV = "SWITCHML_TORCH_TEST_TAG"
 CTX = mp.get_context("spawn")
 
@@ -223,7 +225,9 @@ def exit_now(q: Any, msg: tuple | None = None, code: int = 0) -> None:
 
 # -- numbers: inputs, references, the documented error bound -------------------------------------
 
-K = 16000  # elements per packet: the backend's default (SWITCHML_ELEMENTS_PER_PACKET unset)
+# Elements per packet: the backend's default (SWITCHML_ELEMENTS_PER_PACKET unset): as many as
+# fit the path MTU towards the embedded switch on loopback.
+K = elements_per_packet_for(("127.0.0.1", 48864))
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64"]
 OPS = ["SUM", "AVG"]
 SHAPES = ["scalar", "one", "odd1d", "twod", "transposed", "strided"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 
 import numpy as np
 import pytest
@@ -196,3 +197,43 @@ def test_receive_segments_single_datagram_and_empty():
         assert (n, seg, trunc) == (0, 0, False)
         assert list(batching.segments(n, seg)) == [(0, 0)]  # still handed on, counted as short
     assert list(batching.segments(10, 4)) == [(0, 4), (4, 8), (8, 10)]  # a short last one
+
+
+def test_multireceiver_takes_gro_buffers_and_single_datagrams_of_several_senders():
+    """recvmmsg: one call returns a GSO run (cut at its segment size) and plain datagrams of
+    another sender, in order, each with its sender's address."""
+    from switchml.transport.batching import MultiReceiver, recvmmsg_supported
+    if not recvmmsg_supported():
+        pytest.skip("recvmmsg is Linux-only")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx_sock, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as b:
+        for s in (rx_sock, a, b):
+            s.bind(("127.0.0.1", 0))
+        rx = MultiReceiver(rx_sock)
+        assert rx.receive() == 0
+        run = b"".join(bytes([i]) * 100 for i in range(3)) + b"\x09" * 40
+        a.sendmsg([run], [(17, 103, struct.pack("=H", 100))], 0, rx_sock.getsockname())
+        b.sendto(b"hello", rx_sock.getsockname())
+        n = 0
+        for _ in range(100):
+            n += rx.receive() if n == 0 else 0
+            if n:
+                break
+        got = [bytes(rx.buf[rx.starts[i]:rx.starts[i] + rx.lens[i]]) for i in range(n)]
+        senders = [rx.address_of(int(rx.senders[i])) for i in range(n)]
+        if n < 5:  # the second sender's datagram may come in the next call
+            more = rx.receive()
+            got += [bytes(rx.buf[rx.starts[i]:rx.starts[i] + rx.lens[i]]) for i in range(more)]
+            senders += [rx.address_of(int(rx.senders[i])) for i in range(more)]
+        assert got == [bytes([0]) * 100, bytes([1]) * 100, bytes([2]) * 100, b"\x09" * 40,
+                       b"hello"]
+        assert senders == [a.getsockname()] * 4 + [b.getsockname()]
+
+
+def test_chunks_fit_the_path_mtu_by_default():
+    from switchml.transport.udp import elements_per_packet_for, path_mtu
+    mtu = path_mtu(("127.0.0.1", 9))
+    assert mtu is not None and mtu >= 1500
+    assert elements_per_packet_for(("127.0.0.1", 9)) == min(16366, (mtu - 68) // 4)
+    assert elements_per_packet_for(("127.0.0.1", 9), mtu=1500) == 358

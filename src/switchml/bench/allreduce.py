@@ -55,7 +55,10 @@ class BenchConfig:
     warmup: int = 2
     switch: tuple[str, int] | None = None
     window: int = 16
-    elements_per_packet: int = 16000
+    elements_per_packet: int = 16366
+    """int32 elements per chunk; the CLI derives it from the path MTU (loopback: 16366)."""
+    bits: int = 32
+    """Wire width of switchml's floats: 32, or 16 (half the bytes)."""
     baselines: tuple[str, ...] = ("gloo",)
     timeout_s: float = 600.0
     batching: bool = True  # UDP GSO/GRO in the switch and the workers
@@ -63,6 +66,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.bits not in (32, 16):
+            raise ValueError(f"--bits must be 32 or 16, got {self.bits}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         unknown = set(self.baselines) - {"gloo"}
@@ -100,7 +105,7 @@ def _cpu_s() -> float:
 
 def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
                      warmup: int, iters: int, barrier: Any, results: Any,
-                     batching: bool = True) -> None:
+                     batching: bool = True, bits: int = 32) -> None:
     from switchml.control import decode_job_spec
     from switchml.transport.udp import WorkerClient
     try:
@@ -112,11 +117,11 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
         out = np.empty_like(x)
         with WorkerClient(switch, spec, rank, batching=batching) as w:
             for _ in range(warmup):
-                w.allreduce(x, out)
+                w.allreduce(x, out, bits=bits)
             barrier.wait()
             c0, t0 = _cpu_s(), time.perf_counter()
             for _ in range(iters):
-                w.allreduce(x, out)
+                w.allreduce(x, out, bits=bits)
             elapsed = time.perf_counter() - t0
             cpu = _cpu_s() - c0
             scale = np.max(np.abs(expected)) or 1.0
@@ -186,7 +191,7 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
                                             elements_per_packet=cfg.elements_per_packet))
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
                                                             cfg.iters, barrier, results,
-                                                            cfg.batching))
+                                                            cfg.batching, cfg.bits))
                  for r in range(n)]
     else:
         port = _free_port()

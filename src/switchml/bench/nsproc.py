@@ -65,7 +65,8 @@ def switchml(a: dict[str, Any]) -> None:
     cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02,
                        fast_retransmit=a.get("fast_retransmit", False))
     with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg) as w:
-        r = _timed(lambda v: w.allreduce(v, out), x, a["warmup"], a["iters"])
+        bits = a.get("bits", 32)
+        r = _timed(lambda v: w.allreduce(v, out, bits=bits), x, a["warmup"], a["iters"])
         n = spec.num_workers
         r["max_abs_error"] = float(np.max(np.abs(out - n * (n + 1) / 2)))
         r["retransmissions"] = w.counters.get("retransmissions", 0)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from switchml.protocol.wire import elements_for_mtu
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
 __all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]
@@ -31,14 +32,6 @@ SYSTEMS = ("switchml", "gloo", "ps")
 DEFAULT_MTU = 1500
 """Ethernet's MTU; 9000 for jumbo frames. Larger MTUs (veth takes up to 65535) are no real
 network's."""
-
-
-def elements_for_mtu(mtu: int, itemsize: int = 4) -> int:
-    """The largest chunk (elements) whose datagram fits the MTU without IP fragmentation:
-    IPv4 20 + UDP 8 + switchml 40 bytes of headers, at most the UDP limit (16366 int32).
-
-    Local until ``switchml.protocol.wire`` has a shared helper of the same name."""
-    return max(1, min((mtu - 20 - 8 - 40) // itemsize, (65507 - 40) // itemsize))
 
 
 @dataclass(frozen=True)
@@ -58,6 +51,8 @@ class TestbedBenchConfig:
     window of 64 x 64 KB overflowed it at 1 Gbit/s and cost a third of the throughput."""
     timeout_s: float = 900.0
     fast_retransmit: bool = False
+    bits: int = 32
+    """Wire width of switchml's floats: 32, or 16 (half the bytes on the wire)."""
     """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
 
     def __post_init__(self) -> None:
@@ -137,7 +132,8 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
         procs = [tb.popen(tb.worker_ns(r), _nsproc("switchml", {
             **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
-            "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit}), **pipe)
+            "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit,
+            "bits": cfg.bits}), **pipe)
             for r in range(n)]
         rows = _wait_all(procs, cfg.timeout_s)
         extra["switch_cpu_percent"] = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (

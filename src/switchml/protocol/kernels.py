@@ -822,24 +822,49 @@ def gro_segments(nbytes, seg, starts, lens):
 
 
 @njit(**_KW)
-def split_buffers(starts, lens, senders, gso, n, out_starts, out_lens, out_senders):
-    """Cut ``n`` received buffers (each a datagram, or a GRO buffer of datagrams ``gso[i]``
-    long but the last) into datagrams; return their number."""
+def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, sol_udp,
+               udp_gro, out_starts, out_lens, out_senders):
+    """Cut what one ``recvmmsg`` returned into datagrams; return their number.
+
+    ``msgs``: the ``struct mmsghdr`` array as rows of bytes (``msg_len`` at ``msg_len_at``,
+    ``msg_controllen`` at ``controllen_at``); message ``i`` filled ``slot_bytes`` bytes of the
+    buffer at ``i * slot_bytes``, came from the IPv4 ``sockaddr_in`` in ``names[i]`` (numbered
+    as ``address << 16 | port``) and, with UDP GRO, may hold several datagrams of one size,
+    which its control message (``SOL_UDP``, ``UDP_GRO``, an int) says. Resets every
+    ``msg_controllen`` for the next call."""
     m = 0
     for i in range(n):
-        seg = gso[i] if gso[i] > 0 else lens[i]
-        o = starts[i]
-        end = o + lens[i]
+        row = msgs[i]
+        length = (np.int64(row[msg_len_at]) | (np.int64(row[msg_len_at + 1]) << 8)
+                  | (np.int64(row[msg_len_at + 2]) << 16) | (np.int64(row[msg_len_at + 3]) << 24))
+        nm = names[i]
+        sender = ((np.int64(nm[4]) << 40) | (np.int64(nm[5]) << 32) | (np.int64(nm[6]) << 24)
+                  | (np.int64(nm[7]) << 16) | (np.int64(nm[2]) << 8) | np.int64(nm[3]))
+        seg = length
+        if gro:
+            used = np.int64(row[controllen_at]) | (np.int64(row[controllen_at + 1]) << 8)
+            c = control[i]
+            if used >= 20 and _u32(c, 8) == sol_udp and _u32(c, 12) == udp_gro:
+                g = _u32(c, 16)
+                if 0 < g < length:
+                    seg = g
+        o = i * slot_bytes
+        end = o + length
         while True:
             if m >= out_starts.size:
                 return m
             out_starts[m] = o
             out_lens[m] = min(seg, end - o)
-            out_senders[m] = senders[i]
+            out_senders[m] = sender
             m += 1
             o += seg
             if o >= end:
                 break
+    if gro:
+        full = control.shape[1]
+        for i in range(msgs.shape[0]):
+            for b in range(8):
+                msgs[i, controllen_at + b] = (full >> (8 * b)) & 0xFF
     return m
 
 

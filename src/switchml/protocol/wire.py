@@ -51,6 +51,7 @@ __all__ = [
     "unpack_join",
     "unpack_mismatch",
     "unpack_payload",
+    "elements_for_mtu",
 ]
 
 MAGIC = 0x4D53  # b"SM" read little-endian
@@ -61,6 +62,20 @@ HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
 HEADER_SIZE = HEADER.size  # 40
 MAX_DATAGRAM_BYTES = 65507  # largest UDP payload over IPv4
 MAX_ELEMENTS_PER_PACKET = (MAX_DATAGRAM_BYTES - HEADER_SIZE) // 4  # 16366 int32
+IPV4_UDP_HEADERS = 28  # IPv4 (no options) + UDP
+
+
+def elements_for_mtu(mtu: int, itemsize: int = 4) -> int:
+    """The largest chunk (elements of ``itemsize`` bytes) whose datagram fits a path of this
+    MTU without IP fragmentation: IPv4 20 + UDP 8 + switchml 40 header bytes, at most the UDP
+    limit (16366 int32). 1500 -> 358, 9000 -> 2233, 65536 (loopback) -> 16366."""
+    if mtu < IPV4_UDP_HEADERS + HEADER_SIZE + itemsize:
+        raise ValueError(f"an MTU of {mtu} bytes leaves no room for a switchml datagram "
+                         f"(headers take {IPV4_UDP_HEADERS + HEADER_SIZE} bytes)")
+    return min((mtu - IPV4_UDP_HEADERS - HEADER_SIZE) // itemsize,
+               (MAX_DATAGRAM_BYTES - HEADER_SIZE) // itemsize)
+
+
 EXP_ZERO = -32768
 """Block exponent of an all-zero block (smaller than any real exponent, so max() ignores it)."""
 

@@ -50,7 +50,8 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
-from switchml.transport.udp import AllreduceHandle, WorkerClient
+from switchml.protocol.wire import elements_for_mtu
+from switchml.transport.udp import AllreduceHandle, WorkerClient, path_mtu
 
 __all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "embedded_switch_pid", "failable_future",
            "register", "stats", "stop_embedded_switch"]
@@ -528,9 +529,17 @@ def _create(store: dist.Store, rank: int, size: int,
     gloo: Any = None
     try:
         key = f"switchml/{_incarnation}/job"
+        # Chunks fit the smallest path MTU of any rank towards the switch (no IP
+        # fragmentation), unless SWITCHML_ELEMENTS_PER_PACKET or SWITCHML_MTU say otherwise.
+        mtu_env = os.environ.get("SWITCHML_MTU")
+        my_mtu = int(mtu_env) if mtu_env else (path_mtu(switch) or 1500)
+        store.set(f"switchml/{_incarnation}/mtu/{rank}", str(my_mtu))
         if rank == 0:
             window = int(os.environ.get("SWITCHML_WINDOW", "16"))
-            k = int(os.environ.get("SWITCHML_ELEMENTS_PER_PACKET", "16000"))
+            k_env = os.environ.get("SWITCHML_ELEMENTS_PER_PACKET")
+            mtu = min(int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode())
+                      for r in range(size))
+            k = int(k_env) if k_env else elements_for_mtu(mtu)
             spec = new_job_spec(size, window=window, elements_per_packet=k)
             store.set(key, encode_job_spec(spec))
         else:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from switchml.protocol.kernels import split_buffers
+from switchml.protocol.kernels import split_mmsg
 
 __all__ = ["BatchSender", "MultiReceiver", "enable_gro", "gso_supported", "receive_segments",
            "recvmmsg_supported", "segments", "RECV_BUFFER_BYTES"]
@@ -295,15 +295,11 @@ class MultiReceiver:
             hdr.msg_iovlen = 1
             if self.gro:
                 hdr.msg_control = self._control.ctypes.data + _ANC_SPACE * i
-        raw = np.frombuffer(self._msgs, np.uint8).reshape(count, ctypes.sizeof(_Mmsghdr))
-        off = _Mmsghdr.msg_len.offset
-        self._msg_len = raw[:, off:off + 4].view(np.uint32)[:, 0]
-        off = _Msghdr.msg_controllen.offset
-        self._controllen = raw[:, off:off + 8].view(np.uint64)[:, 0]
-        self._slot_starts = np.arange(count, dtype=np.int64) * _SLOT_BYTES
-        self._slot_lens = np.zeros(count, np.int64)
-        self._slot_senders = np.zeros(count, np.int64)
-        self._gso = np.zeros(count, np.int64)
+        self._raw = np.frombuffer(self._msgs, np.uint8).reshape(count, ctypes.sizeof(_Mmsghdr))
+        self._msg_len_at = _Mmsghdr.msg_len.offset
+        self._controllen_at = _Msghdr.msg_controllen.offset
+        self._raw[:, self._controllen_at:self._controllen_at + 8].view(np.uint64)[:] = (
+            _ANC_SPACE if self.gro else 0)
         limit = count * MAX_SEGMENTS  # a GRO buffer holds at most 64 datagrams
         self.starts = np.zeros(limit, np.int64)
         self.lens = np.zeros(limit, np.int64)
@@ -317,8 +313,6 @@ class MultiReceiver:
         Raises ``ConnectionRefusedError`` (ICMP port unreachable on a connected socket) and
         other ``OSError`` as ``recvmsg`` would."""
         flags = MSG_WAITFORONE if block else socket.MSG_DONTWAIT
-        if self.gro:
-            self._controllen[:] = _ANC_SPACE  # value-result: the kernel wrote what it used
         while True:
             n = self._lib.recvmmsg(self.sock.fileno(), self._msgs, self.count, flags, None)
             if n >= 0:
@@ -330,27 +324,11 @@ class MultiReceiver:
                 return 0
             raise OSError(err, os.strerror(err)) if err != errno.ECONNREFUSED else \
                 ConnectionRefusedError(err, os.strerror(err))
-        self._slot_lens[:n] = self._msg_len[:n]
-        nm = self._names[:n].astype(np.int64)
-        self._slot_senders[:n] = ((nm[:, 4] << 40) | (nm[:, 5] << 32) | (nm[:, 6] << 24)
-                                  | (nm[:, 7] << 16) | (nm[:, 2] << 8) | nm[:, 3])
-        if not self.gro:
-            self.starts[:n] = self._slot_starts[:n]
-            self.lens[:n] = self._slot_lens[:n]
-            self.senders[:n] = self._slot_senders[:n]
-            return n
-        # A GRO buffer says its segment size in a (SOL_UDP, UDP_GRO) control message.
-        ctl = self._control[:n]
-        used = self._controllen[:n] >= 20
-        level = ctl[:, 8:12].view(np.int32)[:, 0]
-        kind = ctl[:, 12:16].view(np.int32)[:, 0]
-        size = ctl[:, 16:20].view(np.int32)[:, 0]
-        self._gso[:n] = np.where(used & (level == SOL_UDP) & (kind == UDP_GRO), size, 0)
-        return int(split_buffers(self._slot_starts, self._slot_lens, self._slot_senders,
-                                 self._gso, n, self.starts, self.lens, self.senders))
-
-    def number_senders(self, n: int) -> None:
-        """Kept for callers: ``senders`` is filled by :meth:`receive`."""
+        if n == 0:
+            return 0
+        return int(split_mmsg(self._raw, self._msg_len_at, self._controllen_at, self._names,
+                              self._control, n, _SLOT_BYTES, self.gro, SOL_UDP, UDP_GRO,
+                              self.starts, self.lens, self.senders))
 
     def address_of(self, key: int) -> Address:
         """The ``(host, port)`` of a sender number."""

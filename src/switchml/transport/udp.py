@@ -49,6 +49,7 @@ from switchml.protocol.events import (
 )
 from switchml.protocol.events import OperationFailed as OperationFailedEvent
 from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
 from switchml.protocol.worker import format_address as _fmt
 from switchml.transport.batching import (
@@ -62,7 +63,8 @@ from switchml.transport.batching import (
     segments,
 )
 
-__all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient"]
+__all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient",
+           "elements_per_packet_for", "path_mtu"]
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -70,6 +72,29 @@ DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
 SOCKET_BUFFER_BYTES = 32 * 2**20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+
+
+IP_MTU = getattr(socket, "IP_MTU", 14)  # linux/in.h
+
+
+def path_mtu(address: Address) -> int | None:
+    """The MTU of the route towards ``address`` (``IP_MTU`` of a connected UDP socket), or
+    None where the platform does not say. Loopback: 65536; an Ethernet path: 1500 (or 9000)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(address[0]), int(address[1])))
+            return int(s.getsockopt(socket.IPPROTO_IP, IP_MTU))
+    except OSError:
+        return None
+
+
+def elements_per_packet_for(switch: Address, mtu: int | None = None) -> int:
+    """The chunk size (int32 elements) whose datagrams fit the path to ``switch`` without IP
+    fragmentation: from ``mtu`` if given, else from the route's MTU (``path_mtu``), else
+    1500 (Ethernet). Loopback gives the largest datagram UDP allows (16366 elements)."""
+    if mtu is None:
+        mtu = path_mtu(switch) or 1500
+    return elements_for_mtu(mtu)
 
 
 def _size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:
@@ -158,7 +183,6 @@ class SwitchServer:
             if not n:
                 continue
             self.recv_calls += 1
-            rx.number_senders(n)
             now = clock()
             self._process(dp.receive_many, (rx.buf, rx.starts, rx.lens, rx.senders, n,
                                             rx.address_of, now), now, "a batch")
