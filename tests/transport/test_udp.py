@@ -316,3 +316,27 @@ def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
                 h.wait(timeout=20)
             except SwitchMLError:
                 pass
+
+
+def test_a_worker_says_at_once_when_nothing_listens_at_the_switch_address(caplog):
+    """ICMP port unreachable comes back from the first JOIN: the worker warns within a second,
+    naming the address, and still fails only at its join timeout."""
+    import logging
+    import time
+
+    from switchml.control import new_job_spec
+    from switchml.protocol.config import WorkerConfig
+    from switchml.protocol.errors import OperationFailed
+    from switchml.transport.udp import WorkerClient
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    caplog.set_level(logging.WARNING, logger="switchml.transport.udp")
+    t0 = time.time()
+    with pytest.raises(OperationFailed, match="ICMP port-unreachable"):
+        WorkerClient(("127.0.0.1", port), new_job_spec(1), 0,
+                     WorkerConfig(join_timeout_s=2.0))
+    assert time.time() - t0 >= 1.9  # the timeout semantics are kept
+    warnings = [r for r in caplog.records if "nothing listens" in r.getMessage()]
+    assert warnings and f"127.0.0.1:{port}" in warnings[0].getMessage()
+    assert warnings[0].created - t0 < 1.0

@@ -54,7 +54,8 @@ class BenchConfig:
     iters: int = 5
     warmup: int = 2
     switch: tuple[str, int] | None = None
-    window: int = 16
+    window: int | None = None
+    """Slots per job; default from the chunk size (``protocol.config.default_window``)."""
     elements_per_packet: int = 16366
     """int32 elements per chunk; the CLI derives it from the path MTU (loopback: 16366)."""
     bits: int = 32

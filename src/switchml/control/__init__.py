@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import secrets
 
-from switchml.protocol.config import JobSpec
+from switchml.protocol.config import JobSpec, default_window
 from switchml.protocol.errors import ConfigError
 
 __all__ = ["decode_job_spec", "encode_job_spec", "new_job_spec"]
 
 
-def new_job_spec(num_workers: int, *, window: int = 16, elements_per_packet: int = 16000
-                 ) -> JobSpec:
-    """Return a JobSpec with a fresh random job id and an unguessable token."""
+def new_job_spec(num_workers: int, *, window: int | None = None,
+                 elements_per_packet: int = 16000) -> JobSpec:
+    """Return a JobSpec with a fresh random job id and an unguessable token.
+
+    ``window``: slots in flight per worker; default ``default_window(elements_per_packet)``
+    (about 256 KiB in flight: 128 slots for MTU-1500 chunks, 16 for 64 KB datagrams)."""
     return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),
-                   num_workers=num_workers, window=window,
+                   num_workers=num_workers,
+                   window=default_window(elements_per_packet) if window is None else window,
                    elements_per_packet=elements_per_packet)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from switchml.protocol.errors import ConfigError
 from switchml.protocol.wire import MAX_ELEMENTS_PER_PACKET
 
-__all__ = ["JobSpec", "SwitchConfig", "WorkerConfig"]
+__all__ = ["JobSpec", "SwitchConfig", "WorkerConfig", "default_window"]
 
 Address = tuple[str, int]
 
@@ -52,6 +52,18 @@ class SwitchConfig:
                f"{self.max_elements_per_packet}")
         _check(self.max_workers >= 1, f"max_workers must be >= 1, got {self.max_workers}")
         _check(self.max_window >= 1, f"max_window must be >= 1, got {self.max_window}")
+
+
+WINDOW_BYTES = 256 * 1024
+"""Bytes a worker keeps in flight by default (``default_window``)."""
+
+
+def default_window(elements_per_packet: int) -> int:
+    """The default window W for chunks of ``elements_per_packet``: about ``WINDOW_BYTES`` in
+    flight per worker, between 16 and 128 slots. Small datagrams need many in flight to cover a
+    round trip (358-element chunks at MTU 1500: 128), large ones few (64 KB datagrams: 16)."""
+    datagram = 40 + 4 * elements_per_packet
+    return max(16, min(128, round(WINDOW_BYTES / datagram)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -535,7 +535,8 @@ def _create(store: dist.Store, rank: int, size: int,
         my_mtu = int(mtu_env) if mtu_env else (path_mtu(switch) or 1500)
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(my_mtu))
         if rank == 0:
-            window = int(os.environ.get("SWITCHML_WINDOW", "16"))
+            w_env = os.environ.get("SWITCHML_WINDOW")
+            window = int(w_env) if w_env else None  # default: from the chunk size
             k_env = os.environ.get("SWITCHML_ELEMENTS_PER_PACKET")
             mtu = min(int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode())
                       for r in range(size))

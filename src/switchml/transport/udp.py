@@ -632,7 +632,7 @@ class WorkerClient:
                 except BlockingIOError:
                     break
                 except ConnectionRefusedError:
-                    self.icmp_errors += 1  # nothing listens at the switch address (yet)
+                    self._icmp_refused(1)  # nothing listens at the switch address (yet)
                     continue
                 if truncated:
                     self.truncated += 1
@@ -679,7 +679,7 @@ class WorkerClient:
             try:
                 n = rx.receive()
             except ConnectionRefusedError:
-                self.icmp_errors += 1  # nothing listens at the switch address (yet)
+                self._icmp_refused(1)  # nothing listens at the switch address (yet)
                 continue
             if not n:
                 return got
@@ -698,6 +698,15 @@ class WorkerClient:
             got = True
             self._transmit(clock())
 
+    def _icmp_refused(self, count: int) -> None:
+        """ICMP port unreachable: say so at once (the operation keeps its timeout semantics:
+        the switch may be starting, or restarting)."""
+        if not self.icmp_errors:
+            log.warning("worker %d: nothing listens at %s (ICMP port unreachable); still "
+                        "trying until the join or operation timeout: is the switch running "
+                        "there (SWITCHML_SWITCH)?", self.rank, _fmt(self.switch))
+        self.icmp_errors += count
+
     def _transmit(self, now: float) -> None:
         """Send the endpoint's datagrams and dispatch its events."""
         ep = self.endpoint
@@ -712,7 +721,8 @@ class WorkerClient:
             # A full socket buffer is a loss (the retransmission timer recovers); a refusal is
             # ICMP port unreachable: nothing listens at the switch address (yet).
             self.send_blocked += sender.blocked
-            self.icmp_errors += sender.refused
+            if sender.refused:
+                self._icmp_refused(sender.refused)
             sender.blocked = sender.refused = 0
         while (ev := ep.next_event()) is not None:
             if isinstance(ev, OperationCompleted):
