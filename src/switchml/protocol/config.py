@@ -83,9 +83,10 @@ class JobSpec:
     """W, slots the job holds on the switch = chunks in flight per worker. Tuning: W x packet
     bytes should cover the bandwidth-delay product; on loopback 8-32 is plenty. Default 16."""
     elements_per_packet: int = 16000
-    """k, int32 elements per chunk (packet payload = 4k bytes). Default 16000 (64 KB datagrams:
-    on loopback per-datagram cost dominates, so bigger is faster); use 358 for a 1500-byte MTU
-    path and 2233 for 9000-byte jumbo frames (no IP fragmentation)."""
+    """k, int32 elements per chunk (packet payload = 4k bytes). Default 16000 (64 KB datagrams,
+    for loopback); the transports and the torch backend size it to the path MTU instead
+    (``wire.elements_for_mtu``: 358 for a 1500-byte MTU, 2233 for 9000-byte jumbo frames, so
+    no IP fragmentation)."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.job_id < 2**32, f"job_id must fit 32 bits, got {self.job_id}")

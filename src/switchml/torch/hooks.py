@@ -23,7 +23,8 @@ Hooks (``HookName``):
 
 Tuning guide (``SwitchMLHookState``): ``bits`` trades bandwidth for precision (16 is fine with
 error feedback for SGD-like optimisers; use 32 for the first steps of very sensitive models).
-``window`` and ``elements_per_packet`` are the switch job's geometry (defaults suit loopback).
+``window`` and ``elements_per_packet`` are the switch job's geometry (defaults: chunks that fit
+the path MTU to the switch, about 256 KiB in flight).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
-from switchml.transport.udp import WorkerClient
+from switchml.transport.udp import WorkerClient, elements_per_packet_for
 
 __all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "noop_hook", "register_hook",
            "switchml_hook"]
@@ -52,7 +53,8 @@ class SwitchMLHookState:
     Args:
         process_group: the DDP group (default: the default group). Any backend.
         bits: 32, or 16 (half the bytes on the wire, with error feedback).
-        window, elements_per_packet: the switch job's geometry (W slots, k int32 per slot).
+        window, elements_per_packet: the switch job's geometry (W slots, k int32 per slot);
+            default: k fits rank 0's path MTU to the switch, W keeps about 256 KiB in flight.
         op_timeout_s: a bucket fails if no progress for this long (a dead peer or switch).
 
     Raises:
@@ -69,7 +71,7 @@ class SwitchMLHookState:
     )
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, bits: int = 32,
-                 window: int = 16, elements_per_packet: int = 16000,
+                 window: int | None = None, elements_per_packet: int | None = None,
                  op_timeout_s: float = 60.0) -> None:
         if bits not in (32, 16):
             raise ConfigError(f"bits must be 32 or 16, got {bits}")
@@ -89,8 +91,11 @@ class SwitchMLHookState:
             return
         rank = dist.get_rank(pg)
         switch, secret, self._owns_switch = _resolve_address_over_group(pg, rank)
+        # Rank 0's path MTU to the switch sizes the chunks unless told (every rank of a hook's
+        # group usually shares a network; the backend itself takes the smallest over ranks).
         box: list[Any] = [encode_job_spec(new_job_spec(
-            self.world_size, window=window, elements_per_packet=elements_per_packet))
+            self.world_size, window=window,
+            elements_per_packet=elements_per_packet or elements_per_packet_for(switch)))
             if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
         self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
