@@ -2,13 +2,14 @@
 
 A sender in worker 0's namespace sends ``--runs`` GSO runs of ``--segments`` datagrams of
 ``--size`` bytes (one ``sendmsg`` with a UDP_SEGMENT control message each) to a receiver with
-UDP_GRO on, either in the switch namespace (``--to switch``) or in worker 1's namespace
-(``--to worker``); both are reached through the router namespace. The receiver reports how
+UDP_GRO on, either where the switch runs, the router namespace (``--to switch``, at worker 0's
+gateway address), or in worker 1's namespace (``--to worker``, through the router).
+``--from switch --to worker`` sends from the router namespace to worker 1. The receiver reports how
 many distinct datagrams arrived, in how many ``recvmsg`` calls, how many runs arrived whole /
 partly / not at all, and its rate; the nft counters say how many packets the loss rules
 dropped. ``--ethtool`` applies ``ethtool -K`` settings first (``NS:DEV:feature=on|off``; NS
-is rt, sw, w0, w1, ...;
-DEV h0 or s0 is worker 0's link, host or router end, h251/s251 the switch host's).
+is rt, ps, w0, w1, ...;
+DEV h0 or s0 is worker 0's link, host or router end).
 ``--no-offload-setup`` leaves the veth offloads at the kernel's defaults (the testbed before
 it set them), to show what the defaults do.
 
@@ -98,7 +99,7 @@ def main() -> None:
                     help="sender SO_SNDBUF; below tbf's queue, the sender blocks instead of "
                          "tbf dropping (the kernel doubles it)")
     ap.add_argument("--from", dest="source", choices=("worker", "switch"), default="worker",
-                    help="sender: worker 0, or the switch host (with --to worker)")
+                    help="sender: worker 0, or the switch (router namespace; with --to worker)")
     ap.add_argument("--to", choices=("switch", "worker"), default="switch")
     ap.add_argument("--ethtool", action="append", default=[], metavar="NS:DEV:feature=on|off")
     ap.add_argument("--show", action="store_true", help="print ethtool -k of the links")
@@ -113,15 +114,14 @@ def main() -> None:
     with Testbed(Topology(workers=2, link=link)) as tb:
         if a.no_offload_setup:
             shutil.which = real
-        names = {"sw": tb.switch_ns, "rt": tb.router_ns, "ps": tb.ps_ns,
+        names = {"rt": tb.router_ns, "ps": tb.ps_ns,
                  **{f"w{i}": tb.worker_ns(i) for i in range(2)}}
         for spec in a.ethtool:
             ns, dev, setting = spec.split(":")
             feature, value = setting.split("=")
             tb.run(names[ns], ["ethtool", "-K", f"{tb.prefix}{dev}", feature, value])
         if a.show:
-            for ns, dev in (("w0", "h0"), ("rt", "s0"), ("rt", "s1"), ("w1", "h1"),
-                            ("rt", "s251"), ("sw", "h251")):
+            for ns, dev in (("w0", "h0"), ("rt", "s0"), ("rt", "s1"), ("w1", "h1")):
                 out = tb.run(names[ns], ["ethtool", "-k", f"{tb.prefix}{dev}"])
                 keep = [ln.strip() for ln in out.splitlines() if any(
                     k in ln for k in ("udp-segmentation", "generic-receive", "gro-list",

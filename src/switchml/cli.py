@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tb = sub.add_parser(
         "testbed", help="build an emulated star network and hold it until Ctrl-C (root)",
-        description="Build the emulated network (one namespace per worker, a router, the "
-                    "switch host behind it, a parameter server; veth links shaped with tc tbf "
-                    "both ways, nftables loss per datagram in the router, UDP GSO/GRO on), "
+        description="Build the emulated network (one namespace per worker, a router in which "
+                    "the switch runs, a parameter server; veth links shaped with tc tbf "
+                    "both ways, nftables loss per datagram once per link, UDP GSO/GRO on), "
                     "print how to run things in it, and "
                     "tear it down on Ctrl-C or SIGTERM, removing exactly what it created.")
     tb.add_argument("--workers", "-n", type=int, default=4, help="worker hosts (default 4)")
@@ -164,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--warmup", type=int, default=2, help="untimed operations first (default 2)")
     ar.add_argument("--switch", type=_address, default=None,
                     help="HOST:PORT of a running switch (default: start one for the benchmark)")
-    ar.add_argument("--window", type=int, default=16, help="slots per job, W (default 16)")
+    ar.add_argument("--window", type=int, default=None,
+                    help="slots per job, W (default: about 256 KiB in flight per worker: 128 "
+                         "at MTU 1500, 29 at 9000, 16 for 64 KB datagrams)")
     ar.add_argument("--elements-per-packet", type=int, default=None,
                     help="int32 elements per packet, k (default: the largest that fits the "
                          "MTU: 16366 (64 KB datagrams) on loopback, 358 at 1500, 2233 at 9000)")
@@ -358,13 +360,14 @@ def _run_testbed(args: argparse.Namespace) -> int:
     with Testbed(Topology(workers=args.workers, link=link)) as bed:
         topo = bed.topology
         print(f"testbed {bed.prefix} is up: {args.workers} workers, {link}")
-        print(f"  switch:  ip netns exec {bed.switch_ns} switchml switch --host 0.0.0.0 "
-              "--insecure")
+        print(f"  switch (in the router):  ip netns exec {bed.switch_ns} switchml switch "
+              "--host 0.0.0.0 --insecure")
         for i in range(args.workers):
             print(f"  worker {i}: ip netns exec {bed.worker_ns(i)} ...   (address "
-                  f"{topo.worker_ip(i)}, switch at {topo.switch_ip(i)})")
+                  f"{topo.worker_ip(i)}, switch at {topo.switch_ip(i)}, its gateway)")
         print(f"  parameter server host: ip netns exec {bed.ps_ns} ...   ({topo.ps_ip})")
-        print(f"  router (loss rules: nft list ruleset): ip netns exec {bed.router_ns} ...")
+        print("  router (uplink loss rules: nft list ruleset; downlink loss rules are in "
+              f"each host): ip netns exec {bed.router_ns} ...")
         print("  UDP GSO/GRO batching: " + ("on, loss per datagram" if bed.batching else
                                             "off (no ethtool): SWITCHML_GSO=0 in there"))
         print("Ctrl-C tears it down.", flush=True)

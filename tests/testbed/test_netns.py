@@ -59,32 +59,46 @@ def test_link_rate_is_within_ten_percent():
         assert "tbf" in tb.qdisc(tb.router_ns, f"{tb.prefix}s1")
 
 
-def test_loss_is_applied_at_the_asked_rate():
+def test_loss_is_applied_at_the_asked_rate_once_per_link():
+    """Worker 0 to the switch (uplink: the router's input rule), the switch to worker 0
+    (downlink: worker 0's input rule) and worker 0 to worker 1 (two links: the router's forward
+    rule, then worker 1's input rule); the nft counters of all tables add up to the drops."""
     loss, count = 0.05, 20_000
-    with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=None, loss_rate=loss))) as tb:
-        sink = tb.popen(tb.switch_ns, _py("""
-            import socket, json
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
-            s.bind(("0.0.0.0", 6000)); s.settimeout(2.0); print("ready", flush=True); n = 0
-            try:
-                while True: s.recv(2048); n += 1
-            except socket.timeout: pass
-            print(json.dumps({"received": n}))
-        """), stdout=subprocess.PIPE, text=True)
-        assert sink.stdout.readline().strip() == "ready"
-        tb.run(tb.worker_ns(0), _py(f"""
-            import socket, time
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            for i in range({count}):
-                s.sendto(b"x" * 100, ("{tb.topology.switch_ip(0)}", 6000))
-                if i % 1000 == 999: time.sleep(0.01)
-        """))
-        received = json.loads(sink.stdout.readline())["received"]
-        dropped = count - received
-        sigma = (count * loss * (1 - loss)) ** 0.5
-        assert abs(dropped - count * loss) <= 5 * sigma, (dropped, count * loss)
-        assert tb.loss_counter() == dropped
+    with Testbed(Topology(workers=2, link=LinkSpec(bandwidth_bps=None, loss_rate=loss))) as tb:
+        topo = tb.topology
+        assert tb.switch_ns == tb.router_ns  # the switch is the router
+        paths = [(tb.worker_ns(0), tb.switch_ns, topo.switch_ip(0), 1),
+                 (tb.switch_ns, tb.worker_ns(0), topo.worker_ip(0), 1),
+                 (tb.worker_ns(0), tb.worker_ns(1), topo.worker_ip(1), 2)]
+        counted = 0
+        for src, dst, ip, links in paths:
+            sink = tb.popen(dst, _py("""
+                import socket, json
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+                s.bind(("0.0.0.0", 6000)); s.settimeout(1.0); print("ready", flush=True)
+                n = 0
+                try:
+                    while True: s.recv(2048); n += 1
+                except socket.timeout: pass
+                print(json.dumps({"received": n}))
+            """), stdout=subprocess.PIPE, text=True)
+            assert sink.stdout.readline().strip() == "ready"
+            tb.run(src, _py(f"""
+                import socket, time
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                for i in range({count}):
+                    s.sendto(b"x" * 100, ("{ip}", 6000))
+                    if i % 1000 == 999: time.sleep(0.01)
+            """))
+            received = json.loads(sink.stdout.readline())["received"]
+            sink.wait(timeout=10)
+            dropped = count - received
+            p = 1 - (1 - loss) ** links
+            sigma = (count * p * (1 - p)) ** 0.5
+            assert abs(dropped - count * p) <= 5 * sigma, (src, dst, dropped, count * p)
+            counted += dropped
+            assert tb.loss_counter() == counted, (src, dst)
 
 
 GSO_SENDER = """
@@ -120,48 +134,62 @@ GRO_RECEIVER = """
 """
 
 
-def _gso_through_the_testbed(tb: Testbed, runs: int, n: int, size: int) -> dict:
-    sink = tb.popen(tb.switch_ns, _py(GRO_RECEIVER), stdout=subprocess.PIPE, text=True)
+def _gso_through_the_testbed(tb: Testbed, runs: int, n: int, size: int,
+                             to_switch: bool = True) -> dict:
+    """GSO runs from worker 0 to the switch (router namespace), or from the switch to
+    worker 0."""
+    src, dst = tb.worker_ns(0), tb.switch_ns
+    ip = tb.topology.switch_ip(0)
+    if not to_switch:
+        src, dst, ip = dst, src, tb.topology.worker_ip(0)
+    before = tb.loss_counter()
+    sink = tb.popen(dst, _py(GRO_RECEIVER), stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
-    tb.run(tb.worker_ns(0), _py(GSO_SENDER.format(dst=tb.topology.switch_ip(0), runs=runs, n=n,
-                                                  size=size)))
-    return json.loads(sink.stdout.readline())
+    tb.run(src, _py(GSO_SENDER.format(dst=ip, runs=runs, n=n, size=size)))
+    res = json.loads(sink.stdout.readline())
+    res["nft_drops"] = tb.loss_counter() - before
+    return res
 
 
 def test_batching_is_on_and_gso_runs_are_lost_per_datagram():
-    """A GSO run of n datagrams crosses worker 0's link at loss 0.5: about half of each run
-    arrives (not all or nothing, as when the link carried the run as one packet), the nft
-    counters count datagrams, and what arrives still reaches the receiver in GRO batches."""
+    """A GSO run of n datagrams crosses worker 0's link at loss 0.5, up (to the switch: the
+    router's input rule) and down (from the switch: worker 0's input rule): about half of
+    each run arrives (not all or nothing, as when the link carried the run as one packet) and
+    the nft counters count datagrams. At loss 0 a worker receives a whole run in one
+    recvmsg (GRO batches)."""
     import shutil
     if shutil.which("ethtool") is None:
         pytest.skip("ethtool missing (Debian package ethtool): the testbed turns batching off")
     runs, n, loss = 50, 40, 0.5
     with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=None, loss_rate=loss))) as tb:
         assert tb.batching
-        res = _gso_through_the_testbed(tb, runs, n, 1000)
-        seen = res["seen"]
-        assert len(seen) == len(set(seen))  # no duplicates
-        total, received = runs * n, len(seen)
-        sigma = (total * loss * (1 - loss)) ** 0.5
-        assert abs(received - total * loss) <= 5 * sigma, (received, total)
-        assert tb.loss_counter() == total - received  # one count per dropped datagram
-        per_run = [sum(1 for x in seen if x // n == r) for r in range(runs)]
-        # whole-run drops would leave 0 or n of a run; per-datagram loss leaves some of each
-        # (a run of 40 arrives whole or not at all with probability 2 ** -39)
-        assert all(0 < k < n for k in per_run), per_run
-        assert max(res["batches"]) >= 2, "no GRO batch reached the receiver"
+        for to_switch in (True, False):
+            res = _gso_through_the_testbed(tb, runs, n, 1000, to_switch)
+            seen = res["seen"]
+            assert len(seen) == len(set(seen))  # no duplicates
+            total, received = runs * n, len(seen)
+            sigma = (total * loss * (1 - loss)) ** 0.5
+            assert abs(received - total * loss) <= 5 * sigma, (to_switch, received, total)
+            # one count per dropped datagram
+            assert res["nft_drops"] == total - received, (to_switch, res["nft_drops"])
+            per_run = [sum(1 for x in seen if x // n == r) for r in range(runs)]
+            # whole-run drops would leave 0 or n of a run; per-datagram loss leaves some of
+            # each (a run of 40 arrives whole or not at all with probability 2 ** -39)
+            assert all(0 < k < n for k in per_run), (to_switch, per_run)
         env = tb.popen(tb.worker_ns(0), [sys.executable, "-c", "import os; print("
                        "os.environ.get('SWITCHML_GSO', ''))"], stdout=subprocess.PIPE, text=True)
         assert env.communicate(timeout=30)[0].strip() == ""  # switchml's batching stays on
     with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=1e9))) as tb:
-        res = _gso_through_the_testbed(tb, 20, n, 1000)
+        res = _gso_through_the_testbed(tb, 20, n, 1000, to_switch=False)
         assert sorted(res["seen"]) == list(range(20 * n))
         assert max(res["batches"]) == n, res["batches"]  # a whole run in one recvmsg
+        assert res["nft_drops"] == 0
+        assert "smlloss" not in tb.run(tb.worker_ns(0), ["nft", "list", "ruleset"])
 
 
 def test_default_links_have_ethernets_mtu():
     with Testbed(Topology(workers=1)) as tb:
-        for ns, dev in ((tb.worker_ns(0), "h0"), (tb.router_ns, "s0"), (tb.switch_ns, "h251")):
+        for ns, dev in ((tb.worker_ns(0), "h0"), (tb.router_ns, "s0"), (tb.ps_ns, "h250")):
             out = subprocess.run(["ip", "-n", ns, "link", "show", "dev", f"{tb.prefix}{dev}"],
                                  capture_output=True, text=True).stdout
             assert " mtu 1500 " in out, out
@@ -209,7 +237,8 @@ def test_teardown_removes_exactly_what_was_created():
     before = _namespaces()
     with Testbed(Topology(workers=2)) as tb:
         created = set(tb.namespaces)
-        assert created <= _namespaces() and len(created) == 5  # 2 workers, rt, sw, ps
+        assert created <= _namespaces() and len(created) == 4  # 2 workers, rt, ps
+        assert created == {tb.worker_ns(0), tb.worker_ns(1), tb.router_ns, tb.ps_ns}
     assert _namespaces() == before
     with pytest.raises(RuntimeError, match="boom"), Testbed(Topology(workers=1)) as tb:
         created = set(tb.namespaces)
@@ -259,7 +288,7 @@ def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
     """), stdout=subprocess.PIPE, text=True)
     prefix = owner.stdout.readline().strip()
     assert prefix, "the owner did not build its testbed"
-    stale = {f"{prefix}sw", f"{prefix}rt", f"{prefix}w0", f"{prefix}ps"}
+    stale = {f"{prefix}rt", f"{prefix}w0", f"{prefix}ps"}
     try:
         assert stale <= _namespaces()
         with Testbed(Topology(workers=1)) as live:

@@ -10,6 +10,7 @@ from switchml.testbed.topology import (
     LinkSpec,
     Topology,
     ethtool_args,
+    nft_host_loss_ruleset,
     nft_loss_ruleset,
     tbf_args,
 )
@@ -30,26 +31,42 @@ def test_the_bucket_holds_a_whole_gso_run():
     assert GSO_RUN_BYTES >= 65536 + 64 * 66  # 64 KiB of payload, 64 segments' headers
 
 
-def test_loss_rules_drop_in_the_router_once_per_link():
-    text = nft_loss_ruleset("smlloss", 0.01, "sms251")
+def test_loss_rules_drop_once_per_link_and_never_on_output():
+    rule = "numgen random mod 1000000 < 10000 counter drop"
+    # the router: uplink loss, once for the link a packet arrives on (input: to the switch;
+    # forward: worker to worker), never on output (a GSO run is still whole there, and a
+    # drop there gives the sender EPERM)
+    text = nft_loss_ruleset("smlloss", 0.01)
     assert "table inet smlloss" in text
-    assert text.count("numgen random mod 1000000 < 10000 counter drop") == 3
-    # forward: once for the link a packet came in on, once for the one it leaves on
-    assert 'iifname != "sms251" numgen' in text and 'oifname != "sms251" numgen' in text
+    assert text.count(rule) == 2
     assert "hook input" in text and "hook forward" in text and "hook output" not in text
+    assert f'iifname != "lo" {rule}' in text
+    assert "oifname" not in text  # the downlink's loss is the receiving host's
+    # each receiving host: downlink loss at its input
+    host = nft_host_loss_ruleset("smlloss", 0.01)
+    assert "table inet smlloss" in host and host.count(rule) == 1
+    assert f'iifname != "lo" {rule}' in host
+    assert "hook input" in host and "hook output" not in host and "hook forward" not in host
 
 
-def test_every_end_sends_wire_packets_and_only_hosts_merge():
+def test_every_end_sends_wire_packets_and_hosts_merge_only_without_loss():
     assert ethtool_args("h0", True) == ["h0", "tso", "off", "tx-udp-segmentation", "off",
                                         "gro", "on"]
-    assert ethtool_args("s0", False)[-2:] == ["gro", "off"]
+    assert ethtool_args("h0", True, 0.0)[-2:] == ["gro", "on"]
+    # with loss the host's input rule must see single datagrams: GRO merges before netfilter
+    assert ethtool_args("h0", True, 0.01) == ["h0", "tso", "off", "tx-udp-segmentation", "off",
+                                              "gro", "off"]
+    assert ethtool_args("s0", False)[-2:] == ["gro", "on"]  # no loss rules: batches
+    assert ethtool_args("s0", False, 0.01)[-2:] == ["gro", "off"]
 
 
 def test_addresses_are_per_link():
     topo = Topology(workers=3)
     assert [topo.worker_ip(i) for i in range(3)] == ["10.201.0.2", "10.201.1.2", "10.201.2.2"]
     assert topo.gateway_ip(2) == "10.201.2.1"
-    assert topo.switch_ip(2) == topo.switch_ip() == "10.201.251.2"  # one switch host
+    # the switch runs in the router: each worker talks to its own gateway address
+    assert topo.switch_ip(2) == topo.gateway_ip(2) == "10.201.2.1"
+    assert topo.switch_ip(0) == topo.switch_ip() == "10.201.0.1"
     assert topo.ps_ip == "10.201.250.2"
 
 

@@ -3,8 +3,9 @@ same shaped links in the same run.
 
 Each worker runs in its own namespace, behind a link of ``rate`` bits/s each way; the router
 namespace routes worker-to-worker traffic (gloo's ring crosses two links per hop, as in a real
-star) and, over an internal unshaped link, reaches the software switch's host; the parameter
-server has a host (and link) of its own, as in TensorFlow's deployment. Bounds per worker, in
+star) and runs the software switch itself (switchml crosses one link each way; worker i talks
+to its gateway address); the parameter server has a host (and link) of its own, as in
+TensorFlow's deployment. Bounds per worker, in
 elements/s: in-network aggregation B/32 (each worker sends and receives its vector once), ring
 B/32 / (2(n-1)/n), parameter server B/32 / n (its one link carries all n vectors).
 """
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
@@ -46,14 +48,14 @@ class TestbedBenchConfig:
     iters: int = 3
     warmup: int = 1
     systems: tuple[str, ...] = SYSTEMS
-    window: int = 16
-    """Slots per job. On shaped links keep W x packet below tbf's queue (rate x 20 ms): a
-    window of 64 x 64 KB overflowed it at 1 Gbit/s and cost a third of the throughput."""
+    window: int | None = None
+    """Slots per job; default from the chunk size (``protocol.config.default_window``). On
+    shaped links keep W x packet below tbf's queue (rate x 20 ms)."""
     timeout_s: float = 900.0
     fast_retransmit: bool = False
+    """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
     bits: int = 32
     """Wire width of switchml's floats: 32, or 16 (half the bytes on the wire)."""
-    """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -268,7 +270,8 @@ class TrainBenchConfig:
     rate_bps: float = 1e9
     loss_rate: float = 0.0
     mtu: int = DEFAULT_MTU
-    window: int = 16
+    window: int | None = None
+    """Slots per job; default from the chunk size (``protocol.config.default_window``)."""
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -298,7 +301,7 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                 for r in range(cfg.workers):
                     env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r),
                            "SWITCHML_SWITCH": f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                           "SWITCHML_WINDOW": str(cfg.window),
+                           "SWITCHML_WINDOW": str(cfg.window or default_window(k)),
                            "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
                     env.pop("SWITCHML_SECRET", None)
                     procs.append(tb.popen(tb.worker_ns(r), _nsproc("train", {

@@ -27,13 +27,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from switchml.protocol.errors import SwitchMLError
-from switchml.testbed.topology import Topology, ethtool_args, nft_loss_ruleset, tbf_args
+from switchml.testbed.topology import (
+    Topology,
+    ethtool_args,
+    nft_host_loss_ruleset,
+    nft_loss_ruleset,
+    tbf_args,
+)
 
 __all__ = ["Testbed", "TestbedError", "check_environment", "cleanup_stale"]
 
 log = logging.getLogger(__name__)
 _TOOLS = ("ip", "tc", "nft")
 CLAIMS_DIR = "/run/switchml-testbed"
+LOSS_TABLE = "smlloss"
 
 
 class TestbedError(SwitchMLError):
@@ -105,6 +112,7 @@ def _cleanup_stale_locked() -> list[str]:
             except BlockingIOError:
                 continue  # its owner holds the lock: alive
             owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            # "sw": the switch host of testbeds built before the switch moved into the router
             pattern = re.compile(rf"{re.escape(prefix)}(sw|rt|ps|w\d+)")
             mine, errors = [], []
             for ns in live:
@@ -163,12 +171,13 @@ class Testbed:
 
     @property
     def switch_ns(self) -> str:
-        """The switch host, where ``switchml switch`` runs (behind the router)."""
-        return f"{self.prefix}sw"
+        """Where ``switchml switch`` runs: the router namespace (the switch is the router)."""
+        return self.router_ns
 
     @property
     def router_ns(self) -> str:
-        """The router: every link ends here, the loss rules and half the shaping live here."""
+        """The router: every link ends here, half the shaping and the uplink loss rules live
+        here, and so does the switch."""
         return f"{self.prefix}rt"
 
     @property
@@ -223,7 +232,6 @@ class Testbed:
         _run(["ip", "netns", "exec", self.router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
         ends = [(i, self.worker_ns(i), topo.worker_ip(i)) for i in range(topo.workers)]
         ends.append((topo.ps_link, self.ps_ns, topo.ps_ip))
-        ends.append((topo.switch_link, self.switch_ns, topo.switch_ip()))
         for i, ns, host_ip in ends:
             self._add_ns(ns)
             near, far, gateway = f"{self.prefix}s{i}", f"{self.prefix}h{i}", topo.gateway_ip(i)
@@ -238,13 +246,14 @@ class Testbed:
             for where, dev, host_end in ((self.router_ns, near, False), (ns, far, True)):
                 if self.batching:
                     _run(["ip", "netns", "exec", where, "ethtool", "-K",
-                          *ethtool_args(dev, host_end)])
-                if i != topo.switch_link:  # the internal link is the switch itself: unshaped
-                    self._shape(where, dev)
-        if link.loss_rate > 0:
+                          *ethtool_args(dev, host_end, link.loss_rate)])
+                self._shape(where, dev)
+            if link.loss_rate > 0:  # downlink loss: at the receiving host's input
+                _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                     stdin=nft_host_loss_ruleset(LOSS_TABLE, link.loss_rate))
+        if link.loss_rate > 0:  # uplink loss: in the router (input, forward), never on output
             _run(["ip", "netns", "exec", self.router_ns, "nft", "-f", "-"],
-                 stdin=nft_loss_ruleset("smlloss", link.loss_rate,
-                                        f"{self.prefix}s{topo.switch_link}"))
+                 stdin=nft_loss_ruleset(LOSS_TABLE, link.loss_rate))
         log.info("testbed %s up: %d workers, %s, batching %s", self.prefix, topo.workers, link,
                  "on" if self.batching else "off (no ethtool)")
 
@@ -303,7 +312,8 @@ class Testbed:
 
         switchml batches with UDP GSO/GRO in there as anywhere (every veth end is set to carry
         single datagrams, so loss is per datagram). Without ethtool the links would carry GSO
-        runs whole and the loss rules would drop whole runs, so batching is then turned off
+        runs whole (and hosts would merge with GRO before their loss rule), so loss would
+        drop whole runs; batching is then turned off
         (``SWITCHML_GSO=0``, unless ``env`` says otherwise).
         """
         env = kwargs.pop("env", None)
@@ -316,11 +326,12 @@ class Testbed:
         return _run(["tc", "-n", ns, "qdisc", "show", "dev", dev])
 
     def loss_counter(self) -> int:
-        """Packets dropped so far by the loss rules in every namespace."""
+        """Packets dropped so far by the loss rules: the router's (uplink) plus every host's
+        (downlink)."""
         total = 0
         for ns in self.namespaces:
             res = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet",
-                                  "smlloss"], capture_output=True, text=True)
+                                  LOSS_TABLE], capture_output=True, text=True)
             for line in res.stdout.splitlines():
                 if "counter packets" in line:
                     total += int(line.split("counter packets")[1].split()[0])

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSpec", "Topology", "ethtool_args", "nft_loss_ruleset", "tbf_args"]
+__all__ = ["LinkSpec", "Topology", "ethtool_args", "nft_host_loss_ruleset", "nft_loss_ruleset",
+           "tbf_args"]
 
 
 GSO_RUN_BYTES = 72 * 1024
@@ -22,7 +23,7 @@ class LinkSpec:
     """Line rate in bits/s (tc tbf on both ends); None for unshaped."""
     loss_rate: float = 0.0
     """Probability (0..1) that a wire packet (one datagram, one TCP segment) is dropped on each
-    link it crosses (nftables numgen in the router namespace)."""
+    link it crosses (nftables numgen: uplink in the router, downlink at the receiving host)."""
     mtu: int = 1500
     """Link MTU in bytes: 1500 (Ethernet) by default, 9000 for jumbo frames. veth takes up to
     65535, but no real network does: larger values are for experiments only."""
@@ -55,14 +56,15 @@ class LinkSpec:
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """A star: worker i <-> router <-> ..., plus a parameter-server host on the router, and the
-    switch host (where ``switchml switch`` runs) on an internal, unshaped, lossless link of the
-    router: the router and the switch host together stand for the rack switch.
+    """A star: worker i <-> router <-> ..., plus a parameter-server host on a link of its own.
+    The router namespace stands for the rack switch: it forwards worker-to-worker traffic and
+    the software switch (``switchml switch``, bound to 0.0.0.0) runs in it, so switchml traffic
+    crosses one link each way, as in a real rack. Worker i talks to the switch at its own
+    gateway address (:meth:`switch_ip`); the switch's replies leave with that source address.
 
-    The switch runs apart from the router so that the loss rules (in the router, on every
-    forwarded packet) see each datagram alone while receivers still get GRO batches: the
-    kernel cuts a GSO run into datagrams on the sender's link, the router drops datagrams, and
-    the receiving host's link merges what is left (see docs/testbed.md).
+    Loss is dropped once per link crossed, per wire datagram (see :func:`nft_loss_ruleset`):
+    uplink loss in the router (input and forward), downlink loss at the receiving host's input
+    (worker and parameter-server namespaces), never on output. See docs/testbed.md.
     """
 
     workers: int
@@ -85,8 +87,10 @@ class Topology:
         return f"{self.subnet}.{i}.1"
 
     def switch_ip(self, i: int = 0) -> str:
-        """The switch host's address: what every worker (``i`` is ignored) talks to."""
-        return f"{self.subnet}.{self.switch_link}.2"
+        """The switch's address for worker i: the router's address on link i (the switch runs
+        in the router namespace, bound to 0.0.0.0, so its replies to worker i leave with this
+        source address, which the worker's connected UDP socket requires)."""
+        return self.gateway_ip(i)
 
     @property
     def ps_ip(self) -> str:
@@ -95,11 +99,6 @@ class Topology:
     @property
     def ps_link(self) -> int:
         return 250
-
-    @property
-    def switch_link(self) -> int:
-        """Number of the internal link router <-> switch host (unshaped, lossless)."""
-        return 251
 
 
 def tbf_args(link: LinkSpec) -> list[str]:
@@ -110,32 +109,58 @@ def tbf_args(link: LinkSpec) -> list[str]:
             "latency", f"{int(link.queue_s * 1000)}ms"]
 
 
-def nft_loss_ruleset(table: str, loss_rate: float, internal_dev: str) -> str:
-    """The router's nft script: each packet is dropped with probability ``loss_rate`` once for
-    the link it came in on and once for the link it goes out on (forward; input for packets
-    addressed to the router itself), except the internal link ``internal_dev`` to the switch
-    host. Dropping in the router, not on output, means senders never see EPERM; dropping
-    before the receiving host's GRO means each wire datagram is dropped on its own."""
-    ppm = round(loss_rate * 1_000_000)
-    rule = f"numgen random mod 1000000 < {ppm} counter drop"
+def _loss_rule(loss_rate: float) -> str:
+    return f"numgen random mod 1000000 < {round(loss_rate * 1_000_000)} counter drop"
+
+
+def nft_loss_ruleset(table: str, loss_rate: float) -> str:
+    """The router's nft script: uplink loss, once for the link a packet arrives on.
+
+    ``input`` (packets to the router itself, i.e. to the switch, which runs there; not from
+    ``lo``) and ``forward`` (forwarded packets, worker to worker or to the parameter server)
+    each drop a packet with probability ``loss_rate``. The router's veth ends have GRO off, so
+    these rules see single wire datagrams. Nothing is dropped on output: there a GSO run the
+    switch sends is still one super-packet (it is cut after the qdisc), and a drop would give
+    the sender EPERM. Downlink loss is :func:`nft_host_loss_ruleset`'s, at the receiver."""
+    rule = _loss_rule(loss_rate)
     return "\n".join([
         f"table inet {table} {{",
         "  chain forward {",
         "    type filter hook forward priority 0; policy accept;",
-        f'    iifname != "{internal_dev}" {rule}',
-        f'    oifname != "{internal_dev}" {rule}',
+        f"    {rule}",
         "  }",
         "  chain input {",
         "    type filter hook input priority 0; policy accept;",
-        f'    iifname != "{internal_dev}" iifname != "lo" {rule}',
+        f'    iifname != "lo" {rule}',
         "  }",
         "}"]) + "\n"
 
 
-def ethtool_args(dev: str, host_end: bool) -> list[str]:
-    """``ethtool -K`` arguments for one veth end: every end sends wire packets (no TSO, no UDP
-    segmentation offload: the kernel cuts GSO runs and TCP super-packets in software after the
-    qdisc, so tbf shapes the run and the link carries single datagrams); host ends merge what
-    arrives with GRO (so a UDP_GRO socket gets batches), router ends do not (so the loss rules
-    see single datagrams)."""
-    return [dev, "tso", "off", "tx-udp-segmentation", "off", "gro", "on" if host_end else "off"]
+def nft_host_loss_ruleset(table: str, loss_rate: float) -> str:
+    """A receiving host's nft script (each worker and the parameter server): downlink loss,
+    once for the link a packet leaves the router on, at the host's ``input`` hook (not from
+    ``lo``). Each packet is dropped with probability ``loss_rate``. GRO merges before
+    netfilter, so the host's veth end has GRO off whenever there is loss
+    (:func:`ethtool_args`): each wire datagram is dropped on its own."""
+    return "\n".join([
+        f"table inet {table} {{",
+        "  chain input {",
+        "    type filter hook input priority 0; policy accept;",
+        f'    iifname != "lo" {_loss_rule(loss_rate)}',
+        "  }",
+        "}"]) + "\n"
+
+
+def ethtool_args(dev: str, host_end: bool, loss_rate: float = 0.0) -> list[str]:
+    """``ethtool -K`` arguments for one veth end.
+
+    Every end sends wire packets (``tso off``, ``tx-udp-segmentation off``: the kernel cuts
+    GSO runs and TCP super-packets in software after the qdisc, so tbf shapes the run and the
+    link carries single datagrams). GRO is on at every end when ``loss_rate`` is 0 (there are
+    no loss rules; UDP_GRO sockets, the switch's among them, get batches: measured, the
+    switch at MTU 1500 went from 35% to 52% of the line rate with it) and off at every end
+    when it is above 0 (the loss rules, in the router's input and forward chains and in each
+    host's input chain, run after GRO and would drop a merged batch whole)."""
+    del host_end  # both ends alike: kept for the call sites' clarity
+    gro = "on" if loss_rate == 0 else "off"
+    return [dev, "tso", "off", "tx-udp-segmentation", "off", "gro", gro]
