@@ -385,26 +385,29 @@ def _exponent(m):
 
 
 @njit(**_KW)
-def block_exponents(x, k, exps, nonfinite):
-    """Per block of ``k`` elements: ``max|x| < 2**e`` over finite elements (EXP_ZERO for an
-    all-zero block) and whether the block holds a NaN or Inf. One pass over ``x``."""
-    nblocks = exps.size
-    for b in range(nblocks):
-        lo = b * k
-        hi = min(lo + k, x.size)
-        m = 0.0
-        bad = False
-        for j in range(lo, hi):
-            a = abs(np.float64(x[j]))
-            if a > m:
-                if a == np.inf:
-                    bad = True
-                else:
-                    m = a
-            elif a != a:  # NaN
+def _block_exponent(x, lo, hi, b, exps, nonfinite):
+    """Block ``b`` = ``x[lo:hi]``: ``max|x| < 2**e`` over finite elements (EXP_ZERO for an
+    all-zero block) into ``exps[b]``, and whether it holds a NaN or Inf into ``nonfinite[b]``."""
+    m = 0.0
+    bad = False
+    for j in range(lo, hi):
+        a = abs(np.float64(x[j]))
+        if a > m:
+            if a == np.inf:
                 bad = True
-        exps[b] = EXP_ZERO if m == 0.0 else _exponent(m)
-        nonfinite[b] = bad
+            else:
+                m = a
+        elif a != a:  # NaN
+            bad = True
+    exps[b] = EXP_ZERO if m == 0.0 else _exponent(m)
+    nonfinite[b] = bad
+
+
+@njit(**_KW)
+def block_exponents(x, k, exps, nonfinite):
+    """Every block's exponent and non-finite flag (blocks of ``k`` elements), one pass."""
+    for b in range(exps.size):
+        _block_exponent(x, b * k, min(b * k + k, x.size), b, exps, nonfinite)
 
 
 @njit(**_KW)
@@ -596,6 +599,11 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
     count = 0
     if opv[OP.IS_FLOAT]:
         if p < L:
+            # The block's exponent is computed when its first packet is built (and again,
+            # identically, for a retransmission), not for the whole tensor up front: a pass
+            # over 64 MiB held every rank ~30 ms before its first packet, and ranks that
+            # finished it at different times timed each other out.
+            _block_exponent(x, p * k, min(p * k + k, x.size), p, exps, nonf)
             exp_next = exps[p]
             flags |= F_HAS_EXP
         if p >= E:

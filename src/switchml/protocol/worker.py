@@ -171,8 +171,7 @@ class _Op:
         self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
         self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
-        if self.is_float:  # every block's exponent in one pass
-            K.block_exponents(self.xk, self.k, self.exps, self.nonf)
+        # Block exponents are computed as packets are built (kernels.build_request).
         self.txbuf = np.empty((self.E, HEADER_SIZE + self.k * self.itemsize), np.uint8)
         self.views = [memoryview(self.txbuf[i]) for i in range(self.E)]
         # A batch of results releases at most one packet per lane.
