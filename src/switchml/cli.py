@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--switch", type=_address, default=None,
                     help="HOST:PORT of a running switch (default: start one for the benchmark)")
     ar.add_argument("--window", type=int, default=None,
-                    help="slots per job, W (default: about 512 KiB in flight per worker: 256 "
-                         "at MTU 1500, 58 at 9000, 16 for 64 KB datagrams)")
+                    help="slots per job, W (default: about 256 KiB in flight per worker: 128 "
+                         "at MTU 1500, 29 at 9000, 16 for 64 KB datagrams)")
     ar.add_argument("--elements-per-packet", type=int, default=None,
                     help="int32 elements per packet, k (default: the largest that fits the "
                          "MTU: 16366 (64 KB datagrams) on loopback, 358 at 1500, 2233 at 9000)")

@@ -27,7 +27,7 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
     """Return a JobSpec with a fresh random job id and an unguessable token.
 
     ``window``: slots in flight per worker; default ``default_window(elements_per_packet)``
-    (about 512 KiB in flight: 256 slots for MTU-1500 chunks, 16 for 64 KB datagrams)."""
+    (about 256 KiB in flight: 128 slots for MTU-1500 chunks, 16 for 64 KB datagrams)."""
     return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),
                    num_workers=num_workers,
                    window=default_window(elements_per_packet) if window is None else window,

@@ -24,7 +24,7 @@ Hooks (``HookName``):
 Tuning guide (``SwitchMLHookState``): ``bits`` trades bandwidth for precision (16 is fine with
 error feedback for SGD-like optimisers; use 32 for the first steps of very sensitive models).
 ``window`` and ``elements_per_packet`` are the switch job's geometry (defaults: chunks that fit
-the path MTU to the switch, about 512 KiB in flight).
+the path MTU to the switch, about 256 KiB in flight).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
@@ -54,7 +54,7 @@ class SwitchMLHookState:
         process_group: the DDP group (default: the default group). Any backend.
         bits: 32, or 16 (half the bytes on the wire, with error feedback).
         window, elements_per_packet: the switch job's geometry (W slots, k int32 per slot);
-            default: k fits rank 0's path MTU to the switch, W keeps about 512 KiB in flight.
+            default: k fits rank 0's path MTU to the switch, W keeps about 256 KiB in flight.
         op_timeout_s: a bucket fails if no progress for this long (a dead peer or switch).
 
     Raises:
