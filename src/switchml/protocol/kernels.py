@@ -815,6 +815,20 @@ def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, 
                                 nonf, x, res, txbuf, cnt)
 
 
+def as_buffer(data) -> np.ndarray:
+    """A writable uint8 array over one datagram (a copy where it is read-only, e.g. bytes)."""
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    return buf if buf.flags.writeable else buf.copy()
+
+
+def split_gro(nbytes: int, seg: int, starts: np.ndarray, lens: np.ndarray) -> tuple[int, int]:
+    """Cut a GRO buffer (datagrams of ``seg`` bytes, the last may be shorter) into
+    ``starts``/``lens``; return ``(datagrams, excess)``: ``excess`` datagrams did not fit the
+    arrays (a real GRO buffer holds at most 64; more is malformed input, to drop and count)."""
+    count = int(gro_segments(nbytes, seg, starts, lens))
+    return count, -(-nbytes // seg) - count
+
+
 @njit(**_KW)
 def gro_segments(nbytes, seg, starts, lens):
     """Fill ``starts``/``lens`` with the datagrams of a GRO buffer (all ``seg`` long but the

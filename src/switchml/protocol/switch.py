@@ -264,9 +264,7 @@ class SwitchDataplane:
     def receive_datagram(self, data: bytes | bytearray | memoryview | np.ndarray, addr: Address,
                          now: float) -> None:
         """Process one datagram. Call ``datagrams_to_send`` afterwards."""
-        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        if not buf.flags.writeable:
-            buf = buf.copy()
+        buf = K.as_buffer(data)
         self.receive_batch(buf, len(buf), len(buf), addr, now)
 
     def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
@@ -281,8 +279,7 @@ class SwitchDataplane:
             self.packets_in += 1
             self._drops["short"] += 1
             return
-        count = K.gro_segments(nbytes, seg, self._starts, self._lens)
-        excess = -(-nbytes // seg) - count
+        count, excess = K.split_gro(nbytes, seg, self._starts, self._lens)
         if excess:  # more than a GRO buffer can hold: malformed
             self.packets_in += excess
             self._drops["too_many_segments"] += excess

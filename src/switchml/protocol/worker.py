@@ -351,9 +351,7 @@ class WorkerEndpoint:
         if self._op is None or not len(data):
             self._receive_other(data, now)
             return
-        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        if not buf.flags.writeable:
-            buf = buf.copy()
+        buf = K.as_buffer(data)
         self.receive_batch(buf, len(buf), len(buf), addr, now)
 
     def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
@@ -363,8 +361,7 @@ class WorkerEndpoint:
         if nbytes <= 0 or seg <= 0:
             self._receive_other(b"", now)
             return
-        count = K.gro_segments(nbytes, seg, self._starts, self._lens)
-        excess = -(-nbytes // seg) - count
+        count, excess = K.split_gro(nbytes, seg, self._starts, self._lens)
         if excess:
             self._drops["too_many_segments"] += excess
         self.receive_many(buf, self._starts, self._lens, count, now)
