@@ -240,6 +240,8 @@ class SwitchDataplane:
         self.allocator = SlotAllocator(self.config.pool_slots)
         self._jobs: dict[int, _Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
+        # Results, per destination in order (a run of them to one member is one GSO send).
+        self._runs: dict[Address, list[memoryview]] = {}
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
@@ -368,14 +370,20 @@ class SwitchDataplane:
 
     def _multicast(self, job: _Job, ndone: int) -> None:
         """Send every round the kernel completed to every member (views of slot memory)."""
-        out = self._out
-        members = [m for m in job.members if m is not None]
+        runs = self._runs
+        member_runs = []
+        for m in job.members:
+            if m is not None:
+                run = runs.get(m)
+                if run is None:
+                    run = runs[m] = []
+                member_runs.append(run)
         views = job.views
         full = len(views[0][0])
         for v, s, size in self._done[:ndone].tolist():
             datagram = views[v][s] if size == full else views[v][s][:size]
-            for m in members:
-                out.append((datagram, m))
+            for run in member_runs:
+                run.append(datagram)
 
     def handle_timer(self, now: float) -> None:
         """Expire the leases of jobs that have been silent for ``lease_timeout_s``."""
@@ -390,12 +398,29 @@ class SwitchDataplane:
         return min(j.last_seen for j in self._jobs.values()) + self.config.lease_timeout_s
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
-        """Return and forget the datagrams to send, in order. Valid until the next receive."""
-        out = self._out
+        """Return and forget the datagrams to send: replies in order, then results (in order
+        per destination). Valid until the next receive."""
+        out, runs = self.output_runs(now)
+        for addr, run in runs.items():
+            out.extend((d, addr) for d in run)
+        return out
+
+    def output_runs(self, now: float
+                    ) -> tuple[list[tuple[bytes | memoryview, Address]],
+                               dict[Address, list[memoryview]]]:
+        """``datagrams_to_send`` for a pump that sends per destination: the replies, in
+        order, and the results grouped per destination, in order (no tuple per datagram).
+        Valid until the next receive."""
+        out, runs = self._out, self._runs
         if out:
             self._out = []
             self.packets_out += len(out)
-        return out
+        else:
+            out = []  # a fresh list: the caller may extend it
+        if runs:
+            self._runs = {}
+            self.packets_out += sum(len(r) for r in runs.values())
+        return out, runs
 
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None

@@ -194,16 +194,16 @@ class SwitchServer:
         with self._lock:
             try:
                 receive(*args)
-                out = dp.datagrams_to_send(now)
+                out, runs = dp.output_runs(now)
             except Exception:  # a bug must not take the shared switch down
                 self.internal_errors += 1
                 log.exception("internal error on %s; dropped", what)
-                dp.datagrams_to_send(now)  # nothing half-done goes out
-                out = []
+                dp.output_runs(now)  # nothing half-done goes out
+                out, runs = [], {}
             add = self._sender.add
             for data, dst in out:
                 add(data, dst)
-            self._sender.flush()
+            self._sender.send_runs(runs)
             while (ev := dp.next_event()) is not None:
                 self._log_event(ev)
 
