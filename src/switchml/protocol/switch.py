@@ -30,8 +30,11 @@ address other than the one the rank joined from, or a slot outside the job's ran
 counted before it touches any state.
 
 Buffers: a result datagram is a memoryview of the slot's own buffer (header + accumulator), so
-multicasting costs no copy. It stays valid until the next ``receive_datagram`` call; drivers that
-keep datagrams longer (the in-memory fabric) copy them.
+multicasting costs no copy. It stays valid until the next receive call (``receive_datagram``,
+``receive_batch``, ``receive_many``); drivers that keep datagrams longer (the in-memory fabric)
+copy them. The per-request rules themselves are ``kernels.switch_requests`` (compiled); this
+class holds the state as arrays for it and handles what is rare in Python (control messages,
+retransmission answers, disagreeing ranks).
 """
 
 from __future__ import annotations
