@@ -35,3 +35,18 @@ def test_no_plot_without_data(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [_row("switchml", 4, 2**20, 1e7)]}))
     assert plot_results([str(path)], str(tmp_path / "out")) == []
+
+
+def test_loss_slowdown_is_against_the_loss_free_run_at_the_same_mtu():
+    from switchml.bench.plots import loss_slowdowns
+    rows = []
+    for mtu, base in ((9000, 3e7), (1500, 2e7)):  # the jumbo baseline comes first
+        r = _row("switchml", 4, 2**24, base)
+        r["mtu"] = mtu
+        rows.append(r)
+    lossy = _row("switchml", 4, 2**24, 1e7, loss=0.01)
+    lossy["mtu"] = 1500
+    rows.append(lossy)
+    key, series = loss_slowdowns(rows)
+    assert key[3] == 1500
+    assert series == {"switchml": [(0.01, 2.0)]}  # 2e7 / 1e7, not 3e7 / 1e7

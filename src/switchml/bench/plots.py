@@ -15,7 +15,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
-__all__ = ["load_rows", "plot_results"]
+__all__ = ["load_rows", "loss_slowdowns", "plot_results"]
 
 COLORS = {"switchml": "tab:blue", "gloo": "tab:orange", "ps": "tab:green"}
 
@@ -26,6 +26,29 @@ def load_rows(paths: list[str]) -> list[dict[str, Any]]:
         with open(p) as f:
             rows.extend(json.load(f)["results"])
     return rows
+
+
+def loss_slowdowns(rows: list[dict[str, Any]]
+                   ) -> tuple[tuple, dict[str, list[tuple[float, float]]]] | None:
+    """The most common lossy setup ``(n, rate, size, mtu)`` and, per system, ``(loss,
+    loss-free ATE/s / ATE/s)`` against the loss-free run of that same setup (None without
+    lossy rows). The MTU is part of the setup: a 9000-byte run is no baseline for 1500."""
+    def setup(r: dict[str, Any]) -> tuple:
+        return r["workers"], r["rate_bps"], r["size_bytes"], r.get("mtu")
+
+    setups = Counter(setup(r) for r in rows if r["loss_rate"] > 0)
+    if not setups:
+        return None
+    key = setups.most_common(1)[0][0]
+    group = [r for r in rows if setup(r) == key]
+    series = {}
+    for system in ("switchml", "gloo", "ps"):
+        base = [r["ate_per_s"] for r in group if r["system"] == system and r["loss_rate"] == 0]
+        pts = sorted((r["loss_rate"], r["ate_per_s"]) for r in group
+                     if r["system"] == system and r["loss_rate"] > 0)
+        if base and pts:
+            series[system] = [(loss, base[0] / ate) for loss, ate in pts]
+    return key, series
 
 
 def plot_results(paths: list[str], out_dir: str) -> list[str]:
@@ -48,12 +71,16 @@ def plot_results(paths: list[str], out_dir: str) -> list[str]:
                                key=lambda kv: len({r["size_bytes"] for r in kv[1]}))
         if len({r["size_bytes"] for r in group}) > 1:
             fig, ax = plt.subplots(figsize=(7, 4.5))
+            mtus = sorted({r.get("mtu") for r in group}, key=lambda m: m or 0)
+            styles = ["o-", "s--", "^:", "d-."]
             for system in ("switchml", "gloo", "ps"):
-                pts = sorted((r["size_bytes"], r["ate_per_s"]) for r in group
-                             if r["system"] == system)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=system,
-                            color=COLORS[system])
+                for k, mtu in enumerate(mtus):  # one line per MTU: never mix them in one
+                    pts = sorted((r["size_bytes"], r["ate_per_s"]) for r in group
+                                 if r["system"] == system and r.get("mtu") == mtu)
+                    if pts:
+                        label = system if len(mtus) == 1 else f"{system}, MTU {mtu}"
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                                styles[k % len(styles)], label=label, color=COLORS[system])
             line = rate / 32
             ax.axhline(line, ls="--", color="k", lw=1, label="line rate B/32")
             ax.axhline(line / (2 * (n - 1) / n), ls=":", color="gray", lw=1,
@@ -88,26 +115,19 @@ def plot_results(paths: list[str], out_dir: str) -> list[str]:
         ax.legend()
         written.append(_save(fig, out_dir, "speedup_vs_n.png"))
 
-    # 3. slowdown against loss (same n, rate, size).
-    setups = Counter((r["workers"], r["rate_bps"], r["size_bytes"]) for r in rows
-                     if r["loss_rate"] > 0)
-    if setups:
-        n, rate, size = setups.most_common(1)[0][0]
-        group = [r for r in rows if (r["workers"], r["rate_bps"], r["size_bytes"]) ==
-                 (n, rate, size)]
+    # 3. slowdown against loss (same n, rate, size and MTU).
+    loss = loss_slowdowns(rows)
+    if loss is not None:
+        (n, rate, size, mtu), series = loss
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for system in ("switchml", "gloo", "ps"):
-            base = [r["ate_per_s"] for r in group if r["system"] == system
-                    and r["loss_rate"] == 0]
-            pts = sorted((r["loss_rate"], r["ate_per_s"]) for r in group
-                         if r["system"] == system and r["loss_rate"] > 0)
-            if base and pts:
-                ax.plot([p[0] for p in pts], [base[0] / p[1] for p in pts], "o-", label=system,
-                        color=COLORS[system])
+        for system, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=system,
+                    color=COLORS[system])
         ax.set_xscale("log")
         ax.set_xlabel("loss rate on every link")
         ax.set_ylabel("slowdown (loss-free ATE/s / ATE/s)")
-        ax.set_title(f"n={n}, {rate / 1e6:g} Mbit/s, {size / 2**20:g} MiB")
+        ax.set_title(f"n={n}, {rate / 1e6:g} Mbit/s, {size / 2**20:g} MiB"
+                     + (f", MTU {mtu}" if mtu else ""))
         ax.grid(True, alpha=0.3)
         ax.legend()
         written.append(_save(fig, out_dir, "slowdown_vs_loss.png"))

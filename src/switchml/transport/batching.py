@@ -1,21 +1,24 @@
-"""Batched UDP system calls: GSO on send, GRO on receive (Linux), with a plain fallback.
+"""Batched UDP system calls: GSO on send, GRO and recvmmsg on receive (Linux), with a plain
+fallback.
 
-A Python loop pays a few microseconds per system call, so small datagrams (the 1-4 KiB a
-real switch and a 1500-byte MTU want) are bounded by system calls, not by the network. Linux
-offers two batching mechanisms that the standard ``socket`` module can reach through ancillary
-data (no extension module needed):
+A Python loop pays a few microseconds per system call, so small datagrams (the 1-9 KiB that
+1500- and 9000-byte MTUs allow) are bounded by system calls, not by the network. Linux offers
+three batching mechanisms:
 
-* **UDP GSO** (``UDP_SEGMENT``, Linux 4.18): one ``sendmsg`` carries a buffer of up to 64
-  equal-sized datagrams (the last may be shorter) to one destination; the kernel cuts it.
+* **UDP GSO** (``UDP_SEGMENT``, Linux 4.18): one ``sendmsg`` carries up to 64 equal-sized
+  datagrams (the last may be shorter) to one destination, here as a list of buffers the kernel
+  gathers; the kernel cuts them into datagrams.
 * **UDP GRO** (``UDP_GRO``, Linux 5.0): a receiving socket may get several datagrams of one
-  sender in one ``recvmsg``, concatenated, with the segment size in a control message. On
-  loopback and veth a GSO send reaches a GRO socket as one buffer, never cut.
+  sender in one buffer, with the segment size in a control message, where the device
+  coalesced them (a GSO run over loopback or a veth).
+* **recvmmsg(2)**: every datagram queued at a socket, of any senders, in one call (through
+  ``ctypes``: the standard library has no binding); each may be a GRO buffer.
 
-:class:`BatchSender` groups what an endpoint wants to send by destination into runs of equal
-size and sends each run with one system call; :func:`receive_segments` reads one buffer and
-yields its datagrams. Both degrade to one datagram per call where the kernel refuses.
-Measured on this project's 2-vCPU VM: 1 KiB datagrams over loopback, 163 k/s with ``send``
-against 4.7 M/s with GSO + GRO (``docs/benchmarks.md``).
+:class:`BatchSender` sends runs of equal size with one system call each (``send_runs`` for
+lists already grouped per destination); :class:`MultiReceiver` receives with recvmmsg, and
+:func:`receive_segments` with one ``recvmsg`` where recvmmsg is missing. All degrade to one
+datagram per call where the kernel refuses. Measured effect: docs/benchmarks.md and
+docs/design.md ("Batched system calls, both ways").
 """
 
 from __future__ import annotations
