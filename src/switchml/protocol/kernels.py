@@ -83,10 +83,9 @@ class J(IntEnum):
     MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
     MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
     AGGREGATED = 7  # elements aggregated
-    NWORDS = 8  # 64-bit words per bitmap
 
 
-J_FIELDS = 9
+J_FIELDS = 8
 
 
 class S(IntEnum):
@@ -109,14 +108,13 @@ S_FIELDS = 9
 class SC(IntEnum):
     """Switch counters (``cnt``, int64)."""
 
-    PACKETS = 0  # requests taken by the kernel
-    STALE = 1
-    BAD_SLOT = 2
-    BAD_PAYLOAD = 3
-    LATE_DUPLICATE = 4
-    MULTICAST = 5
-    ABANDONED = 6
-    N = 7
+    STALE = 0
+    BAD_SLOT = 1
+    BAD_PAYLOAD = 2
+    LATE_DUPLICATE = 3
+    MULTICAST = 4
+    ABANDONED = 5
+    N = 6
 
 
 class SS(IntEnum):
@@ -275,7 +273,6 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
                 return i, ndone, SS.OTHER.value  # from before a restart: Python tells it
             if ahead > EPOCH_TRAIL:  # keep the bound within reach of wrapping seq numbers
                 jobv[J.MIN_SEQ] = (seq - EPOCH_TRAIL) & MASK32
-        cnt[SC.PACKETS] += 1
         flags = np.int64(d[o + 4])
         v = np.int64(d[o + 5])
         chunk = _u32(d, o + 24)
@@ -509,10 +506,9 @@ class OP(IntEnum):
     N = 14  # workers
     IS_FLOAT = 15
     EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
-    RACK = 17  # fast retransmission on: keep the transmission log
 
 
-O_FIELDS = 18
+O_FIELDS = 17
 
 
 class R(IntEnum):
@@ -813,6 +809,21 @@ def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, 
     for p in range(count):
         sendlen[p] = send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps,
                                 nonf, x, res, txbuf, cnt)
+
+
+MAX_BATCH = 4096
+"""Datagrams one batch call takes at most (the kernel's GRO merges at most 64; recvmmsg of 64
+buffers of up to 64 each)."""
+
+
+def counter_snapshot(counter, cnt, names):
+    """A Counter of ``counter`` plus the kernel counters ``cnt[i]`` named in ``names``
+    (``(name, index)`` pairs): what an endpoint's ``drops`` and ``counters`` report."""
+    c = type(counter)(counter)
+    for name, i in names:
+        if cnt[i]:
+            c[name] += int(cnt[i])
+    return c
 
 
 def as_buffer(data) -> np.ndarray:

@@ -54,7 +54,6 @@ from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
-    KNOWN_FLAGS,
     MAGIC,
     VERSION,
     ChunkShape,
@@ -89,8 +88,6 @@ Address = tuple[str, int]
 _HALF = 2**31
 _EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
-_MAX_SEGMENTS = 4096  # datagrams in one GRO buffer (the kernel merges at most 64)
-_MAX_COMPLETIONS = _MAX_SEGMENTS  # rounds one kernel call can complete
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
 
@@ -181,7 +178,6 @@ class _Job:
         jobv[K.J.WINDOW] = w
         jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
         jobv[K.J.MIN_SEQ] = -1
-        jobv[K.J.NWORDS] = nwords
         self.jobv = jobv
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
@@ -248,10 +244,10 @@ class SwitchDataplane:
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
-        self._done = np.empty((_MAX_COMPLETIONS, 3), np.int64)
-        self._starts = np.empty(_MAX_SEGMENTS, np.int64)
-        self._lens = np.empty(_MAX_SEGMENTS, np.int64)
-        self._one_sender = np.zeros(_MAX_SEGMENTS, np.int64)
+        self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
+        self._starts = np.empty(K.MAX_BATCH, np.int64)
+        self._lens = np.empty(K.MAX_BATCH, np.int64)
+        self._one_sender = np.zeros(K.MAX_BATCH, np.int64)
         self.packets_in = 0
         self.packets_out = 0
         self.results_resent = 0
@@ -312,7 +308,7 @@ class SwitchDataplane:
             o = int(starts[i])
             end = o + int(lens[i])
             addr = address_of(int(senders[i]))
-            f = self._request_fields(view, o, end)
+            f = self._request_fields(buf, view, o, end)
             if f is None:
                 self._receive_other(view[o:end], addr, now)
                 i += 1
@@ -343,18 +339,12 @@ class SwitchDataplane:
             i = nxt
 
     @staticmethod
-    def _request_fields(view: memoryview, o: int, end: int) -> tuple | None:
-        """The header tuple of a well-formed int32/int16 REQUEST at ``view[o:end]``, or None.
-
-        The same framing rules as ``kernels.request_framing``."""
-        if end - o < HEADER_SIZE:
+    def _request_fields(buf: np.ndarray, view: memoryview, o: int, end: int) -> tuple | None:
+        """The header tuple of a well-formed int32/int16 REQUEST at ``buf[o:end]``, or None
+        (the kernel's own framing rule, ``kernels.request_framing``)."""
+        if not K.request_framing(buf, o, end - o):
             return None
-        f = HEADER.unpack_from(view, o)
-        if (f[2] == _REQUEST and f[0] == MAGIC and f[1] == VERSION and f[4] <= 1
-                and not f[3] & ~KNOWN_FLAGS and f[12] in _DATA_ITEMSIZE
-                and end - o == HEADER_SIZE + _DATA_ITEMSIZE[f[12]] * f[11]):
-            return f
-        return None
+        return HEADER.unpack_from(view, o)
 
     def _receive_other(self, data: memoryview, addr: Address, now: float) -> None:
         """Control messages and malformed datagrams."""
@@ -439,11 +429,7 @@ class SwitchDataplane:
     def drops(self) -> Counter[str]:
         """A snapshot of the dropped datagrams by reason (``bad_magic``, ``unknown_job``,
         ``bad_token``, ``stale``, ...)."""
-        c = Counter(self._drops)
-        for name, i in _KERNEL_DROPS:
-            if self._cnt[i]:
-                c[name] += int(self._cnt[i])
-        return c
+        return K.counter_snapshot(self._drops, self._cnt, _KERNEL_DROPS)
 
     @property
     def results_multicast(self) -> int:

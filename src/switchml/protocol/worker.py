@@ -87,7 +87,6 @@ _WIRE = {32: (_INT32, 4, "<i4"), 16: (_INT16, 2, "<i2")}  # bits -> (elem, items
 _LEAVE_TIMEOUT_S = 1.0
 _F16 = np.dtype(np.float16)
 _NO_RESIDUAL = np.empty(0, np.float64)
-_MAX_SEGMENTS = 4096  # datagrams in one GRO buffer (the kernel merges at most 64)
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
@@ -110,7 +109,8 @@ class WorkerState(Enum):
 
 
 class _Op:
-    """State of the operation in flight, as arrays the kernels work on (``kernels.O``, ``LN``).
+    """State of the operation in flight, as arrays the kernels work on (``kernels.OP``, ``LN``,
+    ``LF``).
 
     Float16 data is staged in float32 (exact both ways); the result is copied back on
     completion. Requests are built into ``txbuf`` (one preallocated datagram per lane) and sent
@@ -124,8 +124,7 @@ class _Op:
                  "stage_res", "fmax")
 
     def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
-                 slot_base: int, bits: int = 32, residual: np.ndarray | None = None,
-                 rack: bool = False) -> None:
+                 slot_base: int, bits: int = 32, residual: np.ndarray | None = None) -> None:
         self.seq = seq
         self.x = x
         self.out = out
@@ -163,7 +162,6 @@ class _Op:
         opv[K.OP.N] = n
         opv[K.OP.IS_FLOAT] = self.is_float
         opv[K.OP.EDGE_EXP] = (info.maxexp - n.bit_length()) if info is not None else 0
-        opv[K.OP.RACK] = rack
         self.opv = opv
         self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
         self.lane[K.LN.CHUNK] = -1
@@ -239,8 +237,8 @@ class WorkerEndpoint:
         self._rtt[K.R.REO_SCALE] = 1.0
         self._next_set_arr = np.zeros(spec.window, np.int64)
         self._cnt = np.zeros(K.WC.N, np.int64)
-        self._starts = np.empty(_MAX_SEGMENTS, np.int64)
-        self._lens = np.empty(_MAX_SEGMENTS, np.int64)
+        self._starts = np.empty(K.MAX_BATCH, np.int64)
+        self._lens = np.empty(K.MAX_BATCH, np.int64)
         self._drops: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._handlers = {
@@ -311,8 +309,7 @@ class WorkerEndpoint:
             self._events.append(OperationCompleted(seq))
             self._counters["operations_completed"] += 1
             return seq
-        self._begin(_Op(seq, x, o, self.spec, self.rank, self.slot_base, bits, residual,
-                        self._fast_retransmit), now)
+        self._begin(_Op(seq, x, o, self.spec, self.rank, self.slot_base, bits, residual), now)
         return seq
 
     def _begin(self, op: _Op, now: float) -> None:
@@ -473,20 +470,12 @@ class WorkerEndpoint:
         ``results_received``, ``waiting_received``, ``mismatch_received``,
         ``fast_retransmissions``, ``spurious_fast_retransmissions``, ``operations_completed``,
         ``operations_restarted``, ``operations_failed``."""
-        c = Counter(self._counters)
-        for name, i in _KERNEL_COUNTERS:
-            if self._cnt[i]:
-                c[name] += int(self._cnt[i])
-        return c
+        return K.counter_snapshot(self._counters, self._cnt, _KERNEL_COUNTERS)
 
     @property
     def drops(self) -> Counter[str]:
         """A snapshot of the datagrams dropped, by reason."""
-        c = Counter(self._drops)
-        for name, i in _KERNEL_DROPS:
-            if self._cnt[i]:
-                c[name] += int(self._cnt[i])
-        return c
+        return K.counter_snapshot(self._drops, self._cnt, _KERNEL_DROPS)
 
     # -- Sending -----------------------------------------------------------------------------
 
@@ -708,7 +697,7 @@ class WorkerEndpoint:
         old = self._op
         assert old is not None
         op = _Op(self._epoch_seq, old.x, old.out, self.spec, self.rank, self.slot_base,
-                 old.bits, old.residual, self._fast_retransmit)
+                 old.bits, old.residual)
         op.restarts = old.restarts + 1
         self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
         self._next_set_arr[:] = 0  # a fresh switch: every rank starts on set 0

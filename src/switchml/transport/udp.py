@@ -138,7 +138,8 @@ class SwitchServer:
         # Batched system calls (see transport/batching.py): recvmmsg (or else GRO) in, GSO out,
         # where available.
         self._rx = MultiReceiver(self.sock) if batching and recvmmsg_supported() else None
-        self.gro = self._rx is None and batching and enable_gro(self.sock)
+        # GRO on the socket: MultiReceiver asks for it itself (its buffers may be GRO buffers).
+        self.gro = self._rx.gro if self._rx is not None else batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock))
         self.internal_errors = 0
         self.send_errors = 0
@@ -159,7 +160,8 @@ class SwitchServer:
                  self.dataplane.config.lease_timeout_s,
                  "needs the secret" if self.dataplane.config.secret else "open",
                  "on" if self._sender.gso else "off",
-                 "recvmmsg" if self._rx else ("GRO" if self.gro else "one datagram per call"))
+                 ("recvmmsg" + (" + GRO" if self.gro else "")) if self._rx
+                 else ("GRO" if self.gro else "one datagram per call"))
         timers = threading.Thread(target=self._run_timers, name="switchml-timers", daemon=True)
         timers.start()
         if self._rx is not None:
@@ -435,7 +437,8 @@ class WorkerClient:
         _size_buffers(self.sock, buffer_bytes)
         self.sock.setblocking(False)
         self._rx = MultiReceiver(self.sock) if batching and recvmmsg_supported() else None
-        self.gro = self._rx is None and batching and enable_gro(self.sock)
+        # GRO on the socket: MultiReceiver asks for it itself (its buffers may be GRO buffers).
+        self.gro = self._rx.gro if self._rx is not None else batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=True, raise_errors=True)
         self.icmp_errors = 0
