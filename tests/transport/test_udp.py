@@ -319,7 +319,7 @@ def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
 
 
 def test_a_worker_says_at_once_when_nothing_listens_at_the_switch_address(caplog):
-    """ICMP port unreachable comes back from the first JOIN: the worker warns within a second,
+    """ICMP port unreachable comes back from the first JOIN: the worker warns within seconds,
     naming the address, and still fails only at its join timeout."""
     import logging
     import time
@@ -335,8 +335,8 @@ def test_a_worker_says_at_once_when_nothing_listens_at_the_switch_address(caplog
     t0 = time.time()
     with pytest.raises(OperationFailed, match="ICMP port-unreachable"):
         WorkerClient(("127.0.0.1", port), new_job_spec(1), 0,
-                     WorkerConfig(join_timeout_s=2.0))
-    assert time.time() - t0 >= 1.9  # the timeout semantics are kept
+                     WorkerConfig(join_timeout_s=4.0))
+    assert time.time() - t0 >= 3.9  # the timeout semantics are kept
     warnings = [r for r in caplog.records if "nothing listens" in r.getMessage()]
     assert warnings and f"127.0.0.1:{port}" in warnings[0].getMessage()
-    assert warnings[0].created - t0 < 1.0
+    assert warnings[0].created - t0 < 2.0  # long before the timeout, with room for a slow CI
