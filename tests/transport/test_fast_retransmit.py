@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchml.protocol.config import WorkerConfig
+from switchml.protocol.config import SwitchConfig, WorkerConfig
+from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import MessageType, unpack_header
 from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
 
@@ -37,8 +38,10 @@ def _drop_once(rank: int, chunk: int, mtype: MessageType = MessageType.REQUEST):
 
 def _run(fast: bool, drop=None, faults: FaultModel | None = None, seed: int = 0):
     fabric = MemoryFabric(faults or FaultModel(latency_s=0.001), seed, drop_filter=drop)
+    # The switch's NACKs off: RACK is compared with timeouts alone (test_nack.py has NACKs).
     c = MemoryCluster(num_workers=N, window=WINDOW, elements_per_packet=K, fabric=fabric,
-                      worker_config=WorkerConfig(fast_retransmit=fast, **CONFIG))
+                      worker_config=WorkerConfig(fast_retransmit=fast, **CONFIG),
+                      switch=SwitchDataplane(SwitchConfig(nack_gap=0)))
     c.join()
     rng = np.random.default_rng(1)
     xs = [rng.integers(-2**20, 2**20, SIZE, dtype=np.int32) for _ in range(N)]

@@ -35,20 +35,23 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
 
 
 def encode_job_spec(spec: JobSpec) -> str:
-    """Encode as ``job_id:token:n:window:k`` (hex token), for environment variables."""
-    return (f"{spec.job_id}:{spec.token:016x}:{spec.num_workers}:{spec.window}:"
+    """Encode as ``job_id:token:n:window:k`` (hex token), for environment variables, with
+    ``:scale_workers`` appended when it is set."""
+    text = (f"{spec.job_id}:{spec.token:016x}:{spec.num_workers}:{spec.window}:"
             f"{spec.elements_per_packet}")
+    return text if spec.scale_workers is None else f"{text}:{spec.scale_workers}"
 
 
 def decode_job_spec(text: str) -> JobSpec:
     """Inverse of :func:`encode_job_spec`; raises ConfigError with the reason."""
     parts = text.strip().split(":")
-    if len(parts) != 5:
-        raise ConfigError(f"expected job_id:token:n:window:k, got {text!r}")
+    if len(parts) not in (5, 6):
+        raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers], got {text!r}")
     try:
         job_id, n, window, k = int(parts[0]), int(parts[2]), int(parts[3]), int(parts[4])
         token = int(parts[1], 16)
+        scale = int(parts[5]) if len(parts) == 6 else None
     except ValueError as exc:
         raise ConfigError(f"bad job spec {text!r}: {exc}") from exc
     return JobSpec(job_id=job_id, token=token, num_workers=n, window=window,
-                   elements_per_packet=k)
+                   elements_per_packet=k, scale_workers=scale)

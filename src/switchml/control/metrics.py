@@ -10,6 +10,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_results_resent_total`` (from shadow copies) | counter | |
 | ``switchml_waiting_sent_total`` | counter | |
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
+| ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
 | ``switchml_drops_total`` | counter | ``reason`` |
 | ``switchml_elements_aggregated_total`` | counter | ``job`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
@@ -45,7 +46,9 @@ class SwitchCollector:
                 ("switchml_waiting_sent", "waiting_sent",
                  "WAITING answers to retransmissions into open slots"),
                 ("switchml_mismatch_sent", "mismatch_sent",
-                 "MISMATCH answers: ranks sent a chunk with different shapes")):
+                 "MISMATCH answers: ranks sent a chunk with different shapes"),
+                ("switchml_nacks_sent", "nacks_sent",
+                 "NACKs: a rank's later chunks arrived before an earlier one (loss recovery)")):
             yield CounterMetricFamily(name, doc, value=s[key])
         drops = CounterMetricFamily("switchml_drops", "Dropped datagrams", labels=["reason"])
         for reason, n in sorted(s["drops"].items()):

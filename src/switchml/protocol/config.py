@@ -39,8 +39,15 @@ class SwitchConfig:
     secret: bytes | None = None
     """If set, creating a job needs a JOIN proven with this secret (HMAC-SHA256); joining an
     existing job needs only its token. Required when the switch listens beyond loopback."""
+    nack_gap: int = 4
+    """Switch-driven loss recovery: when a rank's chunk ``p + nack_gap`` arrives and its chunk
+    ``p`` has not (its request was lost, or the result that releases it), the switch sends
+    that rank a NACK at once and it re-sends, instead of waiting for its retransmission
+    timeout. A worker's datagrams travel one path in order, so any gap >= 1 is safe; the
+    gap is the reordering tolerated before a needless re-send. 0 turns NACKs off. Default 4."""
 
     def __post_init__(self) -> None:
+        _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
         _check(self.lease_timeout_s > 0, f"lease_timeout_s must be > 0, got "
                f"{self.lease_timeout_s}")
         _check(self.secret is None or len(self.secret) >= 16,
@@ -90,6 +97,17 @@ class JobSpec:
     for loopback); the transports and the torch backend size it to the path MTU instead
     (``wire.elements_for_mtu``: 358 for a 1500-byte MTU, 2233 for 9000-byte jumbo frames, so
     no IP fragmentation)."""
+    scale_workers: int | None = None
+    """How many contributors the fixed-point scale must allow for (``P = 31 -
+    bit_length(scale_workers)``). ``None`` means ``num_workers``. A job whose sums are added
+    again upstream (the ranks of one rack under a hierarchical switch) sets it to the number of
+    workers of the whole tree, so that every level's integer sum fits and the partial sums of
+    different racks add exactly."""
+
+    @property
+    def scale_count(self) -> int:
+        """The number of contributors the fixed-point scale allows for."""
+        return self.num_workers if self.scale_workers is None else self.scale_workers
 
     def __post_init__(self) -> None:
         _check(0 <= self.job_id < 2**32, f"job_id must fit 32 bits, got {self.job_id}")
@@ -99,6 +117,9 @@ class JobSpec:
         _check(1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
                f"elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET}, got "
                f"{self.elements_per_packet}")
+        _check(self.scale_workers is None or self.scale_workers >= self.num_workers,
+               f"scale_workers must be >= num_workers ({self.num_workers}), got "
+               f"{self.scale_workers}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ KNOWN_FLAGS = 0x0F
 F_NONFINITE = 0x01
 F_HAS_DATA = 0x02
 F_HAS_EXP = 0x04
+F_RESENT = 0x08
 SHAPE_FLAGS = F_HAS_DATA | F_HAS_EXP
 E_INT32 = 1
 E_INT16 = 2
@@ -83,9 +84,15 @@ class J(IntEnum):
     MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
     MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
     AGGREGATED = 7  # elements aggregated
+    NACK_GAP = 8  # chunks a rank may run ahead of a chunk it has not delivered; 0: no NACKs
+    NACK_CHUNK = 9  # out: the chunk a NACK names (valid when the kernel stops with SS.NACK)
+    NACK_SLOT = 10  # out: its slot, relative to SLOT_BASE
+    COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
+    FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
+    NACK_USEFUL = 13  # re-sends answering a NACK that brought a missing chunk (count)
 
 
-J_FIELDS = 8
+J_FIELDS = 14
 
 
 class S(IntEnum):
@@ -100,9 +107,10 @@ class S(IntEnum):
     EXP_NEXT = 6
     DIGEST = 7
     MISSING = 8
+    DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
 
 
-S_FIELDS = 9
+S_FIELDS = 10
 
 
 class SC(IntEnum):
@@ -125,6 +133,7 @@ class SS(IntEnum):
     RETRANSMISSION = 2  # the rank already contributed to the round: Python answers
     MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
     CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
+    NACK = 5  # added, and this rank is behind on an earlier chunk: Python sends it a NACK
 
 
 # -- little-endian field access ------------------------------------------------------------------
@@ -202,7 +211,7 @@ def request_framing(d, o, n):
     """Whether ``d[o:o+n]`` is a well-formed REQUEST with an int32 or int16 payload."""
     if n < HDR or _u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_REQUEST:
         return False
-    if d[o + 5] > 1 or (d[o + 4] & ~KNOWN_FLAGS) != 0:
+    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
         return False
     elem = d[o + 34]
     if elem == E_INT32:
@@ -234,8 +243,96 @@ def _any_bit(bm, v, s):
 
 
 @njit(**_KW)
+def _find_round(st, sp, seq, chunk):
+    """The set of relative slot ``sp`` that holds round ``(seq, chunk)``, or -1."""
+    for u in range(2):
+        if st[S.SEQ, u, sp] == seq and st[S.CHUNK, u, sp] == chunk:
+            return u
+    return -1
+
+
+@njit(**_KW)
+def _lacks(rank, seq, p, sp, st, seen):
+    """Whether ``rank`` has not delivered chunk ``p`` of operation ``seq`` (relative slot
+    ``sp``): the lane neither holds round ``p`` with the rank in it nor has moved past it."""
+    for u in range(2):
+        cur = st[S.SEQ, u, sp]
+        if cur < 0:
+            continue
+        if cur == seq:
+            c = st[S.CHUNK, u, sp]
+            if c > p or (c == p and _has_bit(seen, u, sp, rank)):
+                return False
+        elif ((cur - seq) & MASK32) < HALF:
+            return False  # a later operation already uses the slot
+    return True
+
+
+@njit(**_KW)
+def _behind_on(rank, seq, chunk, s, jobv, st, seen, clog, cursor):
+    """Switch-driven loss recovery: a chunk ``chunk`` of ``rank`` (on relative slot ``s``) was
+    just added; find a chunk of the same operation the rank should have delivered before it
+    and has not. Writes it to ``jobv[NACK_CHUNK]``/``[NACK_SLOT]`` and returns True, or False.
+
+    A worker sends a chunk when the result of the chunk before it on the same lane (its
+    *release*) arrives, in the order results arrive, and requests and results each travel
+    one path in order. So every chunk released by a round that completed before this chunk's
+    release should have arrived before this chunk. The switch stamps completions with a
+    counter and logs them (``clog``, a ring: seq, chunk, slot, and whether the round releases
+    a chunk: 1 yes, 0 no, 2 unknown); ``cursor[rank]`` is how far the rank has been
+    checked, so each completion is looked at once per rank (O(1) per request). A chunk that
+    should be here and is not: its request was lost, or the result releasing it was. Either
+    way the rank is told at once (a NACK) and re-sends what it has outstanding on that lane;
+    the switch answers a re-sent request from its round or the shadow copy, as any
+    retransmission. ``NACK_GAP`` completions of slack tolerate reordering inside the network.
+    The first window (chunks ``0 .. E-1``) goes out at once in chunk order, so there chunk
+    ``chunk - NACK_GAP`` should have arrived.
+
+    Lanes: chunk ``c`` goes to slot ``c mod E`` (E <= window lanes), and ``chunk - s`` is a
+    multiple of E, which gives E once the chunk is past the first window."""
+    gap = jobv[J.NACK_GAP]
+    if gap <= 0:
+        return False
+    window = jobv[J.WINDOW]
+    d = chunk - s
+    E = window if d >= window else d  # 0: this chunk is in the first window, E unknown
+    if chunk >= gap:
+        p = chunk - gap
+        if E == 0 or p < E:  # both in the first window
+            if p != s and _lacks(rank, seq, p, p, st, seen):
+                jobv[J.NACK_CHUNK] = p
+                jobv[J.NACK_SLOT] = p
+                return True
+    if E == 0:
+        return False
+    u = _find_round(st, s, seq, chunk - E)
+    if u < 0 or st[S.MISSING, u, s] != 0:
+        return False
+    limit = st[S.DONE_AT, u, s] - gap  # completions before this chunk's release, less slack
+    size = clog.shape[0]
+    c = max(cursor[rank], jobv[J.COMPLETIONS] - size)
+    found = False
+    while c < limit:
+        e = (c + 1) % size
+        if clog[e, 0] == seq and clog[e, 3] != 0:
+            r = clog[e, 1] + E  # the chunk that completion released
+            if clog[e, 3] == 2 and r >= chunk:
+                # Integers: r may be past the end. Judge it when a later chunk arrives.
+                break
+            if _lacks(rank, seq, r, clog[e, 2], st, seen):
+                jobv[J.NACK_CHUNK] = r
+                jobv[J.NACK_SLOT] = clog[e, 2]
+                found = True
+                c += 1
+                break
+        c += 1
+    cursor[rank] = c
+    return found
+
+
+@njit(**_KW)
 def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, conflict, bufs,
-                    cnt, done):
+                    clog, cursor, cnt, done):
     """Aggregate the REQUESTs of a batch of datagrams, from datagram ``start`` on.
 
     ``d``: the received bytes (uint8); datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``
@@ -356,11 +453,30 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
                 _clear_bit(conflict, v, s, rank)
                 stopped_conflict = _any_bit(conflict, v, s)
         _clear_bit(seen, 1 - v, s, rank)
+        if flags & F_RESENT:
+            jobv[J.NACK_USEFUL] += 1  # a NACK's re-send that was needed
+        nack = _behind_on(rank, seq, chunk, s, jobv, st, seen, clog, cursor)
         if st[S.MISSING, v, s] == 0:
             b = bufs[v, s]
             write_header(b, 0, T_RESULT, st[S.FLAGS, v, s], v, rank, job_id, token, seq, chunk,
                          s + base, count, elem, st[S.DIGEST, v, s], st[S.EXP_DATA, v, s],
                          st[S.EXP_NEXT, v, s])
+            stamp = jobv[J.COMPLETIONS] + 1
+            jobv[J.COMPLETIONS] = stamp
+            st[S.DONE_AT, v, s] = stamp
+            e = stamp % clog.shape[0]
+            clog[e, 0] = seq
+            clog[e, 1] = chunk
+            clog[e, 2] = s
+            # Whether the round releases a chunk: float chunks carry the look-ahead exponent
+            # exactly when a chunk follows on the lane (chunk < L, so chunk + E < T = L + E);
+            # an operation is float once a round with an exponent completed; integer chunks
+            # do not say.
+            if st[S.FLAGS, v, s] & F_HAS_EXP:
+                jobv[J.FLOAT_SEQ] = seq
+                clog[e, 3] = 1
+            else:
+                clog[e, 3] = 0 if jobv[J.FLOAT_SEQ] == seq else 2
             done[ndone, 0] = v
             done[ndone, 1] = s
             done[ndone, 2] = HDR + itemsize * count
@@ -370,6 +486,8 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
         i += 1
         if stopped_conflict:
             return i, ndone, SS.CONFLICT_ADDED.value
+        if nack:
+            return i, ndone, SS.NACK.value
     return i, ndone, SS.DONE.value
 
 
@@ -663,6 +781,10 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
                       res.size > 0 and not retransmit)
     rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
+    if p + opv[OP.E] >= opv[OP.T] and lane[LN.TRIES, i] == 0 and rtt[R.SRTT] > 0:
+        # The lane's last chunk: no later chunk of ours can show the switch that it is
+        # missing (NACKs), so probe sooner than the timeout (a tail loss probe, RFC 8985 7).
+        rto = min(rto, 2.0 * rtt[R.SRTT])
     lanef[LF.DEADLINE, i] = now + rto
     lanef[LF.XMIT_AT, i] = now
     return n
@@ -704,7 +826,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         ln = lens[i]
         if ln < HDR or _u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
             return i, nsend, WS.OTHER.value
-        if d[o + 5] > 1 or (d[o + 4] & ~KNOWN_FLAGS) != 0:
+        if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
             return i, nsend, WS.OTHER.value
         elem = np.int64(d[o + 34])
         count = _u16(d, o + 32)

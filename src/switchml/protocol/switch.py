@@ -82,6 +82,9 @@ _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 _NONFINITE = int(Flags.NONFINITE)
 _RESULT = int(MessageType.RESULT)
 _UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
+_NACK = int(MessageType.NACK)
+_CLOG_ROUNDS = 8  # completions logged for NACKs, in windows
+_NACK_CALM = 64  # needed NACK re-sends in a row after which a widened gap halves again
 _BYTES = int(ElementType.BYTES)
 
 Address = tuple[str, int]
@@ -162,6 +165,8 @@ class _Job:
     conflict: np.ndarray = field(default=None)  # type: ignore[assignment]
     conflict_shape: dict[tuple[int, int], ChunkShape] = field(default_factory=dict)
     bufs: np.ndarray = field(default=None)  # type: ignore[assignment]
+    clog: np.ndarray = field(default=None)  # type: ignore[assignment]
+    cursor: np.ndarray = field(default=None)  # type: ignore[assignment]
     views: list[list[memoryview]] = field(default_factory=list)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -178,6 +183,7 @@ class _Job:
         jobv[K.J.WINDOW] = w
         jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
         jobv[K.J.MIN_SEQ] = -1
+        jobv[K.J.FLOAT_SEQ] = -1
         self.jobv = jobv
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
@@ -187,6 +193,10 @@ class _Job:
         self.seen = np.zeros((2, w, nwords), np.uint64)
         self.conflict = np.zeros((2, w, nwords), np.uint64)
         self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet), np.uint8)
+        # Loss recovery (kernels._behind_on): the last completions, and how far each rank
+        # has been checked against them.
+        self.clog = np.full((_CLOG_ROUNDS * w, 4), -1, np.int64)
+        self.cursor = np.zeros(self.num_workers, np.int64)
         self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
 
     @property
@@ -253,6 +263,8 @@ class SwitchDataplane:
         self.results_resent = 0
         self.waiting_sent = 0
         self.mismatch_sent = 0
+        self.nacks_sent = 0
+        self.nacks_needless = 0
         self._now = 0.0
         self._handlers = {
             MessageType.JOIN: self._handle_join,
@@ -319,7 +331,8 @@ class SwitchDataplane:
                 continue
             nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i, f[5],
                                                  job.jobv, job.st, job.seen, job.conflict,
-                                                 job.bufs, self._cnt, self._done)
+                                                 job.bufs, job.clog, job.cursor, self._cnt,
+                                                 self._done)
             if ndone:
                 self._multicast(job, ndone)
             if code == K.SS.RETRANSMISSION or code == K.SS.MISMATCH:
@@ -333,6 +346,8 @@ class SwitchDataplane:
                 nxt += 1
             elif code == K.SS.CONFLICT_ADDED:
                 self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr, None)
+            elif code == K.SS.NACK:
+                self._nack(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr)
             elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
                 self._drops["internal"] += 1
                 nxt += 1
@@ -448,6 +463,8 @@ class SwitchDataplane:
             "results_resent": self.results_resent,
             "waiting_sent": self.waiting_sent,
             "mismatch_sent": self.mismatch_sent,
+            "nacks_sent": self.nacks_sent,
+            "nacks_needless": self.nacks_needless,
             "rounds_abandoned": self.rounds_abandoned,
             "drops": dict(self.drops),
             "jobs": len(self._jobs),
@@ -543,6 +560,7 @@ class SwitchDataplane:
         try:
             job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
                        asked.elements_per_packet, [None] * asked.num_workers)
+            job.jobv[K.J.NACK_GAP] = self.config.nack_gap
         except MemoryError:
             self.allocator.release(base, asked.window)
             self._refuse(h, addr, f"no memory for job {h.job}")
@@ -684,9 +702,37 @@ class SwitchDataplane:
         self._out.append((pack_header(reply) + payload, addr))
         self.mismatch_sent += 1
 
+    def _nack(self, job: _Job, f: tuple, addr: Address) -> None:
+        """Tell the sender of ``f`` that the switch lacks an earlier chunk of its (the kernel
+        found it: ``kernels._behind_on``)."""
+        jobv = job.jobv
+        self._out.append((HEADER.pack(MAGIC, VERSION, _NACK, 0, 0, f[5], job.job_id, job.token,
+                                      f[8], int(jobv[K.J.NACK_CHUNK]),
+                                      job.slot_base + int(jobv[K.J.NACK_SLOT]), 0, _BYTES, 0,
+                                      EXP_ZERO, EXP_ZERO), addr))
+        self.nacks_sent += 1
+        useful = int(jobv[K.J.NACK_USEFUL])
+        gap = int(jobv[K.J.NACK_GAP])
+        if useful >= _NACK_CALM and gap > self.config.nack_gap:
+            # NACKs have been needed, none needless: the network stopped reordering.
+            jobv[K.J.NACK_GAP] = max(self.config.nack_gap, gap // 2)
+            jobv[K.J.NACK_USEFUL] = 0
+
+    def _nack_was_needless(self, job: _Job) -> None:
+        """A re-send answering a NACK found its chunk already in: the chunk had been
+        reordered, not lost. Widen the job's gap (as RACK widens its reorder window), so a
+        network that reorders costs a few needless re-sends, not one per datagram."""
+        jobv = job.jobv
+        self.nacks_needless += 1
+        jobv[K.J.NACK_USEFUL] = 0
+        if jobv[K.J.NACK_GAP] > 0:
+            jobv[K.J.NACK_GAP] = min(2 * int(jobv[K.J.NACK_GAP]), _CLOG_ROUNDS * job.window)
+
     def _answer_retransmission(self, job: _Job, f: tuple, addr: Address) -> None:
         """A rank re-sent a chunk that is already in its round."""
         rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        if f[3] & Flags.RESENT:
+            self._nack_was_needless(job)  # the chunk NACKed as lost was in (reordered)
         s = slot - job.slot_base
         st = job.st
         if st[K.S.MISSING, v, s] == 0:

@@ -97,6 +97,11 @@ class MessageType(IntEnum):
     """Switch -> worker: the ranks disagree about a chunk (size, element type, exponent or
     shape flags differ): the operation cannot complete. Payload: see ``pack_mismatch``. Sent
     to a rank whose chunk was refused, and to a contributor that retransmits into the round."""
+    NACK = 6
+    """Switch -> worker: header only. The switch lacks the receiver's chunk ``chunk`` (on slot
+    ``slot``, operation ``seq``) although later chunks of the receiver arrived: the worker
+    re-sends what it has outstanding on that lane now (the chunk, or the one whose result
+    releases it) instead of waiting for its timeout."""
     JOIN = 18
     """Worker -> switch: rank joins job (creating it if unknown); ControlInfo payload, plus a
     proof of the switch's secret where it has one; ``seq`` = first operation of the epoch."""
@@ -112,7 +117,7 @@ class MessageType(IntEnum):
 
 
 DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
-                        MessageType.UNKNOWN_JOB, MessageType.MISMATCH})
+                        MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.NACK})
 
 
 class Flags(IntFlag):

@@ -147,7 +147,6 @@ class _Op:
             self.res = _NO_RESIDUAL
         else:
             self.res = np.empty(x.size, np.float64) if self.stage_res else residual
-        n = spec.num_workers
         info = np.finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
         opv = np.zeros(K.O_FIELDS, np.int64)
@@ -158,10 +157,11 @@ class _Op:
         opv[K.OP.RANK] = rank
         opv[K.OP.SLOT_BASE] = slot_base
         opv[K.OP.ELEM], opv[K.OP.ITEMSIZE], opv[K.OP.DIGEST] = self.elem, self.itemsize, self.digest
-        opv[K.OP.P] = scale_bits(n, bits)
-        opv[K.OP.N] = n
+        scale = spec.scale_count
+        opv[K.OP.P] = scale_bits(scale, bits)
+        opv[K.OP.N] = scale  # the bound |sum| < scale * 2**emax
         opv[K.OP.IS_FLOAT] = self.is_float
-        opv[K.OP.EDGE_EXP] = (info.maxexp - n.bit_length()) if info is not None else 0
+        opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
         self.opv = opv
         self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
         self.lane[K.LN.CHUNK] = -1
@@ -245,6 +245,7 @@ class WorkerEndpoint:
             MessageType.RESULT: self._handle_stray_result,
             MessageType.WAITING: self._handle_waiting,
             MessageType.MISMATCH: self._handle_mismatch,
+            MessageType.NACK: self._handle_nack,
             MessageType.JOINED: self._handle_joined,
             MessageType.REFUSED: self._handle_refused,
             MessageType.LEFT: self._handle_left,
@@ -588,6 +589,35 @@ class WorkerEndpoint:
             self._spurious(op, i)  # our chunk was in the switch all along
         op.waiting_missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         op.waiting_chunk = h.chunk
+
+    def _handle_nack(self, h: Header, data: bytes | bytearray | memoryview,
+                     now: float) -> None:
+        """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
+        what is outstanding on its lane now (the chunk itself, or the chunk whose lost result
+        releases it: the switch answers that from its round or shadow copy). Like a RACK
+        re-send, it does not back the lane's timeout off."""
+        op = self._op
+        if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
+            self._drops["stale_nack"] += 1
+            return
+        i = h.chunk % op.E
+        if h.chunk >= op.T or h.slot != self.slot_base + i:
+            self._drops["bad_slot"] += 1
+            return
+        self._rtt[K.R.LAST_HEARD] = now
+        p = int(op.lane[K.LN.CHUNK, i])
+        min_rtt = float(self._rtt[K.R.MIN_RTT])
+        if p < 0 or p > h.chunk or now - float(op.lanef[K.LF.XMIT_AT, i]) < min_rtt:
+            # Delivered meanwhile, or re-sent less than a round trip ago (its answer may be
+            # on its way): nothing to do.
+            self._counters["nacks_ignored"] += 1
+            return
+        self._counters["nack_retransmissions"] += 1
+        self._send_chunk(op, p, now, retransmit=True, fast=True)
+        if p == h.chunk:
+            # The switch thinks this request was lost: mark the re-send, so that it can tell
+            # when it was only late (reordered) and widen its NACK gap.
+            op.txbuf[i, 4] |= Flags.RESENT
 
     def _handle_mismatch(self, h: Header, data: bytes | bytearray | memoryview,
                          now: float) -> None:
