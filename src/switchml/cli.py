@@ -48,6 +48,17 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``I/S``: shard I of S."""
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/S (shard I of S), got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < S, got {text!r}")
+    return i, n
+
+
 def _size(text: str) -> int:
     from switchml.bench.allreduce import parse_size
     try:
@@ -85,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--lease-timeout-s", type=float,
                     default=float(_env("lease_timeout_s", 30.0)),  # type: ignore[arg-type]
                     help="a job silent for this long loses its slots (default 30)")
+    sw.add_argument("--nack-gap", type=int, default=int(_env("nack_gap", 4)),  # type: ignore
+                    help="loss recovery: tell a worker at once that a chunk of its is missing "
+                         "when its later chunks arrive, tolerating this much reordering "
+                         "(completions); 0 leaves recovery to the workers' timeouts (default 4)")
     sw.add_argument("--secret-file", default=_env("secret_file", None),
                     help="file holding the secret needed to create jobs (workers pass it in "
                          "SWITCHML_SECRET); SWITCHML_SECRET also works here")
@@ -105,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--stop-on-stdin-eof", action="store_true",
                     help="also stop when standard input closes (used by the PyTorch backend's "
                          "embedded switch, so it dies with the process that started it)")
+    sw.add_argument("--shards", type=int, default=1, metavar="S",
+                    help="run S switch processes (0: one per core) on ports PORT .. PORT+S-1 "
+                         "(metrics on METRICS_PORT+i): workers stripe every job's lanes over "
+                         "them (give them all: SWITCHML_SWITCH=h:p,h:p+1,...), so one job uses "
+                         "every shard's core (default 1)")
+    sw.add_argument("--shard", type=_shard, default=None, metavar="I/S",
+                    help="run shard I of a switch sharded over S processes or hosts (each "
+                         "shard started by hand, e.g. one per host)")
 
     demo = sub.add_parser(
         "demo", help="train a model with gloo and with switchml, side by side",
@@ -125,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show a running switch's counters (like a hardware switch's port counters) "
                     "from its Prometheus endpoint, refreshed every --interval-s.")
     stats.add_argument("--url", default=_env("stats_url", "http://127.0.0.1:9109/metrics"),
-                       help="the switch's metrics URL (default http://127.0.0.1:9109/metrics)")
+                       help="the switch's metrics URL (default http://127.0.0.1:9109/metrics); "
+                            "a sharded switch: every shard's URL, comma-separated (summed)")
     stats.add_argument("--interval-s", type=float, default=1.0,
                        help="refresh period in seconds (default 1)")
     stats.add_argument("--once", action="store_true", help="print one table and exit")
@@ -206,12 +230,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a convolutional model (CNN on digits) and a network-bound model "
                     "(a 6.4M-parameter embedding table, like NCF/DeepLight) with "
                     "DistributedDataParallel on gloo and on switchml over the same emulated "
-                    "links; report step time, samples/s, time to a target loss and speedup.")
+                    "links; report step time, samples/s, time to a target loss and speedup. "
+                    "--model mlp (fully connected, 4096 wide) with --systems ...,hybrid adds "
+                    "Poseidon's hybrid mode and bytes per step per worker, measured on the "
+                    "links and predicted by its cost model.")
     tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
-    tr.add_argument("--model", action="append", choices=["cnn", "embed"],
-                    help="model to train (repeatable; default both)")
+    tr.add_argument("--model", action="append", choices=["cnn", "embed", "mlp"],
+                    help="model to train (repeatable; default cnn and embed); mlp: digits -> "
+                         "4096 -> 4096 -> 10, fully connected (17M parameters)")
     tr.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    tr.add_argument("--batch", type=int, default=64, help="per-worker batch (default 64)")
+    tr.add_argument("--batch", type=int, default=None,
+                    help="per-worker batch (default 64; mlp 16)")
+    tr.add_argument("--systems", default="gloo,switchml",
+                    help="comma list of gloo, switchml (DDP on that backend) and hybrid "
+                         "(HybridDataParallel on switchml: per layer, aggregation or "
+                         "sufficient-factor broadcasting) (default gloo,switchml)")
+    tr.add_argument("--trace", metavar="PATH",
+                    help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
+                         "forward, backward, optimizer and communication spans, and report the "
+                         "fraction of communication hidden behind backward compute")
     tr.add_argument("--rate-mbit", type=float, default=1000.0,
                     help="link rate in Mbit/s (default 1000)")
     tr.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
@@ -221,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "that is not a real network)")
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    tr.add_argument("--plot", metavar="PNG", help="save training loss against time")
+    tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
+                    "bytes per step and step time per system to PNG's name + '-bytes'; with "
+                    "--trace, rank 0's last two steps to + '-timeline')")
     pl = bsub.add_parser("plot", help="PNG plots from testbed benchmark JSON files",
                          description="Draw ATE/s against size (with the line-rate and ring "
                                      "bounds), speedup over gloo against n, and slowdown "
@@ -278,10 +317,173 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                     help="UDP GSO/GRO in the switch and the generator (default on)")
     sc.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    _add_ps_geo_parsers(sub, bsub)
+    _add_sim_parser(sub)
     return parser
 
 
+def _add_ps_geo_parsers(sub: argparse._SubParsersAction, bsub: argparse._SubParsersAction
+                        ) -> None:
+    """``switchml ps``, ``switchml bench geo`` and ``switchml testbed --dcs`` (issue 12)."""
+    ps = sub.add_parser(
+        "ps", help="TensorFlow-style parameter servers: run one, or train with them",
+        description="Parameter servers: parameters placed round-robin by tensor on P servers "
+                    "(large tensors split), workers push gradients and pull parameters over "
+                    "TCP, the optimizer step runs on the servers. Synchronous with backup "
+                    "workers (each step takes the first N-b gradients; late ones are dropped "
+                    "and counted) or asynchronous. See docs/geo.md.")
+    pss = ps.add_subparsers(dest="ps", required=True, metavar="ROLE")
+    srv = pss.add_parser("server", help="run one parameter server in the foreground",
+                         description="Serve until SIGINT/SIGTERM (or, with --exit-when-done, "
+                                     "until every worker said goodbye or died).")
+    srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
+    srv.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
+    srv.add_argument("--exit-when-done", action="store_true",
+                     help="exit when every worker said goodbye or died")
+    tr = pss.add_parser("train", help="start P servers and N workers here; train on digits",
+                        description="Start --servers server processes and --workers worker "
+                                    "processes on this machine, train a model on "
+                                    "scikit-learn's digits through the servers, print the "
+                                    "placement, accuracy, dropped gradients and a digest of "
+                                    "the final parameters (equal between runs with the same "
+                                    "seed and no backup workers).")
+    tr.add_argument("--servers", "-p", type=int, default=2, help="server processes (default 2)")
+    tr.add_argument("--steps", type=int, default=200, help="steps (versions) (default 200)")
+    tr.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
+    tr.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                    help="mlp (19k parameters) or cnn (560k) (default mlp)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of model and data (default 0)")
+    tr.add_argument("--max-shard-elements", type=int, default=1 << 17,
+                    help="split tensors above this many elements (default 131072)")
+    tr.add_argument("--slow-worker", type=int, default=None,
+                    help="make this worker a straggler (sleeps --slow-s per step)")
+    tr.add_argument("--slow-s", type=float, default=0.05, help="straggler delay (default 0.05)")
+    tr.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    for p in (srv, tr):
+        p.add_argument("--workers", "-n", type=int, default=4, help="workers N (default 4)")
+        p.add_argument("--backup", "-b", type=int, default=0,
+                       help="backup workers b: each step uses the first N-b gradients "
+                            "(default 0)")
+        p.add_argument("--mode", choices=("sync", "async"), default="sync",
+                       help="synchronous steps or asynchronous updates (default sync)")
+        p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                       help="optimizer run on the servers (default sgd)")
+        p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+        p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+        p.add_argument("--timeout-s", type=float, default=60.0,
+                       help="a missing gradient or silent peer fails the run after this "
+                            "long, naming it (default 60)")
+
+    geo = bsub.add_parser(
+        "geo", help="Gaia against synchronous training across data centres (root)",
+        description="Train the same model (switchml.demo's CNN on scikit-learn's digits) "
+                    "three ways on the geo testbed: all workers in one data centre (LAN), "
+                    "synchronous DDP spanning the WAN, and Gaia (synchronous inside each data "
+                    "centre, significant updates across). Reports time to target accuracy, "
+                    "final accuracy and WAN bytes (WAN interface counters); writes geo.json, "
+                    "geo.csv and geo.png (accuracy against time). Needs root.")
+    geo.add_argument("--dcs", default="2x2", help="data centres x workers (default 2x2)")
+    geo.add_argument("--wan-mbit", type=float, default=50.0, help="WAN Mbit/s (default 50)")
+    geo.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
+    geo.add_argument("--modes", default="lan,wan,gaia", help="comma list (default all three)")
+    geo.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    geo.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
+    geo.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    geo.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="(default cnn)")
+    geo.add_argument("--target", type=float, default=0.95,
+                     help="target test accuracy (default 0.95)")
+    geo.add_argument("--eval-every", type=int, default=5, help="steps (default 5)")
+    geo.add_argument("--threshold", type=float, default=0.1,
+                     help="Gaia's significance threshold S (default 0.1 here; the library's "
+                          "default is 0.01 decaying, which sends about half the entries "
+                          "every clock of a run this short: docs/geo.md)")
+    geo.add_argument("--decay", action=argparse.BooleanOptionalAction, default=False,
+                     help="decay the threshold as S/sqrt(t) (default off here)")
+    geo.add_argument("--staleness", type=int, default=2,
+                     help="mirror clock: clocks a data centre may run ahead (default 2)")
+    geo.add_argument("--gaia-lr-scale", type=float, default=None,
+                     help="Gaia's learning rate factor (default 1/data centres)")
+    geo.add_argument("--dc-backend", choices=("gloo", "switchml"), default="gloo",
+                     help="Gaia's synchronous training inside a data centre: DDP over gloo, "
+                          "or over switchml with a switch in each data centre's router "
+                          "(default gloo, as the other two modes)")
+    geo.add_argument("--out", default="switchml-geo", help="output folder (default "
+                                                           "switchml-geo)")
+    tb = sub.choices["testbed"]
+    tb.add_argument("--dcs", default=None,
+                    help="build the geo testbed instead: data centres x workers, e.g. 2x2 or "
+                         "2,3 (workers on --rate-mbit LAN links, data centres joined by "
+                         "--wan-mbit WAN links)")
+    tb.add_argument("--wan-mbit", type=float, default=50.0,
+                    help="with --dcs: WAN link rate in Mbit/s (default 50)")
+
+
 _SIGNAL_POLL_S = 0.5
+
+
+def _shard_argv(args: argparse.Namespace, i: int, shards: int) -> list[str]:
+    """The command line of shard ``i`` of ``shards`` (``switchml switch --shards``)."""
+    argv = [sys.executable, "-m", "switchml", "--log-level", args.log_level, "switch",
+            "--host", args.host, "--port", str(args.port + i), "--shard", f"{i}/{shards}",
+            "--pool-slots", str(args.pool_slots), "--lease-timeout-s", str(args.lease_timeout_s),
+            "--nack-gap", str(args.nack_gap), "--stats-interval-s", str(args.stats_interval_s),
+            "--metrics-port", str(args.metrics_port + i if args.metrics_port else 0),
+            "--stop-on-stdin-eof"]
+    if args.secret_file:
+        argv += ["--secret-file", args.secret_file]
+    if args.insecure:
+        argv.append("--insecure")
+    if args.mtu:
+        argv += ["--mtu", str(args.mtu)]
+    if args.no_batching:
+        argv.append("--no-batching")
+    return argv
+
+
+def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
+    """Run ``shards`` switch processes and watch them: a shard that dies stops the others and
+    the command fails naming it (its workers fail within their timeout, naming it too)."""
+    import subprocess
+    import threading
+
+    if args.port == 0:
+        raise ValueError("--shards needs a fixed --port (shard i listens on PORT+i)")
+    procs = [subprocess.Popen(_shard_argv(args, i, shards), stdin=subprocess.PIPE)
+             for i in range(shards)]
+    addrs = ",".join(f"{args.host}:{args.port + i}" for i in range(shards))
+    print(f"switchml switch: {shards} shards on udp {addrs} (workers: SWITCHML_SWITCH={addrs})",
+          flush=True)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received, stopping the shards", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    failed = None
+    while not stop.wait(_SIGNAL_POLL_S):
+        for i, p in enumerate(procs):
+            if p.poll() is not None:
+                failed = (i, p.returncode)
+                stop.set()
+                break
+    for p in procs:
+        if p.poll() is None:
+            p.stdin.close()  # type: ignore[union-attr]  # --stop-on-stdin-eof
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    if failed is not None:
+        i, rc = failed
+        log.error("shard %d (udp %s:%d) exited with status %s; stopped the others", i,
+                  args.host, args.port + i, rc)
+        return 1
+    return 0
 
 
 def _run_switch(args: argparse.Namespace) -> int:
@@ -300,8 +502,17 @@ def _run_switch(args: argparse.Namespace) -> int:
     if secret is None and not _is_loopback(args.host) and not args.insecure:
         raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
                          "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
+    shards = args.shards if args.shards > 0 else (os.cpu_count() or 1)
+    if args.shards < 0:
+        raise ValueError(f"--shards must be >= 0, got {args.shards}")
+    if shards > 1:
+        if args.shard is not None:
+            raise ValueError("give --shards (run them all here) or --shard I/S (one), not both")
+        return _run_sharded_switch(args, shards)
+    shard_index, shard_count = args.shard or (0, 1)
     server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
         pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
+        nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
         **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
         batching=not args.no_batching)
     if args.metrics_port:
@@ -320,7 +531,8 @@ def _run_switch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     server.start()
-    print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}",
+    shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
+    print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}{shard}",
           flush=True)
     if args.stop_on_stdin_eof:
         def _watch_stdin() -> None:
@@ -352,6 +564,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} stale namespace(s)"
               + (f": {', '.join(removed)}" if removed else ""))
         return 0
+    if getattr(args, "dcs", None):
+        return _run_geo_testbed(args)
     link = LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 if args.rate_mbit else None,
                     loss_rate=args.loss, mtu=args.mtu)
     stop = threading.Event()
@@ -377,6 +591,107 @@ def _run_testbed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_geo_testbed(args: argparse.Namespace) -> int:
+    import threading
+
+    from switchml.gaia.rules import parse_dc_layout
+    from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
+    sizes = tuple(len(dc) for dc in parse_dc_layout(args.dcs))
+    topo = GeoTopology(dcs=sizes, lan=LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 or None,
+                                               mtu=args.mtu),
+                       wan=LinkSpec(bandwidth_bps=args.wan_mbit * 1e6, mtu=args.mtu))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with GeoTestbed(topo) as bed:
+        print(f"geo testbed {bed.prefix} is up: data centres {sizes}, LAN {topo.lan}, "
+              f"WAN {topo.wan} (no propagation delay: no netem)")
+        for j in range(len(sizes)):
+            print(f"  data centre {j}: router ip netns exec {bed.dc_ns(j)} ...  (WAN device "
+                  f"{bed.wan_device(j)})")
+            for i in topo.workers_of(j):
+                print(f"    worker {i}: ip netns exec {bed.worker_ns(i)} ...  "
+                      f"({topo.worker_ip(i)}; SWITCHML_DC={j})")
+        print(f"  WAN core: ip netns exec {bed.router_ns} ...")
+        print("Ctrl-C tears it down.", flush=True)
+        while not stop.wait(_SIGNAL_POLL_S):
+            pass
+    print("testbed removed")
+    return 0
+
+
+def _run_ps(args: argparse.Namespace) -> int:
+    import json
+    import threading
+
+    from switchml.ps.launch import PSRunConfig, run_ps_training
+    from switchml.ps.server import ParameterServer, ServerConfig
+    if args.ps == "server":
+        cfg = ServerConfig(args.workers, args.backup, args.mode, args.optimizer, args.lr,
+                           args.momentum, args.timeout_s)
+        server = ParameterServer(args.index, cfg, host=args.host, port=args.port).start()
+        print(f"parameter server ps{args.index} listening on {server.address[0]}:"
+              f"{server.address[1]}", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        while not stop.wait(_SIGNAL_POLL_S):
+            if args.exit_when_done and server.wait_finished(0.01):
+                break
+        print(json.dumps(server.stats()), flush=True)
+        server.stop()
+        return 0
+    cfg2 = PSRunConfig(servers=args.servers, workers=args.workers, backup=args.backup,
+                       mode=args.mode, steps=args.steps, batch=args.batch, lr=args.lr,
+                       momentum=args.momentum, optimizer=args.optimizer, seed=args.seed,
+                       model=args.model, max_shard_elements=args.max_shard_elements,
+                       slow_worker=args.slow_worker, slow_s=args.slow_s,
+                       timeout_s=args.timeout_s)
+    r = run_ps_training(cfg2, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(r["placement"])
+    print(f"test accuracy {r['test_accuracy']:.4f}  elapsed {r['elapsed_s']:.2f} s  "
+          f"steps applied (all shards) {r['steps_applied']}  dropped late gradients "
+          f"{r['dropped_late']}  iterations per worker {r['iterations']}")
+    print(f"parameter digest {r['digest']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+def _run_bench_geo(args: argparse.Namespace) -> int:
+    from switchml.bench.geo import GeoBenchConfig, run_geo_bench, write_outputs
+    from switchml.gaia.rules import parse_dc_layout
+
+    def _term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # run the testbed's teardown
+
+    signal.signal(signal.SIGTERM, _term)
+    cfg = GeoBenchConfig(dcs=tuple(len(d) for d in parse_dc_layout(args.dcs)),
+                         wan_bps=args.wan_mbit * 1e6, lan_bps=args.lan_mbit * 1e6,
+                         modes=tuple(m for m in args.modes.split(",") if m), steps=args.steps,
+                         batch=args.batch, lr=args.lr, model=args.model,
+                         eval_every=args.eval_every, target_accuracy=args.target,
+                         threshold=args.threshold, decay=args.decay, staleness=args.staleness,
+                         gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend)
+    rows = run_geo_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{'mode':<6} {'time to target (s)':>18} {'final accuracy':>14} {'WAN MB':>9} "
+          f"{'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
+    def cell(v: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if v is None else format(v, spec) + suffix
+
+    for r in rows:
+        c = r["comparison"]
+        print(f"{r['mode']:<6} {cell(r['time_to_target_s'], '.2f'):>18} "
+              f"{r['final_accuracy']:>14.4f} {r['wan_bytes'] / 1e6:>9.2f} "
+              f"{cell(c.get('time_to_target_vs_lan'), '.2f', 'x'):>7} "
+              f"{cell(c.get('speedup_vs_wan'), '.2f', 'x'):>11} "
+              f"{cell(c.get('wan_bytes_vs_wan'), '.4f'):>17}")
+    for path in write_outputs(rows, cfg, args.out):
+        print(path)
+    return 0
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
     import socket
@@ -396,11 +711,22 @@ def _run_stats(args: argparse.Namespace) -> int:
     from switchml.control.metrics import read_metrics
 
     def snapshot() -> dict:
-        try:
-            return read_metrics(args.url)
-        except OSError as exc:
-            raise ValueError(f"can't read {args.url}: {exc} (is a switch running with "
-                             "--metrics-port?)") from exc
+        """One switch's counters, or the sum over a sharded switch's shards (comma list)."""
+        total: dict = {}
+        for url in args.url.split(","):
+            try:
+                one = read_metrics(url)
+            except OSError as exc:
+                raise ValueError(f"can't read {url}: {exc} (is a switch running (every shard) with "
+                                 "--metrics-port?)") from exc
+            for k, v in one.items():
+                if isinstance(v, dict):
+                    d = total.setdefault(k, {})
+                    for label, x in v.items():
+                        d[label] = d.get(label, 0) + x
+                else:
+                    total[k] = total.get(k, 0) + v
+        return total
 
     def table(now: dict, before: dict | None, dt: float) -> Table:
         t = Table(title=f"switchml switch {args.url}")
@@ -554,7 +880,14 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from switchml.bench.testbed import TrainBenchConfig, plot_training, run_testbed_train
+    from switchml.bench.testbed import (
+        TrainBenchConfig,
+        plot_bytes,
+        plot_timeline,
+        plot_training,
+        run_testbed_train,
+        write_trace,
+    )
 
     def _term(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # run the testbed's teardown
@@ -562,35 +895,61 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     _signal.signal(_signal.SIGTERM, _term)
     cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("cnn", "embed")),
                            steps=args.steps, batch=args.batch, rate_bps=args.rate_mbit * 1e6,
-                           loss_rate=args.loss, mtu=args.mtu)
+                           loss_rate=args.loss, mtu=args.mtu,
+                           systems=tuple(s for s in args.systems.split(",") if s),
+                           trace=bool(args.trace))
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_train(cfg, progress=lambda what: status.update(what))
     table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
                         f"{args.rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
                         f"MTU {cfg.mtu}")
-    for col in ("model", "parameters", "backend", "step time (ms)", "samples/s", "final loss",
-                "time to target (s)", "speedup"):
+    for col in ("model", "parameters", "system", "step time (ms)", "samples/s", "final loss",
+                "time to target (s)", "speedup", "vs switchml", "MB/step measured",
+                "MB/step predicted", "hidden"):
         table.add_column(col, justify="right")
+
+    def fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+        return "-" if v is None else format(v * scale, spec)
+
     for r in rows:
-        ttt = r["time_to_target_s"]
-        table.add_row(r["model"], f"{r['params']:,}", r["backend"], f"{1e3 * r['step_s']:.0f}",
-                      f"{r['samples_per_s']:.0f}", f"{r['final_loss']:.4f}",
-                      f"{ttt:.1f}" if ttt is not None else "-", f"{r['speedup_step']:.2f}")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+        table.add_row(r["model"], f"{r['params']:,}", r.get("system", r["backend"]),
+                      f"{1e3 * r['step_s']:.0f}", f"{r['samples_per_s']:.0f}",
+                      f"{r['final_loss']:.4f}", fmt(r["time_to_target_s"], ".1f"),
+                      fmt(r["speedup_step"], ".2f"), fmt(r.get("speedup_vs_switchml"), ".2f"),
+                      fmt(r.get("bytes_per_step_measured"), ".2f", 1e-6),
+                      fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
+                      fmt(r.get("hidden_fraction"), ".0%"))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    for r in rows:
+        for d in r.get("decisions", []):
+            console.print(f"{r['model']} {r['system']}: {d}")
+    if args.trace:
+        events = write_trace(rows, args.trace)
+        console.print(f"wrote {events} trace events to {args.trace}")
+    if args.plot and args.trace:
+        base = args.plot[:-4] if args.plot.endswith(".png") else args.plot
+        plot_timeline(rows, f"{base}-timeline.png")
+    for r in rows:
+        r.pop("trace_events", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "train-testbed", "config": cfg.__dict__, "results": rows}, f,
                       indent=2)
     if args.csv:
-        keys = ["model", "backend", "workers", "params", "rate_bps", "loss_rate", "step_s",
-                "samples_per_s", "final_loss", "target_loss", "time_to_target_s", "speedup_step"]
+        keys = ["model", "backend", "system", "workers", "params", "rate_bps", "loss_rate",
+                "step_s", "samples_per_s", "final_loss", "target_loss", "time_to_target_s",
+                "speedup_step", "speedup_vs_switchml", "bytes_per_step_measured",
+                "bytes_per_step_predicted", "hidden_fraction"]
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
     if args.plot:
         plot_training(rows, args.plot)
+        if any("bytes_per_step_measured" in r for r in rows):
+            base = args.plot[:-4] if args.plot.endswith(".png") else args.plot
+            plot_bytes(rows, f"{base}-bytes.png")
     return 0
 
 
@@ -791,6 +1150,155 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _add_sim_parser(sub: argparse._SubParsersAction) -> None:
+    """``switchml sim`` (issue 10)."""
+    sim = sub.add_parser(
+        "sim", help="simulate all-reduce at scale on a discrete-event clock",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Simulate one all-reduce per combination of --workers and --loss over a "
+                    "star (one switch) or a two-level tree (--racks: rack switches under a "
+                    "spine). Links: FIFO queues at --rate-mbit with a propagation delay, tail "
+                    "drop and random loss; hosts spend --host-cost-us of CPU per datagram. "
+                    "Timing mode models the protocol's per-slot rules without payloads (1024 "
+                    "workers x 64 MiB in minutes); exact mode runs the real switch, rack-switch "
+                    "and worker objects with real data and checks every sum. Reports ATE/s "
+                    "(elements / elapsed, slowest worker), link utilisation, retransmissions "
+                    "and queue drops. See docs/simulator.md.",
+        epilog="examples:\n"
+               "  switchml sim -n 8 --size 64MiB --rate-mbit 400              # one run\n"
+               "  switchml sim -n 2 -n 16 -n 128 -n 1024 --rack-size 32 --plot ate.png\n"
+               "  switchml sim -n 4 --loss 0 --loss 0.001 --loss 0.01 --size 16MiB\n"
+               "  switchml sim -n 256 --size 4MiB --mode exact                 # real objects\n"
+               "  switchml sim --compare docs/results/testbed-n*-400mbit-mtu1500.json\n"
+               "exit status: 0 when every run finished, 1 when one failed (a failed link), "
+               "2 on bad arguments.")
+    sim.add_argument("--workers", "-n", type=int, action="append", dest="workers",
+                     help="workers; repeat for a sweep (default 4)")
+    sim.add_argument("--size", type=_size, default=64 << 20,
+                     help="tensor size (float32) with unit, e.g. 64MiB (default 64MiB)")
+    sim.add_argument("--mode", choices=("timing", "exact"), default="timing",
+                     help="timing: modelled protocol, no payloads; exact: the real endpoints "
+                          "and data, every sum checked (default timing)")
+    sim.add_argument("--rate-mbit", type=float, default=1000.0,
+                     help="worker link rate in Mbit/s, each direction (default 1000)")
+    sim.add_argument("--spine-rate-mbit", type=float, default=None,
+                     help="rack-to-spine link rate in Mbit/s (default: --rate-mbit)")
+    sim.add_argument("--delay-us", type=float, default=0.0,
+                     help="propagation delay per link in microseconds (default 0, as veth)")
+    sim.add_argument("--queue-ms", type=float, default=20.0,
+                     help="queue limit per link as milliseconds of its rate (default 20, the "
+                          "testbed's tbf latency)")
+    sim.add_argument("--mtu", type=int, default=1500,
+                     help="path MTU in bytes; chunks fit it (358 int32 at 1500) (default 1500)")
+    sim.add_argument("--window", type=int, default=None,
+                     help="slots per job W (default: about 256 KiB in flight, 128 at MTU 1500)")
+    sim.add_argument("--loss", type=float, action="append", dest="losses",
+                     help="loss rate per link crossed, 0..1; repeat for a sweep (default 0)")
+    topo = sim.add_mutually_exclusive_group()
+    topo.add_argument("--racks", type=int, default=None,
+                      help="rack switches under a spine (must divide every n; default 1: a "
+                           "star)")
+    topo.add_argument("--rack-size", type=int, default=None,
+                      help="workers per rack: n / rack-size racks (a star while n <= it)")
+    sim.add_argument("--host-cost-us", type=float, default=None,
+                     help="worker CPU per datagram received or sent, in microseconds (default "
+                          "6.6, calibrated on the testbed; 0: hosts are never the bottleneck)")
+    sim.add_argument("--nack-gap", type=int, default=4,
+                     help="switch-driven loss recovery: NACK a rank whose chunk released this "
+                          "many completions earlier is missing (0: off, loss waits for a "
+                          "timeout) (default 4, the switch's default)")
+    sim.add_argument("--switch-delay-us", type=float, default=0.0,
+                     help="fixed processing delay per switch in microseconds (default 0)")
+    sim.add_argument("--stragglers", type=int, default=0,
+                     help="the last N ranks are stragglers (default 0)")
+    sim.add_argument("--straggler-slowdown", type=float, default=1.0,
+                     help="stragglers' host cost multiplier (default 1)")
+    sim.add_argument("--straggler-delay-ms", type=float, default=0.0,
+                     help="stragglers start the operation this much later (default 0)")
+    sim.add_argument("--fail-link", action="append", default=[], metavar="KIND:I@SECONDS",
+                     help="a link fails, both ways, at a virtual time: worker:3@0.05 or "
+                          "rack:1@0.1; repeatable")
+    sim.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    sim.add_argument("--compare", nargs="+", metavar="TESTBED_JSON",
+                     help="instead: simulate every loss-free switchml row of these testbed "
+                          "JSON files (same n, rate, MTU, size) and print sim / testbed")
+    sim.add_argument("--json", metavar="PATH", help="write every run as JSON")
+    sim.add_argument("--plot", metavar="PNG",
+                     help="plot ATE/s against n (with the bounds) and/or against loss")
+    sim.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from switchml.protocol.errors import ConfigError
+    from switchml.sim.config import HOST_COST_S, SimConfig, Stragglers
+    from switchml.sim.run import (
+        access_link,
+        compare_with_testbed,
+        format_table,
+        parse_failure,
+        plot_reports,
+        run_config,
+        write_json,
+    )
+
+    command = "switchml " + " ".join(sys.argv[1:])
+    host_cost = HOST_COST_S if args.host_cost_us is None else args.host_cost_us * 1e-6
+    if host_cost < 0 or args.queue_ms <= 0 or args.delay_us < 0:
+        raise ConfigError("--host-cost-us and --delay-us must be >= 0, --queue-ms > 0")
+    failures = tuple(parse_failure(t) for t in args.fail_link)
+
+    def config(n: int, loss: float) -> SimConfig:
+        racks = args.racks or 1
+        if args.rack_size:
+            racks = n // args.rack_size if n > args.rack_size else 1
+            if n > args.rack_size and n % args.rack_size:
+                raise ConfigError(f"--rack-size {args.rack_size} does not divide n = {n}")
+        access = access_link(args.rate_mbit, delay_us=args.delay_us, queue_ms=args.queue_ms,
+                             loss=loss)
+        spine = None
+        if args.spine_rate_mbit is not None:
+            spine = access_link(args.spine_rate_mbit, delay_us=args.delay_us,
+                                queue_ms=args.queue_ms, loss=loss)
+        return SimConfig(workers=n, size_bytes=args.size, access=access, spine=spine,
+                         racks=racks, mtu=args.mtu, window=args.window, host_cost_s=host_cost,
+                         switch_delay_s=args.switch_delay_us * 1e-6,
+                         stragglers=Stragglers(args.stragglers, args.straggler_slowdown,
+                                               args.straggler_delay_ms * 1e-3),
+                         failures=failures, seed=args.seed, nack_gap=args.nack_gap)
+
+    if args.compare:
+        rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode)
+        print(f"{'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} {'testbed ATE/s':>13} "
+              f"{'sim ATE/s':>10} {'sim/testbed':>11}")
+        for r in rows:
+            print(f"{r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
+                  f"{r['size_bytes']:10d} {r['testbed_ate_per_s']:13.3e} "
+                  f"{r['sim_ate_per_s']:10.3e} {r['ratio']:11.3f}")
+        if args.json:
+            import json
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "sim-compare", "command": command, "rows": rows}, f,
+                          indent=1)
+            print(f"wrote {args.json}")
+        return 0
+    reports = []
+    for n in args.workers or [4]:
+        for loss in args.losses or [0.0]:
+            reports.append(run_config(config(n, loss), args.mode, verbose=not args.quiet))
+            print(format_table(reports[-1:]).splitlines()[-1] if len(reports) > 1 else
+                  format_table(reports[-1:]), flush=True)
+    if len(reports) > 1:
+        print()
+        print(format_table(reports))
+    if args.json:
+        write_json(args.json, reports, command=command)
+        print(f"wrote {args.json}")
+    if args.plot:
+        for path in plot_reports(args.plot, [r.as_dict() for r in reports]):
+            print(f"wrote {path}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -820,6 +1328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_bench_fuzz(args)
         if args.command == "bench" and args.bench == "switch":
             return _run_bench_switch(args)
+        if args.command == "ps":
+            return _run_ps(args)
+        if args.command == "sim":
+            return _run_sim(args)
+        if args.command == "bench" and args.bench == "geo":
+            return _run_bench_geo(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"switchml: error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,6 @@ import json
 import resource
 import socket
 import sys
-import threading
 import time
 from typing import Any
 
@@ -102,44 +101,26 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
 
 
 def ps_server(a: dict[str, Any]) -> None:
-    """Sum one vector from each of n workers per round; send the sum back to each."""
-    n, nbytes, rounds = a["n"], a["numel"] * 4, a["rounds"]
-    lsock = socket.socket()
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind(("0.0.0.0", a["port"]))
-    lsock.listen(n)
+    """A parameter server (switchml.ps, optimizer ``sum``): each step sums one vector from
+    each of n workers; every worker pulls the sum."""
+    from switchml.ps.allreduce import sum_server
+    server = sum_server(port=a["port"], workers=a["n"])
     print("ready", flush=True)
-    conns = [lsock.accept()[0] for _ in range(n)]
-    bufs = [np.empty(a["numel"], np.float32) for _ in range(n)]
-    total = np.empty(a["numel"], np.float32)
     c0 = _cpu()
-    for _ in range(rounds):
-        threads = [threading.Thread(target=_recv_exact, args=(c, memoryview(b).cast("B")))
-                   for c, b in zip(conns, bufs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        np.sum(bufs, axis=0, out=total)
-        senders = [threading.Thread(target=c.sendall, args=(memoryview(total).cast("B"),))
-                   for c in conns]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join()
-    _emit({"cpu_s": _cpu() - c0, "bytes_per_round": nbytes})
+    server.wait_finished(24 * 3600.0)
+    server.stop()
+    _emit({"cpu_s": _cpu() - c0, "bytes_per_round": a["numel"] * 4,
+           "steps_applied": server.counters["steps_applied"]})
 
 
 def ps(a: dict[str, Any]) -> None:
-    sock = socket.create_connection((a["server"], a["port"]), timeout=300)
+    """A worker of the parameter-server baseline (switchml.ps.allreduce)."""
+    from switchml.ps.allreduce import PSAllreduce
     x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
     out = np.empty_like(x)
-
-    def allreduce(v: np.ndarray) -> None:
-        sock.sendall(memoryview(v).cast("B"))
-        _recv_exact(sock, memoryview(out).cast("B"))
-
-    _emit(_timed(allreduce, x, a["warmup"], a["iters"]))
+    ar = PSAllreduce([(a["server"], a["port"])], worker=a["rank"], numel=a["numel"])
+    _emit(_timed(lambda v: ar(v, out), x, a["warmup"], a["iters"]))
+    ar.close()
 
 
 ROLES = {"switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_server,
@@ -147,13 +128,19 @@ ROLES = {"switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_s
 
 
 def train(a: dict[str, Any]) -> None:
-    """DDP training of one model on one backend; rank 0 reports per-step losses and times."""
+    """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one model on one
+    backend; every rank reports per-step losses and times, the bytes its link carried per step
+    (second half; ``dev`` names the link), the cost model's prediction and, with ``trace``, its
+    timeline and the fraction of communication hidden behind backward compute."""
     import datetime
 
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml.bench import hybridtrain
+    from switchml.torch.timeline import Timeline
     torch.set_num_threads(1)
     if a["backend"] == "switchml":
         import switchml.torch  # noqa: F401
@@ -176,6 +163,8 @@ def train(a: dict[str, Any]) -> None:
         def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             idx = torch.randint(0, len(ys), (batch,), generator=gen)
             return xs[idx], ys[idx]
+    elif a["model"] == "mlp":  # fully connected, one 4096 x 4096 layer (issue 11)
+        model, loss_fn, batch_of = hybridtrain.build_mlp(batch, gen)
     else:  # network-bound: a large embedding table (NCF/DeepLight-like), synthetic clicks
         rows, dim = a.get("rows", 200_000), 32
 
@@ -202,8 +191,13 @@ def train(a: dict[str, Any]) -> None:
             ids = torch.multinomial(popularity, batch * 8, replacement=True,
                                     generator=gen).view(batch, 8)
             return ids, (weights[ids].sum(1) > 0).float()
-    ddp = DDP(model)
-    if a["model"] == "cnn":
+    mode = a.get("mode", "ddp")
+    timeline = Timeline() if a.get("trace") else None
+    ddp = DDP(model) if mode == "ddp" and timeline is None else \
+        hybridtrain.wrap(model, mode, timeline)
+    recorder = hybridtrain.StepRecorder(model, timeline) if timeline is not None else None
+    dev = a.get("dev")
+    if a["model"] in ("cnn", "mlp"):
         opt: Any = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
     else:  # Adam, as recommendation models are usually trained
         opt = torch.optim.Adam(ddp.parameters(), lr=a["lr"])
@@ -211,19 +205,37 @@ def train(a: dict[str, Any]) -> None:
     dist.barrier()
     t0 = time.perf_counter()
     c0 = _cpu()
+    half = a["steps"] // 2
+    half_s, bytes_half = t0, 0
     for step in range(a["steps"]):
+        if step == half:  # the second half is measured (after warm-up, bucket rebuilding)
+            half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
         x, y = batch_of(step)
         opt.zero_grad(set_to_none=True)
+        f0 = time.perf_counter()
         loss = loss_fn(ddp(x), y)
+        b0 = time.perf_counter()
         loss.backward()
+        o0 = time.perf_counter()
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        if recorder is not None:
+            recorder.forward(f0, b0)
+            recorder.backward_done(b0, o0)
+            recorder.optimizer(o0, time.perf_counter())
     elapsed = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
+    extra: dict[str, Any] = {"mode": mode, "predicted_bytes_per_step": hybridtrain.predicted_bytes(
+        ddp, model, world=n, mtu=a.get("mtu", 1500))}
+    if dev:
+        extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - bytes_half) / (
+            a["steps"] - half)
+    if recorder is not None:
+        extra.update(recorder.summary(since_s=half_s, rank=rank))
     dist.destroy_process_group()
     _emit({"losses": losses, "times": times, "elapsed_s": elapsed, "cpu_s": _cpu() - c0,
-           "params": params})
+           "params": params, **extra})
 
 
 ROLES["train"] = train

@@ -266,7 +266,13 @@ class TrainBenchConfig:
     workers: int = 4
     models: tuple[str, ...] = ("cnn", "embed")
     steps: int = 60
-    batch: int = 64
+    batch: int | None = None
+    """Per-worker batch; None: each model's default (``TRAIN_BATCH``: 64, mlp 16)."""
+    systems: tuple[str, ...] = ("gloo", "switchml")
+    """``gloo`` and ``switchml``: DDP on that backend; ``hybrid``: HybridDataParallel on
+    switchml (per layer aggregation or sufficient-factor broadcasting, issue 11)."""
+    trace: bool = False
+    """Keep a timeline per rank (Chrome trace events and the hidden-communication fraction)."""
     rate_bps: float = 1e9
     loss_rate: float = 0.0
     mtu: int = DEFAULT_MTU
@@ -275,14 +281,25 @@ class TrainBenchConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        unknown = set(self.models) - {"cnn", "embed"}
+        unknown = set(self.models) - set(TRAIN_BATCH)
         if unknown:
-            raise ValueError(f"unknown model(s) {sorted(unknown)}; known: cnn, embed")
+            raise ValueError(f"unknown model(s) {sorted(unknown)}; known: "
+                             f"{', '.join(TRAIN_BATCH)}")
+        bad = set(self.systems) - set(TRAIN_SYSTEMS)
+        if bad or not self.systems:
+            raise ValueError(f"unknown system(s) {sorted(bad)}; known: "
+                             f"{', '.join(TRAIN_SYSTEMS)}")
+        if self.batch is not None and self.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if self.steps < 2:
             raise ValueError("--steps must be >= 2")
 
 
-_LR = {"cnn": 0.05, "embed": 0.05}
+_LR = {"cnn": 0.05, "embed": 0.05, "mlp": 0.02}
+TRAIN_BATCH = {"cnn": 64, "embed": 64, "mlp": 16}
+TRAIN_SYSTEMS = {"gloo": ("gloo", "ddp"), "switchml": ("switchml", "ddp"),
+                 "hybrid": ("switchml", "hybrid")}
+"""system -> (backend, mode)."""
 
 
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
@@ -293,9 +310,11 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
     with Testbed(topo) as tb:
         switch = _start_switch(tb)
         for model in cfg.models:
-            for backend in ("gloo", "switchml"):
+            batch = cfg.batch or TRAIN_BATCH[model]
+            for system in cfg.systems:
+                backend, mode = TRAIN_SYSTEMS[system]
                 if progress is not None:
-                    progress(f"training {model} on {backend}, n={cfg.workers}")
+                    progress(f"training {model} on {system}, n={cfg.workers}")
                 port = 33000 + secrets.randbelow(20000)
                 procs = []
                 for r in range(cfg.workers):
@@ -307,7 +326,8 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                     procs.append(tb.popen(tb.worker_ns(r), _nsproc("train", {
                         "backend": backend, "model": model, "rank": r, "n": cfg.workers,
                         "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
-                        "batch": cfg.batch, "lr": _LR[model]}), env=env,
+                        "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
+                        "dev": tb.host_device(r), "mtu": cfg.mtu}), env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
                 out = _wait_all(procs, cfg.timeout_s)
                 lead = out[0]
@@ -316,18 +336,64 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                 half = len(times) // 2
                 step_s = (times[-1] - times[half - 1]) / (len(times) - half)
                 rows.append({
-                    "model": model, "backend": backend, "workers": cfg.workers,
+                    "model": model, "backend": backend, "system": system, "mode": mode,
+                    "workers": cfg.workers,
                     "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
-                    "params": lead["params"], "steps": cfg.steps, "batch": cfg.batch,
-                    "step_s": step_s, "samples_per_s": cfg.batch * cfg.workers / step_s,
+                    "params": lead["params"], "steps": cfg.steps, "batch": batch,
+                    "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
                     "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
                     "times": times,
                     "cpu_percent": [100 * o["cpu_s"] / o["elapsed_s"] for o in out],
+                    **_bytes_and_trace(out),
                 })
         assert switch.stdin is not None
         switch.stdin.close()
     _add_time_to_target(rows)
     return rows
+
+
+def _bytes_and_trace(out: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-worker bytes per step (measured on each worker's link, mean over workers, and
+    predicted by the cost model), the hidden-communication fraction (mean over ranks) and the
+    ranks' Chrome trace events."""
+    row: dict[str, Any] = {}
+    measured = [o["link_bytes_per_step"] for o in out if "link_bytes_per_step" in o]
+    if measured:
+        row["bytes_per_step_measured"] = sum(measured) / len(measured)
+    if "predicted_bytes_per_step" in out[0]:
+        pred = out[0]["predicted_bytes_per_step"]
+        row["bytes_per_step_predicted"] = pred["wire"]
+        row["bytes_per_step_predicted_payload"] = pred["payload"]
+        row["decisions"] = pred["decisions"]
+        if measured:
+            row["measured_over_predicted"] = row["bytes_per_step_measured"] / pred["wire"]
+    hidden = [o["hidden_fraction"] for o in out if o.get("hidden_fraction") is not None]
+    if hidden:
+        row["hidden_fraction"] = sum(hidden) / len(hidden)
+    if any("events" in o for o in out):
+        row["trace_events"] = [e for o in out for e in o.get("events", [])]
+    return row
+
+
+def write_trace(rows: list[dict[str, Any]], path: str) -> int:
+    """Merge the rows' trace events into one Chrome trace: one process per (run, rank),
+    named "model system rank r", timestamps from the earliest event. Returns the event count."""
+    from switchml.torch.timeline import write_chrome_trace
+    events: list[dict[str, Any]] = []
+    for i, r in enumerate(rows):
+        evs = r.get("trace_events") or []
+        origin = min((e["ts"] for e in evs if e["ph"] == "X"), default=0.0)
+        ranks = sorted({e["pid"] for e in evs})
+        for e in evs:
+            e = {**e, "pid": 100 * i + e["pid"]}
+            if e["ph"] == "X":
+                e["ts"] = round(e["ts"] - origin, 1)
+            events.append(e)
+        for rank in ranks:
+            events.append({"ph": "M", "name": "process_name", "pid": 100 * i + rank, "tid": 0,
+                           "args": {"name": f"{r['model']} {r['system']} rank {rank}"}})
+    write_chrome_trace(path, events)
+    return len(events)
 
 
 def _smooth(xs: list[float], w: int = 5) -> list[float]:
@@ -345,9 +411,11 @@ def _add_time_to_target(rows: list[dict[str, Any]]) -> None:
             hit = next((i for i, v in enumerate(sm) if v <= target), None)
             r["target_loss"] = target
             r["time_to_target_s"] = r["times"][hit] if hit is not None else None
-        gloo = next(r for r in group if r["backend"] == "gloo")
+        gloo = next((r for r in group if r.get("system", r["backend"]) == "gloo"), None)
+        sw = next((r for r in group if r.get("system") == "switchml"), None)
         for r in group:
-            r["speedup_step"] = gloo["step_s"] / r["step_s"]
+            r["speedup_step"] = gloo["step_s"] / r["step_s"] if gloo else None
+            r["speedup_vs_switchml"] = sw["step_s"] / r["step_s"] if sw else None
 
 
 def plot_training(rows: list[dict[str, Any]], path: str) -> None:
@@ -359,13 +427,82 @@ def plot_training(rows: list[dict[str, Any]], path: str) -> None:
     for ax, model in zip(axes[0], models):
         for r in rows:
             if r["model"] == model:
-                ax.plot(r["times"], _smooth(r["losses"]), label=r["backend"])
+                ax.plot(r["times"], _smooth(r["losses"]), label=r.get("system", r["backend"]))
         ax.set_title(f"{model}: {rows[0]['workers']} workers, "
                      f"{rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
         ax.set_xlabel("seconds since training start")
         ax.set_ylabel("training loss (rank 0, 5-step mean)")
         ax.grid(True, alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_bytes(rows: list[dict[str, Any]], path: str) -> None:
+    """Bars per (model, system): bytes per worker per step (measured on the link, and as the
+    cost model predicts) and step time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['model']}\n{r.get('system', r['backend'])}" for r in rows]
+    xs = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(rows)), 4))
+    a.bar([x - 0.2 for x in xs], [1e-6 * (r.get("bytes_per_step_measured") or 0) for r in rows],
+          width=0.4, label="measured (link counters)")
+    a.bar([x + 0.2 for x in xs], [1e-6 * (r.get("bytes_per_step_predicted") or 0) for r in rows],
+          width=0.4, label="predicted (cost model + headers)")
+    a.set_yscale("log")
+    a.set_ylabel("MB per worker per step (sent + received)")
+    a.legend()
+    b.bar(list(xs), [1e3 * r["step_s"] for r in rows])
+    b.set_ylabel("step time (ms)")
+    for ax in (a, b):
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{rows[0]['workers']} workers, {rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_timeline(rows: list[dict[str, Any]], path: str, steps: int = 2) -> None:
+    """Rank 0's last ``steps`` steps of every traced run, compute above communication."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    traced = [r for r in rows if r.get("trace_events")]
+    if not traced:
+        return
+    colors = {"forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
+              "synchronize": "lightgray", "sfb rebuild": "tab:olive", "allreduce": "tab:red",
+              "sfb all_gather": "tab:orange", "rows": "tab:pink"}
+    fig, axes = plt.subplots(len(traced), 1, figsize=(12, 1.6 * len(traced) + 0.6),
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], traced):
+        evs = [e for e in r["trace_events"] if e["ph"] == "X" and e["pid"] == 0]
+        fwd = sorted(e["ts"] for e in evs if e["name"] == "forward")
+        t0 = fwd[-steps] if len(fwd) >= steps else min(e["ts"] for e in evs)
+        for e in evs:
+            if e["ts"] + e["dur"] < t0:
+                continue
+            key = next((k for k in colors if e["name"].startswith(k)), None)
+            y = 1 if e["tid"] == 0 else 0
+            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y + 0.05, 0.9),
+                           color=colors.get(key or "", "k"), label=key if key else None,
+                           zorder=1 if key == "synchronize" else 2)
+        ax.set_yticks([0.5, 1.5])
+        ax.set_yticklabels(["comm", "compute"])
+        hidden = r.get("hidden_fraction")
+        ax.set_title(f"{r['model']} {r.get('system', r['backend'])}, rank 0"
+                     + (f": {hidden:.0%} of communication hidden" if hidden is not None else ""),
+                     fontsize=9)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0))
+    axes[-1, 0].set_xlabel("ms")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

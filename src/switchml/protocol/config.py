@@ -46,8 +46,17 @@ class SwitchConfig:
     timeout. A worker's datagrams travel one path in order, so any gap >= 1 is safe; the
     gap is the reordering tolerated before a needless re-send. 0 turns NACKs off. Default 4."""
 
+    shard_index: int = 0
+    shard_count: int = 1
+    """A sharded switch: this process is shard ``shard_index`` of ``shard_count``. Workers
+    stripe a job's lanes over the shards (lane i to shard i mod S) and join the job on every
+    one; a shard tells which one it is in its JOINED answers. Default: one unsharded switch."""
+
     def __post_init__(self) -> None:
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
+        _check(0 <= self.shard_index < self.shard_count,
+               f"expected 0 <= shard_index < shard_count, got shard {self.shard_index} of "
+               f"{self.shard_count}")
         _check(self.lease_timeout_s > 0, f"lease_timeout_s must be > 0, got "
                f"{self.lease_timeout_s}")
         _check(self.secret is None or len(self.secret) >= 16,

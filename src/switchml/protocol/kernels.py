@@ -90,9 +90,10 @@ class J(IntEnum):
     COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
     FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
     NACK_USEFUL = 13  # re-sends answering a NACK that brought a missing chunk (count)
+    SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
 
 
-J_FIELDS = 14
+J_FIELDS = 15
 
 
 class S(IntEnum):
@@ -286,7 +287,7 @@ def _behind_on(rank, seq, chunk, s, jobv, st, seen, clog, cursor):
     the switch answers a re-sent request from its round or the shadow copy, as any
     retransmission. ``NACK_GAP`` completions of slack tolerate reordering inside the network.
     The first window (chunks ``0 .. E-1``) goes out at once in chunk order, so there chunk
-    ``chunk - NACK_GAP`` should have arrived.
+    ``chunk - NACK_GAP * SHARDS`` (a lane of this shard) should have arrived.
 
     Lanes: chunk ``c`` goes to slot ``c mod E`` (E <= window lanes), and ``chunk - s`` is a
     multiple of E, which gives E once the chunk is past the first window."""
@@ -296,10 +297,12 @@ def _behind_on(rank, seq, chunk, s, jobv, st, seen, clog, cursor):
     window = jobv[J.WINDOW]
     d = chunk - s
     E = window if d >= window else d  # 0: this chunk is in the first window, E unknown
-    if chunk >= gap:
-        p = chunk - gap
-        if E == 0 or p < E:  # both in the first window
-            if p != s and _lacks(rank, seq, p, p, st, seen):
+    stride = jobv[J.SHARDS]  # this shard has the lanes congruent to chunk mod stride
+    if chunk >= gap * stride:
+        p = chunk - gap * stride
+        # Both in the first window (lane = chunk), p on another lane of this shard.
+        if (E == 0 or p < E) and p != s and p % stride == s % stride:
+            if _lacks(rank, seq, p, p, st, seen):
                 jobv[J.NACK_CHUNK] = p
                 jobv[J.NACK_SLOT] = p
                 return True
@@ -657,6 +660,7 @@ class LN(IntEnum):
     TRIES = 3  # timeouts of the current chunk (backoff)
     EMAX = 4  # agreed exponent of the block this lane sends data of next
     FAST = 5  # the current chunk was re-sent by RACK
+    SLOT = 6  # the lane's slot on its switch (shard): that shard's slot base + lane
 
 
 class LF(IntEnum):
@@ -667,7 +671,7 @@ class LF(IntEnum):
     DEADLINE = 2
 
 
-LN_FIELDS = 6
+LN_FIELDS = 7
 LNF_FIELDS = 3
 
 
@@ -746,7 +750,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
         b[HDR:HDR + 4 * count] = x[lo:hi].view(np.uint8)
         flags |= F_HAS_DATA
     write_header(b, 0, T_REQUEST, flags, set_bit, opv[OP.RANK], opv[OP.JOB], opv[OP.TOKEN],
-                 opv[OP.SEQ], p, opv[OP.SLOT_BASE] + i, count, opv[OP.ELEM], opv[OP.DIGEST],
+                 opv[OP.SEQ], p, lane[LN.SLOT, i], count, opv[OP.ELEM], opv[OP.DIGEST],
                  exp_data, exp_next)
     cnt[WC.PACKETS_SENT] += 1
     cnt[WC.PAYLOAD_BYTES] += count * itemsize
@@ -855,7 +859,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         if p >= T or lane[LN.CHUNK, ln_i] != p:
             cnt[WC.DUPLICATE_RESULT] += 1
             continue
-        if slot != opv[OP.SLOT_BASE] + ln_i or set_bit != lane[LN.SET, ln_i]:
+        if slot != lane[LN.SLOT, ln_i] or set_bit != lane[LN.SET, ln_i]:
             cnt[WC.BAD_SLOT] += 1
             continue
         if count and elem != opv[OP.ELEM]:

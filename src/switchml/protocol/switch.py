@@ -184,6 +184,7 @@ class _Job:
         jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
         jobv[K.J.MIN_SEQ] = -1
         jobv[K.J.FLOAT_SEQ] = -1
+        jobv[K.J.SHARDS] = 1
         self.jobv = jobv
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
@@ -535,7 +536,7 @@ class SwitchDataplane:
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
         job.last_seen = now
         reply = Header(MessageType.JOINED, h.job, rank=h.rank, token=h.token, count=16,
-                       elem=ElementType.BYTES)
+                       elem=ElementType.BYTES, chunk=self.config.shard_index)
         self._out.append((pack_header(reply) + pack_control_info(job.info), addr))
 
     def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> _Job | None:
@@ -561,6 +562,7 @@ class SwitchDataplane:
             job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
                        asked.elements_per_packet, [None] * asked.num_workers)
             job.jobv[K.J.NACK_GAP] = self.config.nack_gap
+            job.jobv[K.J.SHARDS] = self.config.shard_count
         except MemoryError:
             self.allocator.release(base, asked.window)
             self._refuse(h, addr, f"no memory for job {h.job}")

@@ -30,6 +30,7 @@ trusted, so a new job must be joined.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from enum import Enum
 
 import numpy as np
@@ -124,7 +125,8 @@ class _Op:
                  "stage_res", "fmax")
 
     def __init__(self, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
-                 slot_base: int, bits: int = 32, residual: np.ndarray | None = None) -> None:
+                 slot_bases: Sequence[int], bits: int = 32,
+                 residual: np.ndarray | None = None) -> None:
         self.seq = seq
         self.x = x
         self.out = out
@@ -155,7 +157,7 @@ class _Op:
         opv[K.OP.JOB] = spec.job_id
         opv[K.OP.TOKEN] = np.uint64(spec.token).view(np.int64)
         opv[K.OP.RANK] = rank
-        opv[K.OP.SLOT_BASE] = slot_base
+        opv[K.OP.SLOT_BASE] = slot_bases[0]
         opv[K.OP.ELEM], opv[K.OP.ITEMSIZE], opv[K.OP.DIGEST] = self.elem, self.itemsize, self.digest
         scale = spec.scale_count
         opv[K.OP.P] = scale_bits(scale, bits)
@@ -166,6 +168,9 @@ class _Op:
         self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
         self.lane[K.LN.CHUNK] = -1
         self.lane[K.LN.EMAX] = EXP_ZERO
+        # Lane i goes to shard i mod S, on that shard's slot i (each shard grants a base).
+        lanes = np.arange(self.E)
+        self.lane[K.LN.SLOT] = np.asarray(slot_bases, np.int64)[lanes % len(slot_bases)] + lanes
         self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
         self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
@@ -206,18 +211,26 @@ class WorkerEndpoint:
         # ... pump until next_event() returns OperationCompleted(seq)
     """
 
-    def __init__(self, *, spec: JobSpec, rank: int, switch_address: Address,
+    def __init__(self, *, spec: JobSpec, rank: int, switch_address: Address | Sequence[Address],
                  config: WorkerConfig | None = None) -> None:
         if not 0 <= rank < spec.num_workers:
             raise LocalProtocolError(f"rank must be in 0..{spec.num_workers - 1}, got {rank}")
         self.spec = spec
         self.rank = rank
-        self.switch_address = switch_address
-        self._switch_text = format_address(switch_address)  # for error messages
+        # One switch, or the shards of a sharded switch (lane i goes to shard i mod S).
+        shards = ((switch_address,) if isinstance(switch_address[0], str)
+                  else tuple(switch_address))  # type: ignore[arg-type]
+        if not shards:
+            raise LocalProtocolError("switch_address: give a switch address or a list of shards")
+        self.switch_addresses: tuple[Address, ...] = shards  # type: ignore[assignment]
+        self.switch_address: Address = shards[0]  # type: ignore[assignment]
+        self._switch_text = (format_address(shards[0]) if len(shards) == 1 else  # type: ignore
+                             "shards " + ", ".join(format_address(a) for a in shards))
+        self._shard_bases: list[int | None] = [None] * len(shards)
+        self._shards_left: set[int] = set()
         self.config = config or WorkerConfig()
         self.state = WorkerState.NEW
         self.error: str | None = None
-        self.slot_base = 0
         self._seq = 0
         self._epoch_seq = 0  # first operation of the current epoch; sent in JOIN/KEEPALIVE
         self._keepalive_at = 0.0
@@ -310,7 +323,7 @@ class WorkerEndpoint:
             self._events.append(OperationCompleted(seq))
             self._counters["operations_completed"] += 1
             return seq
-        self._begin(_Op(seq, x, o, self.spec, self.rank, self.slot_base, bits, residual), now)
+        self._begin(_Op(seq, x, o, self.spec, self.rank, self.slot_bases, bits, residual), now)
         return seq
 
     def _begin(self, op: _Op, now: float) -> None:
@@ -342,6 +355,16 @@ class WorkerEndpoint:
         self._send_leave(now)
 
     # -- Endpoint contract -------------------------------------------------------------------
+
+    @property
+    def slot_base(self) -> int:
+        """The first slot the switch (shard 0 of a sharded switch) granted the job."""
+        return self._shard_bases[0] or 0
+
+    @property
+    def slot_bases(self) -> list[int]:
+        """The slot base each shard granted (one entry for an unsharded switch)."""
+        return [b or 0 for b in self._shard_bases]
 
     def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
                          now: float) -> None:
@@ -492,18 +515,23 @@ class WorkerEndpoint:
             payload += join_proof(self.config.secret, spec.job_id, spec.token, info)
         header = Header(MessageType.JOIN, spec.job_id, rank=self.rank, token=spec.token,
                         seq=self._epoch_seq, count=len(payload), elem=ElementType.BYTES)
-        self._out.append((pack_header(header) + payload, self.switch_address))
+        datagram = pack_header(header) + payload
+        for shard, base in enumerate(self._shard_bases):
+            if base is None:  # not joined yet (on this epoch)
+                self._out.append((datagram, self.switch_addresses[shard]))
         self._arm_control_retry(now)
 
     def _send_keepalive(self, now: float) -> None:
         header = Header(MessageType.KEEPALIVE, self.spec.job_id, rank=self.rank,
                         token=self.spec.token, seq=self._epoch_seq)
-        self._out.append((pack_header(header), self.switch_address))
+        datagram = pack_header(header)
+        self._out.extend((datagram, a) for a in self.switch_addresses)
         self._keepalive_at = now + self.config.keepalive_s
 
     def _send_leave(self, now: float) -> None:
-        self._out.append((pack_header(self._control_header(MessageType.LEAVE)),
-                          self.switch_address))
+        datagram = pack_header(self._control_header(MessageType.LEAVE))
+        self._out.extend((datagram, a) for i, a in enumerate(self.switch_addresses)
+                         if i not in self._shards_left)
         self._arm_control_retry(now)
 
     def _arm_control_retry(self, now: float) -> None:
@@ -524,7 +552,8 @@ class WorkerEndpoint:
     def _queue_lane(self, op: _Op, i: int, nbytes: int, now: float) -> None:
         """Queue lane ``i``'s datagram (a view of its transmit buffer, valid until the lane
         sends again)."""
-        self._out.append((op.views[i][:nbytes], self.switch_address))
+        shards = self.switch_addresses
+        self._out.append((op.views[i][:nbytes], shards[i % len(shards)]))
         if self._fast_retransmit:
             op.xmit_order.append((now, i, int(op.lane[K.LN.CHUNK, i]),
                                   int(op.lane[K.LN.XMITS, i])))
@@ -601,7 +630,7 @@ class WorkerEndpoint:
             self._drops["stale_nack"] += 1
             return
         i = h.chunk % op.E
-        if h.chunk >= op.T or h.slot != self.slot_base + i:
+        if h.chunk >= op.T or h.slot != op.lane[K.LN.SLOT, i]:
             self._drops["bad_slot"] += 1
             return
         self._rtt[K.R.LAST_HEARD] = now
@@ -663,13 +692,19 @@ class WorkerEndpoint:
             else:
                 self._join_failed(reason)
             return
-        self.slot_base = info.slot_base
+        shard = h.chunk if len(self._shard_bases) > 1 else 0  # a shard says which it is
+        if shard >= len(self._shard_bases):
+            self._drops["bad_shard"] += 1
+            return
+        self._shard_bases[shard] = info.slot_base
+        if any(b is None for b in self._shard_bases):
+            return  # other shards still to answer
         if self.state is WorkerState.REJOINING:
             self._resume_after_rejoin(now)
             return
         self.state = WorkerState.READY
         self._keepalive_at = now + self.config.keepalive_s
-        self._events.append(Joined(info.slot_base, info.window))
+        self._events.append(Joined(self.slot_base, info.window))
 
     def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
@@ -695,6 +730,7 @@ class WorkerEndpoint:
             # and a fresh switch means every slot starts on set 0, as for the busy ranks.
             self._epoch_seq = self._seq = (self._seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
             self._next_set_arr[:] = 0
+            self._shard_bases = [None] * len(self.switch_addresses)
             self.state = WorkerState.JOINING
             self._control_deadline = now + self.config.join_timeout_s
             self._control_backoff = _CONTROL_RETRY_S
@@ -718,6 +754,7 @@ class WorkerEndpoint:
         # results of the old epoch no longer match it.
         op.seq = new_seq
         self._epoch_seq = new_seq
+        self._shard_bases = [None] * len(self.switch_addresses)
         self.state = WorkerState.REJOINING
         self._control_deadline = now + self.config.join_timeout_s
         self._control_backoff = _CONTROL_RETRY_S
@@ -726,7 +763,7 @@ class WorkerEndpoint:
     def _resume_after_rejoin(self, now: float) -> None:
         old = self._op
         assert old is not None
-        op = _Op(self._epoch_seq, old.x, old.out, self.spec, self.rank, self.slot_base,
+        op = _Op(self._epoch_seq, old.x, old.out, self.spec, self.rank, self.slot_bases,
                  old.bits, old.residual)
         op.restarts = old.restarts + 1
         self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
@@ -737,6 +774,9 @@ class WorkerEndpoint:
         if self.state is not WorkerState.CLOSING:
             self._drops["unexpected_control"] += 1
             return
+        self._shards_left.add(h.chunk if len(self.switch_addresses) > 1 else 0)
+        if len(self._shards_left) < len(self.switch_addresses):
+            return  # other shards still to answer
         self.state = WorkerState.CLOSED
         self._events.append(Left())
 
@@ -748,8 +788,11 @@ class WorkerEndpoint:
         chunk, deadline = op.lane[K.LN.CHUNK], op.lanef[K.LF.DEADLINE]
         for i in np.flatnonzero((chunk >= 0) & (deadline <= now)):
             self._send_chunk(op, int(chunk[i]), now, retransmit=True)
-        idle = now - float(self._rtt[K.R.LAST_PROGRESS])
-        if idle >= self.config.op_timeout_s:
+        last_progress = float(self._rtt[K.R.LAST_PROGRESS])
+        idle = now - last_progress
+        # The same sum as get_timer's deadline: ``now - last >= timeout`` can be false by a
+        # rounding error at that very deadline, and the timer would fire forever.
+        if now >= last_progress + self.config.op_timeout_s:
             self._fail(self._silence_reason(op, idle))
 
     def _silence_reason(self, op: _Op, idle: float) -> str:

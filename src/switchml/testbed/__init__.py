@@ -6,8 +6,14 @@ a parameter server host. ``Testbed`` (netns.py) builds it, runs processes inside
 exactly what it created. Needs root; everything else in switchml does not.
 """
 
-from switchml.testbed.netns import Testbed, TestbedError, check_environment, cleanup_stale
-from switchml.testbed.topology import LinkSpec, Topology
+from switchml.testbed.netns import (
+    GeoTestbed,
+    Testbed,
+    TestbedError,
+    check_environment,
+    cleanup_stale,
+)
+from switchml.testbed.topology import GeoTopology, LinkSpec, Topology
 
-__all__ = ["LinkSpec", "Testbed", "TestbedError", "Topology", "check_environment",
-           "cleanup_stale"]
+__all__ = ["GeoTestbed", "GeoTopology", "LinkSpec", "Testbed", "TestbedError", "Topology",
+           "check_environment", "cleanup_stale"]

@@ -28,6 +28,8 @@ from typing import Any
 
 from switchml.protocol.errors import SwitchMLError
 from switchml.testbed.topology import (
+    GeoTopology,
+    LinkSpec,
     Topology,
     ethtool_args,
     nft_host_loss_ruleset,
@@ -35,7 +37,7 @@ from switchml.testbed.topology import (
     tbf_args,
 )
 
-__all__ = ["Testbed", "TestbedError", "check_environment", "cleanup_stale"]
+__all__ = ["GeoTestbed", "Testbed", "TestbedError", "check_environment", "cleanup_stale"]
 
 log = logging.getLogger(__name__)
 _TOOLS = ("ip", "tc", "nft")
@@ -113,7 +115,8 @@ def _cleanup_stale_locked() -> list[str]:
                 continue  # its owner holds the lock: alive
             owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
             # "sw": the switch host of testbeds built before the switch moved into the router
-            pattern = re.compile(rf"{re.escape(prefix)}(sw|rt|ps|w\d+)")
+            # "d<j>": the data-centre routers of a GeoTestbed
+            pattern = re.compile(rf"{re.escape(prefix)}(sw|rt|ps|w\d+|d\d+)")
             mine, errors = [], []
             for ns in live:
                 if pattern.fullmatch(ns):
@@ -335,4 +338,86 @@ class Testbed:
             for line in res.stdout.splitlines():
                 if "counter packets" in line:
                     total += int(line.split("counter packets")[1].split()[0])
+        return total
+
+
+class GeoTestbed(Testbed):
+    """A live :class:`GeoTopology`: data centres of workers joined by shaped WAN links.
+
+    Namespaces: ``<prefix>w<i>`` per worker, ``<prefix>d<j>`` per data-centre router, and the
+    WAN core ``<prefix>rt`` (the base class's router). Everything else (claims, teardown,
+    ``popen``, ``run``) is :class:`Testbed`'s.
+
+    Example::
+
+        with GeoTestbed(GeoTopology(dcs=(2, 2))) as tb:
+            tb.run(tb.worker_ns(0), ["ping", "-c1", tb.topology.worker_ip(2)])
+            print(tb.wan_bytes())
+    """
+
+    __test__ = False
+
+    def __init__(self, topology: GeoTopology, prefix: str | None = None) -> None:
+        super().__init__(topology, prefix)  # type: ignore[arg-type]
+        self.geo = topology
+
+    def dc_ns(self, j: int) -> str:
+        return f"{self.prefix}d{j}"
+
+    def wan_device(self, j: int) -> str:
+        """Data centre ``j``'s WAN interface, in its router namespace."""
+        return f"{self.prefix}x{j}"
+
+    def _veth(self, ns_near: str, near: str, ns_far: str, far: str, mtu: int) -> None:
+        _run(["ip", "-n", ns_near, "link", "add", near, "mtu", str(mtu), "type", "veth", "peer",
+              "name", far, "mtu", str(mtu), "netns", ns_far])
+
+    def _up(self, ns: str, dev: str, addr: str, link: LinkSpec) -> None:
+        _run(["ip", "-n", ns, "addr", "add", addr, "dev", dev])
+        _run(["ip", "-n", ns, "link", "set", dev, "up"])
+        if self.batching:
+            _run(["ip", "netns", "exec", ns, "ethtool", "-K", *ethtool_args(dev, False)])
+        args = tbf_args(link)
+        if args:
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *args])
+            if "tbf" not in _run(["tc", "-n", ns, "qdisc", "show", "dev", dev]):
+                raise TestbedError(f"tbf on {ns}/{dev} did not stick")
+
+    def _build(self) -> None:
+        geo = self.geo
+        self.batching = shutil.which("ethtool") is not None
+        core = self.router_ns
+        self._add_ns(core)
+        _run(["ip", "netns", "exec", core, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        for j in range(len(geo.dcs)):
+            dc = self.dc_ns(j)
+            self._add_ns(dc)
+            _run(["ip", "netns", "exec", dc, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            near, far = f"{self.prefix}y{j}", self.wan_device(j)
+            self._veth(core, near, dc, far, geo.wan.mtu)
+            self._up(core, near, f"{geo.wan_core_ip(j)}/24", geo.wan)
+            self._up(dc, far, f"{geo.wan_router_ip(j)}/24", geo.wan)
+            _run(["ip", "-n", dc, "route", "add", "default", "via", geo.wan_core_ip(j)])
+            for i in geo.workers_of(j):
+                ns = self.worker_ns(i)
+                self._add_ns(ns)
+                near, far = f"{self.prefix}s{i}", self.host_device(i)
+                self._veth(dc, near, ns, far, geo.lan.mtu)
+                self._up(dc, near, f"{geo.gateway_ip(i)}/24", geo.lan)
+                self._up(ns, far, f"{geo.worker_ip(i)}/24", geo.lan)
+                _run(["ip", "-n", ns, "route", "add", "default", "via", geo.gateway_ip(i)])
+                _run(["ip", "-n", core, "route", "add", f"{geo.subnet}.{i}.0/24", "via",
+                      geo.wan_router_ip(j)])
+        log.info("geo testbed %s up: data centres %s, LAN %s, WAN %s", self.prefix, geo.dcs,
+                 geo.lan, geo.wan)
+
+    def wan_bytes(self) -> int:
+        """Bytes sent so far onto the WAN: the sum over data centres of their WAN interface's
+        transmit counter (each byte between data centres is counted once, where it leaves its
+        data centre)."""
+        total = 0
+        for j in range(len(self.geo.dcs)):
+            out = _run(["ip", "netns", "exec", self.dc_ns(j), "cat",
+                        f"/sys/class/net/{self.wan_device(j)}/statistics/tx_bytes"])
+            total += int(out.strip())
         return total

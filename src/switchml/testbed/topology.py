@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSpec", "Topology", "ethtool_args", "nft_host_loss_ruleset", "nft_loss_ruleset",
-           "tbf_args"]
+__all__ = ["GeoTopology", "LinkSpec", "Topology", "ethtool_args", "nft_host_loss_ruleset",
+           "nft_loss_ruleset", "tbf_args"]
 
 
 GSO_RUN_BYTES = 72 * 1024
@@ -99,6 +99,71 @@ class Topology:
     @property
     def ps_link(self) -> int:
         return 250
+
+
+@dataclass(frozen=True, slots=True)
+class GeoTopology:
+    """Data centres joined by a WAN: each data centre a star of workers around its own router
+    (LAN links), every data-centre router joined to a WAN core router by a WAN link.
+
+    Worker ``i`` (numbered across data centres, in order) sits on link ``i`` as in
+    :class:`Topology` (``subnet.i.2``, its router ``subnet.i.1``); data centre ``j``'s WAN link
+    is ``subnet.(200 + j).0/24`` (core ``.1``, data-centre router ``.2``). Traffic between two
+    data centres crosses two WAN links (up to the core, down to the other side), both shaped at
+    ``wan``'s rate, so the path runs at that rate. With one data centre nothing crosses the
+    WAN (the "all workers in one data centre" baseline). Propagation delay is not emulated:
+    this needs netem, which the testbed's kernel may lack (docs/geo.md). No loss either.
+    """
+
+    dcs: tuple[int, ...] = (2, 2)
+    """Workers per data centre."""
+    lan: LinkSpec = LinkSpec(bandwidth_bps=1e9)
+    wan: LinkSpec = LinkSpec(bandwidth_bps=50e6)
+    subnet: str = "10.202"
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.dcs) <= 8 or any(n < 1 for n in self.dcs):
+            raise ConfigError(f"dcs must list 1..8 data centres of >= 1 worker, got {self.dcs}")
+        if sum(self.dcs) > 199:
+            raise ConfigError(f"at most 199 workers in all, got {sum(self.dcs)}")
+        if self.lan.loss_rate or self.wan.loss_rate:
+            raise ConfigError("the geo testbed has no loss emulation: loss_rate must be 0")
+        Topology(workers=1, subnet=self.subnet)  # validates the subnet
+
+    @property
+    def workers(self) -> int:
+        return sum(self.dcs)
+
+    def dc_of(self, i: int) -> int:
+        """The data centre of worker ``i``."""
+        if not 0 <= i < self.workers:
+            raise ConfigError(f"worker {i} out of range 0..{self.workers - 1}")
+        for j, first in enumerate(self.first_workers):
+            if i < first + self.dcs[j]:
+                return j
+        raise AssertionError("unreachable")
+
+    @property
+    def first_workers(self) -> list[int]:
+        return [sum(self.dcs[:j]) for j in range(len(self.dcs))]
+
+    def workers_of(self, j: int) -> list[int]:
+        first = self.first_workers[j]
+        return list(range(first, first + self.dcs[j]))
+
+    def worker_ip(self, i: int) -> str:
+        return f"{self.subnet}.{i}.2"
+
+    def gateway_ip(self, i: int) -> str:
+        """Worker i's data-centre router address on its LAN link."""
+        return f"{self.subnet}.{i}.1"
+
+    def wan_core_ip(self, j: int) -> str:
+        return f"{self.subnet}.{200 + j}.1"
+
+    def wan_router_ip(self, j: int) -> str:
+        """Data centre ``j``'s router on its WAN link."""
+        return f"{self.subnet}.{200 + j}.2"
 
 
 def tbf_args(link: LinkSpec) -> list[str]:

@@ -1,11 +1,13 @@
 """PyTorch integration: ``import switchml.torch`` registers the "switchml" backend.
 
 See :mod:`switchml.torch.backend` for the backend and :mod:`switchml.torch.hooks` for DDP
-communication hooks.
+communication hooks, :mod:`switchml.torch.hybrid` for Poseidon-style hybrid data parallelism.
 """
 
 from switchml.torch.backend import SwitchMLProcessGroup, register, stats, stop_embedded_switch
+from switchml.torch.hybrid import HybridDataParallel, LayerDecision
 
 register()
 
-__all__ = ["SwitchMLProcessGroup", "register", "stats", "stop_embedded_switch"]
+__all__ = ["HybridDataParallel", "LayerDecision", "SwitchMLProcessGroup", "register", "stats",
+           "stop_embedded_switch"]

@@ -350,7 +350,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         """What went through the switch, what was delegated to gloo, and the worker counters."""
         with self._stats_lock:
             return {"switch_ops": dict(self.switch_ops), "delegated": dict(self.delegated),
-                    "worker": self.client.counters, "switch": f"{self.switch[0]}:{self.switch[1]}"}
+                    "worker": self.client.counters, "switch": ",".join(f"{h}:{p}" for h, p in (
+                        [self.switch] if isinstance(self.switch[0], str) else self.switch))}
 
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: leave the job and release the embedded
@@ -371,11 +372,19 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
 
 # -- creation ----------------------------------------------------------------------------------
 
-def _parse_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
+def _parse_address(text: str) -> Any:
+    """``HOST:PORT``, or ``HOST:PORT,HOST:PORT,...``: the shards of a sharded switch (a list)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    addrs = []
+    for part in parts:
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"SWITCHML_SWITCH must be HOST:PORT (or a comma-separated list of "
+                             f"a sharded switch's shards), got {text!r}")
+        addrs.append((host, int(port)))
+    if not addrs:
         raise ValueError(f"SWITCHML_SWITCH must be HOST:PORT, got {text!r}")
-    return host, int(port)
+    return addrs[0] if len(addrs) == 1 else addrs
 
 
 class _Embedded:

@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -77,9 +77,12 @@ SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_MTU = getattr(socket, "IP_MTU", 14)  # linux/in.h
 
 
-def path_mtu(address: Address) -> int | None:
+def path_mtu(address: Address | Sequence[Address]) -> int | None:
     """The MTU of the route towards ``address`` (``IP_MTU`` of a connected UDP socket), or
     None where the platform does not say. Loopback: 65536; an Ethernet path: 1500 (or 9000)."""
+    if not isinstance(address[0], str):  # the shards of a sharded switch: the smallest
+        mtus = [m for m in (path_mtu(a) for a in address) if m]  # type: ignore[arg-type]
+        return min(mtus) if mtus else None
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((socket.gethostbyname(address[0]), int(address[1])))
@@ -88,7 +91,7 @@ def path_mtu(address: Address) -> int | None:
         return None
 
 
-def elements_per_packet_for(switch: Address, mtu: int | None = None) -> int:
+def elements_per_packet_for(switch: Address | Sequence[Address], mtu: int | None = None) -> int:
     """The chunk size (int32 elements) whose datagrams fit the path to ``switch`` without IP
     fragmentation: from ``mtu`` if given, else from the route's MTU (``path_mtu``), else
     1500 (Ethernet). Loopback gives the largest datagram UDP allows (16366 elements)."""
@@ -406,7 +409,7 @@ class WorkerClient:
         OperationFailed: the switch refused or did not answer the JOIN in ``join_timeout_s``.
     """
 
-    def __init__(self, switch: Address, spec: JobSpec, rank: int,
+    def __init__(self, switch: Address | Sequence[Address], spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
                  buffer_bytes: int = SOCKET_BUFFER_BYTES, loss_rate: float = 0.0,
                  loss_seed: int = 0, batching: bool = True) -> None:
@@ -417,19 +420,26 @@ class WorkerClient:
         self._loss_rate = loss_rate
         self._loss_rng = random.Random(loss_seed)
         self.injected_losses = 0
-        self.switch = (socket.gethostbyname(switch[0]), int(switch[1]))
+        # One switch, or the shards of a sharded switch (``switchml switch --shards``): the
+        # job's lanes are striped over them.
+        shards = [switch] if isinstance(switch[0], str) else list(switch)  # type: ignore
+        self.switches = [(socket.gethostbyname(h), int(p)) for h, p in shards]
+        self.switch = self.switches[0]
+        sharded = len(self.switches) > 1
         env_secret = os.environ.get("SWITCHML_SECRET")
         if env_secret and (config is None or config.secret is None):
             config = dataclasses.replace(config or WorkerConfig(), secret=env_secret.encode())
-        self.endpoint = WorkerEndpoint(spec=spec, rank=rank, switch_address=self.switch,
+        self.endpoint = WorkerEndpoint(spec=spec, rank=rank,
+                                       switch_address=self.switches if sharded else self.switch,
                                        config=config)
         self.spec = spec
         self.rank = rank
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.sock.bind((bind_host or ("127.0.0.1" if self.switch[0].startswith("127.")
-                                          else "0.0.0.0"), 0))
-            self.sock.connect(self.switch)  # filters other sources; surfaces ICMP unreachable
+            loopback = all(a[0].startswith("127.") for a in self.switches)
+            self.sock.bind((bind_host or ("127.0.0.1" if loopback else "0.0.0.0"), 0))
+            if not sharded:  # filters other sources; surfaces ICMP unreachable
+                self.sock.connect(self.switch)
         except OSError as exc:
             self.sock.close()
             raise TransportError(f"can't open a socket towards {_fmt(self.switch)}: {exc}") \
@@ -440,7 +450,7 @@ class WorkerClient:
         # GRO on the socket: MultiReceiver asks for it itself (its buffers may be GRO buffers).
         self.gro = self._rx.gro if self._rx is not None else batching and enable_gro(self.sock)
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
-                                   connected=True, raise_errors=True)
+                                   connected=not sharded, raise_errors=True)
         self.icmp_errors = 0
         self.send_blocked = 0
         self.truncated = 0
@@ -714,11 +724,11 @@ class WorkerClient:
         """Send the endpoint's datagrams and dispatch its events."""
         ep = self.endpoint
         sender = self._sender
-        for data, _ in ep.datagrams_to_send(now):
+        for data, addr in ep.datagrams_to_send(now):
             if self._loss_rate and self._loss_rng.random() < self._loss_rate:
                 self.injected_losses += 1
                 continue
-            sender.add(data, None)
+            sender.add(data, addr)  # ignored on a connected socket (one switch, not shards)
         sender.flush()
         if sender.blocked or sender.refused:
             # A full socket buffer is a loss (the retransmission timer recovers); a refusal is

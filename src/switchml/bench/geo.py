@@ -1,0 +1,337 @@
+"""``switchml bench geo``: Gaia's comparison on the geo testbed (Hsieh et al., NSDI'17, fig. 7).
+
+The same model (switchml.demo's CNN, 560k parameters) is trained on scikit-learn's digits three
+ways, each worker in its own namespace:
+
+- ``lan``: all workers in one data centre (one star of LAN links): synchronous DDP over gloo,
+  the speed Gaia wants to approach;
+- ``wan``: the workers split over data centres joined by the WAN, synchronous DDP over gloo
+  spanning it (what a user would run without Gaia);
+- ``gaia``: the same split; synchronous DDP over gloo inside each data centre, Gaia's
+  significance filter, selective barrier and mirror clock across (switchml.gaia).
+
+Rank 0 (in data centre 0) evaluates test accuracy every ``eval_every`` steps (evaluation time is
+not counted). Reported per mode: time to the target accuracy (first evaluation at or above it),
+final accuracy (mean of the last ``FINAL_EVALS`` evaluations; the last one alone is
+``last_accuracy``), WAN bytes (the data-centre routers' WAN interface transmit counters, before
+and after), accuracy against time.
+Run as root. Worker processes run ``python -m switchml.bench.geo worker JSON``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["GeoBenchConfig", "MODES", "geo_worker", "run_geo_bench", "write_outputs"]
+
+MODES = ("lan", "wan", "gaia")
+GAIA_PORT = 47100
+
+
+@dataclass(frozen=True)
+class GeoBenchConfig:
+    __test__ = False
+
+    dcs: tuple[int, ...] = (2, 2)
+    wan_bps: float = 50e6
+    lan_bps: float = 1e9
+    modes: tuple[str, ...] = MODES
+    steps: int = 150
+    batch: int = 32
+    """Per worker."""
+    lr: float = 0.05
+    model: str = "cnn"
+    seed: int = 0
+    eval_every: int = 5
+    target_accuracy: float = 0.95
+    threshold: float = 0.01
+    """Gaia's significance threshold S (S_t = S / sqrt(t))."""
+    decay: bool = True
+    staleness: int = 2
+    """Gaia's mirror-clock bound, in clocks."""
+    gaia_lr_scale: float | None = None
+    """Gaia's learning rate is ``lr * gaia_lr_scale``; default 1 / data centres: every data
+    centre's update reaches every replica, so the global step is the sum of the data centres'
+    steps, and this keeps it the size of synchronous training's (one step on the mean
+    gradient)."""
+    dc_backend: str = "gloo"
+    """Gaia's synchronous training inside a data centre: DDP over ``gloo``, or over
+    ``switchml`` (a software switch in each data centre's router)."""
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.dc_backend not in ("gloo", "switchml"):
+            raise ValueError(f"unknown data-centre backend {self.dc_backend!r}; known: gloo, "
+                             "switchml")
+        unknown = set(self.modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
+        if len(self.dcs) < 2:
+            raise ValueError(f"--dcs needs at least two data centres, got {self.dcs}")
+        if self.steps < 2 or self.eval_every < 1 or self.batch < 1:
+            raise ValueError("--steps must be >= 2, --eval-every and --batch >= 1")
+        if not 0 < self.target_accuracy <= 1:
+            raise ValueError("--target must be an accuracy in (0, 1]")
+        if self.model not in ("cnn", "mlp"):
+            raise ValueError(f"unknown model {self.model!r}; known: cnn, mlp")
+
+
+# -- the worker (runs inside a namespace) --------------------------------------------------------
+
+def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
+    """Train one worker of one mode; data centre leaders return their figures."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml.demo import build_model, load_data
+    from switchml.ps.launch import build_mlp
+    torch.set_num_threads(1)
+    mode, rank = a["mode"], a["rank"]
+    timeout = datetime.timedelta(seconds=a["timeout_s"])
+    backend = a.get("dc_backend", "gloo") if mode == "gaia" else "gloo"
+    if backend == "switchml":
+        import switchml.torch  # noqa: F401  # registers the backend
+    if mode == "gaia":  # the data centre's own process group
+        dist.init_process_group(backend, init_method=f"tcp://{a['dc_master']}:{a['port']}",
+                                rank=a["local_rank"], world_size=a["dc_size"], timeout=timeout)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{a['master']}:{a['port']}",
+                                rank=rank, world_size=a["n"], timeout=timeout)
+    torch.manual_seed(a["seed"])
+    model = build_model() if a["model"] == "cnn" else build_mlp()
+    xtr, ytr, xte, yte = load_data(a["seed"])
+    gen = torch.Generator().manual_seed(a["seed"] * 1000 + rank)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    gaia = mirror = None
+    if mode == "gaia":
+        from switchml.gaia.mirror import Mirror
+        from switchml.gaia.trainer import GaiaSync
+        if a["local_rank"] == 0:
+            mirror = Mirror(dc=a["dc"], leaders=[tuple(x) for x in a["leaders"]],
+                            staleness=a["staleness"], timeout_s=a["timeout_s"]).start()
+        gaia = GaiaSync(model, mirror=mirror, threshold=a["threshold"], decay=a["decay"])
+    lead = a["local_rank"] == 0
+    evaluate = rank == 0 or (mode == "gaia" and lead)
+    times, accs, steps = [], [], []
+    dist.barrier()
+    t0 = time.perf_counter()
+    paused = 0.0
+    for step in range(1, a["steps"] + 1):
+        idx = torch.randint(0, len(ytr), (a["batch"],), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        if gaia is not None:  # the last step ends with Gaia's final full exchange
+            gaia.after_step() if step < a["steps"] else gaia.finish()
+        if evaluate and (step % a["eval_every"] == 0 or step == a["steps"]):
+            e0 = time.perf_counter()
+            with torch.no_grad():
+                acc = float((model(xte).argmax(1) == yte).float().mean())
+            times.append(e0 - t0 - paused)  # training time only
+            paused += time.perf_counter() - e0
+            accs.append(acc)
+            steps.append(step)
+    elapsed = time.perf_counter() - t0 - paused
+    out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": elapsed}
+    if evaluate:
+        out.update(times=times, accuracy=accs, steps=steps)
+    if gaia is not None and mirror is not None:
+        assert gaia.filter is not None
+        out["gaia"] = {**mirror.stats(), "entries_published": gaia.entries_published,
+                       "entries_applied": gaia.entries_applied,
+                       "parameters": int(gaia._prev.size)}
+        mirror.close()
+    dist.destroy_process_group()
+    return out
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+def _argv(args: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "switchml.bench.geo", "worker", json.dumps(args)]
+
+
+def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
+    import subprocess
+
+    from switchml.bench.testbed import _wait_all
+    geo = tb.geo
+    port = 34000 + secrets.randbelow(10000)
+    scale = cfg.gaia_lr_scale if cfg.gaia_lr_scale is not None else 1 / len(geo.dcs)
+    common = {"mode": mode, "n": geo.workers, "steps": cfg.steps, "batch": cfg.batch,
+              "lr": cfg.lr * scale if mode == "gaia" else cfg.lr, "seed": cfg.seed,
+              "model": cfg.model, "eval_every": cfg.eval_every,
+              "threshold": cfg.threshold, "decay": cfg.decay, "staleness": cfg.staleness,
+              "timeout_s": min(cfg.timeout_s, 300.0), "master": geo.worker_ip(0), "port": port,
+              "leaders": [(geo.worker_ip(geo.workers_of(j)[0]), GAIA_PORT)
+                          for j in range(len(geo.dcs))]}
+    common["dc_backend"] = cfg.dc_backend
+    switches = []
+    if mode == "gaia" and cfg.dc_backend == "switchml":  # one switch per data centre router
+        from switchml.bench.testbed import SWITCH_PORT, _nsproc, _read_line
+        for j in range(len(geo.dcs)):
+            sw = tb.popen(tb.dc_ns(j), _nsproc("switch", {"port": SWITCH_PORT}),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if _read_line(sw, 120).strip() != "ready":
+                raise RuntimeError(f"the switch of data centre {j} did not start")
+            switches.append(sw)
+    procs = []
+    for r in range(geo.workers):
+        j = geo.dc_of(r)
+        members = geo.workers_of(j)
+        args = {**common, "rank": r, "dc": j, "local_rank": members.index(r),
+                "dc_size": len(members), "dc_master": geo.worker_ip(members[0])}
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r),
+               "SWITCHML_DC": str(j)}
+        if switches:
+            from switchml.bench.testbed import SWITCH_PORT
+            from switchml.protocol.config import default_window
+            from switchml.protocol.wire import elements_for_mtu
+            k = elements_for_mtu(geo.lan.mtu)
+            env.update(SWITCHML_SWITCH=f"{geo.gateway_ip(r)}:{SWITCH_PORT}",
+                       SWITCHML_WINDOW=str(default_window(k)),
+                       SWITCHML_ELEMENTS_PER_PACKET=str(k))
+            env.pop("SWITCHML_SECRET", None)
+        procs.append(tb.popen(tb.worker_ns(r), _argv(args), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True))
+    wan0 = tb.wan_bytes()
+    outs = _wait_all(procs, cfg.timeout_s)
+    wan = tb.wan_bytes() - wan0
+    for sw in switches:
+        assert sw.stdin is not None
+        sw.stdin.close()
+    lead = outs[0]
+    row: dict[str, Any] = {
+        "mode": mode, "dcs": list(geo.dcs), "wan_bps": cfg.wan_bps if len(geo.dcs) > 1 else None,
+        "lan_bps": cfg.lan_bps, "steps": cfg.steps,
+        "dc_backend": cfg.dc_backend if mode == "gaia" else "gloo",
+        "elapsed_s": max(o["elapsed_s"] for o in outs),
+        "times": lead["times"], "accuracy": lead["accuracy"], "eval_steps": lead["steps"],
+        "final_accuracy": _final(lead["accuracy"]), "last_accuracy": lead["accuracy"][-1],
+        "wan_bytes": wan,
+    }
+    if mode == "gaia":
+        leaders = [o for o in outs if "gaia" in o]
+        row["gaia"] = [o["gaia"] for o in leaders]
+        row["final_accuracy_per_dc"] = [_final(o["accuracy"]) for o in leaders]
+        row["gaia_wait_s"] = [o["gaia"]["wait_s"] for o in leaders]
+        sent = sum(o["gaia"]["entries_published"] for o in leaders)
+        row["fraction_entries_sent"] = sent / (leaders[0]["gaia"]["parameters"] * cfg.steps
+                                               * len(leaders))
+    return row
+
+
+FINAL_EVALS = 5
+"""Final accuracy: the mean of the last this-many evaluations (a single evaluation of 360 test
+images moves by +-1 point from one to the next, as much as the differences compared)."""
+
+
+def _final(accs: list[float]) -> float:
+    tail = accs[-FINAL_EVALS:]
+    return sum(tail) / len(tail)
+
+
+def time_to_target(row: dict[str, Any], target: float) -> float | None:
+    return next((t for t, a in zip(row["times"], row["accuracy"]) if a >= target), None)
+
+
+def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
+    """Build the testbeds, run every mode, return one row per mode (with the comparison)."""
+    from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
+    lan_link = LinkSpec(bandwidth_bps=cfg.lan_bps)
+    rows = []
+    for mode in cfg.modes:
+        dcs = (sum(cfg.dcs),) if mode == "lan" else cfg.dcs
+        topo = GeoTopology(dcs=dcs, lan=lan_link, wan=LinkSpec(bandwidth_bps=cfg.wan_bps))
+        if progress is not None:
+            progress(f"{mode}: data centres {dcs}, WAN {cfg.wan_bps / 1e6:g} Mbit/s, "
+                     f"{cfg.steps} steps")
+        with GeoTestbed(topo) as tb:
+            row = _run_mode(tb, cfg, mode)
+        row["time_to_target_s"] = time_to_target(row, cfg.target_accuracy)
+        row["target_accuracy"] = cfg.target_accuracy
+        rows.append(row)
+        if progress is not None:
+            progress(f"{mode}: final accuracy {row['final_accuracy']:.4f}, time to "
+                     f"{cfg.target_accuracy:g}: {row['time_to_target_s']}, WAN bytes "
+                     f"{row['wan_bytes']}")
+    _compare(rows)
+    return rows
+
+
+def _compare(rows: list[dict[str, Any]]) -> None:
+    by = {r["mode"]: r for r in rows}
+    gaia, lan, wan = by.get("gaia"), by.get("lan"), by.get("wan")
+    for r in rows:
+        cmp: dict[str, Any] = {}
+        t = r["time_to_target_s"]
+        if lan and t and lan["time_to_target_s"]:
+            cmp["time_to_target_vs_lan"] = t / lan["time_to_target_s"]
+        if wan and t and wan["time_to_target_s"]:
+            cmp["speedup_vs_wan"] = wan["time_to_target_s"] / t
+        if wan and wan["wan_bytes"] and r["mode"] != "lan":
+            cmp["wan_bytes_vs_wan"] = r["wan_bytes"] / wan["wan_bytes"]
+        if wan:
+            cmp["accuracy_minus_wan_points"] = 100 * (r["final_accuracy"] - wan["final_accuracy"])
+        r["comparison"] = cmp
+    del gaia
+
+
+def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str) -> list[str]:
+    """JSON, CSV and PNG (accuracy against time) in ``out_dir``; returns the paths."""
+    import csv
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in ("geo.json", "geo.csv", "geo.png")]
+    with open(paths[0], "w") as f:
+        json.dump({"benchmark": "geo", "config": asdict(cfg), "machine": {
+            "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows}, f,
+            indent=2)
+    keys = ["mode", "dcs", "wan_bps", "steps", "elapsed_s", "time_to_target_s",
+            "final_accuracy", "last_accuracy", "wan_bytes"]
+    with open(paths[1], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
+        for r in rows:
+            c = r.get("comparison", {})
+            w.writerow([r[k] for k in keys] + [c.get("time_to_target_vs_lan"),
+                                               c.get("speedup_vs_wan"),
+                                               c.get("wan_bytes_vs_wan")])
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {"lan": "one data centre (LAN)", "wan": "synchronous across the WAN",
+              "gaia": "Gaia"}
+    for r in rows:
+        ax.plot(r["times"], r["accuracy"], label=f"{labels[r['mode']]}: "
+                f"{r['wan_bytes'] / 1e6:.1f} MB over the WAN")
+    ax.axhline(cfg.target_accuracy, color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("seconds of training")
+    ax.set_ylabel("test accuracy (digits, data centre 0)")
+    ax.set_title(f"{cfg.model} on digits, data centres {cfg.dcs}, WAN "
+                 f"{cfg.wan_bps / 1e6:g} Mbit/s, LAN {cfg.lan_bps / 1e9:g} Gbit/s")
+    ax.set_ylim(0, 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "worker":
+        sys.exit("usage: python -m switchml.bench.geo worker JSON")
+    print(json.dumps(geo_worker(json.loads(sys.argv[2]))), flush=True)

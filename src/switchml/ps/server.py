@@ -1,0 +1,315 @@
+"""A parameter server: holds shards, collects pushed gradients, runs the optimizer step.
+
+Theory of operation. One thread accepts connections; one thread per worker connection reads its
+messages in order (HELLO, INIT, PUSH, PULL, STATS, BYE). All shard state sits behind one
+condition variable. A PUSH goes through the shard's step rule (:mod:`switchml.ps.rules`); when
+the rule says the step is complete, the optimizer step runs at once (under the lock) and every
+waiting PULL wakes. A PULL for version ``v`` waits until the shard's version reaches ``v``,
+copies the values under the lock and sends them outside it.
+
+Failures are bounded: a worker connection that closes without BYE marks the worker dead, and a
+PULL whose step can no longer complete fails at once with an ERROR naming the dead worker(s);
+a PULL that waits longer than ``timeout_s`` fails with an ERROR naming the workers whose
+gradient is missing. Workers turn an ERROR into :class:`PSError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from switchml.protocol.errors import ConfigError
+from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
+from switchml.ps.wire import MessageType, PSError, recv_message, send_message
+
+__all__ = ["OPTIMIZERS", "ParameterServer", "ServerConfig"]
+
+log = logging.getLogger(__name__)
+OPTIMIZERS = ("sgd", "adam", "sum")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    workers: int
+    """Number of worker processes (N)."""
+    backup: int = 0
+    """Backup workers b (synchronous mode): each step uses the first N - b gradients."""
+    mode: str = "sync"
+    """``sync`` (steps, backup workers) or ``async`` (every gradient applied on arrival)."""
+    optimizer: str = "sgd"
+    """``sgd`` (with ``momentum``), ``adam``, or ``sum`` (the shard becomes the sum of the
+    step's gradients: an all-reduce through the servers, the benchmarks' baseline)."""
+    lr: float = 0.05
+    momentum: float = 0.0
+    timeout_s: float = 60.0
+    """How long a PULL waits for missing gradients before failing, naming the missing
+    workers. Keep it above the slowest step."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.mode == "sync" and not 0 <= self.backup < self.workers:
+            raise ConfigError(f"backup workers must be in 0..{self.workers - 1}, got "
+                              f"{self.backup}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; known: "
+                              f"{', '.join(OPTIMIZERS)}")
+        if self.lr <= 0 or self.timeout_s <= 0:
+            raise ConfigError("lr and timeout_s must be > 0")
+
+
+class _ShardState:
+    def __init__(self, values: np.ndarray, cfg: ServerConfig) -> None:
+        self.values = values
+        self.rule: SyncStepRule | AsyncStepRule = (
+            SyncStepRule(cfg.workers, cfg.backup) if cfg.mode == "sync"
+            else AsyncStepRule(cfg.workers))
+        self.opt: Any = None
+        if cfg.optimizer != "sum":
+            import torch
+            self.param = torch.nn.Parameter(torch.from_numpy(values))
+            self.opt = (torch.optim.SGD([self.param], lr=cfg.lr, momentum=cfg.momentum)
+                        if cfg.optimizer == "sgd" else torch.optim.Adam([self.param], lr=cfg.lr))
+
+    def apply(self, total: np.ndarray, count: int) -> None:
+        if self.opt is None:
+            self.values[:] = total
+            return
+        import torch
+        if count > 1:
+            total = total / np.float32(count)
+        self.param.grad = torch.from_numpy(np.ascontiguousarray(total, dtype=np.float32))
+        self.opt.step()
+
+
+class ParameterServer:
+    """One parameter server. ``start()`` serves in background threads; ``stop()`` ends it.
+
+    Example::
+
+        ps = ParameterServer(0, ServerConfig(workers=2), port=0).start()
+        print(ps.address)
+    """
+
+    def __init__(self, index: int, config: ServerConfig, *, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.index = index
+        self.config = config
+        if config.optimizer != "sum":
+            import torch  # noqa: F401  # now, not under the lock at the first INIT (seconds)
+        self._lsock = socket.socket()
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._lsock.bind((host, port))
+        self._lsock.listen(256)
+        self.address: tuple[str, int] = self._lsock.getsockname()[:2]
+        self._cond = threading.Condition()
+        self._shards: dict[int, _ShardState] = {}
+        self._dead: dict[int, str] = {}
+        self._finished: set[int] = set()
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.counters = {"pushes": 0, "dropped_late": 0, "steps_applied": 0, "pulls": 0,
+                         "bytes_in": 0, "bytes_out": 0}
+
+    def __repr__(self) -> str:
+        return f"ps{self.index}@{self.address[0]}:{self.address[1]}"
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> ParameterServer:
+        t = threading.Thread(target=self._accept_loop, name=f"ps{self.index}-accept",
+                             daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("parameter server %d listening on %s:%d (%s, %d workers, backup %d, %s)",
+                 self.index, *self.address, self.config.mode, self.config.workers,
+                 self.config.backup, self.config.optimizer)
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        try:
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._lsock.close()
+
+    def __enter__(self) -> ParameterServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block until every worker said BYE or died (``stats()["dead_workers"]`` says which
+        died); False if that did not happen within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._finished | set(self._dead)) < self.config.workers:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {**self.counters, "server": self.index, "shards": len(self._shards),
+                    "dead_workers": dict(self._dead),
+                    "versions": {k: s.rule.step for k, s in sorted(self._shards.items())}}
+
+    def values(self, shard: int) -> np.ndarray:
+        with self._cond:
+            return self._shards[shard].values.copy()
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._lsock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        worker = -1
+        try:
+            while True:
+                h, payload = recv_message(conn)
+                self.counters["bytes_in"] += 24 + h.nbytes
+                if h.type == MessageType.HELLO:
+                    worker = self._handle_hello(conn, h.worker, bytes(payload))
+                elif h.type == MessageType.INIT:
+                    self._handle_init(h.shard, payload)
+                elif h.type == MessageType.PUSH:
+                    self._handle_push(worker, h.shard, h.step, payload)
+                elif h.type == MessageType.PULL:
+                    self._handle_pull(conn, h.shard, h.step)
+                elif h.type == MessageType.STATS:
+                    send_message(conn, MessageType.STATS,
+                                 payload=json.dumps(self.stats()).encode())
+                elif h.type == MessageType.BYE:
+                    with self._cond:
+                        self._finished.add(worker)
+                        self._cond.notify_all()
+                    return
+                else:
+                    raise PSError(f"unexpected {h.type.name} from worker {worker}")
+        except (ConnectionError, OSError) as exc:
+            if worker >= 0 and not self._stopping:
+                log.warning("ps%d: worker %d died: %s", self.index, worker, exc)
+                with self._cond:
+                    self._dead[worker] = f"connection lost ({exc})"
+                    self._cond.notify_all()
+        except (PSError, ValueError) as exc:
+            log.warning("ps%d: worker %d: %s", self.index, worker, exc)
+            if worker >= 0:  # it is cut off: the others must not wait for it
+                with self._cond:
+                    self._dead[worker] = f"protocol error: {exc}"
+                    self._cond.notify_all()
+            try:
+                send_message(conn, MessageType.ERROR, payload=f"ps{self.index}: {exc}".encode())
+            except OSError:
+                pass
+        finally:
+            conn.close()
+
+    def _handle_hello(self, conn: socket.socket, worker: int, payload: bytes) -> int:
+        opts = json.loads(payload or b"{}")
+        if opts.get("workers", self.config.workers) != self.config.workers:
+            raise PSError(f"worker {worker} expects {opts['workers']} workers, this server "
+                          f"was started for {self.config.workers}")
+        if not 0 <= worker < self.config.workers:
+            raise PSError(f"worker id {worker} out of range 0..{self.config.workers - 1}")
+        with self._cond:
+            self._dead.pop(worker, None)
+        send_message(conn, MessageType.HELLO, worker=worker, shard=self.index,
+                     payload=json.dumps({"mode": self.config.mode}).encode())
+        return worker
+
+    def _handle_init(self, shard: int, payload: memoryview) -> None:
+        with self._cond:
+            if shard not in self._shards:  # the first INIT wins; every worker's is the same
+                values = np.frombuffer(payload, dtype=np.float32).copy()
+                self._shards[shard] = _ShardState(values, self.config)
+                self._cond.notify_all()
+
+    def _handle_push(self, worker: int, shard: int, step: int, payload: memoryview) -> None:
+        grad = np.frombuffer(payload, dtype=np.float32)
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._cond:
+            # Another worker's INIT may still be on its way (another connection): wait for it.
+            while (state := self._shards.get(shard)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    raise PSError(f"worker {worker} pushed to shard {shard}, which this server "
+                                  f"does not hold (no INIT within {self.config.timeout_s:g} s)")
+                self._cond.wait(min(left, 0.5))
+            if grad.size != state.values.size:
+                raise PSError(f"worker {worker} pushed {grad.size} elements to shard {shard} "
+                              f"of {state.values.size}")
+            self.counters["pushes"] += 1
+            decision = state.rule.offer(worker=worker, step=step, grad=grad)
+            if decision is Decision.DROPPED_LATE:
+                self.counters["dropped_late"] += 1
+            elif decision is Decision.COMPLETED:
+                total, who = state.rule.take_sum()
+                state.apply(total, len(who))
+                self.counters["steps_applied"] += 1
+                self._cond.notify_all()
+
+    def _blocked_reason(self, shard: int, version: int) -> str | None:
+        """Why shard ``shard`` can never reach ``version`` (dead workers), or None."""
+        state = self._shards.get(shard)
+        if state is None or not self._dead or not isinstance(state.rule, SyncStepRule):
+            return None
+        rule = state.rule
+        alive = [w for w in range(self.config.workers)
+                 if w not in rule.pending and w not in self._dead]
+        if len(rule.pending) + len(alive) < rule.needed:
+            dead = ", ".join(f"worker {w} ({why})" for w, why in sorted(self._dead.items()))
+            return (f"shard {shard} cannot complete step {rule.step}: {dead}; "
+                    f"{len(rule.pending)} of {rule.needed} gradients in")
+        return None
+
+    def _handle_pull(self, conn: socket.socket, shard: int, version: int) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._cond:
+            while True:
+                state = self._shards.get(shard)
+                if state is not None and state.rule.step >= version:
+                    values, current = state.values.copy(), state.rule.step
+                    break
+                reason = self._blocked_reason(shard, version)
+                if reason is not None:
+                    raise PSError(reason)
+                if self._stopping:
+                    raise PSError("server stopping")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if state is None:
+                        raise PSError(f"shard {shard} was never initialised (no INIT within "
+                                      f"{self.config.timeout_s:g} s)")
+                    rule = state.rule
+                    missing = [w for w in range(self.config.workers)
+                               if isinstance(rule, SyncStepRule) and w not in rule.pending]
+                    raise PSError(f"shard {shard} step {rule.step}: no gradient from worker(s) "
+                                  f"{missing} within {self.config.timeout_s:g} s")
+                self._cond.wait(min(left, 0.5))
+            self.counters["pulls"] += 1
+        self.counters["bytes_out"] += send_message(conn, MessageType.PARAMS, shard=shard,
+                                                   step=current, payload=values)

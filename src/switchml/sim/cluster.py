@@ -1,0 +1,154 @@
+"""A two-level tree of real endpoints (spine switch, rack switches, workers) on any network
+that offers the fabric interface (``attach``, ``flush``, ``run``, ``events``, ``now``): the
+in-memory fabric (``transport.memory.MemoryFabric``) or the simulator's exact engine
+(``sim.exact.ExactNetwork``).
+
+Example::
+
+    tree = TreeCluster(MemoryFabric(), racks=2, workers_per_rack=4, window=8,
+                       elements_per_packet=64)
+    outs = tree.allreduce([np.ones(1000, np.float32)] * 8)   # eight arrays of 8.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.errors import OperationFailed as OperationFailedError
+from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.events import Joined, JoinFailed, OperationCompleted, OperationFailed
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed, UpstreamJoined
+from switchml.protocol.worker import WorkerEndpoint
+
+__all__ = ["SPINE", "TreeCluster", "rack_address", "worker_address"]
+
+Address = tuple[str, int]
+SPINE: Address = ("spine", 48864)
+
+
+def rack_address(r: int) -> Address:
+    return (f"rack{r}", 48864)
+
+
+def worker_address(rank: int) -> Address:
+    return (f"worker{rank}", 4000 + rank)
+
+
+class TreeCluster:
+    """``racks`` rack switches of ``workers_per_rack`` workers each under one spine switch;
+    global rank ``g`` is worker ``g % workers_per_rack`` of rack ``g // workers_per_rack``.
+    Every worker quantises for all ``racks * workers_per_rack`` workers."""
+
+    def __init__(self, net: Any, *, racks: int, workers_per_rack: int, window: int = 8,
+                 elements_per_packet: int = 256, job_id: int = 7, token: int = 0x5EC12E7,
+                 worker_config: WorkerConfig | None = None,
+                 tree_config: TreeConfig | None = None,
+                 switch_config: SwitchConfig | None = None) -> None:
+        if racks < 1 or workers_per_rack < 1:
+            raise ValueError(f"racks and workers_per_rack must be >= 1, got {racks}, "
+                             f"{workers_per_rack}")
+        self.net = net
+        n = racks * workers_per_rack
+        self.num_workers = n
+        self.workers_per_rack = workers_per_rack
+        self.parent_spec = JobSpec(job_id=job_id, token=token, num_workers=racks,
+                                   window=window, elements_per_packet=elements_per_packet,
+                                   scale_workers=n)
+        self.child_spec = JobSpec(job_id=job_id, token=token, num_workers=workers_per_rack,
+                                  window=window, elements_per_packet=elements_per_packet,
+                                  scale_workers=n)
+        self.spine = SwitchDataplane(switch_config)
+        net.attach(SPINE, self.spine)
+        self.rack_addresses = [rack_address(r) for r in range(racks)]
+        self.racks = [RackAggregator(parent_spec=self.parent_spec, child_spec=self.child_spec,
+                                     rack=r, parent_address=SPINE, config=tree_config,
+                                     switch_config=switch_config)
+                      for r in range(racks)]
+        for a, rack in zip(self.rack_addresses, self.racks):
+            net.attach(a, rack)
+        self.addresses = [worker_address(g) for g in range(n)]
+        self.workers = [WorkerEndpoint(spec=self.child_spec, rank=g % workers_per_rack,
+                                       switch_address=self.rack_addresses[g // workers_per_rack],
+                                       config=worker_config)
+                        for g in range(n)]
+        for a, w in zip(self.addresses, self.workers):
+            net.attach(a, w)
+        self._joined = False
+
+    def _all_have(self, addrs: Sequence[Address], kinds: tuple[type, ...],
+                  seqs: Sequence[int | None]) -> Callable[[], bool]:
+        net = self.net
+        seen = -1
+        pending = list(zip(addrs, seqs))
+
+        def has(addr: Address, seq: int | None) -> bool:
+            return any(isinstance(ev, kinds) and (seq is None or getattr(ev, "seq", None) == seq)
+                       for ev in net.events[addr])
+
+        def until() -> bool:
+            nonlocal seen, pending
+            if net.event_count == seen:
+                return False
+            seen = net.event_count
+            self._raise_tree_failure()
+            pending = [(a, s) for a, s in pending if not has(a, s)]
+            return not pending
+
+        return until
+
+    def _raise_tree_failure(self) -> None:
+        for a in self.rack_addresses:
+            for ev in self.net.events[a]:
+                if isinstance(ev, TreeFailed):
+                    raise SwitchMLError(ev.reason)
+
+    def join(self) -> None:
+        """Join the racks upstream and the workers to their racks; raise on failure."""
+        now = self.net.now
+        for a, rack in zip(self.rack_addresses, self.racks):
+            rack.join(now)
+            self.net.flush(a)
+        for a, w in zip(self.addresses, self.workers):
+            w.join(now)
+            self.net.flush(a)
+        self.net.run(self._all_have(self.rack_addresses, (UpstreamJoined, TreeFailed),
+                                    [None] * len(self.racks)))
+        self.net.run(self._all_have(self.addresses, (Joined, JoinFailed),
+                                    [None] * len(self.addresses)))
+        for a in self.addresses:
+            for ev in self.net.events[a]:
+                if isinstance(ev, JoinFailed):
+                    raise SwitchMLError(ev.reason)
+        self._joined = True
+
+    def start(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None,
+              at: Sequence[float] | None = None) -> list[int]:
+        """Start one all-reduce on every worker (``outs`` default: in place); returns seqs."""
+        if not self._joined:
+            self.join()
+        outs = arrays if outs is None else outs
+        seqs = []
+        for a, w, x, o in zip(self.addresses, self.workers, arrays, outs):
+            seqs.append(w.start_allreduce(x, o, self.net.now))
+            self.net.flush(a)
+        return seqs
+
+    def wait(self, seqs: Sequence[int]) -> None:
+        """Run until every worker finished; raise OperationFailed (or the tree's error)."""
+        kinds = (OperationCompleted, OperationFailed)
+        self.net.run(self._all_have(self.addresses, kinds, list(seqs)))
+        for a, s in zip(self.addresses, seqs):
+            for ev in self.net.events[a]:
+                if isinstance(ev, OperationFailed) and ev.seq == s:
+                    raise OperationFailedError(ev.reason)
+
+    def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Sum the arrays (one per global rank) out of place; return each rank's result."""
+        outs = [np.empty_like(a) for a in arrays]
+        self.wait(self.start(arrays, outs))
+        return outs

@@ -1,0 +1,381 @@
+"""Exact mode: the real switch, rack-switch and worker objects on simulated links, real data.
+
+``ExactNetwork`` is a discrete-event engine with the in-memory fabric's interface (``attach``,
+``flush``, ``run``, ``events``, ``now``), so ``MemoryCluster``-style drivers and
+:class:`~switchml.sim.cluster.TreeCluster` run on it unchanged. What it adds: every pair of
+endpoints is joined by a link per direction (:class:`~switchml.sim.config.SimLink`: FIFO
+serialisation at its rate, propagation delay, tail drop at the queue limit, random loss, a
+failure time), and every endpoint has a CPU that spends ``cost_s`` per datagram received or
+sent (what it sends leaves after that work). Datagrams that reach one endpoint at the same
+instant, or while its CPU is busy, are handed over in one batch call (``receive_many``), as
+``recvmmsg`` would.
+
+One heap holds deliveries and callbacks, ``(time, sequence, ...)``: equal times keep their
+order. Timers: a second heap with lazy invalidation (each endpoint's ``get_timer()`` is re-read
+after it handled something). Cost per event: O(log events), independent of the number of
+endpoints.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.events import OperationCompleted, OperationFailed
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.tree import TreeConfig, TreeFailed
+from switchml.protocol.worker import WorkerEndpoint, WorkerState
+from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
+from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
+from switchml.sim.timing import LinkStats, SimReport
+from switchml.transport.memory import EndpointTimers, deliver_batch
+
+__all__ = ["ExactNetwork", "run_exact"]
+
+Address = tuple[str, int]
+_MAX_BATCH = 64
+
+
+class _Link:
+    """One direction of a link: FIFO at ``rate_bps``, ``delay_s``, tail drop, loss, failure."""
+
+    __slots__ = ("spec", "free", "queue_s", "rng", "fail_at", "stats", "index")
+
+    def __init__(self, spec: SimLink, rng: np.random.Generator, fail_at: float,
+                 stats: LinkStats, index: int) -> None:
+        self.spec = spec
+        self.free = 0.0
+        self.queue_s = spec.queue_bytes * 8 / spec.rate_bps
+        self.rng = rng
+        self.fail_at = fail_at
+        self.stats = stats
+        self.index = index
+
+    def send(self, t: float, udp_bytes: int) -> float | None:
+        """Queue a datagram of ``udp_bytes`` at ``t``; its arrival time, or None if lost."""
+        spec = self.spec
+        ip_bytes = udp_bytes + IP_UDP_BYTES
+        ftime = spec.frame_time_s(ip_bytes)
+        start = t if t > self.free else self.free
+        st = self.stats
+        if start - t + ftime > self.queue_s:
+            st.queue_drops += 1
+            return None
+        self.free = start + ftime
+        st.frames += 1
+        st.bytes += ip_bytes
+        st.busy_s[self.index] += ftime
+        if t >= self.fail_at:
+            st.failed_drops += 1
+            return None
+        if spec.loss_rate and self.rng.random() < spec.loss_rate:
+            st.losses += 1
+            return None
+        return self.free + spec.delay_s
+
+
+class ExactNetwork:
+    """Endpoints joined by simulated links, on a virtual clock (see the module docstring).
+
+    Example::
+
+        net = ExactNetwork(seed=1)
+        net.attach(("switch", 1), SwitchDataplane())
+        net.attach(("w0", 1), worker, cost_s=6.6e-6)
+        net.connect(("w0", 1), ("switch", 1), SimLink(rate_bps=1e9))
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.now = 0.0
+        self.seed = seed
+        self._seeds = np.random.SeedSequence(seed)
+        self.endpoints: dict[Address, Any] = {}
+        self.events: dict[Address, list[Any]] = {}
+        self.event_count = 0
+        self.cost: dict[Address, float] = {}
+        self.cpu_free: dict[Address, float] = {}
+        self.links: dict[tuple[Address, Address], _Link] = {}
+        self.stats = {"sent": 0, "delivered": 0, "unroutable": 0, "batches": 0}
+        self._heap: list[tuple[float, int, Any, Any, Any]] = []
+        self._timers = EndpointTimers()
+        self._inbox: dict[Address, list[tuple[Address, bytes]]] = {}
+        self._seq = 0
+
+    # -- building -----------------------------------------------------------------------------
+
+    def attach(self, addr: Address, endpoint: Any, *, cost_s: float = 0.0) -> None:
+        self.endpoints[addr] = endpoint
+        self.events.setdefault(addr, [])
+        self.cost[addr] = cost_s
+        self.cpu_free.setdefault(addr, 0.0)
+        self._timers.forget(addr)
+        self._timers.rearm(addr, endpoint)
+
+    def detach(self, addr: Address) -> None:
+        """Remove an endpoint (a crash): datagrams to it vanish."""
+        self.endpoints.pop(addr, None)
+        self._timers.forget(addr)
+
+    def connect(self, a: Address, b: Address, spec: SimLink, *, up: LinkStats | None = None,
+                down: LinkStats | None = None, index: int = 0,
+                fail_at: float = float("inf")) -> None:
+        """Join ``a`` and ``b`` by a link of ``spec`` each way (a -> b counted in ``up``)."""
+        rng = np.random.default_rng(self._seeds.spawn(1)[0])
+        up = up or LinkStats("link", 1, busy_s=np.zeros(1))
+        down = down or LinkStats("link", 1, busy_s=np.zeros(1))
+        self.links[a, b] = _Link(spec, rng, fail_at, up, index)
+        self.links[b, a] = _Link(spec, np.random.default_rng(self._seeds.spawn(1)[0]),
+                                 fail_at, down, index)
+
+    def call_at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at virtual time ``t`` (e.g. a straggler starting late)."""
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, None, None, fn))
+
+    # -- the fabric interface -----------------------------------------------------------------
+
+    def flush(self, addr: Address, received: int = 0) -> None:
+        """Send what ``addr`` has to send (after its CPU work), collect its events."""
+        ep = self.endpoints.get(addr)
+        if ep is None:
+            return
+        out = ep.datagrams_to_send(self.now)
+        cost = self.cost[addr]
+        depart = self.now
+        if cost:
+            # The CPU takes the received datagrams, then builds and sends one datagram after
+            # the other: the j-th output leaves after (received + j + 1) x cost.
+            depart = max(self.now, self.cpu_free[addr]) + cost * received
+            self.cpu_free[addr] = depart + cost * len(out)
+        last: object = None
+        payload = b""
+        heap = self._heap
+        links = self.links
+        for data, dst in out:
+            if data is not last:
+                payload = bytes(data)
+                last = data
+            self.stats["sent"] += 1
+            depart += cost
+            link = links.get((addr, dst))
+            if link is None:
+                self.stats["unroutable"] += 1
+                continue
+            at = link.send(depart, len(payload))
+            if at is not None:
+                self._seq += 1
+                heapq.heappush(heap, (at, self._seq, dst, addr, payload))
+        while (ev := ep.next_event()) is not None:
+            self.events[addr].append(ev)
+            self.event_count += 1
+        self._timers.rearm(addr, ep)
+
+    def _wake(self, dst: Address) -> None:
+        """Schedule ``dst`` to take its waiting datagrams when its CPU is free."""
+        self._seq += 1
+        heapq.heappush(self._heap, (self.cpu_free[dst], self._seq, dst, None, None))
+
+    def step(self) -> bool:
+        """Process the next delivery batch, callback or timer. False when nothing is left."""
+        timer = self._timers.next(self.endpoints)
+        heap = self._heap
+        if heap and (timer is None or heap[0][0] <= timer[0]):
+            at, _, dst, src, payload = heapq.heappop(heap)
+            if dst is None:  # a callback
+                self.now = max(self.now, at)
+                payload()
+                return True
+            ep = self.endpoints.get(dst)
+            if ep is None:
+                return True
+            inbox = self._inbox.get(dst)
+            if src is None:  # the host's CPU is free again: it takes what queued meanwhile
+                self.now = max(self.now, at)
+                batch = inbox[:_MAX_BATCH]
+                del inbox[:_MAX_BATCH]
+            elif self.cpu_free[dst] > at or inbox:
+                # The host is still working: the datagram waits in its socket buffer and the
+                # host takes everything waiting in one batch when it is done.
+                if inbox is None:
+                    inbox = self._inbox[dst] = []
+                if not inbox:
+                    self._wake(dst)
+                inbox.append((src, payload))
+                return True
+            else:
+                self.now = max(self.now, at)
+                batch = [(src, payload)]
+                while (heap and heap[0][0] == at and heap[0][2] == dst
+                       and len(batch) < _MAX_BATCH):
+                    _, _, _, src, payload = heapq.heappop(heap)
+                    batch.append((src, payload))
+            self.stats["delivered"] += len(batch)
+            self.stats["batches"] += 1
+            if len(batch) == 1:
+                ep.receive_datagram(batch[0][1], batch[0][0], self.now)
+            else:
+                deliver_batch(ep, batch, self.now)
+            self.flush(dst, len(batch))
+            if inbox:
+                self._wake(dst)
+            return True
+        if timer is not None:
+            t, addr = timer
+            busy = self.cpu_free[addr]
+            self.now = max(self.now, t, busy)
+            self._timers.consume(addr)
+            self.endpoints[addr].handle_timer(self.now)
+            self.flush(addr)
+            return True
+        return False
+
+    def run(self, until: Callable[[], bool], *, max_time_s: float = 3600.0) -> None:
+        """Step until ``until()``; raise SwitchMLError if the network goes idle first."""
+        while not until():
+            if not self.step():
+                raise SwitchMLError(f"network idle at t={self.now:.6f} s before the condition "
+                                    "held")
+            if self.now > max_time_s:
+                raise SwitchMLError(f"condition not reached by t={self.now:.3f} s")
+
+
+def _link_stats(config: SimConfig) -> list[LinkStats]:
+    n, racks = config.workers, config.racks
+    stats = [LinkStats("worker_up", n, busy_s=np.zeros(n)),
+             LinkStats("worker_down", n, busy_s=np.zeros(n))]
+    if racks > 1:
+        stats += [LinkStats("rack_up", racks, busy_s=np.zeros(racks)),
+                  LinkStats("spine_down", racks, busy_s=np.zeros(racks))]
+    return stats
+
+
+def _inputs(config: SimConfig, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(config.elements).astype(np.float32)
+            for _ in range(config.workers)]
+
+
+def run_exact(config: SimConfig, *, check: bool = True,
+              progress: Callable[[float, float], None] | None = None) -> SimReport:
+    """Simulate one float32 all-reduce of ``config`` with the real endpoints and real data;
+    with ``check``, compare every rank's result with the float64 sum (max abs error, and that
+    every rank holds the same bits)."""
+    c = config
+    t_wall = time.perf_counter()
+    net = ExactNetwork(seed=c.seed)
+    stats = _link_stats(c)
+    k, window = c.elements_per_packet, c.slots
+    wcfg = WorkerConfig(min_rto_s=c.min_rto_s, initial_rto_s=c.initial_rto_s,
+                        max_rto_s=c.max_rto_s, op_timeout_s=c.op_timeout_s)
+    scfg = SwitchConfig(max_window=max(256, window), max_workers=max(4096, c.workers),
+                        pool_slots=max(1024, window), nack_gap=c.nack_gap)
+    wfail = {f.index: f.at_s for f in c.failures if f.kind == "worker"}
+    rfail = {f.index: f.at_s for f in c.failures if f.kind == "rack"}
+    if c.racks == 1:
+        switch_addr = ("switch", 48864)
+        net.attach(switch_addr, SwitchDataplane(scfg))
+        spec = JobSpec(job_id=7, token=0x5EC12E7, num_workers=c.workers, window=window,
+                       elements_per_packet=k)
+        addrs = [worker_address(g) for g in range(c.workers)]
+        workers = [WorkerEndpoint(spec=spec, rank=g, switch_address=switch_addr, config=wcfg)
+                   for g in range(c.workers)]
+        uplinks = [switch_addr] * c.workers
+    else:
+        tree = TreeCluster(net, racks=c.racks, workers_per_rack=c.workers_per_rack,
+                           window=window, elements_per_packet=k, worker_config=wcfg,
+                           tree_config=TreeConfig(rto_s=c.min_rto_s, max_rto_s=c.max_rto_s,
+                                                  parent_timeout_s=c.op_timeout_s * 0.8),
+                           switch_config=scfg)
+        addrs, workers = tree.addresses, tree.workers
+        uplinks = [rack_address(g // c.workers_per_rack) for g in range(c.workers)]
+        for r in range(c.racks):
+            net.connect(rack_address(r), SPINE, c.spine_link, up=stats[2], down=stats[3],
+                        index=r, fail_at=rfail.get(r, float("inf")))
+    s = c.stragglers
+    slow = set(range(c.workers - s.count, c.workers))
+    for g, (a, w) in enumerate(zip(addrs, workers)):
+        net.attach(a, w, cost_s=c.host_cost_s * (s.slowdown if g in slow else 1.0))
+        net.connect(a, uplinks[g], c.access, up=stats[0], down=stats[1], index=g,
+                    fail_at=wfail.get(g, float("inf")))
+    # Join (not timed), then start every worker at t0 (stragglers later).
+    for a, ep in net.endpoints.items():
+        if hasattr(ep, "join") and not isinstance(ep, SwitchDataplane):
+            ep.join(net.now)
+            net.flush(a)
+    net.run(lambda: all(w.state is WorkerState.READY for w in workers), max_time_s=60.0)
+    for st in stats:  # count the operation only
+        st.frames = st.bytes = st.queue_drops = st.losses = st.failed_drops = 0
+        st.busy_s[:] = 0
+    xs = _inputs(c, c.seed)
+    outs = [np.empty_like(x) for x in xs]
+    t0 = net.now
+    seqs: dict[int, int] = {}
+
+    def starter(g: int) -> Callable[[], None]:
+        def start() -> None:
+            seqs[g] = workers[g].start_allreduce(xs[g], outs[g], net.now)
+            net.flush(addrs[g])
+        return start
+
+    for g in range(c.workers):
+        delay = s.delay_s if g in slow else 0.0
+        net.call_at(t0 + delay, starter(g))
+    done_at: dict[int, float] = {}
+    error: str | None = None
+    next_report = time.perf_counter() + 2.0
+    seen = -1
+    while len(done_at) < c.workers and error is None:
+        if not net.step():
+            error = "the network went idle before every worker finished (a bug)"
+            break
+        if net.event_count != seen:
+            seen = net.event_count
+            for g, a in enumerate(addrs):
+                if g in done_at:
+                    continue
+                for ev in net.events[a]:
+                    if isinstance(ev, OperationCompleted) and ev.seq == seqs.get(g):
+                        done_at[g] = net.now
+                    elif isinstance(ev, OperationFailed):
+                        error = f"rank {g} failed at t={net.now - t0:.6f} s: {ev.reason}"
+                net.events[a].clear()
+            for a in ([] if c.racks == 1 else [rack_address(r) for r in range(c.racks)]):
+                for ev in net.events[a]:
+                    if isinstance(ev, TreeFailed) and error is None:
+                        error = f"at t={net.now - t0:.6f} s: {ev.reason}"
+        if progress is not None and net.stats["delivered"] % 4096 == 0:
+            wall = time.perf_counter()
+            if wall >= next_report:
+                next_report = wall + 2.0
+                got = sum(w.counters["results_received"] for w in workers)
+                progress(min(1.0, got / (c.workers * (-(-c.elements // k) + window))),
+                         net.now - t0)
+    ok = error is None
+    elapsed = (max(done_at.values()) - t0) if ok else net.now - t0
+    max_err = 0.0
+    checked = 0
+    if ok and check:
+        ref = np.sum(np.stack(xs).astype(np.float64), axis=0)
+        first = outs[0]
+        for o in outs:
+            if not np.array_equal(o, first):
+                ok, error = False, "the ranks hold different results"
+            max_err = max(max_err, float(np.max(np.abs(o - ref))))
+            checked += 1
+    retx = sum(w.counters["retransmissions"] for w in workers)
+    rack_retx = 0
+    if c.racks > 1:
+        rack_retx = sum(net.endpoints[rack_address(r)].counters["upstream_retransmissions"]
+                        for r in range(c.racks))
+    return SimReport(mode="exact", config=c, elapsed_s=elapsed, elements=c.elements, ok=ok,
+                     error=error, retransmissions=retx, rack_retransmissions=rack_retx,
+                     links=stats, events=net.stats["batches"],
+                     wall_s=time.perf_counter() - t_wall, results_checked=checked,
+                     max_abs_error=max_err,
+                     extra={"datagrams_delivered": net.stats["delivered"]})

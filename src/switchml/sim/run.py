@@ -1,0 +1,179 @@
+"""Sweeps, tables, JSON and plots for ``switchml sim``, and the comparison with testbed runs.
+
+``switchml sim`` builds one :class:`~switchml.sim.config.SimConfig` per combination of
+``--workers`` and ``--loss`` and runs each in timing or exact mode; this module does
+everything after argparse.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from switchml.protocol.errors import ConfigError
+from switchml.sim.config import LinkFailure, SimConfig, SimLink
+from switchml.sim.exact import run_exact
+from switchml.sim.timing import SimReport, run_timing
+
+__all__ = ["compare_with_testbed", "format_table", "parse_failure", "plot_reports",
+           "run_config", "write_json"]
+
+
+def parse_failure(text: str) -> LinkFailure:
+    """``worker:3@0.05`` (worker 3's link fails at t = 0.05 s) or ``rack:1@0.1``."""
+    kind, sep, rest = text.partition(":")
+    index, sep2, at = rest.partition("@")
+    if not sep or not sep2 or not index.isdigit():
+        raise ConfigError(f"expected KIND:INDEX@SECONDS (e.g. worker:3@0.05), got {text!r}")
+    try:
+        at_s = float(at)
+    except ValueError as exc:
+        raise ConfigError(f"bad failure time in {text!r}: {at!r}") from exc
+    return LinkFailure(kind, int(index), at_s)
+
+
+def run_config(config: SimConfig, mode: str, *, verbose: bool = True) -> SimReport:
+    """Run one configuration in ``mode`` (``timing`` or ``exact``), with progress on stderr."""
+    if mode not in ("timing", "exact"):
+        raise ConfigError(f"mode must be 'timing' or 'exact', got {mode!r}")
+    label = (f"n={config.workers} racks={config.racks} size={config.size_bytes} "
+             f"loss={config.access.loss_rate:g}")
+
+    def progress(fraction: float, t: float) -> None:
+        if verbose:
+            print(f"  [{mode} {label}] {fraction:6.1%} of results, virtual t={t:.4f} s",
+                  file=sys.stderr, flush=True)
+
+    run = run_timing if mode == "timing" else run_exact
+    return run(config, progress=progress)
+
+
+def format_table(reports: Iterable[SimReport]) -> str:
+    """A plain-text table: one row per run."""
+    head = (f"{'mode':6} {'n':>5} {'racks':>5} {'size':>10} {'loss':>7} {'ATE/s':>10} "
+            f"{'of B/32':>7} {'ring bound':>10} {'up util':>7} {'retx':>7} {'rack retx':>9} "
+            f"{'q drops':>7} {'elapsed s':>10} {'wall s':>7}  status")
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        c = r.config
+        util = r.links[0].utilisation(r.elapsed_s)["mean"] if r.links else 0.0
+        drops = sum(s.queue_drops for s in r.links)
+        status = "ok" if r.ok else f"FAILED: {r.error}"
+        if r.ok and r.mode == "exact":
+            status += f" (max |error| {r.max_abs_error:.2e}, {r.results_checked} ranks checked)"
+        lines.append(
+            f"{r.mode:6} {c.workers:5d} {c.racks:5d} {c.size_bytes:10d} "
+            f"{c.access.loss_rate:7.4f} {r.ate_per_s:10.3e} {r.fraction_of_line_rate:7.1%} "
+            f"{c.ring_bound_ate:10.3e} {util:7.1%} {r.retransmissions:7d} "
+            f"{r.rack_retransmissions:9d} {drops:7d} {r.elapsed_s:10.4f} {r.wall_s:7.1f}  "
+            f"{status}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, reports: list[SimReport], *, command: str = "",
+               extra: dict[str, Any] | None = None) -> None:
+    doc = {"benchmark": "sim", "command": command, "machine": {
+        "python": platform.python_version(), "uname": " ".join(platform.uname()[:3])},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "results": [r.as_dict() for r in reports], **(extra or {})}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def plot_reports(path: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Draw ATE/s against n (with B/32 and the ring bound) when the rows vary n, and against
+    loss when they vary loss; one PNG per view (``path`` with ``-vs-n``/``-vs-loss`` inserted
+    when both exist). Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["ok"]]
+    ns = sorted({r["workers"] for r in ok})
+    losses = sorted({r["loss_rate"] for r in ok})
+    views = []
+    if len(ns) > 1:
+        views.append("n")
+    if len(losses) > 1:
+        views.append("loss")
+    if not views:
+        views = ["n"]
+    written = []
+    for view in views:
+        out = path if len(views) == 1 else path.replace(".png", f"-vs-{view}.png")
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if view == "n":
+            for loss in losses:
+                pts = sorted((r["workers"], r["ate_per_s"]) for r in ok
+                             if r["loss_rate"] == loss)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+                        label=f"switchml, simulated (loss {loss:g})")
+            rate = ok[0]["rate_bps"] if ok else 1e9
+            xs = [n for n in ns]
+            ax.plot(xs, [rate / 32] * len(xs), "k--", label="in-network bound B/32")
+            ax.plot(xs, [rate / 32 / (2 * (n - 1) / n) if n > 1 else rate / 32 for n in xs],
+                    "k:", label="ring bound B/32 / (2(n-1)/n)")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("workers n")
+        else:
+            for n in ns:
+                pts = sorted((r["loss_rate"], r["ate_per_s"]) for r in ok if r["workers"] == n)
+                ax.plot([max(p[0], 1e-5) for p in pts], [p[1] for p in pts], "o-",
+                        label=f"switchml, simulated, n={n}")
+            rate = ok[0]["rate_bps"] if ok else 1e9
+            ax.axhline(rate / 32, color="k", linestyle="--", label="in-network bound B/32")
+            ax.set_xscale("log")
+            ax.set_xlabel("loss rate per link (0 drawn at 1e-5)")
+        ax.set_ylabel("ATE/s per worker")
+        ax.set_ylim(bottom=0)
+        first = ok[0] if ok else {}
+        ax.set_title(f"switchml sim: {first.get('size_bytes', 0) / 2**20:g} MiB, "
+                     f"{first.get('rate_bps', 0) / 1e6:g} Mbit/s, MTU {first.get('mtu', '')}",
+                     fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
+                         run: Callable[[SimConfig, str], SimReport] | None = None
+                         ) -> list[dict[str, Any]]:
+    """Simulate every loss-free switchml row of testbed JSON files (``bench allreduce
+    --testbed``) with the same n, rate, MTU and size (other settings from ``base``), and
+    return ``{testbed row, simulated ATE/s, ratio}`` rows."""
+    run = run or (lambda cfg, m: run_config(cfg, m, verbose=False))
+    out = []
+    for p in paths:
+        with open(p) as f:
+            rows = json.load(f)["results"]
+        for row in rows:
+            if row.get("system") != "switchml" or row.get("loss_rate", 0) or \
+                    row.get("bits", 32) != 32:
+                continue
+            cfg = replace(base, workers=row["workers"], size_bytes=row["size_bytes"],
+                          mtu=row.get("mtu") or 1500,
+                          access=replace(base.access, rate_bps=row["rate_bps"]))
+            rep = run(cfg, mode)
+            out.append({"file": p, "workers": row["workers"], "rate_bps": row["rate_bps"],
+                        "mtu": cfg.mtu, "size_bytes": row["size_bytes"],
+                        "testbed_ate_per_s": row["ate_per_s"],
+                        "sim_ate_per_s": rep.ate_per_s,
+                        "ratio": rep.ate_per_s / row["ate_per_s"] if row["ate_per_s"] else 0.0,
+                        "sim": rep.as_dict()})
+    return out
+
+
+def access_link(rate_mbit: float, *, delay_us: float, queue_ms: float,
+                loss: float) -> SimLink:
+    rate = rate_mbit * 1e6
+    return SimLink(rate_bps=rate, delay_s=delay_us * 1e-6,
+                   queue_bytes=max(1, int(rate * queue_ms * 1e-3 / 8)), loss_rate=loss)

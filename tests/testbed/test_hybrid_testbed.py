@@ -1,0 +1,32 @@
+"""Hybrid training over the testbed (root): bytes on the link as the cost model predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchml.testbed import TestbedError, check_environment
+
+try:
+    check_environment()
+    SKIP = None
+except TestbedError as exc:
+    SKIP = str(exc)
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hybrid_moves_the_predicted_bytes_and_trains_like_ddp():
+    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
+    rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("mlp",),
+                                              systems=("switchml", "hybrid"), trace=True))
+    by = {r["system"]: r for r in rows}
+    for r in rows:
+        # link counters against the cost model with per-packet headers (TCP acks uncounted)
+        assert 0.9 < r["measured_over_predicted"] < 1.15, r["measured_over_predicted"]
+        assert any(e.get("tid") == 1 and e["ph"] == "X" for e in r["trace_events"])
+    assert by["switchml"]["bytes_per_step_measured"] > 20 * by["hybrid"]["bytes_per_step_measured"]
+    assert any("-> sfb" in d for d in by["hybrid"]["decisions"])
+    a, b = by["switchml"]["losses"], by["hybrid"]["losses"]
+    assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
