@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "namespace per worker, a router in the middle with the switch behind it, links shaped "
         "with tc tbf both ways")
     tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
+    tbg.add_argument("--nack-gap", type=int, default=4,
+                     help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
+                          "the two in one session) (default 4)")
     tbg.add_argument("--fast-retransmit", action="store_true",
                      help="switchml workers re-send a chunk as soon as a later chunk's result "
                           "arrives (RACK) instead of at its timeout (off by default: it did "
@@ -846,7 +849,7 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         iters=args.iters, warmup=args.warmup,
         systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
-        fast_retransmit=args.fast_retransmit, bits=args.bits)
+        fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(

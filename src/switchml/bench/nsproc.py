@@ -41,14 +41,15 @@ def _timed(allreduce: Any, x: np.ndarray, warmup: int, iters: int) -> dict[str, 
 def switch(a: dict[str, Any]) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
-    server = SwitchServer(host="0.0.0.0", port=a["port"], config=SwitchConfig())
+    server = SwitchServer(host="0.0.0.0", port=a["port"],
+                          config=SwitchConfig(nack_gap=a.get("nack_gap", 4)))
     server.start()
     c0 = _cpu()
     print("ready", flush=True)
     sys.stdin.read()
     stats = server.stats()
     server.stop()
-    _emit({"cpu_s": _cpu() - c0, "drops": stats["drops"],
+    _emit({"cpu_s": _cpu() - c0, "drops": stats["drops"], "nacks_sent": stats["nacks_sent"],
            "results_resent": stats["results_resent"], "packets_in": stats["packets_in"],
            "packets_out": stats["packets_out"], "recv_calls": stats["recv_calls"],
            "send_calls": stats["send_calls"]})
@@ -73,6 +74,8 @@ def switchml(a: dict[str, Any]) -> None:
         r["fast_retransmissions"] = c.get("fast_retransmissions", 0)
         r["system_calls"] = {k: c.get(k, 0) for k in ("packets_sent", "results_received",
                                                        "send_calls", "recv_calls")}
+        r["recovery"] = {k: c.get(k, 0) for k in ("nack_retransmissions", "nacks_ignored",
+                                                   "waiting_received", "retransmissions")}
     _emit(r)
 
 

@@ -56,6 +56,8 @@ class TestbedBenchConfig:
     """switchml workers re-send a chunk when a later one's result arrives (RACK)."""
     bits: int = 32
     """Wire width of switchml's floats: 32, or 16 (half the bytes on the wire)."""
+    nack_gap: int = 4
+    """The switch's NACK gap (``SwitchConfig.nack_gap``); 0: recovery by timeouts only."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -143,6 +145,9 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         extra["max_abs_error"] = max(r["max_abs_error"] for r in rows)
         extra["retransmissions"] = sum(r["retransmissions"] for r in rows)
         extra["fast_retransmissions"] = sum(r.get("fast_retransmissions", 0) for r in rows)
+        extra["recovery"] = {k: sum(r.get("recovery", {}).get(k, 0) for r in rows)
+                             for k in ("nack_retransmissions", "nacks_ignored",
+                                       "waiting_received")}
         calls = [r.get("system_calls", {}) for r in rows]
         extra["worker_datagrams_per_recv_call"] = round(
             sum(c.get("results_received", 0) for c in calls)
@@ -182,9 +187,10 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
     }
 
 
-def _start_switch(tb: Testbed) -> subprocess.Popen[str]:
+def _start_switch(tb: Testbed, nack_gap: int = 4) -> subprocess.Popen[str]:
     """Start the software switch in the switch namespace; it stops when its stdin closes."""
-    switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT}),
+    switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT,
+                                                       "nack_gap": nack_gap}),
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if _read_line(switch, 60).strip() != "ready":
         raise TestbedError("the switch did not start in its namespace")
@@ -216,7 +222,7 @@ def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
-        switch = _start_switch(tb)
+        switch = _start_switch(tb, cfg.nack_gap)
         for size in cfg.sizes_bytes:
             for system in cfg.systems:
                 if progress is not None:
