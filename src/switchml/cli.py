@@ -125,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "(metrics on METRICS_PORT+i): workers stripe every job's lanes over "
                          "them (give them all: SWITCHML_SWITCH=h:p,h:p+1,...), so one job uses "
                          "every shard's core (default 1)")
+    sw.add_argument("--upstream", type=_address, default=None, metavar="HOST:PORT",
+                    help="run as the rack switch of a hierarchical job: aggregate this rack's "
+                         "workers and send every partial sum to the parent (spine) switch at "
+                         "HOST:PORT as one worker of its job; needs --rack and --job")
+    sw.add_argument("--rack", type=_shard, default=None, metavar="I/R",
+                    help="with --upstream: this is rack I of R equal racks")
+    sw.add_argument("--job", default=None, metavar="SPEC",
+                    help="with --upstream: the job of all the tree's workers "
+                         "(switchml.control.encode_job_spec); the rack prints the spec its "
+                         "own workers join with")
     sw.add_argument("--shard", type=_shard, default=None, metavar="I/S",
                     help="run shard I of a switch sharded over S processes or hosts (each "
                          "shard started by hand, e.g. one per host)")
@@ -206,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         "namespace per worker, a router in the middle with the switch behind it, links shaped "
         "with tc tbf both ways")
     tbg.add_argument("--testbed", action="store_true", help="use the emulated network")
+    tbg.add_argument("--racks", type=int, default=1,
+                     help="hierarchical aggregation: RACKS racks of -n workers each, every rack "
+                          "switch under a spine switch, against one rack alone (switchml only; "
+                          "default 1: a flat star)")
     tbg.add_argument("--nack-gap", type=int, default=4,
                      help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
                           "the two in one session) (default 4)")
@@ -513,11 +527,31 @@ def _run_switch(args: argparse.Namespace) -> int:
             raise ValueError("give --shards (run them all here) or --shard I/S (one), not both")
         return _run_sharded_switch(args, shards)
     shard_index, shard_count = args.shard or (0, 1)
+    rack = None
+    if args.upstream is not None:
+        import socket
+
+        from switchml.control import decode_job_spec, encode_job_spec
+        from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
+        if args.rack is None or args.job is None:
+            raise ValueError("--upstream needs --rack I/R and --job SPEC")
+        parent, child = tree_specs(decode_job_spec(args.job), args.rack[1])
+        rack = RackAggregator(parent_spec=parent, child_spec=child, rack=args.rack[0],
+                              parent_address=(socket.gethostbyname(args.upstream[0]),
+                                              args.upstream[1]),
+                              config=TreeConfig(secret=secret),
+                              switch_config=SwitchConfig(
+                                  pool_slots=args.pool_slots,
+                                  lease_timeout_s=args.lease_timeout_s, secret=secret,
+                                  nack_gap=args.nack_gap))
+        print(f"rack {args.rack[0]} of {args.rack[1]}: its workers join with "
+              f"SWITCHML_JOB={encode_job_spec(child)} (rank = global rank mod "
+              f"{child.num_workers})", flush=True)
     server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
         pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
         nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
         **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
-        batching=not args.no_batching)
+        batching=not args.no_batching, dataplane=rack)
     if args.metrics_port:
         from switchml.control.metrics import start_exporter
         try:
@@ -534,6 +568,8 @@ def _run_switch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     server.start()
+    if rack is not None:
+        server.run_command(rack.join)  # join the parent job upstream
     shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
     print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}{shard}",
           flush=True)
@@ -852,8 +888,13 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap)
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
-        rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
-            f"measuring {what}"))
+        if args.racks > 1:
+            from switchml.bench.testbed import run_testbed_tree
+            rows = run_testbed_tree(cfg, args.racks, progress=lambda what: status.update(
+                f"measuring {what}"))
+        else:
+            rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
+                f"measuring {what}"))
     n = cfg.workers
     table = Table(title=f"all-reduce over the testbed: {n} workers, {args.rate_mbit:g} Mbit/s "
                         f"links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per worker)")

@@ -216,6 +216,96 @@ def _topology(workers: int, rate_bps: float, loss_rate: float, mtu: int) -> Topo
                                                    mtu=mtu))
 
 
+def _tree_row(cfg: TestbedBenchConfig, system: str, n: int, size: int,
+              rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    numel = size // 4
+    elapsed = max(r["elapsed_s"] for r in rows)
+    ate = numel * cfg.iters / elapsed
+    line = cfg.rate_bps / 32
+    return {"system": system, "workers": n, "size_bytes": size, "numel": numel,
+            "rate_bps": cfg.rate_bps, "loss_rate": 0.0, "mtu": cfg.mtu, "iters": cfg.iters,
+            "elapsed_s": elapsed, "ate_per_s": ate, "bound_line_ate": line,
+            "bound_ring_ate": line / (2 * (n - 1) / n) if n > 1 else line,
+            "bound_ps_ate": line / n, "fraction_of_line_rate": ate / line,
+            "max_abs_error": max(r["max_abs_error"] for r in rows),
+            "retransmissions": sum(r["retransmissions"] for r in rows),
+            "cpu_percent": [100 * r["cpu_s"] / r["elapsed_s"] for r in rows], **extra}
+
+
+def run_testbed_tree(cfg: TestbedBenchConfig, racks: int, progress: Any = None
+                     ) -> list[dict[str, Any]]:
+    """Hierarchical aggregation on the testbed: ``racks`` racks of ``cfg.workers`` workers, each
+    rack a star around its router (in which its rack switch runs), the racks' routers joined
+    to a spine router (in which the spine switch runs) by links of the same rate. Per size: the
+    tree (``switchml-tree``: every worker of every rack) and, as the baseline, rack 0's workers
+    alone on a plain switch in their rack's router (``switchml-rack``: one rack's line rate)."""
+    from switchml.control import encode_job_spec, new_job_spec
+    from switchml.protocol.tree import tree_specs
+    from switchml.testbed import GeoTestbed, GeoTopology
+    per = cfg.workers
+    link = LinkSpec(bandwidth_bps=cfg.rate_bps, mtu=cfg.mtu)
+    geo = GeoTopology(dcs=(per,) * racks, lan=link, wan=link)
+    rack_port = SWITCH_PORT + 1
+    out: list[dict[str, Any]] = []
+    pipe: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with GeoTestbed(geo) as tb:
+        spine = tb.popen(tb.router_ns, _nsproc("switch", {"port": SWITCH_PORT}),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if _read_line(spine, 60).strip() != "ready":
+            raise TestbedError("the spine switch did not start")
+        for size in cfg.sizes_bytes:
+            common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
+            # The tree: one rack switch per rack (a fresh one per job), every worker.
+            if progress is not None:
+                progress(f"tree of {racks} racks x {per}, {size} B")
+            spec = new_job_spec(per * racks, window=cfg.window,
+                                elements_per_packet=cfg.elements_per_packet)
+            child = encode_job_spec(tree_specs(spec, racks)[1])
+            rack_procs = []
+            for j in range(racks):
+                p = tb.popen(tb.dc_ns(j), _nsproc("rack", {
+                    "port": rack_port, "upstream": geo.wan_core_ip(j),
+                    "upstream_port": SWITCH_PORT, "rack": j, "racks": racks,
+                    "spec": encode_job_spec(spec)}), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True)
+                if _read_line(p, 60).strip() != "ready":
+                    raise TestbedError(f"rack switch {j} did not start")
+                rack_procs.append(p)
+            expect = racks * per * (per + 1) / 2
+            procs = [tb.popen(tb.worker_ns(i), _nsproc("switchml", {
+                **common, "spec": child, "rank": i - geo.first_workers[geo.dc_of(i)],
+                "switch": geo.gateway_ip(i), "port": rack_port, "expect": expect}), **pipe)
+                for i in range(geo.workers)]
+            rows = _wait_all(procs, cfg.timeout_s)
+            for p in rack_procs:
+                assert p.stdin is not None
+                p.stdin.close()
+            trees = [json.loads(_read_line(p, 60) or "{}") for p in rack_procs]
+            out.append(_tree_row(cfg, "switchml-tree", geo.workers, size, rows, racks=racks,
+                                 rack_switches=trees))
+            # The baseline: rack 0's workers alone, on a plain switch in their rack's router.
+            if progress is not None:
+                progress(f"one rack of {per}, {size} B")
+            flat = tb.popen(tb.dc_ns(0), _nsproc("switch", {"port": rack_port}),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if _read_line(flat, 60).strip() != "ready":
+                raise TestbedError("the rack's switch did not start")
+            spec1 = encode_job_spec(new_job_spec(per, window=cfg.window,
+                                                 elements_per_packet=cfg.elements_per_packet))
+            procs = [tb.popen(tb.worker_ns(i), _nsproc("switchml", {
+                **common, "spec": spec1, "rank": i, "switch": geo.gateway_ip(i),
+                "port": rack_port}), **pipe) for i in range(per)]
+            rows = _wait_all(procs, cfg.timeout_s)
+            assert flat.stdin is not None
+            flat.stdin.close()
+            _read_line(flat, 60)
+            out.append(_tree_row(cfg, "switchml-rack", per, size, rows, racks=1))
+        assert spine.stdin is not None
+        spine.stdin.close()
+        _read_line(spine, 60)
+    return out
+
+
 def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
                           ) -> list[dict[str, Any]]:
     """Build the testbed, run every (size, system), tear it down; return the rows."""

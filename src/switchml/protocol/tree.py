@@ -102,6 +102,20 @@ class TreeConfig:
             raise ConfigError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
 
 
+def tree_specs(spec: JobSpec, racks: int) -> tuple[JobSpec, JobSpec]:
+    """The parent (spine) and child (rack) jobs of a tree of ``racks`` equal racks for the job
+    ``spec`` of all its workers: the parent's ranks are the racks, a rack's ranks are its
+    ``spec.num_workers // racks`` workers (global rank g is local rank ``g % that`` of rack
+    ``g // that``), both quantise for every worker of the tree."""
+    if racks < 1 or spec.num_workers % racks:
+        raise ConfigError(f"{spec.num_workers} workers do not split into {racks} equal racks")
+    n = spec.num_workers
+    common = {"job_id": spec.job_id, "token": spec.token, "window": spec.window,
+              "elements_per_packet": spec.elements_per_packet, "scale_workers": n}
+    return (JobSpec(num_workers=racks, **common),  # type: ignore[arg-type]
+            JobSpec(num_workers=n // racks, **common))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamJoined:
     """Rack switch: the parent switch granted the parent job (its slot base)."""
@@ -273,6 +287,28 @@ class RackAggregator:
         out = self._out
         self._out = []
         return out
+
+    def output_runs(self, now: float
+                    ) -> tuple[list[tuple[bytes | memoryview, Address]], dict[Address, list]]:
+        """``SwitchDataplane.output_runs``'s contract, so that a UDP switch server can host a
+        rack: everything comes as replies in order (no per-destination runs)."""
+        return self.datagrams_to_send(now), {}
+
+    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
+                      now: float) -> None:
+        """A GRO buffer of one sender (``SwitchDataplane.receive_batch``'s contract)."""
+        if addr == self.parent_address:
+            view = memoryview(buf)
+            for o in range(0, nbytes, max(seg, 1)):
+                self._from_parent(view[o:min(o + seg, nbytes)], now)
+            return
+        self.switch.receive_batch(buf, nbytes, seg, addr, now)
+        self._collect(now)
+
+    @property
+    def allocator(self):  # noqa: ANN201 - the inner switch's SlotAllocator
+        """The inner switch's slot pool (what a server reports)."""
+        return self.switch.allocator
 
     def next_event(self) -> Event | UpstreamJoined | TreeFailed | None:
         """The inner switch's events (JobCreated, MemberJoined, ...) and the tree's."""

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from switchml.protocol.events import (
 )
 from switchml.protocol.events import OperationFailed as OperationFailedEvent
 from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.tree import TreeFailed, UpstreamJoined
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
 from switchml.protocol.worker import format_address as _fmt
@@ -128,8 +130,13 @@ class SwitchServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  config: SwitchConfig | None = None,
-                 rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True) -> None:
-        self.dataplane = SwitchDataplane(config)
+                 rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True,
+                 dataplane: Any = None) -> None:
+        # ``dataplane``: another endpoint with the switch's contract to serve instead, e.g. a
+        # rack switch of a tree (``protocol.tree.RackAggregator``, ``switchml switch
+        # --upstream``); its inner switch's config is the one reported.
+        self.dataplane = dataplane if dataplane is not None else SwitchDataplane(config)
+        self._switch_config = getattr(self.dataplane, "switch", self.dataplane).config
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.bind((host, port))
@@ -159,9 +166,9 @@ class SwitchServer:
         """Serve until :meth:`stop`. Never raises for anything a peer sends."""
         log.info("switch listening on udp %s (rcvbuf %d B, sndbuf %d B, pool %d slots, lease "
                  "%g s, job creation %s, GSO %s, receive %s)", _fmt(self.address), self.rcvbuf,
-                 self.sndbuf, self.dataplane.config.pool_slots,
-                 self.dataplane.config.lease_timeout_s,
-                 "needs the secret" if self.dataplane.config.secret else "open",
+                 self.sndbuf, self._switch_config.pool_slots,
+                 self._switch_config.lease_timeout_s,
+                 "needs the secret" if self._switch_config.secret else "open",
                  "on" if self._sender.gso else "off",
                  ("recvmmsg" + (" + GRO" if self.gro else "")) if self._rx
                  else ("GRO" if self.gro else "one datagram per call"))
@@ -250,6 +257,10 @@ class SwitchServer:
             kind = "job_expired" if "lease" in ev.reason else "job_finished"
             log.info("event=%s job=%d reason=%r free_slots=%d", kind, ev.job_id, ev.reason,
                      self.dataplane.allocator.free_slots)
+        elif isinstance(ev, TreeFailed):
+            log.error("event=tree_failed rack=%d reason=%r", ev.rack, ev.reason)
+        elif isinstance(ev, UpstreamJoined):
+            log.info("event=upstream_joined rack=%d slot_base=%d", ev.rack, ev.slot_base)
         elif isinstance(ev, JobRefused):
             # Anyone can send JOINs: at most 10 refusal lines per 10 s, then a count.
             now = time.monotonic()
@@ -265,6 +276,12 @@ class SwitchServer:
                             ev.rank, _fmt(ev.address), ev.reason)
             else:
                 self._refusals_suppressed += 1
+
+    def run_command(self, command: Callable[..., None], *args: Any) -> None:
+        """Run ``command(*args, now)`` on the dataplane (e.g. a rack's ``join``) and send what
+        it released, under the dataplane's lock."""
+        now = time.monotonic()
+        self._process(command, (*args, now), now, command.__name__)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
