@@ -679,7 +679,12 @@ def _run_ps(args: argparse.Namespace) -> int:
                 break
         print(json.dumps(server.stats()), flush=True)
         server.stop()
-        return 0
+        # Exit without interpreter finalisation: about half the time, tearing down torch's
+        # native threads after serving made the process abort at exit ("terminate called
+        # without an active exception", status -6) although everything had finished.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(0)
     cfg2 = PSRunConfig(servers=args.servers, workers=args.workers, backup=args.backup,
                        mode=args.mode, steps=args.steps, batch=args.batch, lr=args.lr,
                        momentum=args.momentum, optimizer=args.optimizer, seed=args.seed,

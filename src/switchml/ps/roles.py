@@ -36,8 +36,13 @@ class PSRole:
     """A server's counters once its workers are done (``dropped_late`` among them)."""
 
     def close(self) -> None:
+        """Leave the job's process group, all ranks together: a rank that tears gloo down
+        while others still hold their connections to it aborted at exit ("terminate called
+        without an active exception"), so every rank (servers once their workers are done,
+        workers after training) waits at a barrier first."""
         import torch.distributed as dist
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 

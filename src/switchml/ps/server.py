@@ -116,6 +116,7 @@ class ParameterServer:
         self._dead: dict[int, str] = {}
         self._finished: set[int] = set()
         self._stopping = False
+        self._conns: list[tuple[socket.socket, threading.Thread]] = []
         self._threads: list[threading.Thread] = []
         self.counters = {"pushes": 0, "dropped_late": 0, "steps_applied": 0, "pulls": 0,
                          "bytes_in": 0, "bytes_out": 0}
@@ -144,6 +145,19 @@ class ParameterServer:
         except OSError:
             pass
         self._lsock.close()
+        # End the connection threads too: a daemon thread still inside torch when the
+        # interpreter exits made the process abort ("terminate called without an active
+        # exception", exit status -6).
+        with self._cond:
+            conns, self._conns = self._conns, []
+        for conn, _t in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _conn, t in conns:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
 
     def __enter__(self) -> ParameterServer:
         return self.start()
@@ -183,6 +197,8 @@ class ParameterServer:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self._cond:
+                self._conns.append((conn, t))
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
