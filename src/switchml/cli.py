@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -439,6 +440,21 @@ def _add_ps_geo_parsers(sub: argparse._SubParsersAction, bsub: argparse._SubPars
 _SIGNAL_POLL_S = 0.5
 
 
+def _stop_on_signals(what: str) -> threading.Event:
+    """An event that SIGINT and SIGTERM set (logging ``what``). Foreground commands wait on it
+    in short slices: a signal delivered to another thread only runs its Python handler when the
+    main thread executes bytecode."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received, %s", signal.Signals(signum).name, what)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    return stop
+
+
 def _shard_argv(args: argparse.Namespace, i: int, shards: int) -> list[str]:
     """The command line of shard ``i`` of ``shards`` (``switchml switch --shards``)."""
     argv = [sys.executable, "-m", "switchml", "--log-level", args.log_level, "switch",
@@ -462,7 +478,6 @@ def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
     """Run ``shards`` switch processes and watch them: a shard that dies stops the others and
     the command fails naming it (its workers fail within their timeout, naming it too)."""
     import subprocess
-    import threading
 
     if args.port == 0:
         raise ValueError("--shards needs a fixed --port (shard i listens on PORT+i)")
@@ -471,14 +486,7 @@ def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
     addrs = ",".join(f"{args.host}:{args.port + i}" for i in range(shards))
     print(f"switchml switch: {shards} shards on udp {addrs} (workers: SWITCHML_SWITCH={addrs})",
           flush=True)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        log.info("%s received, stopping the shards", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop = _stop_on_signals("stopping the shards")
     failed = None
     while not stop.wait(_SIGNAL_POLL_S):
         for i, p in enumerate(procs):
@@ -559,14 +567,7 @@ def _run_switch(args: argparse.Namespace) -> int:
             log.info("metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
         except OSError as exc:
             log.warning("metrics endpoint not started on port %d: %s", args.metrics_port, exc)
-    stop = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        log.info("%s received, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    stop = _stop_on_signals("stopping")
     server.start()
     if rack is not None:
         server.run_command(rack.join)  # join the parent job upstream
@@ -593,7 +594,6 @@ def _run_switch(args: argparse.Namespace) -> int:
 
 
 def _run_testbed(args: argparse.Namespace) -> int:
-    import threading
 
     from switchml.testbed import LinkSpec, Testbed, Topology, check_environment, cleanup_stale
 
@@ -607,9 +607,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
         return _run_geo_testbed(args)
     link = LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 if args.rate_mbit else None,
                     loss_rate=args.loss, mtu=args.mtu)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = _stop_on_signals("stopping")
     with Testbed(Topology(workers=args.workers, link=link)) as bed:
         topo = bed.topology
         print(f"testbed {bed.prefix} is up: {args.workers} workers, {link}")
@@ -631,7 +629,6 @@ def _run_testbed(args: argparse.Namespace) -> int:
 
 
 def _run_geo_testbed(args: argparse.Namespace) -> int:
-    import threading
 
     from switchml.gaia.rules import parse_dc_layout
     from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
@@ -639,9 +636,7 @@ def _run_geo_testbed(args: argparse.Namespace) -> int:
     topo = GeoTopology(dcs=sizes, lan=LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 or None,
                                                mtu=args.mtu),
                        wan=LinkSpec(bandwidth_bps=args.wan_mbit * 1e6, mtu=args.mtu))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = _stop_on_signals("stopping")
     with GeoTestbed(topo) as bed:
         print(f"geo testbed {bed.prefix} is up: data centres {sizes}, LAN {topo.lan}, "
               f"WAN {topo.wan} (no propagation delay: no netem)")
@@ -661,7 +656,6 @@ def _run_geo_testbed(args: argparse.Namespace) -> int:
 
 def _run_ps(args: argparse.Namespace) -> int:
     import json
-    import threading
 
     from switchml.ps.launch import PSRunConfig, run_ps_training
     from switchml.ps.server import ParameterServer, ServerConfig
@@ -671,9 +665,7 @@ def _run_ps(args: argparse.Namespace) -> int:
         server = ParameterServer(args.index, cfg, host=args.host, port=args.port).start()
         print(f"parameter server ps{args.index} listening on {server.address[0]}:"
               f"{server.address[1]}", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop = _stop_on_signals("stopping")
         while not stop.wait(_SIGNAL_POLL_S):
             if args.exit_when_done and server.wait_finished(0.01):
                 break
