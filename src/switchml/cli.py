@@ -512,8 +512,6 @@ def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
 
 
 def _run_switch(args: argparse.Namespace) -> int:
-    import threading
-
     from switchml.protocol.config import SwitchConfig
     from switchml.protocol.wire import elements_for_mtu
     from switchml.transport.udp import SwitchServer
