@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import textwrap
 
-import pytest
+from testbed_helpers import ROOT, namespaces, py
 
-from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec, TestbedError, check_environment
+from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
 
-try:
-    check_environment()
-    SKIP = None
-except TestbedError as exc:
-    SKIP = str(exc)
-
-pytestmark = [pytest.mark.root, pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")]
-
-
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code)]
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+pytestmark = ROOT
 
 
 def _rate(tb: GeoTestbed, src: int, dst: int, seconds: float = 1.5) -> tuple[float, int]:
-    sink = tb.popen(tb.worker_ns(dst), _py("""
+    sink = tb.popen(tb.worker_ns(dst), py("""
         import socket, time, json
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", 5202)); s.listen(1); print("ready", flush=True)
@@ -44,7 +27,7 @@ def _rate(tb: GeoTestbed, src: int, dst: int, seconds: float = 1.5) -> tuple[flo
         print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
     """), stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
-    tb.run(tb.worker_ns(src), _py(f"""
+    tb.run(tb.worker_ns(src), py(f"""
         import socket, time
         c = socket.create_connection(("{tb.geo.worker_ip(dst)}", 5202))
         data = bytes(1 << 16); end = time.perf_counter() + {seconds}
@@ -69,7 +52,7 @@ def test_wan_between_data_centres_lan_inside_and_wan_bytes_counted():
         assert 0.85 * wan <= across <= 1.1 * wan, across
         assert 0.85 * lan <= inside <= 1.1 * lan, inside
         assert tb.wan_bytes() - w0 >= sent  # every payload byte crossed the WAN (plus headers)
-    assert not (created & _namespaces())  # torn down
+    assert not (created & namespaces())  # torn down
 
 
 def test_a_killed_geo_testbed_is_cleaned_up_with_its_data_centre_routers():
@@ -77,7 +60,7 @@ def test_a_killed_geo_testbed_is_cleaned_up_with_its_data_centre_routers():
 
     from switchml.testbed import cleanup_stale
 
-    owner = subprocess.Popen(_py("""
+    owner = subprocess.Popen(py("""
         import time
         from switchml.testbed import GeoTestbed, GeoTopology
         tb = GeoTestbed(GeoTopology(dcs=(1, 1))).__enter__()
@@ -88,12 +71,12 @@ def test_a_killed_geo_testbed_is_cleaned_up_with_its_data_centre_routers():
     assert prefix, "the owner did not build its testbed"
     stale = {f"{prefix}{n}" for n in ("rt", "d0", "d1", "w0", "w1")}
     try:
-        assert stale <= _namespaces()
+        assert stale <= namespaces()
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
         assert stale <= set(cleanup_stale())
-        assert not stale & _namespaces()
+        assert not stale & namespaces()
     finally:
         owner.kill()
-        for ns in stale & _namespaces():
+        for ns in stale & namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

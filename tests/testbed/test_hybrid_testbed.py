@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from testbed_helpers import ROOT
 
-from switchml.testbed import TestbedError, check_environment
-
-try:
-    check_environment()
-    SKIP = None
-except TestbedError as exc:
-    SKIP = str(exc)
-
-pytestmark = [pytest.mark.root, pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")]
+pytestmark = ROOT
 
 
 @pytest.mark.slow

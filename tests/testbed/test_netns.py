@@ -5,34 +5,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
+from testbed_helpers import ROOT, namespaces, py
 
-from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology, check_environment
+from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
-try:
-    check_environment()
-    SKIP = None
-except TestbedError as exc:
-    SKIP = str(exc)
-
-pytestmark = [pytest.mark.root, pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")]
-
-
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code)]
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+pytestmark = ROOT
 
 
 def test_link_rate_is_within_ten_percent():
     rate = 200e6
     with Testbed(Topology(workers=2, link=LinkSpec(bandwidth_bps=rate, mtu=1500))) as tb:
-        sink = tb.popen(tb.worker_ns(1), _py("""
+        sink = tb.popen(tb.worker_ns(1), py("""
             import socket, time, json
             s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("0.0.0.0", 5201)); s.listen(1); print("ready", flush=True)
@@ -45,7 +30,7 @@ def test_link_rate_is_within_ten_percent():
             print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
         """), stdout=subprocess.PIPE, text=True)
         assert sink.stdout.readline().strip() == "ready"
-        tb.run(tb.worker_ns(0), _py(f"""
+        tb.run(tb.worker_ns(0), py(f"""
             import socket, time
             c = socket.create_connection(("{tb.topology.worker_ip(1)}", 5201))
             data = bytes(1 << 16); end = time.perf_counter() + 3.0
@@ -72,7 +57,7 @@ def test_loss_is_applied_at_the_asked_rate_once_per_link():
                  (tb.worker_ns(0), tb.worker_ns(1), topo.worker_ip(1), 2)]
         counted = 0
         for src, dst, ip, links in paths:
-            sink = tb.popen(dst, _py("""
+            sink = tb.popen(dst, py("""
                 import socket, json
                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
@@ -84,7 +69,7 @@ def test_loss_is_applied_at_the_asked_rate_once_per_link():
                 print(json.dumps({"received": n}))
             """), stdout=subprocess.PIPE, text=True)
             assert sink.stdout.readline().strip() == "ready"
-            tb.run(src, _py(f"""
+            tb.run(src, py(f"""
                 import socket, time
                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 for i in range({count}):
@@ -143,9 +128,9 @@ def _gso_through_the_testbed(tb: Testbed, runs: int, n: int, size: int,
     if not to_switch:
         src, dst, ip = dst, src, tb.topology.worker_ip(0)
     before = tb.loss_counter()
-    sink = tb.popen(dst, _py(GRO_RECEIVER), stdout=subprocess.PIPE, text=True)
+    sink = tb.popen(dst, py(GRO_RECEIVER), stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
-    tb.run(src, _py(GSO_SENDER.format(dst=ip, runs=runs, n=n, size=size)))
+    tb.run(src, py(GSO_SENDER.format(dst=ip, runs=runs, n=n, size=size)))
     res = json.loads(sink.stdout.readline())
     res["nft_drops"] = tb.loss_counter() - before
     return res
@@ -205,7 +190,7 @@ def test_switchml_is_exact_over_shaped_lossy_links():
                                          json.dumps({"port": 48864})],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert switch.stdout.readline().strip() == "ready"
-        procs = [tb.popen(tb.worker_ns(r), _py(f"""
+        procs = [tb.popen(tb.worker_ns(r), py(f"""
             import numpy as np
             from switchml.control import decode_job_spec
             from switchml.transport.udp import WorkerClient
@@ -234,16 +219,16 @@ def test_switchml_is_exact_over_shaped_lossy_links():
 
 
 def test_teardown_removes_exactly_what_was_created():
-    before = _namespaces()
+    before = namespaces()
     with Testbed(Topology(workers=2)) as tb:
         created = set(tb.namespaces)
-        assert created <= _namespaces() and len(created) == 4  # 2 workers, rt, ps
+        assert created <= namespaces() and len(created) == 4  # 2 workers, rt, ps
         assert created == {tb.worker_ns(0), tb.worker_ns(1), tb.router_ns, tb.ps_ns}
-    assert _namespaces() == before
+    assert namespaces() == before
     with pytest.raises(RuntimeError, match="boom"), Testbed(Topology(workers=1)) as tb:
         created = set(tb.namespaces)
         raise RuntimeError("boom")
-    assert _namespaces() == before
+    assert namespaces() == before
     # no veth was ever created in the root namespace
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert tb.prefix not in links
@@ -278,7 +263,7 @@ def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
     from switchml.testbed import cleanup_stale
     from switchml.testbed.netns import CLAIMS_DIR
 
-    owner = subprocess.Popen(_py("""
+    owner = subprocess.Popen(py("""
         import subprocess, sys, time
         from switchml.testbed import Testbed, Topology
         tb = Testbed(Topology(workers=1)).__enter__()
@@ -290,18 +275,18 @@ def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
     assert prefix, "the owner did not build its testbed"
     stale = {f"{prefix}rt", f"{prefix}w0", f"{prefix}ps"}
     try:
-        assert stale <= _namespaces()
+        assert stale <= namespaces()
         with Testbed(Topology(workers=1)) as live:
             assert cleanup_stale() == []  # the owner is alive: nothing is touched
-            assert stale <= _namespaces()
+            assert stale <= namespaces()
             owner.send_signal(signal.SIGKILL)
             owner.wait(timeout=10)
             sleeper = subprocess.run(["ip", "netns", "pids", f"{prefix}w0"], capture_output=True,
                                      text=True).stdout.split()
             assert sleeper, "the process in the namespace should have outlived its owner"
             assert sorted(cleanup_stale()) == sorted(stale)
-            assert not stale & _namespaces()
-            assert set(live.namespaces) <= _namespaces()  # the live testbed is intact
+            assert not stale & namespaces()
+            assert set(live.namespaces) <= namespaces()  # the live testbed is intact
             assert not os.path.exists(os.path.join(CLAIMS_DIR, prefix))
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and os.path.exists(f"/proc/{sleeper[0]}"):
@@ -310,7 +295,7 @@ def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
         assert not os.path.exists(os.path.join(CLAIMS_DIR, live.prefix))  # clean teardown
     finally:
         owner.kill()
-        for ns in stale & _namespaces():
+        for ns in stale & namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
@@ -325,5 +310,5 @@ def test_a_prefix_held_by_a_live_testbed_is_refused():
     with Testbed(Topology(workers=1), prefix="smtestpx") as live:
         with pytest.raises(TestbedError, match="in use by a live testbed"):
             Testbed(Topology(workers=1), prefix="smtestpx").__enter__()
-        assert set(live.namespaces) <= _namespaces()  # untouched
-    assert not {ns for ns in _namespaces() if ns.startswith("smtestpx")}
+        assert set(live.namespaces) <= namespaces()  # untouched
+    assert not {ns for ns in namespaces() if ns.startswith("smtestpx")}
