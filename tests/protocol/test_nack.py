@@ -161,6 +161,9 @@ def test_a_lost_datagram_is_recovered_by_nack_not_timeout(what):
     assert elapsed < 0.5, f"took {elapsed:.3f} s of virtual time: a timeout, not a NACK"
     assert c.switch.stats()["nacks_sent"] >= 1
     assert sum(w.counters["nack_retransmissions"] for w in c.workers) >= 1
+    # Each chunk's payload is counted once as sent; re-sends are counted apart.
+    assert [w.counters["payload_bytes_sent"] for w in c.workers] == [64 * 40 * 4] * 3
+    assert sum(w.counters["payload_bytes_resent"] for w in c.workers) > 0
     # Without NACKs the same loss waits for the 2 s timeout.
     c, elapsed, outs, ref = _one_op(0, drop)
     np.testing.assert_allclose(outs[0], ref, atol=1e-4)

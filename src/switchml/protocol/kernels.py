@@ -680,14 +680,15 @@ class WC(IntEnum):
 
     RESULTS = 0
     PACKETS_SENT = 1
-    PAYLOAD_BYTES = 2
+    PAYLOAD_BYTES = 2  # of first transmissions: each chunk's payload once
     RETRANSMISSIONS = 3
     STALE_RESULT = 4
     DUPLICATE_RESULT = 5
     BAD_SLOT = 6
     BAD_COUNT = 7
     SPURIOUS = 8
-    N = 9
+    PAYLOAD_RESENT = 9  # payload bytes of re-sends (timeouts, probes, NACKs, RACK)
+    N = 10
 
 
 class WS(IntEnum):
@@ -753,7 +754,6 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
                  opv[OP.SEQ], p, lane[LN.SLOT, i], count, opv[OP.ELEM], opv[OP.DIGEST],
                  exp_data, exp_next)
     cnt[WC.PACKETS_SENT] += 1
-    cnt[WC.PAYLOAD_BYTES] += count * itemsize
     return HDR + count * itemsize
 
 
@@ -784,6 +784,10 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
         lanef[LF.SENT_AT, i] = now
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
                       res.size > 0 and not retransmit)
+    if retransmit:
+        cnt[WC.PAYLOAD_RESENT] += n - HDR
+    else:
+        cnt[WC.PAYLOAD_BYTES] += n - HDR
     rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
     if p + opv[OP.E] >= opv[OP.T] and lane[LN.TRIES, i] == 0 and rtt[R.SRTT] > 0:
         # The lane's last chunk: no later chunk of ours can show the switch that it is

@@ -91,6 +91,7 @@ _NO_RESIDUAL = np.empty(0, np.float64)
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
+                    ("payload_bytes_resent", K.WC.PAYLOAD_RESENT),
                     ("retransmissions", K.WC.RETRANSMISSIONS),
                     ("spurious_fast_retransmissions", K.WC.SPURIOUS))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
@@ -490,10 +491,11 @@ class WorkerEndpoint:
 
     @property
     def counters(self) -> Counter[str]:
-        """A snapshot: ``packets_sent``, ``payload_bytes_sent``, ``retransmissions``,
-        ``results_received``, ``waiting_received``, ``mismatch_received``,
-        ``fast_retransmissions``, ``spurious_fast_retransmissions``, ``operations_completed``,
-        ``operations_restarted``, ``operations_failed``."""
+        """A snapshot: ``packets_sent``, ``payload_bytes_sent`` (each chunk's payload once),
+        ``payload_bytes_resent`` (re-sends), ``retransmissions``, ``results_received``,
+        ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
+        ``spurious_fast_retransmissions``, ``nack_retransmissions``, ``nacks_ignored``,
+        ``operations_completed``, ``operations_restarted``, ``operations_failed``."""
         return K.counter_snapshot(self._counters, self._cnt, _KERNEL_COUNTERS)
 
     @property
