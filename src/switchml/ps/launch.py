@@ -198,6 +198,19 @@ def _get(q: Any, procs: dict[str, Any], deadline: float, timeout_s: float) -> tu
 
 
 def _run_threads(cfg: PSRunConfig) -> dict[str, Any]:
+    import torch
+
+    # One intra-op thread, as each worker process has (_worker_proc): with more, torch may
+    # split a matmul's sums differently, and the runs would not be bit-identical.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_threads_body(cfg)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_threads_body(cfg: PSRunConfig) -> dict[str, Any]:
     servers = [ParameterServer(i, cfg.server_config(), host=cfg.host).start()
                for i in range(cfg.servers)]
     addrs = [s.address for s in servers]
