@@ -31,7 +31,8 @@ import time
 from collections.abc import Sequence
 
 from switchml import __version__
-from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.address import format_address, parse_address
+from switchml.protocol.errors import ConfigError, SwitchMLError
 
 __all__ = ["build_parser", "main"]
 
@@ -43,10 +44,10 @@ def _env(dest: str, default: object) -> object:
 
 
 def _address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
+    try:
+        return parse_address(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -570,7 +571,7 @@ def _run_switch(args: argparse.Namespace) -> int:
     if rack is not None:
         server.run_command(rack.join)  # join the parent job upstream
     shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
-    print(f"switchml switch listening on udp {server.address[0]}:{server.address[1]}{shard}",
+    print(f"switchml switch listening on udp {format_address(server.address)}{shard}",
           flush=True)
     if args.stop_on_stdin_eof:
         def _watch_stdin() -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from switchml.bench.switchproc import SwitchProcess
+from switchml.protocol.address import format_address
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -319,7 +320,7 @@ class _Generator:
             wait = 0.25
             while granted is None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the switch at {self.switch[0]}:{self.switch[1]} did "
+                    raise TimeoutError(f"the switch at {format_address(self.switch)} did "
                                        f"not answer JOIN of rank {rank} within {timeout_s:g} s")
                 sock.send(join)
                 self.joins_sent += 1

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from switchml.gaia.rules import MirrorClock, SelectiveBarrier, decode_sparse, encode_sparse
+from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
 from switchml.ps.wire import MessageType, recv_message, send_message
 
 __all__ = ["GaiaError", "Mirror"]
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]
 _DONE = 1 << 30  # a data centre that said goodbye holds nobody back
 
 
@@ -65,7 +65,7 @@ class Mirror:
         self._lsock.listen(16)
 
     def _name(self, j: int) -> str:
-        return f"data centre {j} (leader {self.leaders[j][0]}:{self.leaders[j][1]})"
+        return f"data centre {j} (leader {format_address(self.leaders[j])})"
 
     # -- set-up -----------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from switchml.protocol.wire import MAX_ELEMENTS_PER_PACKET
 
 __all__ = ["JobSpec", "SwitchConfig", "WorkerConfig", "default_window"]
 
-Address = tuple[str, int]
 
 
 def _check(cond: bool, message: str) -> None:

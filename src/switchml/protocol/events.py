@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from switchml.protocol.address import Address
+
 __all__ = [
     "Event",
     "JobCreated",
@@ -18,7 +20,6 @@ __all__ = [
     "OperationRestarted",
 ]
 
-Address = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from switchml.protocol import kernels as K
+from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
@@ -87,7 +88,6 @@ _CLOG_ROUNDS = 8  # completions logged for NACKs, in windows
 _NACK_CALM = 64  # needed NACK re-sends in a row after which a widened gap halves again
 _BYTES = int(ElementType.BYTES)
 
-Address = tuple[str, int]
 _HALF = 2**31
 _EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
@@ -527,7 +527,7 @@ class SwitchDataplane:
         if old != addr:
             if old is not None and job.started:
                 self._refuse(h, addr, f"rank {h.rank} of job {h.job} is joined from "
-                             f"{old[0]}:{old[1]} and the job is running; a restarted worker "
+                             f"{format_address(old)} and the job is running; a restarted worker "
                              "cannot take over its state: start a new job")
                 return
             job.members[h.rank] = addr

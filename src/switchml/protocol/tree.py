@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import JobSpec, SwitchConfig
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
@@ -63,7 +64,6 @@ from switchml.protocol.wire import (
 
 __all__ = ["RackAggregator", "TreeConfig", "TreeFailed", "UpstreamJoined"]
 
-Address = tuple[str, int]
 _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
 _RESENT = int(Flags.RESENT)
@@ -362,7 +362,7 @@ class RackAggregator:
 
     @property
     def _parent_text(self) -> str:
-        return f"{self.parent_address[0]}:{self.parent_address[1]}"
+        return f"{format_address(self.parent_address)}"
 
     def _send_upstream(self, local_result: bytes, now: float) -> None:
         """Turn the inner switch's result of a round into this rack's request upstream."""

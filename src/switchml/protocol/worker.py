@@ -36,6 +36,7 @@ from enum import Enum
 import numpy as np
 
 from switchml.protocol import kernels as K
+from switchml.protocol.address import Address, format_addresses
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import LocalProtocolError, WireError
 from switchml.protocol.events import (
@@ -66,10 +67,8 @@ from switchml.protocol.wire import (
     unpack_payload,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState", "format_address",
-           "validate_arrays"]
+__all__ = ["SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState", "validate_arrays"]
 
-Address = tuple[str, int]
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
                     np.dtype(np.int32))
 _CONTROL_RETRY_S = 0.2
@@ -225,8 +224,7 @@ class WorkerEndpoint:
             raise LocalProtocolError("switch_address: give a switch address or a list of shards")
         self.switch_addresses: tuple[Address, ...] = shards  # type: ignore[assignment]
         self.switch_address: Address = shards[0]  # type: ignore[assignment]
-        self._switch_text = (format_address(shards[0]) if len(shards) == 1 else  # type: ignore
-                             "shards " + ", ".join(format_address(a) for a in shards))
+        self._switch_text = format_addresses(shards)  # type: ignore[arg-type]
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
         self.config = config or WorkerConfig()
@@ -841,8 +839,3 @@ def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.n
     if not out.flags.writeable:
         raise LocalProtocolError("out must be writeable")
     return data.reshape(-1), out.reshape(-1)
-
-
-def format_address(addr: Address) -> str:
-    """``host:port``, as every error message and log line writes an address."""
-    return f"{addr[0]}:{addr[1]}"

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
 from switchml.ps.wire import MessageType, PSError, recv_message, send_message
 
 __all__ = ["PSClient"]
 
-Address = tuple[str, int]
 
 
 class PSClient:
@@ -44,7 +44,7 @@ class PSClient:
             raise
 
     def _name(self, i: int) -> str:
-        return f"ps{i} at {self.servers[i][0]}:{self.servers[i][1]}"
+        return f"ps{i} at {format_address(self.servers[i])}"
 
     def _connect(self, i: int, addr: Address, workers: int | None, timeout_s: float,
                  connect_timeout_s: float) -> socket.socket:

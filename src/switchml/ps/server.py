@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.address import format_address
 from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
 from switchml.ps.wire import MessageType, PSError, recv_message, send_message
@@ -122,7 +123,7 @@ class ParameterServer:
                          "bytes_in": 0, "bytes_out": 0}
 
     def __repr__(self) -> str:
-        return f"ps{self.index}@{self.address[0]}:{self.address[1]}"
+        return f"ps{self.index}@{format_address(self.address)}"
 
     # -- life cycle -------------------------------------------------------------------------
 

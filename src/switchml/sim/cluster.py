@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.errors import OperationFailed as OperationFailedError
 from switchml.protocol.errors import SwitchMLError
@@ -27,7 +28,6 @@ from switchml.protocol.worker import WorkerEndpoint
 
 __all__ = ["SPINE", "TreeCluster", "rack_address", "worker_address"]
 
-Address = tuple[str, int]
 SPINE: Address = ("spine", 48864)
 
 

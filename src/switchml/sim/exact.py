@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.events import OperationCompleted, OperationFailed
@@ -38,7 +39,6 @@ from switchml.transport.memory import EndpointTimers, deliver_batch
 
 __all__ = ["ExactNetwork", "run_exact"]
 
-Address = tuple[str, int]
 _MAX_BATCH = 64
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.protocol.address import format_address, parse_addresses
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
 from switchml.protocol.wire import elements_for_mtu
@@ -374,16 +375,7 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
 
 def _parse_address(text: str) -> Any:
     """``HOST:PORT``, or ``HOST:PORT,HOST:PORT,...``: the shards of a sharded switch (a list)."""
-    parts = [p for p in text.split(",") if p.strip()]
-    addrs = []
-    for part in parts:
-        host, sep, port = part.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"SWITCHML_SWITCH must be HOST:PORT (or a comma-separated list of "
-                             f"a sharded switch's shards), got {text!r}")
-        addrs.append((host, int(port)))
-    if not addrs:
-        raise ValueError(f"SWITCHML_SWITCH must be HOST:PORT, got {text!r}")
+    addrs = parse_addresses(text, what="SWITCHML_SWITCH")
     return addrs[0] if len(addrs) == 1 else addrs
 
 
@@ -505,7 +497,7 @@ def _resolve_switch(store: dist.Store, rank: int
     key = f"switchml/{_incarnation}"
     if rank == 0:
         address, secret = _EMBEDDED.acquire()
-        store.set(f"{key}/switch", f"{address[0]}:{address[1]}")
+        store.set(f"{key}/switch", format_address(address))
         store.set(f"{key}/secret", secret)
         return address, secret, True
     address = _parse_address(store.get(f"{key}/switch").decode())

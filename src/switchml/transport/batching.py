@@ -35,13 +35,13 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from switchml.protocol.address import Address
 from switchml.protocol.kernels import split_mmsg
 
 __all__ = ["BatchSender", "MultiReceiver", "enable_gro", "gso_supported", "receive_segments",
            "recvmmsg_supported", "segments", "RECV_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]
 
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 UDP_SEGMENT = 103  # linux/udp.h

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.errors import OperationFailed as OperationFailedError
 from switchml.protocol.errors import SwitchMLError
@@ -29,7 +30,6 @@ from switchml.protocol.worker import WorkerEndpoint
 
 __all__ = ["Endpoint", "FaultModel", "MemoryCluster", "MemoryFabric", "deliver_batch"]
 
-Address = tuple[str, int]
 
 
 class Endpoint(Protocol):

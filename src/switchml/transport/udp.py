@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.address import Address
+from switchml.protocol.address import format_address as _fmt
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.errors import (
     LocalProtocolError,
@@ -53,7 +55,6 @@ from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import TreeFailed, UpstreamJoined
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
-from switchml.protocol.worker import format_address as _fmt
 from switchml.transport.batching import (
     RECV_BUFFER_BYTES,
     BatchSender,
@@ -69,7 +70,6 @@ __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient",
            "elements_per_packet_for", "path_mtu"]
 
 log = logging.getLogger(__name__)
-Address = tuple[str, int]
 DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
 SOCKET_BUFFER_BYTES = 32 * 2**20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)

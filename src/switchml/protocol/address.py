@@ -1,0 +1,58 @@
+"""Addresses: the one type, parser and formatter every layer uses.
+
+An address is ``(host, port)``, as the socket module takes it. It is written ``HOST:PORT`` in
+every log line, error message, environment variable and flag; a sharded switch is a
+comma-separated list of them (``SWITCHML_SWITCH=h:48864,h:48865``).
+"""
+
+from __future__ import annotations
+
+from switchml.protocol.errors import ConfigError
+
+__all__ = ["Address", "format_address", "format_addresses", "parse_address", "parse_addresses"]
+
+Address = tuple[str, int]
+"""``(host, port)``: a UDP endpoint (a switch, a shard, a worker, a simulated host)."""
+
+
+def format_address(addr: Address) -> str:
+    """``HOST:PORT``, as every error message and log line writes an address."""
+    return f"{addr[0]}:{addr[1]}"
+
+
+def format_addresses(addrs: Address | tuple[Address, ...] | list[Address]) -> str:
+    """One address as ``HOST:PORT``; several (a sharded switch's shards) as ``shards A, B``."""
+    if isinstance(addrs[0], str):
+        return format_address(addrs)  # type: ignore[arg-type]
+    if len(addrs) == 1:
+        return format_address(addrs[0])  # type: ignore[arg-type]
+    return "shards " + ", ".join(format_address(a) for a in addrs)  # type: ignore[arg-type]
+
+
+def parse_address(text: str, *, what: str = "address") -> Address:
+    """Parse ``HOST:PORT`` (port 0..65535).
+
+    Raises:
+        ConfigError: naming ``what`` (e.g. ``"SWITCHML_SWITCH"``) and the text it got.
+    """
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def parse_addresses(text: str, *, what: str = "address") -> list[Address]:
+    """Parse ``HOST:PORT[,HOST:PORT...]`` (the shards of a sharded switch), at least one.
+
+    Raises:
+        ConfigError: naming ``what`` and the text it got.
+    """
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ConfigError(f"{what} must be HOST:PORT (or a comma-separated list of a sharded "
+                          f"switch's shards), got {text!r}")
+    try:
+        return [parse_address(p, what=what) for p in parts]
+    except ConfigError:
+        raise ConfigError(f"{what} must be HOST:PORT (or a comma-separated list of a sharded "
+                          f"switch's shards), got {text!r}") from None
