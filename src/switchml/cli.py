@@ -17,6 +17,10 @@ switch gives each job a *window* of W aggregation *slots* (each holding k int32 
 
 Failure modes: a port in use makes ``switch`` exit with status 2 and the reason; a benchmark
 worker that fails or hangs makes ``bench`` exit non-zero within its ``--timeout-s``.
+
+Layout: every command (and every ``bench`` and ``ps`` subcommand) has an ``_add_*_parser``
+function that builds its parser and binds its ``_run_*`` handler with ``set_defaults(func=...)``;
+:func:`main` parses and calls ``args.func(args)``.
 """
 
 from __future__ import annotations
@@ -28,22 +32,46 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from switchml import __version__
 from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.errors import ConfigError, SwitchMLError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.switchcap import SwitchCapConfig, SwitchCapResult
+    from switchml.bench.testbed import TrainBenchConfig
+    from switchml.demo import DemoConfig
+    from switchml.protocol.tree import RackAggregator
+    from switchml.sim.config import SimConfig
+    from switchml.transport.udp import SwitchServer
+
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger("switchml")
 
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
-def _env(dest: str, default: object) -> object:
+_SIGNAL_POLL_S = 0.5
+
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument types and shared helpers
+
+
+def _env(dest: str, default: _T) -> str | _T:
+    """``SWITCHML_<DEST>`` from the environment, else ``default``."""
     return os.environ.get(f"SWITCHML_{dest.upper()}", default)
 
 
 def _address(text: str) -> tuple[str, int]:
+    """``HOST:PORT``."""
     try:
         return parse_address(text)
     except ConfigError as exc:
@@ -62,6 +90,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _size(text: str) -> int:
+    """A byte count with unit, e.g. ``64MiB``."""
     from switchml.bench.allreduce import parse_size
     try:
         return parse_size(text)
@@ -69,7 +98,77 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _human(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that divides it exactly."""
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` resolves to a loopback address."""
+    import ipaddress
+    import socket
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _stop_on_signals(what: str) -> threading.Event:
+    """An event that SIGINT and SIGTERM set (logging ``what``). Foreground commands wait on it
+    in short slices: a signal delivered to another thread only runs its Python handler when the
+    main thread executes bytecode."""
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received, %s", signal.Signals(signum).name, what)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    return stop
+
+
+def _sigterm_interrupts() -> None:
+    """Make SIGTERM raise KeyboardInterrupt, so that a benchmark's teardown runs."""
+    def _term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+
+
+def _stdout_console(width: int = 160) -> Console:
+    """A console on standard output: the terminal's width, or ``width`` when redirected."""
+    from rich.console import Console
+    return Console(width=None if sys.stdout.isatty() else width)
+
+
+def _figure_table(title: str, rows: Sequence[tuple[str, object]]) -> Table:
+    """A two-column table (figure, value) of ``rows``."""
+    from rich.table import Table
+    t = Table(title=title)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for name, value in rows:
+        t.add_row(name, str(value))
+    return t
+
+
+def _write_json(path: str, doc: object) -> None:
+    """Write ``doc`` to ``path`` as indented JSON."""
+    import json
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``switchml`` argument parser, every command's handler bound as ``func``."""
     parser = argparse.ArgumentParser(
         prog="switchml",
         description="In-network aggregation for distributed training: a software SwitchML "
@@ -82,23 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"],
                         help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_switch_parser, _add_demo_parser, _add_stats_parser, _add_testbed_parser,
+                _add_bench_parser, _add_ps_parser, _add_sim_parser):
+        add(sub)
+    return parser
 
+
+def _add_switch_parser(sub: _Subparsers) -> None:
+    """``switchml switch``: a software switch in the foreground."""
     sw = sub.add_parser("switch", help="run a software switch in the foreground",
                         description="Run a software switch until SIGINT/SIGTERM. Jobs register "
                                     "themselves with their first JOIN; see docs/protocol.md.")
     sw.add_argument("--host", default=_env("host", "127.0.0.1"),
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    sw.add_argument("--port", type=int, default=int(_env("port", 48864)),  # type: ignore[arg-type]
+    sw.add_argument("--port", type=int, default=int(_env("port", 48864)),
                     help="UDP port (default 48864; 0 picks a free one)")
-    sw.add_argument("--pool-slots", type=int, default=int(_env("pool_slots", 1024)),  # type: ignore[arg-type]
+    sw.add_argument("--pool-slots", type=int, default=int(_env("pool_slots", 1024)),
                     help="aggregation slots shared by all jobs; bounds the switch's slot "
                          "memory at 128 KiB per slot (default 1024 = 128 MiB)")
     sw.add_argument("--stats-interval-s", type=float, default=0.0,
                     help="log the counters every this many seconds (default 0: only at exit)")
     sw.add_argument("--lease-timeout-s", type=float,
-                    default=float(_env("lease_timeout_s", 30.0)),  # type: ignore[arg-type]
+                    default=float(_env("lease_timeout_s", 30.0)),
                     help="a job silent for this long loses its slots (default 30)")
-    sw.add_argument("--nack-gap", type=int, default=int(_env("nack_gap", 4)),  # type: ignore
+    sw.add_argument("--nack-gap", type=int, default=int(_env("nack_gap", 4)),
                     help="loss recovery: tell a worker at once that a chunk of its is missing "
                          "when its later chunks arrive, tolerating this much reordering "
                          "(completions); 0 leaves recovery to the workers' timeouts (default 4)")
@@ -109,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="allow listening beyond loopback without a secret (anyone who can "
                          "reach the port can then create jobs)")
     sw.add_argument("--metrics-port", type=int,
-                    default=int(_env("metrics_port", 9109)),  # type: ignore[arg-type]
+                    default=int(_env("metrics_port", 9109)),
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
                          "by 'switchml stats'")
     sw.add_argument("--mtu", type=int, default=None,
@@ -122,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--stop-on-stdin-eof", action="store_true",
                     help="also stop when standard input closes (used by the PyTorch backend's "
                          "embedded switch, so it dies with the process that started it)")
+    _add_switch_topology_args(sw)
+    sw.set_defaults(func=_run_switch)
+
+
+def _add_switch_topology_args(sw: argparse.ArgumentParser) -> None:
+    """The switch's sharding (``--shards``, ``--shard``) and rack (``--upstream``) options."""
     sw.add_argument("--shards", type=int, default=1, metavar="S",
                     help="run S switch processes (0: one per core) on ports PORT .. PORT+S-1 "
                          "(metrics on METRICS_PORT+i): workers stripe every job's lanes over "
@@ -141,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run shard I of a switch sharded over S processes or hosts (each "
                          "shard started by hand, e.g. one per host)")
 
+
+def _add_demo_parser(sub: _Subparsers) -> None:
+    """``switchml demo``: gloo against switchml on a small model."""
     demo = sub.add_parser(
         "demo", help="train a model with gloo and with switchml, side by side",
         description="Train a small CNN on scikit-learn's digits with DistributedDataParallel in "
@@ -154,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for loss.png and demo.json (default ./switchml-demo)")
     demo.add_argument("--backend", action="append", choices=["gloo", "switchml"],
                       help="run only this backend (repeatable; default both)")
+    demo.set_defaults(func=_run_demo)
 
+
+def _add_stats_parser(sub: _Subparsers) -> None:
+    """``switchml stats``: a running switch's counters."""
     stats = sub.add_parser(
         "stats", help="live counters of a running switch",
         description="Show a running switch's counters (like a hardware switch's port counters) "
@@ -165,7 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--interval-s", type=float, default=1.0,
                        help="refresh period in seconds (default 1)")
     stats.add_argument("--once", action="store_true", help="print one table and exit")
+    stats.set_defaults(func=_run_stats)
 
+
+def _add_testbed_parser(sub: _Subparsers) -> None:
+    """``switchml testbed``: an emulated star network (or, with ``--dcs``, the geo one)."""
     tb = sub.add_parser(
         "testbed", help="build an emulated star network and hold it until Ctrl-C (root)",
         description="Build the emulated network (one namespace per worker, a router in which "
@@ -184,9 +307,27 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--mtu", type=int, default=1500,
                     help="link MTU in bytes (default 1500, Ethernet; 9000 for jumbo frames; "
                          "veth takes up to 65535 but that is not a real network)")
+    tb.add_argument("--dcs", default=None,
+                    help="build the geo testbed instead: data centres x workers, e.g. 2x2 or "
+                         "2,3 (workers on --rate-mbit LAN links, data centres joined by "
+                         "--wan-mbit WAN links)")
+    tb.add_argument("--wan-mbit", type=float, default=50.0,
+                    help="with --dcs: WAN link rate in Mbit/s (default 50)")
+    tb.set_defaults(func=_run_testbed)
 
+
+def _add_bench_parser(sub: _Subparsers) -> None:
+    """``switchml bench``: the benchmarks, one subcommand each."""
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for add in (_add_bench_allreduce_parser, _add_bench_train_parser, _add_bench_plot_parser,
+                _add_bench_soak_parser, _add_bench_fuzz_parser, _add_bench_switch_parser,
+                _add_bench_geo_parser):
+        add(bsub)
+
+
+def _add_bench_allreduce_parser(bsub: _Subparsers) -> None:
+    """``switchml bench allreduce``: all-reduce throughput, switchml against gloo."""
     ar = bsub.add_parser(
         "allreduce", help="all-reduce ATE/s of switchml against gloo",
         description="Run N worker processes on this machine and measure all-reduce throughput "
@@ -213,6 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--no-batching", action="store_true",
                     help="switch and workers make one system call per datagram (no UDP "
                          "GSO/GRO): the baseline for small packets")
+    _add_bench_allreduce_testbed_args(ar)
+    ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    ar.add_argument("--timeout-s", type=float, default=600.0,
+                    help="give up on a measurement after this long (default 600)")
+    ar.set_defaults(func=_run_bench_allreduce)
+
+
+def _add_bench_allreduce_testbed_args(ar: argparse.ArgumentParser) -> None:
+    """``bench allreduce``'s emulated-network options (the "testbed" group) and ``--mtu``."""
     tbg = ar.add_argument_group(
         "testbed", "run over an emulated star network instead of loopback (needs root): one "
         "namespace per worker, a router in the middle with the switch behind it, links shaped "
@@ -241,9 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     tbg.add_argument("--systems", default="switchml,gloo,ps",
                      help="comma list of switchml, gloo, ps (parameter server) (default all)")
     tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
-    ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    ar.add_argument("--timeout-s", type=float, default=600.0,
-                    help="give up on a measurement after this long (default 600)")
+
+
+def _add_bench_train_parser(bsub: _Subparsers) -> None:
+    """``switchml bench train``: DDP training over the testbed."""
     tr = bsub.add_parser(
         "train", help="DDP training over the testbed, gloo against switchml (root)",
         description="Train a convolutional model (CNN on digits) and a network-bound model "
@@ -280,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
                     "bytes per step and step time per system to PNG's name + '-bytes'; with "
                     "--trace, rank 0's last two steps to + '-timeline')")
+    tr.set_defaults(func=_run_bench_train)
+
+
+def _add_bench_plot_parser(bsub: _Subparsers) -> None:
+    """``switchml bench plot``: PNG plots of testbed benchmark results."""
     pl = bsub.add_parser("plot", help="PNG plots from testbed benchmark JSON files",
                          description="Draw ATE/s against size (with the line-rate and ring "
                                      "bounds), speedup over gloo against n, and slowdown "
@@ -287,6 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "files.")
     pl.add_argument("files", nargs="+", help="JSON files")
     pl.add_argument("--out", default="plots", help="output folder (default ./plots)")
+    pl.set_defaults(func=_run_bench_plot)
+
+
+def _add_bench_soak_parser(bsub: _Subparsers) -> None:
+    """``switchml bench soak``: long runs with loss and churn, every result checked."""
     so = bsub.add_parser(
         "soak", help="jobs with loss and churn against one switch: exact or error, never wrong",
         description="Run several jobs of worker processes (int32 all-reduces, every result "
@@ -302,6 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop or kill one job this often (default 5)")
     so.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     so.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    so.set_defaults(func=_run_bench_soak)
+
+
+def _add_bench_fuzz_parser(bsub: _Subparsers) -> None:
+    """``switchml bench fuzz``: hostile datagrams at a switch."""
     fz = bsub.add_parser(
         "fuzz", help="hostile datagrams at a switch while a job runs",
         description="Send hostile datagrams (random bytes, truncated and oversized ones, valid "
@@ -317,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the switch without a job-creation secret (JOIN floods then fill "
                          "the pool, which bounds the memory)")
     fz.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    fz.set_defaults(func=_run_bench_fuzz)
+
+
+def _add_bench_switch_parser(bsub: _Subparsers) -> None:
+    """``switchml bench switch``: one software switch's capacity."""
     sc = bsub.add_parser(
         "switch", help="switch capacity: aggregated datagrams/s of one software switch",
         description="Run the software switch in a process pinned to one core and a traffic "
@@ -336,64 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                     help="UDP GSO/GRO in the switch and the generator (default on)")
     sc.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    _add_ps_geo_parsers(sub, bsub)
-    _add_sim_parser(sub)
-    return parser
+    sc.set_defaults(func=_run_bench_switch)
 
 
-def _add_ps_geo_parsers(sub: argparse._SubParsersAction, bsub: argparse._SubParsersAction
-                        ) -> None:
-    """``switchml ps``, ``switchml bench geo`` and ``switchml testbed --dcs`` (issue 12)."""
-    ps = sub.add_parser(
-        "ps", help="TensorFlow-style parameter servers: run one, or train with them",
-        description="Parameter servers: parameters placed round-robin by tensor on P servers "
-                    "(large tensors split), workers push gradients and pull parameters over "
-                    "TCP, the optimizer step runs on the servers. Synchronous with backup "
-                    "workers (each step takes the first N-b gradients; late ones are dropped "
-                    "and counted) or asynchronous. See docs/geo.md.")
-    pss = ps.add_subparsers(dest="ps", required=True, metavar="ROLE")
-    srv = pss.add_parser("server", help="run one parameter server in the foreground",
-                         description="Serve until SIGINT/SIGTERM (or, with --exit-when-done, "
-                                     "until every worker said goodbye or died).")
-    srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
-    srv.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
-    srv.add_argument("--exit-when-done", action="store_true",
-                     help="exit when every worker said goodbye or died")
-    tr = pss.add_parser("train", help="start P servers and N workers here; train on digits",
-                        description="Start --servers server processes and --workers worker "
-                                    "processes on this machine, train a model on "
-                                    "scikit-learn's digits through the servers, print the "
-                                    "placement, accuracy, dropped gradients and a digest of "
-                                    "the final parameters (equal between runs with the same "
-                                    "seed and no backup workers).")
-    tr.add_argument("--servers", "-p", type=int, default=2, help="server processes (default 2)")
-    tr.add_argument("--steps", type=int, default=200, help="steps (versions) (default 200)")
-    tr.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
-    tr.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                    help="mlp (19k parameters) or cnn (560k) (default mlp)")
-    tr.add_argument("--seed", type=int, default=0, help="seed of model and data (default 0)")
-    tr.add_argument("--max-shard-elements", type=int, default=1 << 17,
-                    help="split tensors above this many elements (default 131072)")
-    tr.add_argument("--slow-worker", type=int, default=None,
-                    help="make this worker a straggler (sleeps --slow-s per step)")
-    tr.add_argument("--slow-s", type=float, default=0.05, help="straggler delay (default 0.05)")
-    tr.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    for p in (srv, tr):
-        p.add_argument("--workers", "-n", type=int, default=4, help="workers N (default 4)")
-        p.add_argument("--backup", "-b", type=int, default=0,
-                       help="backup workers b: each step uses the first N-b gradients "
-                            "(default 0)")
-        p.add_argument("--mode", choices=("sync", "async"), default="sync",
-                       help="synchronous steps or asynchronous updates (default sync)")
-        p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
-                       help="optimizer run on the servers (default sgd)")
-        p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-        p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-        p.add_argument("--timeout-s", type=float, default=60.0,
-                       help="a missing gradient or silent peer fails the run after this "
-                            "long, naming it (default 60)")
-
+def _add_bench_geo_parser(bsub: _Subparsers) -> None:
+    """``switchml bench geo``: Gaia against synchronous training across data centres."""
     geo = bsub.add_parser(
         "geo", help="Gaia against synchronous training across data centres (root)",
         description="Train the same model (switchml.demo's CNN on scikit-learn's digits) "
@@ -429,31 +547,291 @@ def _add_ps_geo_parsers(sub: argparse._SubParsersAction, bsub: argparse._SubPars
                           "(default gloo, as the other two modes)")
     geo.add_argument("--out", default="switchml-geo", help="output folder (default "
                                                            "switchml-geo)")
-    tb = sub.choices["testbed"]
-    tb.add_argument("--dcs", default=None,
-                    help="build the geo testbed instead: data centres x workers, e.g. 2x2 or "
-                         "2,3 (workers on --rate-mbit LAN links, data centres joined by "
-                         "--wan-mbit WAN links)")
-    tb.add_argument("--wan-mbit", type=float, default=50.0,
-                    help="with --dcs: WAN link rate in Mbit/s (default 50)")
+    geo.set_defaults(func=_run_bench_geo)
 
 
-_SIGNAL_POLL_S = 0.5
+def _add_ps_parser(sub: _Subparsers) -> None:
+    """``switchml ps``: parameter servers, one subcommand per role."""
+    ps = sub.add_parser(
+        "ps", help="TensorFlow-style parameter servers: run one, or train with them",
+        description="Parameter servers: parameters placed round-robin by tensor on P servers "
+                    "(large tensors split), workers push gradients and pull parameters over "
+                    "TCP, the optimizer step runs on the servers. Synchronous with backup "
+                    "workers (each step takes the first N-b gradients; late ones are dropped "
+                    "and counted) or asynchronous. See docs/geo.md.")
+    pss = ps.add_subparsers(dest="ps", required=True, metavar="ROLE")
+    _add_ps_server_parser(pss)
+    _add_ps_train_parser(pss)
 
 
-def _stop_on_signals(what: str) -> threading.Event:
-    """An event that SIGINT and SIGTERM set (logging ``what``). Foreground commands wait on it
-    in short slices: a signal delivered to another thread only runs its Python handler when the
-    main thread executes bytecode."""
-    stop = threading.Event()
+def _add_ps_server_parser(pss: _Subparsers) -> None:
+    """``switchml ps server``: one parameter server in the foreground."""
+    srv = pss.add_parser("server", help="run one parameter server in the foreground",
+                         description="Serve until SIGINT/SIGTERM (or, with --exit-when-done, "
+                                     "until every worker said goodbye or died).")
+    srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
+    srv.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
+    srv.add_argument("--exit-when-done", action="store_true",
+                     help="exit when every worker said goodbye or died")
+    _add_ps_training_args(srv)
+    srv.set_defaults(func=_run_ps_server)
 
-    def _on_signal(signum: int, _frame: object) -> None:
-        log.info("%s received, %s", signal.Signals(signum).name, what)
+
+def _add_ps_train_parser(pss: _Subparsers) -> None:
+    """``switchml ps train``: P servers and N workers on this machine."""
+    tr = pss.add_parser("train", help="start P servers and N workers here; train on digits",
+                        description="Start --servers server processes and --workers worker "
+                                    "processes on this machine, train a model on "
+                                    "scikit-learn's digits through the servers, print the "
+                                    "placement, accuracy, dropped gradients and a digest of "
+                                    "the final parameters (equal between runs with the same "
+                                    "seed and no backup workers).")
+    tr.add_argument("--servers", "-p", type=int, default=2, help="server processes (default 2)")
+    tr.add_argument("--steps", type=int, default=200, help="steps (versions) (default 200)")
+    tr.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
+    tr.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                    help="mlp (19k parameters) or cnn (560k) (default mlp)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of model and data (default 0)")
+    tr.add_argument("--max-shard-elements", type=int, default=1 << 17,
+                    help="split tensors above this many elements (default 131072)")
+    tr.add_argument("--slow-worker", type=int, default=None,
+                    help="make this worker a straggler (sleeps --slow-s per step)")
+    tr.add_argument("--slow-s", type=float, default=0.05, help="straggler delay (default 0.05)")
+    tr.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    _add_ps_training_args(tr)
+    tr.set_defaults(func=_run_ps_train)
+
+
+def _add_ps_training_args(p: argparse.ArgumentParser) -> None:
+    """The options a parameter server and a training run share: workers, rule, optimizer."""
+    p.add_argument("--workers", "-n", type=int, default=4, help="workers N (default 4)")
+    p.add_argument("--backup", "-b", type=int, default=0,
+                   help="backup workers b: each step uses the first N-b gradients "
+                        "(default 0)")
+    p.add_argument("--mode", choices=("sync", "async"), default="sync",
+                   help="synchronous steps or asynchronous updates (default sync)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="optimizer run on the servers (default sgd)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="a missing gradient or silent peer fails the run after this "
+                        "long, naming it (default 60)")
+
+
+def _add_sim_parser(sub: _Subparsers) -> None:
+    """``switchml sim``: all-reduce at scale on a discrete-event clock."""
+    sim = sub.add_parser(
+        "sim", help="simulate all-reduce at scale on a discrete-event clock",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Simulate one all-reduce per combination of --workers and --loss over a "
+                    "star (one switch) or a two-level tree (--racks: rack switches under a "
+                    "spine). Links: FIFO queues at --rate-mbit with a propagation delay, tail "
+                    "drop and random loss; hosts spend --host-cost-us of CPU per datagram. "
+                    "Timing mode models the protocol's per-slot rules without payloads (1024 "
+                    "workers x 64 MiB in minutes); exact mode runs the real switch, rack-switch "
+                    "and worker objects with real data and checks every sum. Reports ATE/s "
+                    "(elements / elapsed, slowest worker), link utilisation, retransmissions "
+                    "and queue drops. See docs/simulator.md.",
+        epilog="examples:\n"
+               "  switchml sim -n 8 --size 64MiB --rate-mbit 400              # one run\n"
+               "  switchml sim -n 2 -n 16 -n 128 -n 1024 --rack-size 32 --plot ate.png\n"
+               "  switchml sim -n 4 --loss 0 --loss 0.001 --loss 0.01 --size 16MiB\n"
+               "  switchml sim -n 256 --size 4MiB --mode exact                 # real objects\n"
+               "  switchml sim --compare docs/results/testbed-n*-400mbit-mtu1500.json\n"
+               "exit status: 0 when every run finished, 1 when one failed (a failed link), "
+               "2 on bad arguments.")
+    _add_sim_network_args(sim)
+    _add_sim_scenario_args(sim)
+    sim.set_defaults(func=_run_sim)
+
+
+def _add_sim_network_args(sim: argparse.ArgumentParser) -> None:
+    """``sim``'s sweep, links and topology options."""
+    sim.add_argument("--workers", "-n", type=int, action="append", dest="workers",
+                     help="workers; repeat for a sweep (default 4)")
+    sim.add_argument("--size", type=_size, default=64 << 20,
+                     help="tensor size (float32) with unit, e.g. 64MiB (default 64MiB)")
+    sim.add_argument("--mode", choices=("timing", "exact"), default="timing",
+                     help="timing: modelled protocol, no payloads; exact: the real endpoints "
+                          "and data, every sum checked (default timing)")
+    sim.add_argument("--rate-mbit", type=float, default=1000.0,
+                     help="worker link rate in Mbit/s, each direction (default 1000)")
+    sim.add_argument("--spine-rate-mbit", type=float, default=None,
+                     help="rack-to-spine link rate in Mbit/s (default: --rate-mbit)")
+    sim.add_argument("--delay-us", type=float, default=0.0,
+                     help="propagation delay per link in microseconds (default 0, as veth)")
+    sim.add_argument("--queue-ms", type=float, default=20.0,
+                     help="queue limit per link as milliseconds of its rate (default 20, the "
+                          "testbed's tbf latency)")
+    sim.add_argument("--mtu", type=int, default=1500,
+                     help="path MTU in bytes; chunks fit it (358 int32 at 1500) (default 1500)")
+    sim.add_argument("--window", type=int, default=None,
+                     help="slots per job W (default: about 256 KiB in flight, 128 at MTU 1500)")
+    sim.add_argument("--loss", type=float, action="append", dest="losses",
+                     help="loss rate per link crossed, 0..1; repeat for a sweep (default 0)")
+    topo = sim.add_mutually_exclusive_group()
+    topo.add_argument("--racks", type=int, default=None,
+                      help="rack switches under a spine (must divide every n; default 1: a "
+                           "star)")
+    topo.add_argument("--rack-size", type=int, default=None,
+                      help="workers per rack: n / rack-size racks (a star while n <= it)")
+
+
+def _add_sim_scenario_args(sim: argparse.ArgumentParser) -> None:
+    """``sim``'s host, switch, straggler and failure options, and its outputs."""
+    sim.add_argument("--host-cost-us", type=float, default=None,
+                     help="worker CPU per datagram received or sent, in microseconds (default "
+                          "6.6, calibrated on the testbed; 0: hosts are never the bottleneck)")
+    sim.add_argument("--nack-gap", type=int, default=4,
+                     help="switch-driven loss recovery: NACK a rank whose chunk released this "
+                          "many completions earlier is missing (0: off, loss waits for a "
+                          "timeout) (default 4, the switch's default)")
+    sim.add_argument("--switch-delay-us", type=float, default=0.0,
+                     help="fixed processing delay per switch in microseconds (default 0)")
+    sim.add_argument("--stragglers", type=int, default=0,
+                     help="the last N ranks are stragglers (default 0)")
+    sim.add_argument("--straggler-slowdown", type=float, default=1.0,
+                     help="stragglers' host cost multiplier (default 1)")
+    sim.add_argument("--straggler-delay-ms", type=float, default=0.0,
+                     help="stragglers start the operation this much later (default 0)")
+    sim.add_argument("--fail-link", action="append", default=[], metavar="KIND:I@SECONDS",
+                     help="a link fails, both ways, at a virtual time: worker:3@0.05 or "
+                          "rack:1@0.1; repeatable")
+    sim.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    sim.add_argument("--compare", nargs="+", metavar="TESTBED_JSON",
+                     help="instead: simulate every loss-free switchml row of these testbed "
+                          "JSON files (same n, rate, MTU, size) and print sim / testbed")
+    sim.add_argument("--json", metavar="PATH", help="write every run as JSON")
+    sim.add_argument("--plot", metavar="PNG",
+                     help="plot ATE/s against n (with the bounds) and/or against loss")
+    sim.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+# ---------------------------------------------------------------------------------------------
+# switchml switch
+
+
+def _run_switch(args: argparse.Namespace) -> int:
+    """``switchml switch``: serve until SIGINT/SIGTERM (or standard input's end)."""
+    secret = _switch_secret(args)
+    shards = _switch_shard_count(args)
+    if shards > 1:
+        return _run_sharded_switch(args, shards)
+    shard_index, shard_count = args.shard or (0, 1)
+    rack = _rack_aggregator(args, secret) if args.upstream is not None else None
+    server = _switch_server(args, secret, rack, shard_index, shard_count)
+    if args.metrics_port:
+        _start_metrics(server, args.pool_slots, args.metrics_port)
+    stop = _stop_on_signals("stopping")
+    server.start()
+    if rack is not None:
+        server.run_command(rack.join)  # join the parent job upstream
+    shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
+    print(f"switchml switch listening on udp {format_address(server.address)}{shard}",
+          flush=True)
+    if args.stop_on_stdin_eof:
+        _stop_on_stdin_eof(stop)
+    _serve_until_stopped(server, stop, args.stats_interval_s)
+    server.stop()
+    return 0
+
+
+def _switch_secret(args: argparse.Namespace) -> bytes | None:
+    """The job-creation secret (``--secret-file`` or ``SWITCHML_SECRET``); refuses to listen
+    beyond loopback without one unless ``--insecure``."""
+    secret = None
+    if args.secret_file:
+        with open(args.secret_file, "rb") as f:
+            secret = f.read().strip()
+    elif os.environ.get("SWITCHML_SECRET"):
+        secret = os.environ["SWITCHML_SECRET"].encode()
+    if secret is None and not _is_loopback(args.host) and not args.insecure:
+        raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
+                         "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
+    return secret
+
+
+def _switch_shard_count(args: argparse.Namespace) -> int:
+    """How many switch processes ``--shards`` asks for here (0: one per core)."""
+    shards = args.shards if args.shards > 0 else (os.cpu_count() or 1)
+    if args.shards < 0:
+        raise ValueError(f"--shards must be >= 0, got {args.shards}")
+    if shards > 1 and args.shard is not None:
+        raise ValueError("give --shards (run them all here) or --shard I/S (one), not both")
+    return shards
+
+
+def _rack_aggregator(args: argparse.Namespace, secret: bytes | None) -> RackAggregator:
+    """The rack data plane of ``--upstream``; prints the job spec its own workers join with."""
+    import socket
+
+    from switchml.control import decode_job_spec, encode_job_spec
+    from switchml.protocol.config import SwitchConfig
+    from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
+    if args.rack is None or args.job is None:
+        raise ValueError("--upstream needs --rack I/R and --job SPEC")
+    parent, child = tree_specs(decode_job_spec(args.job), args.rack[1])
+    rack = RackAggregator(parent_spec=parent, child_spec=child, rack=args.rack[0],
+                          parent_address=(socket.gethostbyname(args.upstream[0]),
+                                          args.upstream[1]),
+                          config=TreeConfig(secret=secret),
+                          switch_config=SwitchConfig(
+                              pool_slots=args.pool_slots,
+                              lease_timeout_s=args.lease_timeout_s, secret=secret,
+                              nack_gap=args.nack_gap))
+    print(f"rack {args.rack[0]} of {args.rack[1]}: its workers join with "
+          f"SWITCHML_JOB={encode_job_spec(child)} (rank = global rank mod "
+          f"{child.num_workers})", flush=True)
+    return rack
+
+
+def _switch_server(args: argparse.Namespace, secret: bytes | None,
+                   rack: RackAggregator | None, shard_index: int, shard_count: int
+                   ) -> SwitchServer:
+    """The (not yet started) UDP switch server the options describe."""
+    from switchml.protocol.config import SwitchConfig
+    from switchml.protocol.wire import elements_for_mtu
+    from switchml.transport.udp import SwitchServer
+
+    return SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
+        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
+        nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
+        **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
+        batching=not args.no_batching, dataplane=rack)
+
+
+def _start_metrics(server: SwitchServer, pool_slots: int, port: int) -> None:
+    """Serve ``server``'s counters on http://127.0.0.1:PORT/metrics (a warning if it can't)."""
+    from switchml.control.metrics import start_exporter
+    try:
+        start_exporter(server.stats, pool_slots, "127.0.0.1", port)
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
+    except OSError as exc:
+        log.warning("metrics endpoint not started on port %d: %s", port, exc)
+
+
+def _stop_on_stdin_eof(stop: threading.Event) -> None:
+    """Set ``stop`` when standard input closes (watched by a daemon thread)."""
+    def _watch_stdin() -> None:
+        while sys.stdin.read(4096):
+            pass
+        log.info("standard input closed, stopping")
         stop.set()
+    threading.Thread(target=_watch_stdin, daemon=True).start()
 
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-    return stop
+
+def _serve_until_stopped(server: SwitchServer, stop: threading.Event,
+                         stats_interval_s: float) -> None:
+    """Wait for ``stop``, logging the counters every ``stats_interval_s`` (if > 0)."""
+    next_stats = time.monotonic() + stats_interval_s if stats_interval_s > 0 else None
+    # Wake up at least twice a second: a signal delivered to another thread only runs its
+    # Python handler when the main thread executes bytecode, which a bare wait() never does.
+    while not stop.wait(_SIGNAL_POLL_S):
+        if next_stats is not None and time.monotonic() >= next_stats:
+            log.info("stats: %s", server.stats())
+            next_stats += stats_interval_s
 
 
 def _shard_argv(args: argparse.Namespace, i: int, shards: int) -> list[str]:
@@ -512,88 +890,155 @@ def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
     return 0
 
 
-def _run_switch(args: argparse.Namespace) -> int:
-    from switchml.protocol.config import SwitchConfig
-    from switchml.protocol.wire import elements_for_mtu
-    from switchml.transport.udp import SwitchServer
+# ---------------------------------------------------------------------------------------------
+# switchml stats
 
-    secret = None
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
-    elif os.environ.get("SWITCHML_SECRET"):
-        secret = os.environ["SWITCHML_SECRET"].encode()
-    if secret is None and not _is_loopback(args.host) and not args.insecure:
-        raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
-                         "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
-    shards = args.shards if args.shards > 0 else (os.cpu_count() or 1)
-    if args.shards < 0:
-        raise ValueError(f"--shards must be >= 0, got {args.shards}")
-    if shards > 1:
-        if args.shard is not None:
-            raise ValueError("give --shards (run them all here) or --shard I/S (one), not both")
-        return _run_sharded_switch(args, shards)
-    shard_index, shard_count = args.shard or (0, 1)
-    rack = None
-    if args.upstream is not None:
-        import socket
 
-        from switchml.control import decode_job_spec, encode_job_spec
-        from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
-        if args.rack is None or args.job is None:
-            raise ValueError("--upstream needs --rack I/R and --job SPEC")
-        parent, child = tree_specs(decode_job_spec(args.job), args.rack[1])
-        rack = RackAggregator(parent_spec=parent, child_spec=child, rack=args.rack[0],
-                              parent_address=(socket.gethostbyname(args.upstream[0]),
-                                              args.upstream[1]),
-                              config=TreeConfig(secret=secret),
-                              switch_config=SwitchConfig(
-                                  pool_slots=args.pool_slots,
-                                  lease_timeout_s=args.lease_timeout_s, secret=secret,
-                                  nack_gap=args.nack_gap))
-        print(f"rack {args.rack[0]} of {args.rack[1]}: its workers join with "
-              f"SWITCHML_JOB={encode_job_spec(child)} (rank = global rank mod "
-              f"{child.num_workers})", flush=True)
-    server = SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
-        pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
-        nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
-        **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
-        batching=not args.no_batching, dataplane=rack)
-    if args.metrics_port:
-        from switchml.control.metrics import start_exporter
+def _run_stats(args: argparse.Namespace) -> int:
+    """``switchml stats``: one table (``--once``) or a live one until Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+
+    current = _read_counters(args.url)
+    if args.once:
+        Console().print(_stats_table(args.url, current, None, 0.0))
+        return 0
+    with Live(_stats_table(args.url, current, None, 0.0), refresh_per_second=4) as live:
         try:
-            start_exporter(server.stats, args.pool_slots, "127.0.0.1", args.metrics_port)
-            log.info("metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
-        except OSError as exc:
-            log.warning("metrics endpoint not started on port %d: %s", args.metrics_port, exc)
-    stop = _stop_on_signals("stopping")
-    server.start()
-    if rack is not None:
-        server.run_command(rack.join)  # join the parent job upstream
-    shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
-    print(f"switchml switch listening on udp {format_address(server.address)}{shard}",
-          flush=True)
-    if args.stop_on_stdin_eof:
-        def _watch_stdin() -> None:
-            while sys.stdin.read(4096):
-                pass
-            log.info("standard input closed, stopping")
-            stop.set()
-        threading.Thread(target=_watch_stdin, daemon=True).start()
-    interval = args.stats_interval_s if args.stats_interval_s > 0 else None
-    next_stats = time.monotonic() + interval if interval else None
-    # Wake up at least twice a second: a signal delivered to another thread only runs its
-    # Python handler when the main thread executes bytecode, which a bare wait() never does.
-    while not stop.wait(_SIGNAL_POLL_S):
-        if next_stats is not None and time.monotonic() >= next_stats:
-            log.info("stats: %s", server.stats())
-            next_stats += interval
-    server.stop()
+            while True:
+                t0 = time.monotonic()
+                time.sleep(args.interval_s)
+                nxt = _read_counters(args.url)
+                live.update(_stats_table(args.url, nxt, current, time.monotonic() - t0))
+                current = nxt
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
-def _run_testbed(args: argparse.Namespace) -> int:
+def _read_counters(urls: str) -> dict:
+    """One switch's counters, or the sum over a sharded switch's shards (comma list)."""
+    from switchml.control.metrics import read_metrics
 
+    total: dict = {}
+    for url in urls.split(","):
+        try:
+            one = read_metrics(url)
+        except OSError as exc:
+            raise ValueError(f"can't read {url}: {exc} (is a switch running (every shard) with "
+                             "--metrics-port?)") from exc
+        for k, v in one.items():
+            if isinstance(v, dict):
+                d = total.setdefault(k, {})
+                for label, x in v.items():
+                    d[label] = d.get(label, 0) + x
+            else:
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def _counter_rate(now: dict, before: dict | None, dt: float, key: str,
+                  label: str | None = None) -> str:
+    """Counter ``key`` (its ``label`` series, if given) per second between two readings."""
+    if before is None or dt <= 0:
+        return ""
+    a = now.get(key, {}) if label is not None else now.get(key, 0)
+    b = before.get(key, {}) if label is not None else before.get(key, 0)
+    if label is not None:
+        a, b = a.get(label, 0), b.get(label, 0)
+    return f"{(a - b) / dt:,.0f}"
+
+
+def _stats_table(url: str, now: dict, before: dict | None, dt: float) -> Table:
+    """The counters table: values and, given an earlier reading, rates."""
+    from rich.table import Table
+
+    t = Table(title=f"switchml switch {url}")
+    t.add_column("counter")
+    t.add_column("value", justify="right")
+    t.add_column("per second", justify="right")
+    for key, name in (("switchml_packets_in_total", "packets in"),
+                      ("switchml_packets_out_total", "packets out"),
+                      ("switchml_results_multicast_total", "results multicast"),
+                      ("switchml_results_resent_total", "results resent (shadow copy)"),
+                      ("switchml_waiting_sent_total", "WAITING answers"),
+                      ("switchml_mismatch_sent_total", "MISMATCH answers")):
+        t.add_row(name, f"{now.get(key, 0):,.0f}", _counter_rate(now, before, dt, key))
+    t.add_row("jobs", f"{now.get('switchml_jobs', 0):.0f}", "")
+    t.add_row("slots in use", f"{now.get('switchml_slots_in_use', 0):.0f} / "
+              f"{now.get('switchml_pool_slots', 0):.0f}", "")
+    t.add_row("slot memory", f"{now.get('switchml_memory_bytes', 0) / 2**20:.1f} MiB", "")
+    for job, n in sorted(now.get("switchml_elements_aggregated_total", {}).items()):
+        t.add_row(f"job {job} elements", f"{n:,.0f}",
+                  _counter_rate(now, before, dt, "switchml_elements_aggregated_total", job))
+    for reason, n in sorted(now.get("switchml_drops_total", {}).items()):
+        t.add_row(f"drops: {reason}", f"{n:,.0f}",
+                  _counter_rate(now, before, dt, "switchml_drops_total", reason))
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# switchml demo
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """``switchml demo``: train on gloo and on switchml, then compare."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+    from switchml.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
+                     lr=args.lr, out_dir=args.out,
+                     backends=tuple(args.backend or ("gloo", "switchml")))
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def on_progress(backend: str, step: int, total: int, loss: float) -> None:
+            if backend not in tasks:
+                tasks[backend] = progress.add_task(f"training on {backend}", total=total,
+                                                   info="")
+            progress.update(tasks[backend], completed=step, info=f"loss {loss:.3f}")
+
+        results = run_demo(cfg, on_progress)
+    _stdout_console().print(_demo_table(cfg, results))
+    console.print(f"loss curves: {cfg.out_dir}/loss.png, figures: {cfg.out_dir}/demo.json")
+    console.print("Same script, same loss: only the backend string differs. On one machine "
+                  "there is no network bandwidth to save, so the step times compare software "
+                  "paths (gloo's is C++, switchml's switch is Python). The speedup in-network "
+                  "aggregation exists for appears on bandwidth-bound links: see 'switchml bench "
+                  "allreduce --testbed' and 'switchml bench train' (root) and "
+                  "docs/benchmarks.md.")
+    return 0
+
+
+def _demo_table(cfg: DemoConfig, results: Sequence[Any]) -> Table:
+    """One row per backend of the demo's training runs."""
+    from rich.table import Table
+
+    table = Table(title=f"DDP training on digits, {cfg.workers} workers, {cfg.epochs} epochs")
+    for col in ("backend", "steps", "step time (ms)", "samples/s", "final loss", "test accuracy",
+                "through the switch"):
+        table.add_column(col, justify="right")
+    for r in results:
+        via = "-"
+        if r.backend_stats:
+            via = (f"{r.backend_stats['switch_ops'].get('allreduce', 0)} all-reduces; delegated "
+                   f"{sum(r.backend_stats['delegated'].values())}")
+        table.add_row(r.backend, str(r.steps), f"{1e3 * r.mean_step_s:.1f}",
+                      f"{r.samples_per_s:.0f}", f"{r.final_loss:.4f}",
+                      f"{100 * r.test_accuracy:.1f}%", via)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# switchml testbed
+
+
+def _run_testbed(args: argparse.Namespace) -> int:
+    """``switchml testbed``: build the star network (or the geo one) and hold it."""
     from switchml.testbed import LinkSpec, Testbed, Topology, check_environment, cleanup_stale
 
     if args.cleanup:
@@ -621,14 +1066,15 @@ def _run_testbed(args: argparse.Namespace) -> int:
         print("  UDP GSO/GRO batching: " + ("on, loss per datagram" if bed.batching else
                                             "off (no ethtool): SWITCHML_GSO=0 in there"))
         print("Ctrl-C tears it down.", flush=True)
-        while not stop.wait(_SIGNAL_POLL_S):  # see _run_switch: signals need the main thread
+        # short waits, as in _serve_until_stopped: signals need the main thread
+        while not stop.wait(_SIGNAL_POLL_S):
             pass
     print("testbed removed")
     return 0
 
 
 def _run_geo_testbed(args: argparse.Namespace) -> int:
-
+    """``switchml testbed --dcs``: build the geo testbed and hold it."""
     from switchml.gaia.rules import parse_dc_layout
     from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
     sizes = tuple(len(dc) for dc in parse_dc_layout(args.dcs))
@@ -653,216 +1099,113 @@ def _run_geo_testbed(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ps(args: argparse.Namespace) -> int:
+# ---------------------------------------------------------------------------------------------
+# switchml ps
+
+
+def _run_ps_server(args: argparse.Namespace) -> int:
+    """``switchml ps server``: serve until a signal (or, optionally, every worker's goodbye)."""
     import json
 
-    from switchml.ps.launch import PSRunConfig, run_ps_training
     from switchml.ps.server import ParameterServer, ServerConfig
-    if args.ps == "server":
-        cfg = ServerConfig(args.workers, args.backup, args.mode, args.optimizer, args.lr,
-                           args.momentum, args.timeout_s)
-        server = ParameterServer(args.index, cfg, host=args.host, port=args.port).start()
-        print(f"parameter server ps{args.index} listening on {server.address[0]}:"
-              f"{server.address[1]}", flush=True)
-        stop = _stop_on_signals("stopping")
-        while not stop.wait(_SIGNAL_POLL_S):
-            if args.exit_when_done and server.wait_finished(0.01):
-                break
-        print(json.dumps(server.stats()), flush=True)
-        server.stop()
-        # Exit without interpreter finalisation: about half the time, tearing down torch's
-        # native threads after serving made the process abort at exit ("terminate called
-        # without an active exception", status -6) although everything had finished.
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(0)
-    cfg2 = PSRunConfig(servers=args.servers, workers=args.workers, backup=args.backup,
-                       mode=args.mode, steps=args.steps, batch=args.batch, lr=args.lr,
-                       momentum=args.momentum, optimizer=args.optimizer, seed=args.seed,
-                       model=args.model, max_shard_elements=args.max_shard_elements,
-                       slow_worker=args.slow_worker, slow_s=args.slow_s,
-                       timeout_s=args.timeout_s)
-    r = run_ps_training(cfg2, progress=lambda m: print(m, file=sys.stderr, flush=True))
+
+    cfg = ServerConfig(args.workers, args.backup, args.mode, args.optimizer, args.lr,
+                       args.momentum, args.timeout_s)
+    server = ParameterServer(args.index, cfg, host=args.host, port=args.port).start()
+    print(f"parameter server ps{args.index} listening on {server.address[0]}:"
+          f"{server.address[1]}", flush=True)
+    stop = _stop_on_signals("stopping")
+    while not stop.wait(_SIGNAL_POLL_S):
+        if args.exit_when_done and server.wait_finished(0.01):
+            break
+    print(json.dumps(server.stats()), flush=True)
+    server.stop()
+    # Exit without interpreter finalisation: about half the time, tearing down torch's
+    # native threads after serving made the process abort at exit ("terminate called
+    # without an active exception", status -6) although everything had finished.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_ps_train(args: argparse.Namespace) -> int:
+    """``switchml ps train``: train on digits through local parameter servers."""
+    from switchml.ps.launch import PSRunConfig, run_ps_training
+
+    cfg = PSRunConfig(servers=args.servers, workers=args.workers, backup=args.backup,
+                      mode=args.mode, steps=args.steps, batch=args.batch, lr=args.lr,
+                      momentum=args.momentum, optimizer=args.optimizer, seed=args.seed,
+                      model=args.model, max_shard_elements=args.max_shard_elements,
+                      slow_worker=args.slow_worker, slow_s=args.slow_s,
+                      timeout_s=args.timeout_s)
+    r = run_ps_training(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(r["placement"])
     print(f"test accuracy {r['test_accuracy']:.4f}  elapsed {r['elapsed_s']:.2f} s  "
           f"steps applied (all shards) {r['steps_applied']}  dropped late gradients "
           f"{r['dropped_late']}  iterations per worker {r['iterations']}")
     print(f"parameter digest {r['digest']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+        _write_json(args.json, r)
     return 0
 
 
-def _run_bench_geo(args: argparse.Namespace) -> int:
-    from switchml.bench.geo import GeoBenchConfig, run_geo_bench, write_outputs
-    from switchml.gaia.rules import parse_dc_layout
-
-    def _term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # run the testbed's teardown
-
-    signal.signal(signal.SIGTERM, _term)
-    cfg = GeoBenchConfig(dcs=tuple(len(d) for d in parse_dc_layout(args.dcs)),
-                         wan_bps=args.wan_mbit * 1e6, lan_bps=args.lan_mbit * 1e6,
-                         modes=tuple(m for m in args.modes.split(",") if m), steps=args.steps,
-                         batch=args.batch, lr=args.lr, model=args.model,
-                         eval_every=args.eval_every, target_accuracy=args.target,
-                         threshold=args.threshold, decay=args.decay, staleness=args.staleness,
-                         gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend)
-    rows = run_geo_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"{'mode':<6} {'time to target (s)':>18} {'final accuracy':>14} {'WAN MB':>9} "
-          f"{'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
-    def cell(v: float | None, spec: str, suffix: str = "") -> str:
-        return "-" if v is None else format(v, spec) + suffix
-
-    for r in rows:
-        c = r["comparison"]
-        print(f"{r['mode']:<6} {cell(r['time_to_target_s'], '.2f'):>18} "
-              f"{r['final_accuracy']:>14.4f} {r['wan_bytes'] / 1e6:>9.2f} "
-              f"{cell(c.get('time_to_target_vs_lan'), '.2f', 'x'):>7} "
-              f"{cell(c.get('speedup_vs_wan'), '.2f', 'x'):>11} "
-              f"{cell(c.get('wan_bytes_vs_wan'), '.4f'):>17}")
-    for path in write_outputs(rows, cfg, args.out):
-        print(path)
-    return 0
+# ---------------------------------------------------------------------------------------------
+# switchml bench allreduce
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-    import socket
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _run_stats(args: argparse.Namespace) -> int:
-    import time
-
+def _run_bench_allreduce(args: argparse.Namespace) -> int:
+    """``switchml bench allreduce`` on loopback (or, with ``--testbed``, the emulated network)."""
+    if args.testbed:
+        return _run_bench_testbed(args)
     from rich.console import Console
-    from rich.live import Live
-    from rich.table import Table
 
-    from switchml.control.metrics import read_metrics
+    from switchml.bench.allreduce import BenchConfig, run_benchmark, write_json
+    from switchml.transport.udp import elements_per_packet_for
 
-    def snapshot() -> dict:
-        """One switch's counters, or the sum over a sharded switch's shards (comma list)."""
-        total: dict = {}
-        for url in args.url.split(","):
-            try:
-                one = read_metrics(url)
-            except OSError as exc:
-                raise ValueError(f"can't read {url}: {exc} (is a switch running (every shard) with "
-                                 "--metrics-port?)") from exc
-            for k, v in one.items():
-                if isinstance(v, dict):
-                    d = total.setdefault(k, {})
-                    for label, x in v.items():
-                        d[label] = d.get(label, 0) + x
-                else:
-                    total[k] = total.get(k, 0) + v
-        return total
-
-    def table(now: dict, before: dict | None, dt: float) -> Table:
-        t = Table(title=f"switchml switch {args.url}")
-        t.add_column("counter")
-        t.add_column("value", justify="right")
-        t.add_column("per second", justify="right")
-
-        def rate(key: str, label: str | None = None) -> str:
-            if before is None or dt <= 0:
-                return ""
-            a = now.get(key, {}) if label is not None else now.get(key, 0)
-            b = before.get(key, {}) if label is not None else before.get(key, 0)
-            if label is not None:
-                a, b = a.get(label, 0), b.get(label, 0)
-            return f"{(a - b) / dt:,.0f}"
-
-        for key, name in (("switchml_packets_in_total", "packets in"),
-                          ("switchml_packets_out_total", "packets out"),
-                          ("switchml_results_multicast_total", "results multicast"),
-                          ("switchml_results_resent_total", "results resent (shadow copy)"),
-                          ("switchml_waiting_sent_total", "WAITING answers"),
-                          ("switchml_mismatch_sent_total", "MISMATCH answers")):
-            t.add_row(name, f"{now.get(key, 0):,.0f}", rate(key))
-        t.add_row("jobs", f"{now.get('switchml_jobs', 0):.0f}", "")
-        t.add_row("slots in use", f"{now.get('switchml_slots_in_use', 0):.0f} / "
-                  f"{now.get('switchml_pool_slots', 0):.0f}", "")
-        t.add_row("slot memory", f"{now.get('switchml_memory_bytes', 0) / 2**20:.1f} MiB", "")
-        for job, n in sorted(now.get("switchml_elements_aggregated_total", {}).items()):
-            t.add_row(f"job {job} elements", f"{n:,.0f}",
-                      rate("switchml_elements_aggregated_total", job))
-        for reason, n in sorted(now.get("switchml_drops_total", {}).items()):
-            t.add_row(f"drops: {reason}", f"{n:,.0f}", rate("switchml_drops_total", reason))
-        return t
-
-    current = snapshot()
-    if args.once:
-        Console().print(table(current, None, 0.0))
-        return 0
-    with Live(table(current, None, 0.0), refresh_per_second=4) as live:
-        try:
-            while True:
-                t0 = time.monotonic()
-                time.sleep(args.interval_s)
-                nxt = snapshot()
-                live.update(table(nxt, current, time.monotonic() - t0))
-                current = nxt
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from switchml.demo import DemoConfig, run_demo
-
-    cfg = DemoConfig(workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
-                     lr=args.lr, out_dir=args.out,
-                     backends=tuple(args.backend or ("gloo", "switchml")))
+    cfg = BenchConfig(
+        workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
+        warmup=args.warmup, switch=args.switch, window=args.window,
+        elements_per_packet=args.elements_per_packet or elements_per_packet_for(
+            args.switch or ("127.0.0.1", 1), args.mtu), bits=args.bits,
+        baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
+        batching=not args.no_batching)
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console) as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(backend: str, step: int, total: int, loss: float) -> None:
-            if backend not in tasks:
-                tasks[backend] = progress.add_task(f"training on {backend}", total=total,
-                                                   info="")
-            progress.update(tasks[backend], completed=step, info=f"loss {loss:.3f}")
-
-        results = run_demo(cfg, on_progress)
-    table = Table(title=f"DDP training on digits, {cfg.workers} workers, {cfg.epochs} epochs")
-    for col in ("backend", "steps", "step time (ms)", "samples/s", "final loss", "test accuracy",
-                "through the switch"):
-        table.add_column(col, justify="right")
-    for r in results:
-        via = "-"
-        if r.backend_stats:
-            via = (f"{r.backend_stats['switch_ops'].get('allreduce', 0)} all-reduces; delegated "
-                   f"{sum(r.backend_stats['delegated'].values())}")
-        table.add_row(r.backend, str(r.steps), f"{1e3 * r.mean_step_s:.1f}",
-                      f"{r.samples_per_s:.0f}", f"{r.final_loss:.4f}",
-                      f"{100 * r.test_accuracy:.1f}%", via)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    console.print(f"loss curves: {cfg.out_dir}/loss.png, figures: {cfg.out_dir}/demo.json")
-    console.print("Same script, same loss: only the backend string differs. On one machine "
-                  "there is no network bandwidth to save, so the step times compare software "
-                  "paths (gloo's is C++, switchml's switch is Python). The speedup in-network "
-                  "aggregation exists for appears on bandwidth-bound links: see 'switchml bench "
-                  "allreduce --testbed' and 'switchml bench train' (root) and "
-                  "docs/benchmarks.md.")
+    with console.status("starting") as status:
+        results, switch_stats = run_benchmark(
+            cfg, progress=lambda what: status.update(f"measuring {what}"))
+    _stdout_console().print(_allreduce_table(cfg, results))
+    if args.json:
+        write_json(args.json, cfg, results, switch_stats)
+        console.print(f"wrote {args.json}")
     return 0
+
+
+def _allreduce_table(cfg: Any, results: Sequence[Any]) -> Table:
+    """One row per size: switchml against gloo on loopback."""
+    from rich.table import Table
+
+    table = Table(title=f"all-reduce, {cfg.workers} workers, float32, {cfg.iters} timed ops "
+                        f"(ATE/s = elements/s per worker, slowest worker)")
+    for col in ("size", "switchml ATE/s", "gloo ATE/s", "switchml/gloo", "switchml Gbit/s",
+                "max rel err", "switchml CPU % (workers | switch)", "gloo CPU %"):
+        table.add_column(col, justify="right")
+    for size in cfg.sizes_bytes:
+        sm = next(m for m in results if m.system == "switchml" and m.size_bytes == size)
+        gl = next((m for m in results if m.system == "gloo" and m.size_bytes == size), None)
+        table.add_row(
+            _human(size), f"{sm.ate_per_s:.3g}", f"{gl.ate_per_s:.3g}" if gl else "-",
+            f"{sm.ate_per_s / gl.ate_per_s:.2f}" if gl else "-", f"{sm.goodput_gbps:.2f}",
+            f"{sm.max_rel_error:.1e}" if sm.max_rel_error is not None else "-",
+            "/".join(f"{c:.0f}" for c in sm.cpu_percent) + (
+                f" | {sm.extra['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in sm.extra
+                else ""),
+            "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-")
+    return table
 
 
 def _run_bench_testbed(args: argparse.Namespace) -> int:
-    import signal as _signal
-
+    """``switchml bench allreduce --testbed``: all-reduce over the emulated network."""
     from rich.console import Console
-    from rich.table import Table
 
     from switchml.bench.testbed import (
         DEFAULT_MTU,
@@ -871,10 +1214,7 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         write_outputs,
     )
 
-    def _term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # run the testbed's teardown
-
-    _signal.signal(_signal.SIGTERM, _term)
+    _sigterm_interrupts()  # SIGTERM runs the testbed's teardown
     cfg = TestbedBenchConfig(
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]),
         rate_bps=args.rate_mbit * 1e6, loss_rate=args.loss, mtu=args.mtu or DEFAULT_MTU,
@@ -891,9 +1231,19 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
         else:
             rows = run_testbed_allreduce(cfg, progress=lambda what: status.update(
                 f"measuring {what}"))
-    n = cfg.workers
-    table = Table(title=f"all-reduce over the testbed: {n} workers, {args.rate_mbit:g} Mbit/s "
-                        f"links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per worker)")
+    _stdout_console().print(_testbed_table(cfg, args.rate_mbit, rows))
+    write_outputs(rows, args.json, args.csv)
+    bad = [r for r in rows if r["system"] == "switchml" and r.get("max_abs_error", 0) > 1e-3]
+    return 1 if bad else 0
+
+
+def _testbed_table(cfg: Any, rate_mbit: float, rows: Sequence[dict]) -> Table:
+    """One row per size and system of the testbed all-reduce."""
+    from rich.table import Table
+
+    table = Table(title=f"all-reduce over the testbed: {cfg.workers} workers, {rate_mbit:g} "
+                        f"Mbit/s links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per "
+                        "worker)")
     for col in ("size", "system", "ATE/s", "of line rate B/32", "ring bound", "vs gloo",
                 "worker CPU %", "switch CPU %"):
         table.add_column(col, justify="right")
@@ -906,33 +1256,20 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
                       f"{r['ate_per_s'] / gloo['ate_per_s']:.2f}" if gloo else "-",
                       "/".join(f"{c:.0f}" for c in r["cpu_percent"]),
                       f"{r['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in r else "-")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    write_outputs(rows, args.json, args.csv)
-    bad = [r for r in rows if r["system"] == "switchml" and r.get("max_abs_error", 0) > 1e-3]
-    return 1 if bad else 0
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# switchml bench train
 
 
 def _run_bench_train(args: argparse.Namespace) -> int:
-    import csv
-    import json
-    import signal as _signal
-
+    """``switchml bench train``: DDP training over the testbed, one row per model and system."""
     from rich.console import Console
-    from rich.table import Table
 
-    from switchml.bench.testbed import (
-        TrainBenchConfig,
-        plot_bytes,
-        plot_timeline,
-        plot_training,
-        run_testbed_train,
-        write_trace,
-    )
+    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
 
-    def _term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # run the testbed's teardown
-
-    _signal.signal(_signal.SIGTERM, _term)
+    _sigterm_interrupts()  # SIGTERM runs the testbed's teardown
     cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("cnn", "embed")),
                            steps=args.steps, batch=args.batch, rate_bps=args.rate_mbit * 1e6,
                            loss_rate=args.loss, mtu=args.mtu,
@@ -941,8 +1278,20 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         rows = run_testbed_train(cfg, progress=lambda what: status.update(what))
+    _stdout_console(200).print(_train_table(cfg, args.rate_mbit, rows))
+    for r in rows:
+        for d in r.get("decisions", []):
+            console.print(f"{r['model']} {r['system']}: {d}")
+    _write_train_outputs(args, cfg, rows, console)
+    return 0
+
+
+def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) -> Table:
+    """One row per model and system of the training benchmark."""
+    from rich.table import Table
+
     table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
-                        f"{args.rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
+                        f"{rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
                         f"MTU {cfg.mtu}")
     for col in ("model", "parameters", "system", "step time (ms)", "samples/s", "final loss",
                 "time to target (s)", "speedup", "vs switchml", "MB/step measured",
@@ -960,88 +1309,61 @@ def _run_bench_train(args: argparse.Namespace) -> int:
                       fmt(r.get("bytes_per_step_measured"), ".2f", 1e-6),
                       fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
                       fmt(r.get("hidden_fraction"), ".0%"))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    for r in rows:
-        for d in r.get("decisions", []):
-            console.print(f"{r['model']} {r['system']}: {d}")
+    return table
+
+
+_TRAIN_CSV_KEYS = ["model", "backend", "system", "workers", "params", "rate_bps", "loss_rate",
+                   "step_s", "samples_per_s", "final_loss", "target_loss", "time_to_target_s",
+                   "speedup_step", "speedup_vs_switchml", "bytes_per_step_measured",
+                   "bytes_per_step_predicted", "hidden_fraction"]
+
+
+def _write_train_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[dict],
+                         console: Console) -> None:
+    """The training benchmark's trace, JSON, CSV and plots, as the options ask."""
+    import csv
+
+    from switchml.bench.testbed import plot_bytes, plot_timeline, plot_training, write_trace
+
+    base = args.plot[:-4] if args.plot and args.plot.endswith(".png") else args.plot
     if args.trace:
         events = write_trace(rows, args.trace)
         console.print(f"wrote {events} trace events to {args.trace}")
     if args.plot and args.trace:
-        base = args.plot[:-4] if args.plot.endswith(".png") else args.plot
         plot_timeline(rows, f"{base}-timeline.png")
     for r in rows:
         r.pop("trace_events", None)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "train-testbed", "config": cfg.__dict__, "results": rows}, f,
-                      indent=2)
+        _write_json(args.json, {"benchmark": "train-testbed", "config": cfg.__dict__,
+                                "results": rows})
     if args.csv:
-        keys = ["model", "backend", "system", "workers", "params", "rate_bps", "loss_rate",
-                "step_s", "samples_per_s", "final_loss", "target_loss", "time_to_target_s",
-                "speedup_step", "speedup_vs_switchml", "bytes_per_step_measured",
-                "bytes_per_step_predicted", "hidden_fraction"]
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=_TRAIN_CSV_KEYS, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
     if args.plot:
         plot_training(rows, args.plot)
         if any("bytes_per_step_measured" in r for r in rows):
-            base = args.plot[:-4] if args.plot.endswith(".png") else args.plot
             plot_bytes(rows, f"{base}-bytes.png")
-    return 0
 
 
-def _run_bench_allreduce(args: argparse.Namespace) -> int:
-    if args.testbed:
-        return _run_bench_testbed(args)
-    from rich.console import Console
-    from rich.table import Table
+# ---------------------------------------------------------------------------------------------
+# switchml bench plot, soak, fuzz, switch and geo
 
-    from switchml.bench.allreduce import BenchConfig, run_benchmark, write_json
-    from switchml.transport.udp import elements_per_packet_for
 
-    cfg = BenchConfig(
-        workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
-        warmup=args.warmup, switch=args.switch, window=args.window,
-        elements_per_packet=args.elements_per_packet or elements_per_packet_for(
-            args.switch or ("127.0.0.1", 1), args.mtu), bits=args.bits,
-        baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
-        batching=not args.no_batching)
-    console = Console(stderr=True)
-    with console.status("starting") as status:
-        results, switch_stats = run_benchmark(
-            cfg, progress=lambda what: status.update(f"measuring {what}"))
-    table = Table(title=f"all-reduce, {cfg.workers} workers, float32, {cfg.iters} timed ops "
-                        f"(ATE/s = elements/s per worker, slowest worker)")
-    for col in ("size", "switchml ATE/s", "gloo ATE/s", "switchml/gloo", "switchml Gbit/s",
-                "max rel err", "switchml CPU % (workers | switch)", "gloo CPU %"):
-        table.add_column(col, justify="right")
-    for size in cfg.sizes_bytes:
-        sm = next(m for m in results if m.system == "switchml" and m.size_bytes == size)
-        gl = next((m for m in results if m.system == "gloo" and m.size_bytes == size), None)
-        table.add_row(
-            _human(size), f"{sm.ate_per_s:.3g}", f"{gl.ate_per_s:.3g}" if gl else "-",
-            f"{sm.ate_per_s / gl.ate_per_s:.2f}" if gl else "-", f"{sm.goodput_gbps:.2f}",
-            f"{sm.max_rel_error:.1e}" if sm.max_rel_error is not None else "-",
-            "/".join(f"{c:.0f}" for c in sm.cpu_percent) + (
-                f" | {sm.extra['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in sm.extra
-                else ""),
-            "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    if args.json:
-        write_json(args.json, cfg, results, switch_stats)
-        console.print(f"wrote {args.json}")
+def _run_bench_plot(args: argparse.Namespace) -> int:
+    """``switchml bench plot``: print the path of every PNG written."""
+    from switchml.bench.plots import plot_results
+    for path in plot_results(args.files, args.out):
+        print(path)
     return 0
 
 
 def _run_bench_soak(args: argparse.Namespace) -> int:
+    """``switchml bench soak``: status 1 if any result was wrong."""
     import dataclasses
-    import json
 
     from rich.console import Console
-    from rich.table import Table
 
     from switchml.bench.soak import SoakConfig, run_soak
 
@@ -1055,12 +1377,10 @@ def _run_bench_soak(args: argparse.Namespace) -> int:
             f"soaking: {r.memory[-1][0]:.0f}/{cfg.duration_s:.0f} s, {r.operations} operations, "
             f"{r.errors} errors, {r.wrong_results} wrong, switch RSS "
             f"{r.memory[-1][1] / 2**20:.1f} MiB"))
-    t = Table(title=f"soak: {cfg.jobs} jobs x {cfg.workers} workers, loss {cfg.loss_rate:g}, "
-                    f"{cfg.duration_s:g} s")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
     rss = [m[1] for m in report.memory]
-    for name, value in (
+    _stdout_console().print(_figure_table(
+        f"soak: {cfg.jobs} jobs x {cfg.workers} workers, loss {cfg.loss_rate:g}, "
+        f"{cfg.duration_s:g} s", (
             ("operations completed", report.operations),
             ("wrong results", report.wrong_results),
             ("errors raised (expected after kills)", report.errors),
@@ -1070,22 +1390,18 @@ def _run_bench_soak(args: argparse.Namespace) -> int:
              f"{rss[0] / 2**20:.1f} / {max(rss) / 2**20:.1f} / {rss[-1] / 2**20:.1f}"),
             ("switch jobs / slots in use after the leases ran out",
              f"{report.switch_stats.get('jobs')} / {report.switch_stats.get('slots_in_use')}"),
-            ("switch drops", report.switch_stats.get("drops"))):
-        t.add_row(name, str(value))
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
+            ("switch drops", report.switch_stats.get("drops")))))
     for e in report.error_samples:
         console.print(f"error sample: {e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dataclasses.asdict(report), f, indent=2)
+        _write_json(args.json, dataclasses.asdict(report))
     return 1 if report.wrong_results else 0
 
 
 def _run_bench_fuzz(args: argparse.Namespace) -> int:
-    import json
-
+    """``switchml bench fuzz``: status 1 on a wrong or failed legitimate result or an internal
+    error of the switch."""
     from rich.console import Console
-    from rich.table import Table
 
     from switchml.bench.soak import FuzzConfig, run_fuzz
 
@@ -1096,11 +1412,9 @@ def _run_bench_fuzz(args: argparse.Namespace) -> int:
         rep = run_fuzz(cfg, lambda st: status.update(
             f"fuzzing: switch received {st['packets_in']:,} datagrams, dropped "
             f"{sum(st['drops'].values()):,}"))
-    t = Table(title=f"fuzz: {rep['datagrams_sent']:,} hostile datagrams in {rep['seconds']} s")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
     rss = [m[1] for m in rep["memory"]]
-    for name, value in (
+    t = _figure_table(
+        f"fuzz: {rep['datagrams_sent']:,} hostile datagrams in {rep['seconds']} s", (
             ("switch datagrams received", f"{rep['switch_packets_in']:,}"),
             ("switch internal errors", rep["internal_errors"]),
             ("legit operations / wrong / errors",
@@ -1108,33 +1422,26 @@ def _run_bench_fuzz(args: argparse.Namespace) -> int:
              f"{len(rep['legit_errors'])}"),
             ("switch RSS before / max / after (MiB)",
              f"{rss[0] / 2**20:.1f} / {max(rss) / 2**20:.1f} / {rss[-1] / 2**20:.1f}"),
-            ("jobs at end", rep["jobs_at_end"])):
-        t.add_row(name, str(value))
+            ("jobs at end", rep["jobs_at_end"])))
     for reason, n in sorted(rep["drops"].items(), key=lambda kv: -kv[1]):
         t.add_row(f"drops: {reason}", f"{n:,}")
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    _stdout_console().print(t)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
+        _write_json(args.json, rep)
     bad = rep["legit_wrong_results"] or rep["legit_errors"] or rep["internal_errors"]
     return 1 if bad else 0
 
 
 def _run_bench_switch(args: argparse.Namespace) -> int:
-    import signal as _signal
-
+    """``switchml bench switch``: status 1 on wrong results, drops or switch errors."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from switchml.bench.switchcap import SwitchCapConfig, run_switchcap, write_json
 
-    def _term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # run the benchmark's teardown
-
     cfg = SwitchCapConfig(workers=args.workers, elements_per_packet=args.elements_per_packet,
                           window=args.window, seconds=args.seconds, batching=args.batching)
-    _signal.signal(_signal.SIGTERM, _term)
+    _sigterm_interrupts()  # SIGTERM runs the benchmark's teardown
     console = Console(stderr=True)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -1145,13 +1452,22 @@ def _run_bench_switch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("interrupted; the switch and the generator were stopped")
         return 130
+    _stdout_console().print(_switchcap_table(cfg, r))
+    if args.json:
+        write_json(args.json, r)
+        console.print(f"wrote {args.json}")
+    bad = (r.wrong_results or not r.consistent or r.drops
+           or any(r.switch_errors.values()))
+    return 1 if bad else 0
+
+
+def _switchcap_table(cfg: SwitchCapConfig, r: SwitchCapResult) -> Table:
+    """The switch capacity figures."""
     g = r.generator
-    t = Table(title=f"switch capacity: {cfg.workers} ranks x {cfg.window} slots, K = "
-                    f"{cfg.elements_per_packet} int32 ({cfg.datagram_bytes} B datagrams), "
-                    f"{r.interval_s:.1f} s, batching {'on' if cfg.batching else 'off'}")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
-    for name, value in (
+    return _figure_table(
+        f"switch capacity: {cfg.workers} ranks x {cfg.window} slots, K = "
+        f"{cfg.elements_per_packet} int32 ({cfg.datagram_bytes} B datagrams), "
+        f"{r.interval_s:.1f} s, batching {'on' if cfg.batching else 'off'}", (
             ("datagrams/s into the switch", f"{r.switch_in_per_s:,.0f}"),
             ("datagrams/s out of the switch", f"{r.switch_out_per_s:,.0f}"),
             ("payload GB/s (requests x K x 4 B)", f"{r.payload_gbytes_per_s:.3f}"),
@@ -1172,116 +1488,65 @@ def _run_bench_switch(args: argparse.Namespace) -> int:
             ("switch errors", {k: v for k, v in r.switch_errors.items() if v} or 0),
             ("GSO / GRO (switch; generator)",
              f"{r.switch_stats.get('gso')} / {r.switch_stats.get('gro')}; "
-             f"{g['gso']} / {g['gro']}")):
-        t.add_row(name, str(value))
-    Console(width=None if sys.stdout.isatty() else 160).print(t)
-    if args.json:
-        write_json(args.json, r)
-        console.print(f"wrote {args.json}")
-    bad = (r.wrong_results or not r.consistent or r.drops
-           or any(r.switch_errors.values()))
-    return 1 if bad else 0
+             f"{g['gso']} / {g['gro']}")))
 
 
-def _human(nbytes: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= div and nbytes % div == 0:
-            return f"{nbytes // div} {unit}"
-    return f"{nbytes} B"
+def _run_bench_geo(args: argparse.Namespace) -> int:
+    """``switchml bench geo``: LAN, WAN-synchronous and Gaia training, compared."""
+    from switchml.bench.geo import GeoBenchConfig, run_geo_bench, write_outputs
+    from switchml.gaia.rules import parse_dc_layout
+
+    _sigterm_interrupts()  # SIGTERM runs the testbed's teardown
+    cfg = GeoBenchConfig(dcs=tuple(len(d) for d in parse_dc_layout(args.dcs)),
+                         wan_bps=args.wan_mbit * 1e6, lan_bps=args.lan_mbit * 1e6,
+                         modes=tuple(m for m in args.modes.split(",") if m), steps=args.steps,
+                         batch=args.batch, lr=args.lr, model=args.model,
+                         eval_every=args.eval_every, target_accuracy=args.target,
+                         threshold=args.threshold, decay=args.decay, staleness=args.staleness,
+                         gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend)
+    rows = run_geo_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    _print_geo_rows(rows)
+    for path in write_outputs(rows, cfg, args.out):
+        print(path)
+    return 0
 
 
-def _add_sim_parser(sub: argparse._SubParsersAction) -> None:
-    """``switchml sim`` (issue 10)."""
-    sim = sub.add_parser(
-        "sim", help="simulate all-reduce at scale on a discrete-event clock",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Simulate one all-reduce per combination of --workers and --loss over a "
-                    "star (one switch) or a two-level tree (--racks: rack switches under a "
-                    "spine). Links: FIFO queues at --rate-mbit with a propagation delay, tail "
-                    "drop and random loss; hosts spend --host-cost-us of CPU per datagram. "
-                    "Timing mode models the protocol's per-slot rules without payloads (1024 "
-                    "workers x 64 MiB in minutes); exact mode runs the real switch, rack-switch "
-                    "and worker objects with real data and checks every sum. Reports ATE/s "
-                    "(elements / elapsed, slowest worker), link utilisation, retransmissions "
-                    "and queue drops. See docs/simulator.md.",
-        epilog="examples:\n"
-               "  switchml sim -n 8 --size 64MiB --rate-mbit 400              # one run\n"
-               "  switchml sim -n 2 -n 16 -n 128 -n 1024 --rack-size 32 --plot ate.png\n"
-               "  switchml sim -n 4 --loss 0 --loss 0.001 --loss 0.01 --size 16MiB\n"
-               "  switchml sim -n 256 --size 4MiB --mode exact                 # real objects\n"
-               "  switchml sim --compare docs/results/testbed-n*-400mbit-mtu1500.json\n"
-               "exit status: 0 when every run finished, 1 when one failed (a failed link), "
-               "2 on bad arguments.")
-    sim.add_argument("--workers", "-n", type=int, action="append", dest="workers",
-                     help="workers; repeat for a sweep (default 4)")
-    sim.add_argument("--size", type=_size, default=64 << 20,
-                     help="tensor size (float32) with unit, e.g. 64MiB (default 64MiB)")
-    sim.add_argument("--mode", choices=("timing", "exact"), default="timing",
-                     help="timing: modelled protocol, no payloads; exact: the real endpoints "
-                          "and data, every sum checked (default timing)")
-    sim.add_argument("--rate-mbit", type=float, default=1000.0,
-                     help="worker link rate in Mbit/s, each direction (default 1000)")
-    sim.add_argument("--spine-rate-mbit", type=float, default=None,
-                     help="rack-to-spine link rate in Mbit/s (default: --rate-mbit)")
-    sim.add_argument("--delay-us", type=float, default=0.0,
-                     help="propagation delay per link in microseconds (default 0, as veth)")
-    sim.add_argument("--queue-ms", type=float, default=20.0,
-                     help="queue limit per link as milliseconds of its rate (default 20, the "
-                          "testbed's tbf latency)")
-    sim.add_argument("--mtu", type=int, default=1500,
-                     help="path MTU in bytes; chunks fit it (358 int32 at 1500) (default 1500)")
-    sim.add_argument("--window", type=int, default=None,
-                     help="slots per job W (default: about 256 KiB in flight, 128 at MTU 1500)")
-    sim.add_argument("--loss", type=float, action="append", dest="losses",
-                     help="loss rate per link crossed, 0..1; repeat for a sweep (default 0)")
-    topo = sim.add_mutually_exclusive_group()
-    topo.add_argument("--racks", type=int, default=None,
-                      help="rack switches under a spine (must divide every n; default 1: a "
-                           "star)")
-    topo.add_argument("--rack-size", type=int, default=None,
-                      help="workers per rack: n / rack-size racks (a star while n <= it)")
-    sim.add_argument("--host-cost-us", type=float, default=None,
-                     help="worker CPU per datagram received or sent, in microseconds (default "
-                          "6.6, calibrated on the testbed; 0: hosts are never the bottleneck)")
-    sim.add_argument("--nack-gap", type=int, default=4,
-                     help="switch-driven loss recovery: NACK a rank whose chunk released this "
-                          "many completions earlier is missing (0: off, loss waits for a "
-                          "timeout) (default 4, the switch's default)")
-    sim.add_argument("--switch-delay-us", type=float, default=0.0,
-                     help="fixed processing delay per switch in microseconds (default 0)")
-    sim.add_argument("--stragglers", type=int, default=0,
-                     help="the last N ranks are stragglers (default 0)")
-    sim.add_argument("--straggler-slowdown", type=float, default=1.0,
-                     help="stragglers' host cost multiplier (default 1)")
-    sim.add_argument("--straggler-delay-ms", type=float, default=0.0,
-                     help="stragglers start the operation this much later (default 0)")
-    sim.add_argument("--fail-link", action="append", default=[], metavar="KIND:I@SECONDS",
-                     help="a link fails, both ways, at a virtual time: worker:3@0.05 or "
-                          "rack:1@0.1; repeatable")
-    sim.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
-    sim.add_argument("--compare", nargs="+", metavar="TESTBED_JSON",
-                     help="instead: simulate every loss-free switchml row of these testbed "
-                          "JSON files (same n, rate, MTU, size) and print sim / testbed")
-    sim.add_argument("--json", metavar="PATH", help="write every run as JSON")
-    sim.add_argument("--plot", metavar="PNG",
-                     help="plot ATE/s against n (with the bounds) and/or against loss")
-    sim.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+def _geo_cell(v: float | None, spec: str, suffix: str = "") -> str:
+    """``v`` formatted with ``spec`` and ``suffix``, or ``-`` for none."""
+    return "-" if v is None else format(v, spec) + suffix
+
+
+def _print_geo_rows(rows: Sequence[dict]) -> None:
+    """The geo benchmark's table, one line per mode."""
+    print(f"{'mode':<6} {'time to target (s)':>18} {'final accuracy':>14} {'WAN MB':>9} "
+          f"{'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
+    for r in rows:
+        c = r["comparison"]
+        print(f"{r['mode']:<6} {_geo_cell(r['time_to_target_s'], '.2f'):>18} "
+              f"{r['final_accuracy']:>14.4f} {r['wan_bytes'] / 1e6:>9.2f} "
+              f"{_geo_cell(c.get('time_to_target_vs_lan'), '.2f', 'x'):>7} "
+              f"{_geo_cell(c.get('speedup_vs_wan'), '.2f', 'x'):>11} "
+              f"{_geo_cell(c.get('wan_bytes_vs_wan'), '.4f'):>17}")
+
+
+# ---------------------------------------------------------------------------------------------
+# switchml sim
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from switchml.protocol.errors import ConfigError
-    from switchml.sim.config import HOST_COST_S, SimConfig, Stragglers
-    from switchml.sim.run import (
-        access_link,
-        compare_with_testbed,
-        format_table,
-        parse_failure,
-        plot_reports,
-        run_config,
-        write_json,
-    )
-
+    """``switchml sim``: a sweep over --workers x --loss, or ``--compare`` with the testbed."""
     command = "switchml " + " ".join(sys.argv[1:])
+    config = _sim_config_builder(args)
+    if args.compare:
+        return _run_sim_compare(args, config, command)
+    return _run_sim_sweep(args, config, command)
+
+
+def _sim_config_builder(args: argparse.Namespace) -> Callable[[int, float], SimConfig]:
+    """Check the simulator's options; the :class:`SimConfig` of n workers and a loss rate."""
+    from switchml.sim.config import HOST_COST_S, SimConfig, Stragglers
+    from switchml.sim.run import access_link, parse_failure
+
     host_cost = HOST_COST_S if args.host_cost_us is None else args.host_cost_us * 1e-6
     if host_cost < 0 or args.queue_ms <= 0 or args.delay_us < 0:
         raise ConfigError("--host-cost-us and --delay-us must be >= 0, --queue-ms > 0")
@@ -1306,21 +1571,36 @@ def _run_sim(args: argparse.Namespace) -> int:
                                                args.straggler_delay_ms * 1e-3),
                          failures=failures, seed=args.seed, nack_gap=args.nack_gap)
 
-    if args.compare:
-        rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode)
-        print(f"{'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} {'testbed ATE/s':>13} "
-              f"{'sim ATE/s':>10} {'sim/testbed':>11}")
-        for r in rows:
-            print(f"{r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
-                  f"{r['size_bytes']:10d} {r['testbed_ate_per_s']:13.3e} "
-                  f"{r['sim_ate_per_s']:10.3e} {r['ratio']:11.3f}")
-        if args.json:
-            import json
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "sim-compare", "command": command, "rows": rows}, f,
-                          indent=1)
-            print(f"wrote {args.json}")
-        return 0
+    return config
+
+
+def _run_sim_compare(args: argparse.Namespace, config: Callable[[int, float], SimConfig],
+                     command: str) -> int:
+    """``sim --compare``: simulated against measured ATE/s, one line per testbed row."""
+    import json
+
+    from switchml.sim.run import compare_with_testbed
+
+    rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode)
+    print(f"{'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} {'testbed ATE/s':>13} "
+          f"{'sim ATE/s':>10} {'sim/testbed':>11}")
+    for r in rows:
+        print(f"{r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
+              f"{r['size_bytes']:10d} {r['testbed_ate_per_s']:13.3e} "
+              f"{r['sim_ate_per_s']:10.3e} {r['ratio']:11.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "sim-compare", "command": command, "rows": rows}, f,
+                      indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_sim_sweep(args: argparse.Namespace, config: Callable[[int, float], SimConfig],
+                   command: str) -> int:
+    """One simulated all-reduce per n and loss rate; status 1 if any failed."""
+    from switchml.sim.run import format_table, plot_reports, run_config, write_json
+
     reports = []
     for n in args.workers or [4]:
         for loss in args.losses or [0.0]:
@@ -1339,46 +1619,22 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the ``switchml`` command line ``argv`` (default ``sys.argv[1:]``); its exit status:
+    the command's, or 2 for bad arguments or an error the command reports."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "switch":
-            return _run_switch(args)
-        if args.command == "demo":
-            return _run_demo(args)
-        if args.command == "stats":
-            return _run_stats(args)
-        if args.command == "testbed":
-            return _run_testbed(args)
-        if args.command == "bench" and args.bench == "allreduce":
-            return _run_bench_allreduce(args)
-        if args.command == "bench" and args.bench == "train":
-            return _run_bench_train(args)
-        if args.command == "bench" and args.bench == "plot":
-            from switchml.bench.plots import plot_results
-            for path in plot_results(args.files, args.out):
-                print(path)
-            return 0
-        if args.command == "bench" and args.bench == "soak":
-            return _run_bench_soak(args)
-        if args.command == "bench" and args.bench == "fuzz":
-            return _run_bench_fuzz(args)
-        if args.command == "bench" and args.bench == "switch":
-            return _run_bench_switch(args)
-        if args.command == "ps":
-            return _run_ps(args)
-        if args.command == "sim":
-            return _run_sim(args)
-        if args.command == "bench" and args.bench == "geo":
-            return _run_bench_geo(args)
+        status: int = args.func(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"switchml: error: {exc}", file=sys.stderr)
         return 2
-    parser.error("unknown command")
-    return 2
+    return status
 
 
 if __name__ == "__main__":
