@@ -88,12 +88,7 @@ def test_16_bit_allreduce_within_its_bound_and_residual_accounts_for_the_rest(n)
           for _ in range(n)]
     outs = [np.empty_like(x) for x in xs]
     residuals = [np.full_like(x, np.nan) for x in xs]
-    seqs = []
-    for r in range(n):
-        seqs.append(c.workers[r].start_allreduce(xs[r], outs[r], c.fabric.now, bits=16,
-                                                 residual=residuals[r]))
-        c.fabric.flush(c.addresses[r])
-    c.wait(seqs)
+    c.wait(c.start(xs, outs, bits=16, residuals=residuals))
     ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
     block = 2 * k  # 16-bit elements per packet
     for b in range(0, ref.size, block):

@@ -12,28 +12,15 @@ from switchml.protocol.errors import OperationFailed, SwitchMLError
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import MessageType, unpack_header
-from switchml.protocol.worker import WorkerEndpoint
 from switchml.transport.memory import FaultModel, MemoryCluster
 
 
 def sharded_cluster(n: int, shards: int, *, loss: float = 0.0, window: int = 8,
                     config: WorkerConfig | None = None, seed: int = 0) -> MemoryCluster:
     """A MemoryCluster whose switch is ``shards`` switch endpoints at ports 48864+i."""
-    switches = [SwitchDataplane(SwitchConfig(shard_index=i, shard_count=shards))
-                for i in range(shards)]
-    c = MemoryCluster(num_workers=n, window=window, elements_per_packet=64, seed=seed,
-                      faults=FaultModel(loss_rate=loss, latency_s=1e-4), switch=switches[0],
-                      worker_config=config)
-    addrs = [(c.SWITCH[0], c.SWITCH[1] + i) for i in range(shards)]
-    for a, sw in zip(addrs[1:], switches[1:]):
-        c.fabric.attach(a, sw)
-    c.workers = [WorkerEndpoint(spec=c.spec, rank=r, switch_address=addrs, config=config)
-                 for r in range(n)]
-    for addr, w in zip(c.addresses, c.workers):
-        c.fabric.attach(addr, w)
-    c.shards = switches  # type: ignore[attr-defined]
-    c.shard_addresses = addrs  # type: ignore[attr-defined]
-    return c
+    return MemoryCluster(num_workers=n, window=window, elements_per_packet=64, seed=seed,
+                         faults=FaultModel(loss_rate=loss, latency_s=1e-4),
+                         worker_config=config, shards=shards)
 
 
 def _inputs(n: int, size: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -48,7 +35,7 @@ def test_sharded_sums_are_exact_and_every_shard_aggregates(shards, loss):
     for _ in range(2):
         for out in c.allreduce(xs):
             np.testing.assert_allclose(out, ref, atol=1e-4)
-    per_shard = [sum(sw.stats()["elements_aggregated"].values()) for sw in c.shards]
+    per_shard = [sum(sw.stats()["elements_aggregated"].values()) for sw in c.shard_switches]
     # Lanes are striped: each shard aggregated its share (8 lanes over S shards).
     assert all(a > 0 for a in per_shard), per_shard
     lanes = [len(range(i, 8, shards)) for i in range(shards)]
@@ -59,7 +46,7 @@ def test_sharded_sums_are_exact_and_every_shard_aggregates(shards, loss):
 def test_each_shard_grants_its_own_slot_base_and_requests_use_it():
     c = sharded_cluster(2, 2)
     # Shard 1 has another job already, so its slot base differs from shard 0's.
-    c.shards[1].allocator.allocate(5)
+    c.shard_switches[1].allocator.allocate(5)
     c.join()
     bases = c.workers[0].slot_bases
     assert bases[0] != bases[1]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.errors import OperationFailed as OperationFailedError
-from switchml.protocol.events import OperationCompleted, OperationFailed
+from switchml.protocol.events import OperationAborted, OperationCompleted
 from switchml.protocol.quantize import block_exponent, error_bound
 from switchml.protocol.wire import MessageType, unpack_header
 from switchml.protocol.worker import WorkerState
@@ -241,7 +241,7 @@ def run_pipelined(c: MemoryCluster, ops: list[list[np.ndarray]],
             while seen_events[r] < len(fab.events[a]):
                 ev = fab.events[a][seen_events[r]]
                 seen_events[r] += 1
-                if isinstance(ev, OperationFailed):
+                if isinstance(ev, OperationAborted):
                     raise OperationFailedError(f"rank {r}: {ev.reason}")
                 if isinstance(ev, OperationCompleted):
                     done[r] += 1
@@ -501,7 +501,7 @@ FAIL_CONFIG = WorkerConfig(op_timeout_s=2.0, max_rto_s=0.5, initial_rto_s=0.05, 
 
 def step_tracking(c: MemoryCluster, ranks: list[int], until, max_time_s: float = 100.0):
     """Step the fabric until ``until()``; return per rank the virtual time of its last result
-    and of its OperationFailed event (None if none)."""
+    and of its OperationAborted event (None if none)."""
     fab = c.fabric
     seen = {r: c.workers[r].counters["results_received"] for r in ranks}
     last_progress = {r: fab.now for r in ranks}
@@ -514,21 +514,23 @@ def step_tracking(c: MemoryCluster, ranks: list[int], until, max_time_s: float =
             if got != seen[r]:
                 seen[r], last_progress[r] = got, fab.now
             if failed_at[r] is None and any(
-                    isinstance(e, OperationFailed) for e in fab.events[c.addresses[r]]):
+                    isinstance(e, OperationAborted) for e in fab.events[c.addresses[r]]):
                 failed_at[r] = fab.now
     return last_progress, failed_at
 
 
-def failures(c: MemoryCluster, r: int) -> list[OperationFailed]:
-    return [e for e in c.fabric.events[c.addresses[r]] if isinstance(e, OperationFailed)]
+def failures(c: MemoryCluster, r: int) -> list[OperationAborted]:
+    return [e for e in c.fabric.events[c.addresses[r]] if isinstance(e, OperationAborted)]
 
 
 def start_and_progress(c: MemoryCluster, size: int, results: int) -> list[int]:
+    """Start an operation on every rank, run until rank 0 has ``results`` results; return
+    the operations' sequence numbers."""
     inputs = make_inputs(c.spec.num_workers, size, np.float32, seed=8)
-    seqs = c.start(inputs, [np.empty_like(x) for x in inputs])
+    handles = c.start(inputs, [np.empty_like(x) for x in inputs])
     c.fabric.run(lambda: c.workers[0].counters["results_received"] >= results)
     assert c.workers[0].state is WorkerState.BUSY  # really mid-operation
-    return seqs
+    return [h.seq for h in handles]
 
 
 def assert_failed_endpoint_refuses(c: MemoryCluster, r: int) -> None:
@@ -564,13 +566,15 @@ def test_detached_worker_is_named_by_the_others() -> None:
 
 def test_two_detached_workers_are_both_named_via_wait() -> None:
     c = MemoryCluster(num_workers=5, window=2, elements_per_packet=8, worker_config=FAIL_CONFIG)
-    seqs = start_and_progress(c, 10 * 8, results=3)
+    inputs = make_inputs(5, 10 * 8, np.float32, seed=8)
+    handles = c.start(inputs, [np.empty_like(x) for x in inputs])
+    c.fabric.run(lambda: c.workers[0].counters["results_received"] >= 3)
     t_detach = c.fabric.now
     c.fabric.detach(c.addresses[1])
     c.fabric.detach(c.addresses[3])
     survivors = [0, 2, 4]
     with pytest.raises(OperationFailedError, match=r"rank\(s\) \[1, 3\]"):
-        c.wait([seqs[r] for r in survivors], ranks=survivors)
+        c.wait([handles[r] for r in survivors])
     bound = FAIL_CONFIG.op_timeout_s + FAIL_CONFIG.max_rto_s + 0.01
     assert c.fabric.now <= t_detach + bound
     for r in survivors:
@@ -580,10 +584,10 @@ def test_two_detached_workers_are_both_named_via_wait() -> None:
 def test_rank_that_never_starts_is_named() -> None:
     c = MemoryCluster(num_workers=3, window=2, elements_per_packet=8, worker_config=FAIL_CONFIG)
     inputs = make_inputs(3, 40, np.int32)
-    seqs = c.start(inputs[:2], [np.empty_like(x) for x in inputs[:2]], ranks=[0, 1])
+    handles = c.start(inputs[:2], [np.empty_like(x) for x in inputs[:2]], ranks=[0, 1])
     t0 = c.fabric.now
     with pytest.raises(OperationFailedError, match=r"rank\(s\) \[2\]"):
-        c.wait(seqs, ranks=[0, 1])
+        c.wait(handles)
     assert c.fabric.now == pytest.approx(t0 + FAIL_CONFIG.op_timeout_s)
 
 
@@ -670,19 +674,19 @@ def test_replayed_result_of_previous_operation_is_dropped() -> None:
 
     second = make_inputs(n, size, np.int32, seed=2)
     outs = [np.zeros_like(x) for x in second]
-    seqs = c.start(second, outs)
+    handles = c.start(second, outs)
     # The replay matches rank 0's in-flight packet in everything but the operation: same chunk,
     # slot and set (lane 0 flipped twice in the first operation).
     old_h, req_h = unpack_header(old), unpack_header(requests[-1])
     assert (old_h.chunk, old_h.slot, old_h.set_bit) == (req_h.chunk, req_h.slot, req_h.set_bit)
-    assert req_h.seq == seqs[0] == old_h.seq + 1
+    assert req_h.seq == handles[0].seq == old_h.seq + 1
     w = c.workers[0]
     w.receive_datagram(old, SWITCH, c.fabric.now)
     c.fabric.flush(a0)
     assert w.drops["stale_result"] == 1
     assert w.counters["results_received"] == 4  # only the first operation's
     assert np.array_equal(outs[0], np.zeros(size, np.int32))
-    c.wait(seqs)
+    c.wait(handles)
     expected = second[0].astype(np.int64) + second[1]
     assert np.array_equal(outs[0], expected) and np.array_equal(outs[1], expected)
     assert w.drops["stale_result"] == 1
@@ -784,9 +788,9 @@ def test_misuse_raises_and_leaves_state_unchanged(case: str) -> None:
     # The ranks are still in step (same seq) and a correct operation works.
     inputs = make_inputs(2, 10, np.float32, seed=3)
     outs = [np.empty_like(a) for a in inputs]
-    seqs = c.start(inputs, outs)
-    assert seqs == [0, 0]
-    c.wait(seqs)
+    handles = c.start(inputs, outs)
+    assert [h.seq for h in handles] == [0, 0]
+    c.wait(handles)
     assert_allreduce_ok(outs, inputs, 4)
 
 

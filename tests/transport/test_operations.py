@@ -53,7 +53,8 @@ def test_switch_restart_mid_operation_is_retried_transparently(faults):
     first = c.allreduce(xs)  # the job has history: seq 1 comes next, sets have alternated
     assert np.array_equal(first[0], expected)
     outs = [x.copy() for x in xs]  # in place: the restart must use the input, not partial sums
-    seqs = c.start(outs, outs)
+    handles = c.start(outs, outs)
+    first_seq = handles[0].seq
     c.fabric.run(lambda: c.switch.stats()["results_multicast"] > 25)
     # The switch crashes and comes back empty at the same address; datagrams already on
     # their way (old epoch) reach the new one.
@@ -66,8 +67,9 @@ def test_switch_restart_mid_operation_is_retried_transparently(faults):
                                      for e in c.fabric.events[a]), max_time_s=120)
         restarted[r] = [e for e in c.fabric.events[a] if isinstance(e, OperationRestarted)]
     new_seqs = [restarted[r][-1].new_seq for r in range(n)]
-    assert len(set(new_seqs)) == 1 and new_seqs[0] > seqs[0]
-    c.wait(new_seqs)
+    assert len(set(new_seqs)) == 1 and new_seqs[0] > first_seq
+    c.wait(handles)  # the handles follow their operation to its new sequence number
+    assert [h.seq for h in handles] == new_seqs
     for o in outs:
         assert np.array_equal(o, expected)
     # The job goes on: the next operation is exact too.
@@ -95,7 +97,7 @@ def test_restarts_are_bounded():
                       worker_config=WorkerConfig(max_restarts=1, op_timeout_s=5.0,
                                                  join_timeout_s=2.0))
     c.join()
-    seqs = c.start(_inputs(2, 10_000, 1))
+    handles = c.start(_inputs(2, 10_000, 1))
     failed = lambda: all(w.state is WorkerState.ERROR for w in c.workers)  # noqa: E731
     crashes = 0
     while not failed():  # the switch keeps losing the job
@@ -108,7 +110,8 @@ def test_restarts_are_bounded():
         c.fabric.run(lambda: c.switch.stats()["jobs"] or failed(), max_time_s=60)
     assert crashes == 2
     with pytest.raises(OperationFailed, match="lost the job 2 times"):
-        c.wait([seqs[0] + 2**16] * 2)  # the failure is reported for the restarted operation
+        c.wait(handles)
+    assert [h.seq for h in handles] == [2**16] * 2  # reported for the restarted operation
 
 
 def test_restarted_worker_cannot_rejoin_a_running_job():
@@ -127,13 +130,7 @@ def test_restarted_worker_cannot_rejoin_a_running_job():
 def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
     c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
     c.join()
-    c.fabric.detach(c.addresses[1])
-    w = WorkerEndpoint(spec=c.spec, rank=1, switch_address=c.SWITCH)
-    c.addresses[1] = ("restarted", 1)
-    c.workers[1] = w
-    c.fabric.attach(c.addresses[1], w)
-    w.join(c.fabric.now)
-    c.fabric.flush(c.addresses[1])
+    w = c.restart_worker(1, ("restarted", 1))
     c.fabric.run(lambda: w.state is WorkerState.READY)
     xs = _inputs(2, 1000, 2)
     out = c.allreduce(xs)
@@ -166,15 +163,17 @@ def test_worker_restart_events_name_the_new_sequence_number():
     c = MemoryCluster(num_workers=1, window=2, elements_per_packet=8, job_id=1, token=2)
     assert c.spec == spec
     c.allreduce([np.ones(100, np.float32)])
-    seqs = c.start([np.ones(100, np.float32)])
+    (h,) = c.start([np.ones(100, np.float32)])
+    seq = h.seq
     c.fabric.detach(c.SWITCH)
     c.switch = SwitchDataplane()
     c.fabric.attach(c.SWITCH, c.switch)
     c.fabric.run(lambda: any(isinstance(e, OperationRestarted)
                              for e in c.fabric.events[c.addresses[0]]), max_time_s=60)
     (ev,) = [e for e in c.fabric.events[c.addresses[0]] if isinstance(e, OperationRestarted)]
-    assert ev.seq == seqs[0] and ev.new_seq == seqs[0] + 2**16
-    c.wait([ev.new_seq])
+    assert ev.seq == seq and ev.new_seq == seq + 2**16
+    c.wait([h])
+    assert h.seq == ev.new_seq
     assert c.workers[0].counters["operations_restarted"] == 1
 
 
@@ -185,12 +184,9 @@ def test_ranks_that_notice_a_restart_late_still_catch_up(down_s):
     n = 3
     xs = _inputs(n, 20_000, seed=0)
     expected = MemoryCluster(num_workers=n, window=4, elements_per_packet=512).allreduce(xs)[0]
+    slow = WorkerConfig(min_rto_s=0.3, initial_rto_s=0.3, op_timeout_s=5)
     c = MemoryCluster(num_workers=n, window=4, elements_per_packet=512,
-                      worker_config=WorkerConfig(op_timeout_s=5))
-    slow = WorkerEndpoint(spec=c.spec, rank=2, switch_address=c.SWITCH,
-                          config=WorkerConfig(min_rto_s=0.3, initial_rto_s=0.3, op_timeout_s=5))
-    c.workers[2] = slow
-    c.fabric.attach(c.addresses[2], slow)
+                      worker_config=[WorkerConfig(op_timeout_s=5)] * (n - 1) + [slow])
     c.allreduce(xs)
     outs = [np.empty_like(x) for x in xs]
     c.start(xs, outs)

@@ -14,6 +14,7 @@ from switchml.control import new_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import OperationFailed
 from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
+from switchml.transport.faults import LossyEndpoint
 from switchml.transport.udp import SwitchServer, WorkerClient
 
 
@@ -38,8 +39,8 @@ def _run(servers, child, per_rack: int, xs, loss: float = 0.0, config=None) -> l
     def run(g: int) -> None:
         rack, local = divmod(g, per_rack)
         try:
-            with WorkerClient(servers[rack].address, child, local, config, loss_rate=loss,
-                              loss_seed=g) as w:
+            with WorkerClient(servers[rack].address, child, local, config,
+                              wrap=lambda s: LossyEndpoint(s, loss, g)) as w:
                 out[g] = [w.allreduce(xs[g]) for _ in range(2)]
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[g] = exc

@@ -63,6 +63,8 @@ class BenchConfig:
     baselines: tuple[str, ...] = ("gloo",)
     timeout_s: float = 600.0
     batching: bool = True  # UDP GSO/GRO in the switch and the workers
+    secret: bytes | None = None
+    """The secret of an external switch (``switch``) that has one: creating the job needs it."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -106,8 +108,10 @@ def _cpu_s() -> float:
 
 def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
                      warmup: int, iters: int, barrier: Any, results: Any,
-                     batching: bool = True, bits: int = 32) -> None:
+                     batching: bool = True, bits: int = 32, secret: bytes | None = None
+                     ) -> None:
     from switchml.control import decode_job_spec
+    from switchml.protocol.config import WorkerConfig
     from switchml.transport.udp import WorkerClient
     try:
         spec = decode_job_spec(spec_text)
@@ -116,7 +120,8 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
         x = base * np.float32(rank + 1)
         expected = base.astype(np.float64) * (n * (n + 1) / 2)
         out = np.empty_like(x)
-        with WorkerClient(switch, spec, rank, batching=batching) as w:
+        with WorkerClient(switch, spec, rank, WorkerConfig(secret=secret),
+                          batching=batching) as w:
             for _ in range(warmup):
                 w.allreduce(x, out, bits=bits)
             barrier.wait()
@@ -192,7 +197,8 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
                                             elements_per_packet=cfg.elements_per_packet))
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
                                                             cfg.iters, barrier, results,
-                                                            cfg.batching, cfg.bits))
+                                                            cfg.batching, cfg.bits,
+                                                            cfg.secret))
                  for r in range(n)]
     else:
         port = _free_port()

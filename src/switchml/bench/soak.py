@@ -48,14 +48,16 @@ def _soak_worker(switch: tuple[str, int], spec_text: str, rank: int, job_seed: i
     from switchml.control import decode_job_spec
     from switchml.protocol.config import WorkerConfig
     from switchml.protocol.errors import SwitchMLError
+    from switchml.transport.faults import LossyEndpoint
     from switchml.transport.udp import WorkerClient
     spec = decode_job_spec(spec_text)
     done = wrong = 0
     error = None
     try:
         cfg = WorkerConfig(op_timeout_s=op_timeout_s, max_rto_s=0.5, keepalive_s=1.0)
-        with WorkerClient(switch, spec, rank, cfg, loss_rate=loss_rate,
-                          loss_seed=job_seed * 1000 + rank) as w:
+        seed = job_seed * 1000 + rank
+        with WorkerClient(switch, spec, rank, cfg, wrap=lambda session: LossyEndpoint(
+                session, loss_rate, seed)) as w:
             op = 0
             while True:
                 out = w.allreduce(_input(job_seed, op, rank, numel))

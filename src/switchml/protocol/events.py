@@ -16,7 +16,7 @@ __all__ = [
     "Left",
     "MemberJoined",
     "OperationCompleted",
-    "OperationFailed",
+    "OperationAborted",
     "OperationRestarted",
 ]
 
@@ -54,7 +54,8 @@ class JobRefused:
 
 @dataclass(frozen=True, slots=True)
 class JobRemoved:
-    """Switch: every member left; the slots went back to the pool."""
+    """Switch: the job is gone and its slots went back to the pool; ``reason`` says why
+    (``"left"``: every member left; a lease that expired; an operator's removal)."""
 
     job_id: int
     reason: str
@@ -83,8 +84,10 @@ class OperationCompleted:
 
 
 @dataclass(frozen=True, slots=True)
-class OperationFailed:
-    """Worker: operation ``seq`` cannot complete; ``reason`` names who stopped answering."""
+class OperationAborted:
+    """Worker: operation ``seq`` cannot complete and was given up; ``reason`` names who stopped
+    answering (or what disagreed). A driver fails the operation's handle with the exception
+    :class:`~switchml.protocol.errors.OperationFailed` and this reason."""
 
     seq: int
     reason: str
@@ -106,4 +109,4 @@ class Left:
 
 
 Event = (JobCreated | MemberJoined | JobRefused | JobRemoved | Joined | JoinFailed
-         | OperationCompleted | OperationFailed | OperationRestarted | Left)
+         | OperationCompleted | OperationAborted | OperationRestarted | Left)

@@ -30,7 +30,7 @@ trusted, so a new job must be joined.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import numpy as np
@@ -44,8 +44,8 @@ from switchml.protocol.events import (
     Joined,
     JoinFailed,
     Left,
+    OperationAborted,
     OperationCompleted,
-    OperationFailed,
     OperationRestarted,
 )
 from switchml.protocol.quantize import scale_bits
@@ -384,13 +384,20 @@ class WorkerEndpoint:
         count, excess = K.split_gro(nbytes, seg, self._starts, self._lens)
         if excess:
             self._drops["too_many_segments"] += excess
-        self.receive_many(buf, self._starts, self._lens, count, now)
+        self._receive(buf, self._starts, self._lens, count, now)
 
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
+    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
                      now: float) -> None:
         """Process ``count`` datagrams ``buf[starts[i] : starts[i] + lens[i]]`` (int64 arrays;
-        ``recvmmsg``) from the switch, in order. Results of the operation in flight go through
-        the compiled kernel, many per call; anything else datagram by datagram."""
+        ``recvmmsg``) from the switch (or its shards), in order. The senders do not matter: a
+        result is checked against the job's token and the lane's slot and set."""
+        self._receive(buf, starts, lens, count, now)
+
+    def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
+                 now: float) -> None:
+        """Results of the operation in flight go through the compiled kernel, many per call;
+        anything else datagram by datagram."""
         view = None
         i = 0
         while i < count:
@@ -814,7 +821,7 @@ class WorkerEndpoint:
         self.state = WorkerState.ERROR
         self.error = reason
         self._counters["operations_failed"] += 1
-        self._events.append(OperationFailed(op.seq, reason))
+        self._events.append(OperationAborted(op.seq, reason))
 
     def _join_failed(self, reason: str) -> None:
         self.state = WorkerState.ERROR

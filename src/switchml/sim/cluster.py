@@ -21,7 +21,7 @@ from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.errors import OperationFailed as OperationFailedError
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import Joined, JoinFailed, OperationCompleted, OperationFailed
+from switchml.protocol.events import Joined, JoinFailed, OperationAborted, OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed, UpstreamJoined
 from switchml.protocol.worker import WorkerEndpoint
@@ -140,11 +140,11 @@ class TreeCluster:
 
     def wait(self, seqs: Sequence[int]) -> None:
         """Run until every worker finished; raise OperationFailed (or the tree's error)."""
-        kinds = (OperationCompleted, OperationFailed)
+        kinds = (OperationCompleted, OperationAborted)
         self.net.run(self._all_have(self.addresses, kinds, list(seqs)))
         for a, s in zip(self.addresses, seqs):
             for ev in self.net.events[a]:
-                if isinstance(ev, OperationFailed) and ev.seq == s:
+                if isinstance(ev, OperationAborted) and ev.seq == s:
                     raise OperationFailedError(ev.reason)
 
     def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -27,15 +27,16 @@ import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.endpoint import deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import OperationCompleted, OperationFailed
+from switchml.protocol.events import OperationAborted, OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import TreeConfig, TreeFailed
 from switchml.protocol.worker import WorkerEndpoint, WorkerState
 from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
 from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
 from switchml.sim.timing import LinkStats, SimReport
-from switchml.transport.memory import EndpointTimers, deliver_batch
+from switchml.transport.memory import EndpointTimers
 
 __all__ = ["ExactNetwork", "run_exact"]
 
@@ -220,7 +221,7 @@ class ExactNetwork:
             if len(batch) == 1:
                 ep.receive_datagram(batch[0][1], batch[0][0], self.now)
             else:
-                deliver_batch(ep, batch, self.now)
+                deliver_datagrams(ep, batch, self.now)
             self.flush(dst, len(batch))
             if inbox:
                 self._wake(dst)
@@ -342,7 +343,7 @@ def run_exact(config: SimConfig, *, check: bool = True,
                 for ev in net.events[a]:
                     if isinstance(ev, OperationCompleted) and ev.seq == seqs.get(g):
                         done_at[g] = net.now
-                    elif isinstance(ev, OperationFailed):
+                    elif isinstance(ev, OperationAborted):
                         error = f"rank {g} failed at t={net.now - t0:.6f} s: {ev.reason}"
                 net.events[a].clear()
             for a in ([] if c.racks == 1 else [rack_address(r) for r in range(c.racks)]):

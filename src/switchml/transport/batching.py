@@ -36,10 +36,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from switchml.protocol.address import Address
-from switchml.protocol.kernels import split_mmsg
+from switchml.protocol.kernels import gro_segments, split_mmsg
 
-__all__ = ["BatchSender", "MultiReceiver", "enable_gro", "gso_supported", "receive_segments",
-           "recvmmsg_supported", "segments", "RECV_BUFFER_BYTES"]
+__all__ = ["BatchSender", "MultiReceiver", "SegmentReceiver", "enable_gro", "gso_supported",
+           "open_receiver", "receive_segments", "recvmmsg_supported", "segments",
+           "RECV_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +338,7 @@ class MultiReceiver:
         self.lens = np.zeros(limit, np.int64)
         self.senders = np.zeros(limit, np.int64)
         self._addresses: dict[int, Address] = {}
+        self.truncated = 0  # (a 64 KiB buffer holds any datagram: always 0)
 
     def receive(self, *, block: bool = False) -> int:
         """Receive up to ``count`` datagrams; return how many (0: none was waiting).
@@ -371,3 +373,51 @@ class MultiReceiver:
             addr = (socket.inet_ntoa((key >> 16).to_bytes(4, "big")), key & 0xFFFF)
             self._addresses[key] = addr
         return addr
+
+
+class SegmentReceiver:
+    """:class:`MultiReceiver`'s interface where ``recvmmsg`` is missing (or batching is off):
+    one ``recvmsg`` per call, which may bring a UDP GRO buffer of several datagrams of one
+    sender. ``truncated`` counts buffers the kernel had to cut (dropped: larger than any
+    datagram of the protocol)."""
+
+    def __init__(self, sock: socket.socket, *, gro: bool) -> None:
+        self.sock = sock
+        self.gro = gro and enable_gro(sock)
+        self._raw = bytearray(RECV_BUFFER_BYTES)
+        self._view = memoryview(self._raw)
+        self.buf = np.frombuffer(self._raw, np.uint8)
+        self.starts = np.zeros(MAX_SEGMENTS, np.int64)
+        self.lens = np.zeros(MAX_SEGMENTS, np.int64)
+        self.senders = np.zeros(MAX_SEGMENTS, np.int64)
+        self.truncated = 0
+        self._addr: Address = ("", 0)
+
+    def receive(self, *, block: bool = False) -> int:
+        """One buffer's datagrams; 0 if none is waiting (a non-blocking socket) or it was
+        truncated. ``block`` is the socket's own mode. Raises what ``recvmsg`` raises."""
+        try:
+            nbytes, seg, addr, truncated = receive_segments(self.sock, self._raw, self._view)
+        except BlockingIOError:
+            return 0
+        if truncated:
+            self.truncated += 1
+            return 0
+        self._addr = addr
+        if nbytes == 0:  # an empty datagram is one (malformed) datagram
+            self.starts[0] = self.lens[0] = 0
+            return 1
+        return int(gro_segments(nbytes, seg, self.starts, self.lens))
+
+    def address_of(self, key: int) -> Address:
+        """The sender of the last buffer (all its datagrams have one)."""
+        return self._addr
+
+
+def open_receiver(sock: socket.socket, *, batching: bool) -> MultiReceiver | SegmentReceiver:
+    """The best receiver this platform offers for ``sock``: ``recvmmsg`` (each buffer may be a
+    GRO buffer) where batching is on and it exists, else one ``recvmsg`` per call (with GRO
+    where batching is on)."""
+    if batching and recvmmsg_supported():
+        return MultiReceiver(sock)
+    return SegmentReceiver(sock, gro=batching)

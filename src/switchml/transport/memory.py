@@ -15,29 +15,22 @@ import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.errors import OperationFailed as OperationFailedError
+from switchml.protocol.endpoint import Endpoint, deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import Event, Joined, JoinFailed, OperationCompleted, OperationFailed
+from switchml.protocol.events import Event
+from switchml.protocol.session import WorkerSession
 from switchml.protocol.switch import SwitchDataplane
-from switchml.protocol.tree import RackAggregator
 from switchml.protocol.worker import WorkerEndpoint
+from switchml.transport.handles import AllreduceHandle
 
-__all__ = ["Endpoint", "FaultModel", "MemoryCluster", "MemoryFabric", "deliver_batch"]
+__all__ = ["EndpointTimers", "FaultModel", "MemoryCluster", "MemoryFabric"]
 
-
-
-class Endpoint(Protocol):
-    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None: ...
-    def handle_timer(self, now: float) -> None: ...
-    def datagrams_to_send(self, now: float) -> Sequence[tuple[bytes | memoryview, Address]]: ...
-    def get_timer(self) -> float | None: ...
-    def next_event(self) -> Event | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +197,7 @@ class MemoryFabric:
                     _, _, src, _, payload = heapq.heappop(heap)
                     batch.append((src, payload))
                 self.stats["delivered"] += len(batch)
-                deliver_batch(ep, batch, self.now)
+                deliver_datagrams(ep, batch, self.now)
             self.flush(dst)
             return True
         if next_timer is not None:
@@ -232,124 +225,132 @@ _MAX_BATCH = 64
 """Datagrams one batch delivery takes at most (a ``recvmmsg`` of 64)."""
 
 
-def deliver_batch(ep: Endpoint, batch: list[tuple[Address, bytes]], now: float) -> None:
-    """Deliver datagrams (src, payload) to ``ep`` in order: one ``receive_many`` call for the
-    switch, rack-switch and worker endpoints, one ``receive_datagram`` each for anything
-    else."""
-    if not isinstance(ep, (SwitchDataplane, WorkerEndpoint, RackAggregator)):
-        for src, payload in batch:
-            ep.receive_datagram(payload, src, now)
-        return
-    lens = np.fromiter((len(p) for _, p in batch), np.int64, len(batch))
-    starts = np.zeros(len(batch), np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    buf = np.frombuffer(bytearray(b"".join(p for _, p in batch)), np.uint8)  # writable
-    if isinstance(ep, WorkerEndpoint):
-        ep.receive_many(buf, starts, lens, len(batch), now)
-        return
-    addrs: list[Address] = []
-    index: dict[Address, int] = {}
-    senders = np.empty(len(batch), np.int64)
-    for i, (src, _) in enumerate(batch):
-        j = index.get(src)
-        if j is None:
-            j = index[src] = len(addrs)
-            addrs.append(src)
-        senders[i] = j
-    ep.receive_many(buf, starts, lens, senders, len(batch), addrs.__getitem__, now)
-
-
 class MemoryCluster:
-    """One switch and the n workers of one job on a :class:`MemoryFabric`.
+    """One switch and the n workers of one job on a :class:`MemoryFabric`; each worker is
+    driven through a :class:`~switchml.protocol.session.WorkerSession`, so operations queue
+    and hand out the same handles as over UDP (``AllreduceHandle``; ``wait`` runs the
+    fabric until done).
 
     Example::
 
         c = MemoryCluster(num_workers=4, seed=1, faults=FaultModel(loss_rate=0.01))
         outs = c.allreduce([np.ones(1000, np.float32)] * 4)   # four arrays of 4.0
+        hs = c.start([np.ones(10, np.float32)] * 4)             # in place, one handle per rank
+        c.wait(hs)
     """
 
     SWITCH = ("switch", 48864)
 
     def __init__(self, *, num_workers: int, window: int = 8, elements_per_packet: int = 256,
                  faults: FaultModel | None = None, seed: int = 0, job_id: int = 7,
-                 token: int = 0x5EC12E7, worker_config: WorkerConfig | None = None,
-                 switch: SwitchDataplane | None = None, fabric: MemoryFabric | None = None
-                 ) -> None:
+                 token: int = 0x5EC12E7,
+                 worker_config: WorkerConfig | Sequence[WorkerConfig | None] | None = None,
+                 switch: SwitchDataplane | None = None, fabric: MemoryFabric | None = None,
+                 shards: int = 1) -> None:
+        """``worker_config``: one for every rank, or a list of one per rank. ``shards``: a
+        sharded switch of that many shard endpoints at ports 48864 + i (``shard_switches``,
+        ``shard_addresses``; ``switch`` is shard 0)."""
         self.spec = JobSpec(job_id=job_id, token=token, num_workers=num_workers, window=window,
                             elements_per_packet=elements_per_packet)
         self.fabric = fabric or MemoryFabric(faults or FaultModel(), seed)
         if switch is None and self.SWITCH in self.fabric.endpoints:
             switch = self.fabric.endpoints[self.SWITCH]  # type: ignore[assignment]
-        self.switch = switch or SwitchDataplane(SwitchConfig())
-        self.fabric.attach(self.SWITCH, self.switch)
+        if shards > 1 and switch is not None:
+            raise ValueError("give either a switch or a shard count")
+        self.shard_addresses = [(self.SWITCH[0], self.SWITCH[1] + i) for i in range(shards)]
+        self.shard_switches = [switch or SwitchDataplane(SwitchConfig())] if shards == 1 else [
+            SwitchDataplane(SwitchConfig(shard_index=i, shard_count=shards))
+            for i in range(shards)]
+        self.switch = self.shard_switches[0]
+        for a, sw in zip(self.shard_addresses, self.shard_switches):
+            self.fabric.attach(a, sw)
+        switch_address = self.SWITCH if shards == 1 else self.shard_addresses
         self.addresses = [(f"worker{job_id}.{r}", 4000 + r) for r in range(num_workers)]
+        configs = (list(worker_config) if isinstance(worker_config, Sequence)
+                   else [worker_config] * num_workers)
+        if len(configs) != num_workers:
+            raise ValueError(f"worker_config: expected one config or {num_workers}, got "
+                             f"{len(configs)}")
         self.workers = [
-            WorkerEndpoint(spec=self.spec, rank=r, switch_address=self.SWITCH,
-                           config=worker_config)
+            WorkerEndpoint(spec=self.spec, rank=r, switch_address=switch_address,
+                           config=configs[r])
             for r in range(num_workers)
         ]
-        for addr, w in zip(self.addresses, self.workers):
-            self.fabric.attach(addr, w)
+        self.sessions = [WorkerSession(w, handle_type=AllreduceHandle) for w in self.workers]
+        for addr, s in zip(self.addresses, self.sessions):
+            self.fabric.attach(addr, s)
         self._joined = False
 
     def join(self) -> None:
         """Join every worker; raises SwitchMLError if any join fails."""
-        for addr, w in zip(self.addresses, self.workers):
-            w.join(self.fabric.now)
+        for addr, s in zip(self.addresses, self.sessions):
+            s.join(self.fabric.now)
             self.fabric.flush(addr)
-        self.fabric.run(self._all_have(self.addresses, (Joined, JoinFailed),
-                                       [None] * len(self.addresses)))
-        for a in self.addresses:
-            for ev in self.fabric.events[a]:
-                if isinstance(ev, JoinFailed):
-                    raise SwitchMLError(ev.reason)
+        self.fabric.run(self._all(lambda s: s.joined or s.error is not None, self.sessions))
+        for s in self.sessions:
+            if s.error is not None:
+                raise SwitchMLError(s.error)
         self._joined = True
 
-    def _all_have(self, addrs: Sequence[Address], kinds: tuple[type, ...],
-                  seqs: Sequence[int | None]) -> Callable[[], bool]:
-        """A condition for ``fabric.run``: every ``addrs[i]`` has an event of ``kinds`` (with
-        ``seqs[i]``). It looks at the events again only when the fabric collected new ones, so
-        a step costs O(1) however many workers there are."""
+    def restart_worker(self, rank: int, address: Address) -> WorkerEndpoint:
+        """Rank ``rank`` restarts as a new process at ``address`` (the old one is detached):
+        a new worker with the same spec joins. Returns its endpoint."""
+        self.fabric.detach(self.addresses[rank])
+        old = self.workers[rank]
+        w = WorkerEndpoint(spec=self.spec, rank=rank, switch_address=old.switch_addresses
+                           if len(old.switch_addresses) > 1 else old.switch_address,
+                           config=old.config)
+        self.addresses[rank], self.workers[rank] = address, w
+        self.sessions[rank] = WorkerSession(w, handle_type=AllreduceHandle)
+        self.fabric.attach(address, self.sessions[rank])
+        self.sessions[rank].join(self.fabric.now)
+        self.fabric.flush(address)
+        return w
+
+    def _all(self, test: Callable[[Any], bool], items: Sequence[Any]) -> Callable[[], bool]:
+        """A condition for ``fabric.run``: ``test`` holds for every item. It looks again only
+        when the fabric collected new events, so a step costs O(1) however many workers."""
         fabric = self.fabric
         seen = -1
-        pending = list(zip(addrs, seqs))
+        pending = list(items)
 
         def until() -> bool:
             nonlocal seen, pending
             if fabric.event_count == seen:
                 return False
             seen = fabric.event_count
-            pending = [(a, s) for a, s in pending if not self._has(a, kinds, s)]
+            pending = [x for x in pending if not test(x)]
             return not pending
 
         return until
 
-    def _has(self, addr: Address, kinds: tuple[type, ...], seq: int | None = None) -> bool:
-        return any(isinstance(ev, kinds) and (seq is None or getattr(ev, "seq", None) == seq)
-                   for ev in self.fabric.events[addr])
-
     def start(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None,
-              ranks: Sequence[int] | None = None) -> list[int]:
-        """Start one all-reduce on the given ranks (default all); returns their seqs."""
+              ranks: Sequence[int] | None = None, *, bits: int = 32,
+              residuals: Sequence[np.ndarray] | None = None) -> list[AllreduceHandle]:
+        """Queue one all-reduce on the given ranks (default all; ``outs`` default: in
+        place; ``bits`` and ``residuals`` as ``WorkerEndpoint.start_allreduce`` takes them);
+        returns their handles (``wait`` on one runs the fabric until it is done)."""
         if not self._joined:
             self.join()
         ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
         outs = arrays if outs is None else outs
-        seqs = []
-        for r, x, o in zip(ranks, arrays, outs):
-            seqs.append(self.workers[r].start_allreduce(x, o, self.fabric.now))
+        res = [None] * len(ranks) if residuals is None else list(residuals)
+        handles = []
+        for r, x, o, e in zip(ranks, arrays, outs, res):
+            h = self.sessions[r].submit(x, o, now=self.fabric.now, bits=bits, residual=e)
+            h.drive = self._drive
+            handles.append(h)
             self.fabric.flush(self.addresses[r])
-        return seqs
+        return handles  # type: ignore[return-value]
 
-    def wait(self, seqs: Sequence[int], ranks: Sequence[int] | None = None) -> None:
-        """Run until the ranks finished their operation; raise OperationFailed on failure."""
-        ranks = list(range(len(self.workers))) if ranks is None else list(ranks)
-        kinds = (OperationCompleted, OperationFailed)
-        self.fabric.run(self._all_have([self.addresses[r] for r in ranks], kinds, list(seqs)))
-        for r, s in zip(ranks, seqs):
-            for ev in self.fabric.events[self.addresses[r]]:
-                if isinstance(ev, OperationFailed) and ev.seq == s:
-                    raise OperationFailedError(ev.reason)
+    def _drive(self, handle: AllreduceHandle) -> None:
+        self.fabric.run(handle.done)
+
+    def wait(self, handles: Sequence[AllreduceHandle]) -> None:
+        """Run until every handle is done; raise OperationFailed for the first that failed."""
+        self.fabric.run(self._all(lambda h: h.done(), handles))
+        for h in handles:
+            h.result()
 
     def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Sum the arrays (one per rank) out of place; return each rank's result."""

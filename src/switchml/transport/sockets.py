@@ -1,0 +1,54 @@
+"""Socket helpers shared by the switch server and the worker client: buffer sizes, path MTU."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from switchml.protocol.address import Address
+from switchml.protocol.wire import elements_for_mtu
+
+__all__ = ["DEFAULT_PORT", "SOCKET_BUFFER_BYTES", "elements_per_packet_for", "path_mtu",
+           "size_buffers"]
+
+DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
+SOCKET_BUFFER_BYTES = 32 * 2**20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+IP_MTU = getattr(socket, "IP_MTU", 14)  # linux/in.h
+
+
+def path_mtu(address: Address | Sequence[Address]) -> int | None:
+    """The MTU of the route towards ``address`` (``IP_MTU`` of a connected UDP socket), or
+    None where the platform does not say. Loopback: 65536; an Ethernet path: 1500 (or 9000).
+    For the shards of a sharded switch (a list): the smallest."""
+    if not isinstance(address[0], str):
+        mtus = [m for m in (path_mtu(a) for a in address) if m]  # type: ignore[arg-type]
+        return min(mtus) if mtus else None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(address[0]), int(address[1])))  # type: ignore
+            return int(s.getsockopt(socket.IPPROTO_IP, IP_MTU))
+    except OSError:
+        return None
+
+
+def elements_per_packet_for(switch: Address | Sequence[Address], mtu: int | None = None) -> int:
+    """The chunk size (int32 elements) whose datagrams fit the path to ``switch`` without IP
+    fragmentation: from ``mtu`` if given, else from the route's MTU (``path_mtu``), else
+    1500 (Ethernet). Loopback gives the largest datagram UDP allows (16366 elements)."""
+    if mtu is None:
+        mtu = path_mtu(switch) or 1500
+    return elements_for_mtu(mtu)
+
+
+def size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:
+    """Grow both socket buffers as far as allowed (SO_*BUFFORCE as root, else capped at
+    ``net.core.[rw]mem_max``); return the receive and send sizes the kernel granted."""
+    for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
