@@ -84,46 +84,42 @@ class GeoBenchConfig:
 
 # -- the worker (runs inside a namespace) --------------------------------------------------------
 
-def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
-    """Train one worker of one mode; data centre leaders return their figures."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from switchml.demo import build_model, load_data
-    from switchml.ps.launch import build_mlp
-    torch.set_num_threads(1)
-    mode, rank = a["mode"], a["rank"]
-    timeout = datetime.timedelta(seconds=a["timeout_s"])
+def _join_group(a: dict[str, Any]) -> None:
+    """Join this mode's process group: the data centre's (Gaia, on ``dc_backend``) or every
+    worker's (gloo)."""
+    from switchml.bench.nsproc import init_group
+    mode = a["mode"]
     backend = a.get("dc_backend", "gloo") if mode == "gaia" else "gloo"
     if backend == "switchml":
         import switchml.torch  # noqa: F401  # registers the backend
     if mode == "gaia":  # the data centre's own process group
-        dist.init_process_group(backend, init_method=f"tcp://{a['dc_master']}:{a['port']}",
-                                rank=a["local_rank"], world_size=a["dc_size"], timeout=timeout)
+        init_group(backend, a["dc_master"], a["port"], a["local_rank"], a["dc_size"],
+                   a["timeout_s"])
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://{a['master']}:{a['port']}",
-                                rank=rank, world_size=a["n"], timeout=timeout)
-    torch.manual_seed(a["seed"])
-    model = build_model() if a["model"] == "cnn" else build_mlp()
-    xtr, ytr, xte, yte = load_data(a["seed"])
-    gen = torch.Generator().manual_seed(a["seed"] * 1000 + rank)
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+        init_group("gloo", a["master"], a["port"], a["rank"], a["n"], a["timeout_s"])
+
+
+def _start_gaia(a: dict[str, Any], model: Any) -> tuple[Any, Any]:
+    """Gaia's synchroniser for ``model`` and, on a data centre's leader, its mirror."""
+    from switchml.gaia.mirror import Mirror
+    from switchml.gaia.trainer import GaiaSync
+    mirror = None
+    if a["local_rank"] == 0:
+        mirror = Mirror(dc=a["dc"], leaders=[tuple(x) for x in a["leaders"]],
+                        staleness=a["staleness"], timeout_s=a["timeout_s"]).start()
+    gaia = GaiaSync(model, mirror=mirror, threshold=a["threshold"], decay=a["decay"])
+    return gaia, mirror
+
+
+def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, ...],
+           gen: Any, gaia: Any, evaluate: bool) -> dict[str, Any]:
+    """The training steps, with an evaluation every ``eval_every`` steps when ``evaluate``:
+    training time, and the evaluations' times, accuracies and steps."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    xtr, ytr, xte, yte = data
     loss_fn = nn.CrossEntropyLoss()
-    gaia = mirror = None
-    if mode == "gaia":
-        from switchml.gaia.mirror import Mirror
-        from switchml.gaia.trainer import GaiaSync
-        if a["local_rank"] == 0:
-            mirror = Mirror(dc=a["dc"], leaders=[tuple(x) for x in a["leaders"]],
-                            staleness=a["staleness"], timeout_s=a["timeout_s"]).start()
-        gaia = GaiaSync(model, mirror=mirror, threshold=a["threshold"], decay=a["decay"])
-    lead = a["local_rank"] == 0
-    evaluate = rank == 0 or (mode == "gaia" and lead)
     times, accs, steps = [], [], []
     dist.barrier()
     t0 = time.perf_counter()
@@ -144,9 +140,33 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
             accs.append(acc)
             steps.append(step)
     elapsed = time.perf_counter() - t0 - paused
-    out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": elapsed}
+    return {"elapsed_s": elapsed, "times": times, "accuracy": accs, "steps": steps}
+
+
+def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
+    """Train one worker of one mode; data centre leaders return their figures."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml.demo import build_model, load_data
+    from switchml.ps.launch import build_mlp
+    torch.set_num_threads(1)
+    mode, rank = a["mode"], a["rank"]
+    _join_group(a)
+    torch.manual_seed(a["seed"])
+    model = build_model() if a["model"] == "cnn" else build_mlp()
+    data = load_data(a["seed"])
+    gen = torch.Generator().manual_seed(a["seed"] * 1000 + rank)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    gaia, mirror = _start_gaia(a, model) if mode == "gaia" else (None, None)
+    lead = a["local_rank"] == 0
+    evaluate = rank == 0 or (mode == "gaia" and lead)
+    run = _train(a, model, ddp, opt, data, gen, gaia, evaluate)
+    out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": run["elapsed_s"]}
     if evaluate:
-        out.update(times=times, accuracy=accs, steps=steps)
+        out.update(times=run["times"], accuracy=run["accuracy"], steps=run["steps"])
     if gaia is not None and mirror is not None:
         assert gaia.filter is not None
         out["gaia"] = {**mirror.stats(), "entries_published": gaia.entries_published,
@@ -163,55 +183,74 @@ def _argv(args: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "switchml.bench.geo", "worker", json.dumps(args)]
 
 
-def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
-    import subprocess
+def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str, Any]:
+    """The arguments every worker of ``mode`` gets."""
+    scale = cfg.gaia_lr_scale if cfg.gaia_lr_scale is not None else 1 / len(geo.dcs)
+    return {"mode": mode, "n": geo.workers, "steps": cfg.steps, "batch": cfg.batch,
+            "lr": cfg.lr * scale if mode == "gaia" else cfg.lr, "seed": cfg.seed,
+            "model": cfg.model, "eval_every": cfg.eval_every,
+            "threshold": cfg.threshold, "decay": cfg.decay, "staleness": cfg.staleness,
+            "timeout_s": min(cfg.timeout_s, 300.0), "master": geo.worker_ip(0), "port": port,
+            "leaders": [(geo.worker_ip(geo.workers_of(j)[0]), GAIA_PORT)
+                        for j in range(len(geo.dcs))],
+            "dc_backend": cfg.dc_backend}
 
-    from switchml.bench.testbed import _wait_all
+
+def _worker_args(common: dict[str, Any], geo: Any, r: int) -> dict[str, Any]:
+    """Worker r's arguments: ``common`` and its place in its data centre."""
+    j = geo.dc_of(r)
+    members = geo.workers_of(j)
+    return {**common, "rank": r, "dc": j, "local_rank": members.index(r),
+            "dc_size": len(members), "dc_master": geo.worker_ip(members[0])}
+
+
+def _worker_env(tb: Any, r: int, switched: bool) -> dict[str, str]:
+    """Worker r's environment: gloo on its link and, with ``switched``, switchml's backend at
+    the switch in its data centre's router."""
+    geo = tb.geo
+    if switched:
+        from switchml.bench.testbed import SWITCH_PORT, _switchml_env
+        from switchml.protocol.config import default_window
+        from switchml.protocol.wire import elements_for_mtu
+        k = elements_for_mtu(geo.lan.mtu)
+        env = _switchml_env(tb, r, f"{geo.gateway_ip(r)}:{SWITCH_PORT}", default_window(k), k)
+    else:
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)}
+    env["SWITCHML_DC"] = str(geo.dc_of(r))
+    return env
+
+
+def _start_dc_switches(tb: Any) -> list[Any]:
+    """One software switch in every data centre's router."""
+    from switchml.bench.testbed import SWITCH_PORT, _start_server
+    return [_start_server(tb, tb.dc_ns(j), "switch", {"port": SWITCH_PORT},
+                          f"the switch of data centre {j} did not start", 120, RuntimeError)
+            for j in range(len(tb.geo.dcs))]
+
+
+def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
+    """Train ``mode`` on the testbed ``tb``: its row."""
+    from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
     port = 34000 + secrets.randbelow(10000)
-    scale = cfg.gaia_lr_scale if cfg.gaia_lr_scale is not None else 1 / len(geo.dcs)
-    common = {"mode": mode, "n": geo.workers, "steps": cfg.steps, "batch": cfg.batch,
-              "lr": cfg.lr * scale if mode == "gaia" else cfg.lr, "seed": cfg.seed,
-              "model": cfg.model, "eval_every": cfg.eval_every,
-              "threshold": cfg.threshold, "decay": cfg.decay, "staleness": cfg.staleness,
-              "timeout_s": min(cfg.timeout_s, 300.0), "master": geo.worker_ip(0), "port": port,
-              "leaders": [(geo.worker_ip(geo.workers_of(j)[0]), GAIA_PORT)
-                          for j in range(len(geo.dcs))]}
-    common["dc_backend"] = cfg.dc_backend
+    common = _mode_args(cfg, geo, mode, port)
     switches = []
-    if mode == "gaia" and cfg.dc_backend == "switchml":  # one switch per data centre router
-        from switchml.bench.testbed import SWITCH_PORT, _nsproc, _read_line
-        for j in range(len(geo.dcs)):
-            sw = tb.popen(tb.dc_ns(j), _nsproc("switch", {"port": SWITCH_PORT}),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            if _read_line(sw, 120).strip() != "ready":
-                raise RuntimeError(f"the switch of data centre {j} did not start")
-            switches.append(sw)
-    procs = []
-    for r in range(geo.workers):
-        j = geo.dc_of(r)
-        members = geo.workers_of(j)
-        args = {**common, "rank": r, "dc": j, "local_rank": members.index(r),
-                "dc_size": len(members), "dc_master": geo.worker_ip(members[0])}
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r),
-               "SWITCHML_DC": str(j)}
-        if switches:
-            from switchml.bench.testbed import SWITCH_PORT
-            from switchml.protocol.config import default_window
-            from switchml.protocol.wire import elements_for_mtu
-            k = elements_for_mtu(geo.lan.mtu)
-            env.update(SWITCHML_SWITCH=f"{geo.gateway_ip(r)}:{SWITCH_PORT}",
-                       SWITCHML_WINDOW=str(default_window(k)),
-                       SWITCHML_ELEMENTS_PER_PACKET=str(k))
-            env.pop("SWITCHML_SECRET", None)
-        procs.append(tb.popen(tb.worker_ns(r), _argv(args), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True))
+    if mode == "gaia" and cfg.dc_backend == "switchml":
+        switches = _start_dc_switches(tb)
+    procs = _start_workers(tb, range(geo.workers), lambda r: _argv(_worker_args(common, geo, r)),
+                           lambda r: _worker_env(tb, r, bool(switches)))
     wan0 = tb.wan_bytes()
     outs = _wait_all(procs, cfg.timeout_s)
     wan = tb.wan_bytes() - wan0
     for sw in switches:
         assert sw.stdin is not None
         sw.stdin.close()
+    return _mode_row(cfg, geo, mode, outs, wan)
+
+
+def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any]],
+              wan: int) -> dict[str, Any]:
+    """A mode's row from its workers' reports (rank 0's evaluations) and the WAN bytes."""
     lead = outs[0]
     row: dict[str, Any] = {
         "mode": mode, "dcs": list(geo.dcs), "wan_bps": cfg.wan_bps if len(geo.dcs) > 1 else None,

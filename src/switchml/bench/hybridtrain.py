@@ -1,5 +1,6 @@
-"""Pieces of ``switchml bench train`` for Poseidon's hybrid mode (issue 11), used inside the
-worker processes (:func:`switchml.bench.nsproc.train`).
+"""Pieces of ``switchml bench train`` for Poseidon's hybrid mode (per layer, aggregation on the
+switch or sufficient-factor broadcasting), used inside the worker processes
+(:func:`switchml.bench.nsproc.train`).
 
 * the fully-connected-heavy model ``mlp``: digits (8x8, flattened) -> 4096 -> 4096 -> 10, so
   one 4096 x 4096 layer holds 98% of its 17M parameters;

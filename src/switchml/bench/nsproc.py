@@ -38,6 +38,16 @@ def _timed(allreduce: Any, x: np.ndarray, warmup: int, iters: int) -> dict[str, 
     return {"elapsed_s": elapsed, "cpu_s": _cpu() - c0}
 
 
+def init_group(backend: str, master: str, port: int, rank: int, world: int,
+               timeout_s: float) -> None:
+    """Join the torch.distributed process group that ``master:port`` rendezvouses."""
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def switch(a: dict[str, Any]) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
@@ -100,14 +110,10 @@ def switchml(a: dict[str, Any]) -> None:
 
 
 def gloo(a: dict[str, Any]) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a['master']}:{a['port']}",
-                            rank=a["rank"], world_size=a["n"],
-                            timeout=datetime.timedelta(seconds=300))
+    init_group("gloo", a["master"], a["port"], a["rank"], a["n"], 300)
     x = torch.full((a["numel"],), float(a["rank"] + 1))
     r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
     dist.destroy_process_group()
@@ -150,88 +156,79 @@ ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo, "ps
          "ps": ps}
 
 
-def train(a: dict[str, Any]) -> None:
-    """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one model on one
-    backend; every rank reports per-step losses and times, the bytes its link carried per step
-    (second half; ``dev`` names the link), the cost model's prediction and, with ``trace``, its
-    timeline and the fraction of communication hidden behind backward compute."""
-    import datetime
-
+def _cnn_task(batch: int, gen: Any) -> tuple[Any, Any, Any]:
+    """The convolutional model on real digits: model, loss and ``batch_of(step)``."""
     import torch
-    import torch.distributed as dist
+    from sklearn.datasets import load_digits
     from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from switchml.demo import build_model
+    model = build_model()
+    digits = load_digits()
+    xs = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    ys = torch.tensor(digits.target)
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(ys), (batch,), generator=gen)
+        return xs[idx], ys[idx]
+    return model, nn.CrossEntropyLoss(), batch_of
+
+
+def _embed_task(batch: int, gen: Any, rows: int) -> tuple[Any, Any, Any]:
+    """The network-bound model, a large embedding table (NCF/DeepLight-like), on synthetic
+    clicks: model, loss and ``batch_of(step)``."""
+    import torch
+    from torch import nn
+    dim = 32
+
+    class Rec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
+            self.mlp = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.emb(ids)).squeeze(1)
+
+    model = Rec()
+    truth = torch.Generator().manual_seed(7)
+    weights = torch.randn(rows, generator=truth)
+    # Item popularity is Zipf-like, as in real click logs: the head of the table is seen
+    # often enough to learn in a short run, the tail rarely (the gradient stays dense:
+    # the whole table's gradient is all-reduced every step).
+    popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
+    popularity /= popularity.sum()
+
+    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.multinomial(popularity, batch * 8, replacement=True,
+                                generator=gen).view(batch, 8)
+        return ids, (weights[ids].sum(1) > 0).float()
+    return model, nn.BCEWithLogitsLoss(), batch_of
+
+
+def _task(a: dict[str, Any], gen: Any) -> tuple[Any, Any, Any]:
+    """Model, loss function and ``batch_of(step)`` for ``a["model"]``."""
     from switchml.bench import hybridtrain
-    from switchml.torch.timeline import Timeline
-    torch.set_num_threads(1)
-    if a["backend"] == "switchml":
-        import switchml.torch  # noqa: F401
-    rank, n = a["rank"], a["n"]
-    dist.init_process_group(a["backend"], init_method=f"tcp://{a['master']}:{a['port']}",
-                            rank=rank, world_size=n, timeout=datetime.timedelta(seconds=120))
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batch = a["batch"]
-    if a["model"] == "cnn":  # convolutional, on real digits
-        from sklearn.datasets import load_digits
+    if a["model"] == "cnn":
+        return _cnn_task(a["batch"], gen)
+    if a["model"] == "mlp":  # fully connected, one 4096 x 4096 layer (the hybrid mode's case)
+        return hybridtrain.build_mlp(a["batch"], gen)
+    return _embed_task(a["batch"], gen, a.get("rows", 200_000))
 
-        from switchml.demo import build_model
-        model: nn.Module = build_model()
-        digits = load_digits()
-        xs = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        ys = torch.tensor(digits.target)
-        loss_fn: Any = nn.CrossEntropyLoss()
 
-        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            idx = torch.randint(0, len(ys), (batch,), generator=gen)
-            return xs[idx], ys[idx]
-    elif a["model"] == "mlp":  # fully connected, one 4096 x 4096 layer (issue 11)
-        model, loss_fn, batch_of = hybridtrain.build_mlp(batch, gen)
-    else:  # network-bound: a large embedding table (NCF/DeepLight-like), synthetic clicks
-        rows, dim = a.get("rows", 200_000), 32
-
-        class Rec(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
-                self.mlp = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.mlp(self.emb(ids)).squeeze(1)
-
-        model = Rec()
-        truth = torch.Generator().manual_seed(7)
-        weights = torch.randn(rows, generator=truth)
-        loss_fn = nn.BCEWithLogitsLoss()
-        # Item popularity is Zipf-like, as in real click logs: the head of the table is seen
-        # often enough to learn in a short run, the tail rarely (the gradient stays dense:
-        # the whole table's gradient is all-reduced every step).
-        popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
-        popularity /= popularity.sum()
-
-        def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ids = torch.multinomial(popularity, batch * 8, replacement=True,
-                                    generator=gen).view(batch, 8)
-            return ids, (weights[ids].sum(1) > 0).float()
-    mode = a.get("mode", "ddp")
-    timeline = Timeline() if a.get("trace") else None
-    ddp = DDP(model) if mode == "ddp" and timeline is None else \
-        hybridtrain.wrap(model, mode, timeline)
-    recorder = hybridtrain.StepRecorder(model, timeline) if timeline is not None else None
+def _steps(a: dict[str, Any], ddp: Any, opt: Any, loss_fn: Any, batch_of: Any,
+           recorder: Any) -> dict[str, Any]:
+    """The training steps: losses, times since the start, and where the measured second half
+    (after warm-up and bucket rebuilding) starts in time and in link bytes."""
+    from switchml.bench import hybridtrain
     dev = a.get("dev")
-    if a["model"] in ("cnn", "mlp"):
-        opt: Any = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
-    else:  # Adam, as recommendation models are usually trained
-        opt = torch.optim.Adam(ddp.parameters(), lr=a["lr"])
     losses, times = [], []
-    dist.barrier()
     t0 = time.perf_counter()
     c0 = _cpu()
     half = a["steps"] // 2
     half_s, bytes_half = t0, 0
     for step in range(a["steps"]):
-        if step == half:  # the second half is measured (after warm-up, bucket rebuilding)
+        if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
         x, y = batch_of(step)
         opt.zero_grad(set_to_none=True)
@@ -248,17 +245,52 @@ def train(a: dict[str, Any]) -> None:
             recorder.backward_done(b0, o0)
             recorder.optimizer(o0, time.perf_counter())
     elapsed = time.perf_counter() - t0
+    return {"losses": losses, "times": times, "elapsed_s": elapsed, "c0": c0, "half": half,
+            "half_s": half_s, "bytes_half": bytes_half}
+
+
+def train(a: dict[str, Any]) -> None:
+    """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one model on one
+    backend; every rank reports per-step losses and times, the bytes its link carried per step
+    (second half; ``dev`` names the link), the cost model's prediction and, with ``trace``, its
+    timeline and the fraction of communication hidden behind backward compute."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml.bench import hybridtrain
+    from switchml.torch.timeline import Timeline
+    torch.set_num_threads(1)
+    if a["backend"] == "switchml":
+        import switchml.torch  # noqa: F401
+    rank, n = a["rank"], a["n"]
+    init_group(a["backend"], a["master"], a["port"], rank, n, 120)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    model, loss_fn, batch_of = _task(a, gen)
+    mode = a.get("mode", "ddp")
+    timeline = Timeline() if a.get("trace") else None
+    ddp = DDP(model) if mode == "ddp" and timeline is None else \
+        hybridtrain.wrap(model, mode, timeline)
+    recorder = hybridtrain.StepRecorder(model, timeline) if timeline is not None else None
+    dev = a.get("dev")
+    if a["model"] in ("cnn", "mlp"):
+        opt: Any = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    else:  # Adam, as recommendation models are usually trained
+        opt = torch.optim.Adam(ddp.parameters(), lr=a["lr"])
+    dist.barrier()
+    run = _steps(a, ddp, opt, loss_fn, batch_of, recorder)
     params = sum(p.numel() for p in model.parameters())
     extra: dict[str, Any] = {"mode": mode, "predicted_bytes_per_step": hybridtrain.predicted_bytes(
         ddp, model, world=n, mtu=a.get("mtu", 1500))}
     if dev:
-        extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - bytes_half) / (
-            a["steps"] - half)
+        extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
+            a["steps"] - run["half"])
     if recorder is not None:
-        extra.update(recorder.summary(since_s=half_s, rank=rank))
+        extra.update(recorder.summary(since_s=run["half_s"], rank=rank))
     dist.destroy_process_group()
-    _emit({"losses": losses, "times": times, "elapsed_s": elapsed, "cpu_s": _cpu() - c0,
-           "params": params, **extra})
+    _emit({"losses": run["losses"], "times": run["times"], "elapsed_s": run["elapsed_s"],
+           "cpu_s": _cpu() - run["c0"], "params": params, **extra})
 
 
 ROLES["train"] = train

@@ -104,76 +104,108 @@ class SoakReport:
     switch_stats: dict[str, Any] = field(default_factory=dict)
 
 
-def run_soak(cfg: SoakConfig, progress: Any = None) -> SoakReport:
-    """Run the soak; ``progress(report)`` is called about once a second."""
-    from switchml.control import encode_job_spec, new_job_spec
-    ctx = mp.get_context("spawn")
-    rng = random.Random(cfg.seed)
-    switch = SwitchProcess(ctx, cfg.lease_timeout_s)
-    results = ctx.Queue()
-    report = SoakReport(config=cfg.__dict__.copy())
-    jobs: dict[int, list[Any]] = {}
-    next_seed = 1
+def _rss_sample(switch: SwitchProcess, start: float) -> tuple[float, int]:
+    """(seconds since ``start``, the switch's RSS): one point of a memory series."""
+    return (round(time.monotonic() - start, 1), switch.rss())
 
-    def start_job() -> None:
-        nonlocal next_seed
-        seed, next_seed = next_seed, next_seed + 1
+
+class _Soak:
+    """The jobs of one soak run: starting them, stopping them, killing their workers."""
+
+    def __init__(self, cfg: SoakConfig, ctx: Any, rng: random.Random,
+                 switch: SwitchProcess) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.rng = rng
+        self.switch = switch
+        self.results = ctx.Queue()
+        self.report = SoakReport(config=cfg.__dict__.copy())
+        self.jobs: dict[int, list[Any]] = {}
+        self.next_seed = 1
+
+    def start_job(self) -> None:
+        """Start a job of ``cfg.workers`` worker processes under the next seed."""
+        from switchml.control import encode_job_spec, new_job_spec
+        cfg = self.cfg
+        seed, self.next_seed = self.next_seed, self.next_seed + 1
         spec = encode_job_spec(new_job_spec(cfg.workers, window=8, elements_per_packet=4096))
-        procs = [ctx.Process(target=_soak_worker, args=(
-            switch.address, spec, r, seed, cfg.numel, cfg.loss_rate, cfg.op_timeout_s, results),
-            daemon=True) for r in range(cfg.workers)]
+        procs = [self.ctx.Process(target=_soak_worker, args=(
+            self.switch.address, spec, r, seed, cfg.numel, cfg.loss_rate, cfg.op_timeout_s,
+            self.results), daemon=True) for r in range(cfg.workers)]
         for p in procs:
             p.start()
-        jobs[seed] = procs
-        report.jobs_started += 1
+        self.jobs[seed] = procs
+        self.report.jobs_started += 1
 
-    def stop_job(seed: int, kill_one: bool) -> None:
-        procs = jobs.pop(seed)
+    def stop_job(self, seed: int, kill_one: bool) -> None:
+        """Stop job ``seed``; with ``kill_one``, SIGKILL one worker first and let the others
+        fail on their own."""
+        procs = self.jobs.pop(seed)
         if kill_one:
-            victim = rng.choice(procs)
+            victim = self.rng.choice(procs)
             os.kill(victim.pid, signal.SIGKILL)  # a crash: no LEAVE
-            report.workers_killed += 1
+            self.report.workers_killed += 1
             # Its peers must fail on their own within op_timeout_s; give them that long.
             for p in procs:
-                p.join(timeout=cfg.op_timeout_s + 10)
+                p.join(timeout=self.cfg.op_timeout_s + 10)
         for p in procs:
             if p.is_alive():
                 p.terminate()  # the rest stop at once (SIGTERM, no LEAVE: the lease frees them)
             p.join(timeout=5)
-        report.jobs_stopped += 1
+        self.report.jobs_stopped += 1
 
-    start = time.monotonic()
-    try:
-        for _ in range(cfg.jobs):
-            start_job()
+    def churn(self, start: float, progress: Any) -> None:
+        """Until ``cfg.duration_s``: sample memory, replace a job every churn interval."""
+        cfg, rng, report = self.cfg, self.rng, self.report
         next_churn = start + cfg.churn_interval_s
         next_sample = start
         while time.monotonic() - start < cfg.duration_s:
             now = time.monotonic()
             if now >= next_sample:
-                report.memory.append((round(now - start, 1), switch.rss()))
+                report.memory.append((round(now - start, 1), self.switch.rss()))
                 next_sample = now + 1.0
                 if progress is not None:
                     progress(report)
             if now >= next_churn:
-                seed = rng.choice(sorted(jobs))
-                stop_job(seed, kill_one=rng.random() < cfg.kill_fraction)
-                start_job()
+                seed = rng.choice(sorted(self.jobs))
+                self.stop_job(seed, kill_one=rng.random() < cfg.kill_fraction)
+                self.start_job()
                 next_churn = time.monotonic() + cfg.churn_interval_s
-            _drain(results, report, timeout=0.2)
-        for seed in list(jobs):
-            stop_job(seed, kill_one=False)
-        _drain(results, report, timeout=1.0)
+            _drain(self.results, report, timeout=0.2)
+
+    def finish(self, start: float) -> None:
+        """Stop every job, then wait for the leases to give their slots back."""
+        for seed in list(self.jobs):
+            self.stop_job(seed, kill_one=False)
+        _drain(self.results, self.report, timeout=1.0)
         # Stopped workers never sent LEAVE: their leases must give every slot back.
-        time.sleep(cfg.lease_timeout_s + 1.5)
-        report.memory.append((round(time.monotonic() - start, 1), switch.rss()))
-        report.switch_stats = switch.stats()
-    finally:
-        for procs in jobs.values():
+        time.sleep(self.cfg.lease_timeout_s + 1.5)
+        self.report.memory.append(_rss_sample(self.switch, start))
+        self.report.switch_stats = self.switch.stats()
+
+    def kill_all(self) -> None:
+        """SIGKILL whatever worker is left."""
+        for procs in self.jobs.values():
             for p in procs:
                 p.kill()
+
+
+def run_soak(cfg: SoakConfig, progress: Any = None) -> SoakReport:
+    """Run the soak; ``progress(report)`` is called about once a second."""
+    ctx = mp.get_context("spawn")
+    rng = random.Random(cfg.seed)
+    switch = SwitchProcess(ctx, cfg.lease_timeout_s)
+    soak = _Soak(cfg, ctx, rng, switch)
+    start = time.monotonic()
+    try:
+        for _ in range(cfg.jobs):
+            soak.start_job()
+        soak.churn(start, progress)
+        soak.finish(start)
+    finally:
+        soak.kill_all()
         switch.stop()
-    return report
+    return soak.report
 
 
 def _drain(results: Any, report: SoakReport, timeout: float) -> None:
@@ -298,7 +330,7 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
         for p in workers:
             p.start()
         time.sleep(2.0)
-        memory.append((round(time.monotonic() - start, 1), switch.rss()))
+        memory.append(_rss_sample(switch, start))
         per_sender = cfg.datagrams // cfg.senders
         senders = [ctx.Process(target=_fuzz_sender, args=(
             switch.address, per_sender, cfg.seed + i, spec.job_id,
@@ -308,14 +340,14 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
             p.start()
         while any(p.is_alive() for p in senders):
             time.sleep(1.0)
-            memory.append((round(time.monotonic() - start, 1), switch.rss()))
+            memory.append(_rss_sample(switch, start))
             if progress is not None:
                 progress(switch.stats())
         sent = sum(done.get(timeout=10) for _ in senders)
         time.sleep(1.0)
         stop.set()
         legit = [results.get(timeout=60) for _ in workers]
-        memory.append((round(time.monotonic() - start, 1), switch.rss()))
+        memory.append(_rss_sample(switch, start))
         stats = switch.stats()
     finally:
         stop.set()

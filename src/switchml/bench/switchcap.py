@@ -252,6 +252,27 @@ def _send_rows(sock: socket.socket, rows: np.ndarray, gso: bool, per_call: int) 
 
 # -- the generator process -----------------------------------------------------------------------
 
+_INF = float("inf")
+
+
+@dataclass
+class _Clock:
+    """The generator's phases: the instants they end at (set when the first result arrives)
+    and the counters taken at the start (``mark``) and at the end of the interval."""
+
+    t0: float
+    parent: int
+    """The parent's pid at the start: a different one means the parent died."""
+    t_first: float = _INF
+    t_mark: float = _INF
+    t_end: float = _INF
+    t_drain: float = _INF
+    marked: bool = False
+    ended: bool = False
+    mark: dict[str, Any] = field(default_factory=dict)
+    end: dict[str, Any] = field(default_factory=dict)
+
+
 class _Generator:
     """N ranks of one job in one process; see the module docstring."""
 
@@ -524,91 +545,99 @@ class _Generator:
 
     def run(self, conn: Any) -> dict[str, Any]:
         """Warm up, tell the parent (``mark``), run the interval, tell it (``end``), drain."""
-        cfg = self.cfg
         ep = select.epoll()
         rank_of = {}
         for r, s in enumerate(self.socks):
             ep.register(s.fileno(), select.EPOLLIN)
             rank_of[s.fileno()] = r
         buf = bytearray(RECV_BUFFER_BYTES)
-        view = memoryview(buf)
-        npbuf = np.frombuffer(buf, dtype=np.uint8)
-        size = self.size
-        gro = self.gro
-        parent = os.getppid()
-        t0 = time.monotonic()
-        inf = float("inf")
-        t_first = t_mark = t_end = t_drain = inf  # set when the first result arrives
-        marked = ended = False
-        mark: dict[str, Any] = {}
-        end: dict[str, Any] = {}
-        next_check = t0 + 0.05
+        rx = (buf, memoryview(buf), np.frombuffer(buf, dtype=np.uint8))
+        clock = _Clock(t0=time.monotonic(), parent=os.getppid())
+        next_check = clock.t0 + 0.05
         self.start()
         while True:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.05
-                if os.getppid() != parent:  # the parent died: stop at once
-                    raise SystemExit(1)
-                if t_first == inf:
-                    # The warm-up counts from the first result: a switch that compiles its
-                    # data plane on first use (numba, cold cache) may take half a minute.
-                    if self.results:
-                        t_first = now
-                        t_mark = now + cfg.warmup_s
-                        t_end = t_mark + cfg.seconds
-                        t_drain = t_end + cfg.drain_s
-                        conn.send(("first", now - t0))
-                    elif now - t0 > cfg.first_result_timeout_s:
-                        raise TimeoutError(f"no result from the switch within "
-                                           f"{cfg.first_result_timeout_s:g} s of the first "
-                                           "requests")
-                if not marked and now >= t_mark:
-                    marked = True
-                    mark = self.counters()
-                    conn.send(("mark", mark))
-                if not ended and now >= t_end:
-                    ended = True
-                    self.stop()
-                    end = self.counters()
-                    conn.send(("end", end))
-                if ended and (not self.in_flight() or now >= t_drain):
+                if self._check(now, clock, conn):
                     break
-                if t_first != inf:  # no re-sends while the switch has not answered at all
-                    self.retransmit_stuck(now)
             for fd, _ev in ep.poll(0.05):
-                r = rank_of[fd]
-                sock = self.socks[r]
-                for _ in range(64):  # read until empty (bounded: let the others in)
-                    try:
-                        if gro:
-                            nbytes, seg, _a, truncated = receive_segments(sock, buf, view)
-                        else:
-                            nbytes = sock.recv_into(buf)
-                            seg, truncated = nbytes, False
-                    except BlockingIOError:
-                        break
-                    self.recv_calls += 1
-                    if truncated:
-                        self.unexpected["truncated"] = self.unexpected.get("truncated", 0) + 1
-                        continue
-                    if seg == size and nbytes % size == 0:
-                        if nbytes == size and not gro:
-                            self.on_one(r, view[:nbytes], now)
-                        else:
-                            self.on_batch(r, npbuf[:nbytes].reshape(-1, size), now)
-                    else:  # other message types, or a short last datagram in the batch
-                        for a, b in segments(nbytes, seg):
-                            if b - a == size:
-                                self.on_batch(r, npbuf[a:b].reshape(1, size), now)
-                            else:
-                                self._other(view[a:b])
+                self._read_socket(rank_of[fd], rx, now)
         ep.close()
+        return self._report(clock)
+
+    def _check(self, now: float, clock: _Clock, conn: Any) -> bool:
+        """The periodic check: the parent, the first result, mark, end; True when drained."""
+        cfg = self.cfg
+        if os.getppid() != clock.parent:  # the parent died: stop at once
+            raise SystemExit(1)
+        if clock.t_first == _INF:
+            # The warm-up counts from the first result: a switch that compiles its
+            # data plane on first use (numba, cold cache) may take half a minute.
+            if self.results:
+                clock.t_first = now
+                clock.t_mark = now + cfg.warmup_s
+                clock.t_end = clock.t_mark + cfg.seconds
+                clock.t_drain = clock.t_end + cfg.drain_s
+                conn.send(("first", now - clock.t0))
+            elif now - clock.t0 > cfg.first_result_timeout_s:
+                raise TimeoutError(f"no result from the switch within "
+                                   f"{cfg.first_result_timeout_s:g} s of the first "
+                                   "requests")
+        if not clock.marked and now >= clock.t_mark:
+            clock.marked = True
+            clock.mark = self.counters()
+            conn.send(("mark", clock.mark))
+        if not clock.ended and now >= clock.t_end:
+            clock.ended = True
+            self.stop()
+            clock.end = self.counters()
+            conn.send(("end", clock.end))
+        if clock.ended and (not self.in_flight() or now >= clock.t_drain):
+            return True
+        if clock.t_first != _INF:  # no re-sends while the switch has not answered at all
+            self.retransmit_stuck(now)
+        return False
+
+    def _read_socket(self, r: int, rx: tuple[bytearray, memoryview, np.ndarray],
+                     now: float) -> None:
+        """Take what rank r's socket holds: until it is empty, or 64 reads (let the others in)."""
+        buf, view, npbuf = rx
+        sock = self.socks[r]
+        size = self.size
+        gro = self.gro
+        for _ in range(64):
+            try:
+                if gro:
+                    nbytes, seg, _a, truncated = receive_segments(sock, buf, view)
+                else:
+                    nbytes = sock.recv_into(buf)
+                    seg, truncated = nbytes, False
+            except BlockingIOError:
+                break
+            self.recv_calls += 1
+            if truncated:
+                self.unexpected["truncated"] = self.unexpected.get("truncated", 0) + 1
+                continue
+            if seg == size and nbytes % size == 0:
+                if nbytes == size and not gro:
+                    self.on_one(r, view[:nbytes], now)
+                else:
+                    self.on_batch(r, npbuf[:nbytes].reshape(-1, size), now)
+            else:  # other message types, or a short last datagram in the batch
+                for a, b in segments(nbytes, seg):
+                    if b - a == size:
+                        self.on_batch(r, npbuf[a:b].reshape(1, size), now)
+                    else:
+                        self._other(view[a:b])
+
+    def _report(self, clock: _Clock) -> dict[str, Any]:
+        """What the run sends the parent at its end."""
         final = self.counters()
         return {
-            "mark": mark, "end": end, "final": final,
+            "mark": clock.mark, "end": clock.end, "final": final,
             "in_flight_at_end": self.in_flight(),
-            "first_result_after_s": t_first - t0,
+            "first_result_after_s": clock.t_first - clock.t0,
             "unexpected": dict(self.unexpected),
             "send_blocked": self.send_blocked,
             "joins_sent": self.joins_sent,
@@ -726,73 +755,93 @@ def run_switchcap(cfg: SwitchCapConfig,
         with _children_ignore_sigint():
             gen.start()
         child_conn.close()
-        tell("joining", 0.0)
-        _kind, joined = _recv(parent_conn, gen, 60.0, "joining the job")
-        if switch_cpu is not None:
-            _pin_process(sw.proc.pid, switch_cpu)  # all its threads exist by now
-        first = _switch_snapshot(sw)
-        parent_conn.send("go")
-        tell("warming up", 0.0)
-        tell("waiting for the first result (the switch may be compiling)", 0.0)
-        _kind, first_s = _recv(parent_conn, gen, cfg.first_result_timeout_s + 30.0,
-                               "the switch's first result")
-        tell("warming up", 0.0)
-        _kind, g_mark = _recv(parent_conn, gen, cfg.warmup_s + 30.0, "the start of the interval")
-        s_mark = _switch_snapshot(sw)
-        c_gen0 = _proc_cpu_s(gen.pid)
-        t_end = time.monotonic() + cfg.seconds
-        while not parent_conn.poll(0.25):
-            left = t_end - time.monotonic()
-            if not gen.is_alive():
-                raise RuntimeError(f"the generator process exited with {gen.exitcode}")
-            if left < -30.0:
-                raise TimeoutError("the generator did not end the interval in time")
-            tell(f"measuring ({max(left, 0):.0f} s left)",
-                 min(1.0, 1.0 - max(left, 0.0) / cfg.seconds))
-        s_end = _switch_snapshot(sw)
-        c_gen1 = _proc_cpu_s(gen.pid)
-        _kind, g_end = _recv(parent_conn, gen, 1.0, "the end of the interval")
-        tell("draining", 1.0)
-        _kind, report = _recv(parent_conn, gen, cfg.drain_s + 30.0, "its final counters")
-        final = _switch_snapshot(sw)
+        samples = _measure(cfg, sw, gen, parent_conn, switch_cpu, tell)
         ok = True
     finally:
         if gen is not None:
-            if not ok:
-                gen.terminate()
-            gen.join(timeout=5)
-            if gen.is_alive():
-                gen.terminate()
-                gen.join(timeout=5)
-            if gen.is_alive():
-                gen.kill()
-                gen.join()
+            _stop_generator(gen, ok)
         if parent_conn is not None:
             parent_conn.close()
         sw.stop()
+    pinned = {"switch_cpu": switch_cpu, "generator_cpu": gen_cpu, "cores": len(cores)}
+    return _result(cfg, samples, pinned, load_before)
 
-    dt = s_end["t"] - s_mark["t"]
-    st0, st1 = s_mark["stats"], s_end["stats"]
-    d_in = int(st1.get("packets_in", 0)) - int(st0.get("packets_in", 0))
-    d_out = int(st1.get("packets_out", 0)) - int(st0.get("packets_out", 0))
-    sw_cpu = s_end["cpu_s"] - s_mark["cpu_s"]
-    gen_cpu_s = c_gen1 - c_gen0
-    sw_pct = 100.0 * sw_cpu / dt
-    gen_pct = 100.0 * gen_cpu_s / dt
-    other_pct = max(0.0, 100.0 * (s_end["busy_s"] - s_mark["busy_s"]) / dt - sw_pct - gen_pct)
+
+def _measure(cfg: SwitchCapConfig, sw: SwitchProcess, gen: Any, conn: Any,
+             switch_cpu: int | None, tell: Callable[[str, float], None]) -> dict[str, Any]:
+    """Join, warm up, measure, drain: the generator's reports and the switch's snapshots."""
+    tell("joining", 0.0)
+    _recv(conn, gen, 60.0, "joining the job")
+    if switch_cpu is not None:
+        _pin_process(sw.proc.pid, switch_cpu)  # all its threads exist by now
+    first = _switch_snapshot(sw)
+    conn.send("go")
+    tell("warming up", 0.0)
+    tell("waiting for the first result (the switch may be compiling)", 0.0)
+    _kind, first_s = _recv(conn, gen, cfg.first_result_timeout_s + 30.0,
+                           "the switch's first result")
+    tell("warming up", 0.0)
+    _kind, g_mark = _recv(conn, gen, cfg.warmup_s + 30.0, "the start of the interval")
+    s_mark = _switch_snapshot(sw)
+    c_gen0 = _proc_cpu_s(gen.pid)
+    _wait_for_interval(cfg, gen, conn, tell)
+    s_end = _switch_snapshot(sw)
+    c_gen1 = _proc_cpu_s(gen.pid)
+    _kind, g_end = _recv(conn, gen, 1.0, "the end of the interval")
+    tell("draining", 1.0)
+    _kind, report = _recv(conn, gen, cfg.drain_s + 30.0, "its final counters")
+    final = _switch_snapshot(sw)
+    return {"first": first, "first_s": first_s, "g_mark": g_mark, "s_mark": s_mark,
+            "c_gen0": c_gen0, "s_end": s_end, "c_gen1": c_gen1, "g_end": g_end,
+            "report": report, "final": final}
+
+
+def _wait_for_interval(cfg: SwitchCapConfig, gen: Any, conn: Any,
+                       tell: Callable[[str, float], None]) -> None:
+    """Until the generator says the interval ended (its message is left in the pipe)."""
+    t_end = time.monotonic() + cfg.seconds
+    while not conn.poll(0.25):
+        left = t_end - time.monotonic()
+        if not gen.is_alive():
+            raise RuntimeError(f"the generator process exited with {gen.exitcode}")
+        if left < -30.0:
+            raise TimeoutError("the generator did not end the interval in time")
+        tell(f"measuring ({max(left, 0):.0f} s left)",
+             min(1.0, 1.0 - max(left, 0.0) / cfg.seconds))
+
+
+def _stop_generator(gen: Any, ok: bool) -> None:
+    """Let the generator end (terminate it first after a failure); kill it if it lingers."""
+    if not ok:
+        gen.terminate()
+    gen.join(timeout=5)
+    if gen.is_alive():
+        gen.terminate()
+        gen.join(timeout=5)
+    if gen.is_alive():
+        gen.kill()
+        gen.join()
+
+
+def _bottleneck(sw_pct: float, gen_pct: float, other_pct: float) -> str:
+    """Which side limited the rate, from the CPU each used over the interval."""
     if sw_pct >= 90.0 and gen_pct >= 90.0:
-        bottleneck = "both near 100% (the rate is a lower bound of the switch's)"
-    elif sw_pct >= 90.0:
-        bottleneck = "switch"
-    elif gen_pct >= 90.0:
-        bottleneck = "generator"
-    elif other_pct >= 20.0:
-        bottleneck = f"undetermined: other processes used {other_pct:.0f}% of a core"
-    else:
-        bottleneck = "neither at 90% CPU (latency-bound)"
+        return "both near 100% (the rate is a lower bound of the switch's)"
+    if sw_pct >= 90.0:
+        return "switch"
+    if gen_pct >= 90.0:
+        return "generator"
+    if other_pct >= 20.0:
+        return f"undetermined: other processes used {other_pct:.0f}% of a core"
+    return "neither at 90% CPU (latency-bound)"
+
+
+def _generator_figures(g_mark: dict[str, Any], g_end: dict[str, Any], report: dict[str, Any],
+                       first_s: float) -> dict[str, Any]:
+    """The generator's counters over the interval and (``*_total``) over the whole run."""
     g_dt = g_end["t"] - g_mark["t"]
     gfin = report["final"]
-    generator = {
+    return {
         "interval_s": g_dt,
         "requests": g_end["requests"] - g_mark["requests"],
         "results": g_end["results"] - g_mark["results"],
@@ -813,8 +862,24 @@ def run_switchcap(cfg: SwitchCapConfig,
         "control_replies_total": report["control_replies"],
         "gso": report["gso"], "gro": report["gro"],
     }
-    fs = final["stats"]
-    errors = {key: int(fs.get(key, 0)) - int(first["stats"].get(key, 0))
+
+
+def _result(cfg: SwitchCapConfig, m: dict[str, Any], pinned: dict[str, Any],
+            load_before: float) -> SwitchCapResult:
+    """The figures from ``_measure``'s samples ``m``."""
+    s_mark, s_end = m["s_mark"], m["s_end"]
+    dt = s_end["t"] - s_mark["t"]
+    st0, st1 = s_mark["stats"], s_end["stats"]
+    d_in = int(st1.get("packets_in", 0)) - int(st0.get("packets_in", 0))
+    d_out = int(st1.get("packets_out", 0)) - int(st0.get("packets_out", 0))
+    sw_cpu = s_end["cpu_s"] - s_mark["cpu_s"]
+    gen_cpu_s = m["c_gen1"] - m["c_gen0"]
+    sw_pct = 100.0 * sw_cpu / dt
+    gen_pct = 100.0 * gen_cpu_s / dt
+    other_pct = max(0.0, 100.0 * (s_end["busy_s"] - s_mark["busy_s"]) / dt - sw_pct - gen_pct)
+    generator = _generator_figures(m["g_mark"], m["g_end"], m["report"], m["first_s"])
+    fs = m["final"]["stats"]
+    errors = {key: int(fs.get(key, 0)) - int(m["first"]["stats"].get(key, 0))
               for key in ("internal_errors", "send_errors", "truncated")}
     return SwitchCapResult(
         config={**asdict(cfg), "datagram_bytes": cfg.datagram_bytes},
@@ -825,11 +890,11 @@ def run_switchcap(cfg: SwitchCapConfig,
         switch_cpu_percent=sw_pct, generator_cpu_percent=gen_pct, other_cpu_percent=other_pct,
         switch_cpu_us_per_datagram=1e6 * sw_cpu / d_in if d_in else float("nan"),
         switch_capacity_per_s=d_in / sw_cpu if sw_cpu > 0 else float("nan"),
-        bottleneck=bottleneck, generator=generator,
+        bottleneck=_bottleneck(sw_pct, gen_pct, other_pct), generator=generator,
         drops={str(k): int(v) for k, v in dict(fs.get("drops", {})).items()},
         switch_errors=errors,
         switch_stats={k: v for k, v in fs.items() if k != "elements_aggregated"},
-        pinned={"switch_cpu": switch_cpu, "generator_cpu": gen_cpu, "cores": len(cores)},
+        pinned=pinned,
         machine={"cpus": os.cpu_count(), "uname": " ".join(os.uname()), "commit": _commit(),
                  "date": time.strftime("%Y-%m-%d"), "loadavg_before": load_before},
     )

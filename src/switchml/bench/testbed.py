@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,79 +123,142 @@ def _wait_all(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[dict
     return out
 
 
-def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
-             switch_pid: int) -> dict[str, Any]:
-    topo, n = tb.topology, cfg.workers
+_PIPE: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+"""Popen arguments for a benchmark process whose JSON line and stderr are read."""
+
+
+def _start_workers(tb: Testbed, hosts: Iterable[int], argv_of: Callable[[int], list[str]],
+                   env_of: Callable[[int], dict[str, str]] | None = None
+                   ) -> list[subprocess.Popen[str]]:
+    """Start ``argv_of(i)`` in worker i's namespace for each i in ``hosts`` (environment
+    ``env_of(i)``, or this process's)."""
+    return [tb.popen(tb.worker_ns(i), argv_of(i), **({} if env_of is None else
+                                                     {"env": env_of(i)}), **_PIPE)
+            for i in hosts]
+
+
+def _start_server(tb: Testbed, ns: str, role: str, args: dict[str, Any], failure: str,
+                  timeout_s: float = 60.0, error: type[Exception] = TestbedError
+                  ) -> subprocess.Popen[str]:
+    """Start ``nsproc`` role ``role`` in namespace ``ns`` with its stdin and stdout piped (it
+    stops when its stdin closes); raise ``error(failure)`` unless it says ``ready`` in time."""
+    proc = tb.popen(ns, _nsproc(role, args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True)
+    return _expect_ready(proc, failure, timeout_s, error)
+
+
+def _expect_ready(proc: subprocess.Popen[str], failure: str, timeout_s: float = 60.0,
+                  error: type[Exception] = TestbedError) -> subprocess.Popen[str]:
+    """``proc``, once its first line is ``ready``; ``error(failure)`` if it is not in time."""
+    if _read_line(proc, timeout_s).strip() != "ready":
+        raise error(failure)
+    return proc
+
+
+def _stop_servers(procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Close every server's stdin (they stop), then read the line each prints as it ends."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.close()
+    return [_read_line(p, 60) for p in procs]
+
+
+def _ate_row(cfg: TestbedBenchConfig, system: str, n: int, size: int,
+             rows: list[dict[str, Any]], loss_rate: float) -> dict[str, Any]:
+    """A result row's setup, its ATE/s (the slowest worker's) and the bounds."""
     numel = size // 4
-    common = {"numel": numel, "warmup": cfg.warmup, "iters": cfg.iters}
-    pipe: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    extra: dict[str, Any] = {}
-    if system == "switchml":
-        from switchml.control import encode_job_spec, new_job_spec
-        spec = encode_job_spec(new_job_spec(n, window=cfg.window,
-                                            elements_per_packet=cfg.elements_per_packet))
-        cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
-        procs = [tb.popen(tb.worker_ns(r), _nsproc("switchml", {
-            **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
-            "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit,
-            "bits": cfg.bits}), **pipe)
-            for r in range(n)]
-        rows = _wait_all(procs, cfg.timeout_s)
-        extra["switch_cpu_percent"] = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (
-            time.perf_counter() - t0)
-        extra["max_abs_error"] = max(r["max_abs_error"] for r in rows)
-        extra["retransmissions"] = sum(r["retransmissions"] for r in rows)
-        extra["fast_retransmissions"] = sum(r.get("fast_retransmissions", 0) for r in rows)
-        extra["recovery"] = {k: sum(r.get("recovery", {}).get(k, 0) for r in rows)
-                             for k in ("nack_retransmissions", "nacks_ignored",
-                                       "waiting_received")}
-        calls = [r.get("system_calls", {}) for r in rows]
-        extra["worker_datagrams_per_recv_call"] = round(
-            sum(c.get("results_received", 0) for c in calls)
-            / max(1, sum(c.get("recv_calls", 0) for c in calls)), 2)
-        extra["worker_datagrams_per_send_call"] = round(
-            sum(c.get("packets_sent", 0) for c in calls)
-            / max(1, sum(c.get("send_calls", 0) for c in calls)), 2)
-    elif system == "gloo":
-        port = 29000 + secrets.randbelow(20000)
-        # gloo binds to the address its host name resolves to; name the link instead.
-        procs = [tb.popen(tb.worker_ns(r), _nsproc("gloo", {
-            **common, "rank": r, "n": n, "master": topo.worker_ip(0), "port": port}),
-            env={**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)}, **pipe)
-            for r in range(n)]
-        rows = _wait_all(procs, cfg.timeout_s)
-    else:
-        port = 31000 + secrets.randbelow(20000)
-        server = tb.popen(tb.ps_ns, _nsproc("ps-server", {
-            "numel": numel, "n": n, "port": port, "rounds": cfg.warmup + cfg.iters}), **pipe)
-        if _read_line(server, 60).strip() != "ready":
-            raise TestbedError("the parameter server did not start")
-        procs = [tb.popen(tb.worker_ns(r), _nsproc("ps", {
-            **common, "rank": r, "server": topo.ps_ip, "port": port}), **pipe)
-            for r in range(n)]
-        rows = _wait_all(procs, cfg.timeout_s)
-        extra["server_cpu_s"] = _wait_all([server], 60)[0]["cpu_s"]
     elapsed = max(r["elapsed_s"] for r in rows)
     ate = numel * cfg.iters / elapsed
     line = cfg.rate_bps / 32
+    return {"system": system, "workers": n, "size_bytes": size, "numel": numel,
+            "rate_bps": cfg.rate_bps, "loss_rate": loss_rate, "mtu": cfg.mtu,
+            "iters": cfg.iters, "elapsed_s": elapsed, "ate_per_s": ate,
+            "bound_line_ate": line,
+            "bound_ring_ate": line / (2 * (n - 1) / n) if n > 1 else line,
+            "bound_ps_ate": line / n, "fraction_of_line_rate": ate / line}
+
+
+def _cpu_percent(rows: list[dict[str, Any]]) -> list[float]:
+    return [100 * r["cpu_s"] / r["elapsed_s"] for r in rows]
+
+
+def _switchml_extra(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """switchml's figures summed over its workers: errors, re-sends, datagrams per call."""
+    calls = [r.get("system_calls", {}) for r in rows]
     return {
-        "system": system, "workers": n, "size_bytes": size, "numel": numel,
-        "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate, "mtu": cfg.mtu,
-        "iters": cfg.iters, "elapsed_s": elapsed, "ate_per_s": ate,
-        "bound_line_ate": line, "bound_ring_ate": line / (2 * (n - 1) / n) if n > 1 else line,
-        "bound_ps_ate": line / n, "fraction_of_line_rate": ate / line,
-        "cpu_percent": [100 * r["cpu_s"] / r["elapsed_s"] for r in rows], **extra,
+        "max_abs_error": max(r["max_abs_error"] for r in rows),
+        "retransmissions": sum(r["retransmissions"] for r in rows),
+        "fast_retransmissions": sum(r.get("fast_retransmissions", 0) for r in rows),
+        "recovery": {k: sum(r.get("recovery", {}).get(k, 0) for r in rows)
+                     for k in ("nack_retransmissions", "nacks_ignored", "waiting_received")},
+        "worker_datagrams_per_recv_call": round(
+            sum(c.get("results_received", 0) for c in calls)
+            / max(1, sum(c.get("recv_calls", 0) for c in calls)), 2),
+        "worker_datagrams_per_send_call": round(
+            sum(c.get("packets_sent", 0) for c in calls)
+            / max(1, sum(c.get("send_calls", 0) for c in calls)), 2),
     }
+
+
+def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
+                  switch_pid: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """switchml's workers through the switch: their rows, and the switch's CPU with theirs."""
+    from switchml.control import encode_job_spec, new_job_spec
+    topo = tb.topology
+    spec = encode_job_spec(new_job_spec(cfg.workers, window=cfg.window,
+                                        elements_per_packet=cfg.elements_per_packet))
+    cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
+    procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("switchml", {
+        **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
+        "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits}))
+    rows = _wait_all(procs, cfg.timeout_s)
+    switch_cpu = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
+    return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
+
+
+def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+              ) -> list[dict[str, Any]]:
+    """gloo's ring all-reduce over the workers' links: their rows."""
+    n, port = cfg.workers, 29000 + secrets.randbelow(20000)
+    # gloo binds to the address its host name resolves to; name the link instead.
+    procs = _start_workers(tb, range(n), lambda r: _nsproc("gloo", {
+        **common, "rank": r, "n": n, "master": tb.topology.worker_ip(0), "port": port}),
+        lambda r: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)})
+    return _wait_all(procs, cfg.timeout_s)
+
+
+def _run_ps(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The parameter server on its own host: the workers' rows, and the server's CPU."""
+    n, port = cfg.workers, 31000 + secrets.randbelow(20000)
+    server = _expect_ready(tb.popen(tb.ps_ns, _nsproc("ps-server", {
+        "numel": common["numel"], "n": n, "port": port, "rounds": cfg.warmup + cfg.iters}),
+        **_PIPE), "the parameter server did not start")
+    procs = _start_workers(tb, range(n), lambda r: _nsproc("ps", {
+        **common, "rank": r, "server": tb.topology.ps_ip, "port": port}))
+    rows = _wait_all(procs, cfg.timeout_s)
+    return rows, {"server_cpu_s": _wait_all([server], 60)[0]["cpu_s"]}
+
+
+def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
+             switch_pid: int) -> dict[str, Any]:
+    """One all-reduce measurement of ``system`` at ``size`` bytes: its result row."""
+    common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
+    extra: dict[str, Any] = {}
+    if system == "switchml":
+        rows, extra = _run_switchml(tb, cfg, common, switch_pid)
+    elif system == "gloo":
+        rows = _run_gloo(tb, cfg, common)
+    else:
+        rows, extra = _run_ps(tb, cfg, common)
+    return {**_ate_row(cfg, system, cfg.workers, size, rows, cfg.loss_rate),
+            "cpu_percent": _cpu_percent(rows), **extra}
 
 
 def _start_switch(tb: Testbed, nack_gap: int = 4) -> subprocess.Popen[str]:
     """Start the software switch in the switch namespace; it stops when its stdin closes."""
-    switch = tb.popen(tb.switch_ns, _nsproc("switch", {"port": SWITCH_PORT,
-                                                       "nack_gap": nack_gap}),
-                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    if _read_line(switch, 60).strip() != "ready":
-        raise TestbedError("the switch did not start in its namespace")
-    return switch
+    return _start_server(tb, tb.switch_ns, "switch", {"port": SWITCH_PORT, "nack_gap": nack_gap},
+                         "the switch did not start in its namespace")
 
 
 def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -218,18 +282,55 @@ def _topology(workers: int, rate_bps: float, loss_rate: float, mtu: int) -> Topo
 
 def _tree_row(cfg: TestbedBenchConfig, system: str, n: int, size: int,
               rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    numel = size // 4
-    elapsed = max(r["elapsed_s"] for r in rows)
-    ate = numel * cfg.iters / elapsed
-    line = cfg.rate_bps / 32
-    return {"system": system, "workers": n, "size_bytes": size, "numel": numel,
-            "rate_bps": cfg.rate_bps, "loss_rate": 0.0, "mtu": cfg.mtu, "iters": cfg.iters,
-            "elapsed_s": elapsed, "ate_per_s": ate, "bound_line_ate": line,
-            "bound_ring_ate": line / (2 * (n - 1) / n) if n > 1 else line,
-            "bound_ps_ate": line / n, "fraction_of_line_rate": ate / line,
+    return {**_ate_row(cfg, system, n, size, rows, 0.0),
             "max_abs_error": max(r["max_abs_error"] for r in rows),
             "retransmissions": sum(r["retransmissions"] for r in rows),
-            "cpu_percent": [100 * r["cpu_s"] / r["elapsed_s"] for r in rows], **extra}
+            "cpu_percent": _cpu_percent(rows), **extra}
+
+
+_RACK_PORT = SWITCH_PORT + 1
+"""Where the switch in a rack's router listens (the spine's is ``SWITCH_PORT``)."""
+
+
+def _run_tree(tb: Any, cfg: TestbedBenchConfig, racks: int, size: int) -> dict[str, Any]:
+    """The tree: one rack switch per rack (a fresh one per job) under the spine, every
+    worker of every rack; its row, with the rack switches' reports."""
+    from switchml.control import encode_job_spec, new_job_spec
+    from switchml.protocol.tree import tree_specs
+    geo, per = tb.geo, cfg.workers
+    common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
+    spec = new_job_spec(per * racks, window=cfg.window,
+                        elements_per_packet=cfg.elements_per_packet)
+    child = encode_job_spec(tree_specs(spec, racks)[1])
+    rack_procs = [_start_server(tb, tb.dc_ns(j), "rack", {
+        "port": _RACK_PORT, "upstream": geo.wan_core_ip(j), "upstream_port": SWITCH_PORT,
+        "rack": j, "racks": racks, "spec": encode_job_spec(spec)},
+        f"rack switch {j} did not start") for j in range(racks)]
+    expect = racks * per * (per + 1) / 2
+    procs = _start_workers(tb, range(geo.workers), lambda i: _nsproc("switchml", {
+        **common, "spec": child, "rank": i - geo.first_workers[geo.dc_of(i)],
+        "switch": geo.gateway_ip(i), "port": _RACK_PORT, "expect": expect}))
+    rows = _wait_all(procs, cfg.timeout_s)
+    trees = [json.loads(line or "{}") for line in _stop_servers(rack_procs)]
+    return _tree_row(cfg, "switchml-tree", geo.workers, size, rows, racks=racks,
+                     rack_switches=trees)
+
+
+def _run_one_rack(tb: Any, cfg: TestbedBenchConfig, size: int) -> dict[str, Any]:
+    """The baseline: rack 0's workers alone, on a plain switch in their rack's router."""
+    from switchml.control import encode_job_spec, new_job_spec
+    geo, per = tb.geo, cfg.workers
+    common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
+    flat = _start_server(tb, tb.dc_ns(0), "switch", {"port": _RACK_PORT},
+                         "the rack's switch did not start")
+    spec1 = encode_job_spec(new_job_spec(per, window=cfg.window,
+                                         elements_per_packet=cfg.elements_per_packet))
+    procs = _start_workers(tb, range(per), lambda i: _nsproc("switchml", {
+        **common, "spec": spec1, "rank": i, "switch": geo.gateway_ip(i),
+        "port": _RACK_PORT}))
+    rows = _wait_all(procs, cfg.timeout_s)
+    _stop_servers([flat])
+    return _tree_row(cfg, "switchml-rack", per, size, rows, racks=1)
 
 
 def run_testbed_tree(cfg: TestbedBenchConfig, racks: int, progress: Any = None
@@ -239,70 +340,22 @@ def run_testbed_tree(cfg: TestbedBenchConfig, racks: int, progress: Any = None
     to a spine router (in which the spine switch runs) by links of the same rate. Per size: the
     tree (``switchml-tree``: every worker of every rack) and, as the baseline, rack 0's workers
     alone on a plain switch in their rack's router (``switchml-rack``: one rack's line rate)."""
-    from switchml.control import encode_job_spec, new_job_spec
-    from switchml.protocol.tree import tree_specs
     from switchml.testbed import GeoTestbed, GeoTopology
     per = cfg.workers
     link = LinkSpec(bandwidth_bps=cfg.rate_bps, mtu=cfg.mtu)
     geo = GeoTopology(dcs=(per,) * racks, lan=link, wan=link)
-    rack_port = SWITCH_PORT + 1
     out: list[dict[str, Any]] = []
-    pipe: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     with GeoTestbed(geo) as tb:
-        spine = tb.popen(tb.router_ns, _nsproc("switch", {"port": SWITCH_PORT}),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if _read_line(spine, 60).strip() != "ready":
-            raise TestbedError("the spine switch did not start")
+        spine = _start_server(tb, tb.router_ns, "switch", {"port": SWITCH_PORT},
+                              "the spine switch did not start")
         for size in cfg.sizes_bytes:
-            common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
-            # The tree: one rack switch per rack (a fresh one per job), every worker.
             if progress is not None:
                 progress(f"tree of {racks} racks x {per}, {size} B")
-            spec = new_job_spec(per * racks, window=cfg.window,
-                                elements_per_packet=cfg.elements_per_packet)
-            child = encode_job_spec(tree_specs(spec, racks)[1])
-            rack_procs = []
-            for j in range(racks):
-                p = tb.popen(tb.dc_ns(j), _nsproc("rack", {
-                    "port": rack_port, "upstream": geo.wan_core_ip(j),
-                    "upstream_port": SWITCH_PORT, "rack": j, "racks": racks,
-                    "spec": encode_job_spec(spec)}), stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True)
-                if _read_line(p, 60).strip() != "ready":
-                    raise TestbedError(f"rack switch {j} did not start")
-                rack_procs.append(p)
-            expect = racks * per * (per + 1) / 2
-            procs = [tb.popen(tb.worker_ns(i), _nsproc("switchml", {
-                **common, "spec": child, "rank": i - geo.first_workers[geo.dc_of(i)],
-                "switch": geo.gateway_ip(i), "port": rack_port, "expect": expect}), **pipe)
-                for i in range(geo.workers)]
-            rows = _wait_all(procs, cfg.timeout_s)
-            for p in rack_procs:
-                assert p.stdin is not None
-                p.stdin.close()
-            trees = [json.loads(_read_line(p, 60) or "{}") for p in rack_procs]
-            out.append(_tree_row(cfg, "switchml-tree", geo.workers, size, rows, racks=racks,
-                                 rack_switches=trees))
-            # The baseline: rack 0's workers alone, on a plain switch in their rack's router.
+            out.append(_run_tree(tb, cfg, racks, size))
             if progress is not None:
                 progress(f"one rack of {per}, {size} B")
-            flat = tb.popen(tb.dc_ns(0), _nsproc("switch", {"port": rack_port}),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            if _read_line(flat, 60).strip() != "ready":
-                raise TestbedError("the rack's switch did not start")
-            spec1 = encode_job_spec(new_job_spec(per, window=cfg.window,
-                                                 elements_per_packet=cfg.elements_per_packet))
-            procs = [tb.popen(tb.worker_ns(i), _nsproc("switchml", {
-                **common, "spec": spec1, "rank": i, "switch": geo.gateway_ip(i),
-                "port": rack_port}), **pipe) for i in range(per)]
-            rows = _wait_all(procs, cfg.timeout_s)
-            assert flat.stdin is not None
-            flat.stdin.close()
-            _read_line(flat, 60)
-            out.append(_tree_row(cfg, "switchml-rack", per, size, rows, racks=1))
-        assert spine.stdin is not None
-        spine.stdin.close()
-        _read_line(spine, 60)
+            out.append(_run_one_rack(tb, cfg, size))
+        _stop_servers([spine])
     return out
 
 
@@ -319,9 +372,7 @@ def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
                     progress(f"{system}, n={cfg.workers}, {size} B, "
                              f"{cfg.rate_bps / 1e6:g} Mbit/s, loss {cfg.loss_rate:g}")
                 rows.append(_measure(tb, cfg, system, size, switch.pid))
-        assert switch.stdin is not None
-        switch.stdin.close()
-        line = _read_line(switch, 60)
+        line = _stop_servers([switch])[0]
         if not line:
             raise TestbedError("the switch did not report its counters when stopped")
         stats = json.loads(line)
@@ -366,7 +417,7 @@ class TrainBenchConfig:
     """Per-worker batch; None: each model's default (``TRAIN_BATCH``: 64, mlp 16)."""
     systems: tuple[str, ...] = ("gloo", "switchml")
     """``gloo`` and ``switchml``: DDP on that backend; ``hybrid``: HybridDataParallel on
-    switchml (per layer aggregation or sufficient-factor broadcasting, issue 11)."""
+    switchml (per layer aggregation or sufficient-factor broadcasting)."""
     trace: bool = False
     """Keep a timeline per rank (Chrome trace events and the hidden-communication fraction)."""
     rate_bps: float = 1e9
@@ -398,50 +449,59 @@ TRAIN_SYSTEMS = {"gloo": ("gloo", "ddp"), "switchml": ("switchml", "ddp"),
 """system -> (backend, mode)."""
 
 
+def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> dict[str, str]:
+    """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret)."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(host),
+           "SWITCHML_SWITCH": switch, "SWITCHML_WINDOW": str(window),
+           "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
+    env.pop("SWITCHML_SECRET", None)
+    return env
+
+
+def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
+                ) -> dict[str, Any]:
+    """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses)."""
+    topo, k = tb.topology, elements_for_mtu(cfg.mtu)
+    batch = cfg.batch or TRAIN_BATCH[model]
+    backend, mode = TRAIN_SYSTEMS[system]
+    port = 33000 + secrets.randbelow(20000)
+    procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
+        "backend": backend, "model": model, "rank": r, "n": cfg.workers,
+        "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
+        "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
+        "dev": tb.host_device(r), "mtu": cfg.mtu}),
+        lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
+                                cfg.window or default_window(k), k))
+    out = _wait_all(procs, cfg.timeout_s)
+    lead = out[0]
+    # Step time from the second half (after warm-up and bucket rebuilding).
+    times = lead["times"]
+    half = len(times) // 2
+    step_s = (times[-1] - times[half - 1]) / (len(times) - half)
+    return {
+        "model": model, "backend": backend, "system": system, "mode": mode,
+        "workers": cfg.workers,
+        "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
+        "params": lead["params"], "steps": cfg.steps, "batch": batch,
+        "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
+        "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
+        "times": times,
+        "cpu_percent": _cpu_percent(out),
+        **_bytes_and_trace(out),
+    }
+
+
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
     """Train every model on gloo and on switchml over one testbed; return one row each."""
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
-    k = elements_for_mtu(cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
         switch = _start_switch(tb)
         for model in cfg.models:
-            batch = cfg.batch or TRAIN_BATCH[model]
             for system in cfg.systems:
-                backend, mode = TRAIN_SYSTEMS[system]
                 if progress is not None:
                     progress(f"training {model} on {system}, n={cfg.workers}")
-                port = 33000 + secrets.randbelow(20000)
-                procs = []
-                for r in range(cfg.workers):
-                    env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r),
-                           "SWITCHML_SWITCH": f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                           "SWITCHML_WINDOW": str(cfg.window or default_window(k)),
-                           "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
-                    env.pop("SWITCHML_SECRET", None)
-                    procs.append(tb.popen(tb.worker_ns(r), _nsproc("train", {
-                        "backend": backend, "model": model, "rank": r, "n": cfg.workers,
-                        "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
-                        "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
-                        "dev": tb.host_device(r), "mtu": cfg.mtu}), env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-                out = _wait_all(procs, cfg.timeout_s)
-                lead = out[0]
-                # Step time from the second half (after warm-up and bucket rebuilding).
-                times = lead["times"]
-                half = len(times) // 2
-                step_s = (times[-1] - times[half - 1]) / (len(times) - half)
-                rows.append({
-                    "model": model, "backend": backend, "system": system, "mode": mode,
-                    "workers": cfg.workers,
-                    "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
-                    "params": lead["params"], "steps": cfg.steps, "batch": batch,
-                    "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
-                    "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
-                    "times": times,
-                    "cpu_percent": [100 * o["cpu_s"] / o["elapsed_s"] for o in out],
-                    **_bytes_and_trace(out),
-                })
+                rows.append(_train_once(tb, cfg, model, system))
         assert switch.stdin is not None
         switch.stdin.close()
     _add_time_to_target(rows)

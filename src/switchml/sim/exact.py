@@ -262,20 +262,21 @@ def _inputs(config: SimConfig, seed: int) -> list[np.ndarray]:
             for _ in range(config.workers)]
 
 
-def run_exact(config: SimConfig, *, check: bool = True,
-              progress: Callable[[float, float], None] | None = None) -> SimReport:
-    """Simulate one float32 all-reduce of ``config`` with the real endpoints and real data;
-    with ``check``, compare every rank's result with the float64 sum (max abs error, and that
-    every rank holds the same bits)."""
-    c = config
-    t_wall = time.perf_counter()
-    net = ExactNetwork(seed=c.seed)
-    stats = _link_stats(c)
-    k, window = c.elements_per_packet, c.slots
+def _endpoint_configs(c: SimConfig) -> tuple[WorkerConfig, SwitchConfig]:
+    """The workers' and switches' settings for ``c``."""
     wcfg = WorkerConfig(min_rto_s=c.min_rto_s, initial_rto_s=c.initial_rto_s,
                         max_rto_s=c.max_rto_s, op_timeout_s=c.op_timeout_s)
-    scfg = SwitchConfig(max_window=max(256, window), max_workers=max(4096, c.workers),
-                        pool_slots=max(1024, window), nack_gap=c.nack_gap)
+    scfg = SwitchConfig(max_window=max(256, c.slots), max_workers=max(4096, c.workers),
+                        pool_slots=max(1024, c.slots), nack_gap=c.nack_gap)
+    return wcfg, scfg
+
+
+def _build(c: SimConfig, net: ExactNetwork, stats: list[LinkStats]
+           ) -> tuple[list[Address], list[WorkerEndpoint], set[int]]:
+    """Attach the switch(es) and workers and connect them; the workers' addresses, the
+    workers, and the stragglers' ranks."""
+    wcfg, scfg = _endpoint_configs(c)
+    k, window = c.elements_per_packet, c.slots
     wfail = {f.index: f.at_s for f in c.failures if f.kind == "worker"}
     rfail = {f.index: f.at_s for f in c.failures if f.kind == "rack"}
     if c.racks == 1:
@@ -304,17 +305,27 @@ def run_exact(config: SimConfig, *, check: bool = True,
         net.attach(a, w, cost_s=c.host_cost_s * (s.slowdown if g in slow else 1.0))
         net.connect(a, uplinks[g], c.access, up=stats[0], down=stats[1], index=g,
                     fail_at=wfail.get(g, float("inf")))
-    # Join (not timed), then start every worker at t0 (stragglers later).
+    return addrs, workers, slow
+
+
+def _join(net: ExactNetwork, workers: list[WorkerEndpoint], stats: list[LinkStats]) -> None:
+    """Join every endpoint (not timed), then zero the link counters: they count the
+    operation only."""
     for a, ep in net.endpoints.items():
         if hasattr(ep, "join") and not isinstance(ep, SwitchDataplane):
             ep.join(net.now)
             net.flush(a)
     net.run(lambda: all(w.state is WorkerState.READY for w in workers), max_time_s=60.0)
-    for st in stats:  # count the operation only
+    for st in stats:
         st.frames = st.bytes = st.queue_drops = st.losses = st.failed_drops = 0
         st.busy_s[:] = 0
-    xs = _inputs(c, c.seed)
-    outs = [np.empty_like(x) for x in xs]
+
+
+def _schedule_starts(c: SimConfig, net: ExactNetwork, addrs: list[Address],
+                     workers: list[WorkerEndpoint], slow: set[int], xs: list[np.ndarray],
+                     outs: list[np.ndarray]) -> dict[int, int]:
+    """Start every worker's all-reduce at the current time (stragglers later); returns the
+    dict that receives each rank's operation ``seq`` when it starts."""
     t0 = net.now
     seqs: dict[int, int] = {}
 
@@ -325,50 +336,96 @@ def run_exact(config: SimConfig, *, check: bool = True,
         return start
 
     for g in range(c.workers):
-        delay = s.delay_s if g in slow else 0.0
+        delay = c.stragglers.delay_s if g in slow else 0.0
         net.call_at(t0 + delay, starter(g))
+    return seqs
+
+
+def _scan_events(c: SimConfig, net: ExactNetwork, addrs: list[Address], seqs: dict[int, int],
+                 done_at: dict[int, float], t0: float, error: str | None) -> str | None:
+    """Record the ranks that completed in ``done_at``; return the error, if any, so far."""
+    for g, a in enumerate(addrs):
+        if g in done_at:
+            continue
+        for ev in net.events[a]:
+            if isinstance(ev, OperationCompleted) and ev.seq == seqs.get(g):
+                done_at[g] = net.now
+            elif isinstance(ev, OperationAborted):
+                error = f"rank {g} failed at t={net.now - t0:.6f} s: {ev.reason}"
+        net.events[a].clear()
+    for a in ([] if c.racks == 1 else [rack_address(r) for r in range(c.racks)]):
+        for ev in net.events[a]:
+            if isinstance(ev, TreeFailed) and error is None:
+                error = f"at t={net.now - t0:.6f} s: {ev.reason}"
+    return error
+
+
+def _run_operation(c: SimConfig, net: ExactNetwork, addrs: list[Address],
+                   workers: list[WorkerEndpoint], seqs: dict[int, int], t0: float,
+                   progress: Callable[[float, float], None] | None
+                   ) -> tuple[dict[int, float], str | None]:
+    """Step until every rank completed or one failed: when each completed, and the error."""
     done_at: dict[int, float] = {}
     error: str | None = None
     next_report = time.perf_counter() + 2.0
     seen = -1
+    chunks = c.workers * (-(-c.elements // c.elements_per_packet) + c.slots)
     while len(done_at) < c.workers and error is None:
         if not net.step():
             error = "the network went idle before every worker finished (a bug)"
             break
         if net.event_count != seen:
             seen = net.event_count
-            for g, a in enumerate(addrs):
-                if g in done_at:
-                    continue
-                for ev in net.events[a]:
-                    if isinstance(ev, OperationCompleted) and ev.seq == seqs.get(g):
-                        done_at[g] = net.now
-                    elif isinstance(ev, OperationAborted):
-                        error = f"rank {g} failed at t={net.now - t0:.6f} s: {ev.reason}"
-                net.events[a].clear()
-            for a in ([] if c.racks == 1 else [rack_address(r) for r in range(c.racks)]):
-                for ev in net.events[a]:
-                    if isinstance(ev, TreeFailed) and error is None:
-                        error = f"at t={net.now - t0:.6f} s: {ev.reason}"
+            error = _scan_events(c, net, addrs, seqs, done_at, t0, error)
         if progress is not None and net.stats["delivered"] % 4096 == 0:
             wall = time.perf_counter()
             if wall >= next_report:
                 next_report = wall + 2.0
                 got = sum(w.counters["results_received"] for w in workers)
-                progress(min(1.0, got / (c.workers * (-(-c.elements // k) + window))),
-                         net.now - t0)
+                progress(min(1.0, got / chunks), net.now - t0)
+    return done_at, error
+
+
+def _check_results(xs: list[np.ndarray], outs: list[np.ndarray]
+                   ) -> tuple[str | None, float, int]:
+    """Compare every rank's result with the float64 sum: the error (None if every rank holds
+    the same bits), the max abs error, and how many results were checked."""
+    error = None
+    max_err = 0.0
+    checked = 0
+    ref = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    first = outs[0]
+    for o in outs:
+        if not np.array_equal(o, first):
+            error = "the ranks hold different results"
+        max_err = max(max_err, float(np.max(np.abs(o - ref))))
+        checked += 1
+    return error, max_err, checked
+
+
+def run_exact(config: SimConfig, *, check: bool = True,
+              progress: Callable[[float, float], None] | None = None) -> SimReport:
+    """Simulate one float32 all-reduce of ``config`` with the real endpoints and real data;
+    with ``check``, compare every rank's result with the float64 sum (max abs error, and that
+    every rank holds the same bits)."""
+    c = config
+    t_wall = time.perf_counter()
+    net = ExactNetwork(seed=c.seed)
+    stats = _link_stats(c)
+    addrs, workers, slow = _build(c, net, stats)
+    _join(net, workers, stats)
+    xs = _inputs(c, c.seed)
+    outs = [np.empty_like(x) for x in xs]
+    t0 = net.now
+    seqs = _schedule_starts(c, net, addrs, workers, slow, xs, outs)
+    done_at, error = _run_operation(c, net, addrs, workers, seqs, t0, progress)
     ok = error is None
     elapsed = (max(done_at.values()) - t0) if ok else net.now - t0
     max_err = 0.0
     checked = 0
     if ok and check:
-        ref = np.sum(np.stack(xs).astype(np.float64), axis=0)
-        first = outs[0]
-        for o in outs:
-            if not np.array_equal(o, first):
-                ok, error = False, "the ranks hold different results"
-            max_err = max(max_err, float(np.max(np.abs(o - ref))))
-            checked += 1
+        error, max_err, checked = _check_results(xs, outs)
+        ok = error is None
     retx = sum(w.counters["retransmissions"] for w in workers)
     rack_retx = 0
     if c.racks > 1:
