@@ -19,12 +19,13 @@ import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.errors import OperationFailed as OperationFailedError
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import Joined, JoinFailed, OperationAborted, OperationCompleted
+from switchml.protocol.events import Joined, JoinFailed
+from switchml.protocol.session import WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed, UpstreamJoined
 from switchml.protocol.worker import WorkerEndpoint
+from switchml.transport.handles import AllreduceHandle
 
 __all__ = ["SPINE", "TreeCluster", "rack_address", "worker_address"]
 
@@ -76,8 +77,9 @@ class TreeCluster:
                                        switch_address=self.rack_addresses[g // workers_per_rack],
                                        config=worker_config)
                         for g in range(n)]
-        for a, w in zip(self.addresses, self.workers):
-            net.attach(a, w)
+        self.sessions = [WorkerSession(w, handle_type=AllreduceHandle) for w in self.workers]
+        for a, session in zip(self.addresses, self.sessions):
+            net.attach(a, session)
         self._joined = False
 
     def _all_have(self, addrs: Sequence[Address], kinds: tuple[type, ...],
@@ -126,26 +128,36 @@ class TreeCluster:
                     raise SwitchMLError(ev.reason)
         self._joined = True
 
-    def start(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None,
-              at: Sequence[float] | None = None) -> list[int]:
-        """Start one all-reduce on every worker (``outs`` default: in place); returns seqs."""
+    def start(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None
+              ) -> list[AllreduceHandle]:
+        """Queue one all-reduce on every worker (``outs`` default: in place); returns the
+        handles."""
         if not self._joined:
             self.join()
         outs = arrays if outs is None else outs
-        seqs = []
-        for a, w, x, o in zip(self.addresses, self.workers, arrays, outs):
-            seqs.append(w.start_allreduce(x, o, self.net.now))
+        handles = []
+        for a, session, x, o in zip(self.addresses, self.sessions, arrays, outs):
+            handles.append(session.submit(x, o, now=self.net.now))
             self.net.flush(a)
-        return seqs
+        return handles  # type: ignore[return-value]
 
-    def wait(self, seqs: Sequence[int]) -> None:
-        """Run until every worker finished; raise OperationFailed (or the tree's error)."""
-        kinds = (OperationCompleted, OperationAborted)
-        self.net.run(self._all_have(self.addresses, kinds, list(seqs)))
-        for a, s in zip(self.addresses, seqs):
-            for ev in self.net.events[a]:
-                if isinstance(ev, OperationAborted) and ev.seq == s:
-                    raise OperationFailedError(ev.reason)
+    def wait(self, handles: Sequence[AllreduceHandle]) -> None:
+        """Run until every handle is done; raise OperationFailed (or the tree's error)."""
+        seen = -1
+        pending = list(handles)
+
+        def until() -> bool:
+            nonlocal seen, pending
+            if self.net.event_count == seen:
+                return False
+            seen = self.net.event_count
+            self._raise_tree_failure()
+            pending = [h for h in pending if not h.done()]
+            return not pending
+
+        self.net.run(until)
+        for h in handles:
+            h.result()
 
     def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Sum the arrays (one per global rank) out of place; return each rank's result."""

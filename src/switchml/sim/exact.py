@@ -29,10 +29,10 @@ from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import OperationAborted, OperationCompleted
+from switchml.protocol.session import OperationHandle, WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import TreeConfig, TreeFailed
-from switchml.protocol.worker import WorkerEndpoint, WorkerState
+from switchml.protocol.worker import WorkerEndpoint
 from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
 from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
 from switchml.sim.timing import LinkStats, SimReport
@@ -272,9 +272,9 @@ def _endpoint_configs(c: SimConfig) -> tuple[WorkerConfig, SwitchConfig]:
 
 
 def _build(c: SimConfig, net: ExactNetwork, stats: list[LinkStats]
-           ) -> tuple[list[Address], list[WorkerEndpoint], set[int]]:
-    """Attach the switch(es) and workers and connect them; the workers' addresses, the
-    workers, and the stragglers' ranks."""
+           ) -> tuple[list[Address], list[WorkerSession], set[int]]:
+    """Attach the switch(es) and workers and connect them; the workers' addresses, their
+    sessions, and the stragglers' ranks."""
     wcfg, scfg = _endpoint_configs(c)
     k, window = c.elements_per_packet, c.slots
     wfail = {f.index: f.at_s for f in c.failures if f.kind == "worker"}
@@ -285,8 +285,8 @@ def _build(c: SimConfig, net: ExactNetwork, stats: list[LinkStats]
         spec = JobSpec(job_id=7, token=0x5EC12E7, num_workers=c.workers, window=window,
                        elements_per_packet=k)
         addrs = [worker_address(g) for g in range(c.workers)]
-        workers = [WorkerEndpoint(spec=spec, rank=g, switch_address=switch_addr, config=wcfg)
-                   for g in range(c.workers)]
+        workers = [WorkerSession(WorkerEndpoint(spec=spec, rank=g, switch_address=switch_addr,
+                                                config=wcfg)) for g in range(c.workers)]
         uplinks = [switch_addr] * c.workers
     else:
         tree = TreeCluster(net, racks=c.racks, workers_per_rack=c.workers_per_rack,
@@ -294,7 +294,7 @@ def _build(c: SimConfig, net: ExactNetwork, stats: list[LinkStats]
                            tree_config=TreeConfig(rto_s=c.min_rto_s, max_rto_s=c.max_rto_s,
                                                   parent_timeout_s=c.op_timeout_s * 0.8),
                            switch_config=scfg)
-        addrs, workers = tree.addresses, tree.workers
+        addrs, workers = tree.addresses, tree.sessions
         uplinks = [rack_address(g // c.workers_per_rack) for g in range(c.workers)]
         for r in range(c.racks):
             net.connect(rack_address(r), SPINE, c.spine_link, up=stats[2], down=stats[3],
@@ -308,82 +308,86 @@ def _build(c: SimConfig, net: ExactNetwork, stats: list[LinkStats]
     return addrs, workers, slow
 
 
-def _join(net: ExactNetwork, workers: list[WorkerEndpoint], stats: list[LinkStats]) -> None:
+def _join(net: ExactNetwork, sessions: list[WorkerSession], stats: list[LinkStats]) -> None:
     """Join every endpoint (not timed), then zero the link counters: they count the
     operation only."""
     for a, ep in net.endpoints.items():
         if hasattr(ep, "join") and not isinstance(ep, SwitchDataplane):
             ep.join(net.now)
             net.flush(a)
-    net.run(lambda: all(w.state is WorkerState.READY for w in workers), max_time_s=60.0)
+    net.run(lambda: all(s.joined or s.error for s in sessions), max_time_s=60.0)
     for st in stats:
         st.frames = st.bytes = st.queue_drops = st.losses = st.failed_drops = 0
         st.busy_s[:] = 0
 
 
+class _Outcome:
+    """When each rank's operation completed, and the first error."""
+
+    def __init__(self, net: ExactNetwork, t0: float) -> None:
+        self.net, self.t0 = net, t0
+        self.done_at: dict[int, float] = {}
+        self.error: str | None = None
+
+    def watch(self, g: int, handle: OperationHandle) -> None:
+        def done(h: OperationHandle) -> None:
+            exc = h.exception()
+            if exc is None:
+                self.done_at[g] = self.net.now
+            elif self.error is None:
+                self.error = f"rank {g} failed at t={self.net.now - self.t0:.6f} s: {exc}"
+        handle.add_done_callback(done)
+
+
 def _schedule_starts(c: SimConfig, net: ExactNetwork, addrs: list[Address],
-                     workers: list[WorkerEndpoint], slow: set[int], xs: list[np.ndarray],
-                     outs: list[np.ndarray]) -> dict[int, int]:
-    """Start every worker's all-reduce at the current time (stragglers later); returns the
-    dict that receives each rank's operation ``seq`` when it starts."""
-    t0 = net.now
-    seqs: dict[int, int] = {}
+                     sessions: list[WorkerSession], slow: set[int], xs: list[np.ndarray],
+                     outs: list[np.ndarray]) -> _Outcome:
+    """Start every worker's all-reduce at the current time (stragglers later); returns what
+    records their outcomes."""
+    outcome = _Outcome(net, net.now)
 
     def starter(g: int) -> Callable[[], None]:
         def start() -> None:
-            seqs[g] = workers[g].start_allreduce(xs[g], outs[g], net.now)
+            outcome.watch(g, sessions[g].submit(xs[g], outs[g], now=net.now))
             net.flush(addrs[g])
         return start
 
     for g in range(c.workers):
         delay = c.stragglers.delay_s if g in slow else 0.0
-        net.call_at(t0 + delay, starter(g))
-    return seqs
+        net.call_at(outcome.t0 + delay, starter(g))
+    return outcome
 
 
-def _scan_events(c: SimConfig, net: ExactNetwork, addrs: list[Address], seqs: dict[int, int],
-                 done_at: dict[int, float], t0: float, error: str | None) -> str | None:
-    """Record the ranks that completed in ``done_at``; return the error, if any, so far."""
-    for g, a in enumerate(addrs):
-        if g in done_at:
-            continue
-        for ev in net.events[a]:
-            if isinstance(ev, OperationCompleted) and ev.seq == seqs.get(g):
-                done_at[g] = net.now
-            elif isinstance(ev, OperationAborted):
-                error = f"rank {g} failed at t={net.now - t0:.6f} s: {ev.reason}"
-        net.events[a].clear()
+def _tree_failure(c: SimConfig, net: ExactNetwork, t0: float) -> str | None:
+    """A rack switch's failure, if one reported any."""
     for a in ([] if c.racks == 1 else [rack_address(r) for r in range(c.racks)]):
         for ev in net.events[a]:
-            if isinstance(ev, TreeFailed) and error is None:
-                error = f"at t={net.now - t0:.6f} s: {ev.reason}"
-    return error
+            if isinstance(ev, TreeFailed):
+                return f"at t={net.now - t0:.6f} s: {ev.reason}"
+    return None
 
 
-def _run_operation(c: SimConfig, net: ExactNetwork, addrs: list[Address],
-                   workers: list[WorkerEndpoint], seqs: dict[int, int], t0: float,
-                   progress: Callable[[float, float], None] | None
+def _run_operation(c: SimConfig, net: ExactNetwork, sessions: list[WorkerSession],
+                   outcome: _Outcome, progress: Callable[[float, float], None] | None
                    ) -> tuple[dict[int, float], str | None]:
     """Step until every rank completed or one failed: when each completed, and the error."""
-    done_at: dict[int, float] = {}
-    error: str | None = None
     next_report = time.perf_counter() + 2.0
     seen = -1
     chunks = c.workers * (-(-c.elements // c.elements_per_packet) + c.slots)
-    while len(done_at) < c.workers and error is None:
+    while len(outcome.done_at) < c.workers and outcome.error is None:
         if not net.step():
-            error = "the network went idle before every worker finished (a bug)"
+            outcome.error = "the network went idle before every worker finished (a bug)"
             break
         if net.event_count != seen:
             seen = net.event_count
-            error = _scan_events(c, net, addrs, seqs, done_at, t0, error)
+            outcome.error = outcome.error or _tree_failure(c, net, outcome.t0)
         if progress is not None and net.stats["delivered"] % 4096 == 0:
             wall = time.perf_counter()
             if wall >= next_report:
                 next_report = wall + 2.0
-                got = sum(w.counters["results_received"] for w in workers)
-                progress(min(1.0, got / chunks), net.now - t0)
-    return done_at, error
+                got = sum(s.endpoint.counters["results_received"] for s in sessions)
+                progress(min(1.0, got / chunks), net.now - outcome.t0)
+    return outcome.done_at, outcome.error
 
 
 def _check_results(xs: list[np.ndarray], outs: list[np.ndarray]
@@ -417,8 +421,8 @@ def run_exact(config: SimConfig, *, check: bool = True,
     xs = _inputs(c, c.seed)
     outs = [np.empty_like(x) for x in xs]
     t0 = net.now
-    seqs = _schedule_starts(c, net, addrs, workers, slow, xs, outs)
-    done_at, error = _run_operation(c, net, addrs, workers, seqs, t0, progress)
+    outcome = _schedule_starts(c, net, addrs, workers, slow, xs, outs)
+    done_at, error = _run_operation(c, net, workers, outcome, progress)
     ok = error is None
     elapsed = (max(done_at.values()) - t0) if ok else net.now - t0
     max_err = 0.0
@@ -426,7 +430,7 @@ def run_exact(config: SimConfig, *, check: bool = True,
     if ok and check:
         error, max_err, checked = _check_results(xs, outs)
         ok = error is None
-    retx = sum(w.counters["retransmissions"] for w in workers)
+    retx = sum(s.endpoint.counters["retransmissions"] for s in workers)
     rack_retx = 0
     if c.racks > 1:
         rack_retx = sum(net.endpoints[rack_address(r)].counters["upstream_retransmissions"]
