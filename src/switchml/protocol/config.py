@@ -164,6 +164,20 @@ class WorkerConfig:
     min_reorder_window_s: float = 0.001
     """How much later a chunk must have been sent before its result marks an earlier chunk as
     lost: the larger of this and a quarter of the smallest round trip seen. Default 1 ms."""
+    max_reorder_scale: float = 1024.0
+    """RACK's reorder window doubles at each needless re-send, up to this many times its base.
+    Default 1024."""
+    tail_probe_srtts: float = 2.0
+    """A lane's last chunk (which no later chunk can reveal as missing) is re-sent after this
+    many smoothed round trips, if sooner than its timeout (a tail-loss probe). Default 2."""
+    control_retry_s: float = 0.2
+    """JOIN and LEAVE are retried after this long, doubling up to ``control_retry_max_s``.
+    Default 0.2 s."""
+    control_retry_max_s: float = 2.0
+    """Cap of the JOIN/LEAVE retry backoff. Default 2 s."""
+    leave_timeout_s: float = 1.0
+    """``close`` gives up waiting for LEFT after this long (the switch's lease frees the slots
+    anyway). Default 1 s."""
 
     def __post_init__(self) -> None:
         _check(self.min_reorder_window_s >= 0,
@@ -177,3 +191,12 @@ class WorkerConfig:
                f"op_timeout_s ({self.op_timeout_s}) must exceed max_rto_s ({self.max_rto_s}) so "
                "that a chunk is retried before the operation gives up")
         _check(self.join_timeout_s > 0, f"join_timeout_s must be > 0, got {self.join_timeout_s}")
+        _check(self.max_reorder_scale >= 1,
+               f"max_reorder_scale must be >= 1, got {self.max_reorder_scale}")
+        _check(self.tail_probe_srtts > 0,
+               f"tail_probe_srtts must be > 0, got {self.tail_probe_srtts}")
+        _check(0 < self.control_retry_s <= self.control_retry_max_s,
+               "expected 0 < control_retry_s <= control_retry_max_s, got "
+               f"{self.control_retry_s}, {self.control_retry_max_s}")
+        _check(self.leave_timeout_s > 0, f"leave_timeout_s must be > 0, got "
+               f"{self.leave_timeout_s}")

@@ -646,9 +646,11 @@ class R(IntEnum):
     REO_SCALE = 8  # RACK's reorder window, in units of the base window
     DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
     FMAX = 10  # largest finite value of the output dtype
+    MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
+    TAIL_PROBE_SRTTS = 12  # a lane's last chunk is probed after this many srtt
 
 
-R_FIELDS = 11
+R_FIELDS = 13
 
 
 class LN(IntEnum):
@@ -792,7 +794,7 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     if p + opv[OP.E] >= opv[OP.T] and lane[LN.TRIES, i] == 0 and rtt[R.SRTT] > 0:
         # The lane's last chunk: no later chunk of ours can show the switch that it is
         # missing (NACKs), so probe sooner than the timeout (a tail loss probe, RFC 8985 7).
-        rto = min(rto, 2.0 * rtt[R.SRTT])
+        rto = min(rto, rtt[R.TAIL_PROBE_SRTTS] * rtt[R.SRTT])
     lanef[LF.DEADLINE, i] = now + rto
     lanef[LF.XMIT_AT, i] = now
     return n
@@ -911,7 +913,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
                 # The chunk was not lost: the RACK re-send was early; widen the window.
                 lane[LN.FAST, ln_i] = 0
                 cnt[WC.SPURIOUS] += 1
-                rtt[R.REO_SCALE] = min(rtt[R.REO_SCALE] * 2, 1024.0)
+                rtt[R.REO_SCALE] = min(rtt[R.REO_SCALE] * 2, rtt[R.MAX_REO_SCALE])
         rtt[R.DELIVERED_XMIT] = delivered
         opv[OP.DONE] += 1
         rtt[R.LAST_PROGRESS] = now

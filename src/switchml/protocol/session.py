@@ -43,7 +43,9 @@ from switchml.protocol.events import (
     OperationCompleted,
     OperationRestarted,
 )
-from switchml.protocol.worker import WorkerEndpoint, WorkerState, validate_arrays
+from switchml.protocol.lifecycle import WorkerState
+from switchml.protocol.operation import validate_arrays
+from switchml.protocol.worker import WorkerEndpoint
 
 __all__ = ["OperationHandle", "Submission", "WorkerSession", "prepare_submission"]
 

@@ -1,0 +1,157 @@
+"""One all-reduce in flight on a worker, as the arrays the compiled kernels work on.
+
+An operation of ``N`` elements is cut into ``L = ceil(N / k)`` blocks and uses
+``E = min(W, L)`` lanes; a float operation has ``T = L + E`` packets (look-ahead exponents), an
+integer one ``T = L`` (``worker.py`` explains the protocol). This module only builds the state:
+``opv`` (scalars, ``kernels.OP``), ``lane``/``lanef`` (per lane, ``kernels.LN``/``LF``), the
+exponents, the staged input and output, and one preallocated transmit buffer per lane.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from switchml.protocol import kernels as K
+from switchml.protocol.config import JobSpec
+from switchml.protocol.errors import LocalProtocolError
+from switchml.protocol.quantize import scale_bits
+from switchml.protocol.wire import EXP_ZERO, HEADER_SIZE, ElementType, operation_digest
+
+__all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "validate_arrays"]
+
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+                    np.dtype(np.int32))
+WIRE_BITS = {32: (int(ElementType.INT32), 4), 16: (int(ElementType.INT16), 2)}
+"""Wire width in bits -> (element type, bytes per element)."""
+_F16 = np.dtype(np.float16)
+_NO_RESIDUAL = np.empty(0, np.float64)
+
+
+class Operation:
+    """State of the operation in flight.
+
+    Float16 data is staged in float32 (exact both ways); the result is copied back by
+    :meth:`finish`. Requests are built into ``txbuf`` (one datagram per lane) and sent from
+    views of it (``views``), with no copy per datagram.
+    """
+
+    __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float",
+                 "itemsize", "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res",
+                 "residual", "restarts", "sendlen", "sendq", "seq", "spurious", "stage_out",
+                 "stage_res", "txbuf", "views", "waiting_chunk", "waiting_missing", "x", "xk",
+                 "xmit_order")
+
+    def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
+                 slot_bases: Sequence[int], bits: int = 32,
+                 residual: np.ndarray | None = None) -> None:
+        self.seq, self.x, self.out = seq, x, out
+        self.is_float = x.dtype.kind == "f"
+        self.bits = bits
+        self.elem, self.itemsize = WIRE_BITS[bits]
+        self.residual = residual
+        self.restarts = 0
+        self.digest = operation_digest(x.size, self.is_float, bits)
+        self.k = spec.elements_per_packet * 4 // self.itemsize  # 16 bits: 2k per slot
+        self.L = -(-x.size // self.k)
+        self.E = min(spec.window, self.L)
+        self.T = self.L + self.E if self.is_float else self.L
+        self._stage(x, out, residual)
+        info = np.finfo(out.dtype) if self.is_float else None
+        self.fmax = float(info.max) if info is not None else 0.0
+        self.opv = self._scalars(spec, rank, slot_bases, info)
+        self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)
+        self.lane[K.LN.CHUNK] = -1
+        self.lane[K.LN.EMAX] = EXP_ZERO
+        # Lane i goes to shard i mod S, on that shard's slot i (each shard grants a base).
+        lanes = np.arange(self.E)
+        self.lane[K.LN.SLOT] = np.asarray(slot_bases, np.int64)[lanes % len(slot_bases)] + lanes
+        self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
+        # Block exponents are computed as packets are built (kernels.build_request).
+        self.exps = np.empty(self.L if self.is_float else 0, np.int64)
+        self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
+        self.txbuf = np.empty((self.E, HEADER_SIZE + self.k * self.itemsize), np.uint8)
+        self.views = [memoryview(self.txbuf[i]) for i in range(self.E)]
+        self.sendq = np.empty(self.E, np.int64)  # a batch releases at most one per lane
+        self.sendlen = np.empty(self.E, np.int64)
+        # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection
+        # (recovery.py; kept with fast_retransmit on only).
+        self.xmit_order: deque[tuple[float, int, int, int]] = deque()
+        self.spurious = 0  # the spurious RACK re-send count when the operation started
+        self.waiting_missing = 0  # the ranks the switch last said it waits for (a bitmap)
+        self.waiting_chunk = -1
+
+    def _stage(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
+        """The kernels take float32, float64 and int32: stage float16, round once."""
+        self.xk = x.astype(np.float32) if x.dtype == _F16 else x
+        self.stage_out = out.dtype == _F16
+        self.outk = np.empty(x.size, np.float64) if self.stage_out else out
+        self.stage_res = residual is not None and residual.dtype != np.float64
+        if residual is None:
+            self.res = _NO_RESIDUAL
+        else:
+            self.res = np.empty(x.size, np.float64) if self.stage_res else residual
+
+    def _scalars(self, spec: JobSpec, rank: int, slot_bases: Sequence[int],
+                 info: np.finfo | None) -> np.ndarray:
+        opv = np.zeros(K.O_FIELDS, np.int64)
+        opv[K.OP.SEQ] = self.seq
+        opv[K.OP.L], opv[K.OP.E], opv[K.OP.T], opv[K.OP.K] = self.L, self.E, self.T, self.k
+        opv[K.OP.JOB] = spec.job_id
+        opv[K.OP.TOKEN] = np.uint64(spec.token).view(np.int64)
+        opv[K.OP.RANK] = rank
+        opv[K.OP.SLOT_BASE] = slot_bases[0]
+        opv[K.OP.ELEM], opv[K.OP.ITEMSIZE], opv[K.OP.DIGEST] = self.elem, self.itemsize, \
+            self.digest
+        scale = spec.scale_count
+        opv[K.OP.P] = scale_bits(scale, self.bits)
+        opv[K.OP.N] = scale  # the bound |sum| < scale * 2**emax
+        opv[K.OP.IS_FLOAT] = self.is_float
+        opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
+        return opv
+
+    def restarted(self, seq: int, spec: JobSpec, rank: int,
+                  slot_bases: Sequence[int]) -> Operation:
+        """The same operation from its input, as ``seq`` on a new epoch."""
+        op = Operation(seq=seq, x=self.x, out=self.out, spec=spec, rank=rank,
+                       slot_bases=slot_bases, bits=self.bits, residual=self.residual)
+        op.restarts = self.restarts + 1
+        return op
+
+    def finish(self) -> None:
+        """Copy staged results into the caller's arrays."""
+        if self.stage_out:
+            self.out[...] = self.outk
+        if self.stage_res:
+            self.residual[...] = self.res  # type: ignore[index]
+
+    def describe(self) -> str:
+        """``N float elements in B bits``, for error messages."""
+        kind = "float" if self.is_float else "int32"
+        return f"{self.x.size} {kind} elements in {self.bits} bits"
+
+
+def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the user's arrays and return flat views of both (no copies).
+
+    Raises:
+        LocalProtocolError: not numpy arrays, not C-contiguous, an unsupported or non-native
+            dtype, ``out`` of another dtype or size, or a read-only ``out``.
+    """
+    for name, a in (("data", data), ("out", out)):
+        if not isinstance(a, np.ndarray):
+            raise LocalProtocolError(f"{name} must be a numpy array, got {type(a).__name__}")
+        if not a.flags.c_contiguous:
+            raise LocalProtocolError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if data.dtype not in SUPPORTED_DTYPES or not data.dtype.isnative:
+        raise LocalProtocolError(
+            f"unsupported dtype {data.dtype}; supported: "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if out.dtype != data.dtype or out.size != data.size:
+        raise LocalProtocolError(
+            f"out must match data: got {out.dtype}[{out.size}] for {data.dtype}[{data.size}]")
+    if not out.flags.writeable:
+        raise LocalProtocolError("out must be writeable")
+    return data.reshape(-1), out.reshape(-1)

@@ -1,0 +1,169 @@
+"""Loss recovery of a worker: round-trip estimate, retransmission deadlines, RACK, NACK answers.
+
+Theory of operation. The result of a chunk is its only acknowledgement. Every outstanding
+chunk has a retransmission deadline from an RFC 6298 style estimate (``srtt + 4 rttvar``,
+Karn's rule: no sample from a re-sent chunk), doubled at each expiry up to ``max_rto_s``; a
+lane's last chunk, which no later chunk can reveal as missing, is probed after two smoothed
+round trips (a tail-loss probe, RFC 8985 section 7). Faster than timeouts:
+
+* **NACKs** (the default): the switch sees a rank's later chunks arrive while an earlier one
+  is missing, and says so; the worker re-sends what it has outstanding on that lane at once,
+  unless it re-sent it less than a round trip ago (:meth:`LossRecovery.nack_resend`).
+* **RACK** (``WorkerConfig.fast_retransmit``): a result for a chunk sent at time *t* marks
+  every chunk still outstanding that was sent more than the reorder window before *t* as lost
+  (:meth:`LossRecovery.lost_chunks`); a re-send that proves needless (a WAITING answer, or a
+  result sooner than the smallest round trip after it) widens the window.
+
+The per-datagram rules (the RTT update, the deadline of a (re-)sent chunk, spurious re-sends
+seen in results) are compiled, in ``kernels.py``; this module holds their state (``rtt``, the
+array the kernels share, fields ``kernels.R``) and the decisions taken per event in Python.
+An operation with no progress for ``op_timeout_s`` fails with :meth:`silence_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from switchml.protocol import kernels as K
+from switchml.protocol.config import WorkerConfig
+from switchml.protocol.operation import Operation
+
+__all__ = ["LossRecovery"]
+
+
+class LossRecovery:
+    """One worker's loss-recovery state, shared with the kernels as ``rtt``."""
+
+    def __init__(self, config: WorkerConfig, counters: np.ndarray) -> None:
+        self.config = config
+        self._cnt = counters  # the worker's kernel counters (kernels.WC)
+        rtt = np.zeros(K.R_FIELDS, np.float64)
+        rtt[K.R.SRTT] = rtt[K.R.MIN_RTT] = -1.0
+        rtt[K.R.RTO] = config.initial_rto_s
+        rtt[K.R.MIN_RTO] = config.min_rto_s
+        rtt[K.R.MAX_RTO] = config.max_rto_s
+        rtt[K.R.REO_SCALE] = 1.0
+        rtt[K.R.MAX_REO_SCALE] = config.max_reorder_scale
+        rtt[K.R.TAIL_PROBE_SRTTS] = config.tail_probe_srtts
+        self.rtt = rtt
+        self.fast_retransmit = config.fast_retransmit
+
+    # -- the operation's life --------------------------------------------------------------------
+
+    def on_started(self, op: Operation, now: float) -> None:
+        """An operation starts: its clock of progress too."""
+        op.spurious = int(self._cnt[K.WC.SPURIOUS])
+        self.rtt[K.R.FMAX] = op.fmax
+        self.rtt[K.R.LAST_PROGRESS] = self.rtt[K.R.LAST_HEARD] = now
+
+    def on_completed(self, op: Operation) -> None:
+        """A clean operation (no needless RACK re-send) narrows the reorder window again."""
+        if self._cnt[K.WC.SPURIOUS] == op.spurious and self.rtt[K.R.REO_SCALE] > 1:
+            self.rtt[K.R.REO_SCALE] //= 2
+
+    def on_sent(self, op: Operation, lane: int, now: float) -> None:
+        """Lane ``lane`` (re-)sent its chunk: RACK keeps transmissions in time order."""
+        if self.fast_retransmit:
+            op.xmit_order.append((now, lane, int(op.lane[K.LN.CHUNK, lane]),
+                                  int(op.lane[K.LN.XMITS, lane])))
+
+    def heard(self, now: float) -> None:
+        """The switch answered something of ours (not necessarily progress)."""
+        self.rtt[K.R.LAST_HEARD] = now
+
+    # -- fast recovery ---------------------------------------------------------------------------
+
+    def reorder_window(self) -> float:
+        """How much later a chunk must have been sent for its result to mark an earlier one
+        lost: a quarter of the smallest round trip (at least ``min_reorder_window_s``), times
+        the current scale, at most the retransmission timeout."""
+        rtt = self.rtt
+        return min(max(rtt[K.R.MIN_RTT] / 4, self.config.min_reorder_window_s)
+                   * rtt[K.R.REO_SCALE], rtt[K.R.SRTT] + 4 * rtt[K.R.RTTVAR])
+
+    def lost_chunks(self, op: Operation) -> Iterator[int]:
+        """RACK (RFC 8985): the chunks still outstanding that were sent more than the reorder
+        window before the transmission the last result answered. The caller re-sends each
+        (which records it again through :meth:`on_sent`)."""
+        rtt = self.rtt
+        if rtt[K.R.MIN_RTT] < 0 or rtt[K.R.SRTT] < 0:
+            return
+        window, delivered = self.reorder_window(), float(rtt[K.R.DELIVERED_XMIT])
+        order = op.xmit_order
+        lane_chunk, lane_xmits = op.lane[K.LN.CHUNK], op.lane[K.LN.XMITS]
+        while order:
+            t, i, p, xmits = order[0]
+            if lane_chunk[i] != p or lane_xmits[i] != xmits:
+                order.popleft()  # that transmission is answered or superseded
+            elif t + window < delivered:
+                order.popleft()
+                yield p
+            else:
+                return
+
+    def on_waiting(self, op: Operation, chunk: int, missing: int, now: float) -> None:
+        """The switch answered a re-send of ``chunk`` with WAITING (``missing``: the ranks it
+        waits for): our chunk was in all along. A RACK re-send of it was needless."""
+        self.heard(now)
+        i = chunk % op.E
+        if op.lane[K.LN.FAST, i] and op.lane[K.LN.CHUNK, i] == chunk:
+            op.lane[K.LN.FAST, i] = 0
+            self._cnt[K.WC.SPURIOUS] += 1
+            self.rtt[K.R.REO_SCALE] = min(self.rtt[K.R.REO_SCALE] * 2,
+                                          self.rtt[K.R.MAX_REO_SCALE])
+        op.waiting_missing = missing
+        op.waiting_chunk = chunk
+
+    def nack_resend(self, op: Operation, chunk: int, now: float) -> int | None:
+        """The switch lacks ``chunk`` although later chunks of ours arrived: the chunk to
+        re-send now on its lane (the chunk itself, or the earlier one whose lost result
+        releases it: the switch answers that from its round or shadow copy), or None when
+        it was delivered meanwhile or re-sent less than a round trip ago (its answer may be
+        on its way)."""
+        self.heard(now)
+        i = chunk % op.E
+        p = int(op.lane[K.LN.CHUNK, i])
+        if p < 0 or p > chunk or now - float(op.lanef[K.LF.XMIT_AT, i]) < self.rtt[K.R.MIN_RTT]:
+            return None
+        return p
+
+    # -- timers ----------------------------------------------------------------------------------
+
+    def due_chunks(self, op: Operation, now: float) -> list[int]:
+        """Outstanding chunks whose retransmission deadline has passed."""
+        chunk, deadline = op.lane[K.LN.CHUNK], op.lanef[K.LF.DEADLINE]
+        return [int(chunk[i]) for i in np.flatnonzero((chunk >= 0) & (deadline <= now))]
+
+    def fail_at(self) -> float:
+        """When the operation fails without progress (``op_timeout_s`` after the last)."""
+        return float(self.rtt[K.R.LAST_PROGRESS]) + self.config.op_timeout_s
+
+    def deadline(self, op: Operation) -> float:
+        """The earliest of the lanes' retransmission deadlines and the failure time."""
+        return min(float(K.next_deadline(op.lane, op.lanef)), self.fail_at())
+
+    def timed_out(self, now: float) -> bool:
+        # The same sum as ``deadline``: ``now - last >= timeout`` can be false by a rounding
+        # error at that very deadline, and the timer would fire forever.
+        return now >= self.fail_at()
+
+    def silence_reason(self, op: Operation, *, where: str, switch: str,
+                       num_workers: int, now: float) -> str:
+        """Why the operation made no progress: the ranks the switch says it waits for, or
+        the switch's silence."""
+        last_heard, last_progress = (float(self.rtt[K.R.LAST_HEARD]),
+                                     float(self.rtt[K.R.LAST_PROGRESS]))
+        idle = now - last_progress
+        if op.waiting_missing and last_heard > last_progress:
+            ranks = [r for r in range(num_workers) if op.waiting_missing >> r & 1]
+            return (f"{where} made no progress for {idle:.1f} s: the switch at {switch} "
+                    f"answers, but rank(s) {ranks} have not sent chunk {op.waiting_chunk}")
+        return (f"{where} made no progress for {idle:.1f} s: no answer from the switch at "
+                f"{switch} for {now - last_heard:.1f} s")
+
+    @property
+    def rto_s(self) -> float:
+        """The current retransmission timeout before backoff."""
+        return float(self.rtt[K.R.RTO])
