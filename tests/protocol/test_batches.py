@@ -49,10 +49,10 @@ def test_kernel_constants_match_the_wire_format():
                     elem=wire.ElementType.INT16, flags=5, exp_data=-3, exp_next=-32768,
                     digest=0x9A)
     d = np.frombuffer(bytearray(wire.pack_header(h)), np.uint8)
-    assert (K._u32(d, 8), K._u16(d, 6), K._u32(d, 20), K._u32(d, 24), K._u32(d, 28)) == (
+    assert (K.u32(d, 8), K.u16(d, 6), K.u32(d, 20), K.u32(d, 24), K.u32(d, 28)) == (
         h.job, h.rank, h.seq, h.chunk, h.slot)
-    assert np.uint64(np.int64(K._i64(d, 12))) == np.uint64(h.token)
-    assert (K._u16(d, 32), d[34], d[35], K._i16(d, 36), K._i16(d, 38), d[4], d[5]) == (
+    assert np.uint64(np.int64(K.i64(d, 12))) == np.uint64(h.token)
+    assert (K.u16(d, 32), d[34], d[35], K.i16(d, 36), K.i16(d, 38), d[4], d[5]) == (
         7, 2, 0x9A, -3, -32768, 5, 1)
 
 

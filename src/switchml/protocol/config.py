@@ -45,6 +45,13 @@ class SwitchConfig:
     timeout. A worker's datagrams travel one path in order, so any gap >= 1 is safe; the
     gap is the reordering tolerated before a needless re-send. 0 turns NACKs off. Default 4."""
 
+    nack_log_windows: int = 8
+    """Completions the switch remembers per job for NACKs, in windows (a ring of
+    ``nack_log_windows * window``); it also caps how far a widened NACK gap grows. Default 8."""
+    nack_calm: int = 64
+    """After this many needed NACK re-sends in a row, a widened gap halves again towards
+    ``nack_gap`` (the network stopped reordering). Default 64."""
+
     shard_index: int = 0
     shard_count: int = 1
     """A sharded switch: this process is shard ``shard_index`` of ``shard_count``. Workers
@@ -53,6 +60,9 @@ class SwitchConfig:
 
     def __post_init__(self) -> None:
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
+        _check(self.nack_log_windows >= 1,
+               f"nack_log_windows must be >= 1, got {self.nack_log_windows}")
+        _check(self.nack_calm >= 1, f"nack_calm must be >= 1, got {self.nack_calm}")
         _check(0 <= self.shard_index < self.shard_count,
                f"expected 0 <= shard_index < shard_count, got shard {self.shard_index} of "
                f"{self.shard_count}")

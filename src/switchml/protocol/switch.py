@@ -6,19 +6,15 @@ ranks that contributed), ``missing`` (contributions still expected; 0 = complete
 accumulator with the block exponents and flags, and the round key ``(seq, chunk)`` of the
 operation and chunk that currently own it.
 
-A REQUEST from rank w for (s, v) with key K:
-
-1. K older than the set's key: a stale packet from an earlier round or operation: dropped
-   (``stale``). The P4 original cannot tell rounds apart; a software switch can (docs/design.md).
-2. K newer: a new round. The first contributor *overwrites* the accumulator (no explicit reset),
-   ``seen = {w}``, ``missing = n - 1``; the other set keeps its last result (the shadow copy).
-3. K equal and w already in ``seen``: a retransmission. If the set is complete, w lost the result:
-   it gets a unicast copy (``RESENT`` flag). If the set is open, its data is already in: it gets a
-   WAITING reply that names the ranks still missing (so a stuck worker can say who is silent).
-4. K equal, w not in ``seen``: add. If the set is complete this is a late duplicate from a worker
-   that has already moved on (its bit was cleared by its packet to the other set): dropped.
-   Otherwise add, OR the flags, max the look-ahead exponent; when ``missing`` reaches 0 the result
-   goes to every member of the job.
+What a REQUEST from rank w for (s, v) with round key K does is one table, ``slots.SLOT_RULES``
+(docs/protocol.md prints it): it depends on K against the set's key (older: stale, dropped;
+newer: a new round, whose first contributor *overwrites* the accumulator, no explicit reset;
+the same round), whether w already contributed (a retransmission: a unicast copy of the result
+if the set is complete, else a WAITING reply naming the ranks still missing), whether the set
+is complete (a late duplicate from a worker that moved on: dropped) and whether the chunk
+agrees with the round's shape (else MISMATCH). The compiled kernel looks every request up in
+it; what needs an answer comes back to Python (``_resend_result``, ``_answer_waiting``,
+``_refuse_mismatch``).
 
 Every accepted contribution also clears w in ``seen`` of the other set, as in the original. The
 invariant that makes one bit of set enough: a worker reaches (s, v) again only after receiving the
@@ -33,8 +29,8 @@ Buffers: a result datagram is a memoryview of the slot's own buffer (header + ac
 multicasting costs no copy. It stays valid until the next receive call (``receive_datagram``,
 ``receive_batch``, ``receive_many``); drivers that keep datagrams longer (the in-memory fabric)
 copy them. The per-request rules themselves are ``kernels.switch_requests`` (compiled); this
-class holds the state as arrays for it and handles what is rare in Python (control messages,
-retransmission answers, disagreeing ranks).
+class holds the state as arrays for it (``jobs.Job``) and handles what is rare in Python
+(control messages, retransmission answers, disagreeing ranks).
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ from __future__ import annotations
 import hmac
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +46,8 @@ from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
+from switchml.protocol.jobs import Job, SlotAllocator, bitmap, store_bitmap
+from switchml.protocol.slots import action_table
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -74,159 +71,18 @@ from switchml.protocol.wire import (
 
 __all__ = ["SlotAllocator", "SwitchDataplane"]
 
-_REQUEST = int(MessageType.REQUEST)
 _INT32 = int(ElementType.INT32)
 _INT16 = int(ElementType.INT16)
 _DATA_ITEMSIZE = {_INT32: 4, _INT16: 2}
-_ACC_DTYPE = {_INT32: "<i4", _INT16: "<i2"}
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
-_NONFINITE = int(Flags.NONFINITE)
-_RESULT = int(MessageType.RESULT)
 _UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
 _NACK = int(MessageType.NACK)
-_CLOG_ROUNDS = 8  # completions logged for NACKs, in windows
-_NACK_CALM = 64  # needed NACK re-sends in a row after which a widened gap halves again
 _BYTES = int(ElementType.BYTES)
 
 _HALF = 2**31
-_EPOCH_TRAIL = 2**30
 _MASK32 = 2**32 - 1
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
-
-
-class SlotAllocator:
-    """First-fit allocator of contiguous slot ranges out of ``[0, pool_slots)``."""
-
-    def __init__(self, pool_slots: int) -> None:
-        self.pool_slots = pool_slots
-        self._free: list[tuple[int, int]] = [(0, pool_slots)]  # sorted (base, size)
-
-    @property
-    def free_slots(self) -> int:
-        return sum(size for _, size in self._free)
-
-    def largest_free(self) -> int:
-        return max((size for _, size in self._free), default=0)
-
-    def allocate(self, size: int) -> int | None:
-        """Return the base of ``size`` contiguous slots, or None if no free range fits."""
-        for i, (base, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (base + size, free - size)
-                return base
-        return None
-
-    def release(self, base: int, size: int) -> None:
-        """Give a range back, merging with its free neighbours."""
-        self._free.append((base, size))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for b, s in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == b:
-                merged[-1] = (merged[-1][0], merged[-1][1] + s)
-            else:
-                merged.append((b, s))
-        self._free = merged
-
-
-def _bitmap(words: np.ndarray) -> int:
-    """A bitmap of uint64 words as a Python int (bit r = rank r)."""
-    return int.from_bytes(words.tobytes(), "little")
-
-
-def _store_bitmap(words: np.ndarray, value: int) -> None:
-    words[:] = np.frombuffer(value.to_bytes(8 * words.size, "little"), np.uint64)
-
-
-@dataclass(slots=True)
-class _Job:
-    """One job's membership and slot state, as arrays the kernel works on.
-
-    ``st[field, set, slot]`` holds each (slot, set)'s round (``kernels.S``); ``seen`` and
-    ``conflict`` are bitmaps of 64-bit words ``[set, slot, word]``; ``bufs[set, slot]`` is the
-    result datagram of the (slot, set): header, then the accumulator.
-    """
-
-    job_id: int
-    token: int
-    num_workers: int
-    slot_base: int
-    window: int
-    elements_per_packet: int
-    members: list[Address | None]
-    all_ranks: int = 0
-    jobv: np.ndarray = field(default=None)  # type: ignore[assignment]
-    st: np.ndarray = field(default=None)  # type: ignore[assignment]
-    seen: np.ndarray = field(default=None)  # type: ignore[assignment]
-    conflict: np.ndarray = field(default=None)  # type: ignore[assignment]
-    conflict_shape: dict[tuple[int, int], ChunkShape] = field(default_factory=dict)
-    bufs: np.ndarray = field(default=None)  # type: ignore[assignment]
-    clog: np.ndarray = field(default=None)  # type: ignore[assignment]
-    cursor: np.ndarray = field(default=None)  # type: ignore[assignment]
-    views: list[list[memoryview]] = field(default_factory=list)
-    last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
-    started: bool = False  # a request was accepted (membership is then fixed)
-
-    def __post_init__(self) -> None:
-        w = self.window
-        self.all_ranks = (1 << self.num_workers) - 1
-        nwords = (self.num_workers + 63) // 64
-        jobv = np.zeros(K.J_FIELDS, np.int64)
-        jobv[K.J.JOB] = self.job_id
-        jobv[K.J.TOKEN] = np.uint64(self.token).view(np.int64)
-        jobv[K.J.N] = self.num_workers
-        jobv[K.J.SLOT_BASE] = self.slot_base
-        jobv[K.J.WINDOW] = w
-        jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
-        jobv[K.J.MIN_SEQ] = -1
-        jobv[K.J.FLOAT_SEQ] = -1
-        jobv[K.J.SHARDS] = 1
-        self.jobv = jobv
-        self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
-        self.st[K.S.SEQ] = -1
-        self.st[K.S.ELEM] = _INT32
-        self.st[K.S.EXP_DATA] = EXP_ZERO
-        self.st[K.S.EXP_NEXT] = EXP_ZERO
-        self.seen = np.zeros((2, w, nwords), np.uint64)
-        self.conflict = np.zeros((2, w, nwords), np.uint64)
-        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet), np.uint8)
-        # Loss recovery (kernels._behind_on): the last completions, and how far each rank
-        # has been checked against them.
-        self.clog = np.full((_CLOG_ROUNDS * w, 4), -1, np.int64)
-        self.cursor = np.zeros(self.num_workers, np.int64)
-        self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
-
-    @property
-    def min_seq(self) -> int | None:
-        """Set by an epoch JOIN: older requests predate a restart."""
-        m = int(self.jobv[K.J.MIN_SEQ])
-        return None if m < 0 else m
-
-    @min_seq.setter
-    def min_seq(self, value: int) -> None:
-        self.jobv[K.J.MIN_SEQ] = value
-
-    @property
-    def elements_aggregated(self) -> int:
-        return int(self.jobv[K.J.AGGREGATED])
-
-    @property
-    def info(self) -> ControlInfo:
-        return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base)
-
-    def memory_bytes(self) -> int:
-        return 2 * self.window * (HEADER_SIZE + 4 * self.elements_per_packet)
-
-    def shape(self, v: int, s: int) -> ChunkShape:
-        """What the round of (slot ``s``, set ``v``) says about its chunk."""
-        st = self.st
-        return ChunkShape(int(st[K.S.COUNT, v, s]), int(st[K.S.ELEM, v, s]),
-                          int(st[K.S.FLAGS, v, s]) & _SHAPE_FLAGS, int(st[K.S.EXP_DATA, v, s]),
-                          int(st[K.S.DIGEST, v, s]))
 
 
 class SwitchDataplane:
@@ -248,7 +104,7 @@ class SwitchDataplane:
     def __init__(self, config: SwitchConfig | None = None) -> None:
         self.config = config or SwitchConfig()
         self.allocator = SlotAllocator(self.config.pool_slots)
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
         # Results, per destination in order (a run of them to one member is one GSO send).
         self._runs: dict[Address, list[memoryview]] = {}
@@ -271,6 +127,13 @@ class SwitchDataplane:
             MessageType.JOIN: self._handle_join,
             MessageType.LEAVE: self._handle_leave,
             MessageType.KEEPALIVE: self._handle_keepalive,
+        }
+        self._rules = action_table()  # slots.SLOT_RULES, as the kernel looks them up
+        # The slot rule's actions that the kernel leaves to Python (slots.SlotAction).
+        self._replies = {
+            K.SS.RESEND_RESULT: self._resend_result,
+            K.SS.ANSWER_WAITING: self._answer_waiting,
+            K.SS.MISMATCH: self._refuse_mismatch,
         }
 
     # -- Endpoint contract -------------------------------------------------------------------
@@ -332,27 +195,28 @@ class SwitchDataplane:
                 continue
             nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i, f[5],
                                                  job.jobv, job.st, job.seen, job.conflict,
-                                                 job.bufs, job.clog, job.cursor, self._cnt,
-                                                 self._done)
+                                                 job.bufs, job.clog, job.cursor, self._rules,
+                                                 self._cnt, self._done)
             if ndone:
                 self._multicast(job, ndone)
-            if code == K.SS.RETRANSMISSION or code == K.SS.MISMATCH:
-                g = HEADER.unpack_from(view, int(starts[nxt]))
-                if code == K.SS.RETRANSMISSION:
-                    self._answer_retransmission(job, g, addr)
-                else:
-                    self._drops["inconsistent_chunk"] += 1
-                    self._mismatch(job, g, addr, ChunkShape(
-                        g[11], g[12], g[3] & _SHAPE_FLAGS, g[14], g[13]))
-                nxt += 1
-            elif code == K.SS.CONFLICT_ADDED:
-                self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr, None)
-            elif code == K.SS.NACK:
-                self._nack(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr)
-            elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
-                self._drops["internal"] += 1
-                nxt += 1
-            i = nxt
+            i = self._after_kernel(job, code, nxt, i, view, starts, addr)
+
+    def _after_kernel(self, job: Job, code: int, nxt: int, i: int, view: memoryview,
+                      starts: np.ndarray, addr: Address) -> int:
+        """Answer what stopped the kernel (the slot rule's Python actions); return the
+        datagram to go on from."""
+        reply = self._replies.get(code)
+        if reply is not None:  # about datagram nxt, which the kernel did not take
+            reply(job, HEADER.unpack_from(view, int(starts[nxt])), addr)
+            return nxt + 1
+        if code == K.SS.CONFLICT_ADDED:  # about datagram nxt - 1, which it took
+            self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr, None)
+        elif code == K.SS.NACK:
+            self._nack(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr)
+        elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
+            self._drops["internal"] += 1
+            return nxt + 1
+        return nxt
 
     @staticmethod
     def _request_fields(buf: np.ndarray, view: memoryview, o: int, end: int) -> tuple | None:
@@ -377,7 +241,7 @@ class SwitchDataplane:
             return
         handler(h, data, addr, now)
 
-    def _multicast(self, job: _Job, ndone: int) -> None:
+    def _multicast(self, job: Job, ndone: int) -> None:
         """Send every round the kernel completed to every member (views of slot memory)."""
         runs = self._runs
         member_runs = []
@@ -539,7 +403,7 @@ class SwitchDataplane:
                        elem=ElementType.BYTES, chunk=self.config.shard_index)
         self._out.append((pack_header(reply) + pack_control_info(job.info), addr))
 
-    def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> _Job | None:
+    def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:
         cfg = self.config
         problem = None
         if not 1 <= asked.num_workers <= cfg.max_workers:
@@ -559,8 +423,9 @@ class SwitchDataplane:
                          f"{cfg.pool_slots}")
             return None
         try:
-            job = _Job(h.job, h.token, asked.num_workers, base, asked.window,
-                       asked.elements_per_packet, [None] * asked.num_workers)
+            job = Job(h.job, h.token, asked.num_workers, base, asked.window,
+                      asked.elements_per_packet, [None] * asked.num_workers,
+                      nack_log_windows=cfg.nack_log_windows)
             job.jobv[K.J.NACK_GAP] = self.config.nack_gap
             job.jobv[K.J.SHARDS] = self.config.shard_count
         except MemoryError:
@@ -620,7 +485,7 @@ class SwitchDataplane:
 
     # -- Data --------------------------------------------------------------------------------
 
-    def _admit(self, f: tuple, addr: Address, now: float) -> _Job | None:
+    def _admit(self, f: tuple, addr: Address, now: float) -> Job | None:
         """The isolation checks of a REQUEST (``f``: its header tuple), before it touches any
         slot: its job, token, rank, the address the rank joined from, and its epoch. Returns
         the job, or None when the request was dropped (and answered, where that helps).
@@ -664,7 +529,7 @@ class SwitchDataplane:
                                       f[8], f[9], f[10], 0, _BYTES, 0, EXP_ZERO, EXP_ZERO),
                           addr))
 
-    def _mismatch(self, job: _Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
+    def _mismatch(self, job: Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
         """Tell the sender of ``f`` that the ranks disagree about this chunk (the round can't
         complete).
 
@@ -676,13 +541,13 @@ class SwitchDataplane:
         """
         rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
         s = slot - job.slot_base
-        conflict = _bitmap(job.conflict[v, s])
+        conflict = bitmap(job.conflict[v, s])
         if refused is not None:
             first = not conflict >> rank & 1
-            _store_bitmap(job.conflict[v, s], conflict | 1 << rank)
+            store_bitmap(job.conflict[v, s], conflict | 1 << rank)
             job.conflict_shape[v, s] = refused
             mine = job.shape(v, s)
-            seen = _bitmap(job.seen[v, s])
+            seen = bitmap(job.seen[v, s])
             self._send_mismatch(job, rank, seq, chunk, slot, v, mine, refused, seen, addr)
             if first:
                 for r, member in enumerate(job.members):
@@ -696,7 +561,7 @@ class SwitchDataplane:
             self._send_mismatch(job, rank, seq, chunk, slot, v, theirs, job.shape(v, s),
                                 conflict, addr)
 
-    def _send_mismatch(self, job: _Job, rank: int, seq: int, chunk: int, slot: int, v: int,
+    def _send_mismatch(self, job: Job, rank: int, seq: int, chunk: int, slot: int, v: int,
                        theirs: ChunkShape, mine: ChunkShape, ranks: int, addr: Address) -> None:
         payload = pack_mismatch(theirs, mine, ranks, job.num_workers)
         reply = Header(MessageType.MISMATCH, job.job_id, rank=rank, token=job.token, seq=seq,
@@ -704,9 +569,9 @@ class SwitchDataplane:
         self._out.append((pack_header(reply) + payload, addr))
         self.mismatch_sent += 1
 
-    def _nack(self, job: _Job, f: tuple, addr: Address) -> None:
+    def _nack(self, job: Job, f: tuple, addr: Address) -> None:
         """Tell the sender of ``f`` that the switch lacks an earlier chunk of its (the kernel
-        found it: ``kernels._behind_on``)."""
+        found it: ``kernels.aggregate._behind_on``)."""
         jobv = job.jobv
         self._out.append((HEADER.pack(MAGIC, VERSION, _NACK, 0, 0, f[5], job.job_id, job.token,
                                       f[8], int(jobv[K.J.NACK_CHUNK]),
@@ -715,12 +580,12 @@ class SwitchDataplane:
         self.nacks_sent += 1
         useful = int(jobv[K.J.NACK_USEFUL])
         gap = int(jobv[K.J.NACK_GAP])
-        if useful >= _NACK_CALM and gap > self.config.nack_gap:
+        if useful >= self.config.nack_calm and gap > self.config.nack_gap:
             # NACKs have been needed, none needless: the network stopped reordering.
             jobv[K.J.NACK_GAP] = max(self.config.nack_gap, gap // 2)
             jobv[K.J.NACK_USEFUL] = 0
 
-    def _nack_was_needless(self, job: _Job) -> None:
+    def _nack_was_needless(self, job: Job) -> None:
         """A re-send answering a NACK found its chunk already in: the chunk had been
         reordered, not lost. Widen the job's gap (as RACK widens its reorder window), so a
         network that reorders costs a few needless re-sends, not one per datagram."""
@@ -728,33 +593,41 @@ class SwitchDataplane:
         self.nacks_needless += 1
         jobv[K.J.NACK_USEFUL] = 0
         if jobv[K.J.NACK_GAP] > 0:
-            jobv[K.J.NACK_GAP] = min(2 * int(jobv[K.J.NACK_GAP]), _CLOG_ROUNDS * job.window)
+            jobv[K.J.NACK_GAP] = min(2 * int(jobv[K.J.NACK_GAP]),
+                                     self.config.nack_log_windows * job.window)
 
-    def _answer_retransmission(self, job: _Job, f: tuple, addr: Address) -> None:
-        """A rank re-sent a chunk that is already in its round."""
-        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+    def _resend_result(self, job: Job, f: tuple, addr: Address) -> None:
+        """A retransmission into a complete round: the result was lost on its way to this
+        worker: resend the stored copy (``RESENT``)."""
         if f[3] & Flags.RESENT:
             self._nack_was_needless(job)  # the chunk NACKed as lost was in (reordered)
-        s = slot - job.slot_base
+        v, s = f[4], f[10] - job.slot_base
         st = job.st
-        if st[K.S.MISSING, v, s] == 0:
-            # The result was lost on its way to this worker: resend the stored copy.
-            size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(
-                st[K.S.COUNT, v, s])
-            datagram = bytearray(job.views[v][s][:size])
-            datagram[4] |= Flags.RESENT
-            self._out.append((bytes(datagram), addr))
-            self.results_resent += 1
-            return
+        size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(st[K.S.COUNT, v, s])
+        datagram = bytearray(job.views[v][s][:size])
+        datagram[4] |= Flags.RESENT
+        self._out.append((bytes(datagram), addr))
+        self.results_resent += 1
+
+    def _answer_waiting(self, job: Job, f: tuple, addr: Address) -> None:
+        """A retransmission into an open round: this worker's data is in; tell it who is
+        missing (or, if some rank's chunk was refused, that the round never completes)."""
+        if f[3] & Flags.RESENT:
+            self._nack_was_needless(job)
+        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        s = slot - job.slot_base
         if job.conflict[v, s].any():
-            # Still open, and some rank sent this chunk with another shape: it never completes.
             self._mismatch(job, f, addr, None)
             return
-        # Still open: this worker's data is in; tell it who is missing.
-        missing = job.all_ranks & ~_bitmap(job.seen[v, s])
+        missing = job.all_ranks & ~bitmap(job.seen[v, s])
         payload = missing.to_bytes((job.num_workers + 7) // 8, "little")
         reply = Header(MessageType.WAITING, job.job_id, rank=rank, token=job.token, seq=seq,
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))
         self._out.append((pack_header(reply) + payload, addr))
         self.waiting_sent += 1
         self._drops["duplicate"] += 1
+
+    def _refuse_mismatch(self, job: Job, f: tuple, addr: Address) -> None:
+        """The chunk disagrees with its round: refuse it."""
+        self._drops["inconsistent_chunk"] += 1
+        self._mismatch(job, f, addr, ChunkShape(f[11], f[12], f[3] & _SHAPE_FLAGS, f[14], f[13]))

@@ -4,9 +4,17 @@ The first process on a fresh install compiles the kernels (about half a minute o
 machine) and caches them next to the source; every later process loads them in well under a
 second. Run ``python -m switchml.protocol.warmup`` once after installing (``.ci/run`` and the
 README's set-up do), so that no operation waits for the compiler.
+
+Numba's cache is keyed on each kernel's own source file, not on the kernels it calls in the
+package's other files: a change to ``kernels/frames.py`` would leave ``kernels/aggregate.py``'s
+cached code stale. :func:`clear_stale_cache` keeps a digest of every kernel source next to the
+cache and removes the package's cached kernels when it differs; :func:`warm_up` calls it first.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import numpy as np
 
@@ -15,7 +23,32 @@ from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
 
-__all__ = ["warm_up"]
+__all__ = ["clear_stale_cache", "warm_up"]
+
+_KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+def clear_stale_cache() -> bool:
+    """Remove the kernels' numba cache if any kernel source changed since it was written
+    (returns whether it did). Only the cache next to the sources (numba's default) is
+    looked at; nothing happens where that folder is not writable."""
+    digest = hashlib.sha256()
+    for src in sorted(_KERNELS.glob("*.py")):
+        digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    cache = _KERNELS / "__pycache__"
+    stamp = cache / "kernel-sources.sha256"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return False
+        cleared = False
+        for f in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
+            f.unlink()
+            cleared = True
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+        return cleared
+    except OSError:
+        return False
 
 
 def _pump(sw: SwitchDataplane, w: WorkerEndpoint, addr: tuple[str, int], sw_addr: tuple[str, int],
@@ -33,7 +66,9 @@ def _pump(sw: SwitchDataplane, w: WorkerEndpoint, addr: tuple[str, int], sw_addr
 
 
 def warm_up() -> None:
-    """Run one tiny operation of every kind through a switch and a worker, in memory."""
+    """Run one tiny operation of every kind through a switch and a worker, in memory (after
+    clearing a stale cache)."""
+    clear_stale_cache()
     addr, sw_addr = ("127.0.0.1", 1), ("127.0.0.1", 2)
     sw = SwitchDataplane()
     spec = JobSpec(job_id=1, token=2, num_workers=1, window=2, elements_per_packet=4)

@@ -490,7 +490,7 @@ class TimingModel:
 
     def _nack_check(self, p: int, ws: np.ndarray, arr: np.ndarray) -> None:
         """Chunk ``p`` of workers ``ws`` arrived at ``arr``: NACK what they lack (the rule of
-        ``kernels._behind_on``: a chunk released at least ``gap`` completions before this
+        ``kernels.aggregate._behind_on``: a chunk released at least ``gap`` completions before this
         chunk's release; in the first window, chunk ``p - gap``)."""
         for w, a in zip(ws.tolist(), arr.tolist()):
             r = int(self.rack_of[w])

@@ -1,0 +1,162 @@
+"""The switch's jobs: a first-fit allocator of slot ranges, and one job's state as arrays.
+
+A job holds ``window`` slots of the pool, each with two sets; the compiled kernel
+(``kernels/aggregate.py``) works on the arrays of :class:`Job` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from switchml.protocol import kernels as K
+from switchml.protocol.address import Address
+from switchml.protocol.wire import (
+    EXP_ZERO,
+    HEADER_SIZE,
+    ChunkShape,
+    ControlInfo,
+    ElementType,
+    Flags,
+)
+
+__all__ = ["Job", "SlotAllocator", "bitmap", "store_bitmap"]
+
+_INT32 = int(ElementType.INT32)
+_SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
+
+
+class SlotAllocator:
+    """First-fit allocator of contiguous slot ranges out of ``[0, pool_slots)``."""
+
+    def __init__(self, pool_slots: int) -> None:
+        self.pool_slots = pool_slots
+        self._free: list[tuple[int, int]] = [(0, pool_slots)]  # sorted (base, size)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def largest_free(self) -> int:
+        return max((size for _, size in self._free), default=0)
+
+    def allocate(self, size: int) -> int | None:
+        """Return the base of ``size`` contiguous slots, or None if no free range fits."""
+        for i, (base, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (base + size, free - size)
+                return base
+        return None
+
+    def release(self, base: int, size: int) -> None:
+        """Give a range back, merging with its free neighbours."""
+        self._free.append((base, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for b, s in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == b:
+                merged[-1] = (merged[-1][0], merged[-1][1] + s)
+            else:
+                merged.append((b, s))
+        self._free = merged
+
+
+def bitmap(words: np.ndarray) -> int:
+    """A bitmap of uint64 words as a Python int (bit r = rank r)."""
+    return int.from_bytes(words.tobytes(), "little")
+
+
+def store_bitmap(words: np.ndarray, value: int) -> None:
+    words[:] = np.frombuffer(value.to_bytes(8 * words.size, "little"), np.uint64)
+
+
+@dataclass(slots=True)
+class Job:
+    """One job's membership and slot state, as arrays the kernel works on.
+
+    ``st[field, set, slot]`` holds each (slot, set)'s round (``kernels.S``); ``seen`` and
+    ``conflict`` are bitmaps of 64-bit words ``[set, slot, word]``; ``bufs[set, slot]`` is the
+    result datagram of the (slot, set): header, then the accumulator.
+    """
+
+    job_id: int
+    token: int
+    num_workers: int
+    slot_base: int
+    window: int
+    elements_per_packet: int
+    members: list[Address | None]
+    all_ranks: int = 0
+    jobv: np.ndarray = field(default=None)  # type: ignore[assignment]
+    st: np.ndarray = field(default=None)  # type: ignore[assignment]
+    seen: np.ndarray = field(default=None)  # type: ignore[assignment]
+    conflict: np.ndarray = field(default=None)  # type: ignore[assignment]
+    conflict_shape: dict[tuple[int, int], ChunkShape] = field(default_factory=dict)
+    bufs: np.ndarray = field(default=None)  # type: ignore[assignment]
+    clog: np.ndarray = field(default=None)  # type: ignore[assignment]
+    cursor: np.ndarray = field(default=None)  # type: ignore[assignment]
+    views: list[list[memoryview]] = field(default_factory=list)
+    nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
+    last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
+    started: bool = False  # a request was accepted (membership is then fixed)
+
+    def __post_init__(self) -> None:
+        w = self.window
+        self.all_ranks = (1 << self.num_workers) - 1
+        nwords = (self.num_workers + 63) // 64
+        jobv = np.zeros(K.J_FIELDS, np.int64)
+        jobv[K.J.JOB] = self.job_id
+        jobv[K.J.TOKEN] = np.uint64(self.token).view(np.int64)
+        jobv[K.J.N] = self.num_workers
+        jobv[K.J.SLOT_BASE] = self.slot_base
+        jobv[K.J.WINDOW] = w
+        jobv[K.J.MAX_BYTES] = 4 * self.elements_per_packet
+        jobv[K.J.MIN_SEQ] = -1
+        jobv[K.J.FLOAT_SEQ] = -1
+        jobv[K.J.SHARDS] = 1
+        self.jobv = jobv
+        self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
+        self.st[K.S.SEQ] = -1
+        self.st[K.S.ELEM] = _INT32
+        self.st[K.S.EXP_DATA] = EXP_ZERO
+        self.st[K.S.EXP_NEXT] = EXP_ZERO
+        self.seen = np.zeros((2, w, nwords), np.uint64)
+        self.conflict = np.zeros((2, w, nwords), np.uint64)
+        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet), np.uint8)
+        # Loss recovery (kernels.aggregate._behind_on): the last completions, and how far each rank
+        # has been checked against them.
+        self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)
+        self.cursor = np.zeros(self.num_workers, np.int64)
+        self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
+
+    @property
+    def min_seq(self) -> int | None:
+        """Set by an epoch JOIN: older requests predate a restart."""
+        m = int(self.jobv[K.J.MIN_SEQ])
+        return None if m < 0 else m
+
+    @min_seq.setter
+    def min_seq(self, value: int) -> None:
+        self.jobv[K.J.MIN_SEQ] = value
+
+    @property
+    def elements_aggregated(self) -> int:
+        return int(self.jobv[K.J.AGGREGATED])
+
+    @property
+    def info(self) -> ControlInfo:
+        return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base)
+
+    def memory_bytes(self) -> int:
+        return 2 * self.window * (HEADER_SIZE + 4 * self.elements_per_packet)
+
+    def shape(self, v: int, s: int) -> ChunkShape:
+        """What the round of (slot ``s``, set ``v``) says about its chunk."""
+        st = self.st
+        return ChunkShape(int(st[K.S.COUNT, v, s]), int(st[K.S.ELEM, v, s]),
+                          int(st[K.S.FLAGS, v, s]) & _SHAPE_FLAGS, int(st[K.S.EXP_DATA, v, s]),
+                          int(st[K.S.DIGEST, v, s]))

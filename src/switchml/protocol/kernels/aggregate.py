@@ -1,0 +1,470 @@
+"""The switch's per-request rules, compiled: validate, classify by the slot table, aggregate,
+complete, and find chunks a rank should have delivered (NACKs).
+
+``switch.py`` explains the protocol and holds the state as arrays; ``slots.py`` holds the table
+every request is classified by (passed in as ``rules``). A kernel stops at anything rare that
+needs Python (a retransmission to answer, disagreeing ranks, a NACK to send) and returns why.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+
+from switchml.protocol.kernels.frames import (
+    E_INT32,
+    EPOCH_TRAIL,
+    F_HAS_EXP,
+    F_NONFINITE,
+    F_RESENT,
+    HALF,
+    HDR,
+    KW,
+    MASK32,
+    SHAPE_FLAGS,
+    T_RESULT,
+    i16,
+    i64,
+    njit,
+    request_framing,
+    u16,
+    u32,
+    write_header,
+)
+from switchml.protocol.slots import SlotAction
+
+# The slot actions (slots.SlotAction) as this module's own constants: numba compiles them into
+# the cached kernels, and the cache only notices changes to this file. Checked at import.
+A_DROP_STALE = 0
+A_START_ROUND = 1
+A_ADD = 2
+A_RESEND_RESULT = 3
+A_ANSWER_WAITING = 4
+A_DROP_LATE = 5
+A_REFUSE_MISMATCH = 6
+if {a.name: int(a) for a in SlotAction} != {n[2:]: v for n, v in globals().items()
+                                             if n.startswith("A_")}:
+    raise ImportError("kernels/aggregate.py's A_* constants differ from slots.SlotAction")
+
+
+class J(IntEnum):
+    """Indexes of a switch job's scalar fields (``jobv``, int64)."""
+
+    JOB = 0
+    TOKEN = 1  # stored as the signed reinterpretation of the u64 token
+    N = 2
+    SLOT_BASE = 3
+    WINDOW = 4
+    MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
+    MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
+    AGGREGATED = 7  # elements aggregated
+    NACK_GAP = 8  # chunks a rank may run ahead of a chunk it has not delivered; 0: no NACKs
+    NACK_CHUNK = 9  # out: the chunk a NACK names (valid when the kernel stops with SS.NACK)
+    NACK_SLOT = 10  # out: its slot, relative to SLOT_BASE
+    COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
+    FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
+    NACK_USEFUL = 13  # re-sends answering a NACK that brought a missing chunk (count)
+    SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
+
+
+J_FIELDS = 15
+
+
+class S(IntEnum):
+    """Indexes of a slot set's fields (``st[field, set, slot]``, int64)."""
+
+    SEQ = 0  # -1: never used
+    CHUNK = 1
+    COUNT = 2
+    ELEM = 3
+    FLAGS = 4
+    EXP_DATA = 5
+    EXP_NEXT = 6
+    DIGEST = 7
+    MISSING = 8
+    DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
+
+
+S_FIELDS = 10
+
+
+class SC(IntEnum):
+    """Switch counters (``cnt``, int64)."""
+
+    STALE = 0
+    BAD_SLOT = 1
+    BAD_PAYLOAD = 2
+    LATE_DUPLICATE = 3
+    MULTICAST = 4
+    ABANDONED = 5
+    N = 6
+
+
+class SS(IntEnum):
+    """Why :func:`switch_requests` stopped."""
+
+    DONE = 0  # every datagram taken
+    OTHER = 1  # not a request of this job and rank, or from before the epoch: Python's path
+    RESEND_RESULT = 2  # a retransmission into a complete round: Python sends the stored copy
+    ANSWER_WAITING = 3  # a retransmission into an open round: Python answers WAITING
+    MISMATCH = 4  # the chunk disagrees with the round: Python refuses it
+    CONFLICT_ADDED = 5  # added to a round that has refused ranks: Python tells this rank
+    NACK = 6  # added, and this rank is behind on an earlier chunk: Python sends it a NACK
+
+
+class SwitchJob(NamedTuple):
+    """One job's arrays, as the kernel's helpers take them (``switch.py`` documents them)."""
+
+    jobv: np.ndarray  # scalars, fields J
+    st: np.ndarray  # [field S, set, slot]: each (slot, set)'s round
+    seen: np.ndarray  # [set, slot, word]: bitmaps of the ranks that contributed
+    conflict: np.ndarray  # [set, slot, word]: ranks whose chunk was refused
+    bufs: np.ndarray  # [set, slot, byte]: the result datagram (header, accumulator)
+    clog: np.ndarray  # [completion, (seq, chunk, slot, releases)]: the last completions
+    cursor: np.ndarray  # [rank]: how far each rank was checked against ``clog``
+
+
+class Request(NamedTuple):
+    """The fields of a REQUEST that the slot rule reads (``s``: its slot, job-relative)."""
+
+    seq: int
+    chunk: int
+    s: int
+    v: int
+    flags: int
+    count: int
+    elem: int
+    digest: int
+    exp_data: int
+    exp_next: int
+    itemsize: int
+
+
+# -- bitmaps ------------------------------------------------------------------------------------
+
+@njit(**KW)
+def _clear_bit(bm, v, s, rank):
+    bm[v, s, rank >> 6] &= ~(np.uint64(1) << np.uint64(rank & 63))
+
+
+@njit(**KW)
+def _has_bit(bm, v, s, rank):
+    return (bm[v, s, rank >> 6] >> np.uint64(rank & 63)) & np.uint64(1) != 0
+
+
+@njit(**KW)
+def _any_bit(bm, v, s):
+    for w in range(bm.shape[2]):
+        if bm[v, s, w] != 0:
+            return True
+    return False
+
+
+# -- the slot rule ------------------------------------------------------------------------------
+
+@njit(**KW)
+def _parse(d, o, base):
+    """The REQUEST at ``d[o:]`` (framing already checked)."""
+    elem = np.int64(d[o + 34])
+    return Request(u32(d, o + 20), u32(d, o + 24), u32(d, o + 28) - base, np.int64(d[o + 5]),
+                   np.int64(d[o + 4]), u16(d, o + 32), elem, np.int64(d[o + 35]),
+                   i16(d, o + 36), i16(d, o + 38), 4 if elem == E_INT32 else 2)
+
+
+@njit(**KW)
+def _round_order(st, r):
+    """``slots.Round`` of the request's ``(seq, chunk)`` against its set's round (seq in
+    serial-number arithmetic, RFC 1982)."""
+    cur = st[S.SEQ, r.v, r.s]
+    if cur < 0:
+        return 2
+    if r.seq != cur:
+        return 2 if ((r.seq - cur) & MASK32) < HALF else 0
+    cc = st[S.CHUNK, r.v, r.s]
+    return 1 if r.chunk == cc else (2 if r.chunk > cc else 0)
+
+
+@njit(**KW)
+def _agrees(st, r):
+    """Whether the chunk has its round's shape (size, type, exponent, flags, digest)."""
+    v, s = r.v, r.s
+    return (r.count == st[S.COUNT, v, s] and r.elem == st[S.ELEM, v, s]
+            and r.digest == st[S.DIGEST, v, s] and r.exp_data == st[S.EXP_DATA, v, s]
+            and ((r.flags ^ st[S.FLAGS, v, s]) & SHAPE_FLAGS) == 0)
+
+
+@njit(**KW)
+def _action(job, rules, r, rank):
+    """Look the request up in the slot rules (``slots.SLOT_RULES``)."""
+    order = _round_order(job.st, r)
+    contributed = complete = 0
+    agrees = 1
+    if order == 1:
+        contributed = 1 if _has_bit(job.seen, r.v, r.s, rank) else 0
+        complete = 1 if job.st[S.MISSING, r.v, r.s] == 0 else 0
+        if not contributed and not complete:
+            agrees = 1 if _agrees(job.st, r) else 0
+    return rules[order, contributed, complete, agrees]
+
+
+@njit(**KW)
+def _start_round(job, r, rank, pay, cnt):
+    """A new round: the first contributor overwrites (no explicit reset of a slot)."""
+    st, v, s = job.st, r.v, r.s
+    if st[S.SEQ, v, s] >= 0 and st[S.MISSING, v, s] != 0:
+        cnt[SC.ABANDONED] += 1  # only after a failed operation
+    job.bufs[v, s, HDR:HDR + pay.size] = pay
+    st[S.SEQ, v, s], st[S.CHUNK, v, s], st[S.COUNT, v, s] = r.seq, r.chunk, r.count
+    st[S.ELEM, v, s], st[S.FLAGS, v, s] = r.elem, r.flags & (F_NONFINITE | SHAPE_FLAGS)
+    st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s] = r.exp_data, r.exp_next
+    st[S.DIGEST, v, s] = r.digest
+    for w in range(job.seen.shape[2]):
+        job.seen[v, s, w] = 0
+        job.conflict[v, s, w] = 0
+    job.seen[v, s, rank >> 6] = np.uint64(1) << np.uint64(rank & 63)
+    st[S.MISSING, v, s] = job.jobv[J.N] - 1
+
+
+@njit(**KW)
+def _add(job, r, rank, pay):
+    """Add a contribution (integer adds wrap, as a switch's adders do); returns whether the
+    round has refused ranks left after this one (Python tells this rank)."""
+    st, v, s = job.st, r.v, r.s
+    acc = job.bufs[v, s, HDR:HDR + pay.size]
+    if r.elem == E_INT32:
+        a32, x32 = acc.view(np.int32), pay.view(np.int32)
+        for j in range(r.count):
+            a32[j] += x32[j]
+    else:
+        a16, x16 = acc.view(np.int16), pay.view(np.int16)
+        for j in range(r.count):
+            a16[j] += x16[j]
+    job.seen[v, s, rank >> 6] |= np.uint64(1) << np.uint64(rank & 63)
+    st[S.FLAGS, v, s] |= r.flags & F_NONFINITE
+    if r.exp_next > st[S.EXP_NEXT, v, s]:
+        st[S.EXP_NEXT, v, s] = r.exp_next
+    st[S.MISSING, v, s] -= 1
+    if _any_bit(job.conflict, v, s):  # this chunk agrees, but others did not
+        _clear_bit(job.conflict, v, s, rank)
+        return _any_bit(job.conflict, v, s)
+    return False
+
+
+@njit(**KW)
+def _complete(job, r, rank, done, ndone, cnt):
+    """The round's last contribution: write the result header into the slot's buffer, log
+    the completion (NACKs), and list it in ``done``."""
+    st, v, s, jobv = job.st, r.v, r.s, job.jobv
+    write_header(job.bufs[v, s], 0, T_RESULT, st[S.FLAGS, v, s], v, rank, jobv[J.JOB],
+                 jobv[J.TOKEN], r.seq, r.chunk, s + jobv[J.SLOT_BASE], r.count, r.elem,
+                 st[S.DIGEST, v, s], st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s])
+    stamp = jobv[J.COMPLETIONS] + 1
+    jobv[J.COMPLETIONS] = stamp
+    st[S.DONE_AT, v, s] = stamp
+    e = stamp % job.clog.shape[0]
+    job.clog[e, 0], job.clog[e, 1], job.clog[e, 2] = r.seq, r.chunk, s
+    # Whether the round releases a chunk: float chunks carry the look-ahead exponent exactly
+    # when a chunk follows on the lane (chunk < L, so chunk + E < T = L + E); an operation is
+    # float once a round with an exponent completed; integer chunks do not say.
+    if st[S.FLAGS, v, s] & F_HAS_EXP:
+        jobv[J.FLOAT_SEQ] = r.seq
+        job.clog[e, 3] = 1
+    else:
+        job.clog[e, 3] = 0 if jobv[J.FLOAT_SEQ] == r.seq else 2
+    done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, HDR + r.itemsize * r.count
+    cnt[SC.MULTICAST] += 1
+    jobv[J.AGGREGATED] += r.count
+
+
+# -- switch-driven loss recovery ----------------------------------------------------------------
+
+@njit(**KW)
+def _find_round(st, sp, seq, chunk):
+    """The set of relative slot ``sp`` that holds round ``(seq, chunk)``, or -1."""
+    for u in range(2):
+        if st[S.SEQ, u, sp] == seq and st[S.CHUNK, u, sp] == chunk:
+            return u
+    return -1
+
+
+@njit(**KW)
+def _lacks(job, rank, seq, p, sp):
+    """Whether ``rank`` has not delivered chunk ``p`` of operation ``seq`` (relative slot
+    ``sp``): the lane neither holds round ``p`` with the rank in it nor has moved past it."""
+    st = job.st
+    for u in range(2):
+        cur = st[S.SEQ, u, sp]
+        if cur < 0:
+            continue
+        if cur == seq:
+            c = st[S.CHUNK, u, sp]
+            if c > p or (c == p and _has_bit(job.seen, u, sp, rank)):
+                return False
+        elif ((cur - seq) & MASK32) < HALF:
+            return False  # a later operation already uses the slot
+    return True
+
+
+@njit(**KW)
+def _nack(jobv, chunk, slot):
+    jobv[J.NACK_CHUNK] = chunk
+    jobv[J.NACK_SLOT] = slot
+    return True
+
+
+@njit(**KW)
+def _behind_in_first_window(job, rank, seq, chunk, s, E):
+    """The first window (chunks ``0 .. E-1``) goes out at once in chunk order, so chunk
+    ``chunk - NACK_GAP * SHARDS`` (a lane of this shard) should have arrived before it."""
+    jobv = job.jobv
+    stride = jobv[J.SHARDS]  # this shard has the lanes congruent to chunk mod stride
+    p = chunk - jobv[J.NACK_GAP] * stride
+    if p >= 0 and (E == 0 or p < E) and p != s and p % stride == s % stride:
+        if _lacks(job, rank, seq, p, p):
+            return _nack(jobv, p, p)
+    return False
+
+
+@njit(**KW)
+def _behind_on(job, rank, r):
+    """Switch-driven loss recovery: chunk ``r.chunk`` of ``rank`` was just added; find a
+    chunk of the same operation the rank should have delivered before it and has not.
+    Writes it to ``jobv[NACK_CHUNK]``/``[NACK_SLOT]`` and returns True, or False.
+
+    A worker sends a chunk when the result of the chunk before it on the same lane (its
+    *release*) arrives, in the order results arrive, and requests and results each travel
+    one path in order. So every chunk released by a round that completed before this chunk's
+    release should have arrived before this chunk. The switch stamps completions with a
+    counter and logs them (``clog``, a ring: seq, chunk, slot, and whether the round releases
+    a chunk: 1 yes, 0 no, 2 unknown); ``cursor[rank]`` is how far the rank has been
+    checked, so each completion is looked at once per rank (O(1) per request). A chunk that
+    should be here and is not: its request was lost, or the result releasing it was. Either
+    way the rank is told at once (a NACK) and re-sends what it has outstanding on that lane;
+    the switch answers a re-sent request from its round or the shadow copy, as any
+    retransmission. ``NACK_GAP`` completions of slack tolerate reordering inside the network.
+
+    Lanes: chunk ``c`` goes to slot ``c mod E`` (E <= window lanes), and ``chunk - s`` is a
+    multiple of E, which gives E once the chunk is past the first window."""
+    jobv, st, clog = job.jobv, job.st, job.clog
+    gap = jobv[J.NACK_GAP]
+    if gap <= 0:
+        return False
+    seq, chunk, s = r.seq, r.chunk, r.s
+    window = jobv[J.WINDOW]
+    d = chunk - s
+    E = window if d >= window else d  # 0: this chunk is in the first window, E unknown
+    if _behind_in_first_window(job, rank, seq, chunk, s, E):
+        return True
+    if E == 0:
+        return False
+    u = _find_round(st, s, seq, chunk - E)
+    if u < 0 or st[S.MISSING, u, s] != 0:
+        return False
+    limit = st[S.DONE_AT, u, s] - gap  # completions before this chunk's release, less slack
+    size = clog.shape[0]
+    c = max(job.cursor[rank], jobv[J.COMPLETIONS] - size)
+    found = False
+    while c < limit and not found:
+        e = (c + 1) % size
+        if clog[e, 0] == seq and clog[e, 3] != 0:
+            released = clog[e, 1] + E  # the chunk that completion released
+            if clog[e, 3] == 2 and released >= chunk:
+                break  # integers: it may be past the end; judge it when a later chunk comes
+            if _lacks(job, rank, seq, released, clog[e, 2]):
+                found = _nack(jobv, released, clog[e, 2])
+        c += 1
+    job.cursor[rank] = c
+    return found
+
+
+# -- the batch ----------------------------------------------------------------------------------
+
+@njit(**KW)
+def _same_sender(d, o, ln, srcs, i, src, jobv, rank):
+    """Whether datagram ``i`` is a well-formed REQUEST of this job and rank, from ``src``."""
+    return (srcs[i] == src and request_framing(d, o, ln) and u32(d, o + 8) == jobv[J.JOB]
+            and i64(d, o + 12) == jobv[J.TOKEN] and u16(d, o + 6) == rank)
+
+
+@njit(**KW)
+def _before_epoch(jobv, seq):
+    """Whether ``seq`` predates the job's epoch (a restart); keeps the bound within reach of
+    wrapping sequence numbers."""
+    min_seq = jobv[J.MIN_SEQ]
+    if min_seq < 0:
+        return False
+    ahead = (seq - min_seq) & MASK32
+    if ahead >= HALF:
+        return True
+    if ahead > EPOCH_TRAIL:
+        jobv[J.MIN_SEQ] = (seq - EPOCH_TRAIL) & MASK32
+    return False
+
+
+@njit(**KW)
+def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, conflict, bufs,
+                    clog, cursor, rules, cnt, done):
+    """Aggregate the REQUESTs of a batch of datagrams, from datagram ``start`` on.
+
+    ``d``: the received bytes (uint8); datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``
+    and came from the sender ``srcs[i]`` (a number per address). The caller has checked that
+    datagram ``start`` is a REQUEST of this job from ``rank`` at the rank's joined address;
+    every later one must be too (same sender, job, token and rank), else the kernel stops
+    there. ``rules``: ``slots.action_table()``. ``done`` receives ``(set, slot, length)`` of
+    every round completed here: the result datagram is ``bufs[set, slot, :length]``.
+
+    Returns ``(next, ndone, code)``: the segment to go on from, completions written, and why it
+    stopped (``SS.DONE`` when ``next`` is past the end; else the Python side handles segment
+    ``next`` (``SS.CONFLICT_ADDED`` and ``SS.NACK``: segment ``next - 1``) and calls again).
+    """
+    job = SwitchJob(jobv, st, seen, conflict, bufs, clog, cursor)
+    src = srcs[start]
+    ndone = 0
+    i = start
+    while i < nseg:
+        o, ln = starts[i], lens[i]
+        if not _same_sender(d, o, ln, srcs, i, src, jobv, rank):
+            return i, ndone, SS.OTHER.value
+        r = _parse(d, o, jobv[J.SLOT_BASE])
+        if _before_epoch(jobv, r.seq):
+            return i, ndone, SS.OTHER.value  # from before a restart: Python tells it
+        if r.s < 0 or r.s >= jobv[J.WINDOW]:
+            cnt[SC.BAD_SLOT] += 1
+            i += 1
+            continue
+        if r.count * r.itemsize > jobv[J.MAX_BYTES]:
+            cnt[SC.BAD_PAYLOAD] += 1
+            i += 1
+            continue
+        action = _action(job, rules, r, rank)
+        if action == A_DROP_STALE or action == A_DROP_LATE:
+            cnt[SC.STALE if action == A_DROP_STALE else SC.LATE_DUPLICATE] += 1
+            i += 1
+            continue
+        if action == A_RESEND_RESULT:
+            return i, ndone, SS.RESEND_RESULT.value
+        if action == A_ANSWER_WAITING:
+            return i, ndone, SS.ANSWER_WAITING.value
+        if action == A_REFUSE_MISMATCH:
+            return i, ndone, SS.MISMATCH.value
+        pay = d[o + HDR:o + HDR + r.count * r.itemsize]
+        conflicted = False
+        if action == A_START_ROUND:
+            _start_round(job, r, rank, pay, cnt)
+        else:
+            conflicted = _add(job, r, rank, pay)
+        _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
+        if r.flags & F_RESENT:
+            jobv[J.NACK_USEFUL] += 1  # a NACK's re-send that was needed
+        nack = _behind_on(job, rank, r)
+        if st[S.MISSING, r.v, r.s] == 0:
+            _complete(job, r, rank, done, ndone, cnt)
+            ndone += 1
+        i += 1
+        if conflicted:
+            return i, ndone, SS.CONFLICT_ADDED.value
+        if nack:
+            return i, ndone, SS.NACK.value
+    return i, ndone, SS.DONE.value

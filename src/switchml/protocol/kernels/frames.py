@@ -1,0 +1,220 @@
+"""Datagram framing for the compiled kernels: wire constants, little-endian field access,
+header writing, the REQUEST framing rule, and cutting received buffers into datagrams.
+
+Header offsets (``wire.HEADER``, little-endian): magic 0 (u16), version 2, type 3, flags 4,
+set 5, rank 6 (u16), job 8 (u32), token 12 (u64), seq 20 (u32), chunk 24 (u32), slot 28 (u32),
+count 32 (u16), elem 34, digest 35, exp_data 36 (i16), exp_next 38 (i16). The constants are
+checked against ``wire.py`` by ``tests/protocol/test_batches.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - numba is a dependency; this keeps the core importable
+    warnings.warn("numba is not installed: switchml's per-packet kernels run as plain Python "
+                  "(correct, but about 100x slower)", RuntimeWarning, stacklevel=2)
+
+    def njit(*args, **kwargs):  # type: ignore[no-redef]
+        if args and callable(args[0]):
+            return args[0]
+        return lambda f: f
+
+KW = {"cache": True, "nogil": True}
+"""Every kernel: compiled once into numba's cache, and releasing the GIL."""
+
+HDR = 40
+MAGIC = 0x4D53
+VERSION = 1
+T_REQUEST = 1
+T_RESULT = 2
+KNOWN_FLAGS = 0x0F
+F_NONFINITE = 0x01
+F_HAS_DATA = 0x02
+F_HAS_EXP = 0x04
+F_RESENT = 0x08
+SHAPE_FLAGS = F_HAS_DATA | F_HAS_EXP
+E_INT32 = 1
+E_INT16 = 2
+EXP_ZERO = -32768
+HALF = 1 << 31
+EPOCH_TRAIL = 1 << 30
+MASK32 = (1 << 32) - 1
+
+
+
+@njit(**KW)
+def u16(d, o):
+    return np.int64(d[o]) | (np.int64(d[o + 1]) << 8)
+
+
+@njit(**KW)
+def u32(d, o):
+    return (np.int64(d[o]) | (np.int64(d[o + 1]) << 8) | (np.int64(d[o + 2]) << 16)
+            | (np.int64(d[o + 3]) << 24))
+
+
+@njit(**KW)
+def i16(d, o):
+    v = u16(d, o)
+    return v - 65536 if v >= 32768 else v
+
+
+@njit(**KW)
+def i64(d, o):
+    """The u64 at ``o``, reinterpreted as int64 (tokens are compared bit for bit)."""
+    lo = u32(d, o)
+    hi = u32(d, o + 4)
+    return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
+
+
+@njit(**KW)
+def put16(d, o, v):
+    d[o] = v & 0xFF
+    d[o + 1] = (v >> 8) & 0xFF
+
+
+@njit(**KW)
+def put32(d, o, v):
+    d[o] = v & 0xFF
+    d[o + 1] = (v >> 8) & 0xFF
+    d[o + 2] = (v >> 16) & 0xFF
+    d[o + 3] = (v >> 24) & 0xFF
+
+
+@njit(**KW)
+def put64(d, o, v):
+    u = np.uint64(v)
+    put32(d, o, np.int64(u & np.uint64(MASK32)))
+    put32(d, o + 4, np.int64(u >> np.uint64(32)))
+
+
+@njit(**KW)
+def write_header(d, o, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
+                 digest, exp_data, exp_next):
+    """Write a 40-byte header at ``d[o:]`` (``token`` as int64 bits)."""
+    put16(d, o, MAGIC)
+    d[o + 2] = VERSION
+    d[o + 3] = mtype
+    d[o + 4] = flags
+    d[o + 5] = set_bit
+    put16(d, o + 6, rank)
+    put32(d, o + 8, job)
+    put64(d, o + 12, token)
+    put32(d, o + 20, seq)
+    put32(d, o + 24, chunk)
+    put32(d, o + 28, slot)
+    put16(d, o + 32, count)
+    d[o + 34] = elem
+    d[o + 35] = digest
+    put16(d, o + 36, exp_data & 0xFFFF)
+    put16(d, o + 38, exp_next & 0xFFFF)
+
+
+@njit(**KW)
+def request_framing(d, o, n):
+    """Whether ``d[o:o+n]`` is a well-formed REQUEST with an int32 or int16 payload."""
+    if n < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_REQUEST:
+        return False
+    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
+        return False
+    elem = d[o + 34]
+    if elem == E_INT32:
+        return n == HDR + 4 * u16(d, o + 32)
+    if elem == E_INT16:
+        return n == HDR + 2 * u16(d, o + 32)
+    return False
+
+
+MAX_BATCH = 4096
+"""Datagrams one batch call takes at most (the kernel's GRO merges at most 64; recvmmsg of 64
+buffers of up to 64 each)."""
+
+
+def counter_snapshot(counter, cnt, names):
+    """A Counter of ``counter`` plus the kernel counters ``cnt[i]`` named in ``names``
+    (``(name, index)`` pairs): what an endpoint's ``drops`` and ``counters`` report."""
+    c = type(counter)(counter)
+    for name, i in names:
+        if cnt[i]:
+            c[name] += int(cnt[i])
+    return c
+
+
+def as_buffer(data) -> np.ndarray:
+    """A writable uint8 array over one datagram (a copy where it is read-only, e.g. bytes)."""
+    buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    return buf if buf.flags.writeable else buf.copy()
+
+
+def split_gro(nbytes: int, seg: int, starts: np.ndarray, lens: np.ndarray) -> tuple[int, int]:
+    """Cut a GRO buffer (datagrams of ``seg`` bytes, the last may be shorter) into
+    ``starts``/``lens``; return ``(datagrams, excess)``: ``excess`` datagrams did not fit the
+    arrays (a real GRO buffer holds at most 64; more is malformed input, to drop and count)."""
+    count = int(gro_segments(nbytes, seg, starts, lens))
+    return count, -(-nbytes // seg) - count
+
+
+@njit(**KW)
+def gro_segments(nbytes, seg, starts, lens):
+    """Fill ``starts``/``lens`` with the datagrams of a GRO buffer (all ``seg`` long but the
+    last); return their number."""
+    n = 0
+    o = 0
+    while o < nbytes and n < starts.size:
+        starts[n] = o
+        lens[n] = min(seg, nbytes - o)
+        o += seg
+        n += 1
+    return n
+
+
+@njit(**KW)
+def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, sol_udp,
+               udp_gro, out_starts, out_lens, out_senders):
+    """Cut what one ``recvmmsg`` returned into datagrams; return their number.
+
+    ``msgs``: the ``struct mmsghdr`` array as rows of bytes (``msg_len`` at ``msg_len_at``,
+    ``msg_controllen`` at ``controllen_at``); message ``i`` filled ``slot_bytes`` bytes of the
+    buffer at ``i * slot_bytes``, came from the IPv4 ``sockaddr_in`` in ``names[i]`` (numbered
+    as ``address << 16 | port``) and, with UDP GRO, may hold several datagrams of one size,
+    which its control message (``SOL_UDP``, ``UDP_GRO``, an int) says. Resets every
+    ``msg_controllen`` for the next call."""
+    m = 0
+    for i in range(n):
+        row = msgs[i]
+        length = (np.int64(row[msg_len_at]) | (np.int64(row[msg_len_at + 1]) << 8)
+                  | (np.int64(row[msg_len_at + 2]) << 16) | (np.int64(row[msg_len_at + 3]) << 24))
+        nm = names[i]
+        sender = ((np.int64(nm[4]) << 40) | (np.int64(nm[5]) << 32) | (np.int64(nm[6]) << 24)
+                  | (np.int64(nm[7]) << 16) | (np.int64(nm[2]) << 8) | np.int64(nm[3]))
+        seg = length
+        if gro:
+            used = np.int64(row[controllen_at]) | (np.int64(row[controllen_at + 1]) << 8)
+            c = control[i]
+            if used >= 20 and u32(c, 8) == sol_udp and u32(c, 12) == udp_gro:
+                g = u32(c, 16)
+                if 0 < g < length:
+                    seg = g
+        o = i * slot_bytes
+        end = o + length
+        while True:
+            if m >= out_starts.size:
+                return m
+            out_starts[m] = o
+            out_lens[m] = min(seg, end - o)
+            out_senders[m] = sender
+            m += 1
+            o += seg
+            if o >= end:
+                break
+    if gro:
+        full = control.shape[1]
+        for i in range(msgs.shape[0]):
+            for b in range(8):
+                msgs[i, controllen_at + b] = (full >> (8 * b)) & 0xFF
+    return m

@@ -1,0 +1,418 @@
+"""The worker's per-datagram rules, compiled: build (and rebuild) requests into the lanes'
+transmit buffers, take results (dequantize into the output, time the round trip, release the
+lane's next chunk).
+
+``worker.py`` explains the protocol; ``operation.py`` builds the arrays (``opv`` fields OP,
+``lane``/``lanef`` fields LN/LF), ``recovery.py`` the round-trip state (``rtt``, fields R).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+from switchml.protocol.kernels.frames import (
+    E_INT16,
+    E_INT32,
+    EXP_ZERO,
+    F_HAS_DATA,
+    F_HAS_EXP,
+    F_NONFINITE,
+    HDR,
+    KNOWN_FLAGS,
+    KW,
+    MAGIC,
+    T_REQUEST,
+    T_RESULT,
+    VERSION,
+    i16,
+    i64,
+    njit,
+    u16,
+    u32,
+    write_header,
+)
+from switchml.protocol.kernels.numerics import (
+    block_exponent,
+    dequantize_block,
+    quantize_block,
+    residual_block,
+)
+
+
+class OP(IntEnum):
+    """Indexes of a worker operation's scalar fields (``opv``, int64)."""
+
+    SEQ = 0
+    L = 1  # blocks
+    E = 2  # lanes
+    T = 3  # packets
+    K = 4  # elements per block
+    DONE = 5
+    JOB = 6
+    TOKEN = 7
+    RANK = 8
+    SLOT_BASE = 9
+    ELEM = 10
+    ITEMSIZE = 11
+    DIGEST = 12
+    P = 13  # scale bits
+    N = 14  # workers
+    IS_FLOAT = 15
+    EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
+
+
+O_FIELDS = 17
+
+
+class R(IntEnum):
+    """Indexes of the round-trip estimator and times (``rtt``, float64)."""
+
+    SRTT = 0  # < 0: no sample yet
+    RTTVAR = 1
+    RTO = 2
+    MIN_RTT = 3  # < 0: no sample yet
+    MIN_RTO = 4
+    MAX_RTO = 5
+    LAST_PROGRESS = 6
+    LAST_HEARD = 7
+    REO_SCALE = 8  # RACK's reorder window, in units of the base window
+    DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
+    FMAX = 10  # largest finite value of the output dtype
+    MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
+    TAIL_PROBE_SRTTS = 12  # a lane's last chunk is probed after this many srtt
+
+
+R_FIELDS = 13
+
+
+class LN(IntEnum):
+    """Lane fields (``lane[field, i]``, int64)."""
+
+    CHUNK = 0  # -1: idle
+    SET = 1
+    XMITS = 2  # transmissions of the current chunk after the first
+    TRIES = 3  # timeouts of the current chunk (backoff)
+    EMAX = 4  # agreed exponent of the block this lane sends data of next
+    FAST = 5  # the current chunk was re-sent by RACK
+    SLOT = 6  # the lane's slot on its switch (shard): that shard's slot base + lane
+
+
+class LF(IntEnum):
+    """Lane time fields (``lanef[field, i]``, float64)."""
+
+    SENT_AT = 0  # first transmission (RTT samples, Karn's rule)
+    XMIT_AT = 1  # latest transmission
+    DEADLINE = 2
+
+
+LN_FIELDS = 7
+LNF_FIELDS = 3
+
+
+class WC(IntEnum):
+    """Worker counters (``cnt``, int64)."""
+
+    RESULTS = 0
+    PACKETS_SENT = 1
+    PAYLOAD_BYTES = 2  # of first transmissions: each chunk's payload once
+    RETRANSMISSIONS = 3
+    STALE_RESULT = 4
+    DUPLICATE_RESULT = 5
+    BAD_SLOT = 6
+    BAD_COUNT = 7
+    SPURIOUS = 8
+    PAYLOAD_RESENT = 9  # payload bytes of re-sends (timeouts, probes, NACKs, RACK)
+    N = 10
+
+
+class WS(IntEnum):
+    """Why :func:`worker_results` stopped."""
+
+    DONE = 0  # every datagram taken
+    OTHER = 1  # not a RESULT of this job: Python's path
+    OP_COMPLETE = 2  # the operation's last result: Python completes it
+    ONE = 3  # took one result (``limit`` reached): RACK runs, then call again
+
+
+@njit(**KW)
+def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, residual):
+    """Write packet ``p`` (lane ``i``) into ``txbuf[i]`` from the input; return its length.
+
+    Float: the exponent of block ``p`` (p < L) and the data of block ``p - E`` (p >= E), scaled
+    with the lane's agreed exponent. Integers: block ``p``. A retransmission is rebuilt the same
+    way, never replayed from stored bytes; ``residual``: record this rank's rounding error."""
+    L = opv[OP.L]
+    E = opv[OP.E]
+    k = opv[OP.K]
+    itemsize = opv[OP.ITEMSIZE]
+    b = txbuf[i]
+    flags = 0
+    exp_data = EXP_ZERO
+    exp_next = EXP_ZERO
+    count = 0
+    if opv[OP.IS_FLOAT]:
+        if p < L:
+            # The block's exponent is computed when its first packet is built (and again,
+            # identically, for a retransmission), not for the whole tensor up front: a pass
+            # over 64 MiB held every rank ~30 ms before its first packet, and ranks that
+            # finished it at different times timed each other out.
+            block_exponent(x, p * k, min(p * k + k, x.size), p, exps, nonf)
+            exp_next = exps[p]
+            flags |= F_HAS_EXP
+        if p >= E:
+            blk = p - E
+            lo = blk * k
+            hi = min(lo + k, x.size)
+            count = hi - lo
+            exp_data = lane[LN.EMAX, i]
+            bad = nonf[blk] != 0
+            pay = b[HDR:HDR + count * itemsize]
+            if itemsize == 4:
+                q32 = pay.view(np.int32)
+                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q32)
+                if residual:
+                    residual_block(x[lo:hi], q32, exp_data, opv[OP.P], res[lo:hi])
+            else:
+                q16 = pay.view(np.int16)
+                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q16)
+                if residual:
+                    residual_block(x[lo:hi], q16, exp_data, opv[OP.P], res[lo:hi])
+            flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
+    else:
+        lo = p * k
+        hi = min(lo + k, x.size)
+        count = hi - lo
+        b[HDR:HDR + 4 * count] = x[lo:hi].view(np.uint8)
+        flags |= F_HAS_DATA
+    write_header(b, 0, T_REQUEST, flags, set_bit, opv[OP.RANK], opv[OP.JOB], opv[OP.TOKEN],
+                 opv[OP.SEQ], p, lane[LN.SLOT, i], count, opv[OP.ELEM], opv[OP.DIGEST],
+                 exp_data, exp_next)
+    cnt[WC.PACKETS_SENT] += 1
+    return HDR + count * itemsize
+
+
+@njit(**KW)
+def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res,
+               txbuf, cnt):
+    """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
+
+    ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
+    only). Returns the datagram's length (it is ``txbuf[p mod E]``)."""
+    i = p % opv[OP.E]
+    if retransmit:
+        set_bit = lane[LN.SET, i]
+        if fast:
+            lane[LN.FAST, i] = 1
+        else:
+            lane[LN.TRIES, i] += 1
+        lane[LN.XMITS, i] += 1
+        cnt[WC.RETRANSMISSIONS] += 1
+    else:
+        set_bit = next_set[i]
+        next_set[i] = set_bit ^ 1
+        lane[LN.SET, i] = set_bit
+        lane[LN.CHUNK, i] = p
+        lane[LN.TRIES, i] = 0
+        lane[LN.XMITS, i] = 0
+        lane[LN.FAST, i] = 0
+        lanef[LF.SENT_AT, i] = now
+    n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
+                      res.size > 0 and not retransmit)
+    if retransmit:
+        cnt[WC.PAYLOAD_RESENT] += n - HDR
+    else:
+        cnt[WC.PAYLOAD_BYTES] += n - HDR
+    rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
+    if p + opv[OP.E] >= opv[OP.T] and lane[LN.TRIES, i] == 0 and rtt[R.SRTT] > 0:
+        # The lane's last chunk: no later chunk of ours can show the switch that it is
+        # missing (NACKs), so probe sooner than the timeout (a tail loss probe, RFC 8985 7).
+        rto = min(rto, rtt[R.TAIL_PROBE_SRTTS] * rtt[R.SRTT])
+    lanef[LF.DEADLINE, i] = now + rto
+    lanef[LF.XMIT_AT, i] = now
+    return n
+
+
+@njit(**KW)
+def _update_rtt(rtt, sample):
+    """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
+    if rtt[R.MIN_RTT] < 0 or sample < rtt[R.MIN_RTT]:
+        rtt[R.MIN_RTT] = sample
+    if rtt[R.SRTT] < 0:
+        rtt[R.SRTT] = sample
+        rtt[R.RTTVAR] = sample / 2
+    else:
+        rtt[R.RTTVAR] = 0.75 * rtt[R.RTTVAR] + 0.25 * abs(rtt[R.SRTT] - sample)
+        rtt[R.SRTT] = 0.875 * rtt[R.SRTT] + 0.125 * sample
+    rtt[R.RTO] = min(max(rtt[R.SRTT] + 4 * rtt[R.RTTVAR], rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
+
+
+@njit(**KW)
+def _result_length(d, o, ln, opv):
+    """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one."""
+    if ln < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
+        return 0
+    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
+        return 0
+    elem = np.int64(d[o + 34])
+    if elem == E_INT32:
+        isz = 4
+    elif elem == E_INT16:
+        isz = 2
+    else:
+        return 0
+    if ln != HDR + isz * u16(d, o + 32):
+        return 0
+    if u32(d, o + 8) != opv[OP.JOB] or i64(d, o + 12) != opv[OP.TOKEN]:
+        return 0
+    return isz
+
+
+@njit(**KW)
+def _lane_of(d, o, opv, lane, cnt):
+    """The lane whose chunk this result answers, or -1 (a stale, repeated or foreign result,
+    counted)."""
+    p = u32(d, o + 24)
+    if u32(d, o + 20) != opv[OP.SEQ]:
+        cnt[WC.STALE_RESULT] += 1
+        return -1
+    i = p % opv[OP.E]
+    if p >= opv[OP.T] or lane[LN.CHUNK, i] != p:
+        cnt[WC.DUPLICATE_RESULT] += 1
+        return -1
+    if u32(d, o + 28) != lane[LN.SLOT, i] or np.int64(d[o + 5]) != lane[LN.SET, i]:
+        cnt[WC.BAD_SLOT] += 1
+        return -1
+    count = u16(d, o + 32)
+    if count and np.int64(d[o + 34]) != opv[OP.ELEM]:
+        cnt[WC.BAD_COUNT] += 1
+        return -1
+    return i
+
+
+@njit(**KW)
+def _store_float(d, o, isz, p, i, opv, lane, rtt, out):
+    """Dequantize a float result's data (of block ``p - E``) into ``out``; take its look-ahead
+    exponent for the lane. False if its size is wrong."""
+    E, k = opv[OP.E], opv[OP.K]
+    count = u16(d, o + 32)
+    if p >= E:
+        lo = (p - E) * k
+        hi = min(lo + k, out.size)
+        if count != hi - lo:
+            return False
+        exp_data = i16(d, o + 36)
+        nonfinite = (np.int64(d[o + 4]) & F_NONFINITE) != 0
+        edge = exp_data >= opv[OP.EDGE_EXP]
+        pay = d[o + HDR:o + HDR + count * isz]
+        if isz == 4:
+            dequantize_block(pay.view(np.int32), exp_data, opv[OP.P], nonfinite, out[lo:hi],
+                             opv[OP.N], edge, rtt[R.FMAX])
+        else:
+            dequantize_block(pay.view(np.int16), exp_data, opv[OP.P], nonfinite, out[lo:hi],
+                             opv[OP.N], edge, rtt[R.FMAX])
+    elif count:
+        return False
+    if p < opv[OP.L]:
+        lane[LN.EMAX, i] = i16(d, o + 38)
+    return True
+
+
+@njit(**KW)
+def _store_int(d, o, p, opv, out):
+    """Copy an integer result (block ``p``) into ``out``. False if its size is wrong."""
+    lo = p * opv[OP.K]
+    hi = min(lo + opv[OP.K], out.size)
+    count = u16(d, o + 32)
+    if count != hi - lo:
+        return False
+    out[lo:hi].view(np.uint8)[:] = d[o + HDR:o + HDR + 4 * count]
+    return True
+
+
+@njit(**KW)
+def _time_round_trip(i, now, lane, lanef, rtt, cnt):
+    """Karn's rule: an RTT sample only from a chunk sent once. Records which transmission the
+    result answers (RACK); a result too soon to answer a re-send answers the first one, and
+    a RACK re-send it answers was needless: the reorder window widens."""
+    delivered = lanef[LF.XMIT_AT, i]
+    if lane[LN.XMITS, i] == 0:
+        _update_rtt(rtt, now - lanef[LF.SENT_AT, i])
+    elif rtt[R.MIN_RTT] >= 0 and now - delivered < rtt[R.MIN_RTT]:
+        # Too soon to answer the re-send: it answers an earlier transmission (RFC 8985 6.2
+        # step 2), so only that one's time says which chunks were sent before it.
+        delivered = lanef[LF.SENT_AT, i]
+        if lane[LN.FAST, i]:
+            lane[LN.FAST, i] = 0
+            cnt[WC.SPURIOUS] += 1
+            rtt[R.REO_SCALE] = min(rtt[R.REO_SCALE] * 2, rtt[R.MAX_REO_SCALE])
+    rtt[R.DELIVERED_XMIT] = delivered
+    rtt[R.LAST_PROGRESS] = now
+    rtt[R.LAST_HEARD] = now
+
+
+@njit(**KW)
+def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
+                   exps, nonf, x, out, res, txbuf, cnt, sendq, sendlen):
+    """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
+    from datagram ``start`` on: dequantize into ``out``, time the round trip, and build the
+    packet each result releases on its lane.
+
+    Returns ``(next, nsend, code)``: lanes whose packet is ready are ``sendq[:nsend]`` (lengths
+    in ``sendlen``); ``code`` says why it stopped (``WS``). ``limit``: stop after this many
+    results taken (RACK looks for losses after each)."""
+    nsend = 0
+    taken = 0
+    i = start
+    while i < nseg:
+        o = starts[i]
+        isz = _result_length(d, o, lens[i], opv)
+        if isz == 0:
+            return i, nsend, WS.OTHER.value
+        i += 1
+        ln_i = _lane_of(d, o, opv, lane, cnt)
+        if ln_i < 0:
+            continue
+        p = lane[LN.CHUNK, ln_i]
+        stored = (_store_float(d, o, isz, p, ln_i, opv, lane, rtt, out) if opv[OP.IS_FLOAT]
+                  else _store_int(d, o, p, opv, out))
+        if not stored:
+            cnt[WC.BAD_COUNT] += 1
+            continue
+        cnt[WC.RESULTS] += 1
+        _time_round_trip(ln_i, now, lane, lanef, rtt, cnt)
+        opv[OP.DONE] += 1
+        nxt = p + opv[OP.E]
+        if nxt < opv[OP.T]:
+            sendlen[nsend] = send_chunk(nxt, False, False, now, opv, lane, lanef, rtt, next_set,
+                                        exps, nonf, x, res, txbuf, cnt)
+            sendq[nsend] = ln_i
+            nsend += 1
+        else:
+            lane[LN.CHUNK, ln_i] = -1
+        if opv[OP.DONE] == opv[OP.T]:
+            return i, nsend, WS.OP_COMPLETE.value
+        taken += 1
+        if taken >= limit:
+            return i, nsend, WS.ONE.value
+    return i, nsend, WS.DONE.value
+
+
+@njit(**KW)
+def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, txbuf, cnt,
+               sendlen):
+    """Start packets ``0 .. count-1`` (the first window); lengths into ``sendlen``."""
+    for p in range(count):
+        sendlen[p] = send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps,
+                                nonf, x, res, txbuf, cnt)
+
+
+@njit(**KW)
+def next_deadline(lane, lanef):
+    """The earliest retransmission deadline of a busy lane (inf when none is busy)."""
+    best = np.inf
+    for i in range(lane.shape[1]):
+        if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] < best:
+            best = lanef[LF.DEADLINE, i]
+    return best
