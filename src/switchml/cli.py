@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
-from switchml import __version__
+from switchml import __version__, env
 from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.errors import ConfigError, SwitchMLError
 
@@ -67,7 +67,7 @@ _T = TypeVar("_T")
 
 def _env(dest: str, default: _T) -> str | _T:
     """``SWITCHML_<DEST>`` from the environment, else ``default``."""
-    return os.environ.get(f"SWITCHML_{dest.upper()}", default)
+    return env.flag_default(dest, default)  # type: ignore[return-value]
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -745,8 +745,8 @@ def _switch_secret(args: argparse.Namespace) -> bytes | None:
     if args.secret_file:
         with open(args.secret_file, "rb") as f:
             secret = f.read().strip()
-    elif os.environ.get("SWITCHML_SECRET"):
-        secret = os.environ["SWITCHML_SECRET"].encode()
+    else:
+        secret = env.secret()
     if secret is None and not _is_loopback(args.host) and not args.insecure:
         raise ValueError(f"listening on {args.host} exposes job creation to the network: give "
                          "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
@@ -799,7 +799,7 @@ def _switch_server(args: argparse.Namespace, secret: bytes | None,
         pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
         nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
         **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
-        batching=not args.no_batching, dataplane=rack)
+        batching=not args.no_batching and env.batching(), dataplane=rack)
 
 
 def _start_metrics(server: SwitchServer, pool_slots: int, port: int) -> None:

@@ -135,14 +135,10 @@ def test_a_path_that_refuses_gso_falls_back_to_plain_sends_without_loss(caplog):
         assert fake.sendmsg_calls == 1 and s.calls == 9
 
 
-def test_switchml_gso_0_turns_batching_off(monkeypatch):
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        monkeypatch.setenv("SWITCHML_GSO", "0")
-        assert not gso_supported(sock)
-        assert not enable_gro(sock)
-        with SwitchServer(port=0) as server:
-            st = server.stats()
-            assert (st["gso"], st["gro"]) == (False, False)
+def test_batching_off_turns_gso_gro_and_recvmmsg_off():
+    with SwitchServer(port=0, batching=False) as server:
+        st = server.stats()
+        assert (st["gso"], st["gro"], st["recvmmsg"]) == (False, False, False)
 
 
 @needs_gso

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from switchml import env
+
 
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -52,7 +54,8 @@ def switch(a: dict[str, Any]) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
     server = SwitchServer(host="0.0.0.0", port=a["port"],
-                          config=SwitchConfig(nack_gap=a.get("nack_gap", 4)))
+                          config=SwitchConfig(nack_gap=a.get("nack_gap", 4)),
+                          batching=env.batching())
     server.start()
     c0 = _cpu()
     print("ready", flush=True)
@@ -73,7 +76,8 @@ def rack(a: dict[str, Any]) -> None:
     parent, child = tree_specs(decode_job_spec(a["spec"]), a["racks"])
     agg = RackAggregator(parent_spec=parent, child_spec=child, rack=a["rack"],
                          parent_address=(a["upstream"], a["upstream_port"]))
-    server = SwitchServer(host="0.0.0.0", port=a["port"], dataplane=agg)
+    server = SwitchServer(host="0.0.0.0", port=a["port"], dataplane=agg,
+                          batching=env.batching())
     server.start()
     server.run_command(agg.join)
     c0 = _cpu()
@@ -93,7 +97,8 @@ def switchml(a: dict[str, Any]) -> None:
     out = np.empty_like(x)
     cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02,
                        fast_retransmit=a.get("fast_retransmit", False))
-    with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg) as w:
+    with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg,
+                      batching=env.batching()) as w:
         bits = a.get("bits", 32)
         r = _timed(lambda v: w.allreduce(v, out, bits=bits), x, a["warmup"], a["iters"])
         n = spec.num_workers

@@ -22,7 +22,6 @@ Approximate Synchronous Parallel (ASP) has three parts:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -170,17 +169,15 @@ def decode_sparse(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
     return idx, vals
 
 
-def parse_dc_layout(spec: str | None = None, *, workers: int | None = None
-                    ) -> list[list[int]]:
+def parse_dc_layout(spec: str | None, *, workers: int | None = None) -> list[list[int]]:
     """Data centres from ``"2x2"`` (two of two workers), ``"3,1"`` (sizes) or
-    ``"0,0,1,1"`` (each worker's data centre, as ``SWITCHML_DC`` may give it); ``None`` reads
-    ``SWITCHML_DC``. Returns the workers (global ranks) of each data centre.
+    ``"0,0,1,1"`` (each worker's data centre, as ``SWITCHML_DC`` may give it:
+    ``switchml.env.dc_layout``). Returns the workers (global ranks) of each data centre.
 
     Raises:
         ConfigError: unparsable, empty data centre, or a worker count that does not match.
     """
-    text = spec if spec is not None else os.environ.get("SWITCHML_DC", "")
-    text = text.strip()
+    text = (spec or "").strip()
     if not text:
         raise ConfigError("no data centres given: pass e.g. '2x2' or set SWITCHML_DC")
     try:

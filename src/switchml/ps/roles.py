@@ -13,11 +13,11 @@ The address a server advertises is ``SWITCHML_PS_HOST`` if set, else this host's
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from switchml import env
 from switchml.protocol.errors import ConfigError
 from switchml.ps.server import ParameterServer, ServerConfig
 
@@ -67,7 +67,7 @@ def torchrun_role(*, servers: int, backup: int = 0, mode: str = "sync", optimize
     if rank >= workers:
         cfg = ServerConfig(workers, backup, mode, optimizer, lr, momentum, timeout_s)
         server = ParameterServer(rank - workers, cfg, host="0.0.0.0", port=0).start()
-        host = os.environ.get("SWITCHML_PS_HOST") or socket.gethostbyname(socket.gethostname())
+        host = env.ps_host() or socket.gethostbyname(socket.gethostname())
         mine = (host, server.address[1])
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)

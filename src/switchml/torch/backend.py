@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
+from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
-from switchml.protocol.address import format_address, parse_addresses
+from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
 from switchml.protocol.wire import elements_for_mtu
@@ -373,12 +374,6 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
 
 # -- creation ----------------------------------------------------------------------------------
 
-def _parse_address(text: str) -> Any:
-    """``HOST:PORT``, or ``HOST:PORT,HOST:PORT,...``: the shards of a sharded switch (a list)."""
-    addrs = parse_addresses(text, what="SWITCHML_SWITCH")
-    return addrs[0] if len(addrs) == 1 else addrs
-
-
 class _Embedded:
     """The software switch this process started for its groups, shared and reference-counted.
 
@@ -434,7 +429,7 @@ class _Embedded:
             said = f"said {line!r}" if ready else f"said nothing in {_SWITCH_START_S:g} s"
             raise TransportError(f"the embedded switch did not start ({said})")
         self.proc, self.secret = proc, secret.encode()
-        self.address = _parse_address(line.rsplit(" ", 1)[1])
+        self.address = parse_address(line.rsplit(" ", 1)[1], what="the embedded switch")
         atexit.register(self.stop)
         log.info("started an embedded switch at %s:%d (pid %d)", *self.address, proc.pid)
 
@@ -490,17 +485,16 @@ def _resolve_switch(store: dist.Store, rank: int
     SWITCHML_SWITCH wins; otherwise rank 0 acquires this process's embedded switch and
     publishes its address and secret in the group's store; other ranks always read them there.
     """
-    env = os.environ.get("SWITCHML_SWITCH")
-    if env:
-        secret = os.environ.get("SWITCHML_SECRET")
-        return _parse_address(env), secret.encode() if secret else None, False
+    configured = env.switch_addresses()
+    if configured is not None:
+        return configured, env.secret(), False  # type: ignore[return-value]
     key = f"switchml/{_incarnation}"
     if rank == 0:
         address, secret = _EMBEDDED.acquire()
         store.set(f"{key}/switch", format_address(address))
         store.set(f"{key}/secret", secret)
         return address, secret, True
-    address = _parse_address(store.get(f"{key}/switch").decode())
+    address = parse_address(store.get(f"{key}/switch").decode(), what="the group's switch")
     return address, store.get(f"{key}/secret"), False
 
 
@@ -508,10 +502,9 @@ def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int
                                 ) -> tuple[tuple[str, int], bytes | None, bool]:
     """The switch for a hook over any group: SWITCHML_SWITCH, or rank 0's embedded switch,
     shared with ``broadcast_object_list`` over ``pg``."""
-    env = os.environ.get("SWITCHML_SWITCH")
-    if env:
-        secret = os.environ.get("SWITCHML_SECRET")
-        return _parse_address(env), secret.encode() if secret else None, False
+    configured = env.switch_addresses()
+    if configured is not None:
+        return configured, env.secret(), False  # type: ignore[return-value]
     box: list[Any] = [None]
     if rank == 0:
         box[0] = _EMBEDDED.acquire()
@@ -532,16 +525,13 @@ def _create(store: dist.Store, rank: int, size: int,
         key = f"switchml/{_incarnation}/job"
         # Chunks fit the smallest path MTU of any rank towards the switch (no IP
         # fragmentation), unless SWITCHML_ELEMENTS_PER_PACKET or SWITCHML_MTU say otherwise.
-        mtu_env = os.environ.get("SWITCHML_MTU")
-        my_mtu = int(mtu_env) if mtu_env else (path_mtu(switch) or 1500)
+        my_mtu = env.mtu() or path_mtu(switch) or 1500
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(my_mtu))
         if rank == 0:
-            w_env = os.environ.get("SWITCHML_WINDOW")
-            window = int(w_env) if w_env else None  # default: from the chunk size
-            k_env = os.environ.get("SWITCHML_ELEMENTS_PER_PACKET")
+            window = env.window()  # default: from the chunk size
             mtu = min(int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode())
                       for r in range(size))
-            k = int(k_env) if k_env else elements_for_mtu(mtu)
+            k = env.elements_per_packet() or elements_for_mtu(mtu)
             spec = new_job_spec(size, window=window, elements_per_packet=k)
             store.set(key, encode_job_spec(spec))
         else:
@@ -550,7 +540,7 @@ def _create(store: dist.Store, rank: int, size: int,
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
                               join_timeout_s=seconds, secret=secret)
-        client = WorkerClient(switch, spec, rank, config)
+        client = WorkerClient(switch, spec, rank, config, batching=env.batching())
     except BaseException:
         # Nothing set up for a group that failed to form may outlive it.
         if gloo is not None:

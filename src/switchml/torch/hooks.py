@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
@@ -99,7 +100,8 @@ class SwitchMLHookState:
             if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
         self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
-            op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret))
+            op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
+            batching=env.batching())
         self._owns_client = True
 
     def __getstate__(self) -> dict[str, Any]:

@@ -57,14 +57,8 @@ _SEG = struct.Struct("=H")
 _GRO_INT = struct.Struct("=i")
 
 
-def _env_allows() -> bool:
-    return os.environ.get("SWITCHML_GSO", "1").lower() not in ("0", "no", "off", "false")
-
-
 def gso_supported(sock: socket.socket) -> bool:
-    """Whether ``sock`` accepts UDP_SEGMENT (and ``SWITCHML_GSO`` does not say 0)."""
-    if not _env_allows():
-        return False
+    """Whether ``sock`` accepts UDP_SEGMENT."""
     try:
         sock.setsockopt(SOL_UDP, UDP_SEGMENT, 0)  # 0 = no segmentation unless asked per send
         return True
@@ -73,9 +67,7 @@ def gso_supported(sock: socket.socket) -> bool:
 
 
 def enable_gro(sock: socket.socket) -> bool:
-    """Ask for UDP GRO on ``sock``; returns whether the kernel (and ``SWITCHML_GSO``) allow."""
-    if not _env_allows():
-        return False
+    """Ask for UDP GRO on ``sock``; returns whether the kernel allows."""
     try:
         sock.setsockopt(SOL_UDP, UDP_GRO, 1)
         return True
@@ -287,8 +279,8 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def recvmmsg_supported() -> bool:
-    """Whether this platform's C library has ``recvmmsg`` (Linux) and ``SWITCHML_GSO`` allows."""
-    return _env_allows() and sys.platform.startswith("linux") and _libc() is not None
+    """Whether this platform's C library has ``recvmmsg`` (Linux)."""
+    return sys.platform.startswith("linux") and _libc() is not None
 
 
 class MultiReceiver:

@@ -1,0 +1,97 @@
+"""Every environment variable switchml reads, in one place, read only at the edges.
+
+Libraries take parameters; only entry points read the environment and pass what they found:
+the ``switchml`` command (``cli.py``: every flag's default may come from ``SWITCHML_<FLAG>``),
+torch group creation (``torch/backend.py``, ``torch/hooks.py``), the torchrun roles of the
+parameter servers (``ps/roles.py``) and the processes the testbed starts
+(``bench/nsproc.py``).
+
+| variable | meaning |
+|---|---|
+| ``SWITCHML_SWITCH`` | ``HOST:PORT`` of the switch (comma-separated: a sharded switch) |
+| ``SWITCHML_SECRET`` | the switch's secret, needed to create a job on a switch that has one |
+| ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
+| ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
+| ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
+| ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
+| ``SWITCHML_DC`` | this worker's data-centre layout (Gaia), e.g. ``2x2`` |
+| ``SWITCHML_PS_HOST`` | the address a parameter-server rank announces |
+"""
+
+from __future__ import annotations
+
+import os
+
+from switchml.protocol.address import Address, parse_addresses
+
+__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "mtu", "ps_host",
+           "secret", "switch_addresses", "window"]
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _int(name: str) -> int | None:
+    value = _get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def flag_default(dest: str, default: object) -> object:
+    """``SWITCHML_<DEST>`` (a flag's default for the ``switchml`` command), else ``default``."""
+    return os.environ.get(f"SWITCHML_{dest.upper()}", default)
+
+
+def switch_addresses() -> Address | list[Address] | None:
+    """``SWITCHML_SWITCH``: one address, the list of a sharded switch's shards, or None.
+
+    Raises:
+        ConfigError: it is set but not ``HOST:PORT[,HOST:PORT...]``.
+    """
+    text = _get("SWITCHML_SWITCH")
+    if text is None:
+        return None
+    addrs = parse_addresses(text, what="SWITCHML_SWITCH")
+    return addrs[0] if len(addrs) == 1 else addrs
+
+
+def secret() -> bytes | None:
+    """``SWITCHML_SECRET``, as bytes."""
+    value = _get("SWITCHML_SECRET")
+    return value.encode() if value is not None else None
+
+
+def mtu() -> int | None:
+    """``SWITCHML_MTU``."""
+    return _int("SWITCHML_MTU")
+
+
+def window() -> int | None:
+    """``SWITCHML_WINDOW``."""
+    return _int("SWITCHML_WINDOW")
+
+
+def elements_per_packet() -> int | None:
+    """``SWITCHML_ELEMENTS_PER_PACKET``."""
+    return _int("SWITCHML_ELEMENTS_PER_PACKET")
+
+
+def batching() -> bool:
+    """False where ``SWITCHML_GSO`` says ``0``/``no``/``off``/``false``."""
+    return os.environ.get("SWITCHML_GSO", "1").lower() not in ("0", "no", "off", "false")
+
+
+def dc_layout() -> str | None:
+    """``SWITCHML_DC``."""
+    return _get("SWITCHML_DC")
+
+
+def ps_host() -> str | None:
+    """``SWITCHML_PS_HOST``."""
+    return _get("SWITCHML_PS_HOST")

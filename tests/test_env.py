@@ -1,0 +1,66 @@
+"""switchml.env: the one reader of environment variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchml import env
+from switchml.protocol.errors import ConfigError
+
+
+def test_unset_variables_give_none_or_the_default(monkeypatch):
+    for name in ("SWITCHML_SWITCH", "SWITCHML_SECRET", "SWITCHML_MTU", "SWITCHML_WINDOW",
+                 "SWITCHML_ELEMENTS_PER_PACKET", "SWITCHML_GSO", "SWITCHML_DC",
+                 "SWITCHML_PS_HOST", "SWITCHML_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.switch_addresses() is None and env.secret() is None and env.mtu() is None
+    assert env.window() is None and env.elements_per_packet() is None
+    assert env.dc_layout() is None and env.ps_host() is None
+    assert env.batching() is True
+    assert env.flag_default("port", 48864) == 48864
+
+
+def test_set_variables_are_parsed(monkeypatch):
+    monkeypatch.setenv("SWITCHML_SWITCH", "10.0.0.1:9000")
+    assert env.switch_addresses() == ("10.0.0.1", 9000)
+    monkeypatch.setenv("SWITCHML_SWITCH", "h:1,h:2")
+    assert env.switch_addresses() == [("h", 1), ("h", 2)]
+    monkeypatch.setenv("SWITCHML_SECRET", "s3cret")
+    assert env.secret() == b"s3cret"
+    monkeypatch.setenv("SWITCHML_MTU", "9000")
+    assert env.mtu() == 9000
+    for off in ("0", "off", "No", "false"):
+        monkeypatch.setenv("SWITCHML_GSO", off)
+        assert env.batching() is False
+    monkeypatch.setenv("SWITCHML_PORT", "9100")
+    assert env.flag_default("port", 48864) == "9100"
+
+
+def test_bad_values_say_which_variable(monkeypatch):
+    monkeypatch.setenv("SWITCHML_SWITCH", "nohostport")
+    with pytest.raises(ConfigError, match="SWITCHML_SWITCH must be HOST:PORT"):
+        env.switch_addresses()
+    monkeypatch.setenv("SWITCHML_WINDOW", "many")
+    with pytest.raises(ValueError, match="SWITCHML_WINDOW must be an integer, got 'many'"):
+        env.window()
+
+
+def test_only_the_edges_read_the_environment():
+    """No module but env.py reads os.environ (setting it for a child process is fine)."""
+    import ast
+    from pathlib import Path
+
+    import switchml
+    root = Path(switchml.__file__).resolve().parent
+    readers = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and (node.func.attr == "getenv" or (
+                        node.func.attr == "get" and ast.unparse(node.func.value).endswith(
+                            "environ")))):
+                readers.append(f"{path.relative_to(root)}:{node.lineno}")
+            elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                  and ast.unparse(node.value) == "os.environ"):
+                readers.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert all(r.startswith("env.py") for r in readers), readers
