@@ -1,5 +1,5 @@
 """Wall time of one exact 4 MB all-reduce through ``MemoryCluster`` against the number of
-workers (issue 10: the fabric's cost per event must not grow with n).
+workers (the fabric's cost per event must not grow with n).
 
     python experiments/memory_fabric_scale.py --workers 16 64 256 [--json PATH]
 

@@ -1,6 +1,6 @@
 """Hierarchical aggregation: a rack switch that is one worker of a parent switch (sans-I/O).
 
-Theory of operation (issue 10; SwitchML's multi-rack sketch, SHARP's trees). A
+Theory of operation (SwitchML's multi-rack sketch, SHARP's trees). A
 :class:`RackAggregator` wraps an ordinary :class:`~switchml.protocol.switch.SwitchDataplane`
 (the *inner* switch) that serves the rack's workers, the *children*, in a job of their own.
 Upstream it is rank ``rack`` of a *parent* job on a parent (spine) switch, whose ranks are the
@@ -88,6 +88,8 @@ class TreeConfig:
     reason is known before the children fail. Default 10 s."""
     join_timeout_s: float = 10.0
     """JOIN to the parent fails if not answered within this time."""
+    join_retry_s: float = 0.2
+    """JOIN to the parent is re-sent after this long while unanswered. Default 0.2 s."""
     secret: bytes | None = None
     """The parent switch's secret, needed to create the parent job on a switch that has one."""
 
@@ -98,6 +100,9 @@ class TreeConfig:
         if self.parent_timeout_s <= self.max_rto_s:
             raise ConfigError(f"parent_timeout_s ({self.parent_timeout_s}) must exceed "
                               f"max_rto_s ({self.max_rto_s})")
+        if not 0 < self.join_retry_s <= self.join_timeout_s:
+            raise ConfigError(f"expected 0 < join_retry_s <= join_timeout_s, got "
+                              f"{self.join_retry_s}, {self.join_timeout_s}")
         if self.join_timeout_s <= 0:
             raise ConfigError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
 
@@ -489,7 +494,7 @@ class RackAggregator:
         header = Header(MessageType.JOIN, p.job_id, rank=self.rack, token=p.token,
                         count=len(payload), elem=ElementType.BYTES)
         self._out.append((pack_header(header) + payload, self.parent_address))
-        self._join_at = now + 0.2
+        self._join_at = now + self.config.join_retry_s
 
     def _fail(self, reason: str) -> None:
         if self.error is None:

@@ -1,9 +1,9 @@
 """Wire format: one 40-byte header, then a payload (see ``docs/protocol.md`` for the byte table).
 
 Every switchml datagram, data or control, starts with the same header. All fields are
-little-endian: every host this runs on is little-endian, so the int32 payload is used in place as a
-numpy view with no byte swap per element on the hot path (the P4 original is big-endian; this
-format is not wire-compatible with it, see ``docs/protocol.md``).
+little-endian: every host this runs on is little-endian, so the int32 (or int16) payload is used
+in place as a numpy view with no byte swap per element on the hot path (the P4 original is
+big-endian; this format is not wire-compatible with it, see ``docs/protocol.md``).
 
 Decoding is strict: a datagram that is short, has the wrong magic or version, an unknown type or
 element type, or whose length disagrees with its element count raises :class:`WireError` with a
@@ -56,7 +56,7 @@ __all__ = [
 
 MAGIC = 0x4D53  # b"SM" read little-endian
 VERSION = 1
-# magic, version, type, flags, set, rank, job, token, seq, chunk, slot, count, elem, reserved,
+# magic, version, type, flags, set, rank, job, token, seq, chunk, slot, count, elem, digest,
 # exp_data, exp_next
 HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
 HEADER_SIZE = HEADER.size  # 40
@@ -94,9 +94,11 @@ class MessageType(IntEnum):
     """Switch -> worker: header only, echoing the request: the switch has no such job, or the
     request is from an epoch before the job's last restart. The worker re-joins and retries."""
     MISMATCH = 5
-    """Switch -> worker: the ranks disagree about a chunk (size, element type, exponent or
-    shape flags differ): the operation cannot complete. Payload: see ``pack_mismatch``. Sent
-    to a rank whose chunk was refused, and to a contributor that retransmits into the round."""
+    """Switch -> worker: the ranks disagree about a chunk (size, element type, exponent, shape
+    flags or operation digest differ): the operation cannot complete. Payload: see
+    ``pack_mismatch``. Sent to a rank whose chunk was refused; the first time a rank is refused,
+    at once to every contributor of the round too; and later to a contributor that adds to or
+    retransmits into a round with a refused rank."""
     NACK = 6
     """Switch -> worker: header only. The switch lacks the receiver's chunk ``chunk`` (on slot
     ``slot``, operation ``seq``) although later chunks of the receiver arrived: the worker

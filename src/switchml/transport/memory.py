@@ -60,7 +60,7 @@ class EndpointTimers:
     ``get_timer()``; a heap entry whose time differs from it is stale and skipped when popped.
     The driver re-reads an endpoint's deadline after everything it handles (``rearm``), so
     finding the next timer costs O(log n) instead of a scan of every endpoint per event
-    (issue 10: 456 s for n = 256 before). The memory fabric and the simulator share it."""
+    (456 s for n = 256 with a scan). The memory fabric and the simulator share it."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Address]] = []
