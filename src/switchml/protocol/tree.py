@@ -50,13 +50,10 @@ from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     HEADER,
     ControlInfo,
-    ElementType,
     Flags,
     Header,
     MessageType,
-    join_proof,
-    pack_control_info,
-    pack_header,
+    pack_join,
     unpack_control_info,
     unpack_header,
     unpack_payload,
@@ -487,13 +484,11 @@ class RackAggregator:
 
     def _send_join(self, now: float) -> None:
         p = self.parent_spec
-        info = ControlInfo(p.num_workers, p.window, p.elements_per_packet)
-        payload = pack_control_info(info)
-        if self.config.secret is not None:
-            payload += join_proof(self.config.secret, p.job_id, p.token, info)
-        header = Header(MessageType.JOIN, p.job_id, rank=self.rack, token=p.token,
-                        count=len(payload), elem=ElementType.BYTES)
-        self._out.append((pack_header(header) + payload, self.parent_address))
+        self._out.append((pack_join(job=p.job_id, token=p.token, rank=self.rack,
+                                    secret=self.config.secret,
+                                    info=ControlInfo(p.num_workers, p.window,
+                                                     p.elements_per_packet)),
+                          self.parent_address))
         self._join_at = now + self.config.join_retry_s
 
     def _fail(self, reason: str) -> None:

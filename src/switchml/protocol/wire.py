@@ -44,6 +44,7 @@ __all__ = [
     "join_proof",
     "pack_control_info",
     "pack_header",
+    "pack_join",
     "operation_digest",
     "pack_mismatch",
     "unpack_control_info",
@@ -268,6 +269,17 @@ def join_proof(secret: bytes, job: int, token: int, info: ControlInfo) -> bytes:
     msg = struct.pack("<IQIII", job, token, info.num_workers, info.window,
                       info.elements_per_packet)
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def pack_join(*, job: int, token: int, rank: int, info: ControlInfo, seq: int = 0,
+              secret: bytes | None = None) -> bytes:
+    """A JOIN datagram: rank ``rank`` asks for job ``job`` of geometry ``info`` (``seq``: the
+    first operation of its epoch), proven with the switch's ``secret`` where given."""
+    payload = pack_control_info(info)
+    if secret is not None:
+        payload += join_proof(secret, job, token, info)
+    return pack_header(Header(MessageType.JOIN, job, rank=rank, token=token, seq=seq,
+                              count=len(payload), elem=ElementType.BYTES)) + payload
 
 
 

@@ -56,9 +56,8 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
-    join_proof,
-    pack_control_info,
     pack_header,
+    pack_join,
     unpack_control_info,
     unpack_header,
     unpack_mismatch,
@@ -624,13 +623,10 @@ class WorkerEndpoint:
 
     def _send_join(self, now: float) -> None:
         spec = self.spec
-        info = ControlInfo(spec.num_workers, spec.window, spec.elements_per_packet)
-        payload = pack_control_info(info)
-        if self.config.secret is not None:
-            payload += join_proof(self.config.secret, spec.job_id, spec.token, info)
-        header = Header(MessageType.JOIN, spec.job_id, rank=self.rank, token=spec.token,
-                        seq=self._epoch_seq, count=len(payload), elem=ElementType.BYTES)
-        datagram = pack_header(header) + payload
+        datagram = pack_join(job=spec.job_id, token=spec.token, rank=self.rank,
+                             seq=self._epoch_seq, secret=self.config.secret,
+                             info=ControlInfo(spec.num_workers, spec.window,
+                                              spec.elements_per_packet))
         for shard, base in enumerate(self._shard_bases):
             if base is None:  # not joined yet (on this epoch)
                 self._out.append((datagram, self.switch_addresses[shard]))
