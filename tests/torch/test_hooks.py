@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import hook_procs
 import numpy as np
@@ -14,17 +13,11 @@ from switchml.protocol.errors import ConfigError
 CTX = mp.get_context("spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def trained():
+def trained(free_port):
     world, steps = 2, 40
     q = CTX.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [CTX.Process(target=hook_procs.train_with_hooks, args=(r, world, port, steps, q))
              for r in range(world)]
     for p in procs:
