@@ -21,6 +21,7 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
+@pytest.mark.slow
 def test_bench_allreduce_small_run_writes_json(tmp_path, run_switchml):
     path = tmp_path / "bench.json"
     res = run_switchml("bench", "allreduce", "--workers", "2", "--size", "256KiB", "--iters", "2",

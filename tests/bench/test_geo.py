@@ -55,6 +55,7 @@ def test_comparison_and_outputs(tmp_path):
 
 
 @pytest.mark.root
+@pytest.mark.slow
 def test_short_geo_run_on_the_testbed():
     cfg = GeoBenchConfig(modes=("wan", "gaia"), steps=12, eval_every=4, model="mlp",
                          wan_bps=20e6, target_accuracy=0.3)

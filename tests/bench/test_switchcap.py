@@ -38,6 +38,7 @@ def _check_counts(doc: dict, workers: int) -> None:
     assert doc["switch_cpu_us_per_datagram"] > 0
 
 
+@pytest.mark.slow
 def test_cli_short_run_writes_consistent_json(tmp_path, run_switchml):
     path = tmp_path / "switch.json"
     t0 = time.monotonic()
@@ -56,6 +57,7 @@ def test_cli_short_run_writes_consistent_json(tmp_path, run_switchml):
     assert doc["generator"]["gso"] == doc["switch_stats"]["gso"]
 
 
+@pytest.mark.slow
 def test_without_batching_one_datagram_per_call():
     r = run_switchcap(SwitchCapConfig(workers=2, elements_per_packet=358, window=16,
                                       seconds=1.0, batching=False))
@@ -86,6 +88,7 @@ def test_help_explains(run_switchml):
     assert "--no-batching" in res.stdout and "bottleneck" in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
                          ids=["ctrl-c", "sigterm", "kill-9"])
 def test_interrupt_stops_everything(sig, start_switchml, child_pids, pid_alive):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
-@pytest.mark.slow
 def test_training_over_the_testbed_matches_gloo():
     from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
     rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("embed",),
@@ -21,7 +20,6 @@ def test_training_over_the_testbed_matches_gloo():
     assert by["switchml"]["step_s"] > 0 and by["switchml"]["speedup_step"] > 0
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_hybrid_moves_the_predicted_bytes_and_trains_like_ddp():
     from switchml.bench.testbed import TrainBenchConfig, run_testbed_train

@@ -13,6 +13,7 @@ from switchml.ps import PSClient, PSError, place
 from switchml.ps.launch import PSRunConfig, run_ps_training
 
 
+@pytest.mark.slow
 def test_server_process_runs_the_optimizer_step_and_exits_when_done(start_switchml):
     proc = start_switchml("ps", "server", "--port", "0", "--host", "127.0.0.1", "--workers",
                           "2", "--lr", "0.5", "--momentum", "0", "--exit-when-done")

@@ -9,7 +9,7 @@ import pytest
 
 from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 def _rate(tcp_rate, tb: GeoTestbed, src: int, dst: int) -> tuple[float, int]:

@@ -10,7 +10,7 @@ import pytest
 
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 def test_link_rate_is_within_ten_percent(tcp_rate):

@@ -38,6 +38,7 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-12)) for k in a)
 
 
+@pytest.mark.slow
 def test_switchml_hook_matches_the_reference(trained):
     for out in trained:
         # 32-bit fixed point: ~2**-28 of each block's max per step; 40 steps stay far below 1e-5
@@ -47,6 +48,7 @@ def test_switchml_hook_matches_the_reference(trained):
         assert np.array_equal(v, trained[1]["switchml"][0][k])
 
 
+@pytest.mark.slow
 def test_16_bit_hook_converges_like_the_reference_with_half_the_bytes(trained):
     for out in trained:
         ref_losses = out["allreduce"][1]
@@ -60,6 +62,7 @@ def test_16_bit_hook_converges_like_the_reference_with_half_the_bytes(trained):
         assert np.array_equal(v, trained[1]["switchml16"][0][k])
 
 
+@pytest.mark.slow
 def test_noop_hook_really_skips_communication(trained):
     # without aggregation the ranks' parameters drift apart (their data differ)
     a, b = trained[0]["noop"][0], trained[1]["noop"][0]

@@ -28,7 +28,7 @@ OTHER_CHECKS = [
 ALL_CHECKS = [f"allreduce[{c}]" for c in bc.ALLREDUCE_CASES] + [
     getattr(c, "values", (c,))[0] for c in OTHER_CHECKS]
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.timeout(200), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ def _rank_mains(server, spec, rounds, results, key, *, misbehave=None):
     return [functools.partial(rank_main, r) for r in range(spec.num_workers)]
 
 
+@pytest.mark.slow
 def test_misbehaving_job_never_changes_another_jobs_results(server, run_threads):
     """Job A's rank 0 floods the switch with its own replayed, re-ranked and re-slotted
     requests (valid token!) between operations; job B's sums stay exact."""

@@ -61,6 +61,7 @@ def test_sharded_switch_sums_exactly_and_stats_sum_the_shards(
     assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_dead_shard_is_named_by_the_command_and_by_the_workers(
         free_port_range, start_switchml, pids_with, run_threads):
     port = free_port_range(2)

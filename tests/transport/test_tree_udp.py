@@ -73,6 +73,7 @@ def test_two_racks_under_a_spine_sum_exactly(run_threads, loss):
                 s.stop()
 
 
+@pytest.mark.slow
 def test_a_dead_spine_fails_the_racks_operations_in_bounded_time(run_threads):
     spine, servers, child = _tree(2, 1)
     spine.stop()

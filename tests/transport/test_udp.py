@@ -86,6 +86,7 @@ def test_two_concurrent_jobs_are_isolated(server):
     assert server.stats()["slots_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_dead_worker_fails_the_others_in_bounded_time(server):
     n, op_timeout = 3, 2.0
     spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=4096))
@@ -289,6 +290,7 @@ def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
                 pass
 
 
+@pytest.mark.slow
 def test_a_worker_says_at_once_when_nothing_listens_at_the_switch_address(caplog):
     """ICMP port unreachable comes back from the first JOIN: the worker warns within seconds,
     naming the address, and still fails only at its join timeout."""
