@@ -1,22 +1,13 @@
-"""The ``switchml`` command: help texts, argument errors, and a small benchmark run."""
+"""The ``switchml`` command: help texts and argument errors."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 
 import pytest
 
 from switchml import cli
-from switchml.bench.allreduce import parse_size
 from switchml.cli import build_parser, main
-
-
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "switchml", *args], capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -31,8 +22,8 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     (["stats"], "counters"),
     (["demo"], "digits"),
 ])
-def test_help_explains(argv, expect):
-    res = _run(*argv, "--help")
+def test_help_explains(argv, expect, run_switchml):
+    res = run_switchml(*argv, "--help")
     assert res.returncode == 0
     assert expect in res.stdout
 
@@ -83,31 +74,3 @@ def test_main_dispatches_to_the_bound_handler(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_run_bench_plot", failing)
     assert main(["bench", "plot", "x.json"]) == 2
     assert "switchml: error: it broke" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("text,value", [("64MiB", 64 * 2**20), ("1k", 1000), ("4096", 4096),
-                                        ("1.5KiB", 1536), ("2GB", 2 * 10**9)])
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "MiB", "3", "12 parsecs", "-4KiB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValueError):
-        parse_size(text)
-
-
-def test_bench_allreduce_small_run_writes_json(tmp_path):
-    path = tmp_path / "bench.json"
-    res = _run("bench", "allreduce", "--workers", "2", "--size", "256KiB", "--iters", "2",
-               "--warmup", "1", "--json", str(path), timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "switchml/gloo" in res.stdout
-    doc = json.loads(path.read_text())
-    systems = {m["system"]: m for m in doc["results"]}
-    assert set(systems) == {"switchml", "gloo"}
-    sm = systems["switchml"]
-    assert sm["numel"] == 65536 and sm["ate_per_s"] > 0
-    assert sm["max_rel_error"] is not None and sm["max_rel_error"] < 1e-6
-    assert len(sm["cpu_percent"]) == 2
-    assert systems["gloo"]["ate_per_s"] > 0

@@ -15,7 +15,6 @@ from switchml.bench.geo import (
     time_to_target,
     write_outputs,
 )
-from switchml.testbed import TestbedError, check_environment
 
 
 def _row(mode, times, accs, wan_bytes):
@@ -55,15 +54,8 @@ def test_comparison_and_outputs(tmp_path):
     assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-try:
-    check_environment()
-    SKIP = None
-except TestbedError as exc:
-    SKIP = str(exc)
-
-
 @pytest.mark.root
-@pytest.mark.skipif(SKIP is not None, reason=f"{SKIP}")
+@pytest.mark.slow
 def test_short_geo_run_on_the_testbed():
     cfg = GeoBenchConfig(modes=("wan", "gaia"), steps=12, eval_every=4, model="mlp",
                          wan_bps=20e6, target_accuracy=0.3)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -41,12 +38,12 @@ def _check_counts(doc: dict, workers: int) -> None:
     assert doc["switch_cpu_us_per_datagram"] > 0
 
 
-def test_cli_short_run_writes_consistent_json(tmp_path):
+@pytest.mark.slow
+def test_cli_short_run_writes_consistent_json(tmp_path, run_switchml):
     path = tmp_path / "switch.json"
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "switchml", "bench", "switch", "--workers", "2",
-                          "--seconds", "1", "--json", str(path)],
-                         capture_output=True, text=True, timeout=120)
+    res = run_switchml("bench", "switch", "--workers", "2", "--seconds", "1", "--json",
+                       str(path), timeout=120)
     elapsed = time.monotonic() - t0
     assert res.returncode == 0, res.stderr
     assert "datagrams/s into the switch" in res.stdout
@@ -60,6 +57,7 @@ def test_cli_short_run_writes_consistent_json(tmp_path):
     assert doc["generator"]["gso"] == doc["switch_stats"]["gso"]
 
 
+@pytest.mark.slow
 def test_without_batching_one_datagram_per_call():
     r = run_switchcap(SwitchCapConfig(workers=2, elements_per_packet=358, window=16,
                                       seconds=1.0, batching=False))
@@ -84,66 +82,37 @@ def test_bad_arguments_say_what_is_wrong(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_help_explains():
-    res = subprocess.run([sys.executable, "-m", "switchml", "bench", "switch", "--help"],
-                         capture_output=True, text=True, timeout=60)
+def test_help_explains(run_switchml):
+    res = run_switchml("bench", "switch", "--help")
     assert res.returncode == 0
     assert "--no-batching" in res.stdout and "bottleneck" in res.stdout
 
 
-def _children(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                found.add(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL],
                          ids=["ctrl-c", "sigterm", "kill-9"])
-def test_interrupt_stops_everything(sig):
+def test_interrupt_stops_everything(sig, start_switchml, child_pids, pid_alive):
     """Ctrl-C and SIGTERM: the command stops its processes and exits 130. kill -9: the switch
     sees its pipe close and the generator sees its parent gone; both exit by themselves."""
-    proc = subprocess.Popen([sys.executable, "-m", "switchml", "bench", "switch", "--workers",
-                             "2", "--seconds", "60"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        kids: set[int] = set()
-        while time.monotonic() < deadline:  # the switch, the generator (and a resource tracker)
-            kids = _children(proc.pid)
-            if len(kids) >= 2:
-                break
-            time.sleep(0.2)
-        assert len(kids) >= 2, "the benchmark did not start its processes"
-        time.sleep(2.0)  # well into the traffic
-        kids |= _children(proc.pid)
-        proc.send_signal(sig)  # to the parent only: it must stop the others
-        _out, err = proc.communicate(timeout=30)
-        if sig == signal.SIGKILL:
-            assert proc.returncode == -signal.SIGKILL
-        else:
-            assert proc.returncode == 130, err
-            assert "interrupted" in err
-        deadline = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if _alive(k)], "a benchmark process outlived the command"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = start_switchml("bench", "switch", "--workers", "2", "--seconds", "60")
+    deadline = time.monotonic() + 60
+    kids: set[int] = set()
+    while time.monotonic() < deadline:  # the switch, the generator (and a resource tracker)
+        kids = child_pids(proc.pid)
+        if len(kids) >= 2:
+            break
+        time.sleep(0.2)
+    assert len(kids) >= 2, "the benchmark did not start its processes"
+    time.sleep(2.0)  # well into the traffic
+    kids |= child_pids(proc.pid)
+    proc.send_signal(sig)  # to the parent only: it must stop the others
+    _out, err = proc.communicate(timeout=30)
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 130, err
+        assert "interrupted" in err
+    deadline = time.monotonic() + 10
+    while any(pid_alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if pid_alive(k)], "a benchmark process outlived the command"

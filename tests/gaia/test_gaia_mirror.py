@@ -12,19 +12,21 @@ import pytest
 from switchml.gaia.mirror import GaiaError, Mirror
 
 
-def _ports(n: int) -> list[tuple[str, int]]:
-    out, socks = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        out.append(("127.0.0.1", s.getsockname()[1]))
-    for s in socks:
-        s.close()
-    return out
+def _leaders(free_ports) -> list[tuple[str, int]]:
+    return [("127.0.0.1", port) for port in free_ports(2)]
 
 
-def test_two_data_centres_train_and_share_only_significant_entries():
+def _two_mirrors(leaders, timeout_s: float) -> tuple[Mirror, Mirror]:
+    """Data centres 0 and 1 connected (1 started in a thread: each waits for the other)."""
+    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=timeout_s)
+    starter = threading.Thread(target=m1.start)
+    starter.start()
+    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=timeout_s).start()
+    starter.join(10)
+    return m0, m1
+
+
+def test_two_data_centres_train_and_share_only_significant_entries(free_ports, run_threads):
     import torch
     from torch import nn
 
@@ -32,7 +34,7 @@ def test_two_data_centres_train_and_share_only_significant_entries():
     from switchml.gaia.trainer import GaiaSync
     from switchml.ps.launch import build_mlp
     xtr, ytr, xte, yte = load_data(0)
-    leaders = _ports(2)
+    leaders = _leaders(free_ports)
     out: dict[int, dict] = {}
 
     models = []
@@ -60,11 +62,7 @@ def test_two_data_centres_train_and_share_only_significant_entries():
                   "bytes": mirror.bytes_sent, "flat": gaia._flat()}
         mirror.close()
 
-    threads = [threading.Thread(target=dc, args=(j,)) for j in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(dc, 2, 60)
     assert set(out) == {0, 1}
     # after the final exchange both data centres hold every update made anywhere
     np.testing.assert_allclose(out[0]["flat"], out[1]["flat"], atol=1e-5)
@@ -78,13 +76,8 @@ def test_two_data_centres_train_and_share_only_significant_entries():
         assert out[j]["clocks"][j] == 61  # 60 steps and the final exchange
 
 
-def test_a_dead_data_centre_is_named_within_bounded_time():
-    leaders = _ports(2)
-    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=20)
-    starter = threading.Thread(target=m1.start)
-    starter.start()
-    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=20).start()
-    starter.join(10)
+def test_a_dead_data_centre_is_named_within_bounded_time(free_ports):
+    m0, m1 = _two_mirrors(_leaders(free_ports), timeout_s=20)
     m0.clock.finish()
     m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
     # data centre 1 dies: its sockets close without a goodbye
@@ -97,13 +90,8 @@ def test_a_dead_data_centre_is_named_within_bounded_time():
     m0.close()
 
 
-def test_a_silent_data_centre_times_out_naming_it():
-    leaders = _ports(2)
-    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=0.5)
-    starter = threading.Thread(target=m1.start)
-    starter.start()
-    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=0.5).start()
-    starter.join(10)
+def test_a_silent_data_centre_times_out_naming_it(free_ports):
+    m0, m1 = _two_mirrors(_leaders(free_ports), timeout_s=0.5)
     m0.clock.finish()
     with pytest.raises(GaiaError, match=r"waited 0.5 s for data centre 1"):
         m0.exchange(lambda i, v: None)

@@ -125,7 +125,8 @@ def test_a_needless_nack_resend_is_counted():
     assert sw.stats()["nacks_needless"] == 1
 
 
-def _one_op(gap: int, drop) -> tuple[MemoryCluster, float, list[np.ndarray], np.ndarray]:
+def _one_op(drop_once, gap: int,
+            drop) -> tuple[MemoryCluster, float, list[np.ndarray], np.ndarray]:
     # Timeouts of 2 s: anything that recovers sooner than that was not a timeout.
     cfg = WorkerConfig(initial_rto_s=2.0, min_rto_s=2.0, max_rto_s=4.0, op_timeout_s=30.0)
     c = MemoryCluster(num_workers=3, window=8, elements_per_packet=64, worker_config=cfg,
@@ -133,29 +134,21 @@ def _one_op(gap: int, drop) -> tuple[MemoryCluster, float, list[np.ndarray], np.
                       switch=SwitchDataplane(SwitchConfig(nack_gap=gap)))
     xs = [np.random.default_rng(r).standard_normal(64 * 40).astype(np.float32)
           for r in range(3)]
-    dropped: list[bytes] = []
-
-    def drop_once(payload: bytes, src, dst) -> bool:
-        if not dropped and drop(unpack_header(payload), src, dst):
-            dropped.append(payload)
-            return True
-        return False
-
-    c.fabric.drop_filter = drop_once
+    c.fabric.drop_filter, state = drop_once(drop)
     t0 = c.fabric.now
     outs = c.allreduce(xs)
-    assert dropped, "the scripted drop never matched"
+    assert state["dropped"], "the scripted drop never matched"
     return c, c.fabric.now - t0, outs, np.sum(np.array(xs, np.float64), 0)
 
 
 @pytest.mark.parametrize("what", ["request", "result"])
-def test_a_lost_datagram_is_recovered_by_nack_not_timeout(what):
+def test_a_lost_datagram_is_recovered_by_nack_not_timeout(what, drop_once):
     def drop(h: Header, src, dst) -> bool:
         if what == "request":
             return h.type is MessageType.REQUEST and h.rank == 1 and h.chunk == 12
         return h.type is MessageType.RESULT and h.chunk == 12 and dst[1] == 4002
 
-    c, elapsed, outs, ref = _one_op(4, drop)
+    c, elapsed, outs, ref = _one_op(drop_once, 4, drop)
     for out in outs:
         np.testing.assert_allclose(out, ref, atol=1e-4)
     assert elapsed < 0.5, f"took {elapsed:.3f} s of virtual time: a timeout, not a NACK"
@@ -165,7 +158,7 @@ def test_a_lost_datagram_is_recovered_by_nack_not_timeout(what):
     assert [w.counters["payload_bytes_sent"] for w in c.workers] == [64 * 40 * 4] * 3
     assert sum(w.counters["payload_bytes_resent"] for w in c.workers) > 0
     # Without NACKs the same loss waits for the 2 s timeout.
-    c, elapsed, outs, ref = _one_op(0, drop)
+    c, elapsed, outs, ref = _one_op(drop_once, 0, drop)
     np.testing.assert_allclose(outs[0], ref, atol=1e-4)
     assert elapsed >= 2.0
 

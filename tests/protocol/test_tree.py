@@ -55,22 +55,6 @@ def assert_float_sums(outs: list[np.ndarray], xs: list[np.ndarray]) -> None:
         assert np.abs(outs[0][b:b + K] - ref[b:b + K]).max() <= tol
 
 
-def drop_once(match) -> tuple:
-    """A drop filter that drops the first datagram ``match(header, src, dst)`` accepts."""
-    state = {"dropped": 0}
-
-    def drop(payload: bytes, src, dst) -> bool:
-        if state["dropped"]:
-            return False
-        h = unpack_header(payload)
-        if match(h, src, dst):
-            state["dropped"] += 1
-            return True
-        return False
-
-    return drop, state
-
-
 # -- sums -------------------------------------------------------------------------------------
 
 
@@ -119,17 +103,23 @@ def test_scale_must_cover_the_tree() -> None:
 # -- loss recovery ----------------------------------------------------------------------------
 
 
-def test_lost_upstream_request_is_resent_by_the_rack() -> None:
-    drop, state = drop_once(lambda h, src, dst: h.type is MessageType.REQUEST
-                            and src == rack_address(1) and h.chunk == 5)
+def _sums_with_a_lost_request(drop_once, src, chunk: int, size: int, seed: int) -> TreeCluster:
+    """A tree whose fabric loses ``src``'s first REQUEST of ``chunk``; exact int sums anyway."""
+    drop, state = drop_once(lambda h, s, dst: h.type is MessageType.REQUEST
+                            and s == src and h.chunk == chunk)
     t = tree(drop=drop)
-    xs = ints(6, 10 * K, seed=4)
+    xs = ints(6, size, seed=seed)
     assert_int_sums(t.allreduce(xs), xs)
     assert state["dropped"] == 1
+    return t
+
+
+def test_lost_upstream_request_is_resent_by_the_rack(drop_once) -> None:
+    t = _sums_with_a_lost_request(drop_once, rack_address(1), chunk=5, size=10 * K, seed=4)
     assert t.racks[1].counters["upstream_retransmissions"] >= 1
 
 
-def test_lost_parent_result_is_recovered_and_children_never_see_the_partial_sum() -> None:
+def test_lost_parent_result_is_recovered_and_children_never_see_the_partial_sum(drop_once) -> None:
     """The spine's result to rack 0 is lost: the rack's children time out and re-send; the
     inner switch would answer with the rack's partial sum; the rack drops that (it has no
     global result yet) and re-sends upstream; the spine answers from its round. Every result
@@ -158,7 +148,7 @@ def test_lost_parent_result_is_recovered_and_children_never_see_the_partial_sum(
     assert child_results and all(data == expect for _, data in child_results)
 
 
-def test_lost_child_result_is_answered_with_the_global_result() -> None:
+def test_lost_child_result_is_answered_with_the_global_result(drop_once) -> None:
     drop, state = drop_once(lambda h, src, dst: h.type is MessageType.RESULT
                             and src == rack_address(1) and dst == worker_address(4)
                             and h.chunk == 6)
@@ -179,13 +169,8 @@ def test_lost_child_result_is_answered_with_the_global_result() -> None:
     assert resent and all(data == expect for data in resent)
 
 
-def test_lost_child_request_is_recovered_inside_the_rack() -> None:
-    drop, state = drop_once(lambda h, src, dst: h.type is MessageType.REQUEST
-                            and src == worker_address(2) and h.chunk == 2)
-    t = tree(drop=drop)
-    xs = ints(6, 6 * K, seed=7)
-    assert_int_sums(t.allreduce(xs), xs)
-    assert state["dropped"] == 1
+def test_lost_child_request_is_recovered_inside_the_rack(drop_once) -> None:
+    t = _sums_with_a_lost_request(drop_once, worker_address(2), chunk=2, size=6 * K, seed=7)
     assert t.workers[2].counters["retransmissions"] >= 1
     assert t.spine.stats()["results_resent"] == 0  # nothing was lost above the racks
 

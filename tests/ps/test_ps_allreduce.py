@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from switchml.ps.allreduce import PSAllreduce, sum_server
 
 
-def test_sum_server_all_reduces_repeatedly():
+def test_sum_server_all_reduces_repeatedly(run_threads):
     server = sum_server(port=0, workers=3, host="127.0.0.1")
     outs: dict[int, list[np.ndarray]] = {}
 
@@ -23,11 +21,7 @@ def test_sum_server_all_reduces_repeatedly():
         outs[r] = got
         ar.close()
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_threads(worker, 3, 30)
     assert server.wait_finished(10)
     server.stop()
     for r in range(3):

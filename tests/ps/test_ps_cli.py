@@ -13,35 +13,31 @@ from switchml.ps import PSClient, PSError, place
 from switchml.ps.launch import PSRunConfig, run_ps_training
 
 
-def test_server_process_runs_the_optimizer_step_and_exits_when_done():
-    proc = subprocess.Popen([sys.executable, "-m", "switchml", "ps", "server", "--port", "0",
-                             "--host", "127.0.0.1", "--workers", "2", "--lr", "0.5",
-                             "--momentum", "0", "--exit-when-done"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on" in line, proc.stderr.read()
-        host, port = line.split()[-1].rsplit(":", 1)
-        shards = place([("w", 3)], 1)
-        a = PSClient([(host, int(port))], worker=0, workers=2)
-        b = PSClient([(host, int(port))], worker=1, workers=2)
-        a.init(shards, {0: np.array([1.0, 2.0, 3.0], np.float32)})
-        a.push(shards, 0, {0: np.array([1.0, 0.0, 2.0], np.float32)})
-        b.push(shards, 0, {0: np.array([3.0, 0.0, 0.0], np.float32)})
-        out = {0: np.empty(3, np.float32)}
-        assert a.pull(shards, 1, out) == 1
-        # SGD on the mean gradient (2, 0, 1) with lr 0.5
-        assert out[0].tolist() == [0.0, 2.0, 2.5]
-        with pytest.raises(PSError, match="expects 3 workers, this server was started for 2"):
-            PSClient([(host, int(port))], worker=0, workers=3)
-        a.close()
-        b.close()
-        stdout, _ = proc.communicate(timeout=30)
-        stats = json.loads(stdout.strip().splitlines()[-1])
-        assert stats["pushes"] == 2 and stats["steps_applied"] == 1
-        assert proc.returncode == 0
-    finally:
-        proc.kill()
+@pytest.mark.slow
+def test_server_process_runs_the_optimizer_step_and_exits_when_done(start_switchml):
+    proc = start_switchml("ps", "server", "--port", "0", "--host", "127.0.0.1", "--workers",
+                          "2", "--lr", "0.5", "--momentum", "0", "--exit-when-done")
+    line = proc.stdout.readline()
+    assert "listening on" in line, proc.stderr.read()
+    host, port = line.split()[-1].rsplit(":", 1)
+    shards = place([("w", 3)], 1)
+    a = PSClient([(host, int(port))], worker=0, workers=2)
+    b = PSClient([(host, int(port))], worker=1, workers=2)
+    a.init(shards, {0: np.array([1.0, 2.0, 3.0], np.float32)})
+    a.push(shards, 0, {0: np.array([1.0, 0.0, 2.0], np.float32)})
+    b.push(shards, 0, {0: np.array([3.0, 0.0, 0.0], np.float32)})
+    out = {0: np.empty(3, np.float32)}
+    assert a.pull(shards, 1, out) == 1
+    # SGD on the mean gradient (2, 0, 1) with lr 0.5
+    assert out[0].tolist() == [0.0, 2.0, 2.5]
+    with pytest.raises(PSError, match="expects 3 workers, this server was started for 2"):
+        PSClient([(host, int(port))], worker=0, workers=3)
+    a.close()
+    b.close()
+    stdout, _ = proc.communicate(timeout=30)
+    stats = json.loads(stdout.strip().splitlines()[-1])
+    assert stats["pushes"] == 2 and stats["steps_applied"] == 1
+    assert proc.returncode == 0
 
 
 @pytest.mark.slow

@@ -4,8 +4,6 @@ link and host models, failures, and the ``switchml sim`` command."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -179,14 +177,15 @@ def test_failure_syntax() -> None:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def _sim(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "switchml", "sim", *args],
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def sim(run_switchml):
+    """``switchml sim ARGS`` to the end, output captured."""
+    return lambda *args: run_switchml("sim", *args, timeout=300)
 
 
-def test_cli_sweep_writes_json_and_plots(tmp_path) -> None:
+def test_cli_sweep_writes_json_and_plots(tmp_path, sim) -> None:
     out, png = tmp_path / "sim.json", tmp_path / "ate.png"
-    p = _sim("-n", "2", "-n", "8", "--rack-size", "4", "--loss", "0", "--loss", "0.01",
+    p = sim("-n", "2", "-n", "8", "--rack-size", "4", "--loss", "0", "--loss", "0.01",
              "--size", "1MiB", "--json", str(out), "--plot", str(png))
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["results"]
@@ -198,23 +197,23 @@ def test_cli_sweep_writes_json_and_plots(tmp_path) -> None:
     assert "of results" in p.stderr or p.stderr == ""  # progress goes to stderr
 
 
-def test_cli_exact_mode_and_a_failed_link(tmp_path) -> None:
-    p = _sim("-n", "2", "--size", "256KiB", "--mode", "exact", "--quiet")
+def test_cli_exact_mode_and_a_failed_link(tmp_path, sim) -> None:
+    p = sim("-n", "2", "--size", "256KiB", "--mode", "exact", "--quiet")
     assert p.returncode == 0, p.stderr
     assert "max |error|" in p.stdout
-    p = _sim("-n", "2", "--size", "256KiB", "--fail-link", "worker:1@0.0005", "--quiet")
+    p = sim("-n", "2", "--size", "256KiB", "--fail-link", "worker:1@0.0005", "--quiet")
     assert p.returncode == 1
     assert "FAILED" in p.stdout
 
 
-def test_cli_rejects_bad_arguments() -> None:
-    p = _sim("-n", "6", "--racks", "4")
+def test_cli_rejects_bad_arguments(sim) -> None:
+    p = sim("-n", "6", "--racks", "4")
     assert p.returncode == 2 and "multiple of racks" in p.stderr
-    p = _sim("--fail-link", "disk:1@2")
+    p = sim("--fail-link", "disk:1@2")
     assert p.returncode == 2 and "KIND:INDEX@SECONDS" in p.stderr or "kind" in p.stderr
 
 
-def test_compare_with_testbed_rows(tmp_path) -> None:
+def test_compare_with_testbed_rows(tmp_path, sim) -> None:
     testbed = {"results": [
         {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
          "mtu": 1500, "loss_rate": 0.0, "ate_per_s": 1.18e7},
@@ -222,7 +221,7 @@ def test_compare_with_testbed_rows(tmp_path) -> None:
          "mtu": 1500, "loss_rate": 0.0, "ate_per_s": 1.0e7}]}
     path = tmp_path / "tb.json"
     path.write_text(json.dumps(testbed))
-    p = _sim("--compare", str(path), "--json", str(tmp_path / "cmp.json"))
+    p = sim("--compare", str(path), "--json", str(tmp_path / "cmp.json"))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["workers"] == 2

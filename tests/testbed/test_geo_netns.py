@@ -3,59 +3,36 @@ byte counters, teardown."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 
-from testbed_helpers import ROOT, namespaces, py
+import pytest
 
 from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
 
-pytestmark = ROOT
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
-def _rate(tb: GeoTestbed, src: int, dst: int, seconds: float = 1.5) -> tuple[float, int]:
-    sink = tb.popen(tb.worker_ns(dst), py("""
-        import socket, time, json
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", 5202)); s.listen(1); print("ready", flush=True)
-        c, _ = s.accept(); buf = bytearray(1 << 20); n = 0; t0 = None
-        while True:
-            k = c.recv_into(buf)
-            if not k: break
-            if t0 is None: t0 = time.perf_counter()
-            n += k
-        print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
-    """), stdout=subprocess.PIPE, text=True)
-    assert sink.stdout.readline().strip() == "ready"
-    tb.run(tb.worker_ns(src), py(f"""
-        import socket, time
-        c = socket.create_connection(("{tb.geo.worker_ip(dst)}", 5202))
-        data = bytes(1 << 16); end = time.perf_counter() + {seconds}
-        while time.perf_counter() < end: c.sendall(data)
-        c.close()
-    """))
-    res = json.loads(sink.stdout.readline())
-    sink.wait(timeout=10)
-    return res["bytes"] * 8 / res["seconds"], res["bytes"]
+def _rate(tcp_rate, tb: GeoTestbed, src: int, dst: int) -> tuple[float, int]:
+    return tcp_rate(tb, tb.worker_ns(src), tb.worker_ns(dst), tb.geo.worker_ip(dst), 5202, 1.5)
 
 
-def test_wan_between_data_centres_lan_inside_and_wan_bytes_counted():
+def test_wan_between_data_centres_lan_inside_and_wan_bytes_counted(namespaces, tcp_rate):
     wan, lan = 20e6, 200e6
     topo = GeoTopology(dcs=(2, 2), lan=LinkSpec(bandwidth_bps=lan), wan=LinkSpec(bandwidth_bps=wan))
     with GeoTestbed(topo) as tb:
         created = set(tb.namespaces)
         assert created == {f"{tb.prefix}{n}" for n in ("rt", "d0", "d1", "w0", "w1", "w2", "w3")}
         w0 = tb.wan_bytes()
-        inside, _ = _rate(tb, 0, 1)
+        inside, _ = _rate(tcp_rate, tb, 0, 1)
         assert tb.wan_bytes() - w0 < 100_000  # LAN traffic stays off the WAN
-        across, sent = _rate(tb, 1, 2)
+        across, sent = _rate(tcp_rate, tb, 1, 2)
         assert 0.85 * wan <= across <= 1.1 * wan, across
         assert 0.85 * lan <= inside <= 1.1 * lan, inside
         assert tb.wan_bytes() - w0 >= sent  # every payload byte crossed the WAN (plus headers)
     assert not (created & namespaces())  # torn down
 
 
-def test_a_killed_geo_testbed_is_cleaned_up_with_its_data_centre_routers():
+def test_a_killed_geo_testbed_is_cleaned_up_with_its_data_centre_routers(py, namespaces):
     import signal
 
     from switchml.testbed import cleanup_stale

@@ -7,44 +7,23 @@ import subprocess
 import sys
 
 import pytest
-from testbed_helpers import ROOT, namespaces, py
 
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
-pytestmark = ROOT
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
-def test_link_rate_is_within_ten_percent():
+def test_link_rate_is_within_ten_percent(tcp_rate):
     rate = 200e6
     with Testbed(Topology(workers=2, link=LinkSpec(bandwidth_bps=rate, mtu=1500))) as tb:
-        sink = tb.popen(tb.worker_ns(1), py("""
-            import socket, time, json
-            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("0.0.0.0", 5201)); s.listen(1); print("ready", flush=True)
-            c, _ = s.accept(); buf = bytearray(1 << 20); n = 0; t0 = None
-            while True:
-                k = c.recv_into(buf)
-                if not k: break
-                if t0 is None: t0 = time.perf_counter()
-                n += k
-            print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
-        """), stdout=subprocess.PIPE, text=True)
-        assert sink.stdout.readline().strip() == "ready"
-        tb.run(tb.worker_ns(0), py(f"""
-            import socket, time
-            c = socket.create_connection(("{tb.topology.worker_ip(1)}", 5201))
-            data = bytes(1 << 16); end = time.perf_counter() + 3.0
-            while time.perf_counter() < end: c.sendall(data)
-            c.close()
-        """))
-        res = json.loads(sink.stdout.readline())
-        measured = res["bytes"] * 8 / res["seconds"]
+        measured, _ = tcp_rate(tb, tb.worker_ns(0), tb.worker_ns(1), tb.topology.worker_ip(1),
+                               5201, 3.0)
         # worker 0 -> switch -> worker 1 crosses two shaped links; the rate is the link's
         assert 0.9 * rate <= measured <= 1.1 * rate, measured
         assert "tbf" in tb.qdisc(tb.router_ns, f"{tb.prefix}s1")
 
 
-def test_loss_is_applied_at_the_asked_rate_once_per_link():
+def test_loss_is_applied_at_the_asked_rate_once_per_link(py):
     """Worker 0 to the switch (uplink: the router's input rule), the switch to worker 0
     (downlink: worker 0's input rule) and worker 0 to worker 1 (two links: the router's forward
     rule, then worker 1's input rule); the nft counters of all tables add up to the drops."""
@@ -119,7 +98,7 @@ GRO_RECEIVER = """
 """
 
 
-def _gso_through_the_testbed(tb: Testbed, runs: int, n: int, size: int,
+def _gso_through_the_testbed(py, tb: Testbed, runs: int, n: int, size: int,
                              to_switch: bool = True) -> dict:
     """GSO runs from worker 0 to the switch (router namespace), or from the switch to
     worker 0."""
@@ -136,7 +115,7 @@ def _gso_through_the_testbed(tb: Testbed, runs: int, n: int, size: int,
     return res
 
 
-def test_batching_is_on_and_gso_runs_are_lost_per_datagram():
+def test_batching_is_on_and_gso_runs_are_lost_per_datagram(py):
     """A GSO run of n datagrams crosses worker 0's link at loss 0.5, up (to the switch: the
     router's input rule) and down (from the switch: worker 0's input rule): about half of
     each run arrives (not all or nothing, as when the link carried the run as one packet) and
@@ -149,7 +128,7 @@ def test_batching_is_on_and_gso_runs_are_lost_per_datagram():
     with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=None, loss_rate=loss))) as tb:
         assert tb.batching
         for to_switch in (True, False):
-            res = _gso_through_the_testbed(tb, runs, n, 1000, to_switch)
+            res = _gso_through_the_testbed(py, tb, runs, n, 1000, to_switch)
             seen = res["seen"]
             assert len(seen) == len(set(seen))  # no duplicates
             total, received = runs * n, len(seen)
@@ -165,7 +144,7 @@ def test_batching_is_on_and_gso_runs_are_lost_per_datagram():
                        "os.environ.get('SWITCHML_GSO', ''))"], stdout=subprocess.PIPE, text=True)
         assert env.communicate(timeout=30)[0].strip() == ""  # switchml's batching stays on
     with Testbed(Topology(workers=1, link=LinkSpec(bandwidth_bps=1e9))) as tb:
-        res = _gso_through_the_testbed(tb, 20, n, 1000, to_switch=False)
+        res = _gso_through_the_testbed(py, tb, 20, n, 1000, to_switch=False)
         assert sorted(res["seen"]) == list(range(20 * n))
         assert max(res["batches"]) == n, res["batches"]  # a whole run in one recvmsg
         assert res["nft_drops"] == 0
@@ -180,7 +159,7 @@ def test_default_links_have_ethernets_mtu():
             assert " mtu 1500 " in out, out
 
 
-def test_switchml_is_exact_over_shaped_lossy_links():
+def test_switchml_is_exact_over_shaped_lossy_links(py):
     from switchml.control import encode_job_spec, new_job_spec
     n = 3
     spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=2200))
@@ -218,7 +197,7 @@ def test_switchml_is_exact_over_shaped_lossy_links():
         assert tb.loss_counter() > 0
 
 
-def test_teardown_removes_exactly_what_was_created():
+def test_teardown_removes_exactly_what_was_created(namespaces):
     before = namespaces()
     with Testbed(Topology(workers=2)) as tb:
         created = set(tb.namespaces)
@@ -240,20 +219,7 @@ def test_failed_command_raises_with_its_stderr():
             tb.run(tb.switch_ns, ["ip", "link", "set", "nonexistent0", "up"])
 
 
-@pytest.mark.slow
-def test_training_over_the_testbed_matches_gloo():
-    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
-    rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("embed",),
-                                              rate_bps=1e9, batch=32))
-    by = {r["backend"]: r for r in rows}
-    assert set(by) == {"gloo", "switchml"}
-    gloo, sml = by["gloo"]["losses"], by["switchml"]["losses"]
-    # same data, same seeds: the fixed-point sums keep the curves together
-    assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(gloo, sml)), (gloo, sml)
-    assert by["switchml"]["step_s"] > 0 and by["switchml"]["speedup_step"] > 0
-
-
-def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
+def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone(py, namespaces):
     """kill -9 skips the teardown: the namespaces, and a process running in one, outlive the
     owner. cleanup_stale (which every new testbed runs first) removes them, and only them."""
     import os
@@ -299,14 +265,13 @@ def test_a_killed_run_is_cleaned_up_by_the_next_and_a_live_one_is_left_alone():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_cleanup_command_reports_what_it_removed():
-    res = subprocess.run([sys.executable, "-m", "switchml", "testbed", "--cleanup"],
-                         capture_output=True, text=True, timeout=60)
+def test_cleanup_command_reports_what_it_removed(run_switchml):
+    res = run_switchml("testbed", "--cleanup")
     assert res.returncode == 0, res.stderr
     assert "stale namespace(s)" in res.stdout
 
 
-def test_a_prefix_held_by_a_live_testbed_is_refused():
+def test_a_prefix_held_by_a_live_testbed_is_refused(namespaces):
     with Testbed(Topology(workers=1), prefix="smtestpx") as live:
         with pytest.raises(TestbedError, match="in use by a live testbed"):
             Testbed(Topology(workers=1), prefix="smtestpx").__enter__()

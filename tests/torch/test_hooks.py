@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import hook_procs
 import numpy as np
@@ -14,17 +13,11 @@ from switchml.protocol.errors import ConfigError
 CTX = mp.get_context("spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def trained():
+def trained(free_port):
     world, steps = 2, 40
     q = CTX.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [CTX.Process(target=hook_procs.train_with_hooks, args=(r, world, port, steps, q))
              for r in range(world)]
     for p in procs:
@@ -45,6 +38,7 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-12)) for k in a)
 
 
+@pytest.mark.slow
 def test_switchml_hook_matches_the_reference(trained):
     for out in trained:
         # 32-bit fixed point: ~2**-28 of each block's max per step; 40 steps stay far below 1e-5
@@ -54,6 +48,7 @@ def test_switchml_hook_matches_the_reference(trained):
         assert np.array_equal(v, trained[1]["switchml"][0][k])
 
 
+@pytest.mark.slow
 def test_16_bit_hook_converges_like_the_reference_with_half_the_bytes(trained):
     for out in trained:
         ref_losses = out["allreduce"][1]
@@ -67,6 +62,7 @@ def test_16_bit_hook_converges_like_the_reference_with_half_the_bytes(trained):
         assert np.array_equal(v, trained[1]["switchml16"][0][k])
 
 
+@pytest.mark.slow
 def test_noop_hook_really_skips_communication(trained):
     # without aggregation the ranks' parameters drift apart (their data differ)
     a, b = trained[0]["noop"][0], trained[1]["noop"][0]

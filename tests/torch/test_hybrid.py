@@ -117,12 +117,14 @@ def _check(out: dict[int, dict], world: int, atol_rel: float) -> None:
     assert paths == {SFB, AGGREGATE}, paths
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradients_and_losses_equal_ddp_on_gloo(world):
     _check(_run("gloo", world), world, atol_rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_over_the_switchml_backend():
     out = _run("switchml", 2)
@@ -133,6 +135,7 @@ def test_over_the_switchml_backend():
     assert stats["delegated"].get("allgather_into_tensor", 0) > 0, stats
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["ddp", "hybrid"])
 def test_communication_starts_during_backprop(mode):
@@ -155,6 +158,7 @@ def test_communication_starts_during_backprop(mode):
             assert any(c[0].startswith("sfb all_gather") for c in comm)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_misuse_raises_with_the_name():
     with tp.Procs(deadline_s=80) as procs:

@@ -10,7 +10,7 @@ import torch_procs as tp
 WORLD = 3
 STEPS = 20
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import torch_procs as tp
 
 TIMEOUT_S = 5.0  # the process group's timeout: the switchml operation timeout
 
+pytestmark = pytest.mark.slow  # every test spawns a process group
+
 
 def _dead_rank_run(mode, timeout_s=TIMEOUT_S):
     world, die_rank, die_step = 3, 2, 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch_procs as tp
 
+pytestmark = pytest.mark.slow  # every test spawns a process group
+
 
 @pytest.fixture(scope="module")
 def run():  # one 2-rank group, run to the end (processes exited) first

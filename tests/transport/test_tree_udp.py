@@ -5,7 +5,7 @@ error, not a hang."""
 
 from __future__ import annotations
 
-import threading
+import subprocess
 
 import numpy as np
 import pytest
@@ -33,7 +33,8 @@ def _tree(racks: int, per_rack: int):
     return spine, servers, child
 
 
-def _run(servers, child, per_rack: int, xs, loss: float = 0.0, config=None) -> list:
+def _run(run_threads, servers, child, per_rack: int, xs, loss: float = 0.0,
+         config=None) -> list:
     out: list = [None] * len(xs)
 
     def run(g: int) -> None:
@@ -45,16 +46,12 @@ def _run(servers, child, per_rack: int, xs, loss: float = 0.0, config=None) -> l
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[g] = exc
 
-    threads = [threading.Thread(target=run, args=(g,)) for g in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
+    run_threads(run, len(xs), 90)
     return out
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.02])
-def test_two_racks_under_a_spine_sum_exactly(loss):
+def test_two_racks_under_a_spine_sum_exactly(run_threads, loss):
     xs = [np.random.default_rng(g).standard_normal(50_000).astype(np.float32)
           for g in range(4)]
     ref = np.sum(np.array(xs, np.float64), 0)
@@ -62,7 +59,7 @@ def test_two_racks_under_a_spine_sum_exactly(loss):
     for inputs in (xs, ints):  # a rack server hosts one job: a fresh tree per job
         spine, servers, child = _tree(2, 2)
         try:
-            out = _run(servers, child, 2, inputs, loss)
+            out = _run(run_threads, servers, child, 2, inputs, loss)
             for o in out:
                 assert not isinstance(o, Exception), o
                 for y in o:
@@ -77,12 +74,14 @@ def test_two_racks_under_a_spine_sum_exactly(loss):
                 s.stop()
 
 
-def test_a_dead_spine_fails_the_racks_operations_in_bounded_time():
+@pytest.mark.slow
+def test_a_dead_spine_fails_the_racks_operations_in_bounded_time(run_threads):
     spine, servers, child = _tree(2, 1)
     spine.stop()
     cfg = WorkerConfig(op_timeout_s=5.0)
     try:
-        out = _run(servers, child, 1, [np.ones(10_000, np.float32)] * 2, config=cfg)
+        out = _run(run_threads, servers, child, 1, [np.ones(10_000, np.float32)] * 2,
+                   config=cfg)
         for o in out:
             assert isinstance(o, OperationFailed), o
     finally:
@@ -90,47 +89,29 @@ def test_a_dead_spine_fails_the_racks_operations_in_bounded_time():
             s.stop()
 
 
-def test_switch_command_runs_a_rack_under_a_spine():
-    import subprocess
-    import sys
-
+def test_switch_command_runs_a_rack_under_a_spine(start_switchml, run_threads):
     from switchml.control import decode_job_spec, encode_job_spec
     spec = new_job_spec(2, window=8, elements_per_packet=256)
-    procs = []
-    try:
-        spine = subprocess.Popen([sys.executable, "-m", "switchml", "switch", "--port", "0",
-                                  "--metrics-port", "0"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True)
-        procs.append(spine)
-        spine_port = int(spine.stdout.readline().rsplit(":", 1)[1])
-        rack_ports, child_text = [], None
-        for r in range(2):
-            p = subprocess.Popen([sys.executable, "-m", "switchml", "switch", "--port", "0",
-                                  "--metrics-port", "0", "--upstream",
-                                  f"127.0.0.1:{spine_port}", "--rack", f"{r}/2", "--job",
-                                  encode_job_spec(spec)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True)
-            procs.append(p)
-            line = p.stdout.readline()
-            assert "SWITCHML_JOB=" in line, line
-            child_text = line.split("SWITCHML_JOB=")[1].split()[0]
-            rack_ports.append(int(p.stdout.readline().rsplit(":", 1)[1]))
-        child = decode_job_spec(child_text)
-        assert (child.num_workers, child.scale_workers) == (1, 2)
-        out: list = [None, None]
+    spine = start_switchml("switch", "--port", "0", "--metrics-port", "0",
+                           stderr=subprocess.DEVNULL)
+    spine_port = int(spine.stdout.readline().rsplit(":", 1)[1])
+    rack_ports, child_text = [], None
+    for r in range(2):
+        p = start_switchml("switch", "--port", "0", "--metrics-port", "0", "--upstream",
+                           f"127.0.0.1:{spine_port}", "--rack", f"{r}/2", "--job",
+                           encode_job_spec(spec), stderr=subprocess.DEVNULL)
+        line = p.stdout.readline()
+        assert "SWITCHML_JOB=" in line, line
+        child_text = line.split("SWITCHML_JOB=")[1].split()[0]
+        rack_ports.append(int(p.stdout.readline().rsplit(":", 1)[1]))
+    child = decode_job_spec(child_text)
+    assert (child.num_workers, child.scale_workers) == (1, 2)
+    out: list = [None, None]
 
-        def run(r: int) -> None:
-            with WorkerClient(("127.0.0.1", rack_ports[r]), child, 0) as w:
-                out[r] = w.allreduce(np.full(5000, r + 1.0, np.float32))
+    def run(r: int) -> None:
+        with WorkerClient(("127.0.0.1", rack_ports[r]), child, 0) as w:
+            out[r] = w.allreduce(np.full(5000, r + 1.0, np.float32))
 
-        ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        for o in out:
-            assert o is not None and np.all(o == 3.0)
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=10)
+    run_threads(run, 2, 60)
+    for o in out:
+        assert o is not None and np.all(o == 3.0)

@@ -7,9 +7,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
@@ -89,6 +86,7 @@ def test_two_concurrent_jobs_are_isolated(server):
     assert server.stats()["slots_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_dead_worker_fails_the_others_in_bounded_time(server):
     n, op_timeout = 3, 2.0
     spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=4096))
@@ -155,7 +153,7 @@ def test_async_handles_and_argument_errors(server):
         w.allreduce(np.ones(3, np.float32))
 
 
-def test_switch_survives_garbage_datagrams(server):
+def test_switch_survives_garbage_datagrams(server, run_threads):
     rng = random.Random(1234)
     spec = new_job_spec(2, window=4, elements_per_packet=512)
     valid = pack_header(Header(MessageType.REQUEST, spec.job_id, count=0))
@@ -178,105 +176,79 @@ def test_switch_survives_garbage_datagrams(server):
         with WorkerClient(server.address, spec, rank) as w:
             results[rank] = w.allreduce(np.full(10_000, rank + 1, np.int32))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    run_threads(run, 2, 60)
     assert all(np.array_equal(results[r], np.full(10_000, 3, np.int32)) for r in range(2))
     stats = server.stats()
     assert stats["internal_errors"] == 0
     assert sum(stats["drops"].values()) >= 2900
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_switch_command_logs_exports_metrics_and_stops_on_sigterm(
+        free_port, start_switchml, run_switchml):
+    metrics = free_port()
+    proc = start_switchml("switch", "--port", "0", "--metrics-port", str(metrics))
+    line = proc.stdout.readline()
+    assert "listening on udp 127.0.0.1:" in line
+    port = int(line.rsplit(":", 1)[1])
+    spec = new_job_spec(1, window=2, elements_per_packet=256)
+    with WorkerClient(("127.0.0.1", port), spec, 0) as w:
+        assert np.array_equal(w.allreduce(np.arange(7, dtype=np.int32)), np.arange(7))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"junk", ("127.0.0.1", port))
+        url = f"http://127.0.0.1:{metrics}/metrics"
+        from switchml.control.metrics import read_metrics
+        m = read_metrics(url)
+        assert m["switchml_jobs"] == 1
+        assert m["switchml_elements_aggregated_total"] == {str(spec.job_id): 7}
+        assert m["switchml_drops_total"]["short"] == 1
+        assert m["switchml_packets_in_total"] >= 3
+        res = run_switchml("stats", "--once", "--url", url, timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert f"job {spec.job_id} elements" in res.stdout and "drops: short" in res.stdout
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert "SIGTERM received" in err and "stopped" in err
+    assert f"event=job_created job={spec.job_id}" in err
+    assert f"event=job_finished job={spec.job_id}" in err
 
 
-def test_switch_command_logs_exports_metrics_and_stops_on_sigterm():
-    metrics = _free_tcp_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "switchml", "switch", "--port", "0", "--metrics-port",
-         str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on udp 127.0.0.1:" in line
-        port = int(line.rsplit(":", 1)[1])
-        spec = new_job_spec(1, window=2, elements_per_packet=256)
-        with WorkerClient(("127.0.0.1", port), spec, 0) as w:
-            assert np.array_equal(w.allreduce(np.arange(7, dtype=np.int32)), np.arange(7))
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.sendto(b"junk", ("127.0.0.1", port))
-            url = f"http://127.0.0.1:{metrics}/metrics"
-            from switchml.control.metrics import read_metrics
-            m = read_metrics(url)
-            assert m["switchml_jobs"] == 1
-            assert m["switchml_elements_aggregated_total"] == {str(spec.job_id): 7}
-            assert m["switchml_drops_total"]["short"] == 1
-            assert m["switchml_packets_in_total"] >= 3
-            res = subprocess.run([sys.executable, "-m", "switchml", "stats", "--once", "--url",
-                                  url], capture_output=True, text=True, timeout=30)
-            assert res.returncode == 0, res.stderr
-            assert f"job {spec.job_id} elements" in res.stdout and "drops: short" in res.stdout
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=10)
-        assert proc.returncode == 0
-        assert "SIGTERM received" in err and "stopped" in err
-        assert f"event=job_created job={spec.job_id}" in err
-        assert f"event=job_finished job={spec.job_id}" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_switch_command_refuses_exposure_without_a_secret():
-    res = subprocess.run([sys.executable, "-m", "switchml", "switch", "--host", "0.0.0.0",
-                          "--port", "0", "--metrics-port", "0"],
-                         capture_output=True, text=True, timeout=30,
-                         env={k: v for k, v in os.environ.items() if k != "SWITCHML_SECRET"})
+def test_switch_command_refuses_exposure_without_a_secret(run_switchml):
+    res = run_switchml("switch", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "0",
+                       timeout=30,
+                       env={k: v for k, v in os.environ.items() if k != "SWITCHML_SECRET"})
     assert res.returncode == 2
     assert "--secret-file" in res.stderr
 
 
-def test_stats_without_a_switch_says_so():
-    port = _free_tcp_port()
-    res = subprocess.run([sys.executable, "-m", "switchml", "stats", "--once", "--url",
-                          f"http://127.0.0.1:{port}/metrics"], capture_output=True, text=True,
-                         timeout=30)
+def test_stats_without_a_switch_says_so(free_port, run_switchml):
+    port = free_port()
+    res = run_switchml("stats", "--once", "--url", f"http://127.0.0.1:{port}/metrics",
+                       timeout=30)
     assert res.returncode == 2 and "is a switch running" in res.stderr
 
 
-def test_switch_command_reports_port_in_use():
+def test_switch_command_reports_port_in_use(run_switchml):
     with SwitchServer(port=0) as srv:
-        res = subprocess.run(
-            [sys.executable, "-m", "switchml", "switch", "--port", str(srv.address[1]),
-             "--metrics-port", "0"],
-            capture_output=True, text=True, timeout=30, env={**os.environ})
+        res = run_switchml("switch", "--port", str(srv.address[1]), "--metrics-port", "0",
+                           timeout=30, env={**os.environ})
     assert res.returncode == 2
     assert "can't listen on" in res.stderr
 
 
-def test_switch_command_says_whether_it_batches_and_no_batching_turns_it_off():
+def test_switch_command_says_whether_it_batches_and_no_batching_turns_it_off(start_switchml):
     from switchml.transport.batching import gso_supported, recvmmsg_supported
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         default = ("GSO on, receive " + ("recvmmsg" if recvmmsg_supported() else "GRO")
                    if gso_supported(s) else "GSO off")
     for flags, expect in (([], default),
                           (["--no-batching"], "GSO off, receive one datagram per call")):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "switchml", "switch", "--port", "0", "--metrics-port", "0",
-             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert "listening on udp" in proc.stdout.readline()
-            proc.send_signal(signal.SIGTERM)
-            _out, err = proc.communicate(timeout=10)
-            assert proc.returncode == 0
-            assert expect in err, err
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        proc = start_switchml("switch", "--port", "0", "--metrics-port", "0", *flags)
+        assert "listening on udp" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0
+        assert expect in err, err
 
 
 def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
@@ -318,6 +290,7 @@ def test_a_full_wake_up_pipe_never_blocks_a_caller_or_deadlocks_a_callback():
                 pass
 
 
+@pytest.mark.slow
 def test_a_worker_says_at_once_when_nothing_listens_at_the_switch_address(caplog):
     """ICMP port unreachable comes back from the first JOIN: the worker warns within seconds,
     naming the address, and still fails only at its join timeout."""

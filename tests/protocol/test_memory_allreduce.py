@@ -533,6 +533,21 @@ def start_and_progress(c: MemoryCluster, size: int, results: int) -> list[int]:
     return [h.seq for h in handles]
 
 
+def fail_after_op_timeout(c: MemoryCluster, ranks: list[int], seqs: list[int],
+                          cfg: WorkerConfig) -> dict[int, OperationFailed]:
+    """Step until every rank of ``ranks`` failed; each failed once, in the operation it was in,
+    ``op_timeout_s`` (plus at most one RTO) after its last result. Their failure events."""
+    last, failed_at = step_tracking(c, ranks, lambda: all(failures(c, r) for r in ranks))
+    events = {}
+    for r in ranks:
+        (ev,) = failures(c, r)
+        assert ev.seq == seqs[r]
+        idle = failed_at[r] - last[r]
+        assert cfg.op_timeout_s - 1e-9 <= idle <= cfg.op_timeout_s + cfg.max_rto_s + 1e-3
+        events[r] = ev
+    return events
+
+
 def assert_failed_endpoint_refuses(c: MemoryCluster, r: int) -> None:
     w = c.workers[r]
     assert w.state is WorkerState.ERROR
@@ -549,14 +564,9 @@ def test_detached_worker_is_named_by_the_others() -> None:
     seqs = start_and_progress(c, 24 * 16, results=6)
     c.fabric.detach(c.addresses[2])
     survivors = [0, 1, 3]
-    last, failed_at = step_tracking(c, survivors, lambda: all(failures(c, r) for r in survivors))
-    for r in survivors:
-        (ev,) = failures(c, r)
-        assert ev.seq == seqs[r]
+    for r, ev in fail_after_op_timeout(c, survivors, seqs, cfg).items():
         assert "rank(s) [2]" in ev.reason, ev.reason
         assert "no progress" in ev.reason
-        idle = failed_at[r] - last[r]
-        assert cfg.op_timeout_s - 1e-9 <= idle <= cfg.op_timeout_s + cfg.max_rto_s + 1e-3
         assert c.workers[r].counters["waiting_received"] > 0
         assert_failed_endpoint_refuses(c, r)
     assert c.switch.waiting_sent > 0
@@ -597,14 +607,9 @@ def test_detached_switch_is_named() -> None:
     seqs = start_and_progress(c, 24 * 16, results=5)
     c.fabric.detach(SWITCH)
     ranks = [0, 1, 2]
-    last, failed_at = step_tracking(c, ranks, lambda: all(failures(c, r) for r in ranks))
-    for r in ranks:
-        (ev,) = failures(c, r)
-        assert ev.seq == seqs[r]
+    for r, ev in fail_after_op_timeout(c, ranks, seqs, cfg).items():
         assert "no answer from the switch at switch:48864" in ev.reason, ev.reason
         assert "rank(s)" not in ev.reason
-        idle = failed_at[r] - last[r]
-        assert cfg.op_timeout_s - 1e-9 <= idle <= cfg.op_timeout_s + cfg.max_rto_s + 1e-3
         assert c.workers[r].counters["retransmissions"] > 0
         assert_failed_endpoint_refuses(c, r)
 

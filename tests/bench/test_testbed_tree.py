@@ -4,9 +4,8 @@ with its rack switch, under a spine switch; exact sums, and the one-rack baselin
 from __future__ import annotations
 
 import pytest
-from testbed_helpers import ROOT
 
-pytestmark = ROOT
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 @pytest.mark.timeout(300)

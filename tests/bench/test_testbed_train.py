@@ -1,14 +1,25 @@
-"""Hybrid training over the testbed (root): bytes on the link as the cost model predicts."""
+"""Training runs over the testbed (root, ``switchml bench train``): switchml against gloo, and
+hybrid training with bytes on the link as the cost model predicts."""
 
 from __future__ import annotations
 
 import pytest
-from testbed_helpers import ROOT
 
-pytestmark = ROOT
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
-@pytest.mark.slow
+def test_training_over_the_testbed_matches_gloo():
+    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
+    rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("embed",),
+                                              rate_bps=1e9, batch=32))
+    by = {r["backend"]: r for r in rows}
+    assert set(by) == {"gloo", "switchml"}
+    gloo, sml = by["gloo"]["losses"], by["switchml"]["losses"]
+    # same data, same seeds: the fixed-point sums keep the curves together
+    assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(gloo, sml)), (gloo, sml)
+    assert by["switchml"]["step_s"] > 0 and by["switchml"]["speedup_step"] > 0
+
+
 @pytest.mark.timeout(400)
 def test_hybrid_moves_the_predicted_bytes_and_trains_like_ddp():
     from switchml.bench.testbed import TrainBenchConfig, run_testbed_train

@@ -7,7 +7,7 @@ import pytest
 
 from switchml.protocol.config import SwitchConfig, WorkerConfig
 from switchml.protocol.switch import SwitchDataplane
-from switchml.protocol.wire import MessageType, unpack_header
+from switchml.protocol.wire import MessageType
 from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
 
 N, K, WINDOW = 3, 64, 4
@@ -15,25 +15,11 @@ SIZE = 200 * K  # 200 chunks: 50 rounds on each of the 4 lanes
 CONFIG = dict(initial_rto_s=0.2, min_rto_s=0.05, max_rto_s=0.5, op_timeout_s=5.0)
 
 
-def _drop_once(rank: int, chunk: int, mtype: MessageType = MessageType.REQUEST):
-    """A drop filter that loses the first REQUEST (or RESULT to ``rank``) of ``chunk``."""
-    state = {"dropped": 0}
-
-    def drop(payload: bytes, src, dst) -> bool:
-        if state["dropped"]:
-            return False
-        try:
-            h = unpack_header(payload)
-        except Exception:  # noqa: BLE001 - not ours to judge here
-            return False
-        if h.type is mtype and h.chunk == chunk and (
-                (mtype is MessageType.REQUEST and h.rank == rank)
-                or (mtype is MessageType.RESULT and dst[1] == 4000 + rank)):
-            state["dropped"] += 1
-            return True
-        return False
-
-    return drop, state
+def _lost(rank: int, chunk: int, mtype: MessageType = MessageType.REQUEST):
+    """Matches the REQUEST of ``rank`` (or the RESULT to ``rank``) for ``chunk``."""
+    return lambda h, src, dst: h.type is mtype and h.chunk == chunk and (
+        (mtype is MessageType.REQUEST and h.rank == rank)
+        or (mtype is MessageType.RESULT and dst[1] == 4000 + rank))
 
 
 def _run(fast: bool, drop=None, faults: FaultModel | None = None, seed: int = 0):
@@ -55,12 +41,12 @@ def _run(fast: bool, drop=None, faults: FaultModel | None = None, seed: int = 0)
 
 
 @pytest.mark.parametrize("what", ["request", "result"])
-def test_a_lost_chunk_is_resent_long_before_its_timeout(what):
+def test_a_lost_chunk_is_resent_long_before_its_timeout(what, drop_once):
     mtype = MessageType.REQUEST if what == "request" else MessageType.RESULT
-    drop, state = _drop_once(rank=1, chunk=41, mtype=mtype)
+    drop, state = drop_once(_lost(rank=1, chunk=41, mtype=mtype))
     slow, c_slow = _run(False, drop)
     assert state["dropped"] == 1
-    drop, state = _drop_once(rank=1, chunk=41, mtype=mtype)
+    drop, state = drop_once(_lost(rank=1, chunk=41, mtype=mtype))
     fast, c_fast = _run(True, drop)
     assert state["dropped"] == 1
     lossless, _ = _run(True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import pytest
@@ -12,22 +11,24 @@ from switchml.bench.testbed import _wait_all
 from switchml.testbed import TestbedError
 
 
-def _py(code: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def start(py):
+    """A function: start ``code`` in this interpreter, stdout and stderr piped."""
+    return lambda code: subprocess.Popen(py(code), stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
 
 
-def test_a_process_that_writes_more_than_a_pipe_holds_does_not_stall():
+def test_a_process_that_writes_more_than_a_pipe_holds_does_not_stall(start):
     big = "import json; print('x' * 300_000); print(json.dumps({'rank': %d}))"
     t0 = time.monotonic()
-    rows = _wait_all([_py(big % r) for r in range(3)], timeout_s=30)
+    rows = _wait_all([start(big % r) for r in range(3)], timeout_s=30)
     assert rows == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
     assert time.monotonic() - t0 < 15
 
 
-def test_the_first_failure_kills_the_others_and_raises_its_stderr():
-    slow = _py("import time; time.sleep(60)")
-    bad = _py("import sys; print('boom: no switch', file=sys.stderr); sys.exit(3)")
+def test_the_first_failure_kills_the_others_and_raises_its_stderr(start):
+    slow = start("import time; time.sleep(60)")
+    bad = start("import sys; print('boom: no switch', file=sys.stderr); sys.exit(3)")
     t0 = time.monotonic()
     with pytest.raises(TestbedError, match="failed \\(3\\).*boom: no switch"):
         _wait_all([slow, bad], timeout_s=30)
@@ -35,8 +36,8 @@ def test_the_first_failure_kills_the_others_and_raises_its_stderr():
     assert slow.wait(timeout=5) is not None  # killed
 
 
-def test_the_deadline_kills_everything():
-    procs = [_py("import time; time.sleep(60)") for _ in range(2)]
+def test_the_deadline_kills_everything(start):
+    procs = [start("import time; time.sleep(60)") for _ in range(2)]
     with pytest.raises(TestbedError, match="did not finish in 1 s"):
         _wait_all(procs, timeout_s=1)
     assert all(p.wait(timeout=5) is not None for p in procs)

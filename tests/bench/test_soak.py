@@ -1,0 +1,19 @@
+"""The soak benchmark (``switchml bench soak``): a short run with loss and worker churn."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchml.bench.soak import SoakConfig, run_soak
+
+
+@pytest.mark.slow
+def test_short_soak_has_no_wrong_results_and_returns_every_slot():
+    report = run_soak(SoakConfig(duration_s=8.0, jobs=2, workers=2, numel=20_000,
+                                 loss_rate=0.02, churn_interval_s=3.0, kill_fraction=1.0,
+                                 lease_timeout_s=2.0, op_timeout_s=3.0, seed=1))
+    assert report.operations > 50
+    assert report.wrong_results == 0
+    assert report.workers_killed >= 1
+    assert report.switch_stats["jobs"] == 0 and report.switch_stats["slots_in_use"] == 0
+    assert report.switch_stats["internal_errors"] == 0
