@@ -534,7 +534,7 @@ def start_and_progress(c: MemoryCluster, size: int, results: int) -> list[int]:
 
 
 def fail_after_op_timeout(c: MemoryCluster, ranks: list[int], seqs: list[int],
-                          cfg: WorkerConfig) -> dict[int, OperationFailed]:
+                          cfg: WorkerConfig) -> dict[int, OperationAborted]:
     """Step until every rank of ``ranks`` failed; each failed once, in the operation it was in,
     ``op_timeout_s`` (plus at most one RTO) after its last result. Their failure events."""
     last, failed_at = step_tracking(c, ranks, lambda: all(failures(c, r) for r in ranks))

@@ -128,6 +128,10 @@ class SwitchDataplane:
             MessageType.LEAVE: self._handle_leave,
             MessageType.KEEPALIVE: self._handle_keepalive,
         }
+        self.on_completed: Callable[[Job, np.ndarray, int, float], bool] | None = None
+        """A relay's hook (a rack switch of a tree, ``tree.py``): called with the rounds a
+        kernel call completed (``done[:ndone]`` rows ``(set, slot, length)``, results in the
+        job's buffers) before they are multicast; returns True when it took them instead."""
         self._rules = action_table()  # slots.SLOT_RULES, as the kernel looks them up
         # The slot rule's actions that the kernel leaves to Python (slots.SlotAction).
         self._replies = {
@@ -197,7 +201,8 @@ class SwitchDataplane:
                                                  job.jobv, job.st, job.seen, job.conflict,
                                                  job.bufs, job.clog, job.cursor, self._rules,
                                                  self._cnt, self._done)
-            if ndone:
+            if ndone and (self.on_completed is None
+                          or not self.on_completed(job, self._done, ndone, now)):
                 self._multicast(job, ndone)
             i = self._after_kernel(job, code, nxt, i, view, starts, addr)
 
@@ -473,6 +478,11 @@ class SwitchDataplane:
             self._drops["bad_keepalive"] += 1
             return
         job.last_seen = now
+
+    def job_buffers(self, job_id: int) -> np.ndarray | None:
+        """The result buffers ``[set, slot, byte]`` of a live job (a relay reads them)."""
+        job = self._jobs.get(job_id)
+        return None if job is None else job.bufs
 
     def remove_job(self, job_id: int, reason: str) -> bool:
         """Forget a job and free its slots (operator action or last LEAVE)."""

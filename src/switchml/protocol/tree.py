@@ -23,6 +23,12 @@ to parent slot ``base_p + i``, with the same set, ``seq`` and ``chunk``.
    retransmission deadline (``rto_s * 2^tries``, capped at ``max_rto_s``); the parent switch
    answers a re-sent request with its stored result, exactly as for a worker; a NACK from
    the parent re-sends at once.
+
+Steps 2 and 3 run once per round, so they are compiled (``kernels/relay.py``): the inner switch
+hands its completed rounds to the rack (``SwitchDataplane.on_completed``) instead of
+multicasting them, the kernel rewrites each into the rack's upstream buffer of that (set,
+lane), and the parent's results of a batch are rewritten into the children's buffers in one
+call. Python only queues views of those buffers, as the flat switch queues its results.
 5. Failures become :class:`TreeFailed` events (and :attr:`error`): the parent refuses the JOIN
    or does not answer it, the parent lost the job (``UNKNOWN_JOB``), the racks disagree
    (``MISMATCH``), or an upstream round gets no answer for ``parent_timeout_s`` (the message
@@ -42,10 +48,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import JobSpec, SwitchConfig
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
+from switchml.protocol.jobs import Job
+from switchml.protocol.kernels import relay as KR
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     HEADER,
@@ -134,27 +143,13 @@ class TreeFailed:
     reason: str
 
 
-class _Upstream:
-    """One lane's (slot, set) round sent upstream: its request, and the parent's answer."""
-
-    __slots__ = ("key", "request", "sent_at", "due_at", "tries", "result", "first_sent")
-
-    def __init__(self, key: tuple[int, int], request: bytes, now: float, rto: float) -> None:
-        self.key = key
-        self.request = request
-        self.first_sent = now
-        self.sent_at = now
-        self.due_at = now + rto
-        self.tries = 0
-        self.result: bytes | None = None  # the parent's result, rewritten for the children
-
-
 class RackAggregator:
     """A rack switch: a switch to its children, rank ``rack`` of ``parent_spec`` upstream.
 
     Drive it with the Endpoint contract (``receive_datagram``/``receive_many``,
-    ``handle_timer``, then ``datagrams_to_send``, ``next_event``, ``get_timer``). Datagrams
-    from ``parent_address`` are the parent's; anything else goes to the inner switch.
+    ``handle_timer``, then ``datagrams_to_send`` or ``output_runs``, ``next_event``,
+    ``get_timer``). Datagrams from ``parent_address`` are the parent's; anything else goes to
+    the inner switch.
 
     Example::
 
@@ -174,42 +169,68 @@ class RackAggregator:
     def __init__(self, *, parent_spec: JobSpec, child_spec: JobSpec, rack: int,
                  parent_address: Address, config: TreeConfig | None = None,
                  switch_config: SwitchConfig | None = None) -> None:
-        if (child_spec.window, child_spec.elements_per_packet) != (
-                parent_spec.window, parent_spec.elements_per_packet):
-            raise ConfigError(
-                f"child and parent jobs must have the same window and elements_per_packet "
-                f"(lane i of one is lane i of the other): got {child_spec.window}/"
-                f"{child_spec.elements_per_packet} and {parent_spec.window}/"
-                f"{parent_spec.elements_per_packet}")
-        if not 0 <= rack < parent_spec.num_workers:
-            raise ConfigError(f"rack must be in 0..{parent_spec.num_workers - 1} (the parent "
-                              f"job's ranks), got {rack}")
-        if child_spec.scale_count != parent_spec.scale_count:
-            raise ConfigError(
-                f"child and parent jobs must quantise for the same number of workers (the "
-                f"whole tree's, JobSpec.scale_workers): got {child_spec.scale_count} and "
-                f"{parent_spec.scale_count}")
+        _check_specs(parent_spec, child_spec, rack)
         self.parent_spec = parent_spec
         self.child_spec = child_spec
         self.rack = rack
         self.parent_address = parent_address
         self.config = config or TreeConfig()
         self.switch = SwitchDataplane(switch_config)
+        self.switch.on_completed = self._relay_up
         self.error: str | None = None
         self.parent_slot_base: int | None = None
         self.child_slot_base: int | None = None
         self._members: list[Address] = []
-        self._up: dict[tuple[int, int], _Upstream] = {}  # (set, lane) -> round upstream
-        self._held: list[bytes] = []  # upstream requests completed before the parent JOINED
+        self._held: list[np.ndarray] = []  # rounds completed before the parent JOINED
         self._out: list[tuple[bytes | memoryview, Address]] = []
+        self._runs: dict[Address, list[memoryview]] = {}
         self._events: deque[Event | UpstreamJoined | TreeFailed] = deque()
         self._join_at: float | None = None
         self._join_deadline = 0.0
         self._waiting_for: list[int] = []
-        self.counters = {"upstream_sent": 0, "upstream_retransmissions": 0,
-                         "parent_results": 0, "results_multicast": 0,
-                         "results_resent": 0, "resends_dropped": 0, "parent_nacks": 0,
-                         "parent_duplicates": 0}
+        self._init_relay()
+        self._counters = {"upstream_retransmissions": 0, "results_resent": 0,
+                          "resends_dropped": 0, "parent_nacks": 0}
+        self._handlers = {MessageType.RESULT: self._handle_stray_result,
+                          MessageType.JOINED: self._handle_joined,
+                          MessageType.REFUSED: self._handle_refused,
+                          MessageType.WAITING: self._handle_waiting,
+                          MessageType.NACK: self._handle_nack,
+                          MessageType.UNKNOWN_JOB: self._handle_unknown_job,
+                          MessageType.MISMATCH: self._handle_mismatch}
+
+    def _init_relay(self) -> None:
+        """The relay's arrays (``kernels/relay.py``): per (set, lane) one upstream request and
+        one result for the children."""
+        w, size = self.child_spec.window, HEADER.size + 4 * self.child_spec.elements_per_packet
+        self._up = np.zeros((2, w, size), np.uint8)
+        self._down = np.zeros((2, w, size), np.uint8)
+        self._up_views = [[memoryview(self._up[v, s]) for s in range(w)] for v in range(2)]
+        self._down_views = [[memoryview(self._down[v, s]) for s in range(w)] for v in range(2)]
+        self._ust = np.zeros((KR.U_FIELDS, 2, w), np.int64)
+        self._utimes = np.zeros((KR.UT_FIELDS, 2, w), np.float64)
+        rv = np.zeros(KR.RV_FIELDS, np.int64)
+        p, c = self.parent_spec, self.child_spec
+        rv[KR.RV.PARENT_JOB], rv[KR.RV.RACK], rv[KR.RV.CHILD_JOB] = p.job_id, self.rack, c.job_id
+        rv[KR.RV.PARENT_TOKEN] = np.uint64(p.token).view(np.int64)
+        rv[KR.RV.CHILD_TOKEN] = np.uint64(c.token).view(np.int64)
+        rv[KR.RV.PARENT_BASE] = rv[KR.RV.CHILD_BASE] = -1
+        self._rv = rv
+        self._cnt = np.zeros(KR.RC.N, np.int64)
+        self._sendq = np.zeros((max(K.MAX_BATCH, 2 * w), 3), np.int64)
+        self._starts = np.empty(K.MAX_BATCH, np.int64)
+        self._lens = np.empty(K.MAX_BATCH, np.int64)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """``upstream_sent``, ``upstream_retransmissions``, ``parent_results``,
+        ``results_multicast``, ``results_resent``, ``resends_dropped``, ``parent_nacks``,
+        ``parent_duplicates``."""
+        results = int(self._cnt[KR.RC.PARENT_RESULTS])
+        return {"upstream_sent": int(self._cnt[KR.RC.UPSTREAM_SENT]), "parent_results": results,
+                "results_multicast": results,
+                "parent_duplicates": int(self._cnt[KR.RC.PARENT_DUPLICATES]),
+                **self._counters}
 
     # -- user commands ------------------------------------------------------------------------
 
@@ -224,31 +245,36 @@ class RackAggregator:
     def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
                          now: float) -> None:
         """Process one datagram (from the parent or a child). Call ``datagrams_to_send``."""
-        if addr == self.parent_address:
-            self._from_parent(data, now)
+        buf = K.as_buffer(data)
+        self.receive_batch(buf, len(buf), len(buf), addr, now)
+
+    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
+                      now: float) -> None:
+        """A GRO buffer of one sender (``SwitchDataplane.receive_batch``'s contract)."""
+        if addr != self.parent_address:
+            self.switch.receive_batch(buf, nbytes, seg, addr, now)
+            self._collect(now)
             return
-        self.switch.receive_datagram(data, addr, now)
-        self._collect(now)
+        count, _excess = K.split_gro(max(nbytes, 0), max(seg, 1), self._starts, self._lens)
+        self._from_parent(buf, self._starts, self._lens, 0, count, now)
 
     def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                      senders: np.ndarray, count: int, address_of: Callable[[int], Address],
                      now: float) -> None:
         """Process a batch (as ``SwitchDataplane.receive_many``): runs of child datagrams go to
-        the inner switch in one call each, the parent's one by one, in order."""
-        view = memoryview(buf)
+        the inner switch in one call each, runs of the parent's through the relay kernel."""
         i = 0
         while i < count:
-            if address_of(int(senders[i])) == self.parent_address:
-                o = int(starts[i])
-                self._from_parent(view[o:o + int(lens[i])], now)
-                i += 1
-                continue
+            parent = address_of(int(senders[i])) == self.parent_address
             j = i + 1
-            while j < count and address_of(int(senders[j])) != self.parent_address:
+            while j < count and (address_of(int(senders[j])) == self.parent_address) == parent:
                 j += 1
-            self.switch.receive_many(buf, starts[i:j], lens[i:j], senders[i:j], j - i,
-                                     address_of, now)
-            self._collect(now)
+            if parent:
+                self._from_parent(buf, starts, lens, i, j, now)
+            else:
+                self.switch.receive_many(buf, starts[i:j], lens[i:j], senders[i:j], j - i,
+                                         address_of, now)
+                self._collect(now)
             i = j
 
     def handle_timer(self, now: float) -> None:
@@ -262,50 +288,50 @@ class RackAggregator:
                            f"{self.config.join_timeout_s:g} s")
             else:
                 self._send_join(now)
-        if self.switch.get_timer() is not None and now >= self.switch.get_timer():
+        timer = self.switch.get_timer()
+        if timer is not None and now >= timer:
             self.switch.handle_timer(now)
             self._collect(now)
         cfg = self.config
-        for up in self._up.values():
-            if up.result is not None or up.due_at > now:
-                continue
-            if now - up.first_sent >= cfg.parent_timeout_s and self.error is None:
+        n = int(KR.relay_due(self._ust, self._utimes, now, cfg.rto_s, cfg.max_rto_s,
+                             self._sendq))
+        for v, s in self._sendq[:n, :2].tolist():
+            first = float(self._utimes[KR.UT.FIRST_SENT, v, s])
+            if now - first >= cfg.parent_timeout_s and self.error is None:
                 racks = f"; it waits for rack(s) {self._waiting_for}" if self._waiting_for \
                     else ""
                 self._fail(f"rack {self.rack}: no result from the parent switch at "
-                           f"{self._parent_text} for chunk {up.key[1]} of operation "
-                           f"{up.key[0]} within {cfg.parent_timeout_s:g} s{racks}")
-            self._resend(up, now)
+                           f"{self._parent_text} for chunk {int(self._ust[KR.U.CHUNK, v, s])} "
+                           f"of operation {int(self._ust[KR.U.SEQ, v, s])} within "
+                           f"{cfg.parent_timeout_s:g} s{racks}")
+            self._resend(v, s)
 
     def get_timer(self) -> float | None:
         """The earliest of: the inner switch's lease timer, upstream retransmissions, the JOIN
         retry."""
         times = [t for t in (self.switch.get_timer(), self._join_at) if t is not None]
-        times.extend(up.due_at for up in self._up.values() if up.result is None)
+        due = float(KR.relay_next_due(self._ust, self._utimes))
+        if due != np.inf:
+            times.append(due)
         return min(times) if times else None
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
-        """Return and forget the datagrams to send, in order (children's and the parent's)."""
-        out = self._out
-        self._out = []
+        """Return and forget the datagrams to send: replies in order, then the upstream
+        requests and the children's results (in order per destination). Valid until the next
+        receive."""
+        out, runs = self.output_runs(now)
+        for addr, run in runs.items():
+            out.extend((d, addr) for d in run)
         return out
 
     def output_runs(self, now: float
-                    ) -> tuple[list[tuple[bytes | memoryview, Address]], dict[Address, list]]:
+                    ) -> tuple[list[tuple[bytes | memoryview, Address]],
+                               dict[Address, list[memoryview]]]:
         """``SwitchDataplane.output_runs``'s contract, so that a UDP switch server can host a
-        rack: everything comes as replies in order (no per-destination runs)."""
-        return self.datagrams_to_send(now), {}
-
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None:
-        """A GRO buffer of one sender (``SwitchDataplane.receive_batch``'s contract)."""
-        if addr == self.parent_address:
-            view = memoryview(buf)
-            for o in range(0, nbytes, max(seg, 1)):
-                self._from_parent(view[o:min(o + seg, nbytes)], now)
-            return
-        self.switch.receive_batch(buf, nbytes, seg, addr, now)
-        self._collect(now)
+        rack: replies in order, and per destination its run of datagrams."""
+        out, runs = self._out, self._runs
+        self._out, self._runs = [], {}
+        return out, runs
 
     @property
     def allocator(self):  # noqa: ANN201 - the inner switch's SlotAllocator
@@ -322,18 +348,40 @@ class RackAggregator:
         while ev is not None:
             if isinstance(ev, JobCreated) and ev.job_id == self.child_spec.job_id:
                 self.child_slot_base = ev.slot_base
+                self._rv[KR.RV.CHILD_BASE] = ev.slot_base
             self._events.append(ev)
             ev = self.switch.next_event()
 
     def stats(self) -> dict[str, object]:
         """The inner switch's counters plus the tree's."""
-        return {**self.switch.stats(), "tree": dict(self.counters)}
+        return {**self.switch.stats(), "tree": self.counters}
 
     # -- children ------------------------------------------------------------------------------
 
+    def _relay_up(self, job: Job, done: np.ndarray, ndone: int, now: float) -> bool:
+        """The inner switch completed ``ndone`` rounds of ``job``: send them upstream instead
+        of to the children (another job's go to its members as usual: False)."""
+        if job.job_id != self.child_spec.job_id or job.token != self.child_spec.token:
+            return False
+        self._members = [m for m in job.members if m is not None]
+        self._rv[KR.RV.CHILD_BASE] = job.slot_base
+        if self.parent_slot_base is None:
+            self._held.append(done[:ndone].copy())
+            return True
+        self._send_up(done, ndone, job.bufs, now)
+        return True
+
+    def _send_up(self, done: np.ndarray, ndone: int, bufs: np.ndarray, now: float) -> None:
+        n = int(KR.relay_up(done, ndone, bufs, self._rv, self._up, self._ust, self._utimes, now,
+                            self.config.rto_s, self._cnt, self._sendq))
+        run = self._runs.setdefault(self.parent_address, [])
+        views = self._up_views
+        for v, s, ln in self._sendq[:n].tolist():
+            run.append(views[v][s][:ln])
+
     def _collect(self, now: float) -> None:
-        """Take the inner switch's output: completed rounds go upstream instead of to the
-        children; shadow-copy answers are replaced by the parent's result."""
+        """Take the inner switch's output: shadow-copy answers are replaced by the parent's
+        result; the rest passes."""
         self._pull_switch_events()  # learn the child job's slot base as soon as it exists
         replies, runs = self.switch.output_runs(now)
         for data, addr in replies:
@@ -341,56 +389,63 @@ class RackAggregator:
                 self._answer_resend(data, addr)
             else:
                 self._out.append((data, addr))
-        if not runs:
-            return
-        if not self._members:
-            self._members = list(runs)
-        run = next(iter(runs.values()))  # every member gets the same results, in order
-        for result in run:
-            self._send_upstream(bytes(result), now)
+        for addr, run in runs.items():  # another job's results (not the tree's)
+            self._runs.setdefault(addr, []).extend(run)
 
     def _answer_resend(self, data: bytes | memoryview, addr: Address) -> None:
+        """A child lost a result: the parent's, if the rack has it (else it is on its way)."""
         f = HEADER.unpack_from(data)
-        up = self._up.get((f[_SET], f[_SLOT] - (self.child_slot_base or 0)))
-        if up is None or up.key != (f[_SEQ], f[_CHUNK]) or up.result is None:
-            self.counters["resends_dropped"] += 1  # the multicast will bring the result
+        v, lane = f[_SET], f[_SLOT] - (self.child_slot_base or 0)
+        ust = self._ust
+        if not (0 <= lane < ust.shape[2] and ust[KR.U.STATE, v, lane] == KR.ANSWERED
+                and (ust[KR.U.SEQ, v, lane], ust[KR.U.CHUNK, v, lane]) == (f[_SEQ], f[_CHUNK])):
+            self._counters["resends_dropped"] += 1
             return
-        copy = bytearray(up.result)
+        copy = bytearray(self._down_views[v][lane][:int(ust[KR.U.RESULT_LEN, v, lane])])
         copy[_FLAGS_OFFSET] |= _RESENT
         self._out.append((bytes(copy), addr))
-        self.counters["results_resent"] += 1
+        self._counters["results_resent"] += 1
 
     # -- upstream ------------------------------------------------------------------------------
 
     @property
     def _parent_text(self) -> str:
-        return f"{format_address(self.parent_address)}"
+        return format_address(self.parent_address)
 
-    def _send_upstream(self, local_result: bytes, now: float) -> None:
-        """Turn the inner switch's result of a round into this rack's request upstream."""
-        if self.parent_slot_base is None:
-            self._held.append(local_result)
+    def _resend(self, v: int, s: int) -> None:
+        self._runs.setdefault(self.parent_address, []).append(
+            self._up_views[v][s][:int(self._ust[KR.U.LEN, v, s])])
+        self._counters["upstream_retransmissions"] += 1
+
+    def _from_parent(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, i: int,
+                     j: int, now: float) -> None:
+        """Datagrams ``i .. j-1`` are the parent's: results through the relay kernel, the
+        rest (control, errors) one by one."""
+        view = None
+        while i < j:
+            nxt, nsend = KR.relay_down(buf, starts, lens, j, i, self._rv, self._ust, self._down,
+                                       self._cnt, self._sendq)
+            self._multicast(int(nsend))
+            if nxt < j:
+                if view is None:
+                    view = memoryview(buf)
+                o = int(starts[nxt])
+                self._from_parent_other(view[o:o + int(lens[nxt])], now)
+                nxt += 1
+            i = nxt
+
+    def _multicast(self, nsend: int) -> None:
+        """Queue the children's results the relay kernel wrote."""
+        if not nsend:
             return
-        f = list(HEADER.unpack_from(local_result))
-        lane = f[_SLOT] - (self.child_slot_base or 0)
-        key = (f[_SEQ], f[_CHUNK])
-        p = self.parent_spec
-        f[_TYPE], f[_FLAGS] = _REQUEST, f[_FLAGS] & ~_RESENT
-        f[_RANK], f[_JOB], f[_TOKEN] = self.rack, p.job_id, p.token
-        f[_SLOT] = self.parent_slot_base + lane
-        request = HEADER.pack(*f) + local_result[HEADER.size:]
-        self._up[f[_SET], lane] = _Upstream(key, request, now, self.config.rto_s)
-        self._out.append((request, self.parent_address))
-        self.counters["upstream_sent"] += 1
+        runs = [self._runs.setdefault(m, []) for m in self._members]
+        views = self._down_views
+        for v, s, ln in self._sendq[:nsend].tolist():
+            d = views[v][s][:ln]
+            for run in runs:
+                run.append(d)
 
-    def _resend(self, up: _Upstream, now: float) -> None:
-        up.tries += 1
-        up.sent_at = now
-        up.due_at = now + min(self.config.rto_s * 2.0 ** up.tries, self.config.max_rto_s)
-        self._out.append((up.request, self.parent_address))
-        self.counters["upstream_retransmissions"] += 1
-
-    def _from_parent(self, data: bytes | bytearray | memoryview, now: float) -> None:
+    def _from_parent_other(self, data: bytes | bytearray | memoryview, now: float) -> None:
         try:
             h = unpack_header(data)
         except WireError:
@@ -398,41 +453,14 @@ class RackAggregator:
         p = self.parent_spec
         if h.job != p.job_id or h.token != p.token:
             return
-        handler = {MessageType.RESULT: self._handle_result,
-                   MessageType.JOINED: self._handle_joined,
-                   MessageType.REFUSED: self._handle_refused,
-                   MessageType.WAITING: self._handle_waiting,
-                   MessageType.NACK: self._handle_nack,
-                   MessageType.UNKNOWN_JOB: self._handle_unknown_job,
-                   MessageType.MISMATCH: self._handle_mismatch}.get(h.type)
+        handler = self._handlers.get(h.type)
         if handler is not None:
             handler(h, data, now)
 
-    def _handle_result(self, h: Header, data: bytes | bytearray | memoryview,
-                       now: float) -> None:
-        """The parent's sum of a round: rewrite it for the child job and multicast it."""
-        if self.parent_slot_base is None:
-            return
-        lane = h.slot - self.parent_slot_base
-        up = self._up.get((h.set_bit, lane))
-        if up is None or up.key != (h.seq, h.chunk):
-            self.counters["parent_duplicates"] += 1
-            return
-        if up.result is not None:
-            self.counters["parent_duplicates"] += 1
-            return
-        f = list(HEADER.unpack_from(data))
-        c = self.child_spec
-        f[_FLAGS] &= ~_RESENT
-        f[_RANK], f[_JOB], f[_TOKEN] = 0, c.job_id, c.token
-        f[_SLOT] = (self.child_slot_base or 0) + lane
-        result = HEADER.pack(*f) + bytes(data[HEADER.size:])
-        up.result = result
-        self._waiting_for = []
-        self.counters["parent_results"] += 1
-        for m in self._members:
-            self._out.append((result, m))
-        self.counters["results_multicast"] += 1
+    def _handle_stray_result(self, h: Header, data: bytes | bytearray | memoryview,
+                             now: float) -> None:
+        """A RESULT the relay kernel did not take (malformed for it): counted."""
+        self._cnt[KR.RC.PARENT_DUPLICATES] += 1
 
     def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
@@ -443,12 +471,13 @@ class RackAggregator:
         """The parent lacks a chunk of ours on that lane: re-send what is outstanding there."""
         if self.parent_slot_base is None:
             return
-        self.counters["parent_nacks"] += 1
+        self._counters["parent_nacks"] += 1
         lane = h.slot - self.parent_slot_base
+        if not 0 <= lane < self._ust.shape[2]:
+            return
         for v in (0, 1):
-            up = self._up.get((v, lane))
-            if up is not None and up.result is None:
-                self._resend(up, now)
+            if self._ust[KR.U.STATE, v, lane] == KR.SENT:
+                self._resend(v, lane)
 
     def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview,
                        now: float) -> None:
@@ -460,10 +489,13 @@ class RackAggregator:
             return
         self._join_at = None
         self.parent_slot_base = info.slot_base
+        self._rv[KR.RV.PARENT_BASE] = info.slot_base
         self._events.append(UpstreamJoined(self.rack, info.slot_base))
         held, self._held = self._held, []
-        for result in held:
-            self._send_upstream(result, now)
+        job_bufs = self.switch.job_buffers(self.child_spec.job_id)
+        for done in held:
+            if job_bufs is not None:
+                self._send_up(done, len(done), job_bufs, now)
 
     def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
                         now: float) -> None:
@@ -495,3 +527,22 @@ class RackAggregator:
         if self.error is None:
             self.error = reason
             self._events.append(TreeFailed(self.rack, reason))
+
+
+def _check_specs(parent_spec: JobSpec, child_spec: JobSpec, rack: int) -> None:
+    """The child and parent jobs of a rack must line up lane for lane and quantise alike."""
+    if (child_spec.window, child_spec.elements_per_packet) != (
+            parent_spec.window, parent_spec.elements_per_packet):
+        raise ConfigError(
+            f"child and parent jobs must have the same window and elements_per_packet "
+            f"(lane i of one is lane i of the other): got {child_spec.window}/"
+            f"{child_spec.elements_per_packet} and {parent_spec.window}/"
+            f"{parent_spec.elements_per_packet}")
+    if not 0 <= rack < parent_spec.num_workers:
+        raise ConfigError(f"rack must be in 0..{parent_spec.num_workers - 1} (the parent "
+                          f"job's ranks), got {rack}")
+    if child_spec.scale_count != parent_spec.scale_count:
+        raise ConfigError(
+            f"child and parent jobs must quantise for the same number of workers (the "
+            f"whole tree's, JobSpec.scale_workers): got {child_spec.scale_count} and "
+            f"{parent_spec.scale_count}")

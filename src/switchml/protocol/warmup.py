@@ -87,6 +87,35 @@ def warm_up() -> None:
         while (ev := w.next_event()) is not None:
             if isinstance(ev, OperationCompleted):
                 break
+    _warm_tree()
+
+
+def _warm_tree() -> None:
+    """One operation through a rack switch under a spine (the relay kernels)."""
+    from switchml.protocol.tree import RackAggregator, tree_specs
+    spine_addr, rack_addr, w_addr = ("127.0.0.1", 3), ("127.0.0.1", 4), ("127.0.0.1", 5)
+    parent, child = tree_specs(JobSpec(job_id=3, token=4, num_workers=1, window=2,
+                                       elements_per_packet=4), 1)
+    spine = SwitchDataplane()
+    rack = RackAggregator(parent_spec=parent, child_spec=child, rack=0,
+                          parent_address=spine_addr)
+    w = WorkerEndpoint(spec=child, rank=0, switch_address=rack_addr)
+    eps = {spine_addr: spine, rack_addr: rack, w_addr: w}
+    rack.join(0.0)
+    w.join(0.0)
+    x = np.arange(10, dtype=np.float32)
+    started = False
+    for _ in range(1000):
+        moved = False
+        for src, ep in eps.items():
+            for data, dst in ep.datagrams_to_send(0.0):
+                eps[dst].receive_datagram(bytes(data), src, 0.0)
+                moved = True
+        if not started and w.state.value == "ready":
+            w.start_allreduce(x, np.empty_like(x), 0.0)
+            started = True
+        elif not moved:
+            return
 
 
 if __name__ == "__main__":
