@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from switchml.protocol.config import SwitchConfig, WorkerConfig
+from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     EXP_ZERO,
@@ -26,6 +26,7 @@ from switchml.protocol.wire import (
     unpack_control_info,
     unpack_header,
 )
+from switchml.protocol.worker import WorkerEndpoint
 from switchml.transport.memory import FaultModel, MemoryCluster
 
 JOB, TOKEN, N, W, K = 9, 0xABCDEF, 2, 4, 4
@@ -174,3 +175,76 @@ def test_nacks_keep_sums_exact_under_random_loss_and_reordering():
             for out in c.allreduce(xs):
                 np.testing.assert_allclose(out, ref, atol=1e-4)
         assert c.switch.stats()["nacks_sent"] > 0
+
+
+class _Pair:
+    """Two workers (float operation of 2 blocks on 2 lanes: chunks 0..3, 2 and 3 are the
+    lanes' last) and a switch, pumped by hand so that every delivery's time is chosen."""
+
+    def __init__(self) -> None:
+        spec = JobSpec(job_id=JOB, token=TOKEN, num_workers=2, window=2, elements_per_packet=4)
+        cfg = WorkerConfig(initial_rto_s=0.05, min_rto_s=0.05, max_rto_s=1.0)
+        self.sw = SwitchDataplane(SwitchConfig(nack_gap=0))  # timeouts or probes only
+        self.sa = ("switch", 1)
+        self.pending: list[tuple[bytes, int]] = []
+        self.w = [WorkerEndpoint(spec=spec, rank=r, switch_address=self.sa, config=cfg)
+                  for r in range(2)]
+        for r, w in enumerate(self.w):
+            w.join(0.0)
+            self.up(r, 0.0)
+        self.down(0.0)
+
+    def up(self, r: int, now: float, keep=lambda h: True) -> None:
+        """Rank r's datagrams reach the switch (those ``keep`` accepts)."""
+        for d, _ in self.w[r].datagrams_to_send(now):
+            if keep(unpack_header(bytes(d))):
+                self.sw.receive_datagram(bytes(d), ADDRS[r], now)
+
+    def down(self, now: float, keep=lambda h, r: True) -> None:
+        """The switch's datagrams reach the ranks (those ``keep`` accepts; the others stay on
+        their way for a later ``down``)."""
+        self.pending += [(bytes(d), ADDRS.index(a)) for d, a in self.sw.datagrams_to_send(now)]
+        later = []
+        for d, r in self.pending:
+            if keep(unpack_header(d), r):
+                self.w[r].receive_datagram(d, self.sa, now)
+            else:
+                later.append((d, r))
+        self.pending = later
+
+    def start_and_send_last_chunks(self) -> None:
+        """Both ranks start; the first window's results reach them 1 ms apart per lane, so
+        each rank sends chunk 2 at 1 ms and chunk 3 at 1.5 ms (RTT samples of ~1 ms)."""
+        x = np.arange(8, dtype=np.float32)
+        for r, w in enumerate(self.w):
+            w.start_allreduce(x, np.empty_like(x), 0.0)
+            self.up(r, 0.0)
+        self.down(0.001, keep=lambda h, r: h.chunk == 0)
+        self.down(0.0015, keep=lambda h, r: h.chunk == 1)
+
+
+def test_a_lost_last_chunk_is_probed_when_a_later_chunk_has_its_result():
+    p = _Pair()
+    p.start_and_send_last_chunks()
+    p.up(0, 0.0015)
+    p.up(1, 0.0015, keep=lambda h: h.chunk != 2)  # rank 1's chunk 2 is lost
+    a = p.w[0]
+    assert a.get_timer() >= 0.001 + 0.05 - 1e-9  # nothing says anything is lost yet
+    # Round 3 completes: rank 0 gets the result of chunk 3, which it sent after chunk 2.
+    p.down(0.0025, keep=lambda h, r: h.chunk == 3)
+    assert a.get_timer() == pytest.approx(0.0025)  # chunk 2 is probed at once
+    a.handle_timer(0.0025)
+    assert [unpack_header(bytes(d)).chunk for d, _ in a.datagrams_to_send(0.0025)] == [2]
+    assert a.counters["retransmissions"] == 1
+
+
+def test_a_late_rank_causes_no_tail_probe():
+    p = _Pair()
+    p.start_and_send_last_chunks()
+    p.up(0, 0.0015)  # rank 1 is slow: neither of its last chunks has arrived
+    a = p.w[0]
+    # srtt is ~1 ms, yet rank 0 waits for its 50 ms timeout: no result of a later chunk came.
+    assert a.get_timer() >= 0.001 + 0.05 - 1e-9
+    p.up(1, 0.030)  # rank 1 catches up; both rounds complete, in order
+    p.down(0.031)
+    assert a.state.value == "ready" and a.counters["retransmissions"] == 0

@@ -177,9 +177,6 @@ class WorkerConfig:
     max_reorder_scale: float = 1024.0
     """RACK's reorder window doubles at each needless re-send, up to this many times its base.
     Default 1024."""
-    tail_probe_srtts: float = 2.0
-    """A lane's last chunk (which no later chunk can reveal as missing) is re-sent after this
-    many smoothed round trips, if sooner than its timeout (a tail-loss probe). Default 2."""
     control_retry_s: float = 0.2
     """JOIN and LEAVE are retried after this long, doubling up to ``control_retry_max_s``.
     Default 0.2 s."""
@@ -203,8 +200,6 @@ class WorkerConfig:
         _check(self.join_timeout_s > 0, f"join_timeout_s must be > 0, got {self.join_timeout_s}")
         _check(self.max_reorder_scale >= 1,
                f"max_reorder_scale must be >= 1, got {self.max_reorder_scale}")
-        _check(self.tail_probe_srtts > 0,
-               f"tail_probe_srtts must be > 0, got {self.tail_probe_srtts}")
         _check(0 < self.control_retry_s <= self.control_retry_max_s,
                "expected 0 < control_retry_s <= control_retry_max_s, got "
                f"{self.control_retry_s}, {self.control_retry_max_s}")

@@ -452,6 +452,8 @@ class TimingModel:
             self._rtt_sample(gw[clean], ga[clean] - rd.sent0[gw[clean]])
         self.last_progress[gw] = ga
         self.results[gw] += 1
+        if p > self.T - self.E:
+            self._tail_probe(p, gw, ga)
         if p + self.E < self.T:
             self._push(_W_SEND, p + self.E, gw, ga)
         fin = self.results[gw] == self.T
@@ -461,13 +463,24 @@ class TimingModel:
             del self.rounds[p]
 
     def _lane_timeout(self, p: int, ws: np.ndarray, tries: np.ndarray) -> np.ndarray:
-        """The deadline offset a real worker arms for packet ``p``: ``rto * 2^tries`` (capped),
-        and for a lane's last packet a tail-loss probe at 2 srtt (with NACKs on)."""
-        out = self._timeout(tries, self.rto[ws])
-        if self.gap and p + self.E >= self.T:
-            probe = 2 * self.srtt[ws]
-            out = np.where((tries == 0) & ~np.isnan(probe), np.minimum(out, probe), out)
-        return out
+        """The deadline offset a real worker arms for packet ``p``: ``rto * 2^tries``
+        (capped); a lane's last packet may be probed sooner (``_tail_probe``)."""
+        return self._timeout(tries, self.rto[ws])
+
+    def _tail_probe(self, p: int, ws: np.ndarray, t: np.ndarray) -> None:
+        """Workers ``ws`` got the result of packet ``p`` at ``t``: a lane's last packet ``q``
+        sent before it (``T - E <= q < p``) whose own request or result was lost is re-sent
+        now (``kernels.stream._probe_tail``), if that is sooner than its timer."""
+        for q in range(max(self.T - self.E, 0), p):
+            rq = self.rounds.get(q)
+            if rq is None:
+                continue
+            due = rq.due[ws]
+            probe = ~rq.got[ws] & np.isfinite(due) & (due > t)
+            if probe.any():
+                pw, pt = ws[probe], t[probe]
+                rq.due[pw] = pt
+                self._push(_W_RETRY, q, pw, pt)
 
     def _worker_retry(self, p: int, ws: np.ndarray, t: np.ndarray) -> None:
         """A retransmission timer expires (only armed deadlines count: a NACK re-send

@@ -61,9 +61,11 @@ class OP(IntEnum):
     N = 14  # workers
     IS_FLOAT = 15
     EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
+    TAIL_HEAD = 17  # the queue LN.TAIL_ORDER[TAIL_HEAD:TAIL_END] (tail-loss probes)
+    TAIL_END = 18
 
 
-O_FIELDS = 17
+O_FIELDS = 19
 
 
 class R(IntEnum):
@@ -81,10 +83,9 @@ class R(IntEnum):
     DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
     FMAX = 10  # largest finite value of the output dtype
     MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
-    TAIL_PROBE_SRTTS = 12  # a lane's last chunk is probed after this many srtt
 
 
-R_FIELDS = 13
+R_FIELDS = 12
 
 
 class LN(IntEnum):
@@ -97,6 +98,7 @@ class LN(IntEnum):
     EMAX = 4  # agreed exponent of the block this lane sends data of next
     FAST = 5  # the current chunk was re-sent by RACK
     SLOT = 6  # the lane's slot on its switch (shard): that shard's slot base + lane
+    TAIL_ORDER = 7  # not a lane's field: the lanes in the order they sent their last chunk
 
 
 class LF(IntEnum):
@@ -107,7 +109,7 @@ class LF(IntEnum):
     DEADLINE = 2
 
 
-LN_FIELDS = 7
+LN_FIELDS = 8
 LNF_FIELDS = 3
 
 
@@ -218,6 +220,9 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
         lane[LN.XMITS, i] = 0
         lane[LN.FAST, i] = 0
         lanef[LF.SENT_AT, i] = now
+        if p + opv[OP.E] >= opv[OP.T]:  # the lane's last chunk: a tail-loss probe candidate
+            lane[LN.TAIL_ORDER, opv[OP.TAIL_END]] = i
+            opv[OP.TAIL_END] += 1
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
                       res.size > 0 and not retransmit)
     if retransmit:
@@ -225,10 +230,6 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     else:
         cnt[WC.PAYLOAD_BYTES] += n - HDR
     rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
-    if p + opv[OP.E] >= opv[OP.T] and lane[LN.TRIES, i] == 0 and rtt[R.SRTT] > 0:
-        # The lane's last chunk: no later chunk of ours can show the switch that it is
-        # missing (NACKs), so probe sooner than the timeout (a tail loss probe, RFC 8985 7).
-        rto = min(rto, rtt[R.TAIL_PROBE_SRTTS] * rtt[R.SRTT])
     lanef[LF.DEADLINE, i] = now + rto
     lanef[LF.XMIT_AT, i] = now
     return n
@@ -353,6 +354,27 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
 
 
 @njit(**KW)
+def _probe_tail(opv, lane, lanef, rtt, now):
+    """Tail-loss probe (RFC 8985 section 7): a lane's last chunk has no later chunk on its lane
+    to show the switch it is missing (NACKs). Every rank releases chunks in the order the
+    switch multicasts results, and datagrams travel one path in order; so when the result of a
+    chunk sent *after* a last chunk arrives first, that last chunk (or its result) was lost:
+    probe it at once, if it is at least a round trip old. Ranks that merely run late do not
+    trigger it (their chunk is missing from both rounds). Last chunks queue in sending order
+    (``LN.TAIL_ORDER``), so each is looked at once."""
+    h, e, t = opv[OP.TAIL_HEAD], opv[OP.TAIL_END], rtt[R.DELIVERED_XMIT]
+    while h < e:
+        j = lane[LN.TAIL_ORDER, h]
+        if lane[LN.CHUNK, j] >= 0:
+            sent = lanef[LF.XMIT_AT, j]
+            if sent >= t or now - sent < rtt[R.MIN_RTT]:
+                break
+            lanef[LF.DEADLINE, j] = min(lanef[LF.DEADLINE, j], now)
+        h += 1
+    opv[OP.TAIL_HEAD] = h
+
+
+@njit(**KW)
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
                    exps, nonf, x, out, res, txbuf, cnt, sendq, sendlen):
     """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
@@ -382,6 +404,8 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
             continue
         cnt[WC.RESULTS] += 1
         _time_round_trip(ln_i, now, lane, lanef, rtt, cnt)
+        if opv[OP.TAIL_END] > opv[OP.TAIL_HEAD]:
+            _probe_tail(opv, lane, lanef, rtt, now)
         opv[OP.DONE] += 1
         nxt = p + opv[OP.E]
         if nxt < opv[OP.T]:
