@@ -232,9 +232,10 @@ def test_a_lost_last_chunk_is_probed_when_a_later_chunk_has_its_result():
     assert a.get_timer() >= 0.001 + 0.05 - 1e-9  # nothing says anything is lost yet
     # Round 3 completes: rank 0 gets the result of chunk 3, which it sent after chunk 2.
     p.down(0.0025, keep=lambda h, r: h.chunk == 3)
-    assert a.get_timer() == pytest.approx(0.0025)  # chunk 2 is probed at once
-    a.handle_timer(0.0025)
-    assert [unpack_header(bytes(d)).chunk for d, _ in a.datagrams_to_send(0.0025)] == [2]
+    # Chunk 2 is probed after a reorder window (1 ms, the default min_reorder_window_s).
+    assert a.get_timer() == pytest.approx(0.0035)
+    a.handle_timer(0.0035)
+    assert [unpack_header(bytes(d)).chunk for d, _ in a.datagrams_to_send(0.0035)] == [2]
     assert a.counters["retransmissions"] == 1
 
 

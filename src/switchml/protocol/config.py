@@ -173,7 +173,8 @@ class WorkerConfig:
     level with the timeouts (docs/benchmarks.md)."""
     min_reorder_window_s: float = 0.001
     """How much later a chunk must have been sent before its result marks an earlier chunk as
-    lost: the larger of this and a quarter of the smallest round trip seen. Default 1 ms."""
+    lost (RACK), and how long a tail-loss probe waits for a reordered result: the larger of
+    this and a quarter of the smallest round trip seen. Default 1 ms."""
     max_reorder_scale: float = 1024.0
     """RACK's reorder window doubles at each needless re-send, up to this many times its base.
     Default 1024."""

@@ -3,8 +3,9 @@
 Theory of operation. The result of a chunk is its only acknowledgement. Every outstanding
 chunk has a retransmission deadline from an RFC 6298 style estimate (``srtt + 4 rttvar``,
 Karn's rule: no sample from a re-sent chunk), doubled at each expiry up to ``max_rto_s``; a
-lane's last chunk, which no later chunk can reveal as missing, is probed as soon as a chunk
-sent after it has its result (a tail-loss probe, RFC 8985 section 7; ``kernels.stream``).
+lane's last chunk, which no later chunk can reveal as missing, is probed a reorder window
+after a chunk sent after it has its result (a tail-loss probe, RFC 8985 section 7;
+``kernels.stream``).
 Faster than timeouts:
 
 * **NACKs** (the default): the switch sees a rank's later chunks arrive while an earlier one
@@ -47,6 +48,7 @@ class LossRecovery:
         rtt[K.R.MAX_RTO] = config.max_rto_s
         rtt[K.R.REO_SCALE] = 1.0
         rtt[K.R.MAX_REO_SCALE] = config.max_reorder_scale
+        rtt[K.R.MIN_REO_WINDOW] = config.min_reorder_window_s
         self.rtt = rtt
         self.fast_retransmit = config.fast_retransmit
 

@@ -46,6 +46,7 @@ from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
 __all__ = ["LinkStats", "SimReport", "TimingModel", "run_timing"]
 
 _W_SEND, _W_ARRIVE_RETX, _R_UP, _S_DOWN, _W_DOWN, _W_RETRY, _W_NACK = range(7)
+_REORDER_WINDOW_S = 1e-3  # WorkerConfig.min_reorder_window_s's default (tail-loss probes)
 _NACK_IP_BYTES = IP_UDP_BYTES + HEADER_SIZE  # a NACK is a bare header
 
 
@@ -469,16 +470,18 @@ class TimingModel:
 
     def _tail_probe(self, p: int, ws: np.ndarray, t: np.ndarray) -> None:
         """Workers ``ws`` got the result of packet ``p`` at ``t``: a lane's last packet ``q``
-        sent before it (``T - E <= q < p``) whose own request or result was lost is re-sent
-        now (``kernels.stream._probe_tail``), if that is sooner than its timer."""
+        sent before it (``T - E <= q < p``) whose own request or result was lost is re-sent a
+        reorder window later (``kernels.stream._probe_tail``; the workers' default 1 ms, the
+        simulator has no reordering), if that is sooner than its timer."""
         for q in range(max(self.T - self.E, 0), p):
             rq = self.rounds.get(q)
             if rq is None:
                 continue
             due = rq.due[ws]
-            probe = ~rq.got[ws] & np.isfinite(due) & (due > t)
+            at = t + _REORDER_WINDOW_S
+            probe = ~rq.got[ws] & np.isfinite(due) & (due > at)
             if probe.any():
-                pw, pt = ws[probe], t[probe]
+                pw, pt = ws[probe], at[probe]
                 rq.due[pw] = pt
                 self._push(_W_RETRY, q, pw, pt)
 

@@ -26,6 +26,9 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 KW = {"cache": True, "nogil": True}
 """Every kernel: compiled once into numba's cache, and releasing the GIL."""
+INLINE = {**KW, "inline": "always"}
+"""A kernel's helper: inlined into its caller at compile time (no call, no reference counting
+of the arrays it is passed; measured: 0.85 -> 0.6 us per request at the switch)."""
 
 HDR = 40
 MAGIC = 0x4D53
@@ -47,24 +50,24 @@ MASK32 = (1 << 32) - 1
 
 
 
-@njit(**KW)
+@njit(**INLINE)
 def u16(d, o):
     return np.int64(d[o]) | (np.int64(d[o + 1]) << 8)
 
 
-@njit(**KW)
+@njit(**INLINE)
 def u32(d, o):
     return (np.int64(d[o]) | (np.int64(d[o + 1]) << 8) | (np.int64(d[o + 2]) << 16)
             | (np.int64(d[o + 3]) << 24))
 
 
-@njit(**KW)
+@njit(**INLINE)
 def i16(d, o):
     v = u16(d, o)
     return v - 65536 if v >= 32768 else v
 
 
-@njit(**KW)
+@njit(**INLINE)
 def i64(d, o):
     """The u64 at ``o``, reinterpreted as int64 (tokens are compared bit for bit)."""
     lo = u32(d, o)
@@ -72,13 +75,13 @@ def i64(d, o):
     return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
 
 
-@njit(**KW)
+@njit(**INLINE)
 def put16(d, o, v):
     d[o] = v & 0xFF
     d[o + 1] = (v >> 8) & 0xFF
 
 
-@njit(**KW)
+@njit(**INLINE)
 def put32(d, o, v):
     d[o] = v & 0xFF
     d[o + 1] = (v >> 8) & 0xFF
@@ -86,7 +89,7 @@ def put32(d, o, v):
     d[o + 3] = (v >> 24) & 0xFF
 
 
-@njit(**KW)
+@njit(**INLINE)
 def put64(d, o, v):
     u = np.uint64(v)
     put32(d, o, np.int64(u & np.uint64(MASK32)))

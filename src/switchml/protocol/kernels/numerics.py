@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from switchml.protocol.kernels.frames import EXP_ZERO, KW, njit
+from switchml.protocol.kernels.frames import EXP_ZERO, INLINE, KW, njit
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _exponent(m):
     """e with m < 2**e (m > 0, finite): frexp's exponent."""
     return math.frexp(m)[1]

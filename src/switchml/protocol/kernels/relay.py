@@ -19,6 +19,7 @@ from switchml.protocol.kernels.frames import (
     E_INT32,
     F_RESENT,
     HDR,
+    INLINE,
     KNOWN_FLAGS,
     KW,
     MAGIC,
@@ -84,7 +85,7 @@ class RC(IntEnum):
     N = 3
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _retag(b, mtype, rank, job, token, slot):
     """Rewrite a datagram's header for the other level: type, rank, job, token, slot; no
     ``RESENT`` flag (header offsets: ``frames.py``)."""
@@ -119,7 +120,7 @@ def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
     return ndone
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _parent_result(d, o, ln, rv):
     """Whether ``d[o:o+ln]`` is a well-formed RESULT of the parent job."""
     if ln < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:

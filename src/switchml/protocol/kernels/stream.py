@@ -20,6 +20,7 @@ from switchml.protocol.kernels.frames import (
     F_HAS_EXP,
     F_NONFINITE,
     HDR,
+    INLINE,
     KNOWN_FLAGS,
     KW,
     MAGIC,
@@ -83,9 +84,10 @@ class R(IntEnum):
     DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
     FMAX = 10  # largest finite value of the output dtype
     MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
+    MIN_REO_WINDOW = 12  # WorkerConfig.min_reorder_window_s
 
 
-R_FIELDS = 12
+R_FIELDS = 13
 
 
 class LN(IntEnum):
@@ -235,7 +237,7 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     return n
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _update_rtt(rtt, sample):
     """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
     if rtt[R.MIN_RTT] < 0 or sample < rtt[R.MIN_RTT]:
@@ -249,7 +251,7 @@ def _update_rtt(rtt, sample):
     rtt[R.RTO] = min(max(rtt[R.SRTT] + 4 * rtt[R.RTTVAR], rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _result_length(d, o, ln, opv):
     """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one."""
     if ln < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
@@ -270,7 +272,7 @@ def _result_length(d, o, ln, opv):
     return isz
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _lane_of(d, o, opv, lane, cnt):
     """The lane whose chunk this result answers, or -1 (a stale, repeated or foreign result,
     counted)."""
@@ -292,7 +294,7 @@ def _lane_of(d, o, opv, lane, cnt):
     return i
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _store_float(d, o, isz, p, i, opv, lane, rtt, out):
     """Dequantize a float result's data (of block ``p - E``) into ``out``; take its look-ahead
     exponent for the lane. False if its size is wrong."""
@@ -320,7 +322,7 @@ def _store_float(d, o, isz, p, i, opv, lane, rtt, out):
     return True
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _store_int(d, o, p, opv, out):
     """Copy an integer result (block ``p``) into ``out``. False if its size is wrong."""
     lo = p * opv[OP.K]
@@ -332,7 +334,7 @@ def _store_int(d, o, p, opv, out):
     return True
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     """Karn's rule: an RTT sample only from a chunk sent once. Records which transmission the
     result answers (RACK); a result too soon to answer a re-send answers the first one, and
@@ -353,23 +355,26 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     rtt[R.LAST_HEARD] = now
 
 
-@njit(**KW)
+@njit(**INLINE)
 def _probe_tail(opv, lane, lanef, rtt, now):
     """Tail-loss probe (RFC 8985 section 7): a lane's last chunk has no later chunk on its lane
     to show the switch it is missing (NACKs). Every rank releases chunks in the order the
     switch multicasts results, and datagrams travel one path in order; so when the result of a
     chunk sent *after* a last chunk arrives first, that last chunk (or its result) was lost:
-    probe it at once, if it is at least a round trip old. Ranks that merely run late do not
-    trigger it (their chunk is missing from both rounds). Last chunks queue in sending order
+    probe it after a reorder window (a quarter of the smallest round trip, at least
+    ``min_reorder_window_s``: a network that reorders a little gets time to deliver it), if
+    it is at least a round trip old. Ranks that merely run late do not trigger it (their
+    chunk is missing from both rounds). Last chunks queue in sending order
     (``LN.TAIL_ORDER``), so each is looked at once."""
     h, e, t = opv[OP.TAIL_HEAD], opv[OP.TAIL_END], rtt[R.DELIVERED_XMIT]
+    window = max(rtt[R.MIN_RTT] / 4, rtt[R.MIN_REO_WINDOW])
     while h < e:
         j = lane[LN.TAIL_ORDER, h]
         if lane[LN.CHUNK, j] >= 0:
             sent = lanef[LF.XMIT_AT, j]
             if sent >= t or now - sent < rtt[R.MIN_RTT]:
                 break
-            lanef[LF.DEADLINE, j] = min(lanef[LF.DEADLINE, j], now)
+            lanef[LF.DEADLINE, j] = min(lanef[LF.DEADLINE, j], now + window)
         h += 1
     opv[OP.TAIL_HEAD] = h
 
