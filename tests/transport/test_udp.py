@@ -197,7 +197,10 @@ def test_switch_command_logs_exports_metrics_and_stops_on_sigterm(
             s.sendto(b"junk", ("127.0.0.1", port))
         url = f"http://127.0.0.1:{metrics}/metrics"
         from switchml.control.metrics import read_metrics
-        m = read_metrics(url)
+        deadline = time.monotonic() + 10  # the switch takes the junk datagram when it runs
+        while "short" not in (m := read_metrics(url)).get("switchml_drops_total", {}):
+            assert time.monotonic() < deadline, f"the junk datagram was never counted: {m}"
+            time.sleep(0.05)
         assert m["switchml_jobs"] == 1
         assert m["switchml_elements_aggregated_total"] == {str(spec.job_id): 7}
         assert m["switchml_drops_total"]["short"] == 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-from switchml.protocol.address import Address
+from switchml.protocol.address import Address, format_address
+from switchml.protocol.errors import TransportError
 from switchml.protocol.wire import elements_for_mtu
 
-__all__ = ["DEFAULT_PORT", "SOCKET_BUFFER_BYTES", "elements_per_packet_for", "path_mtu",
-           "size_buffers"]
+__all__ = ["DEFAULT_PORT", "SOCKET_BUFFER_BYTES", "elements_per_packet_for", "open_worker_socket",
+           "path_mtu", "size_buffers"]
 
 DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
 SOCKET_BUFFER_BYTES = 32 * 2**20
@@ -52,3 +53,27 @@ def size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:
             sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
     return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+
+
+def open_worker_socket(switches: Sequence[Address], bind_host: str | None,
+                       buffer_bytes: int) -> socket.socket:
+    """A worker's non-blocking UDP socket: bound on loopback when every switch is there (else
+    every interface), connected when there is one switch (that filters other sources and
+    surfaces ICMP port unreachable), buffers as large as allowed.
+
+    Raises:
+        TransportError: naming the switch and the socket error.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        loopback = all(a[0].startswith("127.") for a in switches)
+        sock.bind((bind_host or ("127.0.0.1" if loopback else "0.0.0.0"), 0))
+        if len(switches) == 1:
+            sock.connect(switches[0])
+    except OSError as exc:
+        sock.close()
+        raise TransportError(f"can't open a socket towards {format_address(switches[0])}: "
+                             f"{exc}") from exc
+    size_buffers(sock, buffer_bytes)
+    sock.setblocking(False)
+    return sock

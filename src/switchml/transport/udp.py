@@ -20,8 +20,6 @@ recovered by retransmission, at a cost in speed.
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import select
 import socket
 import threading
@@ -36,16 +34,18 @@ from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import Endpoint
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, TransportError
 from switchml.protocol.events import OperationRestarted
-from switchml.protocol.session import Submission, WorkerSession, prepare_submission
+from switchml.protocol.session import WorkerSession, prepare_submission
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint, WorkerState
 from switchml.transport.batching import BatchSender, MultiReceiver, gso_supported, open_receiver
 from switchml.transport.eventlog import SwitchEventLog
 from switchml.transport.handles import AllreduceHandle
+from switchml.transport.inbox import Inbox
 from switchml.transport.sockets import (
     DEFAULT_PORT,
     SOCKET_BUFFER_BYTES,
     elements_per_packet_for,
+    open_worker_socket,
     path_mtu,
     size_buffers,
 )
@@ -236,21 +236,14 @@ class WorkerClient:
             handle_type=AllreduceHandle, explain=self._icmp_note)
         self.endpoint = self.session.endpoint
         self._driven: Endpoint = wrap(self.session) if wrap is not None else self.session
-        self.sock = self._open_socket(bind_host, connect=not sharded)
-        size_buffers(self.sock, buffer_bytes)
+        self.sock = open_worker_socket(self.switches, bind_host, buffer_bytes)
         self._rx = open_receiver(self.sock, batching=batching)
         self.gro = self._rx.gro
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=not sharded, raise_errors=True)
         self.icmp_errors = self.send_blocked = self.recv_calls = 0
-        self._commands: queue.SimpleQueue[Submission | None] = queue.SimpleQueue()
-        self._joined, self._closed = threading.Event(), threading.Event()
-        # Held across "closed?", queue put and wake-up write, and by whoever closes: a command
-        # is either seen by the I/O thread or refused, and nobody writes to a closed pipe.
-        self._submit_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):  # a full pipe means a wake-up is pending
-            os.set_blocking(fd, False)
+        self._inbox = Inbox()
+        self._joined = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"switchml-worker-{rank}",
                                         daemon=True)
         self._thread.start()
@@ -262,20 +255,6 @@ class WorkerClient:
         if not self.session.joined:
             self.close()
             raise OperationFailed(self.session.error or "the worker stopped while joining")
-
-    def _open_socket(self, bind_host: str | None, *, connect: bool) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            loopback = all(a[0].startswith("127.") for a in self.switches)
-            sock.bind((bind_host or ("127.0.0.1" if loopback else "0.0.0.0"), 0))
-            if connect:  # filters other sources; surfaces ICMP unreachable
-                sock.connect(self.switch)
-        except OSError as exc:
-            sock.close()
-            raise TransportError(f"can't open a socket towards {format_address(self.switch)}: "
-                                 f"{exc}") from exc
-        sock.setblocking(False)
-        return sock
 
     # -- user API ----------------------------------------------------------------------------
 
@@ -295,33 +274,23 @@ class WorkerClient:
         """
         sub = prepare_submission(data, out, bits=bits, residual=residual,
                                  handle_type=AllreduceHandle)
-        with self._submit_lock:
+
+        def healthy() -> None:
             if self.session.error is not None:
                 raise LocalProtocolError(f"client failed earlier: {self.session.error}")
-            if self._closed.is_set():
-                raise LocalProtocolError("client is closed")
-            self._commands.put(sub)
-            self._wake()
+
+        try:
+            self._inbox.put(sub, check=healthy)
+        except RuntimeError:
+            raise LocalProtocolError("client is closed") from None
         return sub.handle  # type: ignore[return-value]
 
     def close(self) -> None:
         """Leave the job and stop the I/O thread. Idempotent; pending operations fail. Safe
         from any thread, including a done-callback on the I/O thread (which then only asks
         the thread to stop; the thread closes its own socket and pipes when it ends)."""
-        with self._submit_lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-            self._commands.put(None)
-            self._wake()
-        if self._thread is not threading.current_thread():
+        if self._inbox.close() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: a wake-up is pending anyway
 
     @property
     def counters(self) -> dict[str, int]:
@@ -357,16 +326,14 @@ class WorkerClient:
             reason = f"I/O thread failed: {exc!r}"
             self.session.error = self.session.error or reason
         finally:
-            with self._submit_lock:  # no command can be queued after this
-                self._closed.set()
+            self._inbox.shut()  # no command can be queued after this
             self._joined.set()
             self.session.fail_all(reason)
-            while (sub := self._take_command()) is not False:
-                if sub is not None:
+            for sub in self._inbox.drain():
+                if sub is not Inbox.CLOSE:
                     sub.handle.resolve(OperationFailed(reason))
             self.sock.close()
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
+            self._inbox.release()
 
     def _pump(self) -> None:
         """Commands in, datagrams in, timers, datagrams out; until the endpoint is closed."""
@@ -382,34 +349,21 @@ class WorkerClient:
             if timer is not None and timer <= now:  # also after reads: an inflow can't starve it
                 driven.handle_timer(now)
             elif not got:
-                readable, _, _ = select.select([self.sock, self._wake_r], [], [],
-                                               None if timer is None else timer - now)
-                if self._wake_r in readable:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-
-    def _take_command(self) -> Submission | None | bool:
-        """The next queued command (None: close), or False when there is none."""
-        try:
-            return self._commands.get_nowait()
-        except queue.Empty:
-            return False
+                select.select([self.sock, self._inbox], [], [],
+                              None if timer is None else timer - now)
 
     def _run_commands(self) -> bool:
         """Hand queued all-reduces to the session (a close last); whether there were any."""
-        ran = False
-        while (sub := self._take_command()) is not False:
-            ran = True
-            if sub is None:
+        items = self._inbox.drain()
+        for sub in items:
+            if sub is Inbox.CLOSE:
                 self.session.close(time.monotonic())
-            else:
-                try:
-                    self.session.enqueue(sub, time.monotonic())
-                except LocalProtocolError as exc:  # the job failed or closed meanwhile
-                    sub.handle.resolve(exc)
-        return ran
+                continue
+            try:
+                self.session.enqueue(sub, time.monotonic())
+            except LocalProtocolError as exc:  # the job failed or closed meanwhile
+                sub.handle.resolve(exc)
+        return bool(items)
 
     def _read(self) -> bool:
         """Take every datagram queued at the socket, many per call."""
