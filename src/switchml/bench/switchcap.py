@@ -68,6 +68,7 @@ from switchml.transport.batching import (
     receive_segments,
     segments,
 )
+from switchml.transport.sockets import size_buffers
 
 __all__ = ["SwitchCapConfig", "SwitchCapResult", "run_switchcap", "write_json"]
 
@@ -80,8 +81,6 @@ _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
 _SEQ_CHUNK = struct.Struct("<II")
 _SOCKET_BUFFER_BYTES = 8 * 2**20
-_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 
 
 @dataclass(frozen=True)
@@ -200,15 +199,6 @@ def _pin_process(pid: int, cpu: int) -> None:
             pass
 
 
-def _size_buffers(sock: socket.socket, nbytes: int) -> None:
-    for force, plain in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF),
-                         (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, force, nbytes)
-        except OSError:  # not root: capped at net.core.[rw]mem_max
-            sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
-
-
 def _record_dtype(k: int) -> np.dtype:
     """One datagram as a numpy record: the 40-byte header (``wire.HEADER``), then k int32."""
     dt = np.dtype([
@@ -294,7 +284,7 @@ class _Generator:
             self.socks.append(s)
             s.bind(("127.0.0.1", 0))
             s.connect(switch)  # only the switch's datagrams reach this rank
-            _size_buffers(s, _SOCKET_BUFFER_BYTES)
+            size_buffers(s, _SOCKET_BUFFER_BYTES)
         self.gro = cfg.batching and all(enable_gro(s) for s in self.socks)
         self.gso = cfg.batching and all(gso_supported(s) for s in self.socks)
         self.per_call = max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // self.size))
