@@ -36,6 +36,7 @@ from switchml.testbed.topology import (
     nft_loss_ruleset,
     tbf_args,
 )
+from switchml.testbed.xdp import LossProgram
 
 __all__ = ["GeoTestbed", "Testbed", "TestbedError", "check_environment", "cleanup_stale"]
 
@@ -169,6 +170,11 @@ class Testbed:
         self.batching = False
         """Whether processes started here may batch with UDP GSO/GRO (set when built: needs
         ethtool to make every veth carry single datagrams)."""
+        self.loss_by = "none"
+        """How loss is applied (set when built): ``"xdp"`` (before GRO, which stays on),
+        ``"nftables"`` (after GRO, which is then off), or ``"none"``."""
+        self._loss_program: LossProgram | None = None
+        self._xdp_devices: list[tuple[str, str]] = []
 
     # -- names -------------------------------------------------------------------------------
 
@@ -231,6 +237,9 @@ class Testbed:
         if not self.batching:
             log.warning("ethtool not found (Debian package ethtool): UDP GSO/GRO batching is "
                         "off in the testbed (SWITCHML_GSO=0), so that loss stays per datagram")
+        self._choose_loss(link.loss_rate)
+        # With XDP loss every veth end keeps GRO on; with the nftables rules it is off.
+        gro_loss = 0.0 if self.loss_by == "xdp" else link.loss_rate
         self._add_ns(self.router_ns)
         _run(["ip", "netns", "exec", self.router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
         ends = [(i, self.worker_ns(i), topo.worker_ip(i)) for i in range(topo.workers)]
@@ -249,16 +258,39 @@ class Testbed:
             for where, dev, host_end in ((self.router_ns, near, False), (ns, far, True)):
                 if self.batching:
                     _run(["ip", "netns", "exec", where, "ethtool", "-K",
-                          *ethtool_args(dev, host_end, link.loss_rate)])
+                          *ethtool_args(dev, host_end, gro_loss)])
                 self._shape(where, dev)
-            if link.loss_rate > 0:  # downlink loss: at the receiving host's input
+                if self.loss_by == "xdp":  # each end drops what it receives: once per link
+                    self._attach_loss(where, dev)
+            if self.loss_by == "nftables":  # downlink loss: at the receiving host's input
                 _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
                      stdin=nft_host_loss_ruleset(LOSS_TABLE, link.loss_rate))
-        if link.loss_rate > 0:  # uplink loss: in the router (input, forward), never on output
+        if self.loss_by == "nftables":  # uplink loss: in the router (input, forward)
             _run(["ip", "netns", "exec", self.router_ns, "nft", "-f", "-"],
                  stdin=nft_loss_ruleset(LOSS_TABLE, link.loss_rate))
-        log.info("testbed %s up: %d workers, %s, batching %s", self.prefix, topo.workers, link,
-                 "on" if self.batching else "off (no ethtool)")
+        log.info("testbed %s up: %d workers, %s, batching %s, loss by %s", self.prefix,
+                 topo.workers, link, "on" if self.batching else "off (no ethtool)",
+                 self.loss_by)
+
+    def _choose_loss(self, loss_rate: float) -> None:
+        """XDP loss where it loads (and ethtool keeps veths carrying single datagrams), else
+        the nftables rules (with GRO off)."""
+        if loss_rate <= 0:
+            self.loss_by = "none"
+            return
+        if self.batching:
+            try:
+                self._loss_program = LossProgram(loss_rate)
+                self.loss_by = "xdp"
+                return
+            except (OSError, subprocess.CalledProcessError) as exc:
+                log.warning("XDP loss unavailable (%s): nftables loss rules, GRO off", exc)
+        self.loss_by = "nftables"
+
+    def _attach_loss(self, ns: str, dev: str) -> None:
+        assert self._loss_program is not None
+        _run(["ip", "-n", ns, *self._loss_program.attach_args(dev)])
+        self._xdp_devices.append((ns, dev))
 
     def _shape(self, ns: str, dev: str) -> None:
         args = tbf_args(self.topology.link)
@@ -285,6 +317,10 @@ class Testbed:
             if res.returncode != 0:
                 errors.append(f"{ns}: {res.stderr.strip()}")
         self.namespaces.clear()
+        self._xdp_devices.clear()
+        if self._loss_program is not None:
+            self._loss_program.close()
+            self._loss_program = None
         if errors:  # the claim stays (unlocked): the next cleanup tries again
             log.warning("testbed %s teardown: %s", self.prefix, "; ".join(errors))
         fd, self._claim_fd = self._claim_fd, None
@@ -330,7 +366,10 @@ class Testbed:
 
     def loss_counter(self) -> int:
         """Packets dropped so far by the loss rules: the router's (uplink) plus every host's
-        (downlink)."""
+        (downlink): the XDP drops of every veth end, or the nftables counters."""
+        if self.loss_by == "xdp":
+            return sum(_xdp_drops(_run(["ip", "netns", "exec", ns, "ethtool", "-S", dev]))
+                       for ns, dev in self._xdp_devices)
         total = 0
         for ns in self.namespaces:
             res = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet",
@@ -339,6 +378,16 @@ class Testbed:
                 if "counter packets" in line:
                     total += int(line.split("counter packets")[1].split()[0])
         return total
+
+
+def _xdp_drops(stats: str) -> int:
+    """The sum of a veth's per-queue ``xdp_drops`` in ``ethtool -S`` output."""
+    total = 0
+    for line in stats.splitlines():
+        name, _, value = line.strip().partition(":")
+        if name.endswith("xdp_drops") and value.strip().isdigit():
+            total += int(value)
+    return total
 
 
 class GeoTestbed(Testbed):
