@@ -29,7 +29,7 @@ import numpy as np
 
 from switchml.protocol.address import Address
 
-__all__ = ["Datagram", "Endpoint", "deliver_datagrams"]
+__all__ = ["Datagram", "Endpoint", "deliver_datagrams", "flatten_runs"]
 
 Datagram = bytes | bytearray | memoryview
 """What an endpoint takes and returns: bytes, or a view of a buffer."""
@@ -54,6 +54,15 @@ class Endpoint(Protocol):
     def get_timer(self) -> float | None: ...
 
     def next_event(self) -> Any: ...
+
+
+def flatten_runs(out: list[tuple[Datagram, Address]],
+                 runs: dict[Address, list[memoryview]]) -> list[tuple[Datagram, Address]]:
+    """``datagrams_to_send`` from an ``output_runs`` pair (the switch's and a rack switch's:
+    replies in order, then each destination's run): ``out`` extended with the runs."""
+    for addr, run in runs.items():
+        out.extend((d, addr) for d in run)
+    return out
 
 
 def deliver_datagrams(ep: Endpoint, batch: Sequence[tuple[Address, Datagram]],

@@ -44,6 +44,7 @@ import numpy as np
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import SwitchConfig
+from switchml.protocol.endpoint import flatten_runs
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
 from switchml.protocol.jobs import Job, SlotAllocator, bitmap, store_bitmap
@@ -278,10 +279,7 @@ class SwitchDataplane:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
         """Return and forget the datagrams to send: replies in order, then results (in order
         per destination). Valid until the next receive."""
-        out, runs = self.output_runs(now)
-        for addr, run in runs.items():
-            out.extend((d, addr) for d in run)
-        return out
+        return flatten_runs(*self.output_runs(now))
 
     def output_runs(self, now: float
                     ) -> tuple[list[tuple[bytes | memoryview, Address]],

@@ -51,6 +51,7 @@ import numpy as np
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import JobSpec, SwitchConfig
+from switchml.protocol.endpoint import flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
 from switchml.protocol.jobs import Job
@@ -319,10 +320,7 @@ class RackAggregator:
         """Return and forget the datagrams to send: replies in order, then the upstream
         requests and the children's results (in order per destination). Valid until the next
         receive."""
-        out, runs = self.output_runs(now)
-        for addr, run in runs.items():
-            out.extend((d, addr) for d in run)
-        return out
+        return flatten_runs(*self.output_runs(now))
 
     def output_runs(self, now: float
                     ) -> tuple[list[tuple[bytes | memoryview, Address]],
