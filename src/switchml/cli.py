@@ -860,11 +860,12 @@ def _run_sharded_switch(args: argparse.Namespace, shards: int) -> int:
 
     if args.port == 0:
         raise ValueError("--shards needs a fixed --port (shard i listens on PORT+i)")
-    procs = [subprocess.Popen(_shard_argv(args, i, shards), stdin=subprocess.PIPE)
-             for i in range(shards)]
     addrs = ",".join(f"{args.host}:{args.port + i}" for i in range(shards))
+    # Said before the shards start, so that it is the first line (the shards print theirs).
     print(f"switchml switch: {shards} shards on udp {addrs} (workers: SWITCHML_SWITCH={addrs})",
           flush=True)
+    procs = [subprocess.Popen(_shard_argv(args, i, shards), stdin=subprocess.PIPE)
+             for i in range(shards)]
     stop = _stop_on_signals("stopping the shards")
     failed = None
     while not stop.wait(_SIGNAL_POLL_S):

@@ -223,3 +223,30 @@ def test_a_refused_parent_join_is_an_error() -> None:
     t = tree(switch_config=SwitchConfig(max_window=2))
     with pytest.raises(SwitchMLError, match="refused JOIN"):
         t.join()
+
+
+def test_another_job_on_a_rack_switch_gets_its_results_and_its_resends(drop_once) -> None:
+    """A rack switch serves other jobs as a plain switch: their results go to their members,
+    and a member that lost one gets the switch's copy (not swallowed by the tree's relay)."""
+    from switchml.protocol.session import WorkerSession
+    from switchml.protocol.worker import WorkerEndpoint
+    t = tree(racks=2, per_rack=2)
+    t.join()
+    other = JobSpec(job_id=42, token=43, num_workers=1, window=2, elements_per_packet=16)
+    w = WorkerEndpoint(spec=other, rank=0, switch_address=rack_address(0),
+                       config=WorkerConfig(min_rto_s=0.05, initial_rto_s=0.05))
+    s = WorkerSession(w)
+    addr = ("other", 9)
+    t.net.attach(addr, s)
+    t.net.drop_filter, state = drop_once(
+        lambda h, src, dst: h.type is MessageType.RESULT and dst == addr and h.chunk == 0)
+    s.join(t.net.now)
+    t.net.flush(addr)
+    t.net.run(lambda: s.joined)
+    x = np.arange(40, dtype=np.int32)
+    h = s.submit(x, now=t.net.now)
+    t.net.flush(addr)
+    t.net.run(h.done, max_time_s=5)
+    assert state["dropped"] and np.array_equal(h.result(), x)
+    assert t.racks[0].switch.stats()["results_resent"] >= 1
+    assert t.racks[0].counters["resends_dropped"] == 0

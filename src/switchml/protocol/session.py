@@ -187,6 +187,7 @@ class WorkerSession:
         self.error: str | None = None
         """Why the job failed (join refused, an operation failed); None while healthy."""
         self.closed = False
+        self._closing = False
 
     # -- user commands -------------------------------------------------------------------------
 
@@ -226,6 +227,7 @@ class WorkerSession:
     def close(self, now: float) -> None:
         """Leave the job; an operation in flight and every queued one fail. Idempotent. Call
         ``datagrams_to_send`` afterwards."""
+        self._closing = True  # an operation aborted by this close is not a job failure
         self.endpoint.close(now)
         self._settle(now)
         self.fail_all("the session was closed")
@@ -283,7 +285,7 @@ class WorkerSession:
         ep = self.endpoint
         while True:
             self._take_events()
-            if ep.state is WorkerState.ERROR:
+            if ep.state is WorkerState.ERROR and not self._closing:
                 self._on_error(ep.error or "the worker failed")
                 return
             if not self._queue or ep.state is not WorkerState.READY:
@@ -321,7 +323,8 @@ class WorkerSession:
         elif isinstance(ev, OperationAborted):
             handle = self._pending.pop(ev.seq, None)
             reason = self._explained(ev.reason)
-            self.error = self.error or reason
+            if not self._closing:
+                self.error = self.error or reason
             if handle is not None:
                 handle.resolve(OperationFailed(reason))
         elif isinstance(ev, Joined):

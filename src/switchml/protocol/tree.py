@@ -382,11 +382,13 @@ class RackAggregator:
         result; the rest passes."""
         self._pull_switch_events()  # learn the child job's slot base as soon as it exists
         replies, runs = self.switch.output_runs(now)
+        c = self.child_spec
         for data, addr in replies:
-            if len(data) >= HEADER.size and data[_TYPE_OFFSET] == _RESULT:
-                self._answer_resend(data, addr)
+            if len(data) >= HEADER.size and data[_TYPE_OFFSET] == _RESULT and (
+                    HEADER.unpack_from(data)[_JOB:_TOKEN + 1] == (c.job_id, c.token)):
+                self._answer_resend(data, addr)  # the tree's job: the parent's result
             else:
-                self._out.append((data, addr))
+                self._out.append((data, addr))  # replies of any other job pass
         for addr, run in runs.items():  # another job's results (not the tree's)
             self._runs.setdefault(addr, []).extend(run)
 
@@ -423,7 +425,9 @@ class RackAggregator:
         while i < j:
             nxt, nsend = KR.relay_down(buf, starts, lens, j, i, self._rv, self._ust, self._down,
                                        self._cnt, self._sendq)
-            self._multicast(int(nsend))
+            if nsend:
+                self._waiting_for = []  # the parent answers: whom it waited for is history
+                self._multicast(int(nsend))
             if nxt < j:
                 if view is None:
                     view = memoryview(buf)

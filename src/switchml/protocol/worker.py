@@ -203,14 +203,18 @@ class WorkerEndpoint:
         if self.config.max_restarts and np.may_share_memory(x, o):
             x = x.copy()  # a restart after a switch failure needs the input, not partial sums
         seq = self._seq
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
         if x.size == 0:
+            self._seq = (seq + 1) & 0xFFFFFFFF
             self._events.append(OperationCompleted(seq))
             self._counters["operations_completed"] += 1
             return seq
+        # Built first: if allocating it fails (MemoryError), nothing has changed, the
+        # sequence number included (the ranks must stay in step).
+        op = Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
+                       slot_bases=self.slot_bases, bits=bits, residual=residual)
+        self._seq = (seq + 1) & 0xFFFFFFFF
         self._move(WorkerInput.START)
-        self._begin(Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
-                              slot_bases=self.slot_bases, bits=bits, residual=residual), now)
+        self._begin(op, now)
         return seq
 
     @staticmethod
@@ -500,11 +504,10 @@ class WorkerEndpoint:
         self._shard_bases[shard] = info.slot_base
         if any(b is None for b in self._shard_bases):
             return  # other shards still to answer
-        rejoined = self.state is WorkerState.REJOINING
-        self._move(WorkerInput.JOINED)
-        if rejoined:
+        if self.state is WorkerState.REJOINING:
             self._resume_after_rejoin(now)
             return
+        self._move(WorkerInput.JOINED)
         self._keepalive_at = now + self.config.keepalive_s
         self._events.append(Joined(self.slot_base, info.window))
 
@@ -566,10 +569,19 @@ class WorkerEndpoint:
         self._rejoin(now)
 
     def _resume_after_rejoin(self, now: float) -> None:
+        """Every shard granted the job again: run the operation from its input (or fail it,
+        if its arrays can't be allocated again: peer input never raises)."""
         old = self._op
         assert old is not None
+        try:
+            op = old.restarted(self._epoch_seq, self.spec, self.rank, self.slot_bases)
+        except MemoryError:
+            self._fail(f"operation {old.seq}: no memory to restart it after the switch lost "
+                       "the job")
+            return
+        self._move(WorkerInput.JOINED)
         self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
-        self._begin(old.restarted(self._epoch_seq, self.spec, self.rank, self.slot_bases), now)
+        self._begin(op, now)
 
     def _handle_left(self, h: Header, data: _Data, now: float) -> None:
         if not can(self.state, WorkerInput.LEFT):
