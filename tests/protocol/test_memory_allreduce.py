@@ -778,6 +778,16 @@ def _misuse_cases():
 MISUSE = _misuse_cases()
 
 
+def assert_first_operation_still_works(c: MemoryCluster) -> None:
+    """The ranks are still in step (both start operation 0) and a correct operation works."""
+    inputs = make_inputs(2, 10, np.float32, seed=3)
+    outs = [np.empty_like(a) for a in inputs]
+    handles = c.start(inputs, outs)
+    assert [h.seq for h in handles] == [0, 0]
+    c.wait(handles)
+    assert_allreduce_ok(outs, inputs, 4)
+
+
 @pytest.mark.parametrize("case", list(MISUSE))
 def test_misuse_raises_and_leaves_state_unchanged(case: str) -> None:
     data, out, message = MISUSE[case]
@@ -792,13 +802,7 @@ def test_misuse_raises_and_leaves_state_unchanged(case: str) -> None:
     c.fabric.flush(c.addresses[0])
     assert w.state is WorkerState.READY
     assert c.fabric.stats["sent"] == sent
-    # The ranks are still in step (same seq) and a correct operation works.
-    inputs = make_inputs(2, 10, np.float32, seed=3)
-    outs = [np.empty_like(a) for a in inputs]
-    handles = c.start(inputs, outs)
-    assert [h.seq for h in handles] == [0, 0]
-    c.wait(handles)
-    assert_allreduce_ok(outs, inputs, 4)
+    assert_first_operation_still_works(c)
 
 
 def test_start_while_busy_raises_and_the_operation_continues() -> None:
@@ -867,12 +871,7 @@ def test_an_operation_that_cannot_be_allocated_changes_nothing(monkeypatch) -> N
     assert h.done() and "could not start" in str(h.exception())
     assert c.workers[0].state is WorkerState.READY
     monkeypatch.setattr(worker_module, "Operation", real)
-    inputs = make_inputs(2, 10, np.float32, seed=3)
-    outs = [np.empty_like(a) for a in inputs]
-    handles = c.start(inputs, outs)
-    assert [x.seq for x in handles] == [0, 0]
-    c.wait(handles)
-    assert_allreduce_ok(outs, inputs, 4)
+    assert_first_operation_still_works(c)
 
 
 def test_closing_with_an_operation_in_flight_is_not_a_job_failure() -> None:

@@ -17,7 +17,7 @@ Faster than timeouts:
   result sooner than the smallest round trip after it) widens the window.
 
 The per-datagram rules (the RTT update, the deadline of a (re-)sent chunk, spurious re-sends
-seen in results) are compiled, in ``kernels.py``; this module holds their state (``rtt``, the
+seen in results) are compiled, in ``kernels/stream.py``; this module holds their state (``rtt``, the
 array the kernels share, fields ``kernels.R``) and the decisions taken per event in Python.
 An operation with no progress for ``op_timeout_s`` fails with :meth:`silence_reason`.
 """
