@@ -489,13 +489,17 @@ def _add_bench_fuzz_parser(bsub: _Subparsers) -> None:
 def _add_bench_switch_parser(bsub: _Subparsers) -> None:
     """``switchml bench switch``: one software switch's capacity."""
     sc = bsub.add_parser(
-        "switch", help="switch capacity: aggregated datagrams/s of one software switch",
+        "switch", help="switch capacity: aggregated datagrams/s of a software switch",
         description="Run the software switch in a process pinned to one core and a traffic "
                     "generator pinned to another, which joins a job as N ranks and replays "
                     "valid int32 requests as fast as the switch answers (W slots in flight per "
                     "rank, self-clocked). Report datagrams/s in and out of the switch, payload "
                     "GB/s, switch and generator CPU (which one was the bottleneck), switch CPU "
-                    "time per datagram, drops and wrong results (must be 0).")
+                    "time per datagram, drops and wrong results (must be 0). With --shards S, "
+                    "S switch processes (as `switchml switch --shards S`) each own lanes i mod "
+                    "S of the job, one generator per shard feeds them, and the figures are "
+                    "given per shard and summed; compare S = 1, 2, ... on a machine with 2S "
+                    "cores to see how capacity grows with shards.")
     sc.add_argument("--workers", "-n", type=int, default=4, help="ranks in the job (default 4)")
     sc.add_argument("--elements-per-packet", "-k", type=int, default=256,
                     help="int32 elements per request, K (default 256 = 1 KiB payload; 358 fits "
@@ -506,6 +510,12 @@ def _add_bench_switch_parser(bsub: _Subparsers) -> None:
                     help="measured interval in seconds, after 0.5 s of warm-up (default 5)")
     sc.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                     help="UDP GSO/GRO in the switch and the generator (default on)")
+    sc.add_argument("--shards", type=int, default=1, metavar="S",
+                    help="switch processes the job's lanes are striped over (default 1; W "
+                         "must be at least S)")
+    sc.add_argument("--generators", type=int, default=0, metavar="G",
+                    help="generator processes, each feeding S/G of the shards (default 0: "
+                         "one per shard)")
     sc.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     sc.set_defaults(func=_run_bench_switch)
 
@@ -1441,7 +1451,8 @@ def _run_bench_switch(args: argparse.Namespace) -> int:
     from switchml.bench.switchcap import SwitchCapConfig, run_switchcap, write_json
 
     cfg = SwitchCapConfig(workers=args.workers, elements_per_packet=args.elements_per_packet,
-                          window=args.window, seconds=args.seconds, batching=args.batching)
+                          window=args.window, seconds=args.seconds, batching=args.batching,
+                          shards=args.shards, generators=args.generators)
     _sigterm_interrupts()  # SIGTERM runs the benchmark's teardown
     console = Console(stderr=True)
     try:
@@ -1451,7 +1462,9 @@ def _run_bench_switch(args: argparse.Namespace) -> int:
             r = run_switchcap(cfg, progress=lambda text, frac: bar.update(
                 task, description=text, completed=frac))
     except KeyboardInterrupt:
-        console.print("interrupted; the switch and the generator were stopped")
+        console.print("interrupted; the switch and the generator were stopped"
+                      if cfg.shards == 1 else
+                      "interrupted; the shards and the generators were stopped")
         return 130
     _stdout_console().print(_switchcap_table(cfg, r))
     if args.json:
@@ -1465,18 +1478,27 @@ def _run_bench_switch(args: argparse.Namespace) -> int:
 def _switchcap_table(cfg: SwitchCapConfig, r: SwitchCapResult) -> Table:
     """The switch capacity figures."""
     g = r.generator
+    sharded = cfg.shards > 1
+    where = (f", {cfg.shards} shards, {r.config['generators']} generators" if sharded else "")
+    per_shard = [(f"shard {f['shard']}: datagrams/s in; CPU %; us per datagram",
+                  f"{f['in_per_s']:,.0f}; {f['cpu_percent']:.0f}; "
+                  f"{f['cpu_us_per_datagram']:.2f}") for f in r.shards] if sharded else []
     return _figure_table(
         f"switch capacity: {cfg.workers} ranks x {cfg.window} slots, K = "
         f"{cfg.elements_per_packet} int32 ({cfg.datagram_bytes} B datagrams), "
-        f"{r.interval_s:.1f} s, batching {'on' if cfg.batching else 'off'}", (
+        f"{r.interval_s:.1f} s, batching {'on' if cfg.batching else 'off'}{where}", (
             ("datagrams/s into the switch", f"{r.switch_in_per_s:,.0f}"),
             ("datagrams/s out of the switch", f"{r.switch_out_per_s:,.0f}"),
             ("payload GB/s (requests x K x 4 B)", f"{r.payload_gbytes_per_s:.3f}"),
             ("switch CPU time per datagram in (us)", f"{r.switch_cpu_us_per_datagram:.2f}"),
-            ("datagrams/s in at 100% of a core (1e6 / us per datagram)",
+            ("datagrams/s in at 100% of a core per shard (sum of 1e6 / us per datagram)"
+             if sharded else "datagrams/s in at 100% of a core (1e6 / us per datagram)",
              f"{r.switch_capacity_per_s:,.0f}"),
-            ("switch CPU %", f"{r.switch_cpu_percent:.0f}"),
-            ("generator CPU %", f"{r.generator_cpu_percent:.0f}"),
+            *per_shard,
+            ("switch CPU %" + (" (shards summed)" if sharded else ""),
+             f"{r.switch_cpu_percent:.0f}"),
+            ("generator CPU %" + (" (summed)" if sharded else ""),
+             f"{r.generator_cpu_percent:.0f}"),
             ("other CPU % (rest of the machine)", f"{r.other_cpu_percent:.0f}"),
             ("bottleneck", r.bottleneck),
             ("results received (whole run)", f"{g['results_total']:,}"),

@@ -13,7 +13,7 @@ from switchml.bench.switchcap import SwitchCapConfig, run_switchcap
 from switchml.cli import main
 
 
-def _check_counts(doc: dict, workers: int) -> None:
+def _check_counts(doc: dict, workers: int, window: int = 64, shards: int = 1) -> None:
     """What must hold after any run on loopback, batched or not."""
     g = doc["generator"]
     assert doc["switch_datagrams_in"] > 0 and doc["switch_datagrams_out"] > 0
@@ -27,13 +27,14 @@ def _check_counts(doc: dict, workers: int) -> None:
     assert g["in_flight_at_end"] == 0
     assert g["results_total"] == g["requests_total"] - g["in_flight_at_end"]
     # The switch saw every request (first transmissions and re-sends) and every JOIN, and
-    # possibly some of the LEAVEs (sent just before its counters were read).
+    # possibly some of the LEAVEs (sent just before its counters were read): every rank
+    # joins and leaves on every shard.
     extra_in = (doc["switch_stats"]["packets_in"] - g["requests_total"]
                 - g["retransmissions_total"] - g["joins_sent"])
-    assert 0 <= extra_in <= workers
+    assert 0 <= extra_in <= workers * shards
     # The slot completes when the last rank's request arrives and goes to every rank: in and
     # out agree over the interval up to the window in flight at either edge.
-    assert abs(doc["switch_datagrams_in"] - doc["switch_datagrams_out"]) <= 2 * workers * 64
+    assert abs(doc["switch_datagrams_in"] - doc["switch_datagrams_out"]) <= 2 * workers * window
     assert doc["switch_cpu_percent"] > 0 and doc["generator_cpu_percent"] > 0
     assert doc["switch_cpu_us_per_datagram"] > 0
 
@@ -71,11 +72,38 @@ def test_without_batching_one_datagram_per_call():
     assert not mp.active_children()  # the switch and the generator are gone
 
 
+@pytest.mark.slow
+def test_sharded_switch_every_shard_aggregates_its_lanes(tmp_path, run_switchml):
+    """Two shards, one generator each: every result exact, every request answered, both
+    shards carry half of the lanes, and the totals are the shards' sums."""
+    path = tmp_path / "shards.json"
+    res = run_switchml("bench", "switch", "--workers", "3", "--window", "32", "--shards", "2",
+                       "--seconds", "1", "--json", str(path), timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert "shard 1: datagrams/s in" in res.stdout
+    doc = json.loads(path.read_text())
+    assert doc["config"]["shards"] == 2 and doc["config"]["generators"] == 2
+    assert doc["wrong_results"] == 0 and doc["consistent"] is True
+    _check_counts(doc, 3, window=32, shards=2)
+    shards = doc["shards"]
+    assert [f["shard"] for f in shards] == [0, 1]
+    assert sum(f["datagrams_in"] for f in shards) == doc["switch_datagrams_in"]
+    for f in shards:  # self-clocked lanes of one job: the shards move at one pace
+        assert f["datagrams_in"] > 0.3 * doc["switch_datagrams_in"]
+        assert f["cpu_us_per_datagram"] > 0
+    assert doc["switch_capacity_per_s"] == pytest.approx(
+        sum(f["capacity_per_s"] for f in shards))
+    assert len(doc["generator"]["per_generator"]) == 2
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--workers", "0"], "--workers must be in 1.."),
     (["--elements-per-packet", "20000"], "--elements-per-packet must be in 1..16366"),
     (["--window", "0"], "--window must be in 1..256"),
     (["--seconds", "-1"], "--seconds must be in (0"),
+    (["--shards", "0"], "--shards must be in 1.."),
+    (["--shards", "4", "--window", "2"], "--shards (4) must be at most --window (2)"),
+    (["--shards", "2", "--generators", "3"], "--generators must be in 0..--shards (2)"),
 ])
 def test_bad_arguments_say_what_is_wrong(argv, message, capsys):
     assert main(["bench", "switch", *argv]) == 2

@@ -18,6 +18,12 @@ bottleneck; a generator near 100% means the figure is a lower bound of the switc
 
 Figures: datagrams/s into and out of the switch, payload GB/s (requests x K x 4 bytes), switch
 CPU time per datagram received, drops by reason.
+
+A sharded switch (``shards`` = S): S switch processes, shard i owning lanes i mod S of the job,
+as ``switchml switch --shards S`` runs them. Shards share nothing, so G generator processes
+(default one per shard) each feed a disjoint set of shards with all N ranks, one connected
+socket per (rank, shard). The figures are given per shard and summed; the capacity figure
+(datagrams/s at a whole core per shard) is the sum of the shards' own.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ __all__ = ["SwitchCapConfig", "SwitchCapResult", "run_switchcap", "write_json"]
 _MAX_WINDOW = 256
 _MAX_WORKERS = 256  # one socket per rank in one process; far above what two cores can feed
 _MAX_SECONDS = 3600.0
+_MAX_SHARDS = 64
 _CHUNKS_PER_OP_LANES = 1 << 16  # an operation is W x 65536 chunks; then seq moves on
 _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
@@ -100,6 +107,11 @@ class SwitchCapConfig:
     loopback it should never fire)."""
     first_result_timeout_s: float = 120.0
     """How long the first result may take (a switch may compile its data plane first)."""
+    shards: int = 1
+    """Switch processes (``switchml switch --shards``): lane i of the job on shard i mod S."""
+    generators: int = 0
+    """Generator processes, each serving a disjoint set of shards with all N ranks; 0: one
+    per shard (a generator costs more CPU per datagram than a shard does)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= _MAX_WORKERS:
@@ -111,6 +123,17 @@ class SwitchCapConfig:
         if not 1 <= self.window <= _MAX_WINDOW:
             raise ValueError(f"--window must be in 1..{_MAX_WINDOW} (the switch's default "
                              f"max_window), got {self.window}")
+        if not 1 <= self.shards <= _MAX_SHARDS:
+            raise ValueError(f"--shards must be in 1..{_MAX_SHARDS}, got {self.shards}")
+        if self.shards > self.window:
+            raise ValueError(f"--shards ({self.shards}) must be at most --window "
+                             f"({self.window}): every shard needs a lane")
+        if not 0 <= self.generators <= self.shards:
+            raise ValueError(f"--generators must be in 0..--shards ({self.shards}), got "
+                             f"{self.generators}")
+        if self.workers * -(-self.shards // (self.generators or self.shards)) > _MAX_WORKERS:
+            raise ValueError(f"--workers x shards per generator must be at most "
+                             f"{_MAX_WORKERS} sockets in one generator")
         if not 0 < self.seconds <= _MAX_SECONDS:
             raise ValueError(f"--seconds must be in (0, {_MAX_SECONDS:g}], got {self.seconds}")
         if (self.warmup_s < 0 or self.drain_s < 0 or self.rto_s <= 0
@@ -135,16 +158,19 @@ class SwitchCapResult:
     payload_gbytes_per_s: float
     """Requests into the switch x K x 4 bytes, per second (aggregated over the ranks)."""
     switch_cpu_percent: float
+    """Summed over the shards, in % of one core (so up to S x 100)."""
     generator_cpu_percent: float
+    """Summed over the generators, in % of one core."""
     other_cpu_percent: float
     """CPU the rest of the machine used meanwhile (this parent, other processes, interrupts),
     in % of one core: more than a few percent means the figures were taken under load."""
     switch_cpu_us_per_datagram: float
     """Switch CPU time over the interval / datagrams it received in the interval."""
     switch_capacity_per_s: float
-    """1e6 / ``switch_cpu_us_per_datagram``: datagrams in per second the switch would take with
-    a whole core (an extrapolation; equals the measured rate when the switch is the
-    bottleneck, and is less disturbed by other load than the rate is)."""
+    """Per shard, datagrams in / its CPU seconds, summed over the shards: datagrams in per
+    second the switch would take with a whole core per shard (an extrapolation; equals the
+    measured rate when every shard is the bottleneck, and is less disturbed by other load
+    than the rate is)."""
     bottleneck: str
     generator: dict[str, Any]
     """Generator counters over the interval (requests, results, per second) and for the
@@ -154,6 +180,8 @@ class SwitchCapResult:
     switch_errors: dict[str, int]
     switch_stats: dict[str, Any]
     pinned: dict[str, Any]
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """Per shard: datagrams in and out per second, CPU %, CPU time per datagram, capacity."""
     machine: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -264,43 +292,55 @@ class _Clock:
 
 
 class _Generator:
-    """N ranks of one job in one process; see the module docstring."""
+    """N ranks of one job in one process, on some of the switch's shards; see the module
+    docstring.
 
-    def __init__(self, switch: tuple[str, int], cfg: SwitchCapConfig, job_id: int,
-                 token: int) -> None:
+    One connected socket per (rank, shard): socket ``j`` is rank ``j // m`` on the ``j % m``-th
+    of this generator's m shards, and carries the lanes of that shard (lane i on shard
+    i mod S). An unsharded switch is one shard. Shards share nothing, so generators that
+    serve disjoint sets of shards run independently."""
+
+    def __init__(self, shards: list[tuple[int, tuple[str, int]]], cfg: SwitchCapConfig,
+                 job_id: int, token: int) -> None:
         self.cfg = cfg
-        self.switch = switch
+        self.shards = shards
         self.job_id = job_id
         self.token = token
-        n, w, k = cfg.workers, cfg.window, cfg.elements_per_packet
-        self.n, self.w, self.k = n, w, k
+        n, w, k, s = cfg.workers, cfg.window, cfg.elements_per_packet, cfg.shards
+        self.n, self.w, self.k, self.s = n, w, k, s
         self.size = cfg.datagram_bytes
         self.chunks_per_op = w * _CHUNKS_PER_OP_LANES
         self.digest = operation_digest(self.chunks_per_op * k, False, 32)
         self.rec = _record_dtype(k)
+        m = len(shards)
+        self.rank_of = [j // m for j in range(n * m)]
+        self.shard_of = [shards[j % m][0] for j in range(n * m)]
+        self.lanes = [np.arange(self.shard_of[j], w, s) for j in range(n * m)]
+        """Per socket: the job's lanes it carries (those of its shard)."""
         self.socks: list[socket.socket] = []
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self.socks.append(s)
-            s.bind(("127.0.0.1", 0))
-            s.connect(switch)  # only the switch's datagrams reach this rank
-            size_buffers(s, _SOCKET_BUFFER_BYTES)
-        self.gro = cfg.batching and all(enable_gro(s) for s in self.socks)
-        self.gso = cfg.batching and all(gso_supported(s) for s in self.socks)
+        for j in range(n * m):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.socks.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            sock.connect(shards[j % m][1])  # only that shard's datagrams reach this socket
+            size_buffers(sock, _SOCKET_BUFFER_BYTES)
+        self.gro = cfg.batching and all(enable_gro(x) for x in self.socks)
+        self.gso = cfg.batching and all(gso_supported(x) for x in self.socks)
         self.per_call = max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // self.size))
         total = sum(_rank_values(r, k).astype(np.int64) for r in range(n))
         self.expected = total.astype(np.int32)  # int32 sums wrap, like the switch's
         self.expected_bytes = self.expected.tobytes()
-        self.slot_base = 0
+        self.slot_base = [0] * (n * m)
+        """Per socket: the first slot its shard granted the job."""
         self.raw: list[np.ndarray] = []
         self.req: list[np.ndarray] = []
-        self.outstanding = [np.zeros(w, dtype=bool) for _ in range(n)]
-        self.sent_at = [np.zeros(w) for _ in range(n)]
-        self.rounds = [np.zeros(w, dtype=np.int64) for _ in range(n)]  # requests per lane
-        self.target: np.ndarray | None = None
-        """Set when the interval ends: per lane, the most requests any rank has sent on it.
-        Ranks stop a lane there, so that no rank waits for a request another rank won't
-        send (every lane ends complete, with nothing in flight)."""
+        self.outstanding = [np.zeros(len(ln), dtype=bool) for ln in self.lanes]
+        self.sent_at = [np.zeros(len(ln)) for ln in self.lanes]
+        self.rounds = [np.zeros(len(ln), dtype=np.int64) for ln in self.lanes]
+        self.target: list[np.ndarray] | None = None
+        """Set when the interval ends: per socket and lane, the most requests any rank has
+        sent on that lane. Ranks stop a lane there, so that no rank waits for a request
+        another rank won't send (every lane ends complete, with nothing in flight)."""
         # Counters (per run).
         self.requests = 0  # first transmissions
         self.retransmissions = 0
@@ -317,13 +357,15 @@ class _Generator:
     # -- control ---------------------------------------------------------------------------
 
     def join(self, timeout_s: float = 15.0) -> None:
-        """JOIN every rank (rank 0 first: it creates the job); raise on REFUSED or silence."""
+        """JOIN every rank on every shard (rank 0 first: it creates the job); raise on
+        REFUSED or silence, naming the shard."""
         cfg = self.cfg
         info = pack_control_info(ControlInfo(cfg.workers, cfg.window, cfg.elements_per_packet))
         deadline = time.monotonic() + timeout_s
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
-        for rank, sock in enumerate(self.socks):
+        for j, sock in enumerate(self.socks):
+            rank, where = self.rank_of[j], self._where(j)
             join = pack_header(Header(MessageType.JOIN, self.job_id, rank=rank,
                                       token=self.token, count=len(info),
                                       elem=ElementType.BYTES)) + info
@@ -331,8 +373,8 @@ class _Generator:
             wait = 0.25
             while granted is None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the switch at {format_address(self.switch)} did "
-                                       f"not answer JOIN of rank {rank} within {timeout_s:g} s")
+                    raise TimeoutError(f"{where} did not answer JOIN of rank {rank} within "
+                                       f"{timeout_s:g} s")
                 sock.send(join)
                 self.joins_sent += 1
                 sock.settimeout(wait)
@@ -347,20 +389,25 @@ class _Generator:
                     continue
                 body = bytes(view[HEADER_SIZE:nbytes])
                 if h.type is MessageType.REFUSED:
-                    raise RuntimeError(f"the switch refused rank {rank}: "
+                    raise RuntimeError(f"{where} refused rank {rank}: "
                                        f"{body.decode(errors='replace')}")
                 if h.type is MessageType.JOINED and h.job == self.job_id:
                     granted = unpack_control_info(body)
-            if rank == 0:
-                self.slot_base = granted.slot_base
+            self.slot_base[j] = granted.slot_base
             sock.setblocking(False)
         self._build()
 
+    def _where(self, j: int) -> str:
+        """Socket j's switch, for messages: ``the switch at A`` or ``shard i/S at A``."""
+        shard, addr = self.shards[j % len(self.shards)]
+        name = f"shard {shard}/{self.s}" if self.s > 1 else "the switch"
+        return f"{name} at {format_address(addr)}"
+
     def leave(self) -> None:
-        for rank, sock in enumerate(self.socks):
+        for j, sock in enumerate(self.socks):
             try:
-                sock.send(pack_header(Header(MessageType.LEAVE, self.job_id, rank=rank,
-                                             token=self.token)))
+                sock.send(pack_header(Header(MessageType.LEAVE, self.job_id,
+                                             rank=self.rank_of[j], token=self.token)))
             except OSError:
                 pass
 
@@ -371,70 +418,81 @@ class _Generator:
     # -- requests --------------------------------------------------------------------------
 
     def _build(self) -> None:
-        """Prebuild W requests per rank (chunk i on lane i, set 0) from ``wire.pack_header``."""
-        w, k = self.w, self.k
-        for rank in range(self.n):
-            raw = np.zeros((w, self.size), dtype=np.uint8)
-            req = raw.view(self.rec).reshape(w)
+        """Prebuild each socket's requests (its lanes' first chunks, set 0) from
+        ``wire.pack_header``."""
+        k = self.k
+        for j, lanes in enumerate(self.lanes):
+            rank, wl = self.rank_of[j], len(lanes)
+            raw = np.zeros((wl, self.size), dtype=np.uint8)
+            req = raw.view(self.rec).reshape(wl)
             hdr = pack_header(Header(MessageType.REQUEST, self.job_id, rank=rank,
-                                     token=self.token, seq=1, chunk=0, slot=self.slot_base,
+                                     token=self.token, seq=1, chunk=0, slot=self.slot_base[j],
                                      set_bit=0, count=k, elem=ElementType.INT32,
                                      flags=int(Flags.HAS_DATA), exp_data=EXP_ZERO,
                                      exp_next=EXP_ZERO, digest=self.digest))
             raw[:, :HEADER_SIZE] = np.frombuffer(hdr, dtype=np.uint8)
-            req["chunk"] = np.arange(w)
-            req["slot"] = self.slot_base + np.arange(w)
+            req["chunk"] = lanes
+            req["slot"] = self.slot_base[j] + lanes
             req["payload"] = _rank_values(rank, k)
             # The record layout must be the wire's: decode a built request with wire.py.
-            h = unpack_header(raw[w - 1].tobytes())
+            h = unpack_header(raw[wl - 1].tobytes())
             assert (h.type, h.rank, h.job, h.token, h.seq, h.chunk, h.slot, h.count, h.digest) \
-                == (MessageType.REQUEST, rank, self.job_id, self.token, 1, w - 1,
-                    self.slot_base + w - 1, k, self.digest)
+                == (MessageType.REQUEST, rank, self.job_id, self.token, 1, lanes[-1],
+                    self.slot_base[j] + lanes[-1], k, self.digest)
             self.raw.append(raw)
             self.req.append(req)
 
     def start(self) -> None:
         """Fill every rank's window."""
         now = time.monotonic()
-        for r, sock in enumerate(self.socks):
-            self._send(r, sock, self.raw[r])
-            self.requests += self.w
-            self.outstanding[r][:] = True
-            self.sent_at[r][:] = now
-            self.rounds[r][:] = 1
+        for j, sock in enumerate(self.socks):
+            self._send(sock, self.raw[j])
+            self.requests += len(self.lanes[j])
+            self.outstanding[j][:] = True
+            self.sent_at[j][:] = now
+            self.rounds[j][:] = 1
 
     def stop(self) -> None:
         """Stop sending: each lane ends at the round the furthest rank has reached."""
-        self.target = np.max(np.stack(self.rounds), axis=0)
+        m = len(self.shards)
+        furthest = [np.max(np.stack(self.rounds[t::m]), axis=0) for t in range(m)]
+        self.target = [furthest[j % m] for j in range(len(self.socks))]
 
-    def _send(self, r: int, sock: socket.socket, rows: np.ndarray) -> None:
+    def _send(self, sock: socket.socket, rows: np.ndarray) -> None:
         m = len(rows)
         self.send_calls += -(-m // self.per_call) if self.gso and m > 1 else m
         self.send_blocked += _send_rows(sock, rows, self.gso, self.per_call)
 
-    def _advance(self, r: int, lanes: np.ndarray) -> None:
-        """Move ``lanes`` of rank r to their next chunk (chunk + W, other set)."""
-        req = self.req[r]
-        ch = req["chunk"][lanes] + self.w
+    def _advance(self, j: int, idx: np.ndarray) -> None:
+        """Move socket j's lanes ``idx`` (indices into its lanes) to their next chunk
+        (chunk + W, other set)."""
+        req = self.req[j]
+        ch = req["chunk"][idx] + self.w
         wrap = ch >= self.chunks_per_op
         if wrap.any():  # the next operation: seq + 1, chunks from 0 again
             ch[wrap] -= self.chunks_per_op
-            req["seq"][lanes[wrap]] += 1
-        req["chunk"][lanes] = ch
-        req["set"][lanes] ^= 1
+            req["seq"][idx[wrap]] += 1
+        req["chunk"][idx] = ch
+        req["set"][idx] ^= 1
+
+    def _index(self, j: int, slot: Any) -> Any:
+        """Socket j's index of the lane in ``slot`` (scalar or array), and whether the slot is
+        one of that socket's lanes at all."""
+        off = slot - self.slot_base[j] - self.shard_of[j]
+        idx = off // self.s
+        return idx, (off >= 0) & (off % self.s == 0) & (idx < len(self.lanes[j]))
 
     # -- results ---------------------------------------------------------------------------
 
-    def on_batch(self, r: int, data: np.ndarray, now: float) -> None:
-        """Take m equal-sized datagrams (uint8, shape (m, size)) from rank r's socket."""
+    def on_batch(self, j: int, data: np.ndarray, now: float) -> None:
+        """Take m equal-sized datagrams (uint8, shape (m, size)) from socket j."""
         arr = data.view(self.rec).reshape(len(data))
-        req = self.req[r]
-        lanes = arr["slot"].astype(np.int64) - self.slot_base
-        inside = (lanes >= 0) & (lanes < self.w)
+        req = self.req[j]
+        lanes, inside = self._index(j, arr["slot"].astype(np.int64))
         lanes_c = np.where(inside, lanes, 0)
         match = (inside & (arr["type"] == _RESULT) & (arr["job"] == self.job_id)
                  & (arr["seq"] == req["seq"][lanes_c]) & (arr["chunk"] == req["chunk"][lanes_c])
-                 & (arr["set"] == req["set"][lanes_c]) & self.outstanding[r][lanes_c])
+                 & (arr["set"] == req["set"][lanes_c]) & self.outstanding[j][lanes_c])
         if not match.all():
             self.unexpected["unmatched_result"] = (self.unexpected.get("unmatched_result", 0)
                                                    + int(len(match) - match.sum()))
@@ -453,27 +511,27 @@ class _Generator:
         self.wrong += int(bad.sum())
         self.results += len(lanes)
         if self.target is not None:  # draining: a lane goes on only up to its target round
-            go = self.rounds[r][lanes] < self.target[lanes]
-            self.outstanding[r][lanes[~go]] = False
+            go = self.rounds[j][lanes] < self.target[j][lanes]
+            self.outstanding[j][lanes[~go]] = False
             lanes = lanes[go]
             if not len(lanes):
                 return
-        self._advance(r, lanes)
-        self.rounds[r][lanes] += 1
-        self._send(r, self.socks[r], self.raw[r][lanes])
+        self._advance(j, lanes)
+        self.rounds[j][lanes] += 1
+        self._send(self.socks[j], self.raw[j][lanes])
         self.requests += len(lanes)
-        self.sent_at[r][lanes] = now
+        self.sent_at[j][lanes] = now
 
-    def on_one(self, r: int, view: memoryview, now: float) -> None:
+    def on_one(self, j: int, view: memoryview, now: float) -> None:
         """One datagram, without numpy (the --no-batching path)."""
         if len(view) != self.size:
             self._other(view)
             return
         f = HEADER.unpack_from(view)
-        i = f[10] - self.slot_base
-        req = self.req[r]
-        if not (f[2] == _RESULT and 0 <= i < self.w and f[6] == self.job_id
-                and self.outstanding[r][i]):
+        i, inside = self._index(j, f[10])
+        req = self.req[j]
+        if not (f[2] == _RESULT and inside and f[6] == self.job_id
+                and self.outstanding[j][i]):
             self.unexpected["unmatched_result"] = self.unexpected.get("unmatched_result", 0) + 1
             return
         rec = req[i]
@@ -483,25 +541,25 @@ class _Generator:
         if f[11] != self.k or bytes(view[HEADER_SIZE:]) != self.expected_bytes:
             self.wrong += 1
         self.results += 1
-        if self.target is not None and self.rounds[r][i] >= self.target[i]:
-            self.outstanding[r][i] = False
+        if self.target is not None and self.rounds[j][i] >= self.target[j][i]:
+            self.outstanding[j][i] = False
             return
-        self.rounds[r][i] += 1
+        self.rounds[j][i] += 1
         chunk = int(rec["chunk"]) + self.w
         seq = int(rec["seq"])
         if chunk >= self.chunks_per_op:
             chunk -= self.chunks_per_op
             seq += 1
-        row = self.raw[r][i]
+        row = self.raw[j][i]
         _SEQ_CHUNK.pack_into(row, 20, seq, chunk)  # seq at byte 20, chunk at 24
         row[5] ^= 1  # set
         self.send_calls += 1
         try:
-            self.socks[r].send(row)
+            self.socks[j].send(row)
         except BlockingIOError:
             self.send_blocked += 1
         self.requests += 1
-        self.sent_at[r][i] = now
+        self.sent_at[j][i] = now
 
     def _other(self, view: memoryview) -> None:
         """Anything but a full-size result: WAITING, UNKNOWN_JOB, MISMATCH, LEFT, ..."""
@@ -515,12 +573,12 @@ class _Generator:
             self.unexpected[name] = self.unexpected.get(name, 0) + 1
 
     def retransmit_stuck(self, now: float) -> None:
-        for r, sock in enumerate(self.socks):
-            stuck = np.flatnonzero(self.outstanding[r] & (now - self.sent_at[r] > self.cfg.rto_s))
+        for j, sock in enumerate(self.socks):
+            stuck = np.flatnonzero(self.outstanding[j] & (now - self.sent_at[j] > self.cfg.rto_s))
             if len(stuck):
-                self._send(r, sock, self.raw[r][stuck])
+                self._send(sock, self.raw[j][stuck])
                 self.retransmissions += len(stuck)
-                self.sent_at[r][stuck] = now
+                self.sent_at[j][stuck] = now
 
     def in_flight(self) -> int:
         return int(sum(int(o.sum()) for o in self.outstanding))
@@ -536,10 +594,10 @@ class _Generator:
     def run(self, conn: Any) -> dict[str, Any]:
         """Warm up, tell the parent (``mark``), run the interval, tell it (``end``), drain."""
         ep = select.epoll()
-        rank_of = {}
-        for r, s in enumerate(self.socks):
-            ep.register(s.fileno(), select.EPOLLIN)
-            rank_of[s.fileno()] = r
+        socket_of = {}
+        for j, sock in enumerate(self.socks):
+            ep.register(sock.fileno(), select.EPOLLIN)
+            socket_of[sock.fileno()] = j
         buf = bytearray(RECV_BUFFER_BYTES)
         rx = (buf, memoryview(buf), np.frombuffer(buf, dtype=np.uint8))
         clock = _Clock(t0=time.monotonic(), parent=os.getppid())
@@ -552,7 +610,7 @@ class _Generator:
                 if self._check(now, clock, conn):
                     break
             for fd, _ev in ep.poll(0.05):
-                self._read_socket(rank_of[fd], rx, now)
+                self._read_socket(socket_of[fd], rx, now)
         ep.close()
         return self._report(clock)
 
@@ -589,11 +647,11 @@ class _Generator:
             self.retransmit_stuck(now)
         return False
 
-    def _read_socket(self, r: int, rx: tuple[bytearray, memoryview, np.ndarray],
+    def _read_socket(self, j: int, rx: tuple[bytearray, memoryview, np.ndarray],
                      now: float) -> None:
-        """Take what rank r's socket holds: until it is empty, or 64 reads (let the others in)."""
+        """Take what socket j holds: until it is empty, or 64 reads (let the others in)."""
         buf, view, npbuf = rx
-        sock = self.socks[r]
+        sock = self.socks[j]
         size = self.size
         gro = self.gro
         for _ in range(64):
@@ -611,13 +669,13 @@ class _Generator:
                 continue
             if seg == size and nbytes % size == 0:
                 if nbytes == size and not gro:
-                    self.on_one(r, view[:nbytes], now)
+                    self.on_one(j, view[:nbytes], now)
                 else:
-                    self.on_batch(r, npbuf[:nbytes].reshape(-1, size), now)
+                    self.on_batch(j, npbuf[:nbytes].reshape(-1, size), now)
             else:  # other message types, or a short last datagram in the batch
                 for a, b in segments(nbytes, seg):
                     if b - a == size:
-                        self.on_batch(r, npbuf[a:b].reshape(1, size), now)
+                        self.on_batch(j, npbuf[a:b].reshape(1, size), now)
                     else:
                         self._other(view[a:b])
 
@@ -636,14 +694,14 @@ class _Generator:
         }
 
 
-def _generator_main(conn: Any, switch: tuple[str, int], cfg_dict: dict[str, Any],
-                    job_id: int, token: int, cpu: int | None) -> None:
+def _generator_main(conn: Any, shards: list[tuple[int, tuple[str, int]]],
+                    cfg_dict: dict[str, Any], job_id: int, token: int, cpu: int | None) -> None:
     gen = None
     try:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
         cfg = SwitchCapConfig(**cfg_dict)
-        gen = _Generator(switch, cfg, job_id, token)
+        gen = _Generator(shards, cfg, job_id, token)
         gen.join()
         conn.send(("joined", {"slot_base": gen.slot_base, "gso": gen.gso, "gro": gen.gro}))
         if conn.recv() != "go":
@@ -665,6 +723,25 @@ def _generator_main(conn: Any, switch: tuple[str, int], cfg_dict: dict[str, Any]
 
 # -- the parent ----------------------------------------------------------------------------------
 
+@dataclass
+class _Generators:
+    """The generator processes and the parent's ends of their pipes."""
+
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Any] = field(default_factory=list)
+
+    def recv_all(self, timeout_s: float, what: str) -> list[Any]:
+        """Every generator's next message body (all of the same kind)."""
+        return [_recv(c, p, timeout_s, what)[1] for c, p in zip(self.conns, self.procs)]
+
+    def send_all(self, msg: Any) -> None:
+        for c in self.conns:
+            c.send(msg)
+
+    def cpu_s(self) -> list[float]:
+        return [_proc_cpu_s(p.pid) for p in self.procs]
+
+
 def _recv(conn: Any, proc: Any, timeout_s: float, what: str) -> tuple[str, Any]:
     """The generator's next message, or an error naming what did not happen in time."""
     deadline = time.monotonic() + timeout_s
@@ -680,12 +757,18 @@ def _recv(conn: Any, proc: Any, timeout_s: float, what: str) -> tuple[str, Any]:
     return kind, body
 
 
-def _switch_snapshot(sw: SwitchProcess) -> dict[str, Any]:
-    """Switch counters and CPU at one instant (CPU first: the stats call costs the switch)."""
-    cpu = _proc_cpu_s(sw.proc.pid)
+def _switch_snapshot(sws: list[SwitchProcess]) -> dict[str, Any]:
+    """Every shard's counters and CPU at one instant (CPU first: the stats call costs the
+    switch)."""
+    cpu = [_proc_cpu_s(sw.proc.pid) for sw in sws]
     busy = _machine_busy_s()
     t = time.monotonic()
-    stats = sw.stats()
+    stats = []
+    for i, sw in enumerate(sws):
+        if not sw.proc.is_alive():
+            raise RuntimeError(f"switch shard {i}/{len(sws)} at {format_address(sw.address)} "
+                               f"exited with {sw.proc.exitcode}")
+        stats.append(sw.stats())
     return {"t": t, "cpu_s": cpu, "busy_s": busy, "stats": stats}
 
 
@@ -713,6 +796,20 @@ def _commit() -> str | None:
         return None
 
 
+def _placement(cfg: SwitchCapConfig, cores: list[int]
+               ) -> tuple[int, list[int | None], list[int | None]]:
+    """How many generators, and the core each shard and each generator is pinned to (None:
+    not pinned). Every process gets a core of its own where there are enough; otherwise the
+    shards get one each (round robin) and the generators float."""
+    s = cfg.shards
+    g = cfg.generators or s
+    if len(cores) >= s + g:
+        return g, list(cores[:s]), list(cores[s:s + g])
+    if len(cores) >= 2:
+        return g, [cores[i % len(cores)] for i in range(s)], [None] * g
+    return g, [None] * s, [None] * g
+
+
 def run_switchcap(cfg: SwitchCapConfig,
                   progress: Callable[[str, float], None] | None = None) -> SwitchCapResult:
     """Run the benchmark; everything it started is stopped when it returns or raises.
@@ -727,73 +824,89 @@ def run_switchcap(cfg: SwitchCapConfig,
 
     cores = sorted(os.sched_getaffinity(0))
     load_before = os.getloadavg()[0]
-    switch_cpu, gen_cpu = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
+    n_gen, switch_cpus, gen_cpus = _placement(cfg, cores)
     ctx = mp.get_context("spawn")
     spec = new_job_spec(cfg.workers, window=cfg.window,
                         elements_per_packet=cfg.elements_per_packet)
-    tell("starting the switch", 0.0)
-    with _children_ignore_sigint():  # Ctrl-C reaches this process only; it stops the others
-        sw = SwitchProcess(ctx, batching=cfg.batching)
-    gen = None
-    parent_conn = None
+    tell("starting the switch" if cfg.shards == 1 else f"starting {cfg.shards} shards", 0.0)
+    sws: list[SwitchProcess] = []
+    gens = _Generators()
     ok = False
     try:
-        parent_conn, child_conn = ctx.Pipe()
-        gen = ctx.Process(target=_generator_main, daemon=True,
-                          args=(child_conn, sw.address, asdict(cfg), spec.job_id, spec.token,
-                                gen_cpu))
-        with _children_ignore_sigint():
-            gen.start()
-        child_conn.close()
-        samples = _measure(cfg, sw, gen, parent_conn, switch_cpu, tell)
+        with _children_ignore_sigint():  # Ctrl-C reaches this process only; it stops the others
+            for i in range(cfg.shards):
+                sws.append(SwitchProcess(ctx, batching=cfg.batching, shard=(i, cfg.shards)))
+        for g in range(n_gen):
+            mine = [(i, sws[i].address) for i in range(cfg.shards) if i % n_gen == g]
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_generator_main, daemon=True,
+                               args=(child_conn, mine, asdict(cfg), spec.job_id, spec.token,
+                                     gen_cpus[g]))
+            with _children_ignore_sigint():
+                proc.start()
+            child_conn.close()
+            gens.procs.append(proc)
+            gens.conns.append(parent_conn)
+        samples = _measure(cfg, sws, gens, switch_cpus, tell)
         ok = True
     finally:
-        if gen is not None:
-            _stop_generator(gen, ok)
-        if parent_conn is not None:
-            parent_conn.close()
-        sw.stop()
-    pinned = {"switch_cpu": switch_cpu, "generator_cpu": gen_cpu, "cores": len(cores)}
+        for proc in gens.procs:
+            _stop_generator(proc, ok)
+        for conn in gens.conns:
+            conn.close()
+        for sw in sws:
+            sw.stop()
+    pinned = {"switch_cpu": switch_cpus[0], "generator_cpu": gen_cpus[0], "cores": len(cores),
+              "switch_cpus": switch_cpus, "generator_cpus": gen_cpus}
     return _result(cfg, samples, pinned, load_before)
 
 
-def _measure(cfg: SwitchCapConfig, sw: SwitchProcess, gen: Any, conn: Any,
-             switch_cpu: int | None, tell: Callable[[str, float], None]) -> dict[str, Any]:
-    """Join, warm up, measure, drain: the generator's reports and the switch's snapshots."""
+def _measure(cfg: SwitchCapConfig, sws: list[SwitchProcess], gens: _Generators,
+             switch_cpus: list[int | None], tell: Callable[[str, float], None]
+             ) -> dict[str, Any]:
+    """Join, warm up, measure, drain: the generators' reports and the shards' snapshots.
+
+    With several generators each keeps its own interval (from its first result); the
+    shards' interval runs from the last generator's start to the last one's end, so the
+    generators' skew (milliseconds: they start together) is in the switch figures."""
     tell("joining", 0.0)
-    _recv(conn, gen, 60.0, "joining the job")
-    if switch_cpu is not None:
-        _pin_process(sw.proc.pid, switch_cpu)  # all its threads exist by now
-    first = _switch_snapshot(sw)
-    conn.send("go")
-    tell("warming up", 0.0)
+    gens.recv_all(60.0, "joining the job")
+    for sw, cpu in zip(sws, switch_cpus):
+        if cpu is not None:
+            _pin_process(sw.proc.pid, cpu)  # all its threads exist by now
+    first = _switch_snapshot(sws)
+    gens.send_all("go")
     tell("waiting for the first result (the switch may be compiling)", 0.0)
-    _kind, first_s = _recv(conn, gen, cfg.first_result_timeout_s + 30.0,
-                           "the switch's first result")
+    first_s = max(gens.recv_all(cfg.first_result_timeout_s + 30.0,
+                                "the switch's first result"))
     tell("warming up", 0.0)
-    _kind, g_mark = _recv(conn, gen, cfg.warmup_s + 30.0, "the start of the interval")
-    s_mark = _switch_snapshot(sw)
-    c_gen0 = _proc_cpu_s(gen.pid)
-    _wait_for_interval(cfg, gen, conn, tell)
-    s_end = _switch_snapshot(sw)
-    c_gen1 = _proc_cpu_s(gen.pid)
-    _kind, g_end = _recv(conn, gen, 1.0, "the end of the interval")
+    g_mark = gens.recv_all(cfg.warmup_s + 30.0, "the start of the interval")
+    s_mark = _switch_snapshot(sws)
+    c_gen0 = gens.cpu_s()
+    _wait_for_interval(cfg, gens, tell)
+    s_end = _switch_snapshot(sws)
+    c_gen1 = gens.cpu_s()
+    g_end = gens.recv_all(5.0, "the end of the interval")
     tell("draining", 1.0)
-    _kind, report = _recv(conn, gen, cfg.drain_s + 30.0, "its final counters")
-    final = _switch_snapshot(sw)
+    reports = gens.recv_all(cfg.drain_s + 30.0, "its final counters")
+    final = _switch_snapshot(sws)
     return {"first": first, "first_s": first_s, "g_mark": g_mark, "s_mark": s_mark,
             "c_gen0": c_gen0, "s_end": s_end, "c_gen1": c_gen1, "g_end": g_end,
-            "report": report, "final": final}
+            "reports": reports, "final": final}
 
 
-def _wait_for_interval(cfg: SwitchCapConfig, gen: Any, conn: Any,
+def _wait_for_interval(cfg: SwitchCapConfig, gens: _Generators,
                        tell: Callable[[str, float], None]) -> None:
-    """Until the generator says the interval ended (its message is left in the pipe)."""
+    """Until every generator says the interval ended (their messages are left in the
+    pipes)."""
     t_end = time.monotonic() + cfg.seconds
-    while not conn.poll(0.25):
+    pending = list(zip(gens.conns, gens.procs))
+    while pending:
+        pending = [(c, p) for c, p in pending if not c.poll(0.25 / len(pending))]
         left = t_end - time.monotonic()
-        if not gen.is_alive():
-            raise RuntimeError(f"the generator process exited with {gen.exitcode}")
+        for _c, p in pending:
+            if not p.is_alive():
+                raise RuntimeError(f"the generator process exited with {p.exitcode}")
         if left < -30.0:
             raise TimeoutError("the generator did not end the interval in time")
         tell(f"measuring ({max(left, 0):.0f} s left)",
@@ -813,8 +926,10 @@ def _stop_generator(gen: Any, ok: bool) -> None:
         gen.join()
 
 
-def _bottleneck(sw_pct: float, gen_pct: float, other_pct: float) -> str:
-    """Which side limited the rate, from the CPU each used over the interval."""
+def _bottleneck(sw_pct: float, gen_pct: float, other_pct: float,
+                machine_pct: float = 0.0) -> str:
+    """Which side limited the rate, from the CPU each used over the interval (the busiest
+    shard, the busiest generator) and the whole machine's use in % of all its cores."""
     if sw_pct >= 90.0 and gen_pct >= 90.0:
         return "both near 100% (the rate is a lower bound of the switch's)"
     if sw_pct >= 90.0:
@@ -823,6 +938,8 @@ def _bottleneck(sw_pct: float, gen_pct: float, other_pct: float) -> str:
         return "generator"
     if other_pct >= 20.0:
         return f"undetermined: other processes used {other_pct:.0f}% of a core"
+    if machine_pct >= 90.0:
+        return "the machine: every core busy (the rate is a lower bound of the switch's)"
     return "neither at 90% CPU (latency-bound)"
 
 
@@ -854,37 +971,97 @@ def _generator_figures(g_mark: dict[str, Any], g_end: dict[str, Any], report: di
     }
 
 
+def _merge_generators(figs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The generators' figures as one: counters and rates summed, dicts merged, the interval
+    and the first result the longest, GSO/GRO only if every generator had them."""
+    if len(figs) == 1:
+        return figs[0]
+    out: dict[str, Any] = {}
+    for key, v in figs[0].items():
+        vals = [f[key] for f in figs]
+        if isinstance(v, bool):
+            out[key] = all(vals)
+        elif key in ("interval_s", "first_result_after_s"):
+            out[key] = max(vals)
+        elif isinstance(v, dict):
+            out[key] = _sum_dicts(vals)
+        else:
+            out[key] = sum(vals)
+    out["per_generator"] = figs
+    return out
+
+
+def _sum_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers summed key by key (booleans: all true); other values from the first."""
+    out: dict[str, Any] = {}
+    for d in ds:
+        for key, v in d.items():
+            if key not in out:
+                out[key] = dict(v) if isinstance(v, dict) else v
+            elif isinstance(v, bool):
+                out[key] = out[key] and v
+            elif isinstance(v, (int, float)):
+                out[key] += v
+            elif isinstance(v, dict):
+                out[key] = _sum_dicts([out[key], v])
+    return out
+
+
+def _shard_figures(i: int, dt: float, s_mark: dict[str, Any], s_end: dict[str, Any],
+                   cpu: int | None) -> dict[str, Any]:
+    """One shard's rate and CPU over the interval."""
+    st0, st1 = s_mark["stats"][i], s_end["stats"][i]
+    d_in = int(st1.get("packets_in", 0)) - int(st0.get("packets_in", 0))
+    d_out = int(st1.get("packets_out", 0)) - int(st0.get("packets_out", 0))
+    sw_cpu = s_end["cpu_s"][i] - s_mark["cpu_s"][i]
+    return {"shard": i, "pinned_cpu": cpu, "datagrams_in": d_in, "datagrams_out": d_out,
+            "in_per_s": d_in / dt, "out_per_s": d_out / dt,
+            "cpu_s": sw_cpu, "cpu_percent": 100.0 * sw_cpu / dt,
+            "cpu_us_per_datagram": 1e6 * sw_cpu / d_in if d_in else float("nan"),
+            "capacity_per_s": d_in / sw_cpu if sw_cpu > 0 else float("nan")}
+
+
 def _result(cfg: SwitchCapConfig, m: dict[str, Any], pinned: dict[str, Any],
             load_before: float) -> SwitchCapResult:
     """The figures from ``_measure``'s samples ``m``."""
     s_mark, s_end = m["s_mark"], m["s_end"]
     dt = s_end["t"] - s_mark["t"]
-    st0, st1 = s_mark["stats"], s_end["stats"]
-    d_in = int(st1.get("packets_in", 0)) - int(st0.get("packets_in", 0))
-    d_out = int(st1.get("packets_out", 0)) - int(st0.get("packets_out", 0))
-    sw_cpu = s_end["cpu_s"] - s_mark["cpu_s"]
-    gen_cpu_s = m["c_gen1"] - m["c_gen0"]
+    shards = [_shard_figures(i, dt, s_mark, s_end, cpu)
+              for i, cpu in enumerate(pinned["switch_cpus"])]
+    d_in = sum(f["datagrams_in"] for f in shards)
+    d_out = sum(f["datagrams_out"] for f in shards)
+    sw_cpu = sum(f["cpu_s"] for f in shards)
+    gen_pcts = [100.0 * (b - a) / dt for a, b in zip(m["c_gen0"], m["c_gen1"])]
     sw_pct = 100.0 * sw_cpu / dt
-    gen_pct = 100.0 * gen_cpu_s / dt
-    other_pct = max(0.0, 100.0 * (s_end["busy_s"] - s_mark["busy_s"]) / dt - sw_pct - gen_pct)
-    generator = _generator_figures(m["g_mark"], m["g_end"], m["report"], m["first_s"])
-    fs = m["final"]["stats"]
-    errors = {key: int(fs.get(key, 0)) - int(m["first"]["stats"].get(key, 0))
+    gen_pct = sum(gen_pcts)
+    busy_pct = 100.0 * (s_end["busy_s"] - s_mark["busy_s"]) / dt
+    other_pct = max(0.0, busy_pct - sw_pct - gen_pct)
+    generator = _merge_generators([
+        _generator_figures(gm, ge, rep, m["first_s"])
+        for gm, ge, rep in zip(m["g_mark"], m["g_end"], m["reports"])])
+    final, first = m["final"]["stats"], m["first"]["stats"]
+    fs = final[0] if len(final) == 1 else _sum_dicts(final)
+    errors = {key: sum(int(f.get(key, 0)) - int(b.get(key, 0)) for f, b in zip(final, first))
               for key in ("internal_errors", "send_errors", "truncated")}
+    capacity = sum(f["capacity_per_s"] for f in shards)
     return SwitchCapResult(
-        config={**asdict(cfg), "datagram_bytes": cfg.datagram_bytes},
+        config={**asdict(cfg), "datagram_bytes": cfg.datagram_bytes,
+                "generators": len(gen_pcts)},
         interval_s=dt,
         switch_datagrams_in=d_in, switch_datagrams_out=d_out,
         switch_in_per_s=d_in / dt, switch_out_per_s=d_out / dt,
         payload_gbytes_per_s=d_in * cfg.elements_per_packet * 4 / dt / 1e9,
         switch_cpu_percent=sw_pct, generator_cpu_percent=gen_pct, other_cpu_percent=other_pct,
         switch_cpu_us_per_datagram=1e6 * sw_cpu / d_in if d_in else float("nan"),
-        switch_capacity_per_s=d_in / sw_cpu if sw_cpu > 0 else float("nan"),
-        bottleneck=_bottleneck(sw_pct, gen_pct, other_pct), generator=generator,
+        switch_capacity_per_s=capacity,
+        bottleneck=_bottleneck(max(f["cpu_percent"] for f in shards), max(gen_pcts),
+                               other_pct, busy_pct / pinned["cores"]),
+        generator=generator,
         drops={str(k): int(v) for k, v in dict(fs.get("drops", {})).items()},
         switch_errors=errors,
         switch_stats={k: v for k, v in fs.items() if k != "elements_aggregated"},
         pinned=pinned,
+        shards=shards,
         machine={"cpus": os.cpu_count(), "uname": " ".join(os.uname()), "commit": _commit(),
                  "date": time.strftime("%Y-%m-%d"), "loadavg_before": load_before},
     )

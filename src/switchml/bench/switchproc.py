@@ -18,11 +18,12 @@ def rss_bytes(pid: int) -> int:
 
 
 def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None,
-           batching: bool = True) -> None:
+           batching: bool = True, shard: tuple[int, int] = (0, 1)) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
     server = SwitchServer(host="127.0.0.1", port=0,
-                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret),
+                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret,
+                                              shard_index=shard[0], shard_count=shard[1]),
                           batching=batching)
     conn.send(server.address)
     server.start()
@@ -41,12 +42,16 @@ def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None,
 
 
 class SwitchProcess:
-    """Start a switch on a free loopback port in a child process of ``ctx`` (spawn)."""
+    """Start a switch on a free loopback port in a child process of ``ctx`` (spawn).
+
+    ``shard``: (i, S), shard i of a switch sharded over S processes."""
 
     def __init__(self, ctx: Any, lease_timeout_s: float = 30.0,
-                 secret: bytes | None = None, batching: bool = True) -> None:
+                 secret: bytes | None = None, batching: bool = True,
+                 shard: tuple[int, int] = (0, 1)) -> None:
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, lease_timeout_s, secret, batching),
+        self.proc = ctx.Process(target=_serve,
+                                args=(child, lease_timeout_s, secret, batching, shard),
                                 daemon=True)
         self.proc.start()
         if not self._conn.poll(30):
