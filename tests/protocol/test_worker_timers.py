@@ -127,6 +127,25 @@ def test_rto_adapts_to_measured_rtt_and_governs_retransmission() -> None:
     assert np.array_equal(outs[0], int_sum(inputs))
 
 
+@pytest.mark.parametrize("srtts,low,high", [(3.0, 0.0299, 0.0301), (1.0, 0.010, 0.0125)])
+def test_steady_round_trips_keep_the_timeout_at_min_rto_srtts(srtts, low, high) -> None:
+    """With steady 10 ms round trips rttvar decays and srtt + 4 rttvar falls towards srtt; the
+    floor of ``min_rto_srtts`` round trips keeps the timeout above the time another rank's NACK
+    recovery takes (1: plain RFC 6298)."""
+    cfg = WorkerConfig(initial_rto_s=0.5, min_rto_s=0.001, max_rto_s=1.0, min_rto_srtts=srtts)
+    c = cluster(latency=0.005, config=cfg)
+    inputs = int_inputs(2, 4)
+    for _ in range(30):
+        c.allreduce(inputs)
+    for w in c.workers:
+        assert low <= w.rto_s <= high
+
+
+def test_min_rto_srtts_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_rto_srtts must be >= 1"):
+        WorkerConfig(min_rto_srtts=0.5)
+
+
 def test_rto_is_clamped_to_min_rto() -> None:
     cfg = WorkerConfig(initial_rto_s=0.2, min_rto_s=0.05, max_rto_s=1.0)
     c = cluster(config=cfg)  # RTT 100 us -> srtt + 4 rttvar = 300 us, below the clamp

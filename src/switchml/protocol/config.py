@@ -150,6 +150,13 @@ class WorkerConfig:
     """Lower clamp of the adaptive timeout (srtt + 4 rttvar, RFC 6298 style). Default 10 ms."""
     max_rto_s: float = 1.0
     """Upper clamp, also for exponential backoff of a chunk lost repeatedly. Default 1 s."""
+    min_rto_srtts: float = 3.0
+    """The timeout is also at least this many smoothed round trips. A slot held up by another
+    rank's loss completes after that rank's NACK recovery: the NACK down, the re-send up and
+    the result down cross the same queues as a round trip does, so about two round trips
+    after this rank's request; a timeout that fires meanwhile only re-sends what the switch
+    already has, on a path with a standing queue for every loss. Timeouts are the backstop
+    (NACKs and tail probes recover loss first). 1 gives plain RFC 6298. Default 3."""
     op_timeout_s: float = 15.0
     """An operation with no progress for this long fails with an error naming the switch or the
     silent peers. Must exceed the longest stall a healthy peer can have (e.g. a slow backward
@@ -192,6 +199,8 @@ class WorkerConfig:
                f"min_reorder_window_s must be >= 0, got {self.min_reorder_window_s}")
         _check(self.keepalive_s > 0, f"keepalive_s must be > 0, got {self.keepalive_s}")
         _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
+        _check(self.min_rto_srtts >= 1.0,
+               f"min_rto_srtts must be >= 1 (round trips), got {self.min_rto_srtts}")
         _check(0 < self.min_rto_s <= self.initial_rto_s <= self.max_rto_s,
                "expected 0 < min_rto_s <= initial_rto_s <= max_rto_s, got "
                f"{self.min_rto_s}, {self.initial_rto_s}, {self.max_rto_s}")

@@ -2,10 +2,10 @@
 
 Theory of operation. The result of a chunk is its only acknowledgement. Every outstanding
 chunk has a retransmission deadline from an RFC 6298 style estimate (``srtt + 4 rttvar``,
-Karn's rule: no sample from a re-sent chunk), doubled at each expiry up to ``max_rto_s``; a
-lane's last chunk, which no later chunk can reveal as missing, is probed a reorder window
-after a chunk sent after it has its result (a tail-loss probe, RFC 8985 section 7;
-``kernels.stream``).
+at least ``min_rto_srtts`` x srtt; Karn's rule: no sample from a re-sent chunk), doubled at
+each expiry up to ``max_rto_s``; a lane's last chunk, which no later chunk can reveal as
+missing, is probed a reorder window after a chunk sent after it has its result (a tail-loss
+probe, RFC 8985 section 7; ``kernels.stream``).
 Faster than timeouts:
 
 * **NACKs** (the default): the switch sees a rank's later chunks arrive while an earlier one
@@ -49,6 +49,7 @@ class LossRecovery:
         rtt[K.R.REO_SCALE] = 1.0
         rtt[K.R.MAX_REO_SCALE] = config.max_reorder_scale
         rtt[K.R.MIN_REO_WINDOW] = config.min_reorder_window_s
+        rtt[K.R.RTO_SRTTS] = config.min_rto_srtts
         self.rtt = rtt
         self.fast_retransmit = config.fast_retransmit
 

@@ -126,6 +126,8 @@ class SimConfig:
     failures: tuple[LinkFailure, ...] = ()
     seed: int = 0
     min_rto_s: float = 0.01
+    min_rto_srtts: float = 3.0
+    """``WorkerConfig.min_rto_srtts``: the timeout is at least this many srtt."""
     initial_rto_s: float = 0.2
     max_rto_s: float = 1.0
     op_timeout_s: float = 15.0

@@ -264,7 +264,8 @@ def _inputs(config: SimConfig, seed: int) -> list[np.ndarray]:
 
 def _endpoint_configs(c: SimConfig) -> tuple[WorkerConfig, SwitchConfig]:
     """The workers' and switches' settings for ``c``."""
-    wcfg = WorkerConfig(min_rto_s=c.min_rto_s, initial_rto_s=c.initial_rto_s,
+    wcfg = WorkerConfig(min_rto_s=c.min_rto_s, min_rto_srtts=c.min_rto_srtts,
+                        initial_rto_s=c.initial_rto_s,
                         max_rto_s=c.max_rto_s, op_timeout_s=c.op_timeout_s)
     scfg = SwitchConfig(max_window=max(256, c.slots), max_workers=max(4096, c.workers),
                         pool_slots=max(1024, c.slots), nack_gap=c.nack_gap)

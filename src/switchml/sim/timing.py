@@ -13,7 +13,8 @@ what decides *when* things happen and drops the data:
   (``protocol/tree.py``). A retransmission into a completed round is answered with a unicast
   copy (the shadow copy); a lost request is re-sent when the worker's timer expires: the
   deadline is ``send + rto * 2^tries`` (capped at ``max_rto_s``), ``rto = srtt + 4 rttvar``
-  from first transmissions (RFC 6298, Karn), clamped to ``[min_rto_s, max_rto_s]``.
+  from first transmissions (RFC 6298, Karn), at least ``min_rto_srtts`` x srtt, clamped to
+  ``[min_rto_s, max_rto_s]``.
 * Links are FIFO queues drained at their rate, then a propagation delay; a frame that does
   not fit the queue is dropped, one that leaves is lost with the link's probability; a failed
   link drops everything.
@@ -558,7 +559,8 @@ class TimingModel:
             var = 0.75 * var + 0.25 * np.abs(srtt - rtt)
             srtt = 0.875 * srtt + 0.125 * rtt
         self.srtt[ws], self.rttvar[ws] = srtt, var
-        self.rto[ws] = np.clip(srtt + 4 * var, c.min_rto_s, c.max_rto_s)
+        self.rto[ws] = np.clip(np.maximum(srtt + 4 * var, c.min_rto_srtts * srtt),
+                               c.min_rto_s, c.max_rto_s)
 
     # -- loop ---------------------------------------------------------------------------------
 

@@ -85,9 +85,10 @@ class R(IntEnum):
     FMAX = 10  # largest finite value of the output dtype
     MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
     MIN_REO_WINDOW = 12  # WorkerConfig.min_reorder_window_s
+    RTO_SRTTS = 13  # WorkerConfig.min_rto_srtts: the timeout is at least this many srtt
 
 
-R_FIELDS = 13
+R_FIELDS = 14
 
 
 class LN(IntEnum):
@@ -239,7 +240,8 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
 
 @njit(**INLINE)
 def _update_rtt(rtt, sample):
-    """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, clamped."""
+    """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, at least RTO_SRTTS x srtt,
+    clamped."""
     if rtt[R.MIN_RTT] < 0 or sample < rtt[R.MIN_RTT]:
         rtt[R.MIN_RTT] = sample
     if rtt[R.SRTT] < 0:
@@ -248,7 +250,8 @@ def _update_rtt(rtt, sample):
     else:
         rtt[R.RTTVAR] = 0.75 * rtt[R.RTTVAR] + 0.25 * abs(rtt[R.SRTT] - sample)
         rtt[R.SRTT] = 0.875 * rtt[R.SRTT] + 0.125 * sample
-    rtt[R.RTO] = min(max(rtt[R.SRTT] + 4 * rtt[R.RTTVAR], rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
+    rto = max(rtt[R.SRTT] + 4 * rtt[R.RTTVAR], rtt[R.RTO_SRTTS] * rtt[R.SRTT])
+    rtt[R.RTO] = min(max(rto, rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
 
 
 @njit(**INLINE)
