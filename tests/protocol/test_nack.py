@@ -249,3 +249,43 @@ def test_a_late_rank_causes_no_tail_probe():
     p.up(1, 0.030)  # rank 1 catches up; both rounds complete, in order
     p.down(0.031)
     assert a.state.value == "ready" and a.counters["retransmissions"] == 0
+
+
+def _nack_to(p: _Pair, r: int, chunk: int, now: float) -> list[Header]:
+    """A crafted NACK for ``chunk`` to rank r; the datagrams it answers with."""
+    slot = p.w[r].slot_base + chunk % 2
+    h = Header(MessageType.NACK, JOB, rank=r, token=TOKEN, seq=p.seq, chunk=chunk, slot=slot,
+               elem=ElementType.BYTES)
+    p.w[r].receive_datagram(pack_header(h), p.sa, now)
+    return [unpack_header(bytes(d)) for d, _ in p.w[r].datagrams_to_send(now)]
+
+
+def test_a_nack_resend_after_a_timeout_resend_is_not_marked_as_its_answer():
+    """The switch widens its NACK gap when a re-send marked as a NACK's answer (RESENT) finds
+    the chunk already in: then the original was only late. A re-send after the chunk was
+    already re-sent by a timeout says nothing of the kind (the timeout's copy got in first),
+    so it is not marked; otherwise timeouts racing NACKs would widen the gap and turn NACKs
+    off for the rest of the job."""
+    p = _Pair()
+    p.start_and_send_last_chunks()
+    sent = [unpack_header(bytes(d)) for d, _ in p.w[1].datagrams_to_send(0.0015)]
+    p.seq = sent[0].seq
+    # Rank 1's chunk 2 (sent first) was lost; its timer re-sends it, unmarked.
+    b = p.w[1]
+    t = b.get_timer()
+    b.handle_timer(t)
+    (resent,) = [unpack_header(bytes(d)) for d, _ in b.datagrams_to_send(t)]
+    assert resent.chunk == 2 and not resent.flags & Flags.RESENT
+    # A NACK for chunk 2 comes after the timeout's re-send: re-sent again, unmarked.
+    (again,) = _nack_to(p, 1, 2, t + 0.01)
+    assert again.chunk == 2 and not again.flags & Flags.RESENT
+    assert b.counters["nack_retransmissions"] == 1
+
+
+def test_a_nack_answered_by_a_first_resend_is_marked():
+    p = _Pair()
+    p.start_and_send_last_chunks()
+    sent = [unpack_header(bytes(d)) for d, _ in p.w[1].datagrams_to_send(0.0015)]
+    p.seq = sent[0].seq
+    (first,) = _nack_to(p, 1, 2, 0.004)  # before any timeout: the chunk's first re-send
+    assert first.chunk == 2 and first.flags & Flags.RESENT

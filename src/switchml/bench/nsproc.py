@@ -20,6 +20,10 @@ import numpy as np
 
 from switchml import env
 
+RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes",
+                     "nacks_ignored", "waiting_received")
+"""The workers' loss-recovery counters a testbed row reports (``WorkerEndpoint.counters``)."""
+
 
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -109,8 +113,8 @@ def switchml(a: dict[str, Any]) -> None:
         r["fast_retransmissions"] = c.get("fast_retransmissions", 0)
         r["system_calls"] = {k: c.get(k, 0) for k in ("packets_sent", "results_received",
                                                        "send_calls", "recv_calls")}
-        r["recovery"] = {k: c.get(k, 0) for k in ("nack_retransmissions", "nacks_ignored",
-                                                   "waiting_received", "retransmissions")}
+        r["recovery"] = {k: c.get(k, 0) for k in RECOVERY_COUNTERS}
+        r["round_trip"] = {"srtt_s": w.endpoint.recovery.srtt_s, "rto_s": w.endpoint.rto_s}
     _emit(r)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from switchml.bench.nsproc import RECOVERY_COUNTERS
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
@@ -190,7 +191,8 @@ def _switchml_extra(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "retransmissions": sum(r["retransmissions"] for r in rows),
         "fast_retransmissions": sum(r.get("fast_retransmissions", 0) for r in rows),
         "recovery": {k: sum(r.get("recovery", {}).get(k, 0) for r in rows)
-                     for k in ("nack_retransmissions", "nacks_ignored", "waiting_received")},
+                     for k in RECOVERY_COUNTERS},
+        "round_trip": [r.get("round_trip") for r in rows],
         "worker_datagrams_per_recv_call": round(
             sum(c.get("results_received", 0) for c in calls)
             / max(1, sum(c.get("recv_calls", 0) for c in calls)), 2),

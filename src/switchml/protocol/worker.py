@@ -75,7 +75,8 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
                     ("payload_bytes_resent", K.WC.PAYLOAD_RESENT),
                     ("retransmissions", K.WC.RETRANSMISSIONS),
-                    ("spurious_fast_retransmissions", K.WC.SPURIOUS))
+                    ("spurious_fast_retransmissions", K.WC.SPURIOUS),
+                    ("tail_probes", K.WC.TAIL_PROBES))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
@@ -342,7 +343,9 @@ class WorkerEndpoint:
         ``payload_bytes_resent`` (re-sends), ``retransmissions``, ``results_received``,
         ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
         ``spurious_fast_retransmissions``, ``nack_retransmissions``, ``nacks_ignored``,
-        ``operations_completed``, ``operations_restarted``, ``operations_failed``."""
+        ``timer_retransmissions`` (deadlines that passed: timeouts and tail-loss probes),
+        ``tail_probes`` (deadlines a probe brought forward), ``operations_completed``,
+        ``operations_restarted``, ``operations_failed``."""
         return K.counter_snapshot(self._counters, self._cnt, _KERNEL_COUNTERS)
 
     @property
@@ -454,9 +457,12 @@ class WorkerEndpoint:
             return
         self._counters["nack_retransmissions"] += 1
         self._send_chunk(op, p, now, retransmit=True, fast=True)
-        if p == h.chunk:
+        if p == h.chunk and op.lane[K.LN.XMITS, i] == 1:
             # The switch thinks this request was lost: mark the re-send, so that it can tell
-            # when it was only late (reordered) and widen its NACK gap.
+            # when it was only late (reordered) and widen its NACK gap. Only the chunk's
+            # first re-send: after a timeout's or a probe's, finding the chunk in shows that
+            # copy got there first, not that the network reorders (marking it would widen
+            # the gap whenever timeouts race NACKs, and turn NACKs off for good).
             op.txbuf[i, 4] |= Flags.RESENT
 
     def _handle_mismatch(self, h: Header, data: _Data, now: float) -> None:
@@ -599,6 +605,7 @@ class WorkerEndpoint:
         op = self._op
         assert op is not None
         for p in self.recovery.due_chunks(op, now):
+            self._counters["timer_retransmissions"] += 1
             self._send_chunk(op, p, now, retransmit=True)
         if self.recovery.timed_out(now):
             self._fail(self.recovery.silence_reason(

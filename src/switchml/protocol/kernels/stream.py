@@ -129,7 +129,8 @@ class WC(IntEnum):
     BAD_COUNT = 7
     SPURIOUS = 8
     PAYLOAD_RESENT = 9  # payload bytes of re-sends (timeouts, probes, NACKs, RACK)
-    N = 10
+    TAIL_PROBES = 10  # lanes' last chunks whose deadline a tail-loss probe brought forward
+    N = 11
 
 
 class WS(IntEnum):
@@ -359,7 +360,7 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
 
 
 @njit(**INLINE)
-def _probe_tail(opv, lane, lanef, rtt, now):
+def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     """Tail-loss probe (RFC 8985 section 7): a lane's last chunk has no later chunk on its lane
     to show the switch it is missing (NACKs). Every rank releases chunks in the order the
     switch multicasts results, and datagrams travel one path in order; so when the result of a
@@ -377,7 +378,9 @@ def _probe_tail(opv, lane, lanef, rtt, now):
             sent = lanef[LF.XMIT_AT, j]
             if sent >= t or now - sent < rtt[R.MIN_RTT]:
                 break
-            lanef[LF.DEADLINE, j] = min(lanef[LF.DEADLINE, j], now + window)
+            if now + window < lanef[LF.DEADLINE, j]:
+                lanef[LF.DEADLINE, j] = now + window
+                cnt[WC.TAIL_PROBES] += 1
         h += 1
     opv[OP.TAIL_HEAD] = h
 
@@ -413,7 +416,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         cnt[WC.RESULTS] += 1
         _time_round_trip(ln_i, now, lane, lanef, rtt, cnt)
         if opv[OP.TAIL_END] > opv[OP.TAIL_HEAD]:
-            _probe_tail(opv, lane, lanef, rtt, now)
+            _probe_tail(opv, lane, lanef, rtt, now, cnt)
         opv[OP.DONE] += 1
         nxt = p + opv[OP.E]
         if nxt < opv[OP.T]:
