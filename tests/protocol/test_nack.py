@@ -126,6 +126,32 @@ def test_a_needless_nack_resend_is_counted():
     assert sw.stats()["nacks_needless"] == 1
 
 
+def test_a_widened_gap_halves_back_after_calm_rounds():
+    """A needless NACK doubles the job's gap; nack_calm completed rounds without another
+    halve it again, whether or not any NACK was sent meanwhile (a gap widened far enough sends
+    none, so counting needed NACKs would never bring it back)."""
+    sw = SwitchDataplane(SwitchConfig(nack_gap=1, nack_calm=3))
+    info = pack_control_info(ControlInfo(N, W, K))
+    for r, addr in enumerate(ADDRS):
+        h = Header(MessageType.JOIN, JOB, rank=r, token=TOKEN, count=len(info),
+                   elem=ElementType.BYTES)
+        sw.receive_datagram(pack_header(h) + info, addr, now=0.0)
+    base = unpack_control_info(bytes(sw.datagrams_to_send(now=0.0)[0][0])[40:]).slot_base
+    gaps = lambda: sw.stats()["nack_gaps"][JOB]  # noqa: E731
+    _deliver(sw, _chunk(base, 0, 0), ADDRS[0])
+    _deliver(sw, _chunk(base, 1, 0), ADDRS[1])  # round 0 completes
+    _deliver(sw, _chunk(base, 0, 1), ADDRS[0])
+    _deliver(sw, _chunk(base, 0, 1, flags=Flags.RESENT), ADDRS[0])  # needless
+    assert gaps() == 2
+    for p, r in [(1, 1), (2, 0), (2, 1)]:  # rounds 1 and 2: two calm completions
+        _deliver(sw, _chunk(base, r, p), ADDRS[r])
+    assert gaps() == 2
+    _deliver(sw, _chunk(base, 0, 3), ADDRS[0])
+    _deliver(sw, _chunk(base, 1, 3), ADDRS[1])  # the third: halved back
+    assert gaps() == 1
+    assert sw.stats()["nacks_needless"] == 1
+
+
 def _one_op(drop_once, gap: int,
             drop) -> tuple[MemoryCluster, float, list[np.ndarray], np.ndarray]:
     # Timeouts of 2 s: anything that recovers sooner than that was not a timeout.

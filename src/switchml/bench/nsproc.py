@@ -67,6 +67,7 @@ def switch(a: dict[str, Any]) -> None:
     stats = server.stats()
     server.stop()
     _emit({"cpu_s": _cpu() - c0, "drops": stats["drops"], "nacks_sent": stats["nacks_sent"],
+           "nacks_needless": stats["nacks_needless"],
            "results_resent": stats["results_resent"], "packets_in": stats["packets_in"],
            "packets_out": stats["packets_out"], "recv_calls": stats["recv_calls"],
            "send_calls": stats["send_calls"]})

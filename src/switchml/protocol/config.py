@@ -49,8 +49,8 @@ class SwitchConfig:
     """Completions the switch remembers per job for NACKs, in windows (a ring of
     ``nack_log_windows * window``); it also caps how far a widened NACK gap grows. Default 8."""
     nack_calm: int = 64
-    """After this many needed NACK re-sends in a row, a widened gap halves again towards
-    ``nack_gap`` (the network stopped reordering). Default 64."""
+    """After this many completed rounds of the job without a needless NACK, a widened gap
+    halves again towards ``nack_gap`` (the network stopped reordering). Default 64."""
 
     shard_index: int = 0
     shard_count: int = 1

@@ -338,6 +338,7 @@ class SwitchDataplane:
             "jobs": len(self._jobs),
             "slots_in_use": self.config.pool_slots - self.allocator.free_slots,
             "elements_aggregated": {j.job_id: j.elements_aggregated for j in self._jobs.values()},
+            "nack_gaps": {j.job_id: int(j.jobv[K.J.NACK_GAP]) for j in self._jobs.values()},
             "memory_bytes": sum(j.memory_bytes() for j in self._jobs.values()),
         }
 
@@ -429,7 +430,8 @@ class SwitchDataplane:
             job = Job(h.job, h.token, asked.num_workers, base, asked.window,
                       asked.elements_per_packet, [None] * asked.num_workers,
                       nack_log_windows=cfg.nack_log_windows)
-            job.jobv[K.J.NACK_GAP] = self.config.nack_gap
+            job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
+            job.jobv[K.J.NACK_CALM] = self.config.nack_calm
             job.jobv[K.J.SHARDS] = self.config.shard_count
         except MemoryError:
             self.allocator.release(base, asked.window)
@@ -586,20 +588,15 @@ class SwitchDataplane:
                                       job.slot_base + int(jobv[K.J.NACK_SLOT]), 0, _BYTES, 0,
                                       EXP_ZERO, EXP_ZERO), addr))
         self.nacks_sent += 1
-        useful = int(jobv[K.J.NACK_USEFUL])
-        gap = int(jobv[K.J.NACK_GAP])
-        if useful >= self.config.nack_calm and gap > self.config.nack_gap:
-            # NACKs have been needed, none needless: the network stopped reordering.
-            jobv[K.J.NACK_GAP] = max(self.config.nack_gap, gap // 2)
-            jobv[K.J.NACK_USEFUL] = 0
 
     def _nack_was_needless(self, job: Job) -> None:
         """A re-send answering a NACK found its chunk already in: the chunk had been
         reordered, not lost. Widen the job's gap (as RACK widens its reorder window), so a
-        network that reorders costs a few needless re-sends, not one per datagram."""
+        network that reorders costs a few needless re-sends, not one per datagram. It halves
+        back after ``nack_calm`` completions without one (the kernel's ``_complete``)."""
         jobv = job.jobv
         self.nacks_needless += 1
-        jobv[K.J.NACK_USEFUL] = 0
+        jobv[K.J.NACK_CALM_FROM] = jobv[K.J.COMPLETIONS]
         if jobv[K.J.NACK_GAP] > 0:
             jobv[K.J.NACK_GAP] = min(2 * int(jobv[K.J.NACK_GAP]),
                                      self.config.nack_log_windows * job.window)

@@ -20,7 +20,6 @@ from switchml.protocol.kernels.frames import (
     EPOCH_TRAIL,
     F_HAS_EXP,
     F_NONFINITE,
-    F_RESENT,
     HALF,
     HDR,
     INLINE,
@@ -68,11 +67,13 @@ class J(IntEnum):
     NACK_SLOT = 10  # out: its slot, relative to SLOT_BASE
     COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
     FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
-    NACK_USEFUL = 13  # re-sends answering a NACK that brought a missing chunk (count)
+    NACK_CALM_FROM = 13  # the completion of the last needless NACK (or of the last halving)
     SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
+    NACK_BASE_GAP = 15  # SwitchConfig.nack_gap: where a widened gap returns to
+    NACK_CALM = 16  # SwitchConfig.nack_calm: completions without a needless NACK per halving
 
 
-J_FIELDS = 15
+J_FIELDS = 17
 
 
 class S(IntEnum):
@@ -258,6 +259,13 @@ def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
     stamp = jobv[J.COMPLETIONS] + 1
     jobv[J.COMPLETIONS] = stamp
     st[S.DONE_AT, v, s] = stamp
+    if (jobv[J.NACK_GAP] > jobv[J.NACK_BASE_GAP]
+            and stamp - jobv[J.NACK_CALM_FROM] >= jobv[J.NACK_CALM]):
+        # No needless NACK for NACK_CALM completions: the network stopped reordering (or
+        # never did: a widening can also come from a race), so the widened gap halves back.
+        # Counted in completions, not in needed NACKs: a gap widened far enough sends none.
+        jobv[J.NACK_GAP] = max(jobv[J.NACK_BASE_GAP], jobv[J.NACK_GAP] // 2)
+        jobv[J.NACK_CALM_FROM] = stamp
     e = stamp % clog.shape[0]
     clog[e, 0], clog[e, 1], clog[e, 2] = r.seq, r.chunk, s
     # Whether the round releases a chunk: float chunks carry the look-ahead exponent exactly
@@ -447,8 +455,6 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
         _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
-        if r.flags & F_RESENT:
-            jobv[J.NACK_USEFUL] += 1  # a NACK's re-send that was needed
         nack = _behind_on(jobv, st, seen, clog, cursor, rank, r)
         if st[S.MISSING, r.v, r.s] == 0:
             _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt)
