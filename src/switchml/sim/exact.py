@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol.address import Address
+from switchml.bench.nsproc import RECOVERY_COUNTERS
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
@@ -441,4 +442,6 @@ def run_exact(config: SimConfig, *, check: bool = True,
                      links=stats, events=net.stats["batches"],
                      wall_s=time.perf_counter() - t_wall, results_checked=checked,
                      max_abs_error=max_err,
-                     extra={"datagrams_delivered": net.stats["delivered"]})
+                     extra={"datagrams_delivered": net.stats["delivered"],
+                            "recovery": {k: sum(s.endpoint.counters[k] for s in workers)
+                                         for k in RECOVERY_COUNTERS}})
