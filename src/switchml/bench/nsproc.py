@@ -20,10 +20,6 @@ import numpy as np
 
 from switchml import env
 
-RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes",
-                     "nacks_ignored", "waiting_received")
-"""The workers' loss-recovery counters a testbed row reports (``WorkerEndpoint.counters``)."""
-
 
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -96,6 +92,7 @@ def rack(a: dict[str, Any]) -> None:
 def switchml(a: dict[str, Any]) -> None:
     from switchml.control import decode_job_spec
     from switchml.protocol.config import WorkerConfig
+    from switchml.protocol.worker import RECOVERY_COUNTERS
     from switchml.transport.udp import WorkerClient
     spec = decode_job_spec(a["spec"])
     x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)

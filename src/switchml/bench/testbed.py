@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from switchml.bench.nsproc import RECOVERY_COUNTERS
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
+from switchml.protocol.worker import RECOVERY_COUNTERS
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
 __all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]

@@ -64,8 +64,8 @@ from switchml.protocol.wire import (
     unpack_payload,
 )
 
-__all__ = ["EPOCH_SEQ_STRIDE", "SUPPORTED_DTYPES", "WorkerEndpoint", "WorkerState",
-           "validate_arrays"]
+__all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerEndpoint",
+           "WorkerState", "validate_arrays"]
 
 EPOCH_SEQ_STRIDE = 2**16
 """After the switch lost the job, the operation restarts as ``seq + EPOCH_SEQ_STRIDE``: every rank
@@ -80,6 +80,10 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
+RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes",
+                     "nacks_ignored", "waiting_received")
+"""The ``counters`` that say how a worker recovered loss (benchmarks and the simulator report
+them summed over the workers)."""
 
 
 class _Retry:

@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol.address import Address
-from switchml.bench.nsproc import RECOVERY_COUNTERS
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.session import OperationHandle, WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import TreeConfig, TreeFailed
-from switchml.protocol.worker import WorkerEndpoint
+from switchml.protocol.worker import RECOVERY_COUNTERS, WorkerEndpoint
 from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
 from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
 from switchml.sim.timing import LinkStats, SimReport
