@@ -315,3 +315,18 @@ def test_a_nack_answered_by_a_first_resend_is_marked():
     p.seq = sent[0].seq
     (first,) = _nack_to(p, 1, 2, 0.004)  # before any timeout: the chunk's first re-send
     assert first.chunk == 2 and first.flags & Flags.RESENT
+
+
+def test_a_nack_soon_after_a_first_transmission_is_answered_but_one_after_a_resend_waits():
+    """The switch NACKs a chunk only once a later chunk of the rank arrived, so a first
+    transmission it names was lost even if it left less than a round trip ago; a chunk
+    re-sent less than a round trip ago may have its answer on the way (ignored)."""
+    p = _Pair()
+    p.start_and_send_last_chunks()  # rank 1 sent chunk 3 at 1.5 ms; round trips of ~1 ms
+    sent = [unpack_header(bytes(d)) for d, _ in p.w[1].datagrams_to_send(0.0015)]
+    p.seq = sent[0].seq
+    (resent,) = _nack_to(p, 1, 3, 0.0016)
+    assert resent.chunk == 3 and resent.flags & Flags.RESENT
+    assert _nack_to(p, 1, 3, 0.0017) == []  # its re-send left 0.1 ms ago
+    assert p.w[1].counters["nacks_ignored"] == 1
+    assert p.w[1].counters["nack_retransmissions"] == 1

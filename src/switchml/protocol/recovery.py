@@ -124,11 +124,16 @@ class LossRecovery:
         re-send now on its lane (the chunk itself, or the earlier one whose lost result
         releases it: the switch answers that from its round or shadow copy), or None when
         it was delivered meanwhile or re-sent less than a round trip ago (its answer may be
-        on its way)."""
+        on its way). A first transmission, however recent, is re-sent: the switch NACKs a
+        chunk only once a chunk sent after it arrived, so on a path that keeps order it was
+        lost (a NACK can come back sooner than a round trip after it)."""
         self.heard(now)
         i = chunk % op.E
         p = int(op.lane[K.LN.CHUNK, i])
-        if p < 0 or p > chunk or now - float(op.lanef[K.LF.XMIT_AT, i]) < self.rtt[K.R.MIN_RTT]:
+        if p < 0 or p > chunk:
+            return None
+        if (op.lane[K.LN.XMITS, i] > 0
+                and now - float(op.lanef[K.LF.XMIT_AT, i]) < self.rtt[K.R.MIN_RTT]):
             return None
         return p
 
