@@ -408,6 +408,13 @@ def _check_results(xs: list[np.ndarray], outs: list[np.ndarray]
     return error, max_err, checked
 
 
+def _nack_totals(net: ExactNetwork) -> dict[str, int]:
+    """NACKs the switches sent, and how many of them were needless, summed."""
+    stats = [ep.stats() for ep in net.endpoints.values() if isinstance(ep, SwitchDataplane)]
+    return {"sent": sum(int(st["nacks_sent"]) for st in stats),
+            "needless": sum(int(st["nacks_needless"]) for st in stats)}
+
+
 def run_exact(config: SimConfig, *, check: bool = True,
               progress: Callable[[float, float], None] | None = None) -> SimReport:
     """Simulate one float32 all-reduce of ``config`` with the real endpoints and real data;
@@ -443,4 +450,5 @@ def run_exact(config: SimConfig, *, check: bool = True,
                      max_abs_error=max_err,
                      extra={"datagrams_delivered": net.stats["delivered"],
                             "recovery": {k: sum(s.endpoint.counters[k] for s in workers)
-                                         for k in RECOVERY_COUNTERS}})
+                                         for k in RECOVERY_COUNTERS},
+                            "nacks": _nack_totals(net)})
