@@ -152,6 +152,32 @@ def test_a_widened_gap_halves_back_after_calm_rounds():
     assert sw.stats()["nacks_needless"] == 1
 
 
+def test_needless_nacks_of_one_window_widen_the_gap_once():
+    """NACKs sent before the gap widened come back needless together: one doubling per
+    window of completions, not one per re-send (which would reach the cap at once)."""
+    sw = SwitchDataplane(SwitchConfig(nack_gap=1, nack_calm=1000))
+    info = pack_control_info(ControlInfo(N, W, K))
+    for r, addr in enumerate(ADDRS):
+        h = Header(MessageType.JOIN, JOB, rank=r, token=TOKEN, count=len(info),
+                   elem=ElementType.BYTES)
+        sw.receive_datagram(pack_header(h) + info, addr, now=0.0)
+    base = unpack_control_info(bytes(sw.datagrams_to_send(now=0.0)[0][0])[40:]).slot_base
+    gaps = lambda: sw.stats()["nack_gaps"][JOB]  # noqa: E731
+    for r in range(N):
+        _deliver(sw, _chunk(base, r, 0), ADDRS[r])  # round 0 completes
+    for p in (1, 2):
+        _deliver(sw, _chunk(base, 0, p), ADDRS[0])
+    for p in (1, 2):  # two needless re-sends, no completion between them
+        _deliver(sw, _chunk(base, 0, p, flags=Flags.RESENT), ADDRS[0])
+    assert sw.stats()["nacks_needless"] == 2 and gaps() == 2
+    for p in range(1, 2 * W):  # a window of completions later, a needless one widens again
+        for r in range(N):
+            if (r, p) not in ((0, 1), (0, 2)):
+                _deliver(sw, _chunk(base, r, p), ADDRS[r])
+    _deliver(sw, _chunk(base, 0, 2 * W - 1, flags=Flags.RESENT), ADDRS[0])
+    assert sw.stats()["nacks_needless"] == 3 and gaps() == 4
+
+
 def _one_op(drop_once, gap: int,
             drop) -> tuple[MemoryCluster, float, list[np.ndarray], np.ndarray]:
     # Timeouts of 2 s: anything that recovers sooner than that was not a timeout.

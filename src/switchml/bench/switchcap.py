@@ -275,8 +275,9 @@ _INF = float("inf")
 
 @dataclass
 class _Clock:
-    """The generator's phases: the instants they end at (set when the first result arrives)
-    and the counters taken at the start (``mark``) and at the end of the interval."""
+    """The generator's phases: the instants they end at (set when the parent gives the start
+    of the interval, after every generator's first result) and the counters taken at the
+    start (``mark``) and at the end of the interval."""
 
     t0: float
     parent: int
@@ -624,14 +625,17 @@ class _Generator:
             # data plane on first use (numba, cold cache) may take half a minute.
             if self.results:
                 clock.t_first = now
-                clock.t_mark = now + cfg.warmup_s
-                clock.t_end = clock.t_mark + cfg.seconds
-                clock.t_drain = clock.t_end + cfg.drain_s
                 conn.send(("first", now - clock.t0))
             elif now - clock.t0 > cfg.first_result_timeout_s:
                 raise TimeoutError(f"no result from the switch within "
                                    f"{cfg.first_result_timeout_s:g} s of the first "
                                    "requests")
+        elif clock.t_mark == _INF and conn.poll():
+            # The parent's start of the interval, the same instant for every generator (the
+            # monotonic clock is the machine's), once every shard has answered.
+            clock.t_mark = float(conn.recv())
+            clock.t_end = clock.t_mark + cfg.seconds
+            clock.t_drain = clock.t_end + cfg.drain_s
         if not clock.marked and now >= clock.t_mark:
             clock.marked = True
             clock.mark = self.counters()
@@ -866,9 +870,8 @@ def _measure(cfg: SwitchCapConfig, sws: list[SwitchProcess], gens: _Generators,
              ) -> dict[str, Any]:
     """Join, warm up, measure, drain: the generators' reports and the shards' snapshots.
 
-    With several generators each keeps its own interval (from its first result); the
-    shards' interval runs from the last generator's start to the last one's end, so the
-    generators' skew (milliseconds: they start together) is in the switch figures."""
+    Every generator runs the same interval: it starts ``warmup_s`` after the last shard's
+    first result (shards may compile their data plane first, each at its own pace)."""
     tell("joining", 0.0)
     gens.recv_all(60.0, "joining the job")
     for sw, cpu in zip(sws, switch_cpus):
@@ -879,6 +882,7 @@ def _measure(cfg: SwitchCapConfig, sws: list[SwitchProcess], gens: _Generators,
     tell("waiting for the first result (the switch may be compiling)", 0.0)
     first_s = max(gens.recv_all(cfg.first_result_timeout_s + 30.0,
                                 "the switch's first result"))
+    gens.send_all(time.monotonic() + cfg.warmup_s)  # one interval for every generator
     tell("warming up", 0.0)
     g_mark = gens.recv_all(cfg.warmup_s + 30.0, "the start of the interval")
     s_mark = _switch_snapshot(sws)

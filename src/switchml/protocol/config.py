@@ -156,7 +156,9 @@ class WorkerConfig:
     the result down cross the same queues as a round trip does, so about two round trips
     after this rank's request; a timeout that fires meanwhile only re-sends what the switch
     already has, on a path with a standing queue for every loss. Timeouts are the backstop
-    (NACKs and tail probes recover loss first). 1 gives plain RFC 6298. Default 3."""
+    (NACKs and tail probes recover loss first). 1 gives plain RFC 6298. The floor also
+    applies where only a timeout can recover: with the switch's NACKs off (``nack_gap=0``),
+    every loss costs at least 3 srtt. Default 3."""
     op_timeout_s: float = 15.0
     """An operation with no progress for this long fails with an error naming the switch or the
     silent peers. Must exceed the longest stall a healthy peer can have (e.g. a slow backward

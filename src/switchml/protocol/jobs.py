@@ -118,6 +118,11 @@ class Job:
         jobv[K.J.MIN_SEQ] = -1
         jobv[K.J.FLOAT_SEQ] = -1
         jobv[K.J.SHARDS] = 1
+        # NACKs off until the switch configures them (``SwitchDataplane._create_job``); a gap
+        # never halves below its base, and never at all without a calm count.
+        jobv[K.J.NACK_GAP] = jobv[K.J.NACK_BASE_GAP] = 0
+        jobv[K.J.NACK_CALM] = np.iinfo(np.int64).max // 2
+        jobv[K.J.NACK_WIDENED_AT] = -(1 << 40)
         self.jobv = jobv
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1

@@ -133,6 +133,10 @@ class SwitchDataplane:
         """A relay's hook (a rack switch of a tree, ``tree.py``): called with the rounds a
         kernel call completed (``done[:ndone]`` rows ``(set, slot, length)``, results in the
         job's buffers) before they are multicast; returns True when it took them instead."""
+        self.relayed_jobs: set[int] = set()
+        """Jobs whose rounds a relay releases later than they complete (the rack's child job):
+        their NACK order is logged when the relay sends the results (``kernels.log_releases``),
+        not at completion."""
         self._rules = action_table()  # slots.SLOT_RULES, as the kernel looks them up
         # The slot rule's actions that the kernel leaves to Python (slots.SlotAction).
         self._replies = {
@@ -432,6 +436,7 @@ class SwitchDataplane:
                       nack_log_windows=cfg.nack_log_windows)
             job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
             job.jobv[K.J.NACK_CALM] = self.config.nack_calm
+            job.jobv[K.J.LOG_AT_RELEASE] = int(h.job in self.relayed_jobs)
             job.jobv[K.J.SHARDS] = self.config.shard_count
         except MemoryError:
             self.allocator.release(base, asked.window)
@@ -592,14 +597,19 @@ class SwitchDataplane:
     def _nack_was_needless(self, job: Job) -> None:
         """A re-send answering a NACK found its chunk already in: the chunk had been
         reordered, not lost. Widen the job's gap (as RACK widens its reorder window), so a
-        network that reorders costs a few needless re-sends, not one per datagram. It halves
-        back after ``nack_calm`` completions without one (the kernel's ``_complete``)."""
+        network that reorders costs a few needless re-sends, not one per datagram. At most
+        once per window of completions: the NACKs of one reordering episode, sent before the
+        gap widened, come back needless together and must count once. It halves back after
+        ``nack_calm`` completions without one (the kernel's ``_complete``)."""
         jobv = job.jobv
         self.nacks_needless += 1
-        jobv[K.J.NACK_CALM_FROM] = jobv[K.J.COMPLETIONS]
-        if jobv[K.J.NACK_GAP] > 0:
-            jobv[K.J.NACK_GAP] = min(2 * int(jobv[K.J.NACK_GAP]),
-                                     self.config.nack_log_windows * job.window)
+        now = int(jobv[K.J.COMPLETIONS])
+        jobv[K.J.NACK_CALM_FROM] = now
+        gap = int(jobv[K.J.NACK_GAP])
+        if gap > 0 and now - int(jobv[K.J.NACK_WIDENED_AT]) >= job.window:
+            cap = self.config.nack_log_windows * job.window
+            jobv[K.J.NACK_GAP] = max(int(jobv[K.J.NACK_BASE_GAP]), min(2 * gap, cap))
+            jobv[K.J.NACK_WIDENED_AT] = now
 
     def _resend_result(self, job: Job, f: tuple, addr: Address) -> None:
         """A retransmission into a complete round: the result was lost on its way to this

@@ -178,6 +178,8 @@ class RackAggregator:
         self.config = config or TreeConfig()
         self.switch = SwitchDataplane(switch_config)
         self.switch.on_completed = self._relay_up
+        self.switch.relayed_jobs.add(child_spec.job_id)
+        self._child_job: Job | None = None
         self.error: str | None = None
         self.parent_slot_base: int | None = None
         self.child_slot_base: int | None = None
@@ -363,6 +365,7 @@ class RackAggregator:
             return False
         self._members = [m for m in job.members if m is not None]
         self._rv[KR.RV.CHILD_BASE] = job.slot_base
+        self._child_job = job
         if self.parent_slot_base is None:
             self._held.append(done[:ndone].copy())
             return True
@@ -428,6 +431,9 @@ class RackAggregator:
             if nsend:
                 self._waiting_for = []  # the parent answers: whom it waited for is history
                 self._multicast(int(nsend))
+                job = self._child_job
+                if job is not None:  # the NACK order is the order the children get results
+                    K.log_releases(job.jobv, job.st, job.clog, self._sendq, nsend)
             if nxt < j:
                 if view is None:
                     view = memoryview(buf)

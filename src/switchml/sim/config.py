@@ -148,6 +148,8 @@ class SimConfig:
                f"window must be in 1..65536, got {self.window}")
         _check(self.host_cost_s >= 0, f"host_cost_s must be >= 0, got {self.host_cost_s}")
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
+        _check(self.min_rto_srtts >= 1.0,
+               f"min_rto_srtts must be >= 1 (round trips), got {self.min_rto_srtts}")
         _check(self.stragglers.count <= self.workers,
                f"stragglers ({self.stragglers.count}) exceed workers ({self.workers})")
         _check(0 < self.min_rto_s <= self.initial_rto_s <= self.max_rto_s < self.op_timeout_s,

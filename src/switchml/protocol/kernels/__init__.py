@@ -35,6 +35,7 @@ from switchml.protocol.kernels.aggregate import (
     SS,
     J,
     S,
+    log_releases,
     switch_requests,
 )
 from switchml.protocol.kernels.frames import (
@@ -94,7 +95,8 @@ __all__ = [
     "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS", "MAGIC", "MAX_BATCH",
     "OP", "O_FIELDS", "R", "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_REQUEST", "T_RESULT",
     "VERSION", "WC", "WS", "as_buffer", "block_exponent", "block_exponents", "build_request",
-    "counter_snapshot", "dequantize_block", "gro_segments", "i16", "i64", "next_deadline",
+    "counter_snapshot", "dequantize_block", "gro_segments", "i16", "i64", "log_releases",
+    "next_deadline",
     "quantize_block", "request_framing", "residual_block", "send_chunk", "send_first",
     "split_gro", "split_mmsg", "switch_requests", "u16", "u32", "worker_results",
     "write_header",

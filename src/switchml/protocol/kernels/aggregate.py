@@ -71,9 +71,11 @@ class J(IntEnum):
     SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
     NACK_BASE_GAP = 15  # SwitchConfig.nack_gap: where a widened gap returns to
     NACK_CALM = 16  # SwitchConfig.nack_calm: completions without a needless NACK per halving
+    NACK_WIDENED_AT = 17  # the completion of the last widening (Python's: once per window)
+    LOG_AT_RELEASE = 18  # 1: a relay releases the rounds later (log_releases logs them then)
 
 
-J_FIELDS = 17
+J_FIELDS = 19
 
 
 class S(IntEnum):
@@ -256,6 +258,29 @@ def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
     write_header(bufs[v, s], 0, T_RESULT, st[S.FLAGS, v, s], v, rank, jobv[J.JOB],
                  jobv[J.TOKEN], r.seq, r.chunk, s + jobv[J.SLOT_BASE], r.count, r.elem,
                  st[S.DIGEST, v, s], st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s])
+    if jobv[J.LOG_AT_RELEASE]:
+        st[S.DONE_AT, v, s] = -1  # not released yet: no chunk can follow it
+    else:
+        _log_release(jobv, st, clog, v, s, r.seq, r.chunk)
+    done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, HDR + r.itemsize * r.count
+    cnt[SC.MULTICAST] += 1
+    jobv[J.AGGREGATED] += r.count
+
+
+@njit(**KW)
+def log_releases(jobv, st, clog, sendq, nsend):
+    """A relay multicast the results of rounds ``sendq[:nsend]`` (rows ``(set, slot, ...)``)
+    of a job with ``LOG_AT_RELEASE``: log them now, in the order the children get them.
+    The NACK rule assumes the log's order is the order results reach the ranks, which for a
+    rack switch is the parent's order, not the order its own rounds completed in."""
+    for q in range(nsend):
+        v, s = sendq[q, 0], sendq[q, 1]
+        _log_release(jobv, st, clog, v, s, st[S.SEQ, v, s], st[S.CHUNK, v, s])
+
+
+@njit(**INLINE)
+def _log_release(jobv, st, clog, v, s, seq, chunk):
+    """Stamp a round's results going out (``S.DONE_AT``) and log it for NACKs."""
     stamp = jobv[J.COMPLETIONS] + 1
     jobv[J.COMPLETIONS] = stamp
     st[S.DONE_AT, v, s] = stamp
@@ -267,18 +292,15 @@ def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
         jobv[J.NACK_GAP] = max(jobv[J.NACK_BASE_GAP], jobv[J.NACK_GAP] // 2)
         jobv[J.NACK_CALM_FROM] = stamp
     e = stamp % clog.shape[0]
-    clog[e, 0], clog[e, 1], clog[e, 2] = r.seq, r.chunk, s
+    clog[e, 0], clog[e, 1], clog[e, 2] = seq, chunk, s
     # Whether the round releases a chunk: float chunks carry the look-ahead exponent exactly
     # when a chunk follows on the lane (chunk < L, so chunk + E < T = L + E); an operation is
     # float once a round with an exponent completed; integer chunks do not say.
     if st[S.FLAGS, v, s] & F_HAS_EXP:
-        jobv[J.FLOAT_SEQ] = r.seq
+        jobv[J.FLOAT_SEQ] = seq
         clog[e, 3] = 1
     else:
-        clog[e, 3] = 0 if jobv[J.FLOAT_SEQ] == r.seq else 2
-    done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, HDR + r.itemsize * r.count
-    cnt[SC.MULTICAST] += 1
-    jobv[J.AGGREGATED] += r.count
+        clog[e, 3] = 0 if jobv[J.FLOAT_SEQ] == seq else 2
 
 
 # -- switch-driven loss recovery ----------------------------------------------------------------
