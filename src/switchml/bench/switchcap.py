@@ -1011,6 +1011,25 @@ def _sum_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_SHARD_LEVELS = frozenset({"jobs", "slots_in_use", "memory_bytes", "nack_gaps",
+                           "elements_aggregated"})
+"""Switch stats that describe one shard's state, not traffic: not summed over shards."""
+
+
+def _sum_counters(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' stats as one switch's: counters summed, drops merged; state (jobs, slots,
+    gaps, ...) as shard 0 has it (each shard's own is in ``shards``)."""
+    out = dict(stats[0])
+    for key, v in stats[0].items():
+        if key in _SHARD_LEVELS or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[key] = sum(st.get(key, 0) for st in stats)
+        elif key == "drops":
+            out[key] = _sum_dicts([st.get(key, {}) for st in stats])
+    return out
+
+
 def _shard_figures(i: int, dt: float, s_mark: dict[str, Any], s_end: dict[str, Any],
                    cpu: int | None) -> dict[str, Any]:
     """One shard's rate and CPU over the interval."""
@@ -1044,7 +1063,7 @@ def _result(cfg: SwitchCapConfig, m: dict[str, Any], pinned: dict[str, Any],
         _generator_figures(gm, ge, rep, m["first_s"])
         for gm, ge, rep in zip(m["g_mark"], m["g_end"], m["reports"])])
     final, first = m["final"]["stats"], m["first"]["stats"]
-    fs = final[0] if len(final) == 1 else _sum_dicts(final)
+    fs = final[0] if len(final) == 1 else _sum_counters(final)
     errors = {key: sum(int(f.get(key, 0)) - int(b.get(key, 0)) for f, b in zip(final, first))
               for key in ("internal_errors", "send_errors", "truncated")}
     capacity = sum(f["capacity_per_s"] for f in shards)
