@@ -343,6 +343,10 @@ def run_testbed_tree(cfg: TestbedBenchConfig, racks: int, progress: Any = None
     tree (``switchml-tree``: every worker of every rack) and, as the baseline, rack 0's workers
     alone on a plain switch in their rack's router (``switchml-rack``: one rack's line rate)."""
     from switchml.testbed import GeoTestbed, GeoTopology
+    if cfg.loss_rate > 0:
+        raise ValueError("--loss with --racks: the tree testbed applies no loss yet; "
+                         "simulate a lossy tree instead: switchml sim --racks R --loss L "
+                         "--mode exact")
     per = cfg.workers
     link = LinkSpec(bandwidth_bps=cfg.rate_bps, mtu=cfg.mtu)
     geo = GeoTopology(dcs=(per,) * racks, lan=link, wan=link)
