@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 
-
 def test_loss_on_the_tree_testbed_is_refused_not_ignored():
     """The tree testbed applies no loss: asking for it says so (before building anything)
     instead of measuring loss-free links under a lossy label."""

@@ -38,8 +38,8 @@ def _deliver(sw: SwitchDataplane, data: bytes, addr) -> list[tuple[Header, tuple
     return [(unpack_header(bytes(d)), a) for d, a in sw.datagrams_to_send(now=0.0)]
 
 
-def _joined_switch(gap: int) -> tuple[SwitchDataplane, int]:
-    sw = SwitchDataplane(SwitchConfig(nack_gap=gap))
+def _joined_switch(gap: int, calm: int = 64) -> tuple[SwitchDataplane, int]:
+    sw = SwitchDataplane(SwitchConfig(nack_gap=gap, nack_calm=calm))
     info = pack_control_info(ControlInfo(N, W, K))
     bases = set()
     for r, addr in enumerate(ADDRS):
@@ -130,13 +130,7 @@ def test_a_widened_gap_halves_back_after_calm_rounds():
     """A needless NACK doubles the job's gap; nack_calm completed rounds without another
     halve it again, whether or not any NACK was sent meanwhile (a gap widened far enough sends
     none, so counting needed NACKs would never bring it back)."""
-    sw = SwitchDataplane(SwitchConfig(nack_gap=1, nack_calm=3))
-    info = pack_control_info(ControlInfo(N, W, K))
-    for r, addr in enumerate(ADDRS):
-        h = Header(MessageType.JOIN, JOB, rank=r, token=TOKEN, count=len(info),
-                   elem=ElementType.BYTES)
-        sw.receive_datagram(pack_header(h) + info, addr, now=0.0)
-    base = unpack_control_info(bytes(sw.datagrams_to_send(now=0.0)[0][0])[40:]).slot_base
+    sw, base = _joined_switch(gap=1, calm=3)
     gaps = lambda: sw.stats()["nack_gaps"][JOB]  # noqa: E731
     _deliver(sw, _chunk(base, 0, 0), ADDRS[0])
     _deliver(sw, _chunk(base, 1, 0), ADDRS[1])  # round 0 completes
@@ -155,13 +149,7 @@ def test_a_widened_gap_halves_back_after_calm_rounds():
 def test_needless_nacks_of_one_window_widen_the_gap_once():
     """NACKs sent before the gap widened come back needless together: one doubling per
     window of completions, not one per re-send (which would reach the cap at once)."""
-    sw = SwitchDataplane(SwitchConfig(nack_gap=1, nack_calm=1000))
-    info = pack_control_info(ControlInfo(N, W, K))
-    for r, addr in enumerate(ADDRS):
-        h = Header(MessageType.JOIN, JOB, rank=r, token=TOKEN, count=len(info),
-                   elem=ElementType.BYTES)
-        sw.receive_datagram(pack_header(h) + info, addr, now=0.0)
-    base = unpack_control_info(bytes(sw.datagrams_to_send(now=0.0)[0][0])[40:]).slot_base
+    sw, base = _joined_switch(gap=1, calm=1000)
     gaps = lambda: sw.stats()["nack_gaps"][JOB]  # noqa: E731
     for r in range(N):
         _deliver(sw, _chunk(base, r, 0), ADDRS[r])  # round 0 completes
