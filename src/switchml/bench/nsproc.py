@@ -112,7 +112,6 @@ def switchml(a: dict[str, Any]) -> None:
         r["system_calls"] = {k: c.get(k, 0) for k in ("packets_sent", "results_received",
                                                        "send_calls", "recv_calls")}
         r["recovery"] = {k: c.get(k, 0) for k in RECOVERY_COUNTERS}
-        r["round_trip"] = {"srtt_s": w.endpoint.recovery.srtt_s, "rto_s": w.endpoint.rto_s}
     _emit(r)
 
 

@@ -192,7 +192,6 @@ def _switchml_extra(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "fast_retransmissions": sum(r.get("fast_retransmissions", 0) for r in rows),
         "recovery": {k: sum(r.get("recovery", {}).get(k, 0) for r in rows)
                      for k in RECOVERY_COUNTERS},
-        "round_trip": [r.get("round_trip") for r in rows],
         "worker_datagrams_per_recv_call": round(
             sum(c.get("results_received", 0) for c in calls)
             / max(1, sum(c.get("recv_calls", 0) for c in calls)), 2),

@@ -175,9 +175,3 @@ class LossRecovery:
     def rto_s(self) -> float:
         """The current retransmission timeout before backoff."""
         return float(self.rtt[K.R.RTO])
-
-    @property
-    def srtt_s(self) -> float | None:
-        """The smoothed round trip (None before the first sample)."""
-        srtt = float(self.rtt[K.R.SRTT])
-        return None if srtt < 0 else srtt
