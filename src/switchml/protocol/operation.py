@@ -4,7 +4,9 @@ An operation of ``N`` elements is cut into ``L = ceil(N / k)`` blocks and uses
 ``E = min(W, L)`` lanes; a float operation has ``T = L + E`` packets (look-ahead exponents), an
 integer one ``T = L`` (``worker.py`` explains the protocol). This module only builds the state:
 ``opv`` (scalars, ``kernels.OP``), ``lane``/``lanef`` (per lane, ``kernels.LN``/``LF``), the
-exponents, the staged input and output, and one preallocated transmit buffer per lane.
+exponents, the staged input and output, one preallocated transmit buffer per lane (rows of
+one 2-D array, so that consecutive lanes' datagrams are one contiguous slice for UDP GSO), and
+the queue of lanes to send.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ class Operation:
 
     __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float",
                  "itemsize", "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res",
-                 "residual", "restarts", "sendlen", "sendq", "seq", "spurious", "stage_out",
-                 "stage_res", "txbuf", "views", "waiting_chunk", "waiting_missing", "x", "xk",
-                 "xmit_order")
+                 "residual", "restarts", "xbits", "run_order", "runs", "sendlen", "sendq", "seq",
+                 "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat", "views",
+                 "waiting_chunk", "waiting_missing", "x", "xk", "xmit_order")
 
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,
@@ -58,6 +60,7 @@ class Operation:
         self.L = -(-x.size // self.k)
         self.E = min(spec.window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
+        self.stride = HEADER_SIZE + self.k * self.itemsize  # a lane's datagram, at most
         self._stage(x, out, residual)
         info = np.finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
@@ -72,10 +75,19 @@ class Operation:
         # Block exponents are computed as packets are built (kernels.build_request).
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
         self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
-        self.txbuf = np.empty((self.E, HEADER_SIZE + self.k * self.itemsize), np.uint8)
+        self.txbuf = np.empty((self.E, self.stride), np.uint8)
+        self.tx8 = self.txbuf.reshape(-1)  # the kernels' views: bytes, int16, int32
+        self.tx16 = self.tx8.view(np.int16)
+        self.tx32 = self.tx8.view(np.int32)
+        self.txflat = memoryview(self.tx8)  # runs of consecutive lanes are slices of it
         self.views = [memoryview(self.txbuf[i]) for i in range(self.E)]
-        self.sendq = np.empty(self.E, np.int64)  # a batch releases at most one per lane
-        self.sendlen = np.empty(self.E, np.int64)
+        self.sendlen = np.zeros(self.E, np.int64)  # each lane's datagram: txbuf[i, :sendlen[i]]
+        # Lanes queued to send (opv[NQ] of them), drained after every call. Between drains a
+        # lane is released once (results) and may be re-sent (timers, NACKs, RACK): 4 per
+        # lane is ample; a full queue is spilled into plain datagrams (worker.py).
+        self.sendq = np.empty(4 * self.E + 64, np.int64)
+        self.run_order = np.empty(self.sendq.size, np.int64)
+        self.runs = np.empty((self.sendq.size, 5), np.int64)
         # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection
         # (recovery.py; kept with fast_retransmit on only).
         self.xmit_order: deque[tuple[float, int, int, int]] = deque()
@@ -86,6 +98,8 @@ class Operation:
     def _stage(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
         """The kernels take float32, float64 and int32: stage float16, round once."""
         self.xk = x.astype(np.float32) if x.dtype == _F16 else x
+        # The input's bits (block exponents are an integer max: kernels/numerics.py).
+        self.xbits = self.xk.view(np.uint64 if self.xk.itemsize == 8 else np.uint32)
         self.stage_out = out.dtype == _F16
         self.outk = np.empty(x.size, np.float64) if self.stage_out else out
         self.stage_res = residual is not None and residual.dtype != np.float64
@@ -109,6 +123,7 @@ class Operation:
         opv[K.OP.P] = scale_bits(scale, self.bits)
         opv[K.OP.N] = scale  # the bound |sum| < scale * 2**emax
         opv[K.OP.IS_FLOAT] = self.is_float
+        opv[K.OP.STRIDE] = self.stride
         opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
         return opv
 

@@ -269,6 +269,11 @@ class WorkerSession:
     def datagrams_to_send(self, now: float) -> list[Any]:
         return self.endpoint.datagrams_to_send(now)
 
+    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
+                     ) -> tuple[list[Any], list[Any]]:
+        """The worker's ``runs_to_send`` (datagrams, and GSO runs)."""
+        return self.endpoint.runs_to_send(now, max_segments=max_segments, max_bytes=max_bytes)
+
     def get_timer(self) -> float | None:
         return self.endpoint.get_timer()
 

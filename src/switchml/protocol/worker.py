@@ -242,12 +242,16 @@ class WorkerEndpoint:
 
     def _begin(self, op: Operation, now: float) -> None:
         """Make ``op`` the operation in flight and send its first window."""
+        if self._op is not None:
+            self._spill(self._op)  # a restarted operation's queue goes out as it was
         self._op = op
         self.recovery.on_started(op, now)
         K.send_first(op.E, now, op.opv, op.lane, op.lanef, self.recovery.rtt, self._next_set,
-                     op.exps, op.nonf, op.xk, op.res, op.txbuf, self._cnt, op.sendlen)
-        for i in range(op.E):
-            self._queue_lane(op, i, int(op.sendlen[i]), now)
+                     op.exps, op.nonf, op.xk, op.xbits, op.res, op.tx8, op.tx16, op.tx32, self._cnt,
+                     op.sendq, op.sendlen)
+        if self.recovery.fast_retransmit:
+            for i in range(op.E):
+                self.recovery.on_sent(op, i, now)
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -328,10 +332,49 @@ class WorkerEndpoint:
     def datagrams_to_send(self, now: float) -> list[tuple[_Data, Address]]:
         """Return and forget the datagrams to send, in order. Requests are views of the lanes'
         transmit buffers, valid until the next receive call."""
+        if self._op is not None and self._op.opv[K.OP.NQ]:
+            self._spill(self._op)
         out = self._out
         if out:
             self._out = []
         return out
+
+    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
+                     ) -> tuple[list[tuple[_Data, Address]], list[tuple[list[_Data], int, Address]]]:
+        """:meth:`datagrams_to_send` for a transport with UDP GSO: ``(datagrams, runs)``.
+
+        ``datagrams`` (control messages, and anything queued out of the way) go first, one
+        by one; each run ``(buffers, size, address)`` is one GSO send: the buffers, gathered,
+        are datagrams of ``size`` bytes (the last may be shorter), at most ``max_segments``
+        of them and ``max_bytes`` in all. The requests the compiled kernels queued are cut
+        into runs by a kernel too (``kernels.plan_runs``): consecutive lanes are one slice of
+        the transmit buffer, so a batch of results costs a few Python objects, not one per
+        datagram. Views of the endpoint's buffers, valid until its next receive call."""
+        op = self._op
+        runs: list[tuple[list[_Data], int, Address]] = []
+        out = self._out
+        if out:
+            self._out = []
+        if op is None:
+            return out, runs
+        nq = int(op.opv[K.OP.NQ])
+        if not nq:
+            return out, runs
+        op.opv[K.OP.NQ] = 0
+        shards = self.switch_addresses
+        nr = K.plan_runs(op.sendq, nq, op.sendlen, op.stride, len(shards), max_segments,
+                         max_bytes, op.run_order, op.runs)
+        stride, order, sendq, sendlen = op.stride, op.run_order, op.sendq, op.sendlen
+        for first, count, size, contiguous, shard in op.runs[:nr].tolist():
+            if contiguous:
+                start = int(sendq[order[first]]) * stride
+                end = start + (count - 1) * stride + int(sendlen[sendq[order[first + count - 1]]])
+                bufs: list[_Data] = [op.txflat[start:end]]
+            else:
+                views = op.views
+                bufs = [views[i][:sendlen[i]] for i in sendq[order[first:first + count]].tolist()]
+            runs.append((bufs, size, shards[shard]))
+        return out, runs
 
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None
@@ -384,13 +427,17 @@ class WorkerEndpoint:
         """Run the results kernel from datagram ``i``; send what it released."""
         rec = self.recovery
         limit = 1 if rec.fast_retransmit else count
-        nxt, nsend, code = K.worker_results(
+        queued = int(op.opv[K.OP.NQ])
+        nxt, code = K.worker_results(
             buf, starts, lens, count, i, limit, now, op.opv, op.lane, op.lanef, rec.rtt,
-            self._next_set, op.exps, op.nonf, op.xk, op.outk, op.res, op.txbuf, self._cnt,
-            op.sendq, op.sendlen)
-        for j in range(nsend):
-            self._queue_lane(op, int(op.sendq[j]), int(op.sendlen[j]), now)
-        if code == K.WS.OP_COMPLETE:
+            self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.outk, op.res, op.tx8, op.tx16,
+            op.tx32, self._cnt, op.sendq, op.sendlen)
+        if rec.fast_retransmit:
+            for lane in op.sendq[queued:int(op.opv[K.OP.NQ])].tolist():
+                rec.on_sent(op, lane, now)
+        if code == K.WS.FULL:
+            self._spill(op)
+        elif code == K.WS.OP_COMPLETE:
             self._complete(op, now)
         elif code == K.WS.ONE and rec.fast_retransmit:
             for p in list(rec.lost_chunks(op)):
@@ -416,6 +463,7 @@ class WorkerEndpoint:
 
     def _complete(self, op: Operation, now: float) -> None:
         """The operation's last result arrived (the kernel took it)."""
+        self._spill(op)
         op.finish()
         self.recovery.on_completed(op)
         self._op = None
@@ -637,6 +685,7 @@ class WorkerEndpoint:
     def _abort(self, reason: str) -> None:
         op = self._op
         assert op is not None
+        self._spill(op)
         self._op = None
         self.error = reason
         self._counters["operations_failed"] += 1
@@ -675,14 +724,30 @@ class WorkerEndpoint:
 
         ``fast``: a NACK or RACK re-send: it does not back the lane's timeout off but, as any
         re-send, ends the lane's RTT samples (Karn)."""
-        n = K.send_chunk(p, retransmit, fast, now, op.opv, op.lane, op.lanef, self.recovery.rtt,
-                         self._next_set, op.exps, op.nonf, op.xk, op.res, op.txbuf, self._cnt)
-        self._queue_lane(op, p % op.E, int(n), now)
+        i = K.send_chunk(p, retransmit, fast, now, op.opv, op.lane, op.lanef, self.recovery.rtt,
+                         self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.res, op.tx8,
+                         op.tx16, op.tx32, self._cnt, op.sendlen)
+        self._queue_lane(op, int(i), now)
 
-    def _queue_lane(self, op: Operation, i: int, nbytes: int, now: float) -> None:
-        """Queue lane ``i``'s datagram (a view of its transmit buffer, valid until the lane
-        sends again)."""
-        shards = self.switch_addresses
-        self._out.append((op.views[i][:nbytes], shards[i % len(shards)]))
+    def _queue_lane(self, op: Operation, i: int, now: float) -> None:
+        """Queue lane ``i``'s datagram (``txbuf[i, :sendlen[i]]``, sent by the next drain) as
+        the kernels do; a full queue is spilled first."""
+        q = int(op.opv[K.OP.NQ])
+        if q >= op.sendq.size:
+            self._spill(op)
+            q = 0
+        op.sendq[q] = i
+        op.opv[K.OP.NQ] = q + 1
         self.recovery.on_sent(op, i, now)
+
+    def _spill(self, op: Operation) -> None:
+        """Move the lanes queued in ``op`` to the plain datagram list (views of their rows):
+        a full queue, or an operation that ends with datagrams still to send."""
+        q = int(op.opv[K.OP.NQ])
+        if not q:
+            return
+        op.opv[K.OP.NQ] = 0
+        shards = self.switch_addresses
+        for i in op.sendq[:q].tolist():
+            self._out.append((op.views[i][:op.sendlen[i]], shards[i % len(shards)]))
 

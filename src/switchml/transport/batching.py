@@ -195,6 +195,21 @@ class BatchSender:
                         self._send_one(d, addr)
                     break
 
+    def send_run(self, buffers: list[bytes | bytearray | memoryview], size: int,
+                 addr: Address | None) -> None:
+        """Send one GSO run, after what is queued: ``buffers``, gathered, are datagrams of
+        ``size`` bytes (the last may be shorter), at most 64 and ``MAX_GSO_BYTES`` in all
+        (``WorkerEndpoint.runs_to_send`` plans them so). One datagram, or no GSO: sent one
+        by one."""
+        self.flush()
+        if len(buffers) == 1 and len(buffers[0]) <= size:
+            self._send_one(buffers[0], addr)
+        elif self.gso:
+            self._send_run(buffers, size, addr)
+        else:
+            for d in _cut(buffers, size):
+                self._send_one(d, addr)
+
     def _send_one(self, data: bytes | bytearray | memoryview, addr: Address | None) -> None:
         self.calls += 1
         self.datagrams += 1
@@ -214,8 +229,11 @@ class BatchSender:
 
     def _send_run(self, run: list[bytes | bytearray | memoryview], size: int,
                   addr: Address | None) -> None:
+        """One ``sendmsg`` with UDP_SEGMENT: ``run``'s buffers, gathered, cut into datagrams
+        of ``size`` bytes by the kernel."""
+        count = _count(run, size)
         self.calls += 1
-        self.datagrams += len(run)
+        self.datagrams += count
         anc = [(SOL_UDP, UDP_SEGMENT, _SEG.pack(size))]
         try:
             if self.connected or addr is None:
@@ -223,23 +241,41 @@ class BatchSender:
             else:
                 self.sock.sendmsg(run, anc, 0, addr)
         except BlockingIOError:
-            self.blocked += len(run)
+            self.blocked += count
         except ConnectionRefusedError:
             self.refused += 1
         except OSError as exc:
             if exc.errno not in _GSO_REFUSALS:
                 if self.raise_errors:
                     raise
-                self.errors += len(run)
+                self.errors += count
                 return
             # The path refused segmentation (a device without it): send plainly from now on.
             log.warning("UDP GSO send failed (%s); sending one datagram per call from now on",
                         exc)
             self.gso = False
             self.calls -= 1
-            self.datagrams -= len(run)
-            for d in run:
+            self.datagrams -= count
+            for d in _cut(run, size):
                 self._send_one(d, addr)
+
+
+def _count(buffers: list[bytes | bytearray | memoryview], size: int) -> int:
+    """How many datagrams of ``size`` bytes the buffers hold (each buffer whole datagrams,
+    the last datagram of each possibly shorter)."""
+    return sum(-(-len(b) // size) for b in buffers) if size else len(buffers)
+
+
+def _cut(buffers: list[bytes | bytearray | memoryview], size: int
+         ) -> Iterator[bytes | bytearray | memoryview]:
+    """The datagrams of a GSO run, one by one (views, no copies)."""
+    for b in buffers:
+        if len(b) <= size:
+            yield b
+            continue
+        view = memoryview(b)
+        for off in range(0, len(view), size):
+            yield view[off:off + size]
 
 
 # -- recvmmsg: many datagrams of many senders per system call ---------------------------------

@@ -71,6 +71,10 @@ class LossyEndpoint:
     def datagrams_to_send(self, now: float) -> list[tuple[Datagram, Address]]:
         return [d for d in self.inner.datagrams_to_send(now) if not self._lost()]
 
+    def runs_to_send(self, now: float, **limits: int) -> tuple[list[Any], list[Any]]:
+        """Losses are per datagram: every datagram goes out on its own (no GSO runs)."""
+        return self.datagrams_to_send(now), []
+
     def get_timer(self) -> float | None:
         return self.inner.get_timer()
 

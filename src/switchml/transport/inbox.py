@@ -25,6 +25,7 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._woken = False  # a wake-up byte is in the pipe (set and cleared under the lock)
         self.closed = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):  # a full pipe means a wake-up is pending
@@ -65,17 +66,23 @@ class Inbox:
             self.closed.set()
 
     def drain(self) -> list[Any]:
-        """Everything queued, in order (the I/O thread's call); clears the wake-up."""
-        try:
-            os.read(self._wake_r, 4096)
-        except (BlockingIOError, OSError):
-            pass
-        items = []
-        while True:
+        """Everything queued, in order (the I/O thread's call); clears the wake-up.
+
+        Cheap when nothing was put (one attribute read: the I/O thread calls it on every turn
+        of its loop); a ``put`` racing with that read is seen on the next turn, since its
+        wake-up byte makes ``select`` return."""
+        if not self._woken:
+            return []
+        with self._lock:
+            self._woken = False
             try:
+                os.read(self._wake_r, 1 << 16)  # a pipe holds 64 KiB: all of it
+            except OSError:
+                pass
+            items = []
+            while not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            except queue.Empty:
-                return items
+            return items
 
     def release(self) -> None:
         """Close the pipe (the I/O thread's last call, after :meth:`shut`)."""
@@ -86,6 +93,7 @@ class Inbox:
                 pass
 
     def _wake(self) -> None:
+        self._woken = True
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:

@@ -37,7 +37,14 @@ from switchml.protocol.events import OperationRestarted
 from switchml.protocol.session import WorkerSession, prepare_submission
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint, WorkerState
-from switchml.transport.batching import BatchSender, MultiReceiver, gso_supported, open_receiver
+from switchml.transport.batching import (
+    MAX_GSO_BYTES,
+    MAX_SEGMENTS,
+    BatchSender,
+    MultiReceiver,
+    gso_supported,
+    open_receiver,
+)
 from switchml.transport.eventlog import SwitchEventLog
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.inbox import Inbox
@@ -338,10 +345,12 @@ class WorkerClient:
     def _pump(self) -> None:
         """Commands in, datagrams in, timers, datagrams out; until the endpoint is closed."""
         ep, driven, clock = self.endpoint, self._driven, time.monotonic
+        joined = False
         while ep.state is not WorkerState.CLOSED:
             self._transmit()
-            if self.session.joined or self.session.error is not None:
+            if not joined and (self.session.joined or self.session.error is not None):
                 self._joined.set()
+                joined = True
             if self._run_commands():
                 continue
             got = self._read()
@@ -385,9 +394,13 @@ class WorkerClient:
     def _transmit(self) -> None:
         """Send the session's datagrams; log what it reports."""
         sender = self._sender
-        for data, addr in self._driven.datagrams_to_send(time.monotonic()):
+        out, runs = self._driven.runs_to_send(time.monotonic(), max_segments=MAX_SEGMENTS,
+                                              max_bytes=MAX_GSO_BYTES)
+        for data, addr in out:
             sender.add(data, addr)  # ignored on a connected socket (one switch, not shards)
         sender.flush()
+        for buffers, size, addr in runs:
+            sender.send_run(buffers, size, addr)
         if sender.blocked or sender.refused:
             # A full socket buffer is a loss (the retransmission timer recovers); a refusal is
             # ICMP port unreachable: nothing listens at the switch address (yet).

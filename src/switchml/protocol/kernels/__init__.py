@@ -66,11 +66,14 @@ from switchml.protocol.kernels.frames import (
     write_header,
 )
 from switchml.protocol.kernels.numerics import (
-    block_exponent,
     block_exponents,
     dequantize_block,
+    dequantize_into,
+    exponent_of_bits,
     quantize_block,
+    quantize_into,
     residual_block,
+    residual_into,
 )
 from switchml.protocol.kernels.stream import (
     LF,
@@ -85,6 +88,7 @@ from switchml.protocol.kernels.stream import (
     R,
     build_request,
     next_deadline,
+    plan_runs,
     send_chunk,
     send_first,
     worker_results,
@@ -94,10 +98,10 @@ __all__ = [
     "E_INT16", "E_INT32", "EXP_ZERO", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE", "F_RESENT", "HDR",
     "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS", "MAGIC", "MAX_BATCH",
     "OP", "O_FIELDS", "R", "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_REQUEST", "T_RESULT",
-    "VERSION", "WC", "WS", "as_buffer", "block_exponent", "block_exponents", "build_request",
-    "counter_snapshot", "dequantize_block", "gro_segments", "i16", "i64", "log_releases",
-    "next_deadline",
-    "quantize_block", "request_framing", "residual_block", "send_chunk", "send_first",
+    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "build_request",
+    "counter_snapshot", "dequantize_block", "dequantize_into", "exponent_of_bits", "gro_segments", "i16", "i64", "log_releases",
+    "next_deadline", "plan_runs",
+    "quantize_block", "quantize_into", "request_framing", "residual_block", "residual_into", "send_chunk", "send_first",
     "split_gro", "split_mmsg", "switch_requests", "u16", "u32", "worker_results",
     "write_header",
 ]

@@ -35,10 +35,10 @@ from switchml.protocol.kernels.frames import (
     write_header,
 )
 from switchml.protocol.kernels.numerics import (
-    block_exponent,
-    dequantize_block,
-    quantize_block,
-    residual_block,
+    dequantize_into,
+    exponent_of_bits,
+    quantize_into,
+    residual_into,
 )
 
 
@@ -64,9 +64,11 @@ class OP(IntEnum):
     EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
     TAIL_HEAD = 17  # the queue LN.TAIL_ORDER[TAIL_HEAD:TAIL_END] (tail-loss probes)
     TAIL_END = 18
+    NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
+    STRIDE = 20  # bytes per lane in the transmit buffer (lane i's datagram at i * STRIDE)
 
 
-O_FIELDS = 19
+O_FIELDS = 21
 
 
 class R(IntEnum):
@@ -140,20 +142,25 @@ class WS(IntEnum):
     OTHER = 1  # not a RESULT of this job: Python's path
     OP_COMPLETE = 2  # the operation's last result: Python completes it
     ONE = 3  # took one result (``limit`` reached): RACK runs, then call again
+    FULL = 4  # the send queue is full: the endpoint spills it, then calls again
 
 
-@njit(**KW)
-def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, residual):
-    """Write packet ``p`` (lane ``i``) into ``txbuf[i]`` from the input; return its length.
+@njit(**INLINE)
+def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
+                  residual):
+    """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
+    and the same memory as int16 and int32: ``tx16``, ``tx32``) from the input; return its
+    length.
 
     Float: the exponent of block ``p`` (p < L) and the data of block ``p - E`` (p >= E), scaled
     with the lane's agreed exponent. Integers: block ``p``. A retransmission is rebuilt the same
-    way, never replayed from stored bytes; ``residual``: record this rank's rounding error."""
+    way, never replayed from stored bytes; ``residual``: record this rank's rounding error.
+    No array is sliced (``numerics.py`` says why): offsets index the whole buffers."""
     L = opv[OP.L]
     E = opv[OP.E]
     k = opv[OP.K]
     itemsize = opv[OP.ITEMSIZE]
-    b = txbuf[i]
+    base = i * opv[OP.STRIDE]
     flags = 0
     exp_data = EXP_ZERO
     exp_next = EXP_ZERO
@@ -164,48 +171,48 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt, resi
             # identically, for a retransmission), not for the whole tensor up front: a pass
             # over 64 MiB held every rank ~30 ms before its first packet, and ranks that
             # finished it at different times timed each other out.
-            block_exponent(x, p * k, min(p * k + k, x.size), p, exps, nonf)
+            exponent_of_bits(xbits, x, p * k, min(p * k + k, x.size), p, exps, nonf)
             exp_next = exps[p]
             flags |= F_HAS_EXP
         if p >= E:
             blk = p - E
             lo = blk * k
-            hi = min(lo + k, x.size)
-            count = hi - lo
+            count = min(lo + k, x.size) - lo
             exp_data = lane[LN.EMAX, i]
             bad = nonf[blk] != 0
-            pay = b[HDR:HDR + count * itemsize]
             if itemsize == 4:
-                q32 = pay.view(np.int32)
-                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q32)
+                qo = (base + HDR) // 4
+                quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx32, qo)
                 if residual:
-                    residual_block(x[lo:hi], q32, exp_data, opv[OP.P], res[lo:hi])
+                    residual_into(x, lo, count, tx32, qo, exp_data, opv[OP.P], res)
             else:
-                q16 = pay.view(np.int16)
-                quantize_block(x[lo:hi], exp_data, opv[OP.P], bad, q16)
+                qo = (base + HDR) // 2
+                quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx16, qo)
                 if residual:
-                    residual_block(x[lo:hi], q16, exp_data, opv[OP.P], res[lo:hi])
+                    residual_into(x, lo, count, tx16, qo, exp_data, opv[OP.P], res)
             flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
     else:
         lo = p * k
-        hi = min(lo + k, x.size)
-        count = hi - lo
-        b[HDR:HDR + 4 * count] = x[lo:hi].view(np.uint8)
+        count = min(lo + k, x.size) - lo
+        qo = (base + HDR) // 4
+        for j in range(count):
+            tx32[np.uint64(qo + j)] = np.int32(x[np.uint64(lo + j)])
         flags |= F_HAS_DATA
-    write_header(b, 0, T_REQUEST, flags, set_bit, opv[OP.RANK], opv[OP.JOB], opv[OP.TOKEN],
+    write_header(tx8, base, T_REQUEST, flags, set_bit, opv[OP.RANK], opv[OP.JOB], opv[OP.TOKEN],
                  opv[OP.SEQ], p, lane[LN.SLOT, i], count, opv[OP.ELEM], opv[OP.DIGEST],
                  exp_data, exp_next)
     cnt[WC.PACKETS_SENT] += 1
     return HDR + count * itemsize
 
 
-@njit(**KW)
-def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res,
-               txbuf, cnt):
+@njit(**INLINE)
+def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+               res, tx8, tx16, tx32, cnt, sendlen):
     """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
 
     ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
-    only). Returns the datagram's length (it is ``txbuf[p mod E]``)."""
+    only). The datagram is ``tx8[i * STRIDE:][:sendlen[i]]`` (lane ``i = p mod E``); returns the
+    lane. The caller queues it (:func:`queue_lane`)."""
     i = p % opv[OP.E]
     if retransmit:
         set_bit = lane[LN.SET, i]
@@ -227,8 +234,9 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
         if p + opv[OP.E] >= opv[OP.T]:  # the lane's last chunk: a tail-loss probe candidate
             lane[LN.TAIL_ORDER, opv[OP.TAIL_END]] = i
             opv[OP.TAIL_END] += 1
-    n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, res, txbuf, cnt,
+    n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                       res.size > 0 and not retransmit)
+    sendlen[i] = n
     if retransmit:
         cnt[WC.PAYLOAD_RESENT] += n - HDR
     else:
@@ -236,7 +244,18 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     rto = min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, i]), rtt[R.MAX_RTO])
     lanef[LF.DEADLINE, i] = now + rto
     lanef[LF.XMIT_AT, i] = now
-    return n
+    return i
+
+
+@njit(**INLINE)
+def queue_lane(i, opv, sendq):
+    """Queue lane ``i``'s datagram to send; False if the queue is full (nothing queued)."""
+    q = opv[OP.NQ]
+    if q >= sendq.size:
+        return False
+    sendq[q] = i
+    opv[OP.NQ] = q + 1
+    return True
 
 
 @njit(**INLINE)
@@ -299,26 +318,33 @@ def _lane_of(d, o, opv, lane, cnt):
 
 
 @njit(**INLINE)
-def _store_float(d, o, isz, p, i, opv, lane, rtt, out):
+def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out):
     """Dequantize a float result's data (of block ``p - E``) into ``out``; take its look-ahead
     exponent for the lane. False if its size is wrong."""
     E, k = opv[OP.E], opv[OP.K]
     count = u16(d, o + 32)
     if p >= E:
         lo = (p - E) * k
-        hi = min(lo + k, out.size)
-        if count != hi - lo:
+        if count != min(lo + k, out.size) - lo:
             return False
         exp_data = i16(d, o + 36)
         nonfinite = (np.int64(d[o + 4]) & F_NONFINITE) != 0
         edge = exp_data >= opv[OP.EDGE_EXP]
-        pay = d[o + HDR:o + HDR + count * isz]
-        if isz == 4:
-            dequantize_block(pay.view(np.int32), exp_data, opv[OP.P], nonfinite, out[lo:hi],
-                             opv[OP.N], edge, rtt[R.FMAX])
-        else:
-            dequantize_block(pay.view(np.int16), exp_data, opv[OP.P], nonfinite, out[lo:hi],
-                             opv[OP.N], edge, rtt[R.FMAX])
+        po = o + HDR
+        if isz == 4 and po % 4 == 0:
+            dequantize_into(d32, po // 4, exp_data, opv[OP.P], nonfinite, out, lo, count,
+                            opv[OP.N], edge, rtt[R.FMAX])
+        elif isz == 2 and po % 2 == 0:
+            dequantize_into(d16, po // 2, exp_data, opv[OP.P], nonfinite, out, lo, count,
+                            opv[OP.N], edge, rtt[R.FMAX])
+        else:  # a payload at an odd offset (no transport makes one): an aligned copy
+            tmp = d[po:po + count * isz].copy()
+            if isz == 4:
+                dequantize_into(tmp.view(np.int32), 0, exp_data, opv[OP.P], nonfinite, out, lo,
+                                count, opv[OP.N], edge, rtt[R.FMAX])
+            else:
+                dequantize_into(tmp.view(np.int16), 0, exp_data, opv[OP.P], nonfinite, out, lo,
+                                count, opv[OP.N], edge, rtt[R.FMAX])
     elif count:
         return False
     if p < opv[OP.L]:
@@ -327,14 +353,18 @@ def _store_float(d, o, isz, p, i, opv, lane, rtt, out):
 
 
 @njit(**INLINE)
-def _store_int(d, o, p, opv, out):
+def _store_int(d, d32, o, p, opv, out):
     """Copy an integer result (block ``p``) into ``out``. False if its size is wrong."""
     lo = p * opv[OP.K]
-    hi = min(lo + opv[OP.K], out.size)
     count = u16(d, o + 32)
-    if count != hi - lo:
+    if count != min(lo + opv[OP.K], out.size) - lo:
         return False
-    out[lo:hi].view(np.uint8)[:] = d[o + HDR:o + HDR + 4 * count]
+    po = o + HDR
+    if po % 4 == 0:
+        for j in range(count):
+            out[np.uint64(lo + j)] = d32[np.uint64(po // 4 + j)]
+    else:  # an odd offset (no transport makes one)
+        out[lo:lo + count].view(np.uint8)[:] = d[po:po + 4 * count]
     return True
 
 
@@ -387,29 +417,32 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
 
 @njit(**KW)
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
-                   exps, nonf, x, out, res, txbuf, cnt, sendq, sendlen):
+                   exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen):
     """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
     from datagram ``start`` on: dequantize into ``out``, time the round trip, and build the
-    packet each result releases on its lane.
+    packet each result releases on its lane, queued in ``sendq`` (:func:`queue_lane`).
 
-    Returns ``(next, nsend, code)``: lanes whose packet is ready are ``sendq[:nsend]`` (lengths
-    in ``sendlen``); ``code`` says why it stopped (``WS``). ``limit``: stop after this many
-    results taken (RACK looks for losses after each)."""
-    nsend = 0
+    Returns ``(next, code)``: ``code`` says why it stopped (``WS``). ``limit``: stop after
+    this many results taken (RACK looks for losses after each)."""
     taken = 0
     i = start
+    n4 = d.size // 4 * 4  # the batch as int16 and int32 (payloads are read in place)
+    d16 = d[:n4].view(np.int16)
+    d32 = d[:n4].view(np.int32)
     while i < nseg:
+        if opv[OP.NQ] >= sendq.size:
+            return i, WS.FULL.value
         o = starts[i]
         isz = _result_length(d, o, lens[i], opv)
         if isz == 0:
-            return i, nsend, WS.OTHER.value
+            return i, WS.OTHER.value
         i += 1
         ln_i = _lane_of(d, o, opv, lane, cnt)
         if ln_i < 0:
             continue
         p = lane[LN.CHUNK, ln_i]
-        stored = (_store_float(d, o, isz, p, ln_i, opv, lane, rtt, out) if opv[OP.IS_FLOAT]
-                  else _store_int(d, o, p, opv, out))
+        stored = (_store_float(d, d16, d32, o, isz, p, ln_i, opv, lane, rtt, out)
+                  if opv[OP.IS_FLOAT] else _store_int(d, d32, o, p, opv, out))
         if not stored:
             cnt[WC.BAD_COUNT] += 1
             continue
@@ -420,27 +453,83 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         opv[OP.DONE] += 1
         nxt = p + opv[OP.E]
         if nxt < opv[OP.T]:
-            sendlen[nsend] = send_chunk(nxt, False, False, now, opv, lane, lanef, rtt, next_set,
-                                        exps, nonf, x, res, txbuf, cnt)
-            sendq[nsend] = ln_i
-            nsend += 1
+            send_chunk(nxt, False, False, now, opv, lane, lanef, rtt, next_set, exps, nonf, x,
+                       xbits, res, tx8, tx16, tx32, cnt, sendlen)
+            queue_lane(ln_i, opv, sendq)
         else:
             lane[LN.CHUNK, ln_i] = -1
         if opv[OP.DONE] == opv[OP.T]:
-            return i, nsend, WS.OP_COMPLETE.value
+            return i, WS.OP_COMPLETE.value
         taken += 1
         if taken >= limit:
-            return i, nsend, WS.ONE.value
-    return i, nsend, WS.DONE.value
+            return i, WS.ONE.value
+    return i, WS.DONE.value
 
 
 @njit(**KW)
-def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, res, txbuf, cnt,
-               sendlen):
-    """Start packets ``0 .. count-1`` (the first window); lengths into ``sendlen``."""
+def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
+               tx32, cnt, sendq, sendlen):
+    """Start packets ``0 .. count-1`` (the first window) and queue them (the queue is empty
+    at an operation's start and holds a window)."""
     for p in range(count):
-        sendlen[p] = send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps,
-                                nonf, x, res, txbuf, cnt)
+        send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+                   res, tx8, tx16, tx32, cnt, sendlen)
+        queue_lane(p, opv, sendq)
+
+
+@njit(**KW)
+def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs):
+    """Cut the queued lanes ``sendq[:nq]`` into UDP GSO runs; return how many.
+
+    A run goes to one shard (lane ``i`` to shard ``i mod shards``), in queue order, and holds
+    up to ``max_segments`` datagrams and ``max_bytes`` bytes of one size (the last may be
+    shorter: the kernel allows a short last segment). ``runs[r] = (first, count, size,
+    contiguous, shard)``: its lanes are ``sendq[order[first : first + count]]``; contiguous:
+    they are consecutive lanes of full ``stride``-byte rows (but the last), so the run is one
+    slice of the transmit buffer, ``txbuf[lane0 * stride : ...]``, sent with no gathering."""
+    no = 0
+    nr = 0
+    for s in range(shards):
+        r_first = -1
+        r_count = 0
+        r_size = 0
+        r_contig = False
+        prev = -1
+        for q in range(nq):
+            i = sendq[q]
+            if i % shards != s:
+                continue
+            ln = sendlen[i]
+            if r_count > 0:
+                fits = (r_count < max_segments and (r_count + 1) * r_size <= max_bytes
+                        and ln <= r_size and (not r_contig or i == prev + 1))
+                if fits:
+                    order[no] = q
+                    no += 1
+                    r_count += 1
+                    prev = i
+                    if ln < r_size:  # a short segment ends the run
+                        runs[nr, 0], runs[nr, 1], runs[nr, 2] = r_first, r_count, r_size
+                        runs[nr, 3], runs[nr, 4] = r_contig, s
+                        nr += 1
+                        r_count = 0
+                    continue
+                runs[nr, 0], runs[nr, 1], runs[nr, 2] = r_first, r_count, r_size
+                runs[nr, 3], runs[nr, 4] = r_contig, s
+                nr += 1
+                r_count = 0
+            r_first = no
+            order[no] = q
+            no += 1
+            r_count = 1
+            r_size = ln
+            r_contig = shards == 1 and ln == stride
+            prev = i
+        if r_count > 0:
+            runs[nr, 0], runs[nr, 1], runs[nr, 2] = r_first, r_count, r_size
+            runs[nr, 3], runs[nr, 4] = r_contig, s
+            nr += 1
+    return nr
 
 
 @njit(**KW)
