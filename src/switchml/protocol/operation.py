@@ -42,7 +42,7 @@ class Operation:
 
     __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float",
                  "itemsize", "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res",
-                 "residual", "restarts", "xbits", "run_order", "runs", "sendlen", "sendq", "seq",
+                 "residual", "restarts", "scratch", "xbits", "run_order", "runs", "sendlen", "sendq", "seq",
                  "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat", "views",
                  "waiting_chunk", "waiting_missing", "x", "xk", "xmit_order")
 
@@ -79,6 +79,7 @@ class Operation:
         self.tx8 = self.txbuf.reshape(-1)  # the kernels' views: bytes, int16, int32
         self.tx16 = self.tx8.view(np.int16)
         self.tx32 = self.tx8.view(np.int32)
+        self.scratch = np.empty(self.stride, np.uint8)  # a result at an odd offset, aligned
         self.txflat = memoryview(self.tx8)  # runs of consecutive lanes are slices of it
         self.views = [memoryview(self.txbuf[i]) for i in range(self.E)]
         self.sendlen = np.zeros(self.E, np.int64)  # each lane's datagram: txbuf[i, :sendlen[i]]

@@ -431,7 +431,7 @@ class WorkerEndpoint:
         nxt, code = K.worker_results(
             buf, starts, lens, count, i, limit, now, op.opv, op.lane, op.lanef, rec.rtt,
             self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.outk, op.res, op.tx8, op.tx16,
-            op.tx32, self._cnt, op.sendq, op.sendlen)
+            op.tx32, self._cnt, op.sendq, op.sendlen, op.scratch)
         if rec.fast_retransmit:
             for lane in op.sendq[queued:int(op.opv[K.OP.NQ])].tolist():
                 rec.on_sent(op, lane, now)

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 from switchml.protocol.kernels.frames import (
-    E_INT32,
     EPOCH_TRAIL,
+    E_INT32,
     F_HAS_EXP,
     F_NONFINITE,
     HALF,
@@ -25,8 +25,10 @@ from switchml.protocol.kernels.frames import (
     INLINE,
     KW,
     MASK32,
+    NO_RC,
     SHAPE_FLAGS,
     T_RESULT,
+    copy_bytes,
     i16,
     i64,
     njit,
@@ -213,7 +215,7 @@ def _start_round(st, seen, conflict, bufs, n, r, rank, pay, cnt):
     v, s = r.v, r.s
     if st[S.SEQ, v, s] >= 0 and st[S.MISSING, v, s] != 0:
         cnt[SC.ABANDONED] += 1  # only after a failed operation
-    bufs[v, s, HDR:HDR + pay.size] = pay
+    copy_bytes(bufs[v, s], HDR, pay, 0, pay.size)
     st[S.SEQ, v, s], st[S.CHUNK, v, s], st[S.COUNT, v, s] = r.seq, r.chunk, r.count
     st[S.ELEM, v, s], st[S.FLAGS, v, s] = r.elem, r.flags & (F_NONFINITE | SHAPE_FLAGS)
     st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s] = r.exp_data, r.exp_next
@@ -267,7 +269,7 @@ def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
     jobv[J.AGGREGATED] += r.count
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def log_releases(jobv, st, clog, sendq, nsend):
     """A relay multicast the results of rounds ``sendq[:nsend]`` (rows ``(set, slot, ...)``)
     of a job with ``LOG_AT_RELEASE``: log them now, in the order the children get them.
@@ -425,7 +427,7 @@ def _before_epoch(jobv, seq):
     return False
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, conflict, bufs,
                     clog, cursor, rules, cnt, done):
     """Aggregate the REQUESTs of a batch of datagrams, from datagram ``start`` on.

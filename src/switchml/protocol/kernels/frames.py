@@ -26,6 +26,11 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps the 
 
 KW = {"cache": True, "nogil": True}
 """Every kernel: compiled once into numba's cache, and releasing the GIL."""
+NO_RC = {**KW, "_nrt": False}
+"""A kernel that allocates nothing: compiled without numba's reference counting. Every array
+slice or view numba makes otherwise takes and drops a reference with an atomic instruction;
+measured in the worker's results kernel on the testbed, those were most of its time. Its
+views must not outlive the call (none is returned or stored)."""
 INLINE = {**KW, "inline": "always"}
 """A kernel's helper: inlined into its caller at compile time (no call, no reference counting
 of the arrays it is passed; measured: 0.85 -> 0.6 us per request at the switch)."""
@@ -48,6 +53,14 @@ HALF = 1 << 31
 EPOCH_TRAIL = 1 << 30
 MASK32 = (1 << 32) - 1
 
+
+
+@njit(**INLINE)
+def copy_bytes(dst, do, src, so, n):
+    """``dst[do:do+n] = src[so:so+n]`` for byte arrays that do not overlap, with no slice
+    (a slice assignment allocates in numba, which an ``NO_RC`` kernel may not)."""
+    for j in range(n):
+        dst[np.uint64(do + j)] = src[np.uint64(so + j)]
 
 
 @njit(**INLINE)
@@ -162,7 +175,7 @@ def split_gro(nbytes: int, seg: int, starts: np.ndarray, lens: np.ndarray) -> tu
     return count, -(-nbytes // seg) - count
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def gro_segments(nbytes, seg, starts, lens):
     """Fill ``starts``/``lens`` with the datagrams of a GRO buffer (all ``seg`` long but the
     last); return their number."""
@@ -176,7 +189,7 @@ def gro_segments(nbytes, seg, starts, lens):
     return n
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, sol_udp,
                udp_gro, out_starts, out_lens, out_senders):
     """Cut what one ``recvmmsg`` returned into datagrams; return their number.

@@ -23,9 +23,11 @@ from switchml.protocol.kernels.frames import (
     KNOWN_FLAGS,
     KW,
     MAGIC,
+    NO_RC,
     T_REQUEST,
     T_RESULT,
     VERSION,
+    copy_bytes,
     i64,
     njit,
     put16,
@@ -97,7 +99,7 @@ def _retag(b, mtype, rank, job, token, slot):
     put32(b, 28, slot)
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
     """Rounds the inner switch completed (``done[i] = (set, slot, length)`` of its result in
     ``bufs``) become this rack's requests to the parent (``up[set, lane]``). Returns how many;
@@ -105,7 +107,7 @@ def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
     for j in range(ndone):
         v, s, ln = done[j, 0], done[j, 1], done[j, 2]
         b = up[v, s]
-        b[:ln] = bufs[v, s, :ln]
+        copy_bytes(b, 0, bufs[v, s], 0, ln)
         _retag(b, T_REQUEST, rv[RV.RACK], rv[RV.PARENT_JOB], rv[RV.PARENT_TOKEN],
                rv[RV.PARENT_BASE] + s)
         ust[U.STATE, v, s] = SENT
@@ -133,7 +135,7 @@ def _parent_result(d, o, ln, rv):
             and i64(d, o + 12) == rv[RV.PARENT_TOKEN])
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
     """Take the parent's RESULTs of a batch from datagram ``start`` on: each that answers an
     outstanding request is rewritten for the child job into ``down[set, lane]``. Returns
@@ -155,7 +157,7 @@ def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
             cnt[RC.PARENT_DUPLICATES] += 1
             continue
         b = down[v, lane]
-        b[:ln] = d[o:o + ln]
+        copy_bytes(b, 0, d, o, ln)
         _retag(b, T_RESULT, 0, rv[RV.CHILD_JOB], rv[RV.CHILD_TOKEN], rv[RV.CHILD_BASE] + lane)
         ust[U.STATE, v, lane] = ANSWERED
         ust[U.RESULT_LEN, v, lane] = ln
@@ -165,7 +167,7 @@ def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
     return i, nsend
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def relay_next_due(ust, utimes):
     """The earliest retransmission deadline of an unanswered request (inf when none)."""
     best = np.inf
@@ -176,7 +178,7 @@ def relay_next_due(ust, utimes):
     return best
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def relay_due(ust, utimes, now, rto, max_rto, out):
     """Unanswered requests whose deadline passed: their (set, lane) into ``out``, deadlines
     backed off (``rto * 2^tries``, at most ``max_rto``); returns how many (the caller re-sends

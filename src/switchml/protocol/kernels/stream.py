@@ -24,6 +24,7 @@ from switchml.protocol.kernels.frames import (
     KNOWN_FLAGS,
     KW,
     MAGIC,
+    NO_RC,
     T_REQUEST,
     T_RESULT,
     VERSION,
@@ -318,9 +319,10 @@ def _lane_of(d, o, opv, lane, cnt):
 
 
 @njit(**INLINE)
-def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out):
+def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
     """Dequantize a float result's data (of block ``p - E``) into ``out``; take its look-ahead
-    exponent for the lane. False if its size is wrong."""
+    exponent for the lane. False if its size is wrong. ``scratch``: an aligned buffer of a
+    datagram's size, for a payload at an odd offset."""
     E, k = opv[OP.E], opv[OP.K]
     count = u16(d, o + 32)
     if p >= E:
@@ -337,14 +339,15 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out):
         elif isz == 2 and po % 2 == 0:
             dequantize_into(d16, po // 2, exp_data, opv[OP.P], nonfinite, out, lo, count,
                             opv[OP.N], edge, rtt[R.FMAX])
-        else:  # a payload at an odd offset (no transport makes one): an aligned copy
-            tmp = d[po:po + count * isz].copy()
+        else:  # a payload at an odd offset (an in-memory batch of mixed sizes): aligned first
+            for j in range(count * isz):
+                scratch[j] = d[po + j]
             if isz == 4:
-                dequantize_into(tmp.view(np.int32), 0, exp_data, opv[OP.P], nonfinite, out, lo,
-                                count, opv[OP.N], edge, rtt[R.FMAX])
+                dequantize_into(scratch.view(np.int32), 0, exp_data, opv[OP.P], nonfinite, out,
+                                lo, count, opv[OP.N], edge, rtt[R.FMAX])
             else:
-                dequantize_into(tmp.view(np.int16), 0, exp_data, opv[OP.P], nonfinite, out, lo,
-                                count, opv[OP.N], edge, rtt[R.FMAX])
+                dequantize_into(scratch.view(np.int16), 0, exp_data, opv[OP.P], nonfinite, out,
+                                lo, count, opv[OP.N], edge, rtt[R.FMAX])
     elif count:
         return False
     if p < opv[OP.L]:
@@ -363,8 +366,10 @@ def _store_int(d, d32, o, p, opv, out):
     if po % 4 == 0:
         for j in range(count):
             out[np.uint64(lo + j)] = d32[np.uint64(po // 4 + j)]
-    else:  # an odd offset (no transport makes one)
-        out[lo:lo + count].view(np.uint8)[:] = d[po:po + 4 * count]
+    else:  # an odd offset (an in-memory batch of mixed sizes)
+        ob = out.view(np.uint8)
+        for j in range(4 * count):
+            ob[np.uint64(4 * lo + j)] = d[po + j]
     return True
 
 
@@ -415,15 +420,17 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     opv[OP.TAIL_HEAD] = h
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
-                   exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen):
+                   exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
+                   scratch):
     """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
     from datagram ``start`` on: dequantize into ``out``, time the round trip, and build the
     packet each result releases on its lane, queued in ``sendq`` (:func:`queue_lane`).
 
     Returns ``(next, code)``: ``code`` says why it stopped (``WS``). ``limit``: stop after
-    this many results taken (RACK looks for losses after each)."""
+    this many results taken (RACK looks for losses after each). Compiled without reference
+    counting (``NO_RC``): it allocates nothing, and its views live within the call."""
     taken = 0
     i = start
     n4 = d.size // 4 * 4  # the batch as int16 and int32 (payloads are read in place)
@@ -441,7 +448,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         if ln_i < 0:
             continue
         p = lane[LN.CHUNK, ln_i]
-        stored = (_store_float(d, d16, d32, o, isz, p, ln_i, opv, lane, rtt, out)
+        stored = (_store_float(d, d16, d32, o, isz, p, ln_i, opv, lane, rtt, out, scratch)
                   if opv[OP.IS_FLOAT] else _store_int(d, d32, o, p, opv, out))
         if not stored:
             cnt[WC.BAD_COUNT] += 1
@@ -466,7 +473,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
     return i, WS.DONE.value
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
                tx32, cnt, sendq, sendlen):
     """Start packets ``0 .. count-1`` (the first window) and queue them (the queue is empty
@@ -477,7 +484,7 @@ def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits
         queue_lane(p, opv, sendq)
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs):
     """Cut the queued lanes ``sendq[:nq]`` into UDP GSO runs; return how many.
 
@@ -532,7 +539,7 @@ def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order
     return nr
 
 
-@njit(**KW)
+@njit(**NO_RC)
 def next_deadline(lane, lanef):
     """The earliest retransmission deadline of a busy lane (inf when none is busy)."""
     best = np.inf
