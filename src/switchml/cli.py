@@ -389,7 +389,9 @@ def _add_bench_allreduce_testbed_args(ar: argparse.ArgumentParser) -> None:
                          "takes up to 65535 but that is not a real network). Loopback: default "
                          "the route's MTU (65536)")
     tbg.add_argument("--systems", default="switchml,gloo,ps",
-                     help="comma list of switchml, gloo, ps (parameter server) (default all)")
+                     help="comma list of switchml, gloo, ps (parameter server) and floor (the "
+                          "same bytes echoed through a hub in switchml's datagrams, with no "
+                          "protocol: the CPU floor of the data path) (default switchml,gloo,ps)")
     tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
 
 
@@ -1197,8 +1199,12 @@ def _allreduce_table(cfg: Any, results: Sequence[Any]) -> Table:
 
     table = Table(title=f"all-reduce, {cfg.workers} workers, float32, {cfg.iters} timed ops "
                         f"(ATE/s = elements/s per worker, slowest worker)")
+    from switchml.bench.cpu import ratio_text
+    table.caption = ("CPU-s/1e9: CPU-seconds per 10^9 elements aggregated per worker (worker "
+                     "processes summed; whole machine from /proc/stat), and the ratio to gloo's")
     for col in ("size", "switchml ATE/s", "gloo ATE/s", "switchml/gloo", "switchml Gbit/s",
-                "max rel err", "switchml CPU % (workers | switch)", "gloo CPU %"):
+                "max rel err", "switchml CPU % (workers | switch)", "gloo CPU %",
+                "switchml CPU-s/1e9 workers", "switchml CPU-s/1e9 machine"):
         table.add_column(col, justify="right")
     for size in cfg.sizes_bytes:
         sm = next(m for m in results if m.system == "switchml" and m.size_bytes == size)
@@ -1210,7 +1216,9 @@ def _allreduce_table(cfg: Any, results: Sequence[Any]) -> Table:
             "/".join(f"{c:.0f}" for c in sm.cpu_percent) + (
                 f" | {sm.extra['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in sm.extra
                 else ""),
-            "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-")
+            "/".join(f"{c:.0f}" for c in gl.cpu_percent) if gl else "-",
+            *(ratio_text(sm.extra.get(k), gl.extra.get(k) if gl else None)
+              for k in ("worker_cpu_s_per_gelem", "machine_cpu_s_per_gelem")))
     return table
 
 
@@ -1249,24 +1257,37 @@ def _run_bench_testbed(args: argparse.Namespace) -> int:
 
 
 def _testbed_table(cfg: Any, rate_mbit: float, rows: Sequence[dict]) -> Table:
-    """One row per size and system of the testbed all-reduce."""
+    """One row per size and system of the testbed all-reduce, with the CPU each spent per
+    10^9 aggregated elements (worker processes, whole machine) and its ratio to gloo's."""
     from rich.table import Table
+
+    from switchml.bench.cpu import ratio_text
 
     table = Table(title=f"all-reduce over the testbed: {cfg.workers} workers, {rate_mbit:g} "
                         f"Mbit/s links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per "
-                        "worker)")
+                        "worker)",
+                  caption="CPU-s/1e9: CPU-seconds per 10^9 elements aggregated per worker "
+                          "(the worker processes summed; the whole machine from /proc/stat, "
+                          "switch and softirq included), and the ratio to gloo's")
     for col in ("size", "system", "ATE/s", "of line rate B/32", "ring bound", "vs gloo",
-                "worker CPU %", "switch CPU %"):
+                "worker CPU %", "switch CPU %", "CPU-s/1e9 workers", "CPU-s/1e9 machine"):
         table.add_column(col, justify="right")
     for r in rows:
         gloo = next((g for g in rows if g["system"] == "gloo"
                      and g["size_bytes"] == r["size_bytes"]), None)
-        table.add_row(_human(r["size_bytes"]), r["system"], f"{r['ate_per_s']:.3g}",
+        table.add_row(_human(r["size_bytes"]),
+                      r["system"] + (" [red](degraded)[/red]" if r.get("degraded") else ""),
+                      f"{r['ate_per_s']:.3g}",
                       f"{100 * r['fraction_of_line_rate']:.0f}%",
                       f"{100 * r['bound_ring_ate'] / r['bound_line_ate']:.0f}%",
                       f"{r['ate_per_s'] / gloo['ate_per_s']:.2f}" if gloo else "-",
                       "/".join(f"{c:.0f}" for c in r["cpu_percent"]),
-                      f"{r['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in r else "-")
+                      f"{r['switch_cpu_percent']:.0f}" if "switch_cpu_percent" in r else "-",
+                      *(ratio_text(r.get(k), gloo.get(k) if gloo else None)
+                        for k in ("worker_cpu_s_per_gelem", "machine_cpu_s_per_gelem")))
+    degraded = {r["degraded"] for r in rows if r.get("degraded")}
+    if degraded:
+        table.caption = f"{table.caption}. [red]degraded: {'; '.join(sorted(degraded))}[/red]"
     return table
 
 

@@ -233,3 +233,24 @@ def test_chunks_fit_the_path_mtu_by_default():
     assert mtu is not None and mtu >= 1500
     assert elements_per_packet_for(("127.0.0.1", 9)) == min(16366, (mtu - 68) // 4)
     assert elements_per_packet_for(("127.0.0.1", 9), mtu=1500) == 358
+
+
+@pytest.mark.parametrize("gso", [True, False], ids=["gso", "no_gso"])
+def test_a_planned_run_arrives_as_its_datagrams_in_order(gso):
+    """``send_run``: one contiguous buffer of 5 x 100 bytes and a short 37, and a gathered
+    list of 3 x 40: the receiver gets each datagram, intact and in order; with GSO each run
+    is one system call."""
+    if gso and not _kernel_has_gso():
+        pytest.skip("this kernel has no UDP GSO")
+    tx, rx = _pair(gro=False)
+    with tx, rx:
+        sender = BatchSender(tx, gso=gso)
+        contiguous = b"".join(bytes([i]) * 100 for i in range(5)) + b"\x09" * 37
+        gathered = [memoryview(bytes([20 + i]) * 40) for i in range(3)]
+        sender.send_run([memoryview(contiguous)], 100, rx.getsockname())
+        sender.send_run(gathered, 40, rx.getsockname())
+        got = _receive_all(rx, 9)
+    assert got == [bytes([i]) * 100 for i in range(5)] + [b"\x09" * 37] + [
+        bytes(g) for g in gathered]
+    assert sender.datagrams == 9
+    assert sender.calls == (2 if gso else 9)

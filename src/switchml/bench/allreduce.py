@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.bench.cpu import cpu_per_gelem, machine_busy_s
 from switchml.bench.switchproc import SwitchProcess
 
 __all__ = ["BenchConfig", "Measurement", "parse_size", "run_benchmark"]
@@ -125,16 +126,16 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
             for _ in range(warmup):
                 w.allreduce(x, out, bits=bits)
             barrier.wait()
-            c0, t0 = _cpu_s(), time.perf_counter()
+            b0, c0, t0 = machine_busy_s(), _cpu_s(), time.perf_counter()
             for _ in range(iters):
                 w.allreduce(x, out, bits=bits)
             elapsed = time.perf_counter() - t0
-            cpu = _cpu_s() - c0
+            cpu, busy = _cpu_s() - c0, (b0, machine_busy_s())
             scale = np.max(np.abs(expected)) or 1.0
             err = float(np.max(np.abs(out - expected)) / scale)
-            results.put((rank, elapsed, cpu, err, w.counters, None))
+            results.put((rank, elapsed, cpu, err, w.counters, None, busy))
     except BaseException as exc:  # report, don't hang the parent
-        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}"))
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
 
 
 def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: int,
@@ -149,15 +150,15 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: i
         for _ in range(warmup):
             dist.all_reduce(x)
         barrier.wait()
-        c0, t0 = _cpu_s(), time.perf_counter()
+        b0, c0, t0 = machine_busy_s(), _cpu_s(), time.perf_counter()
         for _ in range(iters):
             dist.all_reduce(x)
         elapsed = time.perf_counter() - t0
-        cpu = _cpu_s() - c0
+        cpu, busy = _cpu_s() - c0, (b0, machine_busy_s())
         dist.destroy_process_group()
-        results.put((rank, elapsed, cpu, None, {}, None))
+        results.put((rank, elapsed, cpu, None, {}, None, busy))
     except BaseException as exc:
-        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}"))
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
 
 
 def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[tuple]:
@@ -182,7 +183,7 @@ def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[t
     errors = [r[5] for r in rows if r[5]]
     if errors:
         raise RuntimeError(f"worker failed: {errors[0]}")
-    return sorted(rows)
+    return sorted(rows, key=lambda r: r[0])
 
 
 def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] | None,
@@ -216,6 +217,7 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
         pass  # a worker failed before the timed loop; _collect reports why
     t0 = time.perf_counter()
     rows = _collect(procs, results, n, cfg.timeout_s)
+    busy = [r[6] for r in rows if r[6]]  # the machine over the workers' timed loops
     extra: dict[str, Any] = {}
     if cpu0 is not None and switch_cpu is not None:
         # From the start of the timed loop until the last worker reported.
@@ -232,7 +234,11 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
         elapsed_s=elapsed, ate_per_s=ate, goodput_gbps=ate * 32 / 1e9,
         cpu_percent=[100.0 * r[2] / r[1] for r in rows],
         max_rel_error=max(errs) if errs else None,
-        extra={**extra, **({"worker_counters": counters} if counters else {})},
+        extra={**extra, **({"worker_counters": counters} if counters else {}),
+               **cpu_per_gelem(worker_cpu_s=[r[2] for r in rows],
+                               machine_busy=(min(b[0] for b in busy), max(b[1] for b in busy))
+                               if busy else None,
+                               elements=numel * cfg.iters)},
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from switchml import env
+from switchml.bench.cpu import machine_busy_s
 
 
 def _cpu() -> float:
@@ -30,14 +31,17 @@ def _emit(doc: dict[str, Any]) -> None:
     print(json.dumps(doc), flush=True)
 
 
-def _timed(allreduce: Any, x: np.ndarray, warmup: int, iters: int) -> dict[str, Any]:
+def _timed(allreduce: Any, x: Any, warmup: int, iters: int) -> dict[str, Any]:
+    """Time ``iters`` calls after ``warmup``: elapsed, this process's CPU, and the whole
+    machine's busy seconds at the start and end (``busy``: the runner takes the span of all
+    workers)."""
     for _ in range(warmup):
         allreduce(x)
-    c0, t0 = _cpu(), time.perf_counter()
+    b0, c0, t0 = machine_busy_s(), _cpu(), time.perf_counter()
     for _ in range(iters):
         allreduce(x)
     elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "cpu_s": _cpu() - c0}
+    return {"elapsed_s": elapsed, "cpu_s": _cpu() - c0, "busy": [b0, machine_busy_s()]}
 
 
 def init_group(backend: str, master: str, port: int, rank: int, world: int,
@@ -158,8 +162,31 @@ def ps(a: dict[str, Any]) -> None:
     ar.close()
 
 
+def floor_hub(a: dict[str, Any]) -> None:
+    """The floor's hub (``bench/floor.py``): echoes until stdin closes."""
+    from switchml.bench.floor import hub
+    c0 = _cpu()
+    echoed = hub(a["port"])
+    _emit({"cpu_s": _cpu() - c0, "bytes_echoed": echoed})
+
+
+def floor(a: dict[str, Any]) -> None:
+    """A worker of the floor: each "operation" moves the all-reduce's bytes through the hub
+    and back in switchml-sized datagrams (``bench/floor.py``)."""
+    from switchml.bench.floor import worker
+    timeouts = []
+
+    def move(_: Any) -> None:
+        timeouts.append(worker((a["hub"], a["port"]), a["numel"] * 4,
+                               datagram_bytes=a["datagram_bytes"],
+                               window_bytes=a["window_bytes"])["timeouts"])
+    r = _timed(move, None, a["warmup"], a["iters"])
+    r["timeouts"] = sum(timeouts)
+    _emit(r)
+
+
 ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_server,
-         "ps": ps}
+         "ps": ps, "floor-hub": floor_hub, "floor": floor}
 
 
 def _cnn_task(batch: int, gen: Any) -> tuple[Any, Any, Any]:

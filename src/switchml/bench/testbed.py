@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from switchml.bench.cpu import cpu_per_gelem
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import RECOVERY_COUNTERS
@@ -32,7 +33,11 @@ from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 __all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]
 
 SWITCH_PORT = 48864
-SYSTEMS = ("switchml", "gloo", "ps")
+SYSTEMS = ("switchml", "gloo", "ps", "floor")
+DEFAULT_SYSTEMS = ("switchml", "gloo", "ps")
+"""``floor`` (the cost of moving switchml's bytes with no protocol: ``bench/floor.py``) runs
+when asked for."""
+FLOOR_PORT = SWITCH_PORT + 2
 DEFAULT_MTU = 1500
 """Ethernet's MTU; 9000 for jumbo frames. Larger MTUs (veth takes up to 65535) are no real
 network's."""
@@ -49,7 +54,7 @@ class TestbedBenchConfig:
     mtu: int = DEFAULT_MTU
     iters: int = 3
     warmup: int = 1
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     window: int | None = None
     """Slots per job; default from the chunk size (``protocol.config.default_window``). On
     shaped links keep W x packet below tbf's queue (rate x 20 ms)."""
@@ -183,6 +188,15 @@ def _cpu_percent(rows: list[dict[str, Any]]) -> list[float]:
     return [100 * r["cpu_s"] / r["elapsed_s"] for r in rows]
 
 
+def _cpu_figures(rows: list[dict[str, Any]], elements: float) -> dict[str, Any]:
+    """CPU-seconds per 10^9 elements: the worker processes' (summed) and the whole machine's
+    over the span from the first worker's timed start to the last one's end."""
+    busy = [r["busy"] for r in rows if "busy" in r]
+    span = (min(b[0] for b in busy), max(b[1] for b in busy)) if busy else None
+    return cpu_per_gelem(worker_cpu_s=[r["cpu_s"] for r in rows], machine_busy=span,
+                         elements=elements)
+
+
 def _switchml_extra(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """switchml's figures summed over its workers: errors, re-sends, datagrams per call."""
     calls = [r.get("system_calls", {}) for r in rows]
@@ -241,6 +255,25 @@ def _run_ps(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
     return rows, {"server_cpu_s": _wait_all([server], 60)[0]["cpu_s"]}
 
 
+def _run_floor(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The floor (``bench/floor.py``): the same bytes echoed through a hub in the switch's
+    place, in switchml's datagrams for the MTU, with switchml's bytes in flight."""
+    hub = _start_server(tb, tb.switch_ns, "floor-hub", {"port": FLOOR_PORT},
+                        "the floor's hub did not start in the switch namespace")
+    datagram = 40 + 4 * cfg.elements_per_packet
+    window = (cfg.window or default_window(cfg.elements_per_packet)) * datagram
+    try:
+        procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("floor", {
+            **common, "hub": tb.topology.switch_ip(r), "port": FLOOR_PORT,
+            "datagram_bytes": datagram, "window_bytes": window}))
+        rows = _wait_all(procs, cfg.timeout_s)
+    finally:
+        line = _stop_servers([hub])[0]
+    hub_cpu = json.loads(line)["cpu_s"] if line else None
+    return rows, {"hub_cpu_s": hub_cpu, "timeouts": sum(r.get("timeouts", 0) for r in rows)}
+
+
 def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
              switch_pid: int) -> dict[str, Any]:
     """One all-reduce measurement of ``system`` at ``size`` bytes: its result row."""
@@ -250,10 +283,13 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         rows, extra = _run_switchml(tb, cfg, common, switch_pid)
     elif system == "gloo":
         rows = _run_gloo(tb, cfg, common)
+    elif system == "floor":
+        rows, extra = _run_floor(tb, cfg, common)
     else:
         rows, extra = _run_ps(tb, cfg, common)
     return {**_ate_row(cfg, system, cfg.workers, size, rows, cfg.loss_rate),
-            "cpu_percent": _cpu_percent(rows), **extra}
+            "cpu_percent": _cpu_percent(rows),
+            **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 
 
 def _start_switch(tb: Testbed, nack_gap: int = 4) -> subprocess.Popen[str]:
@@ -383,10 +419,17 @@ def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
         stats = json.loads(line)
         for r in rows:
             r["testbed_losses"] = None
+            if not tb.batching:
+                r["degraded"] = DEGRADED_NO_ETHTOOL
         if rows:
             rows[-1]["switch_final"] = stats
             rows[-1]["testbed_losses"] = tb.loss_counter()
     return rows
+
+
+DEGRADED_NO_ETHTOOL = ("no ethtool: UDP GSO/GRO off in the testbed, one system call per "
+                       "datagram (apt-get install ethtool)")
+"""What a row measured without ethtool says: not the batched data path users run."""
 
 
 def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
@@ -400,7 +443,8 @@ def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
         import csv
         keys = ["system", "workers", "size_bytes", "rate_bps", "loss_rate", "mtu", "ate_per_s",
                 "bound_line_ate", "bound_ring_ate", "bound_ps_ate", "fraction_of_line_rate",
-                "elapsed_s", "switch_cpu_percent"]
+                "elapsed_s", "switch_cpu_percent", "worker_cpu_s_per_gelem",
+                "machine_cpu_s_per_gelem", "degraded"]
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()

@@ -40,11 +40,12 @@ class Operation:
     views of it (``views``), with no copy per datagram.
     """
 
-    __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float",
-                 "itemsize", "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res",
-                 "residual", "restarts", "scratch", "xbits", "run_order", "runs", "sendlen", "sendq", "seq",
-                 "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat", "views",
-                 "waiting_chunk", "waiting_missing", "x", "xk", "xmit_order")
+    __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize",
+                 "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res", "residual",
+                 "restarts", "run_order", "runs", "scratch", "sendlen", "sendq", "seq",
+                 "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf",
+                 "txflat", "views", "waiting_chunk", "waiting_missing", "x", "xbits", "xk",
+                 "xmit_order")
 
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,

@@ -80,6 +80,8 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
+_Run = tuple[list[_Data], int, Address]
+"""A GSO run: buffers whose bytes are datagrams of ``size`` bytes, and their destination."""
 RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes",
                      "nacks_ignored", "waiting_received")
 """The ``counters`` that say how a worker recovered loss (benchmarks and the simulator report
@@ -340,7 +342,7 @@ class WorkerEndpoint:
         return out
 
     def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
-                     ) -> tuple[list[tuple[_Data, Address]], list[tuple[list[_Data], int, Address]]]:
+                     ) -> tuple[list[tuple[_Data, Address]], list[_Run]]:
         """:meth:`datagrams_to_send` for a transport with UDP GSO: ``(datagrams, runs)``.
 
         ``datagrams`` (control messages, and anything queued out of the way) go first, one
@@ -351,7 +353,7 @@ class WorkerEndpoint:
         the transmit buffer, so a batch of results costs a few Python objects, not one per
         datagram. Views of the endpoint's buffers, valid until its next receive call."""
         op = self._op
-        runs: list[tuple[list[_Data], int, Address]] = []
+        runs: list[_Run] = []
         out = self._out
         if out:
             self._out = []

@@ -95,13 +95,12 @@ from switchml.protocol.kernels.stream import (
 )
 
 __all__ = [
-    "E_INT16", "E_INT32", "EXP_ZERO", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE", "F_RESENT", "HDR",
+    "EXP_ZERO", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE", "F_RESENT", "HDR",
     "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS", "MAGIC", "MAX_BATCH",
     "OP", "O_FIELDS", "R", "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_REQUEST", "T_RESULT",
-    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "build_request",
-    "counter_snapshot", "dequantize_block", "dequantize_into", "exponent_of_bits", "gro_segments", "i16", "i64", "log_releases",
-    "next_deadline", "plan_runs",
-    "quantize_block", "quantize_into", "request_framing", "residual_block", "residual_into", "send_chunk", "send_first",
-    "split_gro", "split_mmsg", "switch_requests", "u16", "u32", "worker_results",
-    "write_header",
+    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "build_request", "counter_snapshot",
+    "dequantize_block", "dequantize_into", "exponent_of_bits", "gro_segments", "i16", "i64",
+    "log_releases", "next_deadline", "plan_runs", "quantize_block", "quantize_into",
+    "request_framing", "residual_block", "residual_into", "send_chunk", "send_first", "split_gro",
+    "split_mmsg", "switch_requests", "u16", "u32", "worker_results", "write_header",
 ]

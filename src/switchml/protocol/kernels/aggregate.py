@@ -16,14 +16,13 @@ from typing import NamedTuple
 import numpy as np
 
 from switchml.protocol.kernels.frames import (
-    EPOCH_TRAIL,
     E_INT32,
+    EPOCH_TRAIL,
     F_HAS_EXP,
     F_NONFINITE,
     HALF,
     HDR,
     INLINE,
-    KW,
     MASK32,
     NO_RC,
     SHAPE_FLAGS,

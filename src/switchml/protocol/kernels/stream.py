@@ -22,7 +22,6 @@ from switchml.protocol.kernels.frames import (
     HDR,
     INLINE,
     KNOWN_FLAGS,
-    KW,
     MAGIC,
     NO_RC,
     T_REQUEST,

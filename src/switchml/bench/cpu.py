@@ -1,0 +1,51 @@
+"""CPU per unit of work: the figure every throughput figure is reported with.
+
+Two views, both in CPU-seconds per 10^9 aggregated elements (per worker: a worker that
+all-reduces N elements k times aggregated k N): the **worker processes** (their user and
+system time over the timed operations, summed: what a training host pays) and the **whole
+machine** (busy time of every CPU from ``/proc/stat`` over the same span: the switch, softirq
+and everything else on the box included). Compare them only with figures of the same run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["GIGA", "cpu_per_gelem", "machine_busy_s", "ratio_text"]
+
+GIGA = 1e9
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (not idle, iowait)
+
+
+def machine_busy_s() -> float:
+    """Busy CPU-seconds of the whole machine since boot (all CPUs, ``/proc/stat``); 0.0 where
+    there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    return sum(int(fields[i]) for i in _BUSY_FIELDS) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_gelem(*, worker_cpu_s: Sequence[float], machine_busy: tuple[float, float] | None,
+                  elements: float) -> dict[str, Any]:
+    """The figures of one measurement: ``worker_cpu_s_per_gelem`` (the worker processes' CPU
+    summed) and ``machine_cpu_s_per_gelem`` (``machine_busy`` = busy seconds at the start and
+    end of the timed span), per 10^9 elements aggregated per worker (``elements``)."""
+    g = elements / GIGA
+    out: dict[str, Any] = {"worker_cpu_s_per_gelem": sum(worker_cpu_s) / g}
+    if machine_busy is not None and machine_busy[1] > machine_busy[0]:
+        out["machine_cpu_s_per_gelem"] = (machine_busy[1] - machine_busy[0]) / g
+    return out
+
+
+def ratio_text(value: float | None, baseline: float | None) -> str:
+    """``"12.3 (0.56x)"``: a figure and its ratio to the baseline's, or what there is."""
+    if value is None:
+        return "-"
+    if not baseline:
+        return f"{value:.1f}"
+    return f"{value:.1f} ({value / baseline:.2f}x)"
