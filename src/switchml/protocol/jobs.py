@@ -100,6 +100,10 @@ class Job:
     clog: np.ndarray = field(default=None)  # type: ignore[assignment]
     cursor: np.ndarray = field(default=None)  # type: ignore[assignment]
     views: list[list[memoryview]] = field(default_factory=list)
+    flat: list[memoryview] = field(default_factory=list)  # each set's results, one buffer
+    stride: int = 0  # bytes per slot in ``bufs`` (a full result datagram)
+    pend: np.ndarray = field(default=None)  # type: ignore[assignment]
+    npend: int = 0  # rounds completed and not yet sent: ``pend[:npend]``
     nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -137,6 +141,13 @@ class Job:
         self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)
         self.cursor = np.zeros(self.num_workers, np.int64)
         self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
+        # Each set's results as one buffer: consecutive slots' results are one slice of it
+        # (a GSO run sent with no gathering: ``SwitchDataplane.runs_to_send``).
+        self.flat = [memoryview(self.bufs[v].reshape(-1)) for v in range(2)]
+        self.stride = self.bufs.shape[2]
+        # Rounds completed and not yet sent (rows (set, slot, length), in completion order).
+        self.pend = np.empty((2 * w + K.MAX_BATCH, 3), np.int64)
+        self.npend = 0
 
     @property
     def min_seq(self) -> int | None:

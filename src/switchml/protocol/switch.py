@@ -107,12 +107,15 @@ class SwitchDataplane:
         self.allocator = SlotAllocator(self.config.pool_slots)
         self._jobs: dict[int, Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
-        # Results, per destination in order (a run of them to one member is one GSO send).
+        # Results, per destination in order (a run of them to one member is one GSO send):
+        # queued per job as rows (``Job.pend``), made into views only by ``output_runs``.
         self._runs: dict[Address, list[memoryview]] = {}
+        self._pending: list[Job] = []  # jobs with results queued
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
         self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
+        self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # runs_to_send's plan
         self._starts = np.empty(K.MAX_BATCH, np.int64)
         self._lens = np.empty(K.MAX_BATCH, np.int64)
         self._one_sender = np.zeros(K.MAX_BATCH, np.int64)
@@ -208,7 +211,7 @@ class SwitchDataplane:
                                                  self._cnt, self._done)
             if ndone and (self.on_completed is None
                           or not self.on_completed(job, self._done, ndone, now)):
-                self._multicast(job, ndone)
+                self._queue_results(job, ndone)
             i = self._after_kernel(job, code, nxt, i, view, starts, addr)
 
     def _after_kernel(self, job: Job, code: int, nxt: int, i: int, view: memoryview,
@@ -251,8 +254,23 @@ class SwitchDataplane:
             return
         handler(h, data, addr, now)
 
-    def _multicast(self, job: Job, ndone: int) -> None:
-        """Send every round the kernel completed to every member (views of slot memory)."""
+    def _queue_results(self, job: Job, ndone: int) -> None:
+        """Queue the rounds the kernel completed (``_done[:ndone]``) to go to every member:
+        one array copy per kernel call (``runs_to_send`` or ``output_runs`` sends them)."""
+        q = job.npend
+        if q + ndone > len(job.pend):
+            self._materialize(job)
+            q = 0
+        if q == 0:
+            self._pending.append(job)
+        job.pend[q:q + ndone] = self._done[:ndone]
+        job.npend = q + ndone
+
+    def _materialize(self, job: Job) -> None:
+        """Turn a job's queued results into per-member lists of views (``output_runs``)."""
+        n, job.npend = job.npend, 0
+        if not n:
+            return
         runs = self._runs
         member_runs = []
         for m in job.members:
@@ -263,7 +281,7 @@ class SwitchDataplane:
                 member_runs.append(run)
         views = job.views
         full = len(views[0][0])
-        for v, s, size in self._done[:ndone].tolist():
+        for v, s, size in job.pend[:n].tolist():
             datagram = views[v][s] if size == full else views[v][s][:size]
             for run in member_runs:
                 run.append(datagram)
@@ -291,6 +309,9 @@ class SwitchDataplane:
         """``datagrams_to_send`` for a pump that sends per destination: the replies, in
         order, and the results grouped per destination, in order (no tuple per datagram).
         Valid until the next receive."""
+        for job in self._pending:
+            self._materialize(job)
+        self._pending = []
         out, runs = self._out, self._runs
         if out:
             self._out = []
@@ -300,6 +321,50 @@ class SwitchDataplane:
         if runs:
             self._runs = {}
             self.packets_out += sum(len(r) for r in runs.values())
+        return out, runs
+
+    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
+                     ) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                list[tuple[list[memoryview], int, Address]]]:
+        """``datagrams_to_send`` for a pump with UDP GSO: ``(datagrams, runs)``.
+
+        ``datagrams`` (replies, and anything already made into views) go first, one by one;
+        each run ``(buffers, size, address)`` is one GSO send of results: the buffers,
+        gathered, are datagrams of ``size`` bytes (the last may be shorter), at most
+        ``max_segments`` and ``max_bytes`` in all. A kernel plans them
+        (``kernels.plan_result_runs``): consecutive slots' results are one slice of the set's
+        buffers, and every member gets the same runs, so a batch costs Python a few objects
+        per run and member, not one per result. Valid until the next receive."""
+        out, self._out = self._out, []
+        self.packets_out += len(out)
+        if self._runs:  # made into views already (a queue that overflowed)
+            runs0, self._runs = self._runs, {}
+            self.packets_out += sum(len(r) for r in runs0.values())
+            out = flatten_runs(out, runs0)
+        runs: list[tuple[list[memoryview], int, Address]] = []
+        pending, self._pending = self._pending, []
+        for job in pending:
+            n, job.npend = job.npend, 0
+            if not n:
+                continue
+            members = [m for m in job.members if m is not None]
+            pend, stride = job.pend, job.stride
+            if len(self._run_rows) < n:
+                self._run_rows = np.empty((n, 4), np.int64)
+            nr = K.plan_result_runs(pend, n, stride, max_segments, max_bytes, self._run_rows)
+            for first, count, size, contiguous in self._run_rows[:nr].tolist():
+                if contiguous:
+                    v, s = int(pend[first, 0]), int(pend[first, 1])
+                    start = s * stride
+                    end = start + (count - 1) * stride + int(pend[first + count - 1, 2])
+                    bufs = [job.flat[v][start:end]]
+                else:
+                    views = job.views
+                    bufs = [views[v][s][:ln]
+                            for v, s, ln in pend[first:first + count].tolist()]
+                for m in members:
+                    runs.append((bufs, size, m))
+            self.packets_out += n * len(members)
         return out, runs
 
     def next_event(self) -> Event | None:
@@ -494,6 +559,7 @@ class SwitchDataplane:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return False
+        job.npend = 0  # results not yet sent go nowhere
         self.allocator.release(job.slot_base, job.window)
         self._events.append(JobRemoved(job_id, reason))
         return True

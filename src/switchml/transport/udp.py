@@ -132,18 +132,26 @@ class SwitchServer:
     def _process(self, call: Callable[..., None], args: tuple, now: float) -> None:
         """Run one call of the dataplane; send what it released; log its events."""
         dp = self.dataplane
+        gso_runs = getattr(dp, "runs_to_send", None)  # a rack switch has output_runs only
         with self._lock:
             try:
                 call(*args)
-                out, runs = dp.output_runs(now)
+                if gso_runs is not None:
+                    out, planned = gso_runs(now, max_segments=MAX_SEGMENTS,
+                                            max_bytes=MAX_GSO_BYTES)
+                    runs = {}
+                else:
+                    (out, runs), planned = dp.output_runs(now), []
             except Exception:  # a bug must not take the shared switch down
                 self.internal_errors += 1
                 log.exception("internal error in %s; dropped", call.__name__)
                 dp.output_runs(now)  # nothing half-done goes out
-                out, runs = [], {}
+                out, runs, planned = [], {}, []
             for data, dst in out:
                 self._sender.add(data, dst)
             self._sender.send_runs(runs)
+            for buffers, size, dst in planned:
+                self._sender.send_run(buffers, size, dst)
             while (ev := dp.next_event()) is not None:
                 self._events.log(ev, now)
 

@@ -36,6 +36,7 @@ from switchml.protocol.kernels.aggregate import (
     J,
     S,
     log_releases,
+    plan_result_runs,
     switch_requests,
 )
 from switchml.protocol.kernels.frames import (
@@ -100,7 +101,7 @@ __all__ = [
     "OP", "O_FIELDS", "R", "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_REQUEST", "T_RESULT",
     "VERSION", "WC", "WS", "as_buffer", "block_exponents", "build_request", "counter_snapshot",
     "dequantize_block", "dequantize_into", "exponent_of_bits", "gro_segments", "i16", "i64",
-    "log_releases", "next_deadline", "plan_runs", "quantize_block", "quantize_into",
+    "log_releases", "next_deadline", "plan_result_runs", "plan_runs", "quantize_block", "quantize_into",
     "request_framing", "residual_block", "residual_into", "send_chunk", "send_first", "split_gro",
     "split_mmsg", "switch_requests", "u16", "u32", "worker_results", "write_header",
 ]

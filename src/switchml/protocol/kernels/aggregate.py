@@ -488,3 +488,36 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
         if nack:
             return i, ndone, SS.NACK.value
     return i, ndone, SS.DONE.value
+
+
+@njit(**NO_RC)
+def plan_result_runs(pend, n, stride, max_segments, max_bytes, runs):
+    """Cut a job's completed rounds ``pend[:n]`` (rows ``(set, slot, length)``, in the order
+    they completed) into UDP GSO runs; return how many.
+
+    A run holds up to ``max_segments`` results and ``max_bytes`` bytes of one length (the last
+    may be shorter). ``runs[r] = (first, count, size, contiguous)``: its results are
+    ``pend[first : first + count]``; contiguous: consecutive slots of one set, full
+    ``stride``-byte rows but the last, so the run is one slice of the set's buffers (the
+    kernel reads it with no gathering). Every member gets the same runs (a multicast)."""
+    nr = 0
+    i = 0
+    while i < n:
+        size = pend[i, 2]
+        contig = size == stride
+        count = 1
+        j = i + 1
+        while j < n and count < max_segments and (count + 1) * size <= max_bytes:
+            ln = pend[j, 2]
+            if ln > size:
+                break
+            if contig and (pend[j, 0] != pend[j - 1, 0] or pend[j, 1] != pend[j - 1, 1] + 1):
+                break
+            count += 1
+            j += 1
+            if ln < size:  # a short result ends its run
+                break
+        runs[nr, 0], runs[nr, 1], runs[nr, 2], runs[nr, 3] = i, count, size, contig
+        nr += 1
+        i = j
+    return nr
