@@ -367,6 +367,9 @@ class MultiReceiver:
         self.senders = np.zeros(limit, np.int64)
         self._addresses: dict[int, Address] = {}
         self.truncated = 0  # (a 64 KiB buffer holds any datagram: always 0)
+        self.drained = False
+        """The last call took fewer buffers than it had room for: the socket was empty then
+        (a caller need not ask again before waiting)."""
 
     def receive(self, *, block: bool = False) -> int:
         """Receive up to ``count`` datagrams; return how many (0: none was waiting).
@@ -386,6 +389,7 @@ class MultiReceiver:
                 return 0
             raise OSError(err, os.strerror(err)) if err != errno.ECONNREFUSED else \
                 ConnectionRefusedError(err, os.strerror(err))
+        self.drained = n < self.count
         if n == 0:
             return 0
         return int(split_mmsg(self._raw, self._msg_len_at, self._controllen_at, self._names,
@@ -419,6 +423,7 @@ class SegmentReceiver:
         self.lens = np.zeros(MAX_SEGMENTS, np.int64)
         self.senders = np.zeros(MAX_SEGMENTS, np.int64)
         self.truncated = 0
+        self.drained = False  # one recvmsg says nothing about what is left
         self._addr: Address = ("", 0)
 
     def receive(self, *, block: bool = False) -> int:

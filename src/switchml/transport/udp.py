@@ -353,21 +353,25 @@ class WorkerClient:
     def _pump(self) -> None:
         """Commands in, datagrams in, timers, datagrams out; until the endpoint is closed."""
         ep, driven, clock = self.endpoint, self._driven, time.monotonic
+        poller = select.poll()  # one wake-up source set, made once
+        poller.register(self.sock, select.POLLIN)
+        poller.register(self._inbox.fileno(), select.POLLIN)
         joined = False
         while ep.state is not WorkerState.CLOSED:
             self._transmit()
-            if not joined and (self.session.joined or self.session.error is not None):
-                self._joined.set()
-                joined = True
             if self._run_commands():
                 continue
-            got = self._read()
+            self._read()  # everything queued (it sends what each batch released)
+            if not joined and (self.session.joined or self.session.error is not None):
+                self._joined.set()  # the constructor returns
+                joined = True
             timer, now = driven.get_timer(), clock()
             if timer is not None and timer <= now:  # also after reads: an inflow can't starve it
                 driven.handle_timer(now)
-            elif not got:
-                select.select([self.sock, self._inbox], [], [],
-                              None if timer is None else timer - now)
+            elif ep.state is not WorkerState.CLOSED:
+                # Wait for the next datagram, command or deadline (at once if one came in
+                # meanwhile): one wake-up per burst, not a loop around an empty socket.
+                poller.poll(None if timer is None else (timer - now) * 1e3)
 
     def _run_commands(self) -> bool:
         """Hand queued all-reduces to the session (a close last); whether there were any."""
@@ -383,7 +387,8 @@ class WorkerClient:
         return bool(items)
 
     def _read(self) -> bool:
-        """Take every datagram queued at the socket, many per call."""
+        """Take every datagram queued at the socket, many per call; stop at an empty socket,
+        or when a ``recvmmsg`` came back with room to spare (it took all there was)."""
         rx, got = self._rx, False
         while True:
             try:
@@ -398,6 +403,8 @@ class WorkerClient:
                                       time.monotonic())
             got = True
             self._transmit()
+            if rx.drained:
+                return got
 
     def _transmit(self) -> None:
         """Send the session's datagrams; log what it reports."""
