@@ -32,7 +32,7 @@ SWITCHML = [sys.executable, "-m", "switchml"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _compiled_kernels() -> None:
-    from switchml.protocol.warmup import warm_up
+    from switchml.warmup import warm_up
     warm_up()
 
 

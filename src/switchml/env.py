@@ -87,6 +87,12 @@ def batching() -> bool:
     return os.environ.get("SWITCHML_GSO", "1").lower() not in ("0", "no", "off", "false")
 
 
+def fast_path() -> bool:
+    """False where ``SWITCHML_FASTPATH`` says ``0``/``no``/``off``/``false``: the worker's
+    compiled receive-and-send loop is off (``transport/fastpath.py``; for comparison)."""
+    return os.environ.get("SWITCHML_FASTPATH", "1").lower() not in ("0", "no", "off", "false")
+
+
 def dc_layout() -> str | None:
     """``SWITCHML_DC``."""
     return _get("SWITCHML_DC")

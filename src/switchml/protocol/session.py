@@ -266,6 +266,11 @@ class WorkerSession:
         self.endpoint.handle_timer(now)
         self._settle(now)
 
+    def after_results_kernel(self, op: Any, code: int, now: float) -> None:
+        """The worker's ``after_results_kernel`` (a transport's compiled loop stopped)."""
+        self.endpoint.after_results_kernel(op, code, now)
+        self._settle(now)
+
     def datagrams_to_send(self, now: float) -> list[Any]:
         return self.endpoint.datagrams_to_send(now)
 

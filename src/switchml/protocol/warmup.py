@@ -23,25 +23,29 @@ from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
 
-__all__ = ["clear_stale_cache", "warm_up"]
+__all__ = ["KERNEL_SOURCES", "clear_stale", "clear_stale_cache", "warm_up"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 
 
-def clear_stale_cache() -> bool:
-    """Remove the kernels' numba cache if any kernel source changed since it was written
-    (returns whether it did). Only the cache next to the sources (numba's default) is
-    looked at; nothing happens where that folder is not writable."""
+KERNEL_SOURCES = sorted(_KERNELS.glob("*.py"))
+"""The kernels' sources: a kernel elsewhere that calls them (``transport/fastpath.py``) is
+stale when any of them changed."""
+
+
+def clear_stale(sources: list[Path], cache: Path, prefix: str = "", stamp_name: str = "") -> bool:
+    """Remove the numba cache files ``cache/<prefix>*.nbi|nbc`` if any of ``sources`` changed
+    since they were written (returns whether it did). Only the cache next to the sources
+    (numba's default) is looked at; nothing happens where that folder is not writable."""
     digest = hashlib.sha256()
-    for src in sorted(_KERNELS.glob("*.py")):
+    for src in sources:
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
-    cache = _KERNELS / "__pycache__"
-    stamp = cache / "kernel-sources.sha256"
+    stamp = cache / (stamp_name or "kernel-sources.sha256")
     try:
         if stamp.exists() and stamp.read_text() == digest.hexdigest():
             return False
         cleared = False
-        for f in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
+        for f in [*cache.glob(f"{prefix}*.nbi"), *cache.glob(f"{prefix}*.nbc")]:
             f.unlink()
             cleared = True
         cache.mkdir(exist_ok=True)
@@ -49,6 +53,11 @@ def clear_stale_cache() -> bool:
         return cleared
     except OSError:
         return False
+
+
+def clear_stale_cache() -> bool:
+    """Remove the kernels' numba cache if any kernel source changed since it was written."""
+    return clear_stale(KERNEL_SOURCES, _KERNELS / "__pycache__")
 
 
 def _pump(sw: SwitchDataplane, w: WorkerEndpoint, addr: tuple[str, int], sw_addr: tuple[str, int],

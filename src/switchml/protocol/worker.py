@@ -402,6 +402,19 @@ class WorkerEndpoint:
         """A snapshot of the datagrams dropped, by reason."""
         return K.counter_snapshot(self._drops, self._cnt, _KERNEL_DROPS)
 
+    def fast_path_state(self) -> tuple[Operation, np.ndarray, np.ndarray, np.ndarray, float
+                                       ] | None:
+        """What a transport's compiled loop (``transport/fastpath.py``) needs to take results
+        and send requests as ``receive_many`` and ``runs_to_send`` would: ``(operation, the
+        lanes' next sets, the counters, the round-trip state, op_timeout_s)``; None when only
+        the Python path may run (no operation in flight, RACK on, or a sharded switch). The
+        loop runs the same kernels and returns to Python for anything they leave to it."""
+        op = self._op
+        if (op is None or self.state is not WorkerState.BUSY or self.recovery.fast_retransmit
+                or len(self.switch_addresses) > 1):
+            return None
+        return op, self._next_set, self._cnt, self.recovery.rtt, self.config.op_timeout_s
+
     # -- Receiving ---------------------------------------------------------------------------
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
@@ -437,15 +450,21 @@ class WorkerEndpoint:
         if rec.fast_retransmit:
             for lane in op.sendq[queued:int(op.opv[K.OP.NQ])].tolist():
                 rec.on_sent(op, lane, now)
-        if code == K.WS.FULL:
-            self._spill(op)
-        elif code == K.WS.OP_COMPLETE:
-            self._complete(op, now)
-        elif code == K.WS.ONE and rec.fast_retransmit:
+        self.after_results_kernel(op, code, now)
+        if code == K.WS.ONE and rec.fast_retransmit:
             for p in list(rec.lost_chunks(op)):
                 self._counters["fast_retransmissions"] += 1
                 self._send_chunk(op, p, now, retransmit=True, fast=True)
         return nxt, code
+
+    def after_results_kernel(self, op: Operation, code: int, now: float) -> None:
+        """What the results kernel's stop ``code`` (``kernels.WS``) asks of Python: spill a
+        full send queue, or complete the operation it took the last result of. (The
+        transports' compiled loop calls it too, then ``receive_many`` for the rest.)"""
+        if code == K.WS.FULL:
+            self._spill(op)
+        elif code == K.WS.OP_COMPLETE:
+            self._complete(op, now)
 
     def _receive_other(self, data: _Data, now: float) -> None:
         """Any datagram but a result of the operation in flight (control, errors, strays)."""

@@ -370,6 +370,8 @@ class MultiReceiver:
         self.drained = False
         """The last call took fewer buffers than it had room for: the socket was empty then
         (a caller need not ask again before waiting)."""
+        self.fd_msgs_address = ctypes.addressof(self._msgs)  # for the compiled loop
+        self.slot_bytes = _SLOT_BYTES
 
     def receive(self, *, block: bool = False) -> int:
         """Receive up to ``count`` datagrams; return how many (0: none was waiting).

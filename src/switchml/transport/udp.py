@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml import env
 from switchml.protocol.address import Address, format_address, format_addresses
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import Endpoint
@@ -46,6 +47,8 @@ from switchml.transport.batching import (
     open_receiver,
 )
 from switchml.transport.eventlog import SwitchEventLog
+from switchml.transport.fastpath import FP, ST, FastPath
+from switchml.transport.fastpath import available as fastpath_available
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.inbox import Inbox
 from switchml.transport.sockets import (
@@ -256,6 +259,12 @@ class WorkerClient:
         self.gro = self._rx.gro
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=not sharded, raise_errors=True)
+        # The compiled receive-and-send loop: one switch (a connected socket), recvmmsg, GSO.
+        self._fast = (FastPath(self.sock, self._rx, max_segments=MAX_SEGMENTS,
+                               max_bytes=MAX_GSO_BYTES)
+                      if (not sharded and isinstance(self._rx, MultiReceiver)
+                          and self._sender.gso and env.fast_path() and fastpath_available())
+                      else None)
         self.icmp_errors = self.send_blocked = self.recv_calls = 0
         self._inbox = Inbox()
         self._joined = threading.Event()
@@ -388,9 +397,20 @@ class WorkerClient:
 
     def _read(self) -> bool:
         """Take every datagram queued at the socket, many per call; stop at an empty socket,
-        or when a ``recvmmsg`` came back with room to spare (it took all there was)."""
+        or when a ``recvmmsg`` came back with room to spare (it took all there was). While an
+        operation is in flight, the compiled loop does it (:meth:`_read_fast`)."""
         rx, got = self._rx, False
         while True:
+            if self._fast is not None and self._driven is self.session:
+                state = self.endpoint.fast_path_state()
+                if state is not None:
+                    why, took = self._read_fast(state)
+                    got = got or took
+                    if why in (FP.STOPPED, FP.SEND_FAILED):
+                        continue
+                    if why != FP.RECV_FAILED:
+                        return got
+                    # A failed recvmmsg: the Python path below repeats it and reads the error.
             try:
                 n = rx.receive()
             except ConnectionRefusedError:
@@ -405,6 +425,31 @@ class WorkerClient:
             self._transmit()
             if rx.drained:
                 return got
+
+    def _read_fast(self, state: tuple) -> tuple[int, bool]:
+        """One call of the compiled loop (``fastpath.pump``), then what it left to Python:
+        the rest of a batch (``receive_many`` from where the kernel stopped), requests a
+        failed ``sendmsg`` left queued, a failed ``recvmmsg`` (repeated in Python, which reads
+        its error). Returns (why it returned, took datagrams)."""
+        fast, rx, sender = self._fast, self._rx, self._sender
+        why, at, nseg, code = fast.run(*state)
+        st = fast.stats
+        took = bool(st[ST.RECV_CALLS])
+        self.recv_calls += int(st[ST.RECV_CALLS])
+        sender.calls += int(st[ST.SEND_CALLS])
+        sender.datagrams += int(st[ST.DATAGRAMS_SENT])
+        st[:] = 0
+        if why == FP.STOPPED:
+            now = time.monotonic()
+            self.session.after_results_kernel(state[0], code, now)
+            if at < nseg:
+                self._driven.receive_many(rx.buf, rx.starts[at:nseg], rx.lens[at:nseg],
+                                          rx.senders[at:nseg], nseg - at, rx.address_of, now)
+            self._transmit()
+            return why, True
+        if why == FP.SEND_FAILED:
+            self._transmit()  # the rest, through the sender (it reads the error)
+        return why, took
 
     def _transmit(self) -> None:
         """Send the session's datagrams; log what it reports."""

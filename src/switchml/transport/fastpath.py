@@ -1,0 +1,250 @@
+"""The worker's receive-and-send loop, compiled: a burst of results costs Python one call.
+
+The UDP pump (``udp.py``) spends its Python per wake-up: ``recvmmsg`` through ctypes, the
+results kernel, the send planner, one ``sendmsg`` per GSO run, the timer, the events; measured
+on the testbed (n = 4, 1 Gbit/s, MTU 1500), the interpreter was the largest share of a
+worker's CPU, more than the kernels and the system calls. While an operation is in flight the
+steady state is always the same, so :func:`pump` runs it in one compiled call that holds no GIL:
+``recvmmsg`` (libc's, which numba calls as an external symbol), cut the batch
+(``split_mmsg``), take the results (``worker_results``: the one implementation of the
+per-datagram rules), plan the released requests into GSO runs (``plan_runs``) and ``sendmsg``
+each, again until the socket is empty. It returns to Python at anything else, with where it
+stopped, and Python goes on exactly as it would have: a datagram the kernel leaves to Python
+(control, NACK, the operation's last result, a full send queue), a due deadline, a system
+call that returned -1 (Python repeats it and reads its error: an empty socket, usually), or
+after ``MAX_TURNS`` batches (commands and timers get their turn). Only for one switch
+address (a connected socket) and without RACK (its transmission log is Python's); elsewhere
+the Python pump runs alone.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import sys
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+from numba import types
+
+from switchml.protocol import kernels as K
+from switchml.protocol.kernels.frames import NO_RC, njit
+
+__all__ = ["FP", "FastPath", "available", "warm_up"]
+
+MSG_DONTWAIT = 0x40
+CLOCK_MONOTONIC = 1
+MAX_TURNS = 16
+"""Batches one call takes at most before Python looks at its commands and timers."""
+
+
+class FP(IntEnum):
+    """Why :func:`pump` returned."""
+
+    EMPTY = 0  # the socket is empty: wait
+    STOPPED = 1  # the results kernel stopped at datagram ``at`` of the batch: Python goes on
+    DUE = 2  # a deadline passed
+    SEND_FAILED = 3  # a sendmsg failed: the unsent requests are still queued
+    RECV_FAILED = 4  # recvmmsg returned -1 (empty, or an error): Python repeats it
+    TURNS = 5  # MAX_TURNS batches taken
+
+
+class ST(IntEnum):
+    """Counters :func:`pump` adds to (``stats``)."""
+
+    RECV_CALLS = 0
+    SEND_CALLS = 1
+    DATAGRAMS_SENT = 2
+    N = 3
+
+
+# libc's calls, declared to numba as external symbols (resolved in the process, like any C
+# function the JIT links; cacheable, unlike ctypes function objects, whose typing per call
+# cost more than the loop saved). Pointers travel as integers (the same registers).
+_recvmmsg = types.ExternalFunction("recvmmsg", types.int32(
+    types.int32, types.intp, types.uint32, types.int32, types.intp))
+_sendmsg = types.ExternalFunction("sendmsg", types.intp(types.int32, types.intp, types.int32))
+_clock_gettime = types.ExternalFunction("clock_gettime", types.int32(types.int32, types.intp))
+
+
+def available() -> bool:
+    """Whether this platform has what the compiled loop calls (Linux's libc)."""
+    return sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
+
+
+@njit(**NO_RC)
+def _now(ts):
+    _clock_gettime(CLOCK_MONOTONIC, ts.ctypes.data)
+    return np.float64(ts[0]) + np.float64(ts[1]) * 1e-9
+
+
+@njit(**NO_RC)
+def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
+                 max_segments, max_bytes, stats):
+    """Send the queued lanes as GSO runs on the connected socket; False (and the unsent
+    lanes left queued, in order) at the first failed ``sendmsg``."""
+    nq = opv[K.OP.NQ]
+    if nq == 0:
+        return True
+    nr = K.plan_runs(sendq, nq, sendlen, stride, 1, max_segments, max_bytes, order, runs)
+    base = tx8.ctypes.data
+    for r in range(nr):
+        first, count, size, contiguous = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
+        if contiguous:
+            lane0 = sendq[order[first]]
+            last = sendq[order[first + count - 1]]
+            iov[0] = base + lane0 * stride
+            iov[1] = (count - 1) * stride + sendlen[last]
+            niov = 1
+        else:
+            for j in range(count):
+                lane = sendq[order[first + j]]
+                iov[2 * j] = base + lane * stride
+                iov[2 * j + 1] = sendlen[lane]
+            niov = count
+        hdr[2] = iov.ctypes.data
+        hdr[3] = niov
+        if count > 1:  # UDP_SEGMENT: the kernel cuts the run into datagrams of ``size``
+            cmsg[2] = size
+            hdr[4] = cmsg.ctypes.data
+            hdr[5] = 24  # CMSG_SPACE(2)
+        else:
+            hdr[4] = 0
+            hdr[5] = 0
+        if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
+            # Keep what is unsent (runs are in queue order: one shard) for Python to send.
+            keep = 0
+            for q in range(first, nq):
+                sendq[keep] = sendq[order[q]]
+                keep += 1
+            opv[K.OP.NQ] = keep
+            return False
+        stats[ST.SEND_CALLS] += 1
+        stats[ST.DATAGRAMS_SENT] += count
+    opv[K.OP.NQ] = 0
+    return True
+
+
+@njit(**NO_RC)
+def pump(fd, msgs_addr, count, raw, msg_len_at, controllen_at,
+         names, control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
+         opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt,
+         sendq, sendlen, scratch, stride, order, runs, hdr, iov, cmsg, max_segments, max_bytes,
+         op_timeout_s, ts, stats):
+    """Receive, take results and send, until something needs Python (``FP``). Returns
+    ``(why, at, nseg, code)``: with ``STOPPED``, the results kernel returned ``code``
+    (``WS``) at datagram ``at`` of the ``nseg`` the last batch cut into
+    (``starts``/``lens``/``senders``): Python does what the code asks
+    (``WorkerEndpoint.after_results_kernel``) and takes the batch on from there."""
+    for _turn in range(MAX_TURNS):
+        n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
+        if n < 0:  # empty, or an error: Python's receive repeats it and reads which
+            return FP.RECV_FAILED.value, 0, 0, 0
+        stats[ST.RECV_CALLS] += 1
+        if n == 0:
+            return FP.EMPTY.value, 0, 0, 0
+        nseg = K.split_mmsg(raw, msg_len_at, controllen_at, names, control, n, slot_bytes, gro,
+                            sol_udp, udp_gro, starts, lens, senders)
+        now = _now(ts)
+        # (limit past the batch: ONE is RACK's stop, and RACK runs in Python)
+        at, code = K.worker_results(buf, starts, lens, nseg, 0, nseg + 1, now, opv, lane, lanef,
+                                    rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16,
+                                    tx32, cnt, sendq, sendlen, scratch)
+        if not _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
+                            max_segments, max_bytes, stats):
+            if code != K.WS.DONE.value:
+                return FP.STOPPED.value, at, nseg, code  # Python sends the rest, goes on
+            return FP.SEND_FAILED.value, 0, 0, 0
+        if code != K.WS.DONE.value:
+            return FP.STOPPED.value, at, nseg, code
+        due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
+        if now >= due:
+            return FP.DUE.value, 0, 0, 0
+        if n < count:  # recvmmsg had room to spare: it took all there was
+            return FP.EMPTY.value, 0, 0, 0
+    return FP.TURNS.value, 0, 0, 0
+
+
+class FastPath:
+    """The compiled loop's fixed arguments for one worker socket and receiver: the libc
+    functions, the receiver's buffers and the ``sendmsg`` header, iovecs and UDP_SEGMENT
+    control message (laid out as ``struct msghdr``, ``struct iovec[]``, ``struct cmsghdr``)."""
+
+    def __init__(self, sock: Any, rx: Any, *, max_segments: int, max_bytes: int) -> None:
+        from switchml.transport.batching import SOL_UDP, UDP_GRO, UDP_SEGMENT
+        self.fd = sock.fileno()
+        self.rx = rx
+        self.max_segments, self.max_bytes = max_segments, max_bytes
+        self.hdr = np.zeros(7, np.int64)  # msghdr: name, namelen, iov, iovlen, control, ...
+        self.iov = np.zeros(2 * max_segments, np.int64)
+        self.cmsg = np.zeros(3, np.int64)  # cmsg_len, level | type << 32, the segment size
+        self.cmsg[0] = 18  # CMSG_LEN(2)
+        self.cmsg[1] = SOL_UDP | (UDP_SEGMENT << 32)
+        self.ts = np.zeros(2, np.int64)
+        self.stats = np.zeros(ST.N, np.int64)
+        self._rx_args = (rx.fd_msgs_address, rx.count, rx._raw, rx._msg_len_at,
+                         rx._controllen_at, rx._names, rx._control, rx.slot_bytes, rx.gro,
+                         SOL_UDP, UDP_GRO, rx.buf, rx.starts, rx.lens, rx.senders)
+
+    def run(self, op: Any, next_set: np.ndarray, cnt: np.ndarray, rtt: np.ndarray,
+            op_timeout_s: float) -> tuple[int, int, int, int]:
+        """One call of :func:`pump` for the operation in flight: ``(why, at, nseg, code)``."""
+        return pump(self.fd, *self._rx_args,
+                    op.opv, op.lane, op.lanef, rtt, next_set, op.exps, op.nonf, op.xk,
+                    op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, cnt, op.sendq,
+                    op.sendlen, op.scratch, op.stride, op.run_order, op.runs, self.hdr,
+                    self.iov, self.cmsg, self.max_segments, self.max_bytes, op_timeout_s,
+                    self.ts, self.stats)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) :func:`pump` for every operation kind, on an idle
+    loopback socket (it returns at once: nothing to receive). Its cache is cleared first
+    when its source or any kernel it calls changed (numba would not notice the latter)."""
+    import socket
+    from pathlib import Path
+
+    from switchml.protocol.config import JobSpec
+    from switchml.protocol.switch import SwitchDataplane
+    from switchml.protocol.warmup import KERNEL_SOURCES, clear_stale
+    from switchml.protocol.worker import WorkerEndpoint
+    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
+
+    here = Path(__file__).resolve()
+    clear_stale([*KERNEL_SOURCES, here], here.parent / "__pycache__", "fastpath.",
+                "fastpath-sources.sha256")
+    if not available():
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.connect(sock.getsockname())
+        sock.setblocking(False)
+        try:
+            rx = MultiReceiver(sock)
+        except OSError:
+            return
+        fast = FastPath(sock, rx, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
+        sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
+        w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
+                                        elements_per_packet=4), rank=0, switch_address=sw_addr)
+        w.join(0.0)
+        for d, _ in w.datagrams_to_send(0.0):
+            sw.receive_datagram(bytes(d), w_addr, 0.0)
+        for d, _ in sw.datagrams_to_send(0.0):
+            w.receive_datagram(bytes(d), sw_addr, 0.0)
+        for dtype, bits, residual in ((np.float32, 32, False), (np.float64, 32, False),
+                                      (np.int32, 32, False), (np.float32, 16, True),
+                                      (np.float64, 16, True), (np.float32, 16, False)):
+            x = np.arange(10, dtype=dtype)
+            w.start_allreduce(x, np.empty_like(x), 0.0, bits=bits,
+                              residual=np.empty(x.size, dtype) if residual else None)
+            state = w.fast_path_state()
+            if state is not None:
+                fast.run(*state)
+            w.close(0.0)  # (aborts the operation: the next one needs a fresh endpoint)
+            w = WorkerEndpoint(spec=w.spec, rank=0, switch_address=sw_addr)
+            w.join(0.0)
+            for d, _ in w.datagrams_to_send(0.0):
+                sw.receive_datagram(bytes(d), w_addr, 0.0)
+            for d, _ in sw.datagrams_to_send(0.0):
+                w.receive_datagram(bytes(d), sw_addr, 0.0)
