@@ -101,7 +101,8 @@ __all__ = [
     "OP", "O_FIELDS", "R", "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_REQUEST", "T_RESULT",
     "VERSION", "WC", "WS", "as_buffer", "block_exponents", "build_request", "counter_snapshot",
     "dequantize_block", "dequantize_into", "exponent_of_bits", "gro_segments", "i16", "i64",
-    "log_releases", "next_deadline", "plan_result_runs", "plan_runs", "quantize_block", "quantize_into",
-    "request_framing", "residual_block", "residual_into", "send_chunk", "send_first", "split_gro",
-    "split_mmsg", "switch_requests", "u16", "u32", "worker_results", "write_header",
+    "log_releases", "next_deadline", "plan_result_runs", "plan_runs", "quantize_block",
+    "quantize_into", "request_framing", "residual_block", "residual_into", "send_chunk",
+    "send_first", "split_gro", "split_mmsg", "switch_requests", "u16", "u32", "worker_results",
+    "write_header",
 ]
