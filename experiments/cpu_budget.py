@@ -58,8 +58,9 @@ def _machine() -> dict[str, int]:
 
 
 def _perf_split(path: str, tids: dict[int, str]) -> dict[tuple[str, str], float]:
-    """(role, part) -> share of all samples, from ``perf report --sort tid,dso``."""
-    rep = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "tid,dso",
+    """(role, part) -> share of all samples, from ``perf report --sort pid,dso`` (whose
+    "pid" is the thread)."""
+    rep = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "pid,dso",
                           "-g", "none", "--stdio"], capture_output=True, text=True).stdout
     split: dict[tuple[str, str], float] = collections.Counter()
     for line in rep.splitlines():

@@ -34,19 +34,16 @@ __all__ = ["FP", "FastPath", "available", "warm_up"]
 
 MSG_DONTWAIT = 0x40
 CLOCK_MONOTONIC = 1
-MAX_TURNS = 16
-"""Batches one call takes at most before Python looks at its commands and timers."""
 
 
 class FP(IntEnum):
     """Why :func:`pump` returned."""
 
-    EMPTY = 0  # the socket is empty: wait
+    WAKE = 0  # a command came (the inbox is readable), or MAX_WAIT_S passed idle
     STOPPED = 1  # the results kernel stopped at datagram ``at`` of the batch: Python goes on
     DUE = 2  # a deadline passed
     SEND_FAILED = 3  # a sendmsg failed: the unsent requests are still queued
-    RECV_FAILED = 4  # recvmmsg returned -1 (empty, or an error): Python repeats it
-    TURNS = 5  # MAX_TURNS batches taken
+    RECV_FAILED = 4  # recvmmsg or poll failed (not for want of data): Python repeats it
 
 
 class ST(IntEnum):
@@ -65,6 +62,12 @@ _recvmmsg = types.ExternalFunction("recvmmsg", types.int32(
     types.int32, types.intp, types.uint32, types.int32, types.intp))
 _sendmsg = types.ExternalFunction("sendmsg", types.intp(types.int32, types.intp, types.int32))
 _clock_gettime = types.ExternalFunction("clock_gettime", types.int32(types.int32, types.intp))
+_poll = types.ExternalFunction("poll", types.int32(types.intp, types.uint64, types.int32))
+_errno = types.ExternalFunction("__errno_location", types.CPointer(types.int32)())
+EAGAIN = 11
+POLLIN = 1
+MAX_WAIT_S = 1.0
+"""The longest :func:`pump` waits without anything to do before giving Python a turn."""
 
 
 def available() -> bool:
@@ -126,26 +129,45 @@ def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cm
 
 
 @njit(**NO_RC)
-def pump(fd, msgs_addr, count, raw, msg_len_at, controllen_at,
+def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
          names, control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
          opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt,
          sendq, sendlen, scratch, stride, order, runs, hdr, iov, cmsg, max_segments, max_bytes,
          op_timeout_s, ts, stats):
-    """Receive, take results and send, until something needs Python (``FP``). Returns
+    """Receive, take results and send, and wait in ``poll`` (on the socket and the inbox's
+    ``wake_fd``) when there is nothing to receive, until something needs Python (``FP``):
+    an operation in flight costs Python nothing while it only streams. Returns
     ``(why, at, nseg, code)``: with ``STOPPED``, the results kernel returned ``code``
     (``WS``) at datagram ``at`` of the ``nseg`` the last batch cut into
     (``starts``/``lens``/``senders``): Python does what the code asks
     (``WorkerEndpoint.after_results_kernel``) and takes the batch on from there."""
-    for _turn in range(MAX_TURNS):
+    idle_since = _now(ts)
+    while True:
         n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
-        if n < 0:  # empty, or an error: Python's receive repeats it and reads which
-            return FP.RECV_FAILED.value, 0, 0, 0
+        if n <= 0:
+            if n < 0 and _errno()[0] != EAGAIN:
+                return FP.RECV_FAILED.value, 0, 0, 0  # Python repeats it and reads the error
+            # Nothing to read: wait in the kernel for a datagram, a command or the deadline.
+            now = _now(ts)
+            due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
+            if now >= due:
+                return FP.DUE.value, 0, 0, 0
+            if now - idle_since >= MAX_WAIT_S:
+                return FP.WAKE.value, 0, 0, 0
+            pfd[0] = fd | (POLLIN << 32)
+            pfd[1] = wake_fd | (POLLIN << 32)
+            wait_s = min(due, idle_since + MAX_WAIT_S) - now
+            r = _poll(pfd.ctypes.data, 2, np.int32(wait_s * 1e3) + 1)
+            if r < 0:
+                return FP.RECV_FAILED.value, 0, 0, 0  # (EINTR: Python's turn)
+            if (pfd[1] >> 48) & POLLIN:
+                return FP.WAKE.value, 0, 0, 0
+            continue
         stats[ST.RECV_CALLS] += 1
-        if n == 0:
-            return FP.EMPTY.value, 0, 0, 0
         nseg = K.split_mmsg(raw, msg_len_at, controllen_at, names, control, n, slot_bytes, gro,
                             sol_udp, udp_gro, starts, lens, senders)
         now = _now(ts)
+        idle_since = now
         # (limit past the batch: ONE is RACK's stop, and RACK runs in Python)
         at, code = K.worker_results(buf, starts, lens, nseg, 0, nseg + 1, now, opv, lane, lanef,
                                     rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16,
@@ -160,9 +182,6 @@ def pump(fd, msgs_addr, count, raw, msg_len_at, controllen_at,
         due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
         if now >= due:
             return FP.DUE.value, 0, 0, 0
-        if n < count:  # recvmmsg had room to spare: it took all there was
-            return FP.EMPTY.value, 0, 0, 0
-    return FP.TURNS.value, 0, 0, 0
 
 
 class FastPath:
@@ -170,9 +189,12 @@ class FastPath:
     functions, the receiver's buffers and the ``sendmsg`` header, iovecs and UDP_SEGMENT
     control message (laid out as ``struct msghdr``, ``struct iovec[]``, ``struct cmsghdr``)."""
 
-    def __init__(self, sock: Any, rx: Any, *, max_segments: int, max_bytes: int) -> None:
+    def __init__(self, sock: Any, rx: Any, wake_fd: int, *, max_segments: int,
+                 max_bytes: int) -> None:
         from switchml.transport.batching import SOL_UDP, UDP_GRO, UDP_SEGMENT
         self.fd = sock.fileno()
+        self.wake_fd = wake_fd
+        self.pfd = np.zeros(2, np.int64)  # struct pollfd[2]: fd | events << 32 | revents << 48
         self.rx = rx
         self.max_segments, self.max_bytes = max_segments, max_bytes
         self.hdr = np.zeros(7, np.int64)  # msghdr: name, namelen, iov, iovlen, control, ...
@@ -189,7 +211,7 @@ class FastPath:
     def run(self, op: Any, next_set: np.ndarray, cnt: np.ndarray, rtt: np.ndarray,
             op_timeout_s: float) -> tuple[int, int, int, int]:
         """One call of :func:`pump` for the operation in flight: ``(why, at, nseg, code)``."""
-        return pump(self.fd, *self._rx_args,
+        return pump(self.fd, self.wake_fd, self.pfd, *self._rx_args,
                     op.opv, op.lane, op.lanef, rtt, next_set, op.exps, op.nonf, op.xk,
                     op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, cnt, op.sendq,
                     op.sendlen, op.scratch, op.stride, op.run_order, op.runs, self.hdr,
@@ -201,6 +223,7 @@ def warm_up() -> None:
     """Compile (or load from the cache) :func:`pump` for every operation kind, on an idle
     loopback socket (it returns at once: nothing to receive). Its cache is cleared first
     when its source or any kernel it calls changed (numba would not notice the latter)."""
+    import os
     import socket
     from pathlib import Path
 
@@ -223,7 +246,9 @@ def warm_up() -> None:
             rx = MultiReceiver(sock)
         except OSError:
             return
-        fast = FastPath(sock, rx, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
+        wake_r, wake_w = os.pipe()
+        os.write(wake_w, b"x")  # (the loop returns at once)
+        fast = FastPath(sock, rx, wake_r, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
         sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
         w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
                                         elements_per_packet=4), rank=0, switch_address=sw_addr)
@@ -248,3 +273,5 @@ def warm_up() -> None:
                 sw.receive_datagram(bytes(d), w_addr, 0.0)
             for d, _ in sw.datagrams_to_send(0.0):
                 w.receive_datagram(bytes(d), sw_addr, 0.0)
+        os.close(wake_r)
+        os.close(wake_w)

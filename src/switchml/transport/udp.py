@@ -260,13 +260,13 @@ class WorkerClient:
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=not sharded, raise_errors=True)
         # The compiled receive-and-send loop: one switch (a connected socket), recvmmsg, GSO.
-        self._fast = (FastPath(self.sock, self._rx, max_segments=MAX_SEGMENTS,
-                               max_bytes=MAX_GSO_BYTES)
+        self._inbox = Inbox()
+        self._fast = (FastPath(self.sock, self._rx, self._inbox.fileno(),
+                               max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
                       if (not sharded and isinstance(self._rx, MultiReceiver)
                           and self._sender.gso and env.fast_path() and fastpath_available())
                       else None)
         self.icmp_errors = self.send_blocked = self.recv_calls = 0
-        self._inbox = Inbox()
         self._joined = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"switchml-worker-{rank}",
                                         daemon=True)
