@@ -122,10 +122,12 @@ def _plan(lanes, lens, stride, shards=1, max_segments=64, max_bytes=65000):
 
 
 def test_plan_runs_cuts_at_gaps_short_segments_and_limits():
-    # Consecutive full lanes are one contiguous run; a gap starts another; a short datagram
-    # ends its run; the segment limit cuts a long one.
+    # Consecutive full lanes are one contiguous run; a gap makes the run gather (one system
+    # call still); a short datagram ends its run; the segment limit cuts a long one.
+    assert _plan([3, 4, 5], [100] * 3, stride=100) == [([3, 4, 5], 100, True, 0)]
     assert _plan([3, 4, 5, 9, 10, 11, 0], [100] * 5 + [60, 100], stride=100) == [
-        ([3, 4, 5], 100, True, 0), ([9, 10, 11], 100, True, 0), ([0], 100, True, 0)]
+        ([3, 4, 5, 9, 10, 11], 100, False, 0), ([0], 100, True, 0)]
+    assert _plan([7, 8, 9, 0, 1], [100] * 5, stride=100) == [([7, 8, 9, 0, 1], 100, False, 0)]
     assert _plan(list(range(7)), [100] * 7, stride=100, max_segments=3) == [
         ([0, 1, 2], 100, True, 0), ([3, 4, 5], 100, True, 0), ([6], 100, True, 0)]
     assert _plan(list(range(5)), [100] * 5, stride=100, max_bytes=250) == [

@@ -499,7 +499,9 @@ def plan_result_runs(pend, n, stride, max_segments, max_bytes, runs):
     may be shorter). ``runs[r] = (first, count, size, contiguous)``: its results are
     ``pend[first : first + count]``; contiguous: consecutive slots of one set, full
     ``stride``-byte rows but the last, so the run is one slice of the set's buffers (the
-    kernel reads it with no gathering). Every member gets the same runs (a multicast)."""
+    kernel reads it with no gathering); otherwise its results are gathered (under loss rounds
+    complete out of slot order, and scattered results are still one system call). Every
+    member gets the same runs (a multicast)."""
     nr = 0
     i = 0
     while i < n:
@@ -512,7 +514,7 @@ def plan_result_runs(pend, n, stride, max_segments, max_bytes, runs):
             if ln > size:
                 break
             if contig and (pend[j, 0] != pend[j - 1, 0] or pend[j, 1] != pend[j - 1, 1] + 1):
-                break
+                contig = False  # not the next slot: the run gathers its results
             count += 1
             j += 1
             if ln < size:  # a short result ends its run

@@ -492,7 +492,9 @@ def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order
     shorter: the kernel allows a short last segment). ``runs[r] = (first, count, size,
     contiguous, shard)``: its lanes are ``sendq[order[first : first + count]]``; contiguous:
     they are consecutive lanes of full ``stride``-byte rows (but the last), so the run is one
-    slice of the transmit buffer, ``txbuf[lane0 * stride : ...]``, sent with no gathering."""
+    slice of the transmit buffer, ``txbuf[lane0 * stride : ...]``, sent with no gathering;
+    otherwise its datagrams are gathered (one iovec each: under loss, results come back out
+    of lane order, and a run of scattered lanes is still one system call)."""
     no = 0
     nr = 0
     for s in range(shards):
@@ -508,8 +510,10 @@ def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order
             ln = sendlen[i]
             if r_count > 0:
                 fits = (r_count < max_segments and (r_count + 1) * r_size <= max_bytes
-                        and ln <= r_size and (not r_contig or i == prev + 1))
+                        and ln <= r_size)
                 if fits:
+                    if i != prev + 1:  # not the next row: the run gathers its datagrams
+                        r_contig = False
                     order[no] = q
                     no += 1
                     r_count += 1
