@@ -263,6 +263,8 @@ class BatchSender:
 def _count(buffers: list[bytes | bytearray | memoryview], size: int) -> int:
     """How many datagrams of ``size`` bytes the buffers hold (each buffer whole datagrams,
     the last datagram of each possibly shorter)."""
+    if len(buffers) == 1:  # a planned contiguous run (the common case): no generator
+        return -(-len(buffers[0]) // size) if size else 1
     return sum(-(-len(b) // size) for b in buffers) if size else len(buffers)
 
 

@@ -71,8 +71,12 @@ MAX_WAIT_S = 1.0
 
 
 def available() -> bool:
-    """Whether this platform has what the compiled loop calls (Linux's libc)."""
-    return sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
+    """Whether the compiled loop can run: Linux's libc, and numba compiling (under
+    ``NUMBA_DISABLE_JIT=1`` the kernels run as Python, which cannot call libc's symbols: the
+    Python pump runs alone)."""
+    from numba import config
+    return (sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
+            and not config.DISABLE_JIT)
 
 
 @njit(**NO_RC)
