@@ -84,3 +84,23 @@ def test_the_compiled_loop_gives_what_the_python_pump_gives(monkeypatch, dtype, 
     if loss:  # the loop handed loss recovery to Python and took the results back
         assert sum(c["retransmissions"] for c in fast_counters.values()) > 0
     assert all(c["recv_calls"] > 0 for c in fast_counters.values())
+
+
+def test_a_switch_gone_mid_operation_is_reported_as_icmp_errors_from_the_loop():
+    """The switch stops while an operation is in flight (the worker in its compiled loop):
+    the port-unreachable errors the loop's recvmmsg gets are counted and named in the
+    failure, as the Python pump names them, within the operation timeout."""
+    from switchml.protocol.errors import OperationFailed
+    server = SwitchServer(host="127.0.0.1", port=0).start()
+    spec = new_job_spec(2, window=8, elements_per_packet=64)
+    cfg = WorkerConfig(op_timeout_s=2.0, min_rto_s=0.01)
+    other = threading.Thread(target=lambda: WorkerClient(server.address, spec, 1, cfg).close())
+    with WorkerClient(server.address, spec, 0, cfg) as w:
+        assert w._fast is not None
+        other.start()
+        other.join(timeout=30)  # rank 1 joined and left: rank 0's operation waits for it
+        handle = w.allreduce_async(np.ones(5000, np.float32))
+        server.stop()
+        with pytest.raises(OperationFailed, match="ICMP port-unreachable"):
+            handle.wait(timeout=20)
+        assert w.counters["icmp_errors"] > 0

@@ -43,7 +43,7 @@ class FP(IntEnum):
     STOPPED = 1  # the results kernel stopped at datagram ``at`` of the batch: Python goes on
     DUE = 2  # a deadline passed
     SEND_FAILED = 3  # a sendmsg failed: the unsent requests are still queued
-    RECV_FAILED = 4  # recvmmsg or poll failed (not for want of data): Python repeats it
+    RECV_FAILED = 4  # recvmmsg or poll failed (not for want of data): ``stats[ERRNO]``
 
 
 class ST(IntEnum):
@@ -52,7 +52,8 @@ class ST(IntEnum):
     RECV_CALLS = 0
     SEND_CALLS = 1
     DATAGRAMS_SENT = 2
-    N = 3
+    ERRNO = 3  # the errno of the call that failed (RECV_FAILED, SEND_FAILED); not a counter
+    N = 4
 
 
 # libc's calls, declared to numba as external symbols (resolved in the process, like any C
@@ -119,6 +120,7 @@ def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cm
             hdr[4] = 0
             hdr[5] = 0
         if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
+            stats[ST.ERRNO] = _errno()[0]
             # Keep what is unsent (runs are in queue order: one shard) for Python to send.
             keep = 0
             for q in range(first, nq):
@@ -149,8 +151,11 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
     while True:
         n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
         if n <= 0:
-            if n < 0 and _errno()[0] != EAGAIN:
-                return FP.RECV_FAILED.value, 0, 0, 0  # Python repeats it and reads the error
+            if n < 0:
+                e = _errno()[0]
+                if e != EAGAIN:  # (a socket error is reported once: Python is told which)
+                    stats[ST.ERRNO] = e
+                    return FP.RECV_FAILED.value, 0, 0, 0
             # Nothing to read: wait in the kernel for a datagram, a command or the deadline.
             now = _now(ts)
             due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
@@ -163,6 +168,7 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
             wait_s = min(due, idle_since + MAX_WAIT_S) - now
             r = _poll(pfd.ctypes.data, 2, np.int32(wait_s * 1e3) + 1)
             if r < 0:
+                stats[ST.ERRNO] = _errno()[0]
                 return FP.RECV_FAILED.value, 0, 0, 0  # (EINTR: Python's turn)
             if (pfd[1] >> 48) & POLLIN:
                 return FP.WAKE.value, 0, 0, 0

@@ -19,6 +19,7 @@ recovered by retransmission, at a cost in speed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
 import socket
@@ -438,7 +439,12 @@ class WorkerClient:
         self.recv_calls += int(st[ST.RECV_CALLS])
         sender.calls += int(st[ST.SEND_CALLS])
         sender.datagrams += int(st[ST.DATAGRAMS_SENT])
+        err = int(st[ST.ERRNO])
         st[:] = 0
+        if err == errno.ECONNREFUSED:  # ICMP port unreachable, reported (once) to the loop
+            self._icmp_refused(1)
+        elif err == errno.EAGAIN and why == FP.SEND_FAILED:
+            self.send_blocked += 1  # a full socket buffer: a loss, recovered as one
         if why == FP.STOPPED:
             now = time.monotonic()
             self.session.after_results_kernel(state[0], code, now)
