@@ -323,6 +323,28 @@ class SwitchDataplane:
             self.packets_out += sum(len(r) for r in runs.values())
         return out, runs
 
+    def results_to_send(self, now: float) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                                   list[tuple[Job, int]]]:
+        """``datagrams_to_send`` for a transport that sends results from the jobs' own
+        arrays (``transport/fastpath.ResultSender``): ``(datagrams, jobs)``, the replies (and
+        anything already made into views) one by one, then each job with results queued and
+        how many: ``job.pend[:n]`` rows ``(set, slot, length)``, the results in
+        ``job.bufs[set, slot]``, to go to every joined member. Valid until the next receive."""
+        out, self._out = self._out, []
+        self.packets_out += len(out)
+        if self._runs:  # made into views already (a queue that overflowed)
+            runs0, self._runs = self._runs, {}
+            self.packets_out += sum(len(r) for r in runs0.values())
+            out = flatten_runs(out, runs0)
+        jobs = []
+        pending, self._pending = self._pending, []
+        for job in pending:
+            n, job.npend = job.npend, 0
+            if n:
+                jobs.append((job, n))
+                self.packets_out += n * sum(m is not None for m in job.members)
+        return out, jobs
+
     def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
                      ) -> tuple[list[tuple[bytes | memoryview, Address]],
                                 list[tuple[list[memoryview], int, Address]]]:

@@ -48,7 +48,8 @@ from switchml.transport.batching import (
     open_receiver,
 )
 from switchml.transport.eventlog import SwitchEventLog
-from switchml.transport.fastpath import FP, ST, FastPath
+from switchml.transport.fastpath import FP, ST, FastPath, ResultSender
+from switchml.transport.fastpath import SC as RSC
 from switchml.transport.fastpath import available as fastpath_available
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.inbox import Inbox
@@ -97,6 +98,12 @@ class SwitchServer:
         self._rx = open_receiver(self.sock, batching=batching)
         self.gro = self._rx.gro
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock))
+        # Results sent from the jobs' arrays by a compiled call (a plain switch, with GSO):
+        # wrapped dataplanes (loss injection, a rack switch) go through their own methods.
+        self._results = (ResultSender(self.sock, max_segments=MAX_SEGMENTS,
+                                      max_bytes=MAX_GSO_BYTES)
+                         if (type(self.dataplane) is SwitchDataplane and self._sender.gso
+                             and env.fast_path() and fastpath_available()) else None)
         self._events = SwitchEventLog(lambda: self.dataplane.allocator.free_slots)
         self.internal_errors = 0
         self.recv_calls = 0
@@ -140,7 +147,16 @@ class SwitchServer:
         with self._lock:
             try:
                 call(*args)
-                if gso_runs is not None:
+                if self._results is not None:  # a plain switch: results sent compiled
+                    out, jobs = dp.results_to_send(now)
+                    for data, dst in out:
+                        self._sender.add(data, dst)
+                    self._sender.flush()
+                    for job, n in jobs:
+                        self._results.send(job, n)
+                    self._count_result_sends()
+                    out, runs, planned = [], {}, []
+                elif gso_runs is not None:
                     out, planned = gso_runs(now, max_segments=MAX_SEGMENTS,
                                             max_bytes=MAX_GSO_BYTES)
                     runs = {}
@@ -158,6 +174,15 @@ class SwitchServer:
                 self._sender.send_run(buffers, size, dst)
             while (ev := dp.next_event()) is not None:
                 self._events.log(ev, now)
+
+    def _count_result_sends(self) -> None:
+        """Fold the compiled sends' counters into the sender's."""
+        st, sender = self._results.stats, self._sender  # type: ignore[union-attr]
+        sender.calls += int(st[RSC.SEND_CALLS])
+        sender.datagrams += int(st[RSC.DATAGRAMS_SENT])
+        sender.blocked += int(st[RSC.BLOCKED])
+        sender.errors += int(st[RSC.ERRORS])
+        st[:] = 0
 
     def run_command(self, command: Callable[..., None], *args: Any) -> None:
         """Run ``command(*args, now)`` on the dataplane (e.g. a rack's ``join``) and send what
