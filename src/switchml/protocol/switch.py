@@ -330,20 +330,26 @@ class SwitchDataplane:
         anything already made into views) one by one, then each job with results queued and
         how many: ``job.pend[:n]`` rows ``(set, slot, length)``, the results in
         ``job.bufs[set, slot]``, to go to every joined member. Valid until the next receive."""
-        out, self._out = self._out, []
-        self.packets_out += len(out)
-        if self._runs:  # made into views already (a queue that overflowed)
-            runs0, self._runs = self._runs, {}
-            self.packets_out += sum(len(r) for r in runs0.values())
-            out = flatten_runs(out, runs0)
+        out, pending = self._take_queued()
         jobs = []
-        pending, self._pending = self._pending, []
         for job in pending:
             n, job.npend = job.npend, 0
             if n:
                 jobs.append((job, n))
                 self.packets_out += n * sum(m is not None for m in job.members)
         return out, jobs
+
+    def _take_queued(self) -> tuple[list[tuple[bytes | memoryview, Address]], list[Job]]:
+        """The replies (and results already made into views), and the jobs with results
+        queued: both taken (the caller sends them)."""
+        out, self._out = self._out, []
+        self.packets_out += len(out)
+        if self._runs:  # made into views already (a queue that overflowed)
+            runs0, self._runs = self._runs, {}
+            self.packets_out += sum(len(r) for r in runs0.values())
+            out = flatten_runs(out, runs0)
+        pending, self._pending = self._pending, []
+        return out, pending
 
     def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
                      ) -> tuple[list[tuple[bytes | memoryview, Address]],
@@ -357,14 +363,8 @@ class SwitchDataplane:
         (``kernels.plan_result_runs``): consecutive slots' results are one slice of the set's
         buffers, and every member gets the same runs, so a batch costs Python a few objects
         per run and member, not one per result. Valid until the next receive."""
-        out, self._out = self._out, []
-        self.packets_out += len(out)
-        if self._runs:  # made into views already (a queue that overflowed)
-            runs0, self._runs = self._runs, {}
-            self.packets_out += sum(len(r) for r in runs0.values())
-            out = flatten_runs(out, runs0)
+        out, pending = self._take_queued()
         runs: list[tuple[list[memoryview], int, Address]] = []
-        pending, self._pending = self._pending, []
         for job in pending:
             n, job.npend = job.npend, 0
             if not n:

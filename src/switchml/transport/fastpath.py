@@ -29,7 +29,7 @@ import numpy as np
 from numba import types
 
 from switchml.protocol import kernels as K
-from switchml.protocol.kernels.frames import NO_RC, njit
+from switchml.protocol.kernels.frames import INLINE, NO_RC, njit
 
 __all__ = ["FP", "FastPath", "ResultSender", "available", "warm_up"]
 
@@ -87,6 +87,21 @@ def _now(ts):
     return np.float64(ts[0]) + np.float64(ts[1]) * 1e-9
 
 
+@njit(**INLINE)
+def _set_run(hdr, iov, niov, cmsg, count, size):
+    """Point the ``struct msghdr`` at ``niov`` iovecs and, for more than one datagram, at the
+    UDP_SEGMENT control message that has the kernel cut them into datagrams of ``size``."""
+    hdr[2] = iov.ctypes.data
+    hdr[3] = niov
+    if count > 1:
+        cmsg[2] = size
+        hdr[4] = cmsg.ctypes.data
+        hdr[5] = 24  # CMSG_SPACE(2)
+    else:
+        hdr[4] = 0
+        hdr[5] = 0
+
+
 @njit(**NO_RC)
 def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
                  max_segments, max_bytes, stats):
@@ -111,15 +126,7 @@ def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cm
                 iov[2 * j] = base + lane * stride
                 iov[2 * j + 1] = sendlen[lane]
             niov = count
-        hdr[2] = iov.ctypes.data
-        hdr[3] = niov
-        if count > 1:  # UDP_SEGMENT: the kernel cuts the run into datagrams of ``size``
-            cmsg[2] = size
-            hdr[4] = cmsg.ctypes.data
-            hdr[5] = 24  # CMSG_SPACE(2)
-        else:
-            hdr[4] = 0
-            hdr[5] = 0
+        _set_run(hdr, iov, niov, cmsg, count, size)
         if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
             stats[ST.ERRNO] = _errno()[0]
             # Keep what is unsent (runs are in queue order: one shard) for Python to send.
@@ -227,15 +234,7 @@ def send_results(fd, pend, n, bufs, stride, names, nmembers, max_segments, max_b
                 iov[2 * j] = base + pend[first + j, 0] * set_bytes + pend[first + j, 1] * stride
                 iov[2 * j + 1] = pend[first + j, 2]
             niov = count
-        hdr[2] = iov.ctypes.data
-        hdr[3] = niov
-        if count > 1:
-            cmsg[2] = size
-            hdr[4] = cmsg.ctypes.data
-            hdr[5] = 24  # CMSG_SPACE(2)
-        else:
-            hdr[4] = 0
-            hdr[5] = 0
+        _set_run(hdr, iov, niov, cmsg, count, size)
         for m in range(nmembers):
             hdr[0] = names.ctypes.data + 16 * m
             hdr[1] = 16  # sizeof(struct sockaddr_in)
