@@ -233,7 +233,19 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
 
 def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
               ) -> list[dict[str, Any]]:
-    """gloo's ring all-reduce over the workers' links: their rows."""
+    """gloo's ring all-reduce over the workers' links: their rows (run again, once, if torch
+    aborted while the process group formed: ``geo.C10D_ABORT``)."""
+    from switchml.bench.geo import C10D_ABORT
+    try:
+        return _run_gloo_once(tb, cfg, common)
+    except TestbedError as exc:
+        if C10D_ABORT not in str(exc):
+            raise
+        return _run_gloo_once(tb, cfg, common)
+
+
+def _run_gloo_once(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+                   ) -> list[dict[str, Any]]:
     n, port = cfg.workers, 29000 + secrets.randbelow(20000)
     # gloo binds to the address its host name resolves to; name the link instead.
     procs = _start_workers(tb, range(n), lambda r: _nsproc("gloo", {
