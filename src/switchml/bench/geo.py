@@ -24,7 +24,9 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -95,11 +97,15 @@ def _join_group(a: dict[str, Any]) -> None:
     backend = a.get("dc_backend", "gloo") if mode == "gaia" else "gloo"
     if backend == "switchml":
         import switchml.torch  # noqa: F401  # registers the backend
+    # Rendezvous through a file every namespace sees (the hosts share a file system): torch's
+    # TCP store aborted now and then in these DNS-less namespaces (``C10D_ABORT``).
+    store = a.get("store_dir")
     if mode == "gaia":  # the data centre's own process group
         init_group(backend, a["dc_master"], a["port"], a["local_rank"], a["dc_size"],
-                   a["timeout_s"])
+                   a["timeout_s"], store and f"{store}/dc{a['dc']}")
     else:
-        init_group("gloo", a["master"], a["port"], a["rank"], a["n"], a["timeout_s"])
+        init_group("gloo", a["master"], a["port"], a["rank"], a["n"], a["timeout_s"],
+                   store and f"{store}/all")
 
 
 def _start_gaia(a: dict[str, Any], model: Any) -> tuple[Any, Any]:
@@ -233,10 +239,21 @@ def _start_dc_switches(tb: Any) -> list[Any]:
 
 def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
     """Train ``mode`` on the testbed ``tb``: its row."""
-    from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
     port = 34000 + secrets.randbelow(10000)
-    common = _mode_args(cfg, geo, mode, port)
+    store_dir = tempfile.mkdtemp(prefix="switchml-geo-")
+    try:
+        return _run_mode_in(tb, cfg, mode, {**_mode_args(cfg, geo, mode, port),
+                                            "store_dir": store_dir})
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """:func:`_run_mode` with the workers' arguments made."""
+    from switchml.bench.testbed import _start_workers, _wait_all
+    geo = tb.geo
     switches = []
     if mode == "gaia" and cfg.dc_backend == "switchml":
         switches = _start_dc_switches(tb)
@@ -287,9 +304,10 @@ def _final(accs: list[float]) -> float:
 
 C10D_ABORT = "terminate called without an active exception"
 """What torch's C++ prints when a process aborts while its process group forms: seen in
-about one run in seven on the testbed (torch 2.13, c10d's store in a namespace without DNS:
-it warns that the client's host name cannot be retrieved, then aborts). Nothing of the
-training ran yet, so the mode is run again, once."""
+about one run in seven on the testbed with a TCP store (torch 2.13, c10d's store in a
+namespace without DNS: it warns that the client's host name cannot be retrieved, then aborts;
+the geo benchmark now rendezvouses through files). Nothing of the training ran yet, so the
+mode is run again, once."""
 
 
 def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:

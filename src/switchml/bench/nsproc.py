@@ -45,13 +45,15 @@ def _timed(allreduce: Any, x: Any, warmup: int, iters: int) -> dict[str, Any]:
 
 
 def init_group(backend: str, master: str, port: int, rank: int, world: int,
-               timeout_s: float) -> None:
-    """Join the torch.distributed process group that ``master:port`` rendezvouses."""
+               timeout_s: float, store_file: str | None = None) -> None:
+    """Join the torch.distributed process group that ``master:port`` rendezvouses, or, with
+    ``store_file``, a file that every rank sees (a FileStore: no TCP store to connect to)."""
     import datetime
 
     import torch.distributed as dist
-    dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    init = f"file://{store_file}" if store_file else f"tcp://{master}:{port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def switch(a: dict[str, Any]) -> None:
