@@ -125,7 +125,7 @@ def gloo(a: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    init_group("gloo", a["master"], a["port"], a["rank"], a["n"], 300)
+    init_group("gloo", a["master"], a["port"], a["rank"], a["n"], 300, a.get("store_file"))
     x = torch.full((a["numel"],), float(a["rank"] + 1))
     r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
     dist.destroy_process_group()
@@ -299,7 +299,7 @@ def train(a: dict[str, Any]) -> None:
     if a["backend"] == "switchml":
         import switchml.torch  # noqa: F401
     rank, n = a["rank"], a["n"]
-    init_group(a["backend"], a["master"], a["port"], rank, n, 120)
+    init_group(a["backend"], a["master"], a["port"], rank, n, 120, a.get("store_file"))
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1000 + rank)
     model, loss_fn, batch_of = _task(a, gen)

@@ -12,15 +12,18 @@ B/32 / (2(n-1)/n), parameter server B/32 / n (its one link carries all n vectors
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,10 +251,24 @@ def _run_gloo_once(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
                    ) -> list[dict[str, Any]]:
     n, port = cfg.workers, 29000 + secrets.randbelow(20000)
     # gloo binds to the address its host name resolves to; name the link instead.
-    procs = _start_workers(tb, range(n), lambda r: _nsproc("gloo", {
-        **common, "rank": r, "n": n, "master": tb.topology.worker_ip(0), "port": port}),
-        lambda r: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)})
-    return _wait_all(procs, cfg.timeout_s)
+    with _store_dir() as store:
+        procs = _start_workers(tb, range(n), lambda r: _nsproc("gloo", {
+            **common, "rank": r, "n": n, "master": tb.topology.worker_ip(0), "port": port,
+            "store_file": f"{store}/group"}),
+            lambda r: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)})
+        return _wait_all(procs, cfg.timeout_s)
+
+
+@contextlib.contextmanager
+def _store_dir() -> Iterator[str]:
+    """A temporary folder for a torch process group's FileStore (every namespace sees the
+    file system; torch's TCP store aborted now and then in these namespaces: ``C10D_ABORT``),
+    removed afterwards."""
+    path = tempfile.mkdtemp(prefix="switchml-store-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_ps(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
@@ -526,14 +543,15 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
     batch = cfg.batch or TRAIN_BATCH[model]
     backend, mode = TRAIN_SYSTEMS[system]
     port = 33000 + secrets.randbelow(20000)
-    procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
-        "backend": backend, "model": model, "rank": r, "n": cfg.workers,
-        "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
-        "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
-        "dev": tb.host_device(r), "mtu": cfg.mtu}),
-        lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                cfg.window or default_window(k), k))
-    out = _wait_all(procs, cfg.timeout_s)
+    with _store_dir() as store:
+        procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
+            "backend": backend, "model": model, "rank": r, "n": cfg.workers,
+            "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
+            "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
+            "dev": tb.host_device(r), "mtu": cfg.mtu, "store_file": f"{store}/group"}),
+            lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
+                                    cfg.window or default_window(k), k))
+        out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding).
     times = lead["times"]
