@@ -14,6 +14,10 @@ the UDP transports, the in-memory fabric, the simulator and the tests:
 * then, after any of these and after any user command that takes ``now``: drain
   ``datagrams_to_send(now)`` (send each, in order) and ``next_event()`` (until None), and re-arm
   the timer from ``get_timer()`` (absolute time, or None).
+* a UDP transport with GSO may drain with ``runs_to_send(now, max_segments=, max_bytes=)``
+  instead, where an endpoint offers it (the worker, its session, the switch): the same
+  datagrams as ``datagrams_to_send``, in the same order per destination, planned into GSO runs
+  by a kernel (no Python object per datagram).
 
 Peer input never raises: what is malformed or foreign is dropped and counted. Datagrams
 returned by ``datagrams_to_send`` may be views of the endpoint's own buffers, valid until its

@@ -1,20 +1,20 @@
-"""The worker's receive-and-send loop, compiled: a burst of results costs Python one call.
+"""The worker's receive-and-send loop, compiled, and the switch's send of its results.
 
-The UDP pump (``udp.py``) spends its Python per wake-up: ``recvmmsg`` through ctypes, the
-results kernel, the send planner, one ``sendmsg`` per GSO run, the timer, the events; measured
-on the testbed (n = 4, 1 Gbit/s, MTU 1500), the interpreter was the largest share of a
-worker's CPU, more than the kernels and the system calls. While an operation is in flight the
-steady state is always the same, so :func:`pump` runs it in one compiled call that holds no GIL:
-``recvmmsg`` (libc's, which numba calls as an external symbol), cut the batch
-(``split_mmsg``), take the results (``worker_results``: the one implementation of the
-per-datagram rules), plan the released requests into GSO runs (``plan_runs``) and ``sendmsg``
-each, again until the socket is empty. It returns to Python at anything else, with where it
-stopped, and Python goes on exactly as it would have: a datagram the kernel leaves to Python
-(control, NACK, the operation's last result, a full send queue), a due deadline, a system
-call that returned -1 (Python repeats it and reads its error: an empty socket, usually), or
-after ``MAX_TURNS`` batches (commands and timers get their turn). Only for one switch
-address (a connected socket) and without RACK (its transmission log is Python's); elsewhere
-the Python pump runs alone.
+A Python pump pays per wake-up: ``recvmmsg`` through ctypes, a dozen calls around the kernels,
+one ``sendmsg`` per GSO run; measured on the testbed (n = 4, 1 Gbit/s, MTU 1500), the
+interpreter was the largest share of a worker's CPU, more than the kernels and the system
+calls. While an operation is in flight the steady state is always the same, so :func:`pump`
+runs it in one compiled call that holds no GIL: ``recvmmsg`` (libc's, which numba calls as an
+external symbol), cut the batch (``split_mmsg``), take the results (``worker_results``: the one
+implementation of the per-datagram rules), plan the released requests into GSO runs
+(``plan_runs``), ``sendmsg`` each, and, when the socket is empty, wait in ``poll`` on it and
+the inbox's wake-up pipe. It returns to Python, saying where it stopped, for a datagram the
+kernel leaves to Python (control, NACK, WAITING, the operation's last result, a full send
+queue), a due deadline, a command, a failed system call (with its errno), or after
+``MAX_WAIT_S`` idle; Python goes on exactly as it would have. Only for one switch address (a
+connected socket) and without RACK (its transmission log is Python's); elsewhere the Python
+pump runs alone. :class:`ResultSender` is the switch's counterpart for sending: a job's planned
+result runs to every member from the slots' memory, one compiled call per job.
 """
 
 from __future__ import annotations
@@ -298,7 +298,6 @@ class FastPath:
         self.fd = sock.fileno()
         self.wake_fd = wake_fd
         self.pfd = np.zeros(2, np.int64)  # struct pollfd[2]: fd | events << 32 | revents << 48
-        self.rx = rx
         self.max_segments, self.max_bytes = max_segments, max_bytes
         self.hdr = np.zeros(7, np.int64)  # msghdr: name, namelen, iov, iovlen, control, ...
         self.iov = np.zeros(2 * max_segments, np.int64)

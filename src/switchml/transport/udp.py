@@ -147,31 +147,28 @@ class SwitchServer:
         with self._lock:
             try:
                 call(*args)
+                runs, planned, jobs = {}, [], []
                 if self._results is not None:  # a plain switch: results sent compiled
                     out, jobs = dp.results_to_send(now)
-                    for data, dst in out:
-                        self._sender.add(data, dst)
-                    self._sender.flush()
-                    for job, n in jobs:
-                        self._results.send(job, n)
-                    self._count_result_sends()
-                    out, runs, planned = [], {}, []
                 elif gso_runs is not None:
                     out, planned = gso_runs(now, max_segments=MAX_SEGMENTS,
                                             max_bytes=MAX_GSO_BYTES)
-                    runs = {}
                 else:
-                    (out, runs), planned = dp.output_runs(now), []
+                    out, runs = dp.output_runs(now)
             except Exception:  # a bug must not take the shared switch down
                 self.internal_errors += 1
                 log.exception("internal error in %s; dropped", call.__name__)
                 dp.output_runs(now)  # nothing half-done goes out
-                out, runs, planned = [], {}, []
+                out, runs, planned, jobs = [], {}, [], []
             for data, dst in out:
                 self._sender.add(data, dst)
             self._sender.send_runs(runs)
             for buffers, size, dst in planned:
                 self._sender.send_run(buffers, size, dst)
+            if jobs:
+                for job, n in jobs:
+                    self._results.send(job, n)  # type: ignore[union-attr]
+                self._count_result_sends()
             while (ev := dp.next_event()) is not None:
                 self._events.log(ev, now)
 
