@@ -125,7 +125,6 @@ class Operation:
         opv[K.OP.P] = scale_bits(scale, self.bits)
         opv[K.OP.N] = scale  # the bound |sum| < scale * 2**emax
         opv[K.OP.IS_FLOAT] = self.is_float
-        opv[K.OP.STRIDE] = self.stride
         opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
         return opv
 

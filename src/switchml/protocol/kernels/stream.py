@@ -65,10 +65,9 @@ class OP(IntEnum):
     TAIL_HEAD = 17  # the queue LN.TAIL_ORDER[TAIL_HEAD:TAIL_END] (tail-loss probes)
     TAIL_END = 18
     NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
-    STRIDE = 20  # bytes per lane in the transmit buffer (lane i's datagram at i * STRIDE)
 
 
-O_FIELDS = 21
+O_FIELDS = 20
 
 
 class R(IntEnum):
@@ -160,7 +159,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
     E = opv[OP.E]
     k = opv[OP.K]
     itemsize = opv[OP.ITEMSIZE]
-    base = i * opv[OP.STRIDE]
+    base = i * (HDR + k * itemsize)  # a lane's row: a full datagram
     flags = 0
     exp_data = EXP_ZERO
     exp_next = EXP_ZERO
@@ -211,8 +210,8 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
 
     ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
-    only). The datagram is ``tx8[i * STRIDE:][:sendlen[i]]`` (lane ``i = p mod E``); returns the
-    lane. The caller queues it (:func:`queue_lane`)."""
+    only). The datagram is the first ``sendlen[i]`` bytes of lane ``i``'s row (``i = p mod
+    E``); returns the lane. The caller queues it (:func:`queue_lane`)."""
     i = p % opv[OP.E]
     if retransmit:
         set_bit = lane[LN.SET, i]
