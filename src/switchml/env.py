@@ -9,7 +9,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | variable | meaning |
 |---|---|
 | ``SWITCHML_SWITCH`` | ``HOST:PORT`` of the switch (comma-separated: a sharded switch) |
-| ``SWITCHML_SECRET`` | the switch's secret, needed to create a job on a switch that has one |
+| ``SWITCHML_SECRET`` | the switch's secret: JOIN and LEAVE are proven with a key derived from it |
 | ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |

@@ -16,6 +16,7 @@ from test_switch import TOKEN, TOKEN2, decode, join_job
 from switchml.protocol import kernels as K
 from switchml.protocol import wire
 from switchml.protocol.config import JobSpec, SwitchConfig
+from switchml.protocol.endpoint import exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
@@ -176,10 +177,7 @@ def test_no_batch_of_bytes_makes_a_worker_raise_or_lose_its_operation(junk, seg)
     sa, wa = ("s", 1), ("w", 2)
     w = WorkerEndpoint(spec=spec, rank=0, switch_address=sa)
     w.join(0.0)
-    for d, _ in w.datagrams_to_send(0.0):
-        sw.receive_datagram(bytes(d), wa, 0.0)
-    for d, _ in sw.datagrams_to_send(0.0):
-        w.receive_datagram(bytes(d), sa, 0.0)
+    exchange({wa: w, sa: sw}, 0.0)
     x = np.arange(20, dtype=np.float32)
     out = np.zeros_like(x)
     w.start_allreduce(x, out, 0.0)

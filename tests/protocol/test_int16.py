@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_switch import join
 
 from switchml.protocol.config import JobSpec
+from switchml.protocol.endpoint import exchange
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import block_exponent, error_bound, scale_bits
 from switchml.protocol.switch import SwitchDataplane
@@ -15,7 +17,6 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
-    pack_control_info,
     pack_header,
     unpack_header,
     unpack_mismatch,
@@ -29,9 +30,8 @@ TOKEN = 99
 
 def _join(sw: SwitchDataplane, n: int, k: int) -> None:
     for r in range(n):
-        h = Header(MessageType.JOIN, 1, rank=r, token=TOKEN, count=16)
-        sw.receive_datagram(pack_header(h) + pack_control_info(ControlInfo(n, 2, k)), ("w", r), 0)
-    sw.datagrams_to_send(0)
+        (o,) = join(sw, 1, TOKEN, r, ControlInfo(n, 2, k), ("w", r))
+        assert o.header.type is MessageType.JOINED
 
 
 def _req(rank: int, values: list[int], *, elem=ElementType.INT16, chunk=0) -> bytes:
@@ -112,8 +112,7 @@ def test_16_bit_is_refused_for_integers_and_bad_residuals():
     w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1), rank=0,
                        switch_address=("s", 1))
     w.join(0.0)
-    w.receive_datagram(pack_header(Header(MessageType.JOINED, 1, token=2, count=16))
-                       + pack_control_info(ControlInfo(1, 16, 16000)), ("s", 1), 0.0)
+    exchange({("w", 0): w, ("s", 1): SwitchDataplane()}, 0.0)
     x = np.ones(10, np.int32)
     with pytest.raises(LocalProtocolError, match="bits=16 is for float data"):
         w.start_allreduce(x, x, 0.0, bits=16)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_switch import join
 
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.switch import SwitchDataplane
@@ -21,10 +22,9 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
-    pack_control_info,
     pack_header,
-    unpack_control_info,
     unpack_header,
+    unpack_joined,
 )
 from switchml.protocol.worker import WorkerEndpoint
 from switchml.transport.memory import FaultModel, MemoryCluster
@@ -40,15 +40,11 @@ def _deliver(sw: SwitchDataplane, data: bytes, addr) -> list[tuple[Header, tuple
 
 def _joined_switch(gap: int, calm: int = 64) -> tuple[SwitchDataplane, int]:
     sw = SwitchDataplane(SwitchConfig(nack_gap=gap, nack_calm=calm))
-    info = pack_control_info(ControlInfo(N, W, K))
     bases = set()
     for r, addr in enumerate(ADDRS):
-        h = Header(MessageType.JOIN, JOB, rank=r, token=TOKEN, count=len(info),
-                   elem=ElementType.BYTES)
-        sw.receive_datagram(pack_header(h) + info, addr, now=0.0)
-        ((reply, _),) = sw.datagrams_to_send(now=0.0)
-        assert unpack_header(bytes(reply)).type is MessageType.JOINED
-        bases.add(unpack_control_info(bytes(reply)[40:]).slot_base)
+        (o,) = join(sw, JOB, TOKEN, r, ControlInfo(N, W, K), addr)
+        assert o.header.type is MessageType.JOINED
+        bases.add(unpack_joined(o.payload)[0].slot_base)
     (base,) = bases
     return sw, base
 
@@ -231,6 +227,8 @@ class _Pair:
                   for r in range(2)]
         for r, w in enumerate(self.w):
             w.join(0.0)
+            self.up(r, 0.0)
+            self.down(0.0)  # CHALLENGE
             self.up(r, 0.0)
         self.down(0.0)
 

@@ -137,20 +137,44 @@ def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
     assert np.allclose(out[0], xs[0] + xs[1], atol=1e-5)
 
 
-def test_creating_a_job_needs_the_secret_joining_one_needs_the_token():
+def test_creating_or_joining_a_job_needs_the_switch_secret_not_just_the_token():
     fabric = MemoryFabric()
     sw = SwitchDataplane(SwitchConfig(secret=SECRET))
-    with pytest.raises(SwitchMLError, match="needs its secret"):
+    with pytest.raises(SwitchMLError, match="proof does not verify: the worker's secret"):
         MemoryCluster(num_workers=2, switch=sw, fabric=fabric).join()
-    assert sw.stats()["jobs"] == 0 and sw.drops["bad_secret"] == 2
+    assert sw.stats()["jobs"] == 0 and sw.drops["bad_proof"] == 2
     wrong = WorkerConfig(secret=b"not the secret, 16+ bytes")
-    with pytest.raises(SwitchMLError, match="needs its secret"):
+    with pytest.raises(SwitchMLError, match="proof does not verify"):
         MemoryCluster(num_workers=1, switch=sw, fabric=fabric, job_id=8,
                       worker_config=wrong).join()
     good = MemoryCluster(num_workers=2, switch=sw, fabric=fabric, job_id=9,
                          worker_config=WorkerConfig(secret=SECRET))
     xs = [np.arange(4, dtype=np.int32)] * 2
     assert np.array_equal(good.allreduce(xs)[0], 2 * np.arange(4))
+    # Someone who knows the running job's id and token (both travel in every datagram) but
+    # not the secret cannot join it, not even in place of a rank that has not joined yet.
+    half = MemoryCluster(num_workers=2, switch=sw, fabric=fabric, job_id=10,
+                         worker_config=WorkerConfig(secret=SECRET))
+    half.sessions[0].join(fabric.now)
+    fabric.flush(half.addresses[0])
+    fabric.run(lambda: half.workers[0].state is WorkerState.READY)
+    thief = WorkerEndpoint(spec=half.spec, rank=1, switch_address=MemoryCluster.SWITCH)
+    fabric.attach(("thief", 1), thief)
+    thief.join(fabric.now)
+    fabric.flush(("thief", 1))
+    fabric.run(lambda: thief.state is not WorkerState.JOINING)
+    assert thief.state is WorkerState.ERROR and "proof does not verify" in thief.error
+    assert sw.drops["bad_proof"] == 4
+    # Rank 1 can still join, from its own address, with the secret.
+    half.sessions[1].join(fabric.now)
+    fabric.flush(half.addresses[1])
+    fabric.run(lambda: half.workers[1].state is WorkerState.READY)
+
+
+def test_an_open_switch_refuses_a_worker_that_brings_a_secret():
+    c = MemoryCluster(num_workers=1, worker_config=WorkerConfig(secret=SECRET))
+    with pytest.raises(SwitchMLError, match="this switch has no secret"):
+        c.join()
 
 
 def test_secret_must_be_long_enough():

@@ -10,6 +10,7 @@ import pytest
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec
+from switchml.protocol.endpoint import exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
@@ -48,6 +49,8 @@ class World:
         self.use_runs = use_runs
         for r, w in enumerate(self.ws):
             w.join(0.0)
+            self.up(r, w.datagrams_to_send(0.0))
+            self.down()  # CHALLENGE
             self.up(r, w.datagrams_to_send(0.0))
         self.down()
 
@@ -149,10 +152,7 @@ def test_results_at_odd_offsets_are_read_as_aligned_ones():
             sw = SwitchDataplane()
             w = WorkerEndpoint(spec=spec, rank=0, switch_address=SA)
             w.join(0.0)
-            for d, _ in w.datagrams_to_send(0.0):
-                sw.receive_datagram(bytes(d), ("w", 2), 0.0)
-            for d, _ in sw.datagrams_to_send(0.0):
-                w.receive_datagram(bytes(d), SA, 0.0)
+            exchange({("w", 2): w, SA: sw}, 0.0)
             x = (np.arange(200) - 77).astype(dtype) * (3 if dtype == np.int32 else 0.37)
             out = np.zeros_like(x)
             w.start_allreduce(x, out, 0.0, bits=bits)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import JobCreated, JobRefused, JobRemoved, MemberJoined
@@ -28,8 +29,11 @@ from switchml.protocol.wire import (
     MessageType,
     pack_control_info,
     pack_header,
-    unpack_control_info,
+    pack_join,
+    pack_leave,
+    unpack_challenge,
     unpack_header,
+    unpack_joined,
     unpack_mismatch,
     unpack_payload,
 )
@@ -63,6 +67,7 @@ class Job:
     k: int
     slot_base: int
     addrs: list[tuple[str, int]]
+    cookies: list[bytes]
 
     def req(self, rank: int, values, *, slot: int = 0, set_bit: int = 0, seq: int = 0,
             chunk: int = 0, flags: int = Flags.HAS_DATA, exp_data: int = EXP_ZERO,
@@ -103,6 +108,32 @@ def control(mtype: MessageType, job_id: int, token: int, rank: int,
     return pack_header(h) + payload
 
 
+def proven_join(sw: SwitchDataplane, job_id: int, token: int, rank: int, info: ControlInfo,
+                addr, *, seq: int = 0, secret: bytes | None = None) -> bytes:
+    """Ask ``sw`` for a challenge from ``addr`` (it must answer with exactly one CHALLENGE,
+    to ``addr``) and return the JOIN that answers it, proven as a worker would prove it."""
+    out = deliver(sw, pack_join(job=job_id, token=token, rank=rank, seq=seq, info=info), addr)
+    assert [(o.header.type, o.addr) for o in out] == [(MessageType.CHALLENGE, addr)]
+    assert len(out[0].raw) < len(pack_join(job=job_id, token=token, rank=rank, info=info))
+    return join_datagram(job_key(secret, job_id, token), job=job_id, token=token, rank=rank,
+                         seq=seq, info=info, cookie=unpack_challenge(out[0].payload))
+
+
+def join(sw: SwitchDataplane, job_id: int, token: int, rank: int, info: ControlInfo, addr,
+         *, seq: int = 0, secret: bytes | None = None) -> list[Out]:
+    """The whole JOIN handshake of one rank; returns what the proven JOIN drew."""
+    return deliver(sw, proven_join(sw, job_id, token, rank, info, addr, seq=seq,
+                                   secret=secret), addr)
+
+
+def leave(sw: SwitchDataplane, job_id: int, token: int, rank: int, addr,
+          cookie: bytes = bytes(24), *, secret: bytes | None = None) -> list[Out]:
+    """A LEAVE proven for the membership that began with ``cookie``."""
+    proof = leave_proof(job_key(secret, job_id, token), job=job_id, token=token, rank=rank,
+                        cookie=cookie)
+    return deliver(sw, pack_leave(job=job_id, token=token, rank=rank, proof=proof), addr)
+
+
 def decode(datagram, addr) -> Out:
     raw = bytes(datagram)
     h = unpack_header(raw)
@@ -120,21 +151,23 @@ def join_job(sw: SwitchDataplane, job_id: int, token: int, n: int, *, window: in
     addrs = [(f"{host}{r}", 1000 + r) for r in range(n)]
     info = ControlInfo(n, window, k)
     slot_base = None
+    cookies = []
     for r, addr in enumerate(addrs):
-        out = deliver(sw, control(MessageType.JOIN, job_id, token, r, info), addr)
+        out = join(sw, job_id, token, r, info, addr)
         assert len(out) == 1
         (o,) = out
         assert o.header.type is MessageType.JOINED
         assert (o.header.job, o.header.rank, o.header.token) == (job_id, r, token)
         assert o.addr == addr
-        granted = unpack_control_info(o.payload)
+        granted, cookie = unpack_joined(o.payload)
+        cookies.append(cookie)
         assert (granted.num_workers, granted.window, granted.elements_per_packet) == (n, window,
                                                                                      k)
         if slot_base is None:
             slot_base = granted.slot_base
         assert granted.slot_base == slot_base
     assert slot_base is not None
-    return Job(sw, job_id, token, n, window, k, slot_base, addrs)
+    return Job(sw, job_id, token, n, window, k, slot_base, addrs, cookies)
 
 
 def drain_events(sw: SwitchDataplane) -> list:
@@ -192,8 +225,9 @@ def test_join_fixture_state(sw, job2):
     st_ = sw.stats()
     assert st_["jobs"] == 1
     assert st_["slots_in_use"] == 4
-    assert st_["packets_in"] == 2
-    assert st_["packets_out"] == 2
+    assert st_["packets_in"] == 4  # per rank: JOIN, proven JOIN
+    assert st_["packets_out"] == 4  # CHALLENGE, JOINED
+    assert st_["challenges_sent"] == 2
     assert st_["memory_bytes"] == 2 * 4 * (HEADER_SIZE + 4 * 8)
     assert sw.drops == {}
     events = drain_events(sw)
@@ -521,7 +555,7 @@ def test_isolation_bad_datagram_dropped_and_other_job_unaffected(sw, case):
     out = a.send(1, [10, 20, 30, 40], seq=1)
     assert_result_to_all(a, out, [11, 22, 33, 44], seq=1, chunk=0)
     assert sw.drops == {BAD_CASES[case]: 3}
-    assert sw.stats()["packets_in"] == 4 + 4 + 3
+    assert sw.stats()["packets_in"] == 8 + 4 + 3  # 4 JOIN handshakes
     assert sw.stats()["results_multicast"] == 2
 
 
@@ -567,9 +601,9 @@ def test_join_is_idempotent(sw, job2):
     drain_events(sw)
     info = ControlInfo(2, 4, 8)
     for _ in range(2):
-        (o,) = deliver(sw, control(MessageType.JOIN, 7, TOKEN, 1, info), job2.addrs[1])
+        (o,) = join(sw, 7, TOKEN, 1, info, job2.addrs[1])
         assert o.header.type is MessageType.JOINED
-        assert unpack_control_info(o.payload) == ControlInfo(2, 4, 8, job2.slot_base)
+        assert unpack_joined(o.payload)[0] == ControlInfo(2, 4, 8, job2.slot_base)
     assert drain_events(sw) == []  # no new job, no new member
     assert sw.stats()["jobs"] == 1
     assert sw.stats()["slots_in_use"] == 4
@@ -579,7 +613,7 @@ def test_join_is_idempotent(sw, job2):
 def test_rejoin_from_new_address_moves_results(sw, job2):
     drain_events(sw)
     new = ("w1-new", 2001)
-    (o,) = deliver(sw, control(MessageType.JOIN, 7, TOKEN, 1, ControlInfo(2, 4, 8)), new)
+    (o,) = join(sw, 7, TOKEN, 1, ControlInfo(2, 4, 8), new)
     assert o.header.type is MessageType.JOINED and o.addr == new
     assert drain_events(sw) == [MemberJoined(7, 1, new)]
     assert job2.send(0, [1]) == []
@@ -593,7 +627,7 @@ def test_rejoin_from_new_address_moves_results(sw, job2):
 @pytest.mark.parametrize("info", [ControlInfo(3, 4, 8), ControlInfo(2, 5, 8),
                                   ControlInfo(2, 4, 16)])
 def test_join_with_different_geometry_refused(sw, job2, info):
-    (o,) = deliver(sw, control(MessageType.JOIN, 7, TOKEN, 0, info), ("w9", 9))
+    (o,) = join(sw, 7, TOKEN, 0, info, ("w9", 9))
     assert o.header.type is MessageType.REFUSED
     assert o.addr == ("w9", 9)
     assert (o.header.job, o.header.token) == (7, TOKEN)
@@ -609,9 +643,8 @@ def test_join_with_different_geometry_refused(sw, job2, info):
 
 def test_join_with_wrong_token_for_existing_job_dropped(sw, job2):
     drain_events(sw)
-    out = deliver(sw, control(MessageType.JOIN, 7, TOKEN ^ 0xFF, 0, ControlInfo(2, 4, 8)),
-                  ("thief", 1))
-    assert out == []
+    hello = pack_join(job=7, token=TOKEN ^ 0xFF, rank=0, info=ControlInfo(2, 4, 8))
+    assert deliver(sw, hello, ("thief", 1)) == []  # not even a challenge
     assert sw.drops == {"bad_token": 1}
     assert drain_events(sw) == []
     # rank 0 still belongs to its original address
@@ -620,13 +653,13 @@ def test_join_with_wrong_token_for_existing_job_dropped(sw, job2):
 
 
 def test_join_rank_outside_existing_job_refused(sw, job2):
-    (o,) = deliver(sw, control(MessageType.JOIN, 7, TOKEN, 2, ControlInfo(2, 4, 8)), ("w2", 2))
+    (o,) = join(sw, 7, TOKEN, 2, ControlInfo(2, 4, 8), ("w2", 2))
     assert o.header.type is MessageType.REFUSED
     assert "rank 2 outside job 7 of 2" in o.payload.tobytes().decode()
 
 
 def test_refused_join_of_new_job_leaves_no_state(sw):
-    (o,) = deliver(sw, control(MessageType.JOIN, 5, TOKEN, 3, ControlInfo(2, 8, 8)), ("w", 1))
+    (o,) = join(sw, 5, TOKEN, 3, ControlInfo(2, 8, 8), ("w", 1))
     assert o.header.type is MessageType.REFUSED
     assert "rank 3" in o.payload.tobytes().decode()
     assert [type(e) for e in drain_events(sw)] == [JobRefused]  # no JobCreated
@@ -642,8 +675,7 @@ def test_join_malformed_control_payload_dropped(sw):
 
 
 def test_job_larger_than_pool_refused(sw):
-    (o,) = deliver(sw, control(MessageType.JOIN, 3, TOKEN, 0, ControlInfo(2, POOL + 1, 8)),
-                   ("w", 1))
+    (o,) = join(sw, 3, TOKEN, 0, ControlInfo(2, POOL + 1, 8), ("w", 1))
     assert o.header.type is MessageType.REFUSED
     reason = o.payload.tobytes().decode()
     assert f"pool of {POOL}" in reason
@@ -655,8 +687,7 @@ def test_job_larger_than_pool_refused(sw):
 
 
 def test_job_larger_than_remaining_pool_refused(sw, job2):
-    (o,) = deliver(sw, control(MessageType.JOIN, 3, TOKEN, 0, ControlInfo(2, POOL - 3, 8)),
-                   ("w", 1))
+    (o,) = join(sw, 3, TOKEN, 0, ControlInfo(2, POOL - 3, 8), ("w", 1))
     assert o.header.type is MessageType.REFUSED
     reason = o.payload.tobytes().decode()
     assert f"largest free range is {POOL - 4} of a pool of {POOL}" in reason
@@ -673,7 +704,7 @@ def test_job_larger_than_remaining_pool_refused(sw, job2):
     (ControlInfo(2, 4, MAX_K + 1), (f"elements_per_packet must be in 1..{MAX_K}, got 65",)),
 ])
 def test_join_with_invalid_geometry_refused(sw, info, fragments):
-    (o,) = deliver(sw, control(MessageType.JOIN, 3, TOKEN, 0, info), ("w", 1))
+    (o,) = join(sw, 3, TOKEN, 0, info, ("w", 1))
     assert o.header.type is MessageType.REFUSED
     reason = o.payload.tobytes().decode()
     assert any(f in reason for f in fragments), reason
@@ -686,9 +717,9 @@ def test_leave_of_all_members_frees_slots(sw):
     assert sw.stats()["slots_in_use"] == POOL
     drain_events(sw)
     # The pool is full now.
-    (o,) = deliver(sw, control(MessageType.JOIN, 12, TOKEN2, 0, ControlInfo(1, 1, 8)), ("x", 1))
+    (o,) = join(sw, 12, TOKEN2, 0, ControlInfo(1, 1, 8), ("x", 1))
     assert o.header.type is MessageType.REFUSED
-    (o,) = deliver(sw, control(MessageType.LEAVE, 11, TOKEN, 0), job.addrs[0])
+    (o,) = leave(sw, 11, TOKEN, 0, job.addrs[0], job.cookies[0])
     assert o.header.type is MessageType.LEFT and o.addr == job.addrs[0]
     assert (o.header.job, o.header.rank) == (11, 0)
     assert sw.stats()["jobs"] == 1  # rank 1 is still there
@@ -697,7 +728,7 @@ def test_leave_of_all_members_frees_slots(sw):
     (echo,) = job.send(0, [1])
     assert echo.header.type is MessageType.UNKNOWN_JOB and echo.addr == job.addrs[0]
     assert sw.drops == {"refused": 1, "not_joined": 1}
-    (o,) = deliver(sw, control(MessageType.LEAVE, 11, TOKEN, 1), job.addrs[1])
+    (o,) = leave(sw, 11, TOKEN, 1, job.addrs[1], job.cookies[1])
     assert o.header.type is MessageType.LEFT
     st_ = sw.stats()
     assert st_["jobs"] == 0 and st_["slots_in_use"] == 0 and st_["memory_bytes"] == 0
@@ -713,18 +744,18 @@ def test_leave_of_all_members_frees_slots(sw):
 
 
 def test_leave_with_wrong_token_or_address_keeps_job(sw, job2):
-    assert deliver(sw, control(MessageType.LEAVE, 7, TOKEN ^ 1, 0), job2.addrs[0]) == []
+    assert leave(sw, 7, TOKEN ^ 1, 0, job2.addrs[0], job2.cookies[0]) == []
     assert sw.drops == {"bad_token": 1}
     # Right token, wrong address: acknowledged but the member stays.
     for rank in (0, 1):
-        (o,) = deliver(sw, control(MessageType.LEAVE, 7, TOKEN, rank), ("evil", 1))
+        (o,) = leave(sw, 7, TOKEN, rank, ("evil", 1), job2.cookies[rank])
         assert o.header.type is MessageType.LEFT
     assert sw.stats()["jobs"] == 1
     assert_result_to_all(job2, job2.round([[1], [2]]), [3], seq=0, chunk=0)
 
 
 def test_leave_of_unknown_job_is_acknowledged(sw):
-    (o,) = deliver(sw, control(MessageType.LEAVE, 99, TOKEN, 0), ("w", 1))
+    (o,) = leave(sw, 99, TOKEN, 0, ("w", 1))
     assert o.header.type is MessageType.LEFT
     assert sw.drops == {}
 
@@ -759,7 +790,7 @@ def test_two_jobs_get_disjoint_slot_ranges(sw):
 def test_freed_range_is_reused_first_fit(sw):
     a = join_job(sw, 1, TOKEN, 1, window=10, k=8, host="a")
     b = join_job(sw, 2, TOKEN, 1, window=10, k=8, host="b")
-    deliver(sw, control(MessageType.LEAVE, 1, TOKEN, 0), a.addrs[0])
+    leave(sw, 1, TOKEN, 0, a.addrs[0], a.cookies[0])
     c = join_job(sw, 3, TOKEN, 1, window=4, k=8, host="c")
     assert (a.slot_base, b.slot_base, c.slot_base) == (0, 10, 0)
     assert sw.stats()["slots_in_use"] == 14
@@ -847,7 +878,7 @@ def _victim_switch() -> tuple[SwitchDataplane, Job]:
     victim = join_job(sw, VICTIM_JOB, VICTIM_TOKEN, 2, window=2, k=4, host="v")
     info = ControlInfo(2, 2, 4)
     for rank, addr in enumerate((ATTACKER, ACCOMPLICE)):
-        (o,) = deliver(sw, control(MessageType.JOIN, NOISY_JOB, NOISY_TOKEN, rank, info), addr)
+        (o,) = join(sw, NOISY_JOB, NOISY_TOKEN, rank, info, addr)
         assert o.header.type is MessageType.JOINED
     return sw, victim
 
@@ -958,9 +989,11 @@ def hostile_traffic(draw):
     elif kind == "control":
         info = ControlInfo(draw(st.integers(0, 70)), draw(st.one_of(st.integers(0, 40), _u32)),
                            draw(st.one_of(st.integers(0, 70), _u32)), draw(_u32))
-        payload = pack_control_info(info)
-        h = Header(mtype, job_id, rank=h.rank, token=token, count=16 // itemsize, elem=elem,
-                   flags=h.flags)
+        # A JOIN-sized payload: asking for a challenge (zero cookie), or with a forged one.
+        cookie = draw(st.one_of(st.just(bytes(24)), st.binary(min_size=24, max_size=24)))
+        payload = pack_control_info(info) + cookie + draw(st.binary(min_size=32, max_size=32))
+        h = Header(mtype, job_id, rank=h.rank, token=token, count=len(payload) // itemsize,
+                   elem=elem, flags=h.flags)
     else:
         payload = draw(st.binary(max_size=400))
     traffic = [(pack_header(h) + payload, addr)]
@@ -991,7 +1024,7 @@ def test_property_valid_headers_never_raise_and_victim_stays_correct(traffic):
     st_ = sw.stats()
     assert sw.jobs[VICTIM_JOB] == ControlInfo(2, 2, 4, victim.slot_base)
     assert st_["elements_aggregated"][VICTIM_JOB] == 4 * len(traffic)
-    assert st_["packets_in"] == 4 + 2 * len(traffic) + hostile_count
+    assert st_["packets_in"] == 8 + 2 * len(traffic) + hostile_count  # 4 JOIN handshakes
     assert total_drops(sw) <= hostile_count
 
 

@@ -123,7 +123,7 @@ def test_message_types_are_the_documented_numbers():
     assert {t.name: int(t) for t in MessageType} == {
         "REQUEST": 1, "RESULT": 2, "WAITING": 3, "UNKNOWN_JOB": 4, "MISMATCH": 5, "NACK": 6,
         "JOIN": 18,
-        "JOINED": 19, "LEAVE": 20, "LEFT": 21, "KEEPALIVE": 22, "REFUSED": 31,
+        "JOINED": 19, "LEAVE": 20, "LEFT": 21, "KEEPALIVE": 22, "CHALLENGE": 23, "REFUSED": 31,
     }
     assert {int(f) for f in (Flags.NONFINITE, Flags.HAS_DATA, Flags.HAS_EXP, Flags.RESENT)} == {
         1, 2, 4, 8}
@@ -213,7 +213,7 @@ def test_bad_version(version):
     assert _reason(_raw(version=version)) == "bad_version"
 
 
-@pytest.mark.parametrize("mtype", [0, 7, 15, 16, 17, 23, 30, 32, 255])
+@pytest.mark.parametrize("mtype", [0, 7, 15, 16, 17, 24, 30, 32, 255])
 def test_bad_type(mtype):
     assert _reason(_raw(mtype=mtype)) == "bad_type"
 
@@ -283,6 +283,35 @@ def test_control_info_inside_a_datagram():
     data = pack_header(h) + pack_control_info(info)
     got = unpack_header(data)
     assert unpack_control_info(unpack_payload(data, got)) == info
+
+
+def test_join_joined_challenge_and_leave_golden_bytes():
+    """The control payloads byte by byte, as docs/protocol.md's table gives them."""
+    info = ControlInfo(4, 16, 358)
+    cookie, proof = bytes(range(24)), bytes(range(100, 132))
+    join = wire.pack_join(job=5, token=0x1122, rank=3, seq=7, info=info, cookie=cookie,
+                          proof=proof)
+    assert len(join) == 112
+    assert join[40:] == struct.pack("<IIII", 4, 16, 358, 0) + cookie + proof
+    h = unpack_header(join)
+    assert (h.type, h.job, h.rank, h.token, h.seq, h.count) == (MessageType.JOIN, 5, 3, 0x1122,
+                                                                  7, 72)
+    assert wire.unpack_join(unpack_payload(join, h)) == (info, cookie, proof)
+    hello = wire.pack_join(job=5, token=0x1122, rank=3, info=info)
+    assert hello[40 + 16:] == bytes(56)  # no cookie, no proof: asks for a challenge
+    challenge = wire.pack_challenge(job=5, token=0x1122, rank=3, shard=2, cookie=cookie)
+    assert len(challenge) == 64 < len(hello)  # never amplifies a spoofed JOIN
+    assert challenge[24:28] == (2).to_bytes(4, "little") and challenge[40:] == cookie
+    joined = wire.pack_joined(job=5, token=0x1122, rank=3, shard=0,
+                              info=ControlInfo(4, 16, 358, 64), cookie=cookie)
+    assert joined[40:] == struct.pack("<IIII", 4, 16, 358, 64) + cookie
+    leave = wire.pack_leave(job=5, token=0x1122, rank=3, proof=proof)
+    assert leave[40:] == proof and unpack_header(leave).count == 32
+    for raw, unpack in ((join[40:-1], wire.unpack_join), (joined[40:] + b"x", wire.unpack_joined),
+                        (cookie[1:], wire.unpack_challenge), (b"", wire.unpack_leave)):
+        with pytest.raises(WireError) as e:
+            unpack(raw)
+        assert e.value.reason == "bad_control"
 
 
 @pytest.mark.parametrize("size", [0, 15, 17, 32])

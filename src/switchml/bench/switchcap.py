@@ -47,21 +47,23 @@ import numpy as np
 
 from switchml.bench.switchproc import SwitchProcess
 from switchml.protocol.address import format_address
+from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
     MAX_ELEMENTS_PER_PACKET,
+    NO_COOKIE,
     ControlInfo,
     ElementType,
     Flags,
     Header,
     MessageType,
     operation_digest,
-    pack_control_info,
     pack_header,
-    unpack_control_info,
+    pack_leave,
     unpack_header,
+    unpack_joined,
 )
 from switchml.transport.batching import (
     MAX_GSO_BYTES,
@@ -351,25 +353,27 @@ class _Generator:
         self.send_blocked = 0
         self.recv_calls = 0
         self.joins_sent = 0
+        self.cookies = [NO_COOKIE] * len(self.socks)  # each socket's JOINED cookie (LEAVE)
         self.control_replies: dict[str, int] = {}
-        """Late answers to JOIN retries (JOINED) and to LEAVE: expected, not anomalies."""
+        """Late answers to JOIN retries (CHALLENGE, JOINED) and to LEAVE: not anomalies."""
         self.send_calls = 0
 
     # -- control ---------------------------------------------------------------------------
 
     def join(self, timeout_s: float = 15.0) -> None:
-        """JOIN every rank on every shard (rank 0 first: it creates the job); raise on
-        REFUSED or silence, naming the shard."""
+        """JOIN every rank on every shard (rank 0 first: it creates the job), answering the
+        switch's challenge as a worker does (open switch: no secret); raise on REFUSED or
+        silence, naming the shard."""
         cfg = self.cfg
-        info = pack_control_info(ControlInfo(cfg.workers, cfg.window, cfg.elements_per_packet))
+        info = ControlInfo(cfg.workers, cfg.window, cfg.elements_per_packet)
+        key = job_key(None, self.job_id, self.token)
         deadline = time.monotonic() + timeout_s
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
         for j, sock in enumerate(self.socks):
             rank, where = self.rank_of[j], self._where(j)
-            join = pack_header(Header(MessageType.JOIN, self.job_id, rank=rank,
-                                      token=self.token, count=len(info),
-                                      elem=ElementType.BYTES)) + info
+            fields = dict(job=self.job_id, token=self.token, rank=rank, seq=0, info=info)
+            join = join_datagram(key, **fields)
             granted = None
             wait = 0.25
             while granted is None:
@@ -392,8 +396,19 @@ class _Generator:
                 if h.type is MessageType.REFUSED:
                     raise RuntimeError(f"{where} refused rank {rank}: "
                                        f"{body.decode(errors='replace')}")
+                if h.job != self.job_id:
+                    continue
+                if h.type is MessageType.CHALLENGE and len(body) == len(NO_COOKIE):
+                    sock.send(join_datagram(key, cookie=body, **fields))
+                    self.joins_sent += 1
+                    try:
+                        nbytes, _seg, _addr, _trunc = receive_segments(sock, buf, view)
+                        h = unpack_header(view[:nbytes])
+                    except Exception:  # noqa: BLE001 - lost or not ours; JOIN again
+                        continue
+                    body = bytes(view[HEADER_SIZE:nbytes])
                 if h.type is MessageType.JOINED and h.job == self.job_id:
-                    granted = unpack_control_info(body)
+                    granted, self.cookies[j] = unpack_joined(body)
             self.slot_base[j] = granted.slot_base
             sock.setblocking(False)
         self._build()
@@ -407,8 +422,11 @@ class _Generator:
     def leave(self) -> None:
         for j, sock in enumerate(self.socks):
             try:
-                sock.send(pack_header(Header(MessageType.LEAVE, self.job_id,
-                                             rank=self.rank_of[j], token=self.token)))
+                proof = leave_proof(job_key(None, self.job_id, self.token), job=self.job_id,
+                                    token=self.token, rank=self.rank_of[j],
+                                    cookie=self.cookies[j])
+                sock.send(pack_leave(job=self.job_id, token=self.token, rank=self.rank_of[j],
+                                     proof=proof))
             except OSError:
                 pass
 
@@ -568,7 +586,7 @@ class _Generator:
             name = unpack_header(view).type.name.lower()
         except Exception:  # noqa: BLE001
             name = "malformed"
-        if name in ("joined", "left"):
+        if name in ("joined", "left", "challenge"):
             self.control_replies[name] = self.control_replies.get(name, 0) + 1
         else:
             self.unexpected[name] = self.unexpected.get(name, 0) + 1

@@ -36,8 +36,14 @@ class SwitchConfig:
     """A job that sends nothing for this long loses its slots (its workers died without
     leaving). Idle workers keep their lease with KEEPALIVE messages (``WorkerConfig``)."""
     secret: bytes | None = None
-    """If set, creating a job needs a JOIN proven with this secret (HMAC-SHA256); joining an
-    existing job needs only its token. Required when the switch listens beyond loopback."""
+    """The root of every job key (``auth.job_key``): a JOIN or LEAVE counts only with a proof
+    under the key this secret and the job's id and token give, so nobody without it creates,
+    joins or leaves a job. None: an open switch (the empty secret), which authenticates only
+    against those who never saw a job's token. Required when the switch listens beyond
+    loopback."""
+    join_challenge_s: float = 5.0
+    """How long a JOIN challenge's cookie stays good (a JOIN's round trip, with margin). A
+    JOIN captured and replayed later than this changes nothing. Default 5 s."""
     nack_gap: int = 4
     """Switch-driven loss recovery: when a rank's chunk ``p + nack_gap`` arrives and its chunk
     ``p`` has not (its request was lost, or the result that releases it), the switch sends
@@ -68,6 +74,8 @@ class SwitchConfig:
                f"{self.shard_count}")
         _check(self.lease_timeout_s > 0, f"lease_timeout_s must be > 0, got "
                f"{self.lease_timeout_s}")
+        _check(self.join_challenge_s > 0, f"join_challenge_s must be > 0, got "
+               f"{self.join_challenge_s}")
         _check(self.secret is None or len(self.secret) >= 16,
                "secret must be at least 16 bytes (use a random one)")
         _check(self.pool_slots >= 1, f"pool_slots must be >= 1, got {self.pool_slots}")
@@ -172,7 +180,8 @@ class WorkerConfig:
     """How often one operation may be restarted after the switch lost the job (a switch restart
     or an expired lease) before it fails. 0 disables transparent restarts."""
     secret: bytes | None = None
-    """The switch's secret, needed to create a job on a switch that has one."""
+    """The switch's secret (``SwitchConfig.secret``): the job key that proves this rank's
+    JOIN and LEAVE is derived from it (``auth.job_key``). None for an open switch."""
     fast_retransmit: bool = False
     """Re-send a chunk as soon as a chunk sent later has its result (RACK, RFC 8985), instead of
     waiting for its timeout; the reorder window widens when a re-send proves spurious (a

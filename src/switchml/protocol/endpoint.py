@@ -26,14 +26,14 @@ next receive call: a driver that keeps them longer copies them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from switchml.protocol.address import Address
 
-__all__ = ["Datagram", "Endpoint", "deliver_datagrams", "flatten_runs"]
+__all__ = ["Datagram", "Endpoint", "deliver_datagrams", "exchange", "flatten_runs"]
 
 Datagram = bytes | bytearray | memoryview
 """What an endpoint takes and returns: bytes, or a view of a buffer."""
@@ -92,3 +92,25 @@ def deliver_datagrams(ep: Endpoint, batch: Sequence[tuple[Address, Datagram]],
             addrs.append(src)
         senders[i] = j
     ep.receive_many(buf, starts, lens, senders, len(batch), addrs.__getitem__, now)
+
+
+def exchange(endpoints: Mapping[Address, Endpoint], now: float, *, max_rounds: int = 1000
+             ) -> int:
+    """Deliver what ``endpoints`` (by address) send one another, at one instant with no loss,
+    until nothing moves (or ``max_rounds``): e.g. a worker's JOIN, the switch's CHALLENGE,
+    the proven JOIN and JOINED. Datagrams to an address not in ``endpoints`` are dropped.
+    Returns how many were delivered. For warm-ups, tools and tests; the in-memory fabric
+    (``transport/memory.py``) adds delay, loss and timers."""
+    delivered = 0
+    for _ in range(max_rounds):
+        moved = 0
+        for src, ep in endpoints.items():
+            for data, dst in ep.datagrams_to_send(now):
+                peer = endpoints.get(dst)
+                if peer is not None:
+                    peer.receive_datagram(bytes(data), src, now)
+                    moved += 1
+        delivered += moved
+        if not moved:
+            break
+    return delivered

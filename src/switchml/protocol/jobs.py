@@ -107,9 +107,14 @@ class Job:
     nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
+    key: bytes = b""  # the job key (auth.job_key): JOIN and LEAVE proofs verify under it
+    cookies: list[bytes | None] = field(default_factory=list)  # each member's JOIN cookie
+    left_at: list[float] = field(default_factory=list)  # when each rank last left (LEAVE)
 
     def __post_init__(self) -> None:
         w = self.window
+        self.cookies = [None] * self.num_workers
+        self.left_at = [float("-inf")] * self.num_workers
         self.all_ranks = (1 << self.num_workers) - 1
         nwords = (self.num_workers + 63) // 64
         jobv = np.zeros(K.J_FIELDS, np.int64)

@@ -51,6 +51,8 @@ class WorkerInput(Enum):
     """User: start an all-reduce."""
     CLOSE = "close"
     """User: leave the job."""
+    CHALLENGED = "be challenged"
+    """Switch: CHALLENGE, the cookie a JOIN must be proven with (answered in place)."""
     JOINED = "be granted the job"
     """Switch: JOINED, from every shard, with the job's geometry."""
     JOIN_FAILED = "fail to join"
@@ -68,6 +70,7 @@ class WorkerInput(Enum):
 _S, _I = WorkerState, WorkerInput
 TRANSITIONS: dict[tuple[WorkerState, WorkerInput], WorkerState] = {
     (_S.NEW, _I.JOIN): _S.JOINING,
+    (_S.JOINING, _I.CHALLENGED): _S.JOINING,  # answered with the proven JOIN
     (_S.JOINING, _I.JOINED): _S.READY,
     (_S.JOINING, _I.JOIN_FAILED): _S.ERROR,
     (_S.READY, _I.START): _S.BUSY,
@@ -75,6 +78,7 @@ TRANSITIONS: dict[tuple[WorkerState, WorkerInput], WorkerState] = {
     (_S.BUSY, _I.COMPLETE): _S.READY,
     (_S.BUSY, _I.FAIL): _S.ERROR,
     (_S.BUSY, _I.SWITCH_LOST_JOB): _S.REJOINING,
+    (_S.REJOINING, _I.CHALLENGED): _S.REJOINING,
     (_S.REJOINING, _I.JOINED): _S.BUSY,  # the operation restarts from its input
     (_S.REJOINING, _I.JOIN_FAILED): _S.ERROR,  # reported as the operation's failure
     (_S.REJOINING, _I.FAIL): _S.ERROR,

@@ -43,6 +43,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
+from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import flatten_runs
 from switchml.protocol.errors import WireError
@@ -54,6 +55,7 @@ from switchml.protocol.wire import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    NO_COOKIE,
     VERSION,
     ChunkShape,
     ControlInfo,
@@ -61,12 +63,13 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
-    join_proof,
-    pack_control_info,
+    pack_challenge,
     pack_header,
+    pack_joined,
     pack_mismatch,
     unpack_header,
     unpack_join,
+    unpack_leave,
     unpack_payload,
 )
 
@@ -126,6 +129,10 @@ class SwitchDataplane:
         self.mismatch_sent = 0
         self.nacks_sent = 0
         self.nacks_needless = 0
+        self.challenges_sent = 0
+        self.challenges = Challenges(self.config.join_challenge_s)
+        """JOIN cookies (``auth.Challenges``): random per switch."""
+        self._removed: dict[int, float] = {}  # job -> when it went, for a cookie's lifetime
         self._now = 0.0
         self._handlers = {
             MessageType.JOIN: self._handle_join,
@@ -288,6 +295,7 @@ class SwitchDataplane:
 
     def handle_timer(self, now: float) -> None:
         """Expire the leases of jobs that have been silent for ``lease_timeout_s``."""
+        self._now = now
         lease = self.config.lease_timeout_s
         for job in [j for j in self._jobs.values() if j.last_seen + lease <= now]:
             self.remove_job(job.job_id, f"lease expired after {lease:g} s of silence")
@@ -424,6 +432,7 @@ class SwitchDataplane:
             "mismatch_sent": self.mismatch_sent,
             "nacks_sent": self.nacks_sent,
             "nacks_needless": self.nacks_needless,
+            "challenges_sent": self.challenges_sent,
             "rounds_abandoned": self.rounds_abandoned,
             "drops": dict(self.drops),
             "jobs": len(self._jobs),
@@ -447,31 +456,58 @@ class SwitchDataplane:
                      now: float) -> None:
         """JOIN creates the job on first use (same token and geometry for every rank after),
         refreshes its lease (as KEEPALIVE does for idle workers), and carries in ``seq`` the
-        first operation of the worker's epoch (raised after a switch restart)."""
+        first operation of the worker's epoch (raised after a switch restart).
+
+        A JOIN without a cookie is answered with a CHALLENGE and changes nothing. A JOIN with
+        one counts only if the cookie was made here, for this source address, a moment ago
+        (else ``bad_cookie`` or ``stale_cookie``), and its proof verifies under the job key
+        (else ``bad_proof``): a captured JOIN replayed from elsewhere, or later, changes
+        nothing (``protocol/auth.py``)."""
         try:
-            asked, proof = unpack_join(unpack_payload(data, h))
+            asked, cookie, proof = unpack_join(unpack_payload(data, h))
         except WireError as exc:
             self._drops[exc.reason] += 1
             return
         job = self._jobs.get(h.job)
+        if job is not None and h.token != job.token:
+            self._drops["bad_token"] += 1
+            return
+        if cookie == NO_COOKIE:
+            self._challenge(h, addr, now)
+            return
+        problem = self.challenges.check(cookie, now, addr, h.job, h.rank)
+        if problem is not None:
+            self._drops[problem] += 1
+            if problem == "stale_cookie":  # a slow worker asks again; a replay gets nowhere
+                self._challenge(h, addr, now)
+            return
+        ended = job.left_at[h.rank] if job is not None and h.rank < job.num_workers else (
+            self._removed.get(h.job) if job is None else None)
+        if ended is not None and self.challenges.issued_at(cookie) <= ended:
+            # Proven, but asked for before this rank left (or the job ended): a JOIN replayed
+            # from the member's own address within the cookie's lifetime.
+            self._drops["spent_cookie"] += 1
+            return
+        key = job.key if job is not None else job_key(self.config.secret, h.job, h.token)
+        if not hmac.compare_digest(proof, join_proof(key, job=h.job, token=h.token,
+                                                     rank=h.rank, seq=h.seq, info=asked,
+                                                     cookie=cookie)):
+            self._drops["bad_proof"] += 1
+            self._refuse(h, addr, "the JOIN's proof does not verify: "
+                         + ("the worker's secret (SWITCHML_SECRET) is not this switch's"
+                            if self.config.secret is not None else
+                            "this switch has no secret, but the worker used one "
+                            "(unset SWITCHML_SECRET)"))
+            return
         if job is None:
             if h.rank >= asked.num_workers:  # refuse before allocating anything
                 self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of "
                              f"{asked.num_workers}")
                 return
-            secret = self.config.secret
-            if secret is not None and not hmac.compare_digest(
-                    proof, join_proof(secret, h.job, h.token, asked)):
-                self._drops["bad_secret"] += 1
-                self._refuse(h, addr, "creating a job on this switch needs its secret "
-                             "(SWITCHML_SECRET)")
-                return
             job = self._create_job(h, asked, addr)
             if job is None:
                 return
-        elif h.token != job.token:
-            self._drops["bad_token"] += 1
-            return
+            job.key = key
         elif (asked.num_workers, asked.window, asked.elements_per_packet) != (
                 job.num_workers, job.window, job.elements_per_packet):
             self._refuse(h, addr, f"job {h.job} exists with n={job.num_workers} "
@@ -490,13 +526,21 @@ class SwitchDataplane:
                              "cannot take over its state: start a new job")
                 return
             job.members[h.rank] = addr
+            job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
         if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
         job.last_seen = now
-        reply = Header(MessageType.JOINED, h.job, rank=h.rank, token=h.token, count=16,
-                       elem=ElementType.BYTES, chunk=self.config.shard_index)
-        self._out.append((pack_header(reply) + pack_control_info(job.info), addr))
+        self._out.append((pack_joined(job=h.job, token=h.token, rank=h.rank,
+                                      shard=self.config.shard_index, info=job.info,
+                                      cookie=job.cookies[h.rank]), addr))
+
+    def _challenge(self, h: Header, addr: Address, now: float) -> None:
+        """Answer a JOIN with a cookie for its source address (no state is kept)."""
+        self.challenges_sent += 1
+        cookie = self.challenges.issue(now, addr, h.job, h.rank)
+        self._out.append((pack_challenge(job=h.job, token=h.token, rank=h.rank,
+                                         shard=self.config.shard_index, cookie=cookie), addr))
 
     def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:
         cfg = self.config
@@ -537,17 +581,33 @@ class SwitchDataplane:
 
     def _handle_leave(self, h: Header, data: bytes | bytearray | memoryview,
                       addr: Address, now: float) -> None:
-        """A member leaves; the job and its slots go when the last joined member has left."""
+        """A member leaves, if its LEAVE comes from its address and proves the cookie its
+        membership began with (else ``bad_leave``, and nothing changes); the job and its
+        slots go when the last member has left. A LEAVE from a non-member (a retry whose LEFT
+        was lost, or a stranger) is answered and changes nothing."""
+        try:
+            proof = unpack_leave(unpack_payload(data, h))
+        except WireError as exc:
+            self._drops[exc.reason] += 1
+            return
         job = self._jobs.get(h.job)
         if job is not None:
             if h.token != job.token:
                 self._drops["bad_token"] += 1
                 return
             if h.rank < job.num_workers and job.members[h.rank] == addr:
+                cookie = job.cookies[h.rank]
+                if cookie is None or not hmac.compare_digest(proof, leave_proof(
+                        job.key, job=h.job, token=h.token, rank=h.rank, cookie=cookie)):
+                    self._drops["bad_leave"] += 1
+                    return
                 job.members[h.rank] = None
+                job.cookies[h.rank] = None
+                job.left_at[h.rank] = now  # JOINs challenged before now are spent
             if all(m is None for m in job.members):
                 self.remove_job(h.job, "left")
-        reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token)
+        reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token,
+                       chunk=self.config.shard_index)
         self._out.append((pack_header(reply), addr))
 
     def _handle_keepalive(self, h: Header, data: bytes | bytearray | memoryview,
@@ -583,6 +643,11 @@ class SwitchDataplane:
             return False
         job.npend = 0  # results not yet sent go nowhere
         self.allocator.release(job.slot_base, job.window)
+        # JOINs challenged before now must not bring the job back (a replay within a
+        # cookie's lifetime); remembered for that lifetime only.
+        horizon = self._now - self.challenges.lifetime_s
+        self._removed = {j: t for j, t in self._removed.items() if t >= horizon}
+        self._removed[job_id] = self._now
         self._events.append(JobRemoved(job_id, reason))
         return True
 

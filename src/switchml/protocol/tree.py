@@ -50,6 +50,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
+from switchml.protocol.auth import job_key, join_datagram
 from switchml.protocol.config import JobSpec, SwitchConfig
 from switchml.protocol.endpoint import flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
@@ -59,13 +60,14 @@ from switchml.protocol.kernels import relay as KR
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     HEADER,
+    NO_COOKIE,
     ControlInfo,
     Flags,
     Header,
     MessageType,
-    pack_join,
-    unpack_control_info,
+    unpack_challenge,
     unpack_header,
+    unpack_joined,
     unpack_payload,
 )
 
@@ -98,7 +100,8 @@ class TreeConfig:
     join_retry_s: float = 0.2
     """JOIN to the parent is re-sent after this long while unanswered. Default 0.2 s."""
     secret: bytes | None = None
-    """The parent switch's secret, needed to create the parent job on a switch that has one."""
+    """The parent switch's secret: the rack proves its JOIN of the parent job with the job key
+    derived from it (``auth.job_key``). None for an open parent switch."""
 
     def __post_init__(self) -> None:
         if not 0 < self.rto_s <= self.max_rto_s:
@@ -176,6 +179,7 @@ class RackAggregator:
         self.rack = rack
         self.parent_address = parent_address
         self.config = config or TreeConfig()
+        self._key = job_key(self.config.secret, parent_spec.job_id, parent_spec.token)
         self.switch = SwitchDataplane(switch_config)
         self.switch.on_completed = self._relay_up
         self.switch.relayed_jobs.add(child_spec.job_id)
@@ -196,6 +200,7 @@ class RackAggregator:
                           "resends_dropped": 0, "parent_nacks": 0}
         self._handlers = {MessageType.RESULT: self._handle_stray_result,
                           MessageType.JOINED: self._handle_joined,
+                          MessageType.CHALLENGE: self._handle_challenge,
                           MessageType.REFUSED: self._handle_refused,
                           MessageType.WAITING: self._handle_waiting,
                           MessageType.NACK: self._handle_nack,
@@ -487,12 +492,22 @@ class RackAggregator:
             if self._ust[KR.U.STATE, v, lane] == KR.SENT:
                 self._resend(v, lane)
 
+    def _handle_challenge(self, h: Header, data: bytes | bytearray | memoryview,
+                          now: float) -> None:
+        if self._join_at is None or h.rank != self.rack:
+            return
+        try:
+            cookie = unpack_challenge(unpack_payload(data, h))
+        except WireError:
+            return
+        self._send_join(now, cookie)
+
     def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview,
                        now: float) -> None:
         if self._join_at is None:
             return
         try:
-            info = unpack_control_info(unpack_payload(data, h))
+            info, _cookie = unpack_joined(unpack_payload(data, h))
         except WireError:
             return
         self._join_at = None
@@ -522,12 +537,14 @@ class RackAggregator:
         self._fail(f"rack {self.rack}: the parent switch at {self._parent_text} reports that "
                    f"the racks disagree about chunk {h.chunk} of operation {h.seq}")
 
-    def _send_join(self, now: float) -> None:
+    def _send_join(self, now: float, cookie: bytes = NO_COOKIE) -> None:
+        """JOIN the parent (asking for a challenge), or answer its challenge with ``cookie``;
+        either way retried after ``join_retry_s`` until JOINED."""
         p = self.parent_spec
-        self._out.append((pack_join(job=p.job_id, token=p.token, rank=self.rack,
-                                    secret=self.config.secret,
-                                    info=ControlInfo(p.num_workers, p.window,
-                                                     p.elements_per_packet)),
+        self._out.append((join_datagram(self._key, job=p.job_id, token=p.token, rank=self.rack,
+                                        seq=0, cookie=cookie,
+                                        info=ControlInfo(p.num_workers, p.window,
+                                                         p.elements_per_packet)),
                           self.parent_address))
         self._join_at = now + self.config.join_retry_s
 

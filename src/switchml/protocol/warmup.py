@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from switchml.protocol.config import JobSpec
+from switchml.protocol.endpoint import exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
@@ -60,20 +61,6 @@ def clear_stale_cache() -> bool:
     return clear_stale(KERNEL_SOURCES, _KERNELS / "__pycache__")
 
 
-def _pump(sw: SwitchDataplane, w: WorkerEndpoint, addr: tuple[str, int], sw_addr: tuple[str, int],
-          now: float) -> None:
-    for _ in range(1000):
-        moved = False
-        for data, _dst in w.datagrams_to_send(now):
-            sw.receive_datagram(bytes(data), addr, now)
-            moved = True
-        for data, _dst in sw.datagrams_to_send(now):
-            w.receive_datagram(bytes(data), sw_addr, now)
-            moved = True
-        if not moved:
-            return
-
-
 def warm_up() -> None:
     """Run one tiny operation of every kind through a switch and a worker, in memory (after
     clearing a stale cache)."""
@@ -82,8 +69,9 @@ def warm_up() -> None:
     sw = SwitchDataplane()
     spec = JobSpec(job_id=1, token=2, num_workers=1, window=2, elements_per_packet=4)
     w = WorkerEndpoint(spec=spec, rank=0, switch_address=sw_addr)
+    eps = {addr: w, sw_addr: sw}
     w.join(0.0)
-    _pump(sw, w, addr, sw_addr, 0.0)
+    exchange(eps, 0.0)
     for dtype, bits, residual in ((np.float32, 32, False), (np.float64, 32, False),
                                   (np.int32, 32, False), (np.float16, 32, False),
                                   (np.float32, 16, True), (np.float64, 16, True),
@@ -92,7 +80,7 @@ def warm_up() -> None:
         out = np.empty_like(x)
         res = np.empty(x.size, dtype) if residual else None
         w.start_allreduce(x, out, 0.0, bits=bits, residual=res)
-        _pump(sw, w, addr, sw_addr, 0.0)
+        exchange(eps, 0.0)
         while (ev := w.next_event()) is not None:
             if isinstance(ev, OperationCompleted):
                 break

@@ -12,8 +12,6 @@ element type, or whose length disagrees with its element count raises :class:`Wi
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 import zlib
 from dataclasses import dataclass
@@ -41,15 +39,22 @@ __all__ = [
     "Header",
     "MessageType",
     "Mismatch",
-    "join_proof",
+    "COOKIE_SIZE",
+    "NO_COOKIE",
+    "pack_challenge",
     "pack_control_info",
     "pack_header",
     "pack_join",
+    "pack_joined",
+    "pack_leave",
     "operation_digest",
     "pack_mismatch",
+    "unpack_challenge",
     "unpack_control_info",
     "unpack_header",
     "unpack_join",
+    "unpack_joined",
+    "unpack_leave",
     "unpack_mismatch",
     "unpack_payload",
     "elements_for_mtu",
@@ -106,15 +111,22 @@ class MessageType(IntEnum):
     re-sends what it has outstanding on that lane now (the chunk, or the one whose result
     releases it) instead of waiting for its timeout."""
     JOIN = 18
-    """Worker -> switch: rank joins job (creating it if unknown); ControlInfo payload, plus a
-    proof of the switch's secret where it has one; ``seq`` = first operation of the epoch."""
+    """Worker -> switch: rank joins job (creating it if unknown); ControlInfo, a cookie and a
+    proof (``pack_join``); ``seq`` = first operation of the epoch. With no cookie (zeros) it
+    asks for a CHALLENGE; with one, the proof is checked (``protocol/auth.py``)."""
     JOINED = 19
+    """Switch -> worker: ControlInfo with the granted ``slot_base``, then the cookie the
+    rank's membership began with (a LEAVE proves it)."""
     LEAVE = 20
-    """Worker -> switch: release the job and its slots (any member, with the token)."""
+    """Worker -> switch: a member leaves; payload: its LEAVE proof. The job and its slots go
+    when every member has left."""
     LEFT = 21
     KEEPALIVE = 22
     """Worker -> switch: header only; an idle member renews the job's lease. Never creates a
     job: an unknown job is answered with UNKNOWN_JOB (the switch restarted)."""
+    CHALLENGE = 23
+    """Switch -> worker: answer to a JOIN without a cookie: the cookie (24 bytes) to prove the
+    JOIN with, made for the JOIN's source address and good for a few seconds."""
     REFUSED = 31
     """Switch -> worker: a control request was refused; payload = UTF-8 reason."""
 
@@ -239,8 +251,14 @@ class ControlInfo:
 
 
 _CONTROL = struct.Struct("<IIII")
+COOKIE_SIZE = 24
+"""A JOIN challenge's cookie: issue time (uint64, microseconds) and a 16-byte MAC."""
+NO_COOKIE = bytes(COOKIE_SIZE)
+"""The cookie of a JOIN that asks for a challenge."""
 PROOF_SIZE = 32
-"""JOIN may append an HMAC-SHA256 proof of the switch's secret (needed to create a job)."""
+"""HMAC-SHA256 proofs of JOIN and LEAVE (``protocol/auth.py``)."""
+_JOIN_SIZE = _CONTROL.size + COOKIE_SIZE + PROOF_SIZE
+_JOINED_SIZE = _CONTROL.size + COOKIE_SIZE
 
 
 def pack_control_info(info: ControlInfo) -> bytes:
@@ -255,32 +273,70 @@ def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo
     return ControlInfo(*_CONTROL.unpack(raw))
 
 
-def unpack_join(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, bytes]:
-    """Decode a JOIN payload: ControlInfo, then an optional 32-byte proof (b"" if absent)."""
+def _sized(payload: bytes | memoryview | np.ndarray, size: int, what: str) -> bytes:
     raw = bytes(payload)
-    if len(raw) not in (_CONTROL.size, _CONTROL.size + PROOF_SIZE):
-        raise WireError("bad_control",
-                        f"JOIN payload of {len(raw)} bytes, expected 16 or {16 + PROOF_SIZE}")
-    return ControlInfo(*_CONTROL.unpack(raw[:_CONTROL.size])), raw[_CONTROL.size:]
-
-
-def join_proof(secret: bytes, job: int, token: int, info: ControlInfo) -> bytes:
-    """HMAC-SHA256 over the job's identity and geometry, keyed with the switch's secret."""
-    msg = struct.pack("<IQIII", job, token, info.num_workers, info.window,
-                      info.elements_per_packet)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+    if len(raw) != size:
+        raise WireError("bad_control", f"{what} payload of {len(raw)} bytes, expected {size}")
+    return raw
 
 
 def pack_join(*, job: int, token: int, rank: int, info: ControlInfo, seq: int = 0,
-              secret: bytes | None = None) -> bytes:
+              cookie: bytes = NO_COOKIE, proof: bytes = bytes(PROOF_SIZE)) -> bytes:
     """A JOIN datagram: rank ``rank`` asks for job ``job`` of geometry ``info`` (``seq``: the
-    first operation of its epoch), proven with the switch's ``secret`` where given."""
-    payload = pack_control_info(info)
-    if secret is not None:
-        payload += join_proof(secret, job, token, info)
+    first operation of its epoch). Without a cookie it asks for a challenge; with the
+    switch's cookie it carries ``auth.join_proof``. Always 112 bytes, so that the CHALLENGE
+    it may draw (64) is smaller: the switch never amplifies a spoofed JOIN."""
+    payload = pack_control_info(info) + cookie + proof
+    if len(payload) != _JOIN_SIZE:
+        raise ValueError(f"cookie must be {COOKIE_SIZE} bytes and proof {PROOF_SIZE}")
     return pack_header(Header(MessageType.JOIN, job, rank=rank, token=token, seq=seq,
                               count=len(payload), elem=ElementType.BYTES)) + payload
 
+
+def unpack_join(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, bytes, bytes]:
+    """Decode a JOIN payload: (ControlInfo, cookie, proof); WireError(``bad_control``)."""
+    raw = _sized(payload, _JOIN_SIZE, "JOIN")
+    c = _CONTROL.size
+    return ControlInfo(*_CONTROL.unpack(raw[:c])), raw[c:c + COOKIE_SIZE], raw[c + COOKIE_SIZE:]
+
+
+def pack_joined(*, job: int, token: int, rank: int, shard: int, info: ControlInfo,
+                cookie: bytes) -> bytes:
+    """A JOINED datagram: the granted geometry and the rank's membership cookie (header
+    ``chunk``: the index of the shard that answers)."""
+    payload = pack_control_info(info) + cookie
+    return pack_header(Header(MessageType.JOINED, job, rank=rank, token=token, chunk=shard,
+                              count=len(payload), elem=ElementType.BYTES)) + payload
+
+
+def pack_challenge(*, job: int, token: int, rank: int, shard: int, cookie: bytes) -> bytes:
+    """A CHALLENGE datagram (header ``chunk``: the shard index), 64 bytes."""
+    return pack_header(Header(MessageType.CHALLENGE, job, rank=rank, token=token, chunk=shard,
+                              count=COOKIE_SIZE, elem=ElementType.BYTES)) + cookie
+
+
+def unpack_challenge(payload: bytes | memoryview | np.ndarray) -> bytes:
+    """Decode a CHALLENGE payload: the cookie; WireError(``bad_control``) on a wrong size."""
+    return _sized(payload, COOKIE_SIZE, "CHALLENGE")
+
+
+def unpack_joined(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, bytes]:
+    """Decode a JOINED payload: (granted ControlInfo, membership cookie)."""
+    raw = _sized(payload, _JOINED_SIZE, "JOINED")
+    return ControlInfo(*_CONTROL.unpack(raw[:_CONTROL.size])), raw[_CONTROL.size:]
+
+
+def pack_leave(*, job: int, token: int, rank: int, proof: bytes) -> bytes:
+    """A LEAVE datagram carrying ``auth.leave_proof``."""
+    if len(proof) != PROOF_SIZE:
+        raise ValueError(f"proof must be {PROOF_SIZE} bytes")
+    return pack_header(Header(MessageType.LEAVE, job, rank=rank, token=token,
+                              count=PROOF_SIZE, elem=ElementType.BYTES)) + proof
+
+
+def unpack_leave(payload: bytes | memoryview | np.ndarray) -> bytes:
+    """Decode a LEAVE payload: its proof; WireError(``bad_control``) on a wrong size."""
+    return _sized(payload, PROOF_SIZE, "LEAVE")
 
 
 def operation_digest(size: int, is_float: bool, bits: int) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_addresses
+from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import LocalProtocolError, WireError
 from switchml.protocol.events import (
@@ -51,15 +52,16 @@ from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_stat
 from switchml.protocol.operation import SUPPORTED_DTYPES, WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
+    NO_COOKIE,
     ControlInfo,
-    ElementType,
     Flags,
     Header,
     MessageType,
     pack_header,
-    pack_join,
-    unpack_control_info,
+    pack_leave,
+    unpack_challenge,
     unpack_header,
+    unpack_joined,
     unpack_mismatch,
     unpack_payload,
 )
@@ -140,7 +142,9 @@ class WorkerEndpoint:
         self._switch_text = format_addresses(shards)  # type: ignore[arg-type]
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
+        self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
         self.config = config or WorkerConfig()
+        self._key = job_key(self.config.secret, spec.job_id, spec.token)
         self.state = WorkerState.NEW
         self.error: str | None = None
         self._seq = 0
@@ -163,6 +167,7 @@ class WorkerEndpoint:
             MessageType.MISMATCH: self._handle_mismatch,
             MessageType.NACK: self._handle_nack,
             MessageType.JOINED: self._handle_joined,
+            MessageType.CHALLENGE: self._handle_challenge,
             MessageType.REFUSED: self._handle_refused,
             MessageType.LEFT: self._handle_left,
             MessageType.UNKNOWN_JOB: self._handle_unknown_job,
@@ -563,11 +568,33 @@ class WorkerEndpoint:
 
     # -- Control -----------------------------------------------------------------------------
 
+    def _handle_challenge(self, h: Header, data: _Data, now: float) -> None:
+        """The switch (shard) asks this JOIN to prove itself: answer with its cookie and the
+        proof under the job key, to the shard that asked (not retried: the next retry of the
+        JOIN draws a new challenge)."""
+        if not can(self.state, WorkerInput.CHALLENGED):
+            self._drops["unexpected_control"] += 1
+            return
+        try:
+            cookie = unpack_challenge(unpack_payload(data, h))
+        except WireError as exc:
+            self._drops[exc.reason] += 1
+            return
+        shard = h.chunk if len(self._shard_bases) > 1 else 0
+        if shard >= len(self._shard_bases) or h.rank != self.rank:
+            self._drops["bad_shard" if h.rank == self.rank else "foreign"] += 1
+            return
+        if self._shard_bases[shard] is not None:
+            self._drops["late_challenge"] += 1  # this shard granted the job already
+            return
+        self._counters["challenges_answered"] += 1
+        self._out.append((self._join_datagram(cookie), self.switch_addresses[shard]))
+
     def _handle_joined(self, h: Header, data: _Data, now: float) -> None:
         if not can(self.state, WorkerInput.JOINED):
             return  # a late answer to a retried or keep-alive JOIN
         try:
-            info = unpack_control_info(unpack_payload(data, h))
+            info, cookie = unpack_joined(unpack_payload(data, h))
         except WireError as exc:
             self._drops[exc.reason] += 1
             return
@@ -581,6 +608,7 @@ class WorkerEndpoint:
             self._drops["bad_shard"] += 1
             return
         self._shard_bases[shard] = info.slot_base
+        self._cookies[shard] = cookie
         if any(b is None for b in self._shard_bases):
             return  # other shards still to answer
         if self.state is WorkerState.REJOINING:
@@ -714,12 +742,17 @@ class WorkerEndpoint:
 
     # -- Sending -----------------------------------------------------------------------------
 
-    def _send_join(self, now: float) -> None:
+    def _join_datagram(self, cookie: bytes = NO_COOKIE) -> bytes:
+        """JOIN of this rank on the current epoch: without a cookie, a request for a
+        challenge; with one, proven with the job key."""
         spec = self.spec
-        datagram = pack_join(job=spec.job_id, token=spec.token, rank=self.rank,
-                             seq=self._epoch_seq, secret=self.config.secret,
+        return join_datagram(self._key, job=spec.job_id, token=spec.token, rank=self.rank,
+                             seq=self._epoch_seq, cookie=cookie,
                              info=ControlInfo(spec.num_workers, spec.window,
                                               spec.elements_per_packet))
+
+    def _send_join(self, now: float) -> None:
+        datagram = self._join_datagram()
         for shard, base in enumerate(self._shard_bases):
             if base is None:  # not joined yet (on this epoch)
                 self._out.append((datagram, self.switch_addresses[shard]))
@@ -733,10 +766,20 @@ class WorkerEndpoint:
         self._keepalive_at = now + self.config.keepalive_s
 
     def _send_leave(self, now: float) -> None:
-        datagram = pack_header(Header(MessageType.LEAVE, self.spec.job_id, rank=self.rank,
-                                      token=self.spec.token, elem=ElementType.BYTES))
-        self._out.extend((datagram, a) for i, a in enumerate(self.switch_addresses)
-                         if i not in self._shards_left)
+        """LEAVE every shard that granted the job, proven with the cookie it granted it with
+        (a shard that never answered JOIN holds no membership to end)."""
+        spec = self.spec
+        for i, a in enumerate(self.switch_addresses):
+            if i in self._shards_left:
+                continue
+            cookie = self._cookies[i]
+            if cookie is None:
+                self._shards_left.add(i)
+                continue
+            proof = leave_proof(self._key, job=spec.job_id, token=spec.token, rank=self.rank,
+                                cookie=cookie)
+            self._out.append((pack_leave(job=spec.job_id, token=spec.token, rank=self.rank,
+                                         proof=proof), a))
         self._control.sent(now)
 
     def _send_chunk(self, op: Operation, p: int, now: float, *, retransmit: bool,

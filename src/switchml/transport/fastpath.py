@@ -329,6 +329,7 @@ def warm_up() -> None:
     from pathlib import Path
 
     from switchml.protocol.config import JobSpec
+    from switchml.protocol.endpoint import exchange
     from switchml.protocol.jobs import Job
     from switchml.protocol.switch import SwitchDataplane
     from switchml.protocol.warmup import KERNEL_SOURCES, clear_stale
@@ -356,10 +357,7 @@ def warm_up() -> None:
         w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
                                         elements_per_packet=4), rank=0, switch_address=sw_addr)
         w.join(0.0)
-        for d, _ in w.datagrams_to_send(0.0):
-            sw.receive_datagram(bytes(d), w_addr, 0.0)
-        for d, _ in sw.datagrams_to_send(0.0):
-            w.receive_datagram(bytes(d), sw_addr, 0.0)
+        exchange({w_addr: w, sw_addr: sw}, 0.0)
         for dtype, bits, residual in ((np.float32, 32, False), (np.float64, 32, False),
                                       (np.int32, 32, False), (np.float32, 16, True),
                                       (np.float64, 16, True), (np.float32, 16, False)):
@@ -372,10 +370,7 @@ def warm_up() -> None:
             w.close(0.0)  # (aborts the operation: the next one needs a fresh endpoint)
             w = WorkerEndpoint(spec=w.spec, rank=0, switch_address=sw_addr)
             w.join(0.0)
-            for d, _ in w.datagrams_to_send(0.0):
-                sw.receive_datagram(bytes(d), w_addr, 0.0)
-            for d, _ in sw.datagrams_to_send(0.0):
-                w.receive_datagram(bytes(d), sw_addr, 0.0)
+            exchange({w_addr: w, sw_addr: sw}, 0.0)
         os.close(wake_r)
         os.close(wake_w)
         # The switch's send, for a job with no member yet (nothing is sent).

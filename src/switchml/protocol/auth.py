@@ -1,0 +1,115 @@
+"""Who may change a job's membership: the job key, JOIN challenges, and the proofs of JOIN and
+LEAVE (docs/protocol.md section 2, "Who may join").
+
+The token travels in every datagram, so it only tells one job's datagrams from another's; it
+proves nothing. A message that changes who is in a job (JOIN, LEAVE) must prove two things:
+
+* **knowledge of the job key**: ``K = HMAC-SHA256(secret, label | job | token)``, where
+  ``secret`` is the switch's (``SwitchConfig.secret``; the empty string for an open switch,
+  which therefore only authenticates against those who never saw the job's token);
+* **freshness**: a JOIN answers a *challenge*, a cookie the switch made for that source
+  address a moment ago; a LEAVE names the cookie of the membership it ends.
+
+The cookie is stateless (the switch keeps nothing per unanswered JOIN, as DTLS's
+HelloVerifyRequest and QUIC's Retry): ``issue time | HMAC(switch-local key, time | address |
+job | rank)``, good for ``lifetime_s``. A JOIN captured and replayed from another address
+carries a cookie made for the first address (``bad_cookie``); replayed later from the same
+address, an expired one (``stale_cookie``); and a proof that anyone without ``K`` can forge
+would need ``K``. Every primitive is Python's ``hmac`` with SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+
+from switchml.protocol.address import Address
+from switchml.protocol.wire import COOKIE_SIZE, NO_COOKIE, ControlInfo, pack_join
+
+__all__ = ["Challenges", "job_key", "join_datagram", "join_proof", "leave_proof"]
+
+_LABEL = b"switchml job key v1"
+_COOKIE_TIME = struct.Struct("<Q")
+_MAC_SIZE = COOKIE_SIZE - _COOKIE_TIME.size
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def job_key(secret: bytes | None, job: int, token: int) -> bytes:
+    """The key that proves membership of job ``job``: HMAC-SHA256 of its id and token under
+    the switch's ``secret`` (empty for an open switch). Every rank derives it from the secret
+    it was given; it never travels."""
+    return _mac(secret or b"", _LABEL, struct.pack("<IQ", job, token))
+
+
+def join_proof(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,
+               cookie: bytes) -> bytes:
+    """A JOIN's proof: the job key over everything the JOIN asks for and the switch's cookie."""
+    return _mac(key, b"JOIN", struct.pack("<IQHIIII", job, token, rank, seq, info.num_workers,
+                                          info.window, info.elements_per_packet), cookie)
+
+
+def join_datagram(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,
+                  cookie: bytes = NO_COOKIE) -> bytes:
+    """The JOIN a member sends: without ``cookie``, a request for a challenge; with the
+    switch's cookie, proven under ``key`` (workers and a tree's racks both send this)."""
+    fields = dict(job=job, token=token, rank=rank, seq=seq, info=info)
+    if cookie == NO_COOKIE:
+        return pack_join(**fields)
+    return pack_join(**fields, cookie=cookie, proof=join_proof(key, cookie=cookie, **fields))
+
+
+def leave_proof(key: bytes, *, job: int, token: int, rank: int, cookie: bytes) -> bytes:
+    """A LEAVE's proof: the job key over the rank and the cookie its membership began with
+    (JOINED echoes it), so a LEAVE replayed into a later membership proves nothing."""
+    return _mac(key, b"LEAVE", struct.pack("<IQH", job, token, rank), cookie)
+
+
+class Challenges:
+    """The switch's JOIN cookies: issued for an address, checked statelessly.
+
+    Args:
+        lifetime_s: how long a cookie stays good (a JOIN's round trip, with margin).
+        key: the switch-local MAC key; random per switch (cookies do not survive a restart,
+            and a worker simply asks again).
+    """
+
+    def __init__(self, lifetime_s: float, key: bytes | None = None) -> None:
+        if lifetime_s <= 0:
+            raise ValueError(f"lifetime_s must be > 0, got {lifetime_s}")
+        self.lifetime_s = lifetime_s
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    def _tag(self, issued_us: int, addr: Address, job: int, rank: int) -> bytes:
+        return _mac(self._key, _COOKIE_TIME.pack(issued_us), repr(addr).encode(),
+                    struct.pack("<IH", job, rank))[:_MAC_SIZE]
+
+    def issue(self, now: float, addr: Address, job: int, rank: int) -> bytes:
+        """A cookie for a JOIN of (``job``, ``rank``) from ``addr`` at time ``now``."""
+        issued = max(0, int(now * 1e6))
+        return _COOKIE_TIME.pack(issued) + self._tag(issued, addr, job, rank)
+
+    @staticmethod
+    def issued_at(cookie: bytes) -> float:
+        """When a cookie (checked with :meth:`check`) was issued, in the switch's ``now``."""
+        return _COOKIE_TIME.unpack_from(cookie)[0] / 1e6
+
+    def check(self, cookie: bytes, now: float, addr: Address, job: int, rank: int
+              ) -> str | None:
+        """None if ``cookie`` was issued here for this address, job and rank within
+        ``lifetime_s``; else the drop reason: ``bad_cookie`` (forged, or made for another
+        address, job or rank: a replay from elsewhere) or ``stale_cookie`` (expired)."""
+        if len(cookie) != COOKIE_SIZE or cookie == NO_COOKIE:
+            return "bad_cookie"
+        (issued,) = _COOKIE_TIME.unpack_from(cookie)
+        if not hmac.compare_digest(cookie[_COOKIE_TIME.size:],
+                                   self._tag(issued, addr, job, rank)):
+            return "bad_cookie"
+        age = now - issued / 1e6
+        if not -1e-3 <= age <= self.lifetime_s:
+            return "stale_cookie"
+        return None
