@@ -39,7 +39,7 @@ def main() -> None:
     xtr, ytr, xte, yte = load_data(0)
     gen = torch.Generator().manual_seed(role.worker)
     trainer = PSTrainer(model, servers=role.servers, worker=role.worker, workers=role.workers,
-                        print_placement=role.worker == 0)
+                        print_placement=role.worker == 0, security=role.security)
     while not trainer.done(args.steps):
         idx = torch.randint(0, len(ytr), (args.batch_size,), generator=gen)
         model.zero_grad(set_to_none=True)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 RANK_SCRIPT = r"""
@@ -120,7 +121,9 @@ class Replayer(threading.Thread):
 
 def one_run(args: argparse.Namespace, tmp: Path, i: int) -> dict:
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "switchml", "switch", "--host", "127.0.0.1", "--port", "0"]
+    metrics_port = 19000 + i % 1000
+    cmd = [sys.executable, "-m", "switchml", "switch", "--host", "127.0.0.1", "--port", "0",
+           "--metrics-port", str(metrics_port)]
     if not args.open:
         secret_file = tmp / "secret"
         secret_file.write_text(secrets.token_hex(32))
@@ -158,12 +161,17 @@ def one_run(args: argparse.Namespace, tmp: Path, i: int) -> dict:
             hung += 1
     seconds = time.monotonic() - t0
     replayer.stop.set()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        drops = {k: int(float(v)) for k, v in re.findall(
+            r'switchml_drops_total\{reason="([a-z_]+)"\} ([0-9.e+]+)', metrics)}
+    except OSError as exc:
+        drops = {"metrics unavailable": str(exc)}
     sw.terminate()
     _, log = sw.communicate(timeout=10)
     joined_at = re.findall(r"event=member_joined job=\d+ rank=\d+ address=127\.0\.0\.1:(\d+)", log)
     hijacks = sum(int(p) == replayer.address[1] for p in joined_at)
-    drops = {k: int(v) for k, v in re.findall(r"\b(bad_cookie|stale_cookie|spent_cookie|"
-                                               r"bad_proof|bad_leave)=(\d+)", log)}
     return {"run": i, "mode": args.mode, "seconds": seconds, "hung_ranks": hung,
             "errors": errors, "wrong": sum(not r["ok"] for r in results),
             "finished_ranks": len(results), "hijacks": hijacks,

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_switch_parser, _add_demo_parser, _add_stats_parser, _add_testbed_parser,
-                _add_bench_parser, _add_ps_parser, _add_sim_parser):
+                _add_bench_parser, _add_ps_parser, _add_sim_parser, _add_tls_parser):
         add(sub)
     return parser
 
@@ -582,8 +582,17 @@ def _add_ps_server_parser(pss: _Subparsers) -> None:
                          description="Serve until SIGINT/SIGTERM (or, with --exit-when-done, "
                                      "until every worker said goodbye or died).")
     srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
-    srv.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="listen address (default 127.0.0.1; beyond loopback it needs "
+                          "--tls-dir or --insecure)")
     srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
+    srv.add_argument("--tls-dir", default=_env("tls_dir", None),
+                     help="mutual-TLS credentials (ca.pem, peer.pem, peer.key; 'switchml tls "
+                          "init DIR' makes them): only peers with a certificate of the same CA "
+                          "connect, and all traffic is encrypted (env SWITCHML_TLS_DIR)")
+    srv.add_argument("--insecure", action="store_true",
+                     help="allow plain TCP beyond loopback (anyone who reaches the port can "
+                          "set parameters and read them)")
     srv.add_argument("--exit-when-done", action="store_true",
                      help="exit when every worker said goodbye or died")
     _add_ps_training_args(srv)
@@ -630,6 +639,30 @@ def _add_ps_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=60.0,
                    help="a missing gradient or silent peer fails the run after this "
                         "long, naming it (default 60)")
+
+
+def _add_tls_parser(sub: _Subparsers) -> None:
+    """``switchml tls init DIR``: credentials for the parameter-server and Gaia links."""
+    tls = sub.add_parser("tls", help="make TLS credentials for parameter servers and Gaia",
+                         description="TLS credentials for the parameter-server and Gaia links "
+                                     "(docs/operations.md).")
+    tsub = tls.add_subparsers(dest="tls_command", required=True, metavar="SUBCOMMAND")
+    init = tsub.add_parser("init", help="make a CA and a peer certificate in DIR",
+                           description="Make a CA (ca.pem, ca.key) and one peer certificate "
+                                       "signed by it (peer.pem, peer.key) in DIR. Give every "
+                                       "server, worker and data-centre leader of the job DIR "
+                                       "without ca.key (--tls-dir or SWITCHML_TLS_DIR).")
+    init.add_argument("dir", help="directory to create (mode 0700)")
+    init.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
+    init.set_defaults(func=_run_tls_init)
+
+
+def _run_tls_init(args: argparse.Namespace) -> int:
+    from switchml.links import make_credentials
+
+    sec = make_credentials(args.dir, days=args.days)
+    print(f"made {sec.ca}, {sec.cert} and {sec.key} (and ca.key: keep it off the peers)")
+    return 0
 
 
 def _add_sim_parser(sub: _Subparsers) -> None:
@@ -1124,7 +1157,11 @@ def _run_ps_server(args: argparse.Namespace) -> int:
 
     cfg = ServerConfig(args.workers, args.backup, args.mode, args.optimizer, args.lr,
                        args.momentum, args.timeout_s)
-    server = ParameterServer(args.index, cfg, host=args.host, port=args.port).start()
+    from switchml.links import LinkSecurity
+
+    security = LinkSecurity.from_dir(args.tls_dir) if args.tls_dir else None
+    server = ParameterServer(args.index, cfg, host=args.host, port=args.port,
+                             security=security, insecure=args.insecure).start()
     print(f"parameter server ps{args.index} listening on {server.address[0]}:"
           f"{server.address[1]}", flush=True)
     stop = _stop_on_signals("stopping")

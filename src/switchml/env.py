@@ -16,16 +16,21 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data-centre layout (Gaia), e.g. ``2x2`` |
 | ``SWITCHML_PS_HOST`` | the address a parameter-server rank announces |
+| ``SWITCHML_TLS_DIR`` | TLS credentials of the parameter-server and Gaia links (``links.py``) |
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from switchml.protocol.address import Address, parse_addresses
 
-__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "mtu", "ps_host",
-           "secret", "switch_addresses", "window"]
+if TYPE_CHECKING:
+    from switchml.links import LinkSecurity
+
+__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "link_security",
+           "mtu", "ps_host", "secret", "switch_addresses", "window"]
 
 
 def _get(name: str) -> str | None:
@@ -65,6 +70,17 @@ def secret() -> bytes | None:
     """``SWITCHML_SECRET``, as bytes."""
     value = _get("SWITCHML_SECRET")
     return value.encode() if value is not None else None
+
+
+def link_security() -> LinkSecurity | None:
+    """``SWITCHML_TLS_DIR``: the parameter-server and Gaia links' TLS credentials, or None.
+
+    Raises:
+        ConfigError: the directory lacks a file or the files do not load.
+    """
+    from switchml.links import LinkSecurity
+    value = _get("SWITCHML_TLS_DIR")
+    return LinkSecurity.from_dir(value) if value else None
 
 
 def mtu() -> int | None:

@@ -114,8 +114,11 @@ def _start_gaia(a: dict[str, Any], model: Any) -> tuple[Any, Any]:
     from switchml.gaia.trainer import GaiaSync
     mirror = None
     if a["local_rank"] == 0:
+        from switchml.links import LinkSecurity
+        security = LinkSecurity.from_dir(a["tls_dir"]) if a.get("tls_dir") else None
         mirror = Mirror(dc=a["dc"], leaders=[tuple(x) for x in a["leaders"]],
-                        staleness=a["staleness"], timeout_s=a["timeout_s"]).start()
+                        staleness=a["staleness"], timeout_s=a["timeout_s"],
+                        bind_host="0.0.0.0", security=security).start()
     gaia = GaiaSync(model, mirror=mirror, threshold=a["threshold"], decay=a["decay"])
     return gaia, mirror
 
@@ -243,8 +246,13 @@ def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
     port = 34000 + secrets.randbelow(10000)
     store_dir = tempfile.mkdtemp(prefix="switchml-geo-")
     try:
+        # The links between data centres are mutual TLS, as they must be across a WAN: the
+        # CPU and bytes of encryption are in every Gaia row.
+        from switchml.links import make_credentials
+        make_credentials(f"{store_dir}/tls")
         return _run_mode_in(tb, cfg, mode, {**_mode_args(cfg, geo, mode, port),
-                                            "store_dir": store_dir})
+                                            "store_dir": store_dir,
+                                            "tls_dir": f"{store_dir}/tls"})
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
 

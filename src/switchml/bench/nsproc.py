@@ -145,7 +145,9 @@ def ps_server(a: dict[str, Any]) -> None:
     """A parameter server (switchml.ps, optimizer ``sum``): each step sums one vector from
     each of n workers; every worker pulls the sum."""
     from switchml.ps.allreduce import sum_server
-    server = sum_server(port=a["port"], workers=a["n"])
+    # The baseline of the aggregation design, inside the testbed's own namespaces: plain TCP
+    # (the links' TLS cost is measured on its own: experiments/ps_tls_cost.py).
+    server = sum_server(port=a["port"], workers=a["n"], insecure=True)
     print("ready", flush=True)
     c0 = _cpu()
     server.wait_finished(24 * 3600.0)

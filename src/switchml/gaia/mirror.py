@@ -9,6 +9,14 @@ in the :class:`SelectiveBarrier`, queue the sparse update, and move the :class:`
 :meth:`Mirror.exchange` applies the queued updates and returns once the rules allow the next
 clock, or raises :class:`GaiaError` naming the data centres it waited for after ``timeout_s``,
 or at once when a data centre's connection dropped without a goodbye.
+
+Security. With ``security`` (``links.py``) every link is mutual TLS: a stranger cannot connect,
+read or alter anything. Beyond loopback a mirror refuses to listen without it. Every message is
+checked before it touches any state: a HELLO names another data centre that is not connected
+yet; clocks come one at a time in order; an announce is for the next clock; a SPARSE update
+follows its announce, holds at most the model's entries (``expect_entries``) and indexes
+inside it. A link that breaks a rule is closed, logged and counted (``stats()``), and fails the
+exchange naming its data centre; a connection that never said a valid HELLO changes nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +32,17 @@ from typing import Any
 import numpy as np
 
 from switchml.gaia.rules import MirrorClock, SelectiveBarrier, decode_sparse, encode_sparse
+from switchml.links import LinkSecurity, check_exposure
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
-from switchml.ps.wire import MessageType, recv_message, send_message
+from switchml.ps.wire import (
+    CONTROL_PAYLOAD_BYTES,
+    MessageType,
+    PSError,
+    recv_header,
+    recv_payload,
+    send_message,
+)
 
 __all__ = ["GaiaError", "Mirror"]
 
@@ -43,8 +59,24 @@ class Mirror:
     its own included: it listens there)."""
 
     def __init__(self, *, dc: int, leaders: Sequence[Address], staleness: int = 2,
-                 timeout_s: float = 120.0, bind_host: str = "0.0.0.0") -> None:
+                 timeout_s: float = 120.0, bind_host: str = "127.0.0.1",
+                 security: LinkSecurity | None = None, insecure: bool = False) -> None:
+        """``security``: mutual TLS on every link, needed to listen beyond loopback (that is,
+        for data centres on other hosts) unless ``insecure``.
+
+        Raises:
+            ConfigError: a non-loopback ``bind_host`` without ``security`` or ``insecure``.
+        """
+        check_exposure(bind_host, security, insecure=insecure, what=f"Gaia leader {dc}")
         self.dc = dc
+        self.security = security
+        self._server_tls = security.server_context() if security is not None else None
+        self._client_tls = security.client_context() if security is not None else None
+        self.max_entries = 1 << 28
+        """The most entries a SPARSE update may hold (the model's size: ``expect_entries``)."""
+        self.refused_links = 0
+        self.protocol_errors = 0
+        self._linked: set[int] = set()  # data centres whose incoming link said HELLO
         self.leaders = [tuple(a) for a in leaders]
         self.timeout_s = timeout_s
         self.clock = MirrorClock(len(leaders), dc, staleness=staleness)
@@ -91,6 +123,13 @@ class Mirror:
                     time.sleep(0.2)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout_s)
+            if self.security is not None and self._client_tls is not None:
+                try:
+                    sock = self.security.connect(sock, self._client_tls)
+                except (OSError, ValueError) as exc:
+                    sock.close()
+                    raise GaiaError(f"TLS with {self._name(j)} failed (credentials from the "
+                                    f"same CA?): {exc}") from exc
             send_message(sock, MessageType.HELLO, worker=self.dc)
             self._out[j] = sock
             self._queues[j] = queue.Queue()
@@ -141,36 +180,91 @@ class Mirror:
 
     # -- receiving --------------------------------------------------------------------------
 
+    def expect_entries(self, size: int) -> None:
+        """The model has ``size`` parameters: a SPARSE update indexes inside it."""
+        self.max_entries = size
+
     def _receiver(self, conn: socket.socket) -> None:
         j = -1
         try:
-            h, _ = recv_message(conn)
+            if self.security is not None and self._server_tls is not None:
+                try:
+                    conn = self.security.accept(conn, self._server_tls)
+                except (OSError, ValueError) as exc:
+                    with self._cond:
+                        self.refused_links += 1
+                    log.warning("Gaia leader %d refused a connection: TLS handshake failed: %s",
+                                self.dc, exc)
+                    return
+            conn.settimeout(None)
+            h = recv_header(conn)
+            recv_payload(conn, h, limit=CONTROL_PAYLOAD_BYTES)
             if h.type != MessageType.HELLO or not 0 <= h.worker < len(self.leaders):
-                raise GaiaError(f"unexpected {h.type.name} from a peer")
-            j = h.worker
-            while True:
-                h, payload = recv_message(conn)
-                with self._cond:
-                    if h.type == MessageType.CLOCK and h.flags:
-                        self.barrier.announce(j, h.step)
-                    elif h.type == MessageType.CLOCK:
-                        self.clock.observe(j, h.step)
-                    elif h.type == MessageType.SPARSE:
-                        idx, vals = decode_sparse(payload)
-                        self._inbox.append((j, h.step, idx, vals))
-                    elif h.type == MessageType.BYE:
-                        self.clock.observe(j, _DONE)
-                        self._cond.notify_all()
-                        return
-                    else:
-                        raise GaiaError(f"unexpected {h.type.name} from {self._name(j)}")
-                    self._cond.notify_all()
-        except (OSError, ConnectionError, GaiaError, ValueError) as exc:
+                raise GaiaError(f"{h.type.name} (worker field {h.worker}) instead of a HELLO")
             with self._cond:
-                self._errors[j] = f"{self._name(j) if j >= 0 else 'a peer'}: {exc}"
-                self._cond.notify_all()
+                if h.worker == self.dc or h.worker in self._linked:
+                    raise GaiaError(f"a HELLO as data centre {h.worker}, which "
+                                    + ("is this one" if h.worker == self.dc
+                                       else "is connected already"))
+                self._linked.add(h.worker)
+            j = h.worker
+            self._receive_from(conn, j)
+        except (OSError, ConnectionError, GaiaError, PSError, ValueError) as exc:
+            with self._cond:
+                self.protocol_errors += isinstance(exc, GaiaError | PSError | ValueError)
+                if j >= 0:
+                    self._errors[j] = f"{self._name(j)}: {exc}"
+                    self._cond.notify_all()
+            log.warning("Gaia leader %d: link from %s: %s", self.dc,
+                        self._name(j) if j >= 0 else "an unidentified peer", exc)
         finally:
             conn.close()
+
+    def _receive_from(self, conn: socket.socket, j: int) -> None:
+        """Data centre ``j``'s messages, each checked before it changes anything."""
+        announced = 0  # the clock whose SPARSE update was announced and not yet received
+        last = 0  # the last clock j finished
+        while True:
+            h = recv_header(conn)
+            limit = 8 * self.max_entries if h.type == MessageType.SPARSE else (
+                CONTROL_PAYLOAD_BYTES)
+            payload = recv_payload(conn, h, limit=limit)
+            if h.type == MessageType.CLOCK and h.flags:
+                if h.step != last + 1 or announced:
+                    raise GaiaError(f"announce of clock {h.step} after clock {last}"
+                                    + (f" with clock {announced}'s update outstanding"
+                                       if announced else ""))
+                announced = h.step
+                with self._cond:
+                    self.barrier.announce(j, h.step)
+                    self._cond.notify_all()
+            elif h.type == MessageType.CLOCK:
+                if h.step != last + 1 or announced:
+                    raise GaiaError(f"clock {h.step} after clock {last}"
+                                    + (f" before clock {announced}'s announced update"
+                                       if announced else ""))
+                last = h.step
+                with self._cond:
+                    self.clock.observe(j, h.step)
+                    self._cond.notify_all()
+            elif h.type == MessageType.SPARSE:
+                if h.step != announced or not announced:
+                    raise GaiaError(f"an update for clock {h.step}, which was not announced")
+                idx, vals = decode_sparse(payload)
+                if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.max_entries):
+                    raise GaiaError(f"an update indexing outside the model's "
+                                    f"{self.max_entries} parameters")
+                announced = 0
+                with self._cond:
+                    self._inbox.append((j, h.step, idx, vals))
+                    self._cond.notify_all()
+            elif h.type == MessageType.BYE:
+                with self._cond:
+                    self.clock.observe(j, _DONE)
+                    self._cond.notify_all()
+                return
+            else:
+                raise GaiaError(f"unexpected {h.type.name}")
 
     def exchange(self, apply: Callable[[np.ndarray, np.ndarray], None], *,
                  everyone: bool = False) -> None:
@@ -226,4 +320,5 @@ class Mirror:
     def stats(self) -> dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "updates_received": self.updates_received,
                 "entries_received": self.entries_received, "wait_s": self.wait_s,
-                "clocks": list(self.clock.clocks)}
+                "clocks": list(self.clock.clocks), "refused_links": self.refused_links,
+                "protocol_errors": self.protocol_errors}

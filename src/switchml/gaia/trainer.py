@@ -45,6 +45,8 @@ class GaiaSync:
         self._prev = self._flat()
         self.filter = (SignificanceFilter(self._prev.size, threshold=threshold, decay=decay)
                        if mirror is not None else None)
+        if mirror is not None:
+            mirror.expect_entries(self._prev.size)
         self.entries_published = 0
         self.entries_applied = 0
 

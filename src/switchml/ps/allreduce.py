@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from switchml.links import LinkSecurity
 from switchml.ps.client import Address, PSClient
 from switchml.ps.placement import place
 from switchml.ps.server import ParameterServer, ServerConfig
@@ -21,11 +22,12 @@ class PSAllreduce:
     """``ar(x, out)``: ``out`` = the sum of every worker's ``x`` (float32, ``numel``)."""
 
     def __init__(self, servers: list[Address], *, worker: int, numel: int,
-                 workers: int | None = None, timeout_s: float = 300.0) -> None:
+                 workers: int | None = None, timeout_s: float = 300.0,
+                 security: LinkSecurity | None = None) -> None:
         self.shards = place([("x", numel)], len(servers),
                             max_shard_elements=-(-numel // len(servers)))
         self.client = PSClient(servers, worker=worker, workers=workers, timeout_s=timeout_s,
-                               connect_timeout_s=timeout_s)
+                               connect_timeout_s=timeout_s, security=security)
         if worker == 0:  # the others' pushes wait at the server for this INIT
             self.client.init(self.shards, {s.shard_id: np.zeros(s.numel, np.float32)
                                            for s in self.shards})
@@ -42,7 +44,10 @@ class PSAllreduce:
 
 
 def sum_server(*, port: int, workers: int, host: str = "0.0.0.0",
-               timeout_s: float = 300.0) -> ParameterServer:
-    """A started server summing ``workers`` vectors per step (call ``wait_finished``)."""
+               timeout_s: float = 300.0, security: LinkSecurity | None = None,
+               insecure: bool = False) -> ParameterServer:
+    """A started server summing ``workers`` vectors per step (call ``wait_finished``);
+    ``security`` / ``insecure`` as for :class:`ParameterServer`."""
     return ParameterServer(0, ServerConfig(workers=workers, optimizer="sum",
-                                           timeout_s=timeout_s), host=host, port=port).start()
+                                           timeout_s=timeout_s), host=host, port=port,
+                           security=security, insecure=insecure).start()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.links import LinkSecurity
 from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
 from switchml.ps.wire import MessageType, PSError, recv_message, send_message
@@ -27,7 +28,12 @@ class PSClient:
     """Connections from worker ``worker`` (of ``workers``) to the servers, in server order."""
 
     def __init__(self, servers: Sequence[Address], *, worker: int, workers: int | None,
-                 timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 60.0, connect_timeout_s: float = 30.0,
+                 security: LinkSecurity | None = None) -> None:
+        """``security``: mutual TLS to every server (``links.py``); the servers must have
+        credentials from the same CA."""
+        self.security = security
+        self._tls = security.client_context() if security is not None else None
         if not servers:
             raise PSError("no parameter servers given")
         self.servers = [tuple(a) for a in servers]
@@ -60,6 +66,13 @@ class PSClient:
                 time.sleep(0.1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout_s)
+        if self._tls is not None and self.security is not None:
+            try:
+                sock = self.security.connect(sock, self._tls)
+            except (OSError, ValueError) as exc:
+                sock.close()
+                raise PSError(f"TLS with parameter server {self._name(i)} failed (is it "
+                              f"started with credentials from the same CA?): {exc}") from exc
         opts = {} if workers is None else {"workers": workers}  # None: the server's count
         send_message(sock, MessageType.HELLO, worker=self.worker,
                      payload=json.dumps(opts).encode())

@@ -7,8 +7,11 @@ start a :class:`ParameterServer` each; the servers' addresses reach every rank t
 returns a role with ``is_server`` set (the script should just exit); a worker rank returns at
 once with the addresses to give :class:`~switchml.ps.trainer.PSTrainer`.
 
-The address a server advertises is ``SWITCHML_PS_HOST`` if set, else this host's name resolved
-(set ``SWITCHML_PS_HOST`` on multi-machine jobs whose host names resolve to loopback).
+Links. With ``SWITCHML_TLS_DIR`` (``links.py``) every server listens on all interfaces and every
+connection is mutual TLS; the address a server advertises is ``SWITCHML_PS_HOST`` if set, else
+this host's name resolved (set ``SWITCHML_PS_HOST`` on multi-machine jobs whose host names
+resolve to loopback). Without credentials the servers listen on loopback only (a one-machine
+job), and a non-loopback ``SWITCHML_PS_HOST`` is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchml import env
+from switchml.links import LinkSecurity, check_exposure
 from switchml.protocol.errors import ConfigError
 from switchml.ps.server import ParameterServer, ServerConfig
 
@@ -32,6 +36,8 @@ class PSRole:
     """This rank's worker id (0..workers-1); -1 on a server."""
     workers: int = 0
     servers: list[tuple[str, int]] = field(default_factory=list)
+    security: LinkSecurity | None = None
+    """The links' credentials (``SWITCHML_TLS_DIR``): give them to ``PSTrainer``."""
     server_stats: dict[str, Any] = field(default_factory=dict)
     """A server's counters once its workers are done (``dropped_late`` among them)."""
 
@@ -64,17 +70,27 @@ def torchrun_role(*, servers: int, backup: int = 0, mode: str = "sync", optimize
                           "and at least one worker")
     server: ParameterServer | None = None
     mine: tuple[str, int] | None = None
+    security = env.link_security()
     if rank >= workers:
         cfg = ServerConfig(workers, backup, mode, optimizer, lr, momentum, timeout_s)
-        server = ParameterServer(rank - workers, cfg, host="0.0.0.0", port=0).start()
-        host = env.ps_host() or socket.gethostbyname(socket.gethostname())
+        if security is None:
+            host = env.ps_host() or "127.0.0.1"
+            check_exposure(host, None, what=f"parameter-server rank {rank}")
+            bind = "127.0.0.1"
+        else:
+            host = env.ps_host() or socket.gethostbyname(socket.gethostname())
+            bind = "0.0.0.0"
+        server = ParameterServer(rank - workers, cfg, host=bind, port=0,
+                                 security=security).start()
         mine = (host, server.address[1])
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     addresses = [tuple(a) for a in everyone[workers:]]
     if server is None:
-        return PSRole(False, rank, rank, workers, addresses)  # type: ignore[arg-type]
+        return PSRole(False, rank, rank, workers, addresses,  # type: ignore[arg-type]
+                      security)
     server.wait_finished(serve_timeout_s)
     stats = server.stats()
     server.stop()
-    return PSRole(True, rank, -1, workers, addresses, stats)  # type: ignore[arg-type]
+    return PSRole(True, rank, -1, workers, addresses, security,  # type: ignore[arg-type]
+                  stats)

@@ -25,10 +25,18 @@ from typing import Any
 
 import numpy as np
 
+from switchml.links import LinkSecurity, check_exposure
 from switchml.protocol.address import format_address
 from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
-from switchml.ps.wire import MessageType, PSError, recv_message, send_message
+from switchml.ps.wire import (
+    CONTROL_PAYLOAD_BYTES,
+    MessageType,
+    PSError,
+    recv_header,
+    recv_payload,
+    send_message,
+)
 
 __all__ = ["OPTIMIZERS", "ParameterServer", "ServerConfig"]
 
@@ -52,6 +60,9 @@ class ServerConfig:
     timeout_s: float = 60.0
     """How long a PULL waits for missing gradients before failing, naming the missing
     workers. Keep it above the slowest step."""
+    max_shard_bytes: int = 1 << 30
+    """The largest shard an INIT may bring; a PUSH must match its shard's size exactly.
+    Anything announcing more is refused before a byte of it is read. Default 1 GiB."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -66,6 +77,8 @@ class ServerConfig:
                               f"{', '.join(OPTIMIZERS)}")
         if self.lr <= 0 or self.timeout_s <= 0:
             raise ConfigError("lr and timeout_s must be > 0")
+        if self.max_shard_bytes < 4:
+            raise ConfigError(f"max_shard_bytes must be >= 4, got {self.max_shard_bytes}")
 
 
 class _ShardState:
@@ -102,9 +115,19 @@ class ParameterServer:
     """
 
     def __init__(self, index: int, config: ServerConfig, *, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, security: LinkSecurity | None = None,
+                 insecure: bool = False) -> None:
+        """``security``: mutual TLS on every connection (``links.py``); required to listen
+        beyond loopback unless ``insecure``.
+
+        Raises:
+            ConfigError: a non-loopback ``host`` without ``security`` or ``insecure``.
+        """
+        check_exposure(host, security, insecure=insecure, what=f"parameter server {index}")
         self.index = index
         self.config = config
+        self.security = security
+        self._tls = security.server_context() if security is not None else None
         if config.optimizer != "sum":
             import torch  # noqa: F401  # now, not under the lock at the first INIT (seconds)
         self._lsock = socket.socket()
@@ -119,8 +142,10 @@ class ParameterServer:
         self._stopping = False
         self._conns: list[tuple[socket.socket, threading.Thread]] = []
         self._threads: list[threading.Thread] = []
+        self._live: dict[int, str] = {}  # worker id -> the peer its connection comes from
         self.counters = {"pushes": 0, "dropped_late": 0, "steps_applied": 0, "pulls": 0,
-                         "bytes_in": 0, "bytes_out": 0}
+                         "bytes_in": 0, "bytes_out": 0, "refused_connections": 0,
+                         "protocol_errors": 0}
 
     def __repr__(self) -> str:
         return f"ps{self.index}@{format_address(self.address)}"
@@ -132,9 +157,10 @@ class ParameterServer:
                              daemon=True)
         t.start()
         self._threads.append(t)
-        log.info("parameter server %d listening on %s:%d (%s, %d workers, backup %d, %s)",
+        log.info("parameter server %d listening on %s:%d (%s, %d workers, backup %d, %s; %s)",
                  self.index, *self.address, self.config.mode, self.config.workers,
-                 self.config.backup, self.config.optimizer)
+                 self.config.backup, self.config.optimizer,
+                 "mutual TLS" if self._tls is not None else "plain TCP, loopback")
         return self
 
     def stop(self) -> None:
@@ -193,25 +219,63 @@ class ParameterServer:
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn, _ = self._lsock.accept()
+                conn, peer = self._lsock.accept()
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            with self._cond:
+            t = threading.Thread(target=self._serve, args=(conn, format_address(peer[:2])),
+                                 daemon=True)
+            with self._cond:  # stop() joins what it finds here: started, then
                 self._conns.append((conn, t))
-            t.start()
+                t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _refuse(self, peer: str, worker: int, why: str) -> None:
+        """A connection broke the protocol: log it, count it, and cut off the worker it
+        claimed to be (after its HELLO), so that nobody waits for it."""
+        log.warning("ps%d: %s (worker %d): %s", self.index, peer, worker, why)
+        with self._cond:
+            self.counters["protocol_errors"] += 1
+            if worker >= 0:
+                self._dead[worker] = f"protocol error: {why}"
+                self._cond.notify_all()
+
+    def _limit(self, mtype: MessageType, shard: int) -> int:
+        """The most a message of this type may carry (bounded by the job's geometry)."""
+        if mtype == MessageType.INIT:
+            return self.config.max_shard_bytes
+        if mtype == MessageType.PUSH:
+            with self._cond:
+                state = self._shards.get(shard)
+            return self.config.max_shard_bytes if state is None else state.values.nbytes
+        return CONTROL_PAYLOAD_BYTES
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         worker = -1
         try:
+            if self._tls is not None and self.security is not None:
+                raw = conn
+                try:
+                    conn = self.security.accept(raw, self._tls)
+                    with self._cond:  # stop() shuts the TLS socket down (raw is detached)
+                        self._conns = [(conn if c is raw else c, t) for c, t in self._conns]
+                except (OSError, ValueError) as exc:
+                    with self._cond:
+                        self.counters["refused_connections"] += 1
+                    log.warning("ps%d: refused a connection from %s: TLS handshake failed: %s",
+                                self.index, peer, exc)
+                    return
             while True:
-                h, payload = recv_message(conn)
+                h = recv_header(conn)
+                payload = recv_payload(conn, h, limit=self._limit(h.type, h.shard))
                 self.counters["bytes_in"] += 24 + h.nbytes
                 if h.type == MessageType.HELLO:
-                    worker = self._handle_hello(conn, h.worker, bytes(payload))
+                    if worker >= 0:
+                        raise PSError(f"a second HELLO (as worker {h.worker})")
+                    worker = self._handle_hello(conn, h.worker, bytes(payload), peer)
+                elif worker < 0:
+                    raise PSError(f"{h.type.name} before HELLO")
                 elif h.type == MessageType.INIT:
-                    self._handle_init(h.shard, payload)
+                    self._handle_init(worker, h.shard, payload)
                 elif h.type == MessageType.PUSH:
                     self._handle_push(worker, h.shard, h.step, payload)
                 elif h.type == MessageType.PULL:
@@ -233,32 +297,41 @@ class ParameterServer:
                     self._dead[worker] = f"connection lost ({exc})"
                     self._cond.notify_all()
         except (PSError, ValueError) as exc:
-            log.warning("ps%d: worker %d: %s", self.index, worker, exc)
-            if worker >= 0:  # it is cut off: the others must not wait for it
-                with self._cond:
-                    self._dead[worker] = f"protocol error: {exc}"
-                    self._cond.notify_all()
+            self._refuse(peer, worker, str(exc))
             try:
                 send_message(conn, MessageType.ERROR, payload=f"ps{self.index}: {exc}".encode())
             except OSError:
                 pass
         finally:
+            with self._cond:
+                if worker >= 0 and self._live.get(worker) == peer:
+                    del self._live[worker]
             conn.close()
 
-    def _handle_hello(self, conn: socket.socket, worker: int, payload: bytes) -> int:
+    def _handle_hello(self, conn: socket.socket, worker: int, payload: bytes,
+                      peer: str) -> int:
         opts = json.loads(payload or b"{}")
+        if not isinstance(opts, dict):
+            raise PSError("HELLO options must be a JSON object")
         if opts.get("workers", self.config.workers) != self.config.workers:
             raise PSError(f"worker {worker} expects {opts['workers']} workers, this server "
                           f"was started for {self.config.workers}")
         if not 0 <= worker < self.config.workers:
             raise PSError(f"worker id {worker} out of range 0..{self.config.workers - 1}")
         with self._cond:
-            self._dead.pop(worker, None)
+            if worker in self._live:  # refused without cutting the live one off
+                raise PSError(f"worker id {worker} is already connected (from "
+                              f"{self._live[worker]})") from None
+            self._live[worker] = peer
+            self._dead.pop(worker, None)  # a restarted worker (its connection had died)
         send_message(conn, MessageType.HELLO, worker=worker, shard=self.index,
                      payload=json.dumps({"mode": self.config.mode}).encode())
         return worker
 
-    def _handle_init(self, shard: int, payload: memoryview) -> None:
+    def _handle_init(self, worker: int, shard: int, payload: memoryview) -> None:
+        if not payload.nbytes or payload.nbytes % 4:
+            raise PSError(f"worker {worker}: INIT of shard {shard} with {payload.nbytes} bytes "
+                          "(float32 values expected)")
         with self._cond:
             if shard not in self._shards:  # the first INIT wins; every worker's is the same
                 values = np.frombuffer(payload, dtype=np.float32).copy()

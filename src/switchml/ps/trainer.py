@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.links import LinkSecurity
 from switchml.ps.client import Address, PSClient
 from switchml.ps.placement import Shard, format_placement, place
 
@@ -45,7 +46,9 @@ class PSTrainer:
 
     def __init__(self, model: Any, *, servers: Sequence[Address], worker: int, workers: int,
                  mode: str = "sync", max_shard_elements: int = 1 << 20,
-                 timeout_s: float = 60.0, print_placement: bool = False) -> None:
+                 timeout_s: float = 60.0, print_placement: bool = False,
+                 security: LinkSecurity | None = None) -> None:
+        """``security``: the servers' TLS credentials (``links.py``; ``PSRole.security``)."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shards: list[Shard] = place(
@@ -61,7 +64,7 @@ class PSTrainer:
         # The servers name missing workers after their own timeout (normally the same
         # value); wait a little longer here, so that their message, not ours, arrives.
         self.client = PSClient(servers, worker=worker, workers=workers,
-                               timeout_s=timeout_s + 10.0)
+                               timeout_s=timeout_s + 10.0, security=security)
         self._flat = [p.detach().view(-1).numpy() for p in self.params]
         self._bufs = {s.shard_id: np.empty(s.numel, np.float32) for s in self.shards}
         if worker == 0:

@@ -16,13 +16,17 @@ from enum import IntEnum
 
 from switchml.protocol.errors import SwitchMLError
 
-__all__ = ["HEADER", "MAX_PAYLOAD_BYTES", "Header", "MessageType", "PSError", "pack_header",
-           "recv_message", "send_message", "unpack_header"]
+__all__ = ["CONTROL_PAYLOAD_BYTES", "HEADER", "MAX_PAYLOAD_BYTES", "Header", "MessageType",
+           "PSError", "pack_header", "recv_header", "recv_message", "recv_payload",
+           "send_message", "unpack_header"]
 
 HEADER = struct.Struct("!4sBBHIIQ")
 MAGIC = b"SMPS"
 MAX_PAYLOAD_BYTES = 1 << 34
-"""A header announcing more than this is garbage (16 GiB: far above any shard)."""
+"""A header announcing more than this is garbage (16 GiB: far above any shard). Receivers
+bound each message far lower, by what they expect (``recv_payload``'s ``limit``)."""
+CONTROL_PAYLOAD_BYTES = 4096
+"""The most a HELLO, PULL, STATS request, BYE or CLOCK may carry."""
 
 
 class PSError(SwitchMLError):
@@ -92,17 +96,33 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
         got += n
 
 
-def recv_message(sock: socket.socket, into: memoryview | None = None
-                 ) -> tuple[Header, memoryview]:
-    """Read one message. The payload goes to ``into`` when given and large enough (no copy),
-    else to a fresh buffer. Raises ConnectionError when the peer closed, socket.timeout when
-    the socket's timeout expired, PSError on garbage."""
+def recv_header(sock: socket.socket) -> Header:
+    """Read and check one message's header (the payload follows: :func:`recv_payload`)."""
     head = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(head))
-    h = unpack_header(bytes(head))
+    return unpack_header(bytes(head))
+
+
+def recv_payload(sock: socket.socket, h: Header, into: memoryview | None = None,
+                 *, limit: int = MAX_PAYLOAD_BYTES) -> memoryview:
+    """Read the payload ``h`` announced, into ``into`` when given and large enough (no
+    copy), else a fresh buffer. Raises PSError, before reading or allocating anything, when
+    it announced more than ``limit`` bytes (a receiver bounds it by what it expects)."""
+    if h.nbytes > limit:
+        raise PSError(f"{h.type.name} of {h.nbytes} bytes announced; at most {limit} "
+                      "expected here")
     if into is not None and into.nbytes >= h.nbytes:
         buf = into.cast("B")[:h.nbytes]
     else:
         buf = memoryview(bytearray(h.nbytes))
     _recv_exact(sock, buf)
-    return h, buf
+    return buf
+
+
+def recv_message(sock: socket.socket, into: memoryview | None = None, *,
+                 limit: int = MAX_PAYLOAD_BYTES) -> tuple[Header, memoryview]:
+    """Read one message (:func:`recv_header`, :func:`recv_payload`). Raises ConnectionError
+    when the peer closed, socket.timeout when the socket's timeout expired, PSError on
+    garbage or a payload above ``limit``."""
+    h = recv_header(sock)
+    return h, recv_payload(sock, h, into, limit=limit)

@@ -1,0 +1,182 @@
+"""Authenticated, encrypted TCP links for the parameter servers and Gaia's data centres.
+
+Both speak the framed protocol of ``ps/wire.py`` over TCP. With credentials, every link is
+mutual TLS 1.3 (Python's ``ssl``): each side proves it holds a certificate signed by the
+cluster's CA, and every byte is encrypted and integrity-protected, so a stranger can neither
+connect, nor read, nor alter what travels (Gaia's links cross data centres, that is, networks
+nobody here controls). Without credentials a link is plain TCP, allowed on loopback only
+(:func:`check_exposure`).
+
+Credentials are a directory (``SWITCHML_TLS_DIR``, or ``--tls-dir``) with three PEM files:
+``ca.pem`` (the cluster's CA certificate), ``peer.pem`` and ``peer.key`` (this peer's
+certificate, signed by that CA, and its key). ``switchml tls init DIR`` makes a CA and one peer
+certificate that every process of a job shares (:func:`make_credentials`, with the
+``cryptography`` package); certificates per host, signed by the same CA with any tool, work
+the same. The CA's key is not needed at run time: keep it away from the peers.
+
+What TLS does not cover: peers that hold a certificate are trusted members of the job (one can
+claim another's worker id, as a member of a switchml job can send wrong gradients).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from switchml.protocol.errors import ConfigError
+
+__all__ = ["LinkSecurity", "check_exposure", "is_loopback", "make_credentials"]
+
+CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
+CA_KEY_FILE = "ca.key"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class LinkSecurity:
+    """Mutual-TLS credentials (module docstring). ``handshake_timeout_s`` bounds how long a
+    peer that connects may take to prove itself before the server drops it."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    handshake_timeout_s: float = 10.0
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> LinkSecurity:
+        """The credentials in ``directory``; raises ConfigError naming a missing file."""
+        d = Path(directory)
+        files = [d / CA_FILE, d / CERT_FILE, d / KEY_FILE]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"TLS credentials incomplete: {', '.join(missing)} missing "
+                              f"(make them with: switchml tls init {d})")
+        sec = cls(*files)
+        sec.server_context()  # fail now, with the reason, not at the first connection
+        return sec
+
+    def _context(self, purpose: int) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        try:
+            ctx.load_verify_locations(cafile=str(self.ca))
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load TLS credentials ({self.cert}, {self.key}, CA "
+                              f"{self.ca}): {exc}") from exc
+        return ctx
+
+    def server_context(self) -> ssl.SSLContext:
+        return self._context(ssl.PROTOCOL_TLS_SERVER)
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)
+        # Peers are addressed by IP and share the cluster's CA: the CA's signature is the
+        # identity, not a host name.
+        ctx.check_hostname = False
+        return ctx
+
+    def accept(self, conn: socket.socket, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+        """Run the server side of the handshake on an accepted connection, bounded by
+        ``handshake_timeout_s``. Raises ssl.SSLError or OSError (a stranger, or a peer
+        without the cluster's certificate)."""
+        conn.settimeout(self.handshake_timeout_s)
+        tls = ctx.wrap_socket(conn, server_side=True)
+        tls.settimeout(None)
+        return tls
+
+    def connect(self, sock: socket.socket, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+        """Run the client side of the handshake on a connected socket (its timeout holds)."""
+        return ctx.wrap_socket(sock, server_side=False)
+
+
+def check_exposure(host: str, security: LinkSecurity | None, *, insecure: bool = False,
+                   what: str = "this server") -> None:
+    """Refuse to listen beyond loopback without credentials.
+
+    Raises:
+        ConfigError: ``host`` is not loopback, there are no credentials, and not ``insecure``.
+    """
+    if security is None and not insecure and not is_loopback(host):
+        raise ConfigError(
+            f"{what} would listen on {host} without TLS: anyone who can reach it could join, "
+            "read and alter its traffic. Give credentials (SWITCHML_TLS_DIR or --tls-dir; "
+            "switchml tls init DIR makes them), listen on 127.0.0.1, or pass --insecure")
+
+
+def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
+                     name: str = "switchml") -> LinkSecurity:
+    """Make a CA and one peer certificate signed by it in ``directory`` (created, mode 0700;
+    keys 0600): ``ca.pem``, ``ca.key``, ``peer.pem``, ``peer.key``. Give every process of the
+    job the directory without ``ca.key``. Needs the ``cryptography`` package.
+
+    Raises:
+        ConfigError: the directory already holds credentials, or ``cryptography`` is missing.
+    """
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:
+        raise ConfigError("making TLS credentials needs the cryptography package "
+                          "(pip install 'switchml[tls]'), or make them with openssl") from exc
+    d = Path(directory)
+    if (d / CA_FILE).exists() or (d / KEY_FILE).exists():
+        raise ConfigError(f"{d} already holds TLS credentials; not overwriting them")
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                       encipher_only=False, decipher_only=False),
+                         critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} peer")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+
+    def write(fname: str, data: bytes, mode: int) -> None:
+        fd = os.open(d / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    pem = serialization.Encoding.PEM
+    private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
+                   encryption_algorithm=serialization.NoEncryption())
+    write(CA_FILE, ca.public_bytes(pem), 0o644)
+    write(CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
+    write(CERT_FILE, cert.public_bytes(pem), 0o644)
+    write(KEY_FILE, key.private_bytes(**private), 0o600)
+    return LinkSecurity.from_dir(d)

@@ -1,0 +1,340 @@
+"""Nobody without the job's credentials joins, reads or feeds a parameter server or a Gaia
+leader; hostile messages from anyone are refused with a logged reason, never crash a server
+or a leader, and never change state (issue: JOIN replay and authenticated links)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from switchml.gaia.mirror import GaiaError, Mirror
+from switchml.links import LinkSecurity, check_exposure, make_credentials
+from switchml.protocol.errors import ConfigError
+from switchml.ps.client import PSClient
+from switchml.ps.placement import place
+from switchml.ps.server import ParameterServer, ServerConfig
+from switchml.ps.wire import HEADER, MAGIC, MessageType, PSError, recv_message, send_message
+
+
+@pytest.fixture(scope="module")
+def creds(tmp_path_factory) -> LinkSecurity:
+    return make_credentials(tmp_path_factory.mktemp("tls") / "job")
+
+
+@pytest.fixture(scope="module")
+def other_creds(tmp_path_factory) -> LinkSecurity:
+    """A valid certificate of another CA: a peer of some other job."""
+    return make_credentials(tmp_path_factory.mktemp("tls") / "other")
+
+
+def _sum_two(server: ParameterServer, security: LinkSecurity | None) -> np.ndarray:
+    """Two workers push one vector each through ``server`` and pull the sum."""
+    shards = place([("x", 6)], 1, max_shard_elements=6)
+    out = {}
+
+    def worker(w: int) -> None:
+        c = PSClient([server.address], worker=w, workers=2, timeout_s=10, security=security)
+        if w == 0:
+            c.init(shards, {0: np.zeros(6, np.float32)})
+        c.push(shards, 0, {0: np.full(6, w + 1.0, np.float32)})
+        buf = {0: np.empty(6, np.float32)}
+        c.pull(shards, 1, buf)
+        out[w] = buf[0]
+        c.close()
+
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert out[0].tolist() == out[1].tolist()
+    return out[0]
+
+
+def _sum_server(**kw) -> ParameterServer:
+    return ParameterServer(0, ServerConfig(workers=2, optimizer="sum", timeout_s=10), **kw)
+
+
+def test_workers_with_the_jobs_certificate_sum_over_tls(creds):
+    with _sum_server(security=creds) as server:
+        assert _sum_two(server, creds).tolist() == [3.0] * 6
+        assert server.stats()["refused_connections"] == 0
+
+
+def test_strangers_cannot_connect_to_a_tls_server_or_change_it(creds, other_creds):
+    with _sum_server(security=creds) as server:
+        # Plain TCP, speaking the protocol: the handshake fails; nothing was read as a message.
+        s = socket.create_connection(server.address, timeout=5)
+        with pytest.raises((ConnectionError, OSError)):  # reset, at a send or the read
+            send_message(s, MessageType.HELLO, worker=0, payload=b"{}")
+            send_message(s, MessageType.INIT, worker=0, shard=0,
+                         payload=np.full(6, 666.0, np.float32))
+            while s.recv(4096):
+                pass
+            raise ConnectionError("closed")  # (an orderly close is a refusal too)
+        s.close()
+        # A certificate of another CA, and a client without one.
+        with pytest.raises(PSError, match="TLS with parameter server"):
+            PSClient([server.address], worker=0, workers=2, security=other_creds,
+                     timeout_s=5, connect_timeout_s=5)
+        with pytest.raises(PSError):
+            PSClient([server.address], worker=1, workers=2, timeout_s=3, connect_timeout_s=3)
+        deadline = time.monotonic() + 5
+        while server.stats()["refused_connections"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = server.stats()
+        assert st["refused_connections"] == 3 and st["shards"] == 0 and st["dead_workers"] == {}
+        # The job itself is untouched: its sum is right (the stranger's 666 never landed).
+        assert _sum_two(server, creds).tolist() == [3.0] * 6
+
+
+def test_nothing_listens_beyond_loopback_without_credentials(creds):
+    with pytest.raises(ConfigError, match="without TLS"):
+        _sum_server(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="without TLS"):
+        Mirror(dc=0, leaders=[("0.0.0.0", 0), ("127.0.0.1", 1)], bind_host="0.0.0.0")
+    check_exposure("127.0.0.1", None)  # loopback: allowed
+    check_exposure("0.0.0.0", creds)
+    _sum_server(host="0.0.0.0", insecure=True).stop()
+    with pytest.raises(ConfigError, match="missing"):
+        LinkSecurity.from_dir("/nonexistent")
+
+
+# -- Hostile messages on a plain loopback server ---------------------------------------------
+
+
+def _raw(server: ParameterServer) -> socket.socket:
+    return socket.create_connection(server.address, timeout=5)
+
+
+def _answer(s: socket.socket) -> tuple[MessageType | None, str]:
+    try:
+        h, payload = recv_message(s)
+    except (ConnectionError, OSError, PSError):
+        return None, ""
+    return h.type, bytes(payload).decode(errors="replace")
+
+
+def test_every_rule_breach_is_refused_with_a_reason_and_changes_nothing():
+    with _sum_server() as server:
+        legit = PSClient([server.address], worker=0, workers=2, timeout_s=10)
+        cases = [
+            ("INIT before HELLO", [(MessageType.INIT, dict(shard=0, payload=b"\0" * 24))]),
+            ("second HELLO", [(MessageType.HELLO, dict(worker=1)),
+                              (MessageType.HELLO, dict(worker=1))]),
+            ("is already connected", [(MessageType.HELLO, dict(worker=0))]),  # legit's id
+            ("out of range", [(MessageType.HELLO, dict(worker=7))]),
+            ("float32 values expected", [(MessageType.HELLO, dict(worker=1)),
+                                         (MessageType.INIT, dict(shard=3, payload=b"abc"))]),
+            ("must be a JSON object", [(MessageType.HELLO, dict(worker=1, payload=b"[1]"))]),
+        ]
+        for reason, msgs in cases:
+            s = _raw(server)
+            for mtype, kw in msgs:
+                send_message(s, mtype, **kw)
+            answers = [_answer(s) for _ in range(len(msgs))]
+            assert any(t is MessageType.ERROR and reason in text for t, text in answers), (
+                reason, answers)
+            s.close()
+        # An absurd announce is refused from its header, before anything is read or allocated.
+        s = _raw(server)
+        send_message(s, MessageType.HELLO, worker=1)
+        assert _answer(s)[0] is MessageType.HELLO
+        s.sendall(HEADER.pack(MAGIC, int(MessageType.INIT), 0, 1, 0, 0, 1 << 33))
+        t, text = _answer(s)
+        assert t is MessageType.ERROR and "at most 1073741824 expected" in text
+        s.close()
+        st = server.stats()
+        assert st["shards"] == 0 and st["protocol_errors"] >= len(cases)
+        # Worker 0 stayed connected through all of it. The connections that broke a rule as
+        # worker 1 cut it off (nobody waits for a worker that broke the protocol); worker 1
+        # reconnecting clears that, and the job's sum is right.
+        assert set(server.stats()["dead_workers"]) == {1}
+        deadline = time.monotonic() + 5
+        while True:  # (the refused connection's thread may still be closing it)
+            try:
+                other = PSClient([server.address], worker=1, workers=2, timeout_s=10)
+                break
+            except PSError as exc:
+                assert "is already connected" in str(exc) and time.monotonic() < deadline
+                time.sleep(0.02)
+        assert server.stats()["dead_workers"] == {}
+        shards = place([("x", 6)], 1, max_shard_elements=6)
+        legit.init(shards, {0: np.zeros(6, np.float32)})
+        for w, c in enumerate((legit, other)):
+            c.push(shards, 0, {0: np.full(6, w + 1.0, np.float32)})
+        for c in (legit, other):
+            buf = {0: np.empty(6, np.float32)}
+            c.pull(shards, 1, buf)
+            assert buf[0].tolist() == [3.0] * 6
+            c.close()
+
+
+_TYPES = st.sampled_from([int(t) for t in MessageType] + [0, 11, 200])
+
+
+@st.composite
+def _message(draw) -> bytes:
+    mtype = draw(_TYPES)
+    size = draw(st.sampled_from([0, 4, 24, 7, 4096, 5000]))
+    payload = draw(st.one_of(st.binary(min_size=size, max_size=size),
+                             st.just(json.dumps({"workers": draw(st.integers(0, 3))}).encode())))
+    announced = draw(st.sampled_from([len(payload), len(payload), 1 << 20, 1 << 40]))
+    magic = draw(st.sampled_from([MAGIC, MAGIC, MAGIC, b"XXXX"]))
+    head = HEADER.pack(magic, mtype, draw(st.integers(0, 255)), draw(st.integers(0, 3)),
+                       draw(st.integers(0, 3)), draw(st.integers(0, 4)), announced)
+    return head + payload[:announced]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(phase=st.sampled_from(["fresh", "after hello", "after init"]),
+       msgs=st.lists(_message(), min_size=1, max_size=4))
+def test_fuzzed_messages_never_crash_the_server_or_change_another_workers_state(phase, msgs):
+    """Worker 0 runs a job of one shard; a hostile connection in each phase of its own
+    (fresh, after a HELLO as worker 1, after an INIT) sends random messages. The server
+    survives, and the job's values are exactly what worker 0 set (a hostile INIT can only
+    land for a shard nobody initialised, here shard 9, never shard 0)."""
+    server = ParameterServer(0, ServerConfig(workers=2, mode="async", optimizer="sum",
+                                             timeout_s=0.5)).start()
+    try:
+        shards = place([("x", 6)], 1, max_shard_elements=6)
+        c = PSClient([server.address], worker=0, workers=2, timeout_s=10)
+        c.init(shards, {0: np.arange(6, dtype=np.float32)})
+        s = _raw(server)
+        s.settimeout(2)
+        if phase != "fresh":
+            send_message(s, MessageType.HELLO, worker=1)
+            _answer(s)
+        if phase == "after init":
+            send_message(s, MessageType.INIT, shard=9, payload=np.zeros(3, np.float32))
+        for m in msgs:
+            try:
+                s.sendall(m)
+            except OSError:
+                break
+        s.close()
+        buf = {0: np.empty(6, np.float32)}
+        c.pull(shards, 0, buf)  # the server still answers, with worker 0's values
+        assert buf[0].tolist() == list(range(6))
+        c.close()
+    finally:
+        server.stop()
+
+
+# -- Gaia ---------------------------------------------------------------------------------
+
+
+def _mirrors(free_ports, security=None, timeout_s=10.0):
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=timeout_s, security=security)
+    t = threading.Thread(target=m1.start)
+    t.start()
+    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=timeout_s,
+                security=security).start()
+    t.join(10)
+    for m in (m0, m1):
+        m.expect_entries(10)
+    return m0, m1, leaders
+
+
+def test_gaia_leaders_exchange_over_tls_and_refuse_strangers(free_ports, creds, other_creds):
+    m0, m1, leaders = _mirrors(free_ports, creds)
+    try:
+        # A stranger with another CA's certificate, and one speaking plain TCP.
+        ctx = other_creds.client_context()
+        with pytest.raises((ssl.SSLError, OSError)):
+            s = ctx.wrap_socket(socket.create_connection(leaders[0], timeout=5))
+            send_message(s, MessageType.HELLO, worker=1)
+            s.recv(1)
+        s = socket.create_connection(leaders[0], timeout=5)
+        send_message(s, MessageType.HELLO, worker=1)
+        s.close()
+        got = []
+        m1.clock.finish()
+        m1.publish(1, np.array([2, 5], np.int32), np.array([0.5, -1.0], np.float32))
+        m0.clock.finish()
+        m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())))
+        assert got == [([2, 5], [0.5, -1.0])]
+        deadline = time.monotonic() + 5
+        while m0.stats()["refused_links"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m0.stats()["refused_links"] == 2
+    finally:
+        m0.close()
+        m1.close()
+
+
+def _forge(addr, msgs) -> None:
+    s = socket.create_connection(addr, timeout=5)
+    for mtype, kw in msgs:
+        send_message(s, mtype, **kw)
+    time.sleep(0.2)
+    s.close()
+
+
+@pytest.mark.parametrize("msgs, reason", [
+    ([(MessageType.CLOCK, dict(step=5))], "clock 5 after clock 0"),
+    ([(MessageType.SPARSE, dict(step=1, payload=b"\0" * 8))], "was not announced"),
+    ([(MessageType.CLOCK, dict(step=1, flags=1)),
+      (MessageType.SPARSE, dict(step=1, payload=np.array([99], np.int32).tobytes()
+                                + np.ones(1, np.float32).tobytes()))],
+     "outside the model's 10 parameters"),
+    ([(MessageType.CLOCK, dict(step=1, flags=1)),
+      (MessageType.SPARSE, dict(step=1, payload=b"\0" * 7))], "8 bytes an entry"),
+    ([(MessageType.CLOCK, dict(step=1, flags=1)),
+      (MessageType.SPARSE, dict(step=1, payload=b"\0" * 88))], "at most 80 expected"),
+    ([(MessageType.PUSH, dict(step=1))], "unexpected PUSH"),
+])
+def test_a_data_centre_that_breaks_a_rule_is_named_and_the_leader_survives(free_ports, msgs,
+                                                                          reason):
+    """Data centre 1's link (plain loopback: it holds the job's standing) sends a forged
+    message: data centre 0's exchange fails with a GaiaError naming it and the reason (no
+    IndexError or ValueError escapes), and applies nothing."""
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=5)
+    m0._spawn(m0._accept_loop)  # listen only: the forger plays data centre 1
+    m0.expect_entries(10)
+    _forge(leaders[0], [(MessageType.HELLO, dict(worker=1))] + msgs)
+    applied = []
+    m0.clock.finish()
+    with pytest.raises(GaiaError, match="data centre 1") as e:
+        m0.exchange(lambda i, v: applied.append(i))
+    assert reason in str(e.value)
+    assert applied == [] and m0.stats()["protocol_errors"] == 1
+
+
+def test_garbage_before_a_hello_changes_nothing(free_ports):
+    """A connection that never says a valid HELLO (or claims this data centre, or one
+    already linked) is dropped and logged; the exchange goes on as if it had not been."""
+    m0, m1, leaders = _mirrors(free_ports)
+    try:
+        _forge(leaders[0], [(MessageType.SPARSE, dict(step=1, payload=b"\0" * 8))])
+        _forge(leaders[0], [(MessageType.HELLO, dict(worker=0))])  # this data centre
+        _forge(leaders[0], [(MessageType.HELLO, dict(worker=1)),  # linked already
+                            (MessageType.CLOCK, dict(step=9))])
+        s = socket.create_connection(leaders[0], timeout=5)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(20))
+        s.close()
+        for m in (m0, m1):
+            m.clock.finish()
+            m.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        m0.exchange(lambda i, v: None)
+        m1.exchange(lambda i, v: None)
+        assert m0.stats()["clocks"] == [1, 1]
+        deadline = time.monotonic() + 5
+        while m0.stats()["protocol_errors"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m0.stats()["protocol_errors"] == 4
+    finally:
+        m0.close()
+        m1.close()
