@@ -26,10 +26,12 @@ function that builds its parser and binds its ``_run_*`` handler with ``set_defa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -620,6 +622,8 @@ def _add_ps_train_parser(pss: _Subparsers) -> None:
                     help="make this worker a straggler (sleeps --slow-s per step)")
     tr.add_argument("--slow-s", type=float, default=0.05, help="straggler delay (default 0.05)")
     tr.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    tr.add_argument("--tls", action="store_true",
+                    help="mutual TLS on every link, with credentials made for this run")
     _add_ps_training_args(tr)
     tr.set_defaults(func=_run_ps_train)
 
@@ -1188,7 +1192,12 @@ def _run_ps_train(args: argparse.Namespace) -> int:
                       model=args.model, max_shard_elements=args.max_shard_elements,
                       slow_worker=args.slow_worker, slow_s=args.slow_s,
                       timeout_s=args.timeout_s)
-    r = run_ps_training(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="switchml-tls-") as tmp:
+        if args.tls:
+            from switchml.links import make_credentials
+            make_credentials(f"{tmp}/tls")
+            cfg = dataclasses.replace(cfg, tls_dir=f"{tmp}/tls")
+        r = run_ps_training(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(r["placement"])
     print(f"test accuracy {r['test_accuracy']:.4f}  elapsed {r['elapsed_s']:.2f} s  "
           f"steps applied (all shards) {r['steps_applied']}  dropped late gradients "

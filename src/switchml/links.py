@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import socket
 import ssl
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSecurity", "check_exposure", "is_loopback", "make_credentials"]
+__all__ = ["LinkSecurity", "WarningBudget", "check_exposure", "is_loopback", "make_credentials"]
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
 CA_KEY_FILE = "ca.key"
@@ -103,6 +106,31 @@ class LinkSecurity:
     def connect(self, sock: socket.socket, ctx: ssl.SSLContext) -> ssl.SSLSocket:
         """Run the client side of the handshake on a connected socket (its timeout holds)."""
         return ctx.wrap_socket(sock, server_side=False)
+
+
+class WarningBudget:
+    """Log refusals of hostile peers without letting them flood the log: at most ``burst``
+    warnings per ``window_s``, then one line counting the ones suppressed."""
+
+    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 10.0
+                 ) -> None:
+        self._log, self._burst, self._window_s = logger, burst, window_s
+        self._lock = threading.Lock()
+        self._start, self._logged, self._suppressed = 0.0, 0, 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._start >= self._window_s:
+                if self._suppressed:
+                    self._log.warning("... and %d more refusals in %.0f s (suppressed)",
+                                      self._suppressed, self._window_s)
+                self._start, self._logged, self._suppressed = now, 0, 0
+            if self._logged >= self._burst:
+                self._suppressed += 1
+                return
+            self._logged += 1
+        self._log.warning(msg, *args)
 
 
 def check_exposure(host: str, security: LinkSecurity | None, *, insecure: bool = False,

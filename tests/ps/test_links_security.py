@@ -302,7 +302,7 @@ def test_a_data_centre_that_breaks_a_rule_is_named_and_the_leader_survives(free_
     IndexError or ValueError escapes), and applies nothing."""
     leaders = [("127.0.0.1", p) for p in free_ports(2)]
     m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=5)
-    m0._spawn(m0._accept_loop)  # listen only: the forger plays data centre 1
+    m0.listen()  # only: the forger plays data centre 1
     m0.expect_entries(10)
     _forge(leaders[0], [(MessageType.HELLO, dict(worker=1))] + msgs)
     applied = []

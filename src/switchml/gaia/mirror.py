@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from switchml.gaia.rules import MirrorClock, SelectiveBarrier, decode_sparse, encode_sparse
-from switchml.links import LinkSecurity, check_exposure
+from switchml.links import LinkSecurity, WarningBudget, check_exposure
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
 from switchml.ps.wire import (
@@ -77,6 +77,10 @@ class Mirror:
         self.refused_links = 0
         self.protocol_errors = 0
         self._linked: set[int] = set()  # data centres whose incoming link said HELLO
+        self._listening = False
+        self._warn = WarningBudget(log)
+        self._receivers: list[threading.Thread] = []
+        self._max_links = 2 * len(leaders) + 4  # links served at once
         self.leaders = [tuple(a) for a in leaders]
         self.timeout_s = timeout_s
         self.clock = MirrorClock(len(leaders), dc, staleness=staleness)
@@ -107,7 +111,7 @@ class Mirror:
         Raises:
             GaiaError: a leader unreachable within ``timeout_s`` (named).
         """
-        self._spawn(self._accept_loop)
+        self.listen()
         for j, addr in enumerate(self.leaders):
             if j == self.dc:
                 continue
@@ -136,6 +140,14 @@ class Mirror:
             self._senders.append(self._spawn(self._sender, j))
         return self
 
+    def listen(self) -> Mirror:
+        """Accept the other data centres' links (``start`` does this first, then connects
+        out); on its own, for a leader that only receives (tests, the fuzzer)."""
+        if not self._listening:
+            self._listening = True
+            self._spawn(self._accept_loop)
+        return self
+
     def _spawn(self, fn: Callable[..., None], *args: Any) -> threading.Thread:
         t = threading.Thread(target=fn, args=args, daemon=True)
         t.start()
@@ -147,7 +159,15 @@ class Mirror:
                 conn, _ = self._lsock.accept()
             except OSError:
                 return
-            self._spawn(self._receiver, conn)
+            self._receivers = [t for t in self._receivers if t.is_alive()]
+            if len(self._receivers) >= self._max_links:
+                with self._cond:
+                    self.refused_links += 1
+                self._warn.warn("Gaia leader %d refused a connection: %d links open",
+                                self.dc, self._max_links)
+                conn.close()
+                continue
+            self._receivers.append(self._spawn(self._receiver, conn))
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -193,8 +213,8 @@ class Mirror:
                 except (OSError, ValueError) as exc:
                     with self._cond:
                         self.refused_links += 1
-                    log.warning("Gaia leader %d refused a connection: TLS handshake failed: %s",
-                                self.dc, exc)
+                    self._warn.warn("Gaia leader %d refused a connection: TLS handshake "
+                                    "failed: %s", self.dc, exc)
                     return
             conn.settimeout(None)
             h = recv_header(conn)
@@ -215,8 +235,8 @@ class Mirror:
                 if j >= 0:
                     self._errors[j] = f"{self._name(j)}: {exc}"
                     self._cond.notify_all()
-            log.warning("Gaia leader %d: link from %s: %s", self.dc,
-                        self._name(j) if j >= 0 else "an unidentified peer", exc)
+            self._warn.warn("Gaia leader %d: link from %s: %s", self.dc,
+                            self._name(j) if j >= 0 else "an unidentified peer", exc)
         finally:
             conn.close()
 

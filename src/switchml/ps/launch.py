@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from switchml.links import LinkSecurity
 from switchml.protocol.errors import ConfigError
 from switchml.ps.server import ParameterServer, ServerConfig
 from switchml.ps.wire import PSError
@@ -45,6 +46,11 @@ class PSRunConfig:
     in_process: bool = False
     timeout_s: float = 60.0
     host: str = "127.0.0.1"
+    tls_dir: str | None = None
+    """Mutual TLS on every server link, with the credentials in this directory (links.py)."""
+
+    def security(self) -> LinkSecurity | None:
+        return LinkSecurity.from_dir(self.tls_dir) if self.tls_dir else None
 
     def __post_init__(self) -> None:
         ServerConfig(self.workers, self.backup, self.mode, self.optimizer, self.lr,
@@ -91,7 +97,8 @@ def train_worker(cfg: PSRunConfig, rank: int, servers: list[tuple[str, int]],
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     trainer = PSTrainer(model, servers=servers, worker=rank, workers=cfg.workers, mode=cfg.mode,
                         max_shard_elements=cfg.max_shard_elements, timeout_s=cfg.timeout_s,
-                        print_placement=False)  # the launcher prints it
+                        print_placement=False,  # the launcher prints it
+                        security=cfg.security())
     loss_fn = nn.CrossEntropyLoss()
     losses = []
     t0 = time.perf_counter()
@@ -122,7 +129,8 @@ def train_worker(cfg: PSRunConfig, rank: int, servers: list[tuple[str, int]],
 
 def _server_proc(index: int, cfg: PSRunConfig, q: Any) -> None:
     try:
-        ps = ParameterServer(index, cfg.server_config(), host=cfg.host).start()
+        ps = ParameterServer(index, cfg.server_config(), host=cfg.host,
+                             security=cfg.security()).start()
         q.put(("address", index, ps.address))
         ps.wait_finished(cfg.timeout_s * 10)
         q.put(("server", index, ps.stats()))
@@ -211,7 +219,8 @@ def _run_threads(cfg: PSRunConfig) -> dict[str, Any]:
 
 
 def _run_threads_body(cfg: PSRunConfig) -> dict[str, Any]:
-    servers = [ParameterServer(i, cfg.server_config(), host=cfg.host).start()
+    servers = [ParameterServer(i, cfg.server_config(), host=cfg.host,
+                               security=cfg.security()).start()
                for i in range(cfg.servers)]
     addrs = [s.address for s in servers]
     results: dict[int, dict[str, Any]] = {}

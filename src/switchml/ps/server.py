@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from switchml.links import LinkSecurity, check_exposure
+from switchml.links import LinkSecurity, WarningBudget, check_exposure
 from switchml.protocol.address import format_address
 from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
@@ -63,6 +63,9 @@ class ServerConfig:
     max_shard_bytes: int = 1 << 30
     """The largest shard an INIT may bring; a PUSH must match its shard's size exactly.
     Anything announcing more is refused before a byte of it is read. Default 1 GiB."""
+    max_connections: int | None = None
+    """Connections served at once (a thread each); more are closed at once and counted.
+    Default ``2 * workers + 8``: every worker, a reconnecting one, and some slack."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -79,6 +82,9 @@ class ServerConfig:
             raise ConfigError("lr and timeout_s must be > 0")
         if self.max_shard_bytes < 4:
             raise ConfigError(f"max_shard_bytes must be >= 4, got {self.max_shard_bytes}")
+        if self.max_connections is not None and self.max_connections < self.workers:
+            raise ConfigError(f"max_connections must be >= workers ({self.workers}), got "
+                              f"{self.max_connections}")
 
 
 class _ShardState:
@@ -143,6 +149,8 @@ class ParameterServer:
         self._conns: list[tuple[socket.socket, threading.Thread]] = []
         self._threads: list[threading.Thread] = []
         self._live: dict[int, str] = {}  # worker id -> the peer its connection comes from
+        self._warn = WarningBudget(log)
+        self._max_conns = config.max_connections or 2 * config.workers + 8
         self.counters = {"pushes": 0, "dropped_late": 0, "steps_applied": 0, "pulls": 0,
                          "bytes_in": 0, "bytes_out": 0, "refused_connections": 0,
                          "protocol_errors": 0}
@@ -226,13 +234,23 @@ class ParameterServer:
             t = threading.Thread(target=self._serve, args=(conn, format_address(peer[:2])),
                                  daemon=True)
             with self._cond:  # stop() joins what it finds here: started, then
-                self._conns.append((conn, t))
-                t.start()
+                self._conns = [(c, th) for c, th in self._conns if th.is_alive()]
+                full = len(self._conns) >= self._max_conns
+                if full:
+                    self.counters["refused_connections"] += 1
+                else:
+                    self._conns.append((conn, t))
+                    t.start()
+            if full:
+                self._warn.warn("ps%d: refused a connection from %s: %d connections open "
+                                "(max_connections)", self.index, format_address(peer[:2]),
+                                self._max_conns)
+                conn.close()
 
     def _refuse(self, peer: str, worker: int, why: str) -> None:
         """A connection broke the protocol: log it, count it, and cut off the worker it
         claimed to be (after its HELLO), so that nobody waits for it."""
-        log.warning("ps%d: %s (worker %d): %s", self.index, peer, worker, why)
+        self._warn.warn("ps%d: %s (worker %d): %s", self.index, peer, worker, why)
         with self._cond:
             self.counters["protocol_errors"] += 1
             if worker >= 0:
@@ -261,8 +279,8 @@ class ParameterServer:
                 except (OSError, ValueError) as exc:
                     with self._cond:
                         self.counters["refused_connections"] += 1
-                    log.warning("ps%d: refused a connection from %s: TLS handshake failed: %s",
-                                self.index, peer, exc)
+                    self._warn.warn("ps%d: refused a connection from %s: TLS handshake "
+                                    "failed: %s", self.index, peer, exc)
                     return
             while True:
                 h = recv_header(conn)
