@@ -32,7 +32,10 @@ TYPES = [int(t) for t in MessageType] + [0, 11, 200]
 def targets(q) -> None:
     from switchml.gaia.mirror import Mirror
     from switchml.ps.server import ParameterServer, ServerConfig
-    server = ParameterServer(0, ServerConfig(workers=2, optimizer="sum", timeout_s=30)).start()
+    # Four worker ids, two of them the legitimate job's: hostile HELLOs as 2 or 3 get in, so
+    # their later frames are parsed too (each step takes the first two gradients: backup 2).
+    server = ParameterServer(0, ServerConfig(workers=4, backup=2, optimizer="sum",
+                                             timeout_s=30)).start()
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
     ports = [probe.getsockname()[1], 1]
@@ -76,9 +79,9 @@ def sender(addr, count: int, seed: int, sent: list[int], stop: threading.Event) 
             time.sleep(0.01)
             continue
         try:
-            if rng.random() < 0.3:  # a valid HELLO first: the next frames are parsed further
+            if rng.random() < 0.5:  # a valid HELLO first: the next frames are parsed further
                 s.sendall(HEADER.pack(MAGIC, int(MessageType.HELLO), 0,
-                                      int(rng.integers(0, 3)), 0, 0, 0))
+                                      int(rng.integers(0, 4)), 0, 0, 0))
                 n += 1
             for _ in range(int(rng.integers(1, 8))):
                 s.sendall(frame(rng))
@@ -96,7 +99,7 @@ def legit(addr, rounds: list[int], errors: list[str], stop: threading.Event) -> 
 
     def worker(w: int) -> None:
         try:
-            ar = PSAllreduce([addr], worker=w, numel=4096, workers=2, timeout_s=30)
+            ar = PSAllreduce([addr], worker=w, numel=4096, workers=4, timeout_s=30)
             x = np.full(4096, w + 1.0, np.float32)
             o = np.empty_like(x)
             k = 0

@@ -316,12 +316,12 @@ def test_duplicates_while_open_get_waiting_and_sum_stays_right(sw, job3):
         assert (h.job, h.token, h.seq, h.chunk, h.slot, h.set_bit) == (8, TOKEN, 0, 0,
                                                                        job3.slot_base, 0)
         assert h.elem is ElementType.BYTES
-        assert h.count == 1
-        assert o.payload.tolist() == [0b110]  # ranks 1 and 2 missing
+        assert h.count == 2
+        assert o.payload.tolist() == [0b110, 0]  # ranks 1 and 2 missing, none gone
     assert job3.send(1, [1, 2]) == []
     (o,) = job3.send(1, [1, 2])  # a duplicate with data is not added again either
     assert o.header.type is MessageType.WAITING
-    assert o.payload.tolist() == [0b100]
+    assert o.payload.tolist() == [0b100, 0]
     out = job3.send(2, [100, 200])
     assert_result_to_all(job3, out, [106, 207], seq=0, chunk=0)
     assert sw.drops == {"duplicate": 4}
@@ -518,15 +518,17 @@ BAD_CASES = {
 
 
 def _assert_only_unknown_job_echo(out, case, bad, addr):
-    """Bad datagrams get no answer, except an unknown job: one header-only UNKNOWN_JOB echo to
-    the sender (so a worker notices a restarted switch), never larger than the request; and a
-    member's chunk that disagrees with its round: one MISMATCH to that member."""
+    """Bad datagrams get no answer, except an unknown job, or a rank's right token from another
+    address (a displaced rank): one header-only UNKNOWN_JOB echo to the sender (so a worker
+    notices a restarted switch, or rejoins and hears why it cannot go on), never larger than
+    the request; and a member's chunk that disagrees with its round: one MISMATCH to that
+    member."""
     if case == "inconsistent_chunk":
         # To the sender; the round's contributor (rank 0 of job a) is told once, the first time.
         assert out[0].addr == addr and all(o.header.type is MessageType.MISMATCH for o in out)
         assert [o.addr for o in out[1:]] in ([], [("a0", 1000)])
         return
-    if case != "unknown_job":
+    if case not in ("unknown_job", "wrong_source", "wrong_source_other_job"):
         assert out == []
         return
     assert len(out) == 1
@@ -617,7 +619,8 @@ def test_rejoin_from_new_address_moves_results(sw, job2):
     assert o.header.type is MessageType.JOINED and o.addr == new
     assert drain_events(sw) == [MemberJoined(7, 1, new)]
     assert job2.send(0, [1]) == []
-    assert deliver(sw, job2.req(1, [1]), job2.addrs[1]) == []  # old address: wrong_source
+    (o,) = deliver(sw, job2.req(1, [1]), job2.addrs[1])  # old address: wrong_source
+    assert o.header.type is MessageType.UNKNOWN_JOB and o.addr == job2.addrs[1]
     out = deliver(sw, job2.req(1, [2]), new)
     assert [o.addr for o in out] == [job2.addrs[0], new]
     assert out[0].payload.tolist() == [3]
@@ -817,12 +820,14 @@ def test_forty_workers(sw):
     for r in range(n - 1):
         assert job.send(r, vals[r]) == []
         if r == 33:
-            # WAITING names missing ranks beyond bit 31: 34..39 in a 5-byte bitmap.
+            # WAITING names missing ranks beyond bit 31: 34..39 in a 5-byte bitmap (then the
+            # 5-byte bitmap of those gone: none).
             (o,) = job.send(r, vals[r])
             assert o.header.type is MessageType.WAITING
-            assert o.header.count == 5
-            missing = int.from_bytes(o.payload.tobytes(), "little")
-            assert missing == sum(1 << k for k in range(34, 40))
+            assert o.header.count == 10
+            raw = o.payload.tobytes()
+            assert int.from_bytes(raw[:5], "little") == sum(1 << k for k in range(34, 40))
+            assert raw[5:] == bytes(5)
     out = job.send(n - 1, vals[n - 1])
     assert_result_to_all(job, out, [780, 1560, -780, 40], seq=0, chunk=0)
     assert len(out) == 40

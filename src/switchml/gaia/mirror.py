@@ -98,7 +98,7 @@ class Mirror:
         self._lsock = socket.socket()
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._lsock.bind((bind_host, self.leaders[dc][1]))
-        self._lsock.listen(16)
+        self._lsock.listen(128)
 
     def _name(self, j: int) -> str:
         return f"data centre {j} (leader {format_address(self.leaders[j])})"

@@ -41,6 +41,11 @@ class SwitchConfig:
     joins or leaves a job. None: an open switch (the empty secret), which authenticates only
     against those who never saw a job's token. Required when the switch listens beyond
     loopback."""
+    member_timeout_s: float = 20.0
+    """A member the switch has heard nothing from (no request, no keep-alive: workers send one
+    every ``keepalive_s``, 5 s, while idle) for this long is reported gone in the WAITING
+    answers its peers get, and they fail at once naming it instead of waiting out their own
+    ``op_timeout_s`` (30 minutes under torch). Default 20 s."""
     join_challenge_s: float = 5.0
     """How long a JOIN challenge's cookie stays good (a JOIN's round trip, with margin). A
     JOIN captured and replayed later than this changes nothing. Default 5 s."""
@@ -76,6 +81,8 @@ class SwitchConfig:
                f"{self.lease_timeout_s}")
         _check(self.join_challenge_s > 0, f"join_challenge_s must be > 0, got "
                f"{self.join_challenge_s}")
+        _check(self.member_timeout_s > 0, f"member_timeout_s must be > 0, got "
+               f"{self.member_timeout_s}")
         _check(self.secret is None or len(self.secret) >= 16,
                "secret must be at least 16 bytes (use a random one)")
         _check(self.pool_slots >= 1, f"pool_slots must be >= 1, got {self.pool_slots}")

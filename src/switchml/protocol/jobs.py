@@ -110,11 +110,13 @@ class Job:
     key: bytes = b""  # the job key (auth.job_key): JOIN and LEAVE proofs verify under it
     cookies: list[bytes | None] = field(default_factory=list)  # each member's JOIN cookie
     left_at: list[float] = field(default_factory=list)  # when each rank last left (LEAVE)
+    heard: list[float] = field(default_factory=list)  # when each member last sent anything
 
     def __post_init__(self) -> None:
         w = self.window
         self.cookies = [None] * self.num_workers
         self.left_at = [float("-inf")] * self.num_workers
+        self.heard = [float("-inf")] * self.num_workers
         self.all_ranks = (1 << self.num_workers) - 1
         nwords = (self.num_workers + 63) // 64
         jobv = np.zeros(K.J_FIELDS, np.int64)

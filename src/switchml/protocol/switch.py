@@ -527,6 +527,7 @@ class SwitchDataplane:
                 return
             job.members[h.rank] = addr
             job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
+            job.heard[h.rank] = now
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
         if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
@@ -574,6 +575,7 @@ class SwitchDataplane:
             self._refuse(h, addr, f"no memory for job {h.job}")
             return None
         job.last_seen = self._now
+        job.heard = [self._now] * job.num_workers  # silence counts from here
         self._jobs[h.job] = job
         self._events.append(JobCreated(h.job, job.num_workers, base, job.window,
                                        job.elements_per_packet))
@@ -630,6 +632,7 @@ class SwitchDataplane:
             self._drops["bad_keepalive"] += 1
             return
         job.last_seen = now
+        job.heard[h.rank] = now
 
     def job_buffers(self, job_id: int) -> np.ndarray | None:
         """The result buffers ``[set, slot, byte]`` of a live job (a relay reads them)."""
@@ -680,7 +683,11 @@ class SwitchDataplane:
                 self._drops["not_joined"] += 1
                 self._unknown_job(f, addr)
             else:
+                # Right token, another address: a rank whose place a restarted process took
+                # (before the job's first request). Told so, it joins again and hears why it
+                # cannot go on, instead of waiting out its timeout.
                 self._drops["wrong_source"] += 1
+                self._unknown_job(f, addr)
             return None
         min_seq = job.min_seq
         if min_seq is not None and ((seq - min_seq) & _MASK32) >= _HALF:
@@ -688,6 +695,7 @@ class SwitchDataplane:
             self._unknown_job(f, addr)
             return None
         job.last_seen = now
+        job.heard[rank] = now
         job.started = True
         return job
 
@@ -788,7 +796,14 @@ class SwitchDataplane:
             self._mismatch(job, f, addr, None)
             return
         missing = job.all_ranks & ~bitmap(job.seen[v, s])
-        payload = missing.to_bytes((job.num_workers + 7) // 8, "little")
+        # Of those, the ones gone: silent (no JOIN, request or keep-alive) for
+        # member_timeout_s; a rank that never joined counts from the job's creation.
+        gone, quiet = 0, self._now - self.config.member_timeout_s
+        for r in range(job.num_workers):
+            if missing >> r & 1 and job.heard[r] < quiet:
+                gone |= 1 << r
+        nb = (job.num_workers + 7) // 8
+        payload = missing.to_bytes(nb, "little") + gone.to_bytes(nb, "little")
         reply = Header(MessageType.WAITING, job.job_id, rank=rank, token=job.token, seq=seq,
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))
         self._out.append((pack_header(reply) + payload, addr))

@@ -515,8 +515,18 @@ class WorkerEndpoint:
         if op is None:
             return
         self._counters["waiting_received"] += 1
-        missing = int.from_bytes(bytes(unpack_payload(data, h)), "little")
+        raw = bytes(unpack_payload(data, h))
+        nb = (self.spec.num_workers + 7) // 8
+        missing = int.from_bytes(raw[:nb], "little")
         self.recovery.on_waiting(op, h.chunk, missing, now)
+        gone = int.from_bytes(raw[nb:2 * nb], "little") & missing
+        if gone:
+            ranks = [r for r in range(self.spec.num_workers) if gone >> r & 1]
+            self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): "
+                       f"the switch at {self._switch_text} waits for rank(s) {ranks}, which "
+                       "it has heard nothing from for longer than its member timeout (no "
+                       "request, no keep-alive) or which are no longer members: gone (dead, "
+                       "left, or displaced); the operation cannot complete")
 
     def _handle_nack(self, h: Header, data: _Data, now: float) -> None:
         """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
