@@ -206,6 +206,10 @@ def _add_switch_parser(sub: _Subparsers) -> None:
     sw.add_argument("--lease-timeout-s", type=float,
                     default=float(_env("lease_timeout_s", 30.0)),
                     help="a job silent for this long loses its slots (default 30)")
+    sw.add_argument("--member-timeout-s", type=float,
+                    default=float(_env("member_timeout_s", 20.0)),
+                    help="a member silent this long (no request, no keep-alive) is reported "
+                         "gone to its peers, which then fail at once naming it (default 20)")
     sw.add_argument("--nack-gap", type=int, default=int(_env("nack_gap", 4)),
                     help="loss recovery: tell a worker at once that a chunk of its is missing "
                          "when its later chunks arrive, tolerating this much reordering "
@@ -781,7 +785,7 @@ def _run_switch(args: argparse.Namespace) -> int:
     print(f"switchml switch listening on udp {format_address(server.address)}{shard}",
           flush=True)
     if args.stop_on_stdin_eof:
-        _stop_on_stdin_eof(stop)
+        _stop_on_stdin_eof(stop, server)
     _serve_until_stopped(server, stop, args.stats_interval_s)
     server.stop()
     return 0
@@ -829,7 +833,7 @@ def _rack_aggregator(args: argparse.Namespace, secret: bytes | None) -> RackAggr
                           switch_config=SwitchConfig(
                               pool_slots=args.pool_slots,
                               lease_timeout_s=args.lease_timeout_s, secret=secret,
-                              nack_gap=args.nack_gap))
+                              nack_gap=args.nack_gap, member_timeout_s=args.member_timeout_s))
     print(f"rack {args.rack[0]} of {args.rack[1]}: its workers join with "
           f"SWITCHML_JOB={encode_job_spec(child)} (rank = global rank mod "
           f"{child.num_workers})", flush=True)
@@ -847,6 +851,7 @@ def _switch_server(args: argparse.Namespace, secret: bytes | None,
     return SwitchServer(host=args.host, port=args.port, config=SwitchConfig(
         pool_slots=args.pool_slots, lease_timeout_s=args.lease_timeout_s, secret=secret,
         nack_gap=args.nack_gap, shard_index=shard_index, shard_count=shard_count,
+        member_timeout_s=args.member_timeout_s,
         **({"max_elements_per_packet": elements_for_mtu(args.mtu)} if args.mtu else {})),
         batching=not args.no_batching and env.batching(), dataplane=rack)
 
@@ -861,12 +866,28 @@ def _start_metrics(server: SwitchServer, pool_slots: int, port: int) -> None:
         log.warning("metrics endpoint not started on port %d: %s", port, exc)
 
 
-def _stop_on_stdin_eof(stop: threading.Event) -> None:
-    """Set ``stop`` when standard input closes (watched by a daemon thread)."""
+_OWNER_GONE_QUIET_S = 1.0
+_OWNER_GONE_MAX_S = 5.0
+
+
+def _stop_on_stdin_eof(stop: threading.Event, server: SwitchServer) -> None:
+    """Set ``stop`` once standard input has closed (the owner is gone) and the switch has
+    then been quiet for ``_OWNER_GONE_QUIET_S`` (at most ``_OWNER_GONE_MAX_S``).
+
+    Not at once: the owner's process (rank 0 of an embedded switch) may end first in an
+    operation whose outcome the other ranks have yet to hear, a MISMATCH, say. A switch
+    that stopped with it left them waiting out their timeout; it answers them first."""
     def _watch_stdin() -> None:
         while sys.stdin.read(4096):
             pass
-        log.info("standard input closed, stopping")
+        log.info("standard input closed: stopping once quiet for %g s", _OWNER_GONE_QUIET_S)
+        deadline = time.monotonic() + _OWNER_GONE_MAX_S
+        seen = server.stats().get("packets_in")
+        while not stop.wait(_OWNER_GONE_QUIET_S) and time.monotonic() < deadline:
+            now = server.stats().get("packets_in")
+            if now == seen:
+                break
+            seen = now
         stop.set()
     threading.Thread(target=_watch_stdin, daemon=True).start()
 
@@ -889,6 +910,7 @@ def _shard_argv(args: argparse.Namespace, i: int, shards: int) -> list[str]:
             "--host", args.host, "--port", str(args.port + i), "--shard", f"{i}/{shards}",
             "--pool-slots", str(args.pool_slots), "--lease-timeout-s", str(args.lease_timeout_s),
             "--nack-gap", str(args.nack_gap), "--stats-interval-s", str(args.stats_interval_s),
+            "--member-timeout-s", str(args.member_timeout_s),
             "--metrics-port", str(args.metrics_port + i if args.metrics_port else 0),
             "--stop-on-stdin-eof"]
     if args.secret_file:
@@ -1173,13 +1195,8 @@ def _run_ps_server(args: argparse.Namespace) -> int:
         if args.exit_when_done and server.wait_finished(0.01):
             break
     print(json.dumps(server.stats()), flush=True)
-    server.stop()
-    # Exit without interpreter finalisation: about half the time, tearing down torch's
-    # native threads after serving made the process abort at exit ("terminate called
-    # without an active exception", status -6) although everything had finished.
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(0)
+    server.stop()  # joins its threads: see ParameterServer.stop for the abort this avoids
+    return 0
 
 
 def _run_ps_train(args: argparse.Namespace) -> int:

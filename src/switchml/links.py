@@ -85,7 +85,12 @@ class LinkSecurity:
         return ctx
 
     def server_context(self) -> ssl.SSLContext:
-        return self._context(ssl.PROTOCOL_TLS_SERVER)
+        ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
+        # No TLS 1.3 session tickets: nothing resumes sessions here, and a ticket the client
+        # never reads (a Gaia sender only writes) makes its close() a reset, which can
+        # destroy its last messages (the goodbye) before the server has read them.
+        ctx.num_tickets = 0
+        return ctx
 
     def client_context(self) -> ssl.SSLContext:
         ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)

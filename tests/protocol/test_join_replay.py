@@ -66,7 +66,7 @@ def _run(phase: str | None, source: str, delay: float, secret: bytes | None):
     sw = SwitchDataplane(SwitchConfig(secret=secret))
     tap = Tap(sw)
     ws = [WorkerEndpoint(spec=SPEC, rank=r, switch_address=SA,
-                         config=WorkerConfig(secret=secret)) for r in range(2)]
+                         config=WorkerConfig(secret=secret, keepalive_s=1.0)) for r in range(2)]
     eps = {SA: tap, ADDRS[0]: ws[0], ADDRS[1]: ws[1]}
     now = 0.0
     replies: list[tuple[MessageType, tuple]] = []
@@ -86,6 +86,10 @@ def _run(phase: str | None, source: str, delay: float, secret: bytes | None):
         w.join(now)
     exchange(eps, now)
     assert [w.state for w in ws] == [WorkerState.READY] * 2
+    now += 1.0  # idle: each rank renews the lease (KEEPALIVE)
+    for w in ws:
+        w.handle_timer(now)
+    exchange(eps, now)
     if phase == "joined":
         replay()
     xs = _inputs()
@@ -111,6 +115,7 @@ def _run(phase: str | None, source: str, delay: float, secret: bytes | None):
     assert ws[1].state is WorkerState.CLOSED
     if phase == "all left":
         replay()
+    assert {unpack_header(raw).type for raw, _ in tap.captured} >= set(CONTROL)
     joined = []
     while (e := sw.next_event()) is not None:
         if isinstance(e, MemberJoined):
@@ -138,8 +143,10 @@ def test_a_replayed_control_message_changes_nothing(phase, source, delay, secret
             assert outs[op][r].tobytes() == undisturbed[secret][op][r].tobytes()
             np.testing.assert_allclose(outs[op][r], xs[0] + xs[1], rtol=1e-5, atol=1e-6)
     assert joined == [(0, ADDRS[0]), (1, ADDRS[1])]  # nobody joined again, or elsewhere
-    assert all(dst != EVIL or t in (MessageType.CHALLENGE, MessageType.LEFT)
-               for t, dst in replies)  # the replayer learns nothing but a fresh challenge
+    # The replayer learns nothing but a fresh challenge, an acknowledged LEAVE that changed
+    # nothing, or that the job is gone (a replayed KEEPALIVE's echo).
+    assert all(dst != EVIL or t in (MessageType.CHALLENGE, MessageType.LEFT,
+                                    MessageType.UNKNOWN_JOB) for t, dst in replies)
     st = sw.stats()
     assert st["jobs"] == 0 and st["slots_in_use"] == 0  # both left: the job is gone for good
     drops = sw.drops

@@ -14,7 +14,11 @@ from switchml.ps.launch import PSRunConfig, run_ps_training
 
 
 @pytest.mark.slow
-def test_server_process_runs_the_optimizer_step_and_exits_when_done(start_switchml):
+@pytest.mark.parametrize("attempt", range(3))
+def test_server_process_runs_the_optimizer_step_and_exits_when_done(start_switchml, attempt):
+    """Also: it exits with status 0, by a normal interpreter exit. (A thread that outlived
+    ``stop()`` used to free the shards' tensors during shutdown, and the process aborted in
+    about 40% of runs; three attempts catch that four times in five.)"""
     proc = start_switchml("ps", "server", "--port", "0", "--host", "127.0.0.1", "--workers",
                           "2", "--lr", "0.5", "--momentum", "0", "--exit-when-done")
     line = proc.stdout.readline()

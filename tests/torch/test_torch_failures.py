@@ -13,10 +13,12 @@ TIMEOUT_S = 5.0  # the process group's timeout: the switchml operation timeout
 pytestmark = pytest.mark.slow  # every test spawns a process group
 
 
-def _dead_rank_run(mode, timeout_s=TIMEOUT_S):
+def _dead_rank_run(mode, timeout_s=TIMEOUT_S, env=None, bound_s=None):
     world, die_rank, die_step = 3, 2, 3
+    bound_s = timeout_s + 5 if bound_s is None else bound_s
     with tp.Procs(deadline_s=60) as procs:
-        procs.start_ranks(tp.dying_rank_body, world, mode, die_rank, die_step, timeout_s)
+        procs.start_ranks(tp.dying_rank_body, world, mode, die_rank, die_step, timeout_s,
+                          env=env)
         results = procs.results([0, 1])
         procs.join(20)
         codes = [p.exitcode for p in procs.procs]
@@ -24,7 +26,7 @@ def _dead_rank_run(mode, timeout_s=TIMEOUT_S):
         res = results[rank]
         assert res["error"] is not None, f"rank {rank} finished training without its peer"
         assert res["step"] == die_step, res
-        assert res["seconds"] < timeout_s + 5, res
+        assert res["seconds"] < bound_s, res
         assert re.search(rf"rank\(s\) \[{die_rank}\]", res["error"]), res["error"]
     # rank 0 crashed (os._exit) after the failure and rank 2 died mid-training: the embedded
     # switch must not survive its owner even without atexit.
@@ -42,6 +44,15 @@ def test_dead_rank_fails_the_others_naming_it():
 @pytest.mark.timeout(90)
 def test_dead_rank_under_ddp_fails_the_others_naming_it():
     _dead_rank_run("ddp", timeout_s=3.0)
+
+
+@pytest.mark.timeout(90)
+def test_dead_rank_with_torchs_default_timeout_fails_within_the_member_timeout():
+    """The process group's timeout is torch's default, 30 minutes: the survivors fail once
+    the switch has heard nothing from the dead rank for its member timeout (4 s here),
+    naming it, not after 30 minutes."""
+    _dead_rank_run("ddp", timeout_s=1800.0, env={"SWITCHML_MEMBER_TIMEOUT_S": "4"},
+                   bound_s=4 + 15)  # (slack for a loaded machine; 30 minutes without)
 
 
 @pytest.mark.timeout(90)

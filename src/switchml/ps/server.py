@@ -180,9 +180,13 @@ class ParameterServer:
         except OSError:
             pass
         self._lsock.close()
-        # End the connection threads too: a daemon thread still inside torch when the
-        # interpreter exits made the process abort ("terminate called without an active
-        # exception", exit status -6).
+        # Join every thread, the accept loop's too, before returning. A daemon thread that
+        # outlives stop() holds a reference to this server; if it drops the last one while
+        # the interpreter shuts down, it frees the shards' torch tensors there, torch's
+        # deallocator releases the GIL, Python ends the thread with pthread_exit, and the
+        # forced unwind through torch's C++ frames aborts the process ("terminate called
+        # without an active exception", status -6: gdb showed THPVariable_dealloc ->
+        # PyEval_RestoreThread -> PyThread_exit_thread in the accept thread).
         with self._cond:
             conns, self._conns = self._conns, []
         for conn, _t in conns:
@@ -190,8 +194,9 @@ class ParameterServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _conn, t in conns:
-            if t is not threading.current_thread():
+        me = threading.current_thread()
+        for t in [t for _conn, t in conns] + self._threads:
+            if t is not me:
                 t.join(timeout=5.0)
 
     def __enter__(self) -> ParameterServer:

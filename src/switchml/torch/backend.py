@@ -415,19 +415,26 @@ class _Embedded:
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
              "--metrics-port", "0", "--stop-on-stdin-eof"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "SWITCHML_SECRET": secret})
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         ready, _, _ = select.select([proc.stdout], [], [], _SWITCH_START_S)
         line = proc.stdout.readline() if ready else ""
         if "listening on udp" not in line:
             proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
+            _, err = proc.communicate()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
-            said = f"said {line!r}" if ready else f"said nothing in {_SWITCH_START_S:g} s"
-            raise TransportError(f"the embedded switch did not start ({said})")
+            said = (f"exited with status {proc.returncode}" if ready and not line
+                    else f"said {line!r}" if ready
+                    else f"said nothing in {_SWITCH_START_S:g} s")
+            tail = " | ".join(err.strip().splitlines()[-5:])
+            raise TransportError(f"the embedded switch did not start ({said})"
+                                 + (f"; its last words: {tail}" if tail else ""))
+        # Its log (warnings) goes on to this process's standard error.
+        threading.Thread(target=_forward, args=(proc.stderr,), daemon=True,
+                         name="switchml-switch-log").start()
         self.proc, self.secret = proc, secret.encode()
         self.address = parse_address(line.rsplit(" ", 1)[1], what="the embedded switch")
         atexit.register(self.stop)
@@ -457,10 +464,19 @@ class _Embedded:
             return
         try:
             if proc.stdin is not None:
-                proc.stdin.close()  # the switch exits on EOF
-            proc.wait(timeout=5)
+                proc.stdin.close()  # the switch exits on EOF, once quiet (at most 5 s)
+            proc.wait(timeout=8)
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
+
+
+def _forward(pipe: Any) -> None:
+    """Copy the embedded switch's standard error to ours, line by line, until it closes."""
+    try:
+        for line in pipe:
+            sys.stderr.write(line)
+    except (OSError, ValueError):
+        pass
 
 
 _EMBEDDED = _Embedded()
