@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env
@@ -102,6 +103,34 @@ class SwitchMLWork(dist.Work):
         except Exception:
             return False
         return True
+
+
+def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
+    """One work for several: done when every one is, failing if any fails, its future's
+    value ``value``."""
+    def result(f: torch.futures.Future[Any]) -> Any:
+        for w in f.value():
+            w.value()  # raises the first failure
+        return value
+
+    return SwitchMLWork(torch.futures.collect_all([w.get_future() for w in works]).then(result))
+
+
+def _gather_opts(opts: Any) -> Any:
+    """AllgatherOptions for one tensor of a coalesced call (the same timeout)."""
+    one = _c10d.AllgatherOptions()
+    if opts is not None:
+        one.timeout = opts.timeout
+    return one
+
+
+def _scatter_opts(opts: Any) -> Any:
+    """ReduceScatterOptions for one tensor of a coalesced call (same op and timeout)."""
+    one = _c10d.ReduceScatterOptions()
+    if opts is not None:
+        one.reduceOp = opts.reduceOp
+        one.timeout = opts.timeout
+    return one
 
 
 def failable_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
@@ -289,9 +318,11 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
-        return self._delegate("allgather_into_tensor_coalesced",
-                              lambda: self._gloo.allgather_into_tensor_coalesced(outputs, inputs,
-                                                                                 opts))
+        """FSDP2's parameter all-gather. gloo has no coalesced form: one all-gather per
+        tensor, in order, as one work."""
+        return self._delegate("allgather_into_tensor_coalesced", lambda: _all_of(
+            [self._gloo._allgather_base(o, i, _gather_opts(opts)) for o, i in
+             zip(outputs, inputs, strict=True)], outputs))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
@@ -309,9 +340,10 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
-        return self._delegate("reduce_scatter_tensor_coalesced",
-                              lambda: self._gloo.reduce_scatter_tensor_coalesced(outputs, inputs,
-                                                                                 opts))
+        """As :meth:`allgather_into_tensor_coalesced`: one reduce-scatter per tensor."""
+        return self._delegate("reduce_scatter_tensor_coalesced", lambda: _all_of(
+            [self._gloo._reduce_scatter_base(o, i, _scatter_opts(opts)) for o, i in
+             zip(outputs, inputs, strict=True)], outputs))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("reduce", lambda: self._gloo.reduce(tensors, opts))
