@@ -469,3 +469,47 @@ def bad_switch_body(rank: int, world: int, q: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0,
                 "threads": [t.name for t in threading.enumerate()]}
     return {"error": None, "seconds": time.monotonic() - t0, "threads": []}
+
+
+def fsdp_body(rank: int, world: int, q: Any, backend: str, version: int, steps: int
+              ) -> dict[str, Any]:
+    """Train a small MLP sharded with FSDP (``version`` 2: ``fully_shard`` on each Linear and
+    the model; 1: ``FullyShardedDataParallel``) and AdamW on ``backend``; return the full
+    parameters after ``steps`` steps (gathered) and the losses."""
+    import torch
+    import torch.distributed as dist
+
+    _init(backend, timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    if version == 2:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        net = model
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        net = FSDP(model, use_orig_params=True)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if version == 2:
+        full = [p.full_tensor().detach().clone() for p in net.parameters()]
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        with FSDP.summon_full_params(net):
+            full = [p.detach().clone() for p in net.parameters()]
+    flat = torch.cat([t.reshape(-1) for t in full]).tolist()
+    dist.destroy_process_group()
+    return {"params": flat, "losses": losses}
