@@ -59,7 +59,10 @@ def ssl_rounds(sec: LinkSecurity, payload: bytes, rounds: int) -> tuple[float, f
 
 def grpc_rounds(sec: LinkSecurity, payload: bytes, rounds: int) -> tuple[float, float]:
     import grpc
-    ident = (lambda b: b)
+
+    def ident(b: bytes) -> bytes:
+        return b
+
     limit = [("grpc.max_send_message_length", 2 * len(payload) + 1024),
              ("grpc.max_receive_message_length", 2 * len(payload) + 1024)]
     handler = grpc.method_handlers_generic_handler("ps", {
