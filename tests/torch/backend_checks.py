@@ -534,6 +534,62 @@ def subgroups(g: Group) -> None:
     _expect(not problems, "; ".join(problems))
 
 
+# -- current PyTorch: functional collectives, DeviceMesh, torch.compile ---------------------------
+
+@check("functional_collectives")
+def functional_collectives(g: Group) -> None:
+    """``torch.distributed._functional_collectives.all_reduce`` (what compiled code and DTensor
+    call) on the switchml group, against gloo."""
+    import torch.distributed._functional_collectives as fc
+    x = torch.arange(4001, dtype=torch.float32) * (g.rank + 1) - 7.0
+    got = fc.wait_tensor(fc.all_reduce(x, "sum", dist.group.WORLD))
+    ref = x.clone()
+    dist.all_reduce(ref, group=g.gloo)
+    _expect(torch.equal(got, ref), f"functional all_reduce: {got[:3]} against gloo {ref[:3]}")
+    _expect(torch.equal(x, torch.arange(4001, dtype=torch.float32) * (g.rank + 1) - 7.0),
+            "functional all_reduce changed its input")
+
+
+@check("device_mesh")
+def device_mesh(g: Group) -> None:
+    """A 1-D DeviceMesh over the switchml group: its group's all_reduce goes through the
+    switch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (g.world,))
+    before = stt.stats(mesh.get_group())["switch_ops"].get("allreduce", 0)
+    t = torch.full((3001,), float(g.rank) + 0.5)
+    dist.all_reduce(t, group=mesh.get_group())
+    want = sum(r + 0.5 for r in range(g.world))
+    _expect(torch.equal(t, torch.full((3001,), want)), f"mesh all_reduce: {t[:3]}")
+    after = stt.stats(mesh.get_group())["switch_ops"].get("allreduce", 0)
+    _expect(after == before + 1, f"the mesh's all_reduce did not go through the switch "
+            f"({before} -> {after})")
+
+
+@check("ddp_over_torch_compile")
+def ddp_compiled(g: Group) -> None:
+    """DDP over a ``torch.compile``d model (inductor), trained 3 steps on the switchml group
+    and, from the same start, on gloo: the same parameters within the quantization bound."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    models = []
+    for group in (None, g.gloo):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                  torch.nn.Linear(64, 4))
+        ddp = DDP(torch.compile(net), process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(g.rank)
+        for _ in range(3):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        models.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    ours, ref = models
+    err = float((ours - ref).abs().max())
+    _expect(err <= 1e-5 * float(ref.abs().max()), f"compiled DDP differs from gloo by {err}")
+
+
 # -- overlap --------------------------------------------------------------------------------------
 
 @check("overlap_async_returns_before_completion")

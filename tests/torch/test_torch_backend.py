@@ -22,6 +22,9 @@ OTHER_CHECKS = [
     "tensor_collectives_counted",
     "stats_api",
     "new_group_subset",
+    "functional_collectives",
+    "device_mesh",
+    "ddp_over_torch_compile",
     "overlap_async_returns_before_completion",
     "overlap_ddp_buckets_during_backward",
 ]
