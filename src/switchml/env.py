@@ -16,6 +16,8 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data-centre layout (Gaia), e.g. ``2x2`` |
 | ``SWITCHML_PS_HOST`` | the address a parameter-server rank announces |
+| ``SWITCHML_STALL_LOG_S`` | torch: log what a rank waits for after this long in a collective (30) |
+| ``SWITCHML_FLIGHT_SIGNAL`` | torch: a signal (e.g. ``USR1``) dumping recent collectives |
 | ``SWITCHML_TLS_DIR`` | TLS credentials of the parameter-server and Gaia links (``links.py``) |
 """
 
@@ -29,8 +31,9 @@ from switchml.protocol.address import Address, parse_addresses
 if TYPE_CHECKING:
     from switchml.links import LinkSecurity
 
-__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "link_security",
-           "mtu", "ps_host", "secret", "switch_addresses", "window"]
+__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "flight_signal",
+           "link_security", "mtu", "ps_host", "secret", "stall_log_s", "switch_addresses",
+           "window"]
 
 
 def _get(name: str) -> str | None:
@@ -81,6 +84,17 @@ def link_security() -> LinkSecurity | None:
     from switchml.links import LinkSecurity
     value = _get("SWITCHML_TLS_DIR")
     return LinkSecurity.from_dir(value) if value else None
+
+
+def stall_log_s() -> float | None:
+    """``SWITCHML_STALL_LOG_S``."""
+    value = _get("SWITCHML_STALL_LOG_S")
+    return float(value) if value else None
+
+
+def flight_signal() -> str | None:
+    """``SWITCHML_FLIGHT_SIGNAL``: a signal name, e.g. ``USR1``."""
+    return _get("SWITCHML_FLIGHT_SIGNAL")
 
 
 def mtu() -> int | None:

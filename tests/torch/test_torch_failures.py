@@ -126,3 +126,25 @@ def test_init_with_no_switch_at_the_address_fails_clearly_and_leaves_nothing_run
         assert where in res["error"] and "JOIN" in res["error"], res["error"]
         assert res["seconds"] < 3.0 + 10, res
         assert not [t for t in res["threads"] if t.startswith("switchml-")], res["threads"]
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_collective_is_logged_recorded_and_dumped_on_a_signal():
+    """What a user sees when a rank stalls: the watchdog's line naming the collective, its
+    size and the rank the switch waits for; the flight records (pending, then done); and the
+    records dumped as JSON lines on SIGUSR1."""
+    import json
+    with tp.Procs(deadline_s=60) as procs:
+        procs.start_ranks(tp.stall_body, 2, env={"SWITCHML_STALL_LOG_S": "2",
+                                                 "SWITCHML_FLIGHT_SIGNAL": "USR1"})
+        res = procs.results(2)[0]
+    assert res["sum"] == 1.0
+    waiting = [m for m in res["log"] if "waiting" in m]
+    assert waiting, res["log"]
+    assert re.search(r"waiting \d+ s in collective #1 all_reduce \(50000 x float32, via "
+                     r"switch\).*rank\(s\) \[1\] have not sent chunk", waiting[0]), waiting[0]
+    assert [(r["seq"], r["op"], r["state"]) for r in res["during"]] == [
+        (0, "all_reduce", "done"), (1, "all_reduce", "pending")]
+    assert res["after"][-1]["state"] == "done" and res["after"][-1]["numel"] == 50000
+    dumped = [json.loads(line) for line in res["dump"].splitlines()]
+    assert {(d["rank"], d["seq"], d["state"]) for d in dumped} >= {(0, 1, "pending")}

@@ -513,3 +513,48 @@ def fsdp_body(rank: int, world: int, q: Any, backend: str, version: int, steps: 
     flat = torch.cat([t.reshape(-1) for t in full]).tolist()
     dist.destroy_process_group()
     return {"params": flat, "losses": losses}
+
+
+def stall_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """Rank 1 reaches the second all-reduce 5 s late. Rank 0, waiting in it, returns what its
+    watchdog logged, its flight records meanwhile and after, and what SIGUSR1 dumped."""
+    import io
+    import logging
+    import signal
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    import switchml.torch as stt
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("switchml.torch").addHandler(Keep())
+    _init("switchml", timeout_s=60)
+    dist.all_reduce(torch.ones(10))
+    x = torch.full((50_000,), float(rank))
+    if rank == 1:
+        time.sleep(5.0)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+        return {}
+    work = dist.all_reduce(x, async_op=True)
+    time.sleep(4.0)
+    during = stt.flight_records()
+    dumped = io.StringIO()
+    old, sys.stderr = sys.stderr, dumped
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)  # the handler runs on the main thread between bytecodes
+    finally:
+        sys.stderr = old
+    work.wait()
+    after = stt.flight_records()
+    dist.destroy_process_group()
+    return {"log": lines, "during": during, "after": after, "dump": dumped.getvalue(),
+            "sum": float(x[0])}

@@ -407,6 +407,16 @@ class WorkerEndpoint:
         """A snapshot of the datagrams dropped, by reason."""
         return K.counter_snapshot(self._drops, self._cnt, _KERNEL_DROPS)
 
+    def progress(self, now: float) -> str | None:
+        """What the operation in flight waits for (a diagnostic line), or None when idle:
+        the ranks the switch says it waits for, or the switch's silence."""
+        op = self._op
+        if op is None or self.state is not WorkerState.BUSY:
+            return None
+        return self.recovery.silence_reason(
+            op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",
+            switch=self._switch_text, num_workers=self.spec.num_workers, now=now)
+
     def fast_path_state(self) -> tuple[Operation, np.ndarray, np.ndarray, np.ndarray, float
                                        ] | None:
         """What a transport's compiled loop (``transport/fastpath.py``) needs to take results

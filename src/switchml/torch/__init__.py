@@ -4,10 +4,17 @@ See :mod:`switchml.torch.backend` for the backend and :mod:`switchml.torch.hooks
 communication hooks, :mod:`switchml.torch.hybrid` for Poseidon-style hybrid data parallelism.
 """
 
-from switchml.torch.backend import SwitchMLProcessGroup, register, stats, stop_embedded_switch
+from switchml.torch.backend import (
+    SwitchMLProcessGroup,
+    dump_flight_records,
+    flight_records,
+    register,
+    stats,
+    stop_embedded_switch,
+)
 from switchml.torch.hybrid import HybridDataParallel, LayerDecision
 
 register()
 
-__all__ = ["HybridDataParallel", "LayerDecision", "SwitchMLProcessGroup", "register", "stats",
-           "stop_embedded_switch"]
+__all__ = ["HybridDataParallel", "LayerDecision", "SwitchMLProcessGroup", "dump_flight_records",
+           "flight_records", "register", "stats", "stop_embedded_switch"]

@@ -54,6 +54,8 @@ from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
 from switchml.protocol.wire import elements_for_mtu
+from switchml.torch import flight
+from switchml.torch.flight import FlightRecorder
 from switchml.transport.udp import AllreduceHandle, WorkerClient, path_mtu
 
 __all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "embedded_switch_pid", "failable_future",
@@ -103,6 +105,14 @@ class SwitchMLWork(dist.Work):
         except Exception:
             return False
         return True
+
+
+def _error_of(f: torch.futures.Future[Any]) -> BaseException | None:
+    try:
+        f.value()
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return exc
+    return None
 
 
 def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
@@ -225,6 +235,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         self.switch_ops: Counter[str] = Counter()
         self.delegated: Counter[str] = Counter()
         self.owns_switch = False
+        self.flight = FlightRecorder(rank, size)
+        self.flight.progress = client.progress
         weakref.finalize(self, client.close)
 
     # -- identity ----------------------------------------------------------------------------
@@ -259,7 +271,9 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         size = self.size()
         with self._stats_lock:
             self.switch_ops["allreduce"] += 1
+        rec = self.flight.start("all_reduce" + (" avg" if average else ""), "switch", tensors)
         if not plans:
+            self.flight.finish(rec)
             completer.set_result(tensors)
             return SwitchMLWork(future)
         state = {"left": len(plans), "error": None}
@@ -278,8 +292,11 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
+                self.flight.finish(rec, state["error"])
                 if state["error"] is not None:
                     err = state["error"]
+                    log.error("switchml rank %d of %d: %s failed: %s; recent: %s",
+                              self.rank(), size, rec.describe(), err, self.flight.summary())
                     complete_elsewhere(completer,
                                        RuntimeError(f"switchml all_reduce failed: {err}"))
                 else:
@@ -298,7 +315,14 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def _delegate(self, name: str, call: Any, key: str | None = None) -> dist.Work:
         with self._stats_lock:
             self.delegated[key or name] += 1
-        return call()
+        rec = self.flight.start(key or name, "gloo")
+        work = call()
+        try:
+            work.get_future().add_done_callback(
+                lambda f: self.flight.finish(rec, _error_of(f)))
+        except RuntimeError:  # a work without a future: recorded as started only
+            pass
+        return work
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self._delegate("broadcast", lambda: self._gloo.broadcast(tensors, opts))
@@ -396,12 +420,27 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             _EMBEDDED.release()
 
 
-def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Counters of a switchml group (the default group if None)."""
+def _switchml_group(group: dist.ProcessGroup | None) -> SwitchMLProcessGroup:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if not isinstance(pg, SwitchMLProcessGroup):
         raise TypeError(f"not a switchml process group: {type(pg).__name__}")
-    return pg.stats()
+    return pg
+
+
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Counters of a switchml group (the default group if None)."""
+    return _switchml_group(group).stats()
+
+
+def flight_records(group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+    """The group's last collectives, oldest first (``torch/flight.py``): seq, op, path
+    (switch or gloo), numel, dtype, started, ended, error, state (pending, done, failed)."""
+    return _switchml_group(group).flight.records()
+
+
+def dump_flight_records(file: Any = None) -> None:
+    """Every switchml group's records in this process, as JSON lines (standard error)."""
+    flight.dump_all(file)
 
 
 # -- creation ----------------------------------------------------------------------------------
@@ -512,6 +551,7 @@ def _forward(pipe: Any) -> None:
 
 
 _EMBEDDED = _Embedded()
+_SIGNAL_INSTALLED = False
 _incarnation = 0  # how many times this process created a default group: keys stay fresh
 
 
@@ -601,6 +641,10 @@ def _create(store: dist.Store, rank: int, size: int,
         raise
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
     pg.owns_switch = acquired
+    flight.watch(pg, env.stall_log_s() or 30.0)
+    if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
+        flight.install_signal(name)
+        globals()["_SIGNAL_INSTALLED"] = True
     # Device-level lookups (``group._get_backend(device)``, used by some torch helpers) find
     # gloo's backend; the collectives themselves come through the methods above and are counted.
     cpu = torch.device("cpu")

@@ -339,6 +339,14 @@ class WorkerClient:
         if self._inbox.close() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
+    def progress(self) -> str | None:
+        """What the operation in flight waits for, from the worker's state (a best-effort
+        snapshot from any thread, for diagnostics), or None when idle."""
+        try:
+            return self.endpoint.progress(time.monotonic())
+        except Exception:  # noqa: BLE001 - state changing under us: no account this time
+            return None
+
     @property
     def counters(self) -> dict[str, int]:
         """Sent, retransmitted, results, timeouts and drops of this rank (a snapshot)."""
