@@ -38,3 +38,20 @@ def test_fsdp_trains_on_switchml_as_on_gloo(version):
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), (rank, np.abs(a - b).max())
         np.testing.assert_allclose(ours[rank]["losses"], ref[rank]["losses"], rtol=1e-3)
     assert ours[0]["params"] == ours[1]["params"]  # every rank ends with the same model
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_replica_all_reduce_goes_through_the_switch_and_matches_gloo():
+    """HSDP on a 2 x 2 mesh: parameters sharded within a replica, gradients all-reduced across
+    replicas. On switchml that all-reduce is the replicate group's, through the switch."""
+    def run(backend):
+        with tp.Procs(deadline_s=180) as procs:
+            procs.start_ranks(tp.hsdp_body, 4, backend, 10)
+            return procs.results(4)
+
+    ours, ref = run("switchml"), run("gloo")
+    for rank in range(4):
+        a, b = np.array(ours[rank]["params"]), np.array(ref[rank]["params"])
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), (rank, np.abs(a - b).max())
+        np.testing.assert_allclose(ours[rank]["losses"], ref[rank]["losses"], rtol=1e-3)
+        assert ours[rank]["switched"]["replicate"] >= 10, ours[rank]["switched"]

@@ -558,3 +558,42 @@ def stall_body(rank: int, world: int, q: Any) -> dict[str, Any]:
     dist.destroy_process_group()
     return {"log": lines, "during": during, "after": after, "dump": dumped.getvalue(),
             "sum": float(x[0])}
+
+
+def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int) -> dict[str, Any]:
+    """HSDP: ``fully_shard`` over a 2-D DeviceMesh (replicate x shard) of 2 x 2 ranks, AdamW,
+    ``steps`` steps; returns the full parameters, the losses, and (switchml) how many
+    all-reduces each of this rank's mesh groups sent through the switch."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import switchml.torch as stt
+
+    _init(backend, timeout_s=60)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    switched = {}
+    if backend == "switchml":
+        for dim in ("replicate", "shard"):
+            switched[dim] = stt.stats(mesh[dim].get_group())["switch_ops"].get("allreduce", 0)
+    dist.destroy_process_group()
+    return {"params": full.tolist(), "losses": losses, "switched": switched}

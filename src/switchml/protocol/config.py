@@ -127,9 +127,10 @@ class JobSpec:
     bytes should cover the bandwidth-delay product; on loopback 8-32 is plenty. Default 16."""
     elements_per_packet: int = 16000
     """k, int32 elements per chunk (packet payload = 4k bytes). Default 16000 (64 KB datagrams,
-    for loopback); the transports and the torch backend size it to the path MTU instead
-    (``wire.elements_for_mtu``: 358 for a 1500-byte MTU, 2233 for 9000-byte jumbo frames, so
-    no IP fragmentation)."""
+    right for loopback only). The torch backend and the ``switchml`` commands size it to the
+    path MTU; a job made by hand should too: ``new_job_spec(n,
+    elements_per_packet=elements_per_packet_for(switch))`` (``transport.sockets``; 358 for a
+    1500-byte MTU, 2233 for 9000-byte jumbo frames: no IP fragmentation)."""
     scale_workers: int | None = None
     """How many contributors the fixed-point scale must allow for (``P = 31 -
     bit_length(scale_workers)``). ``None`` means ``num_workers``. A job whose sums are added

@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 AGGREGATE = "aggregate"
 SFB = "sfb"
 FACTOR_BYTES = 4
+"""Sufficient factors travel as float32."""
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-"""Sufficient factors travel as float32."""
 
 
 @dataclass(frozen=True, slots=True)
