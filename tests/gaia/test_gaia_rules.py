@@ -24,8 +24,11 @@ def test_threshold_decays_as_s_over_sqrt_t():
     assert significance_threshold(100, threshold=0.05, decay=False) == 0.05
     with pytest.raises(ConfigError, match="from 1"):
         significance_threshold(0)
-    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"\[0, 1\]"):
         significance_threshold(1, threshold=2.0)
+    with pytest.raises(ConfigError, match=r"\[0, 1\]"):
+        significance_threshold(1, threshold=-0.1)
+    assert significance_threshold(9, threshold=0.0) == 0.0  # every non-zero update counts
 
 
 def test_filter_sends_significant_entries_and_keeps_accumulating_the_rest():

@@ -6,9 +6,10 @@ waits for the WAN) and receives on the accepted ones (one receiver thread each).
 clock ``c`` a leader sends, to every other data centre: ``CLOCK(c, announce)`` and
 ``SPARSE(c)`` when it has significant updates, then ``CLOCK(c)``. Receivers record the announce
 in the :class:`SelectiveBarrier`, queue the sparse update, and move the :class:`MirrorClock`.
-:meth:`Mirror.exchange` applies the queued updates and returns once the rules allow the next
-clock, or raises :class:`GaiaError` naming the data centres it waited for after ``timeout_s``,
-or at once when a data centre's connection dropped without a goodbye.
+:meth:`Mirror.exchange` applies the queued updates of clocks up to its own (a faster data
+centre's later ones wait) and returns once the rules allow the next clock, or raises
+:class:`GaiaError` naming the data centres it waited for after ``timeout_s``, or at once when a
+data centre's connection dropped without a goodbye.
 
 Security. With ``security`` (``links.py``) every link is mutual TLS: a stranger cannot connect,
 read or alter anything. Beyond loopback a mirror refuses to listen without it. Every message is
@@ -300,15 +301,24 @@ class Mirror:
         deadline = t0 + self.timeout_s
         with self._cond:
             while True:
-                while self._inbox:
-                    j, clock, idx, vals = self._inbox.pop(0)
+                mine = self.clock.clocks[self.dc]
+                # Updates up to this data centre's own clock, in arrival order; a faster one's
+                # later clocks wait for ours (never an update from this one's future: with
+                # staleness 0 that is exactly synchronous training).
+                later = []
+                for item in self._inbox:
+                    j, clock, idx, vals = item
+                    if clock > mine:
+                        later.append(item)
+                        continue
                     apply(idx, vals)
                     self.barrier.applied(j, clock)
                     self.updates_received += 1
                     self.entries_received += idx.size
-                caught_up = (min(self.clock.clocks) >= self.clock.clocks[self.dc]
+                self._inbox = later
+                caught_up = (min(self.clock.clocks) >= mine
                              if everyone else self.clock.may_start())
-                if self.barrier.may_proceed() and caught_up:
+                if self.barrier.may_proceed(up_to=mine) and caught_up:
                     break
                 bad = [j for j in self._errors if self.clock.clocks[j] < _DONE]
                 if bad:

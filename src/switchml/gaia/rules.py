@@ -36,12 +36,13 @@ def significance_threshold(clock: int, *, threshold: float = 0.01, decay: bool =
     """``S_t``: ``threshold / sqrt(clock)`` (``threshold`` when ``decay`` is off).
 
     Raises:
-        ConfigError: a clock below 1 or a threshold not in (0, 1].
+        ConfigError: a clock below 1 or a threshold not in [0, 1].
     """
     if clock < 1:
         raise ConfigError(f"clocks count from 1, got {clock}")
-    if not 0.0 < threshold <= 1.0:
-        raise ConfigError(f"the significance threshold is a fraction in (0, 1], got {threshold}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ConfigError(f"the significance threshold is a fraction in [0, 1], got {threshold}"
+                          " (0: every non-zero update is significant)")
     return threshold / math.sqrt(clock) if decay else threshold
 
 
@@ -114,9 +115,12 @@ class SelectiveBarrier:
     def pending(self) -> list[tuple[int, int]]:
         return sorted(self._pending)
 
-    def may_proceed(self) -> bool:
-        """Whether the next clock may start: every announced update applied."""
-        return not self._pending
+    def may_proceed(self, up_to: int | None = None) -> bool:
+        """Whether the next clock may start: every announced update applied (of clocks up
+        to ``up_to``, when given: later ones are not due yet)."""
+        if up_to is None:
+            return not self._pending
+        return not any(clock <= up_to for _dc, clock in self._pending)
 
 
 class MirrorClock:
