@@ -343,3 +343,24 @@ def test_mismatch_payload_round_trip_and_short_payload_rejected():
     with pytest.raises(WireError) as e:
         wire.unpack_mismatch(raw[:14])
     assert e.value.reason == "bad_mismatch"
+
+
+def test_the_documented_byte_table_is_the_header_table():
+    """docs/protocol.md section 1 lists every field with its offset and size; they must be
+    wire.HEADER_FIELDS', from which the struct, the kernels' offsets and the record dtype
+    are all made."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).parents[2] / "docs" / "protocol.md"
+    rows = re.findall(r"^\| *(\d+) \| *(\d+) \| `(\w+)` \|", doc.read_text(), re.M)
+    documented = [(name, int(off), int(size)) for off, size, name in rows]
+    table = [(name, wire.AT[name], struct.calcsize("<" + code))
+             for name, code in wire.HEADER_FIELDS]
+    assert documented == table
+    assert wire.HEADER_DTYPE.itemsize == wire.HEADER_SIZE == 40
+    assert [wire.HEADER_DTYPE.fields[n][1] for n, _c in wire.HEADER_FIELDS] == [
+        off for _n, off, _s in table]
+    from switchml.protocol.kernels import frames
+    assert [getattr(frames, "H_" + n.upper()) for n, _c in wire.HEADER_FIELDS] == [
+        off for _n, off, _s in table]

@@ -49,8 +49,10 @@ from switchml.bench.switchproc import SwitchProcess
 from switchml.protocol.address import format_address
 from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.wire import (
+    AT,
     EXP_ZERO,
     HEADER,
+    HEADER_DTYPE,
     HEADER_SIZE,
     MAX_ELEMENTS_PER_PACKET,
     NO_COOKIE,
@@ -89,6 +91,7 @@ _CHUNKS_PER_OP_LANES = 1 << 16  # an operation is W x 65536 chunks; then seq mov
 _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
 _SEQ_CHUNK = struct.Struct("<II")
+assert AT["chunk"] == AT["seq"] + 4  # _SEQ_CHUNK writes both at AT["seq"]
 _SOCKET_BUFFER_BYTES = 8 * 2**20
 
 
@@ -231,11 +234,8 @@ def _pin_process(pid: int, cpu: int) -> None:
 
 def _record_dtype(k: int) -> np.dtype:
     """One datagram as a numpy record: the 40-byte header (``wire.HEADER``), then k int32."""
-    dt = np.dtype([
-        ("magic", "<u2"), ("version", "u1"), ("type", "u1"), ("flags", "u1"), ("set", "u1"),
-        ("rank", "<u2"), ("job", "<u4"), ("token", "<u8"), ("seq", "<u4"), ("chunk", "<u4"),
-        ("slot", "<u4"), ("count", "<u2"), ("elem", "u1"), ("digest", "u1"),
-        ("exp_data", "<i2"), ("exp_next", "<i2"), ("payload", "<i4", (k,))])
+    dt = np.dtype([*((name, HEADER_DTYPE[name]) for name in HEADER_DTYPE.names),
+                   ("payload", "<i4", (k,))])
     assert dt.itemsize == HEADER_SIZE + 4 * k and HEADER.size == HEADER_SIZE
     return dt
 
@@ -570,8 +570,8 @@ class _Generator:
             chunk -= self.chunks_per_op
             seq += 1
         row = self.raw[j][i]
-        _SEQ_CHUNK.pack_into(row, 20, seq, chunk)  # seq at byte 20, chunk at 24
-        row[5] ^= 1  # set
+        _SEQ_CHUNK.pack_into(row, AT["seq"], seq, chunk)  # chunk follows seq
+        row[AT["set"]] ^= 1
         self.send_calls += 1
         try:
             self.socks[j].send(row)

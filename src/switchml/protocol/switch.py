@@ -60,6 +60,7 @@ from switchml.protocol.wire import (
     ChunkShape,
     ControlInfo,
     ElementType,
+    Field,
     Flags,
     Header,
     MessageType,
@@ -212,7 +213,8 @@ class SwitchDataplane:
             if job is None:
                 i += 1
                 continue
-            nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i, f[5],
+            nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i,
+                                                 f[Field.RANK],
                                                  job.jobv, job.st, job.seen, job.conflict,
                                                  job.bufs, job.clog, job.cursor, self._rules,
                                                  self._cnt, self._done)
@@ -663,7 +665,7 @@ class SwitchDataplane:
 
         The kernel repeats the job, token, rank and epoch checks for the datagrams after the
         first of a buffer (a GRO buffer has one sender address, so one member check holds)."""
-        (_m, _v, _t, _flags, _set, rank, job_id, token, seq) = f[:9]
+        rank, job_id, token, seq = f[Field.RANK], f[Field.JOB], f[Field.TOKEN], f[Field.SEQ]
         job = self._jobs.get(job_id)
         if job is None:
             self._drops["unknown_job"] += 1
@@ -701,8 +703,10 @@ class SwitchDataplane:
 
     def _unknown_job(self, f: tuple, addr: Address) -> None:
         """Answer with UNKNOWN_JOB: a header-only echo, never larger than the request."""
-        self._out.append((HEADER.pack(MAGIC, VERSION, _UNKNOWN_JOB, 0, f[4], f[5], f[6], f[7],
-                                      f[8], f[9], f[10], 0, _BYTES, 0, EXP_ZERO, EXP_ZERO),
+        self._out.append((HEADER.pack(MAGIC, VERSION, _UNKNOWN_JOB, 0, f[Field.SET],
+                                      f[Field.RANK], f[Field.JOB], f[Field.TOKEN], f[Field.SEQ],
+                                      f[Field.CHUNK], f[Field.SLOT], 0, _BYTES, 0, EXP_ZERO,
+                                      EXP_ZERO),
                           addr))
 
     def _mismatch(self, job: Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
@@ -715,7 +719,8 @@ class SwitchDataplane:
         exits may take the only other witness with it). None: the sender is a contributor of a
         round that already has a conflict, and is told about the refused chunks.
         """
-        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        rank, seq, chunk, slot, v = (f[Field.RANK], f[Field.SEQ], f[Field.CHUNK],
+                                     f[Field.SLOT], f[Field.SET])
         s = slot - job.slot_base
         conflict = bitmap(job.conflict[v, s])
         if refused is not None:
@@ -749,8 +754,8 @@ class SwitchDataplane:
         """Tell the sender of ``f`` that the switch lacks an earlier chunk of its (the kernel
         found it: ``kernels.aggregate._behind_on``)."""
         jobv = job.jobv
-        self._out.append((HEADER.pack(MAGIC, VERSION, _NACK, 0, 0, f[5], job.job_id, job.token,
-                                      f[8], int(jobv[K.J.NACK_CHUNK]),
+        self._out.append((HEADER.pack(MAGIC, VERSION, _NACK, 0, 0, f[Field.RANK], job.job_id,
+                                      job.token, f[Field.SEQ], int(jobv[K.J.NACK_CHUNK]),
                                       job.slot_base + int(jobv[K.J.NACK_SLOT]), 0, _BYTES, 0,
                                       EXP_ZERO, EXP_ZERO), addr))
         self.nacks_sent += 1
@@ -775,9 +780,9 @@ class SwitchDataplane:
     def _resend_result(self, job: Job, f: tuple, addr: Address) -> None:
         """A retransmission into a complete round: the result was lost on its way to this
         worker: resend the stored copy (``RESENT``)."""
-        if f[3] & Flags.RESENT:
+        if f[Field.FLAGS] & Flags.RESENT:
             self._nack_was_needless(job)  # the chunk NACKed as lost was in (reordered)
-        v, s = f[4], f[10] - job.slot_base
+        v, s = f[Field.SET], f[Field.SLOT] - job.slot_base
         st = job.st
         size = HEADER_SIZE + _DATA_ITEMSIZE[int(st[K.S.ELEM, v, s])] * int(st[K.S.COUNT, v, s])
         datagram = bytearray(job.views[v][s][:size])
@@ -788,9 +793,10 @@ class SwitchDataplane:
     def _answer_waiting(self, job: Job, f: tuple, addr: Address) -> None:
         """A retransmission into an open round: this worker's data is in; tell it who is
         missing (or, if some rank's chunk was refused, that the round never completes)."""
-        if f[3] & Flags.RESENT:
+        if f[Field.FLAGS] & Flags.RESENT:
             self._nack_was_needless(job)
-        rank, seq, chunk, slot, v = f[5], f[8], f[9], f[10], f[4]
+        rank, seq, chunk, slot, v = (f[Field.RANK], f[Field.SEQ], f[Field.CHUNK],
+                                     f[Field.SLOT], f[Field.SET])
         s = slot - job.slot_base
         if job.conflict[v, s].any():
             self._mismatch(job, f, addr, None)
@@ -813,4 +819,6 @@ class SwitchDataplane:
     def _refuse_mismatch(self, job: Job, f: tuple, addr: Address) -> None:
         """The chunk disagrees with its round: refuse it."""
         self._drops["inconsistent_chunk"] += 1
-        self._mismatch(job, f, addr, ChunkShape(f[11], f[12], f[3] & _SHAPE_FLAGS, f[14], f[13]))
+        self._mismatch(job, f, addr, ChunkShape(f[Field.COUNT], f[Field.ELEM],
+                                                f[Field.FLAGS] & _SHAPE_FLAGS,
+                                                f[Field.EXP_DATA], f[Field.DIGEST]))

@@ -59,9 +59,11 @@ from switchml.protocol.jobs import Job
 from switchml.protocol.kernels import relay as KR
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
+    AT,
     HEADER,
     NO_COOKIE,
     ControlInfo,
+    Field,
     Flags,
     Header,
     MessageType,
@@ -76,10 +78,11 @@ __all__ = ["RackAggregator", "TreeConfig", "TreeFailed", "UpstreamJoined"]
 _REQUEST = int(MessageType.REQUEST)
 _RESULT = int(MessageType.RESULT)
 _RESENT = int(Flags.RESENT)
-# Header tuple fields (wire.HEADER): magic, version, type, flags, set, rank, job, token, seq,
-# chunk, slot, count, elem, digest, exp_data, exp_next.
-_TYPE, _FLAGS, _SET, _RANK, _JOB, _TOKEN, _SEQ, _CHUNK, _SLOT = 2, 3, 4, 5, 6, 7, 8, 9, 10
-_TYPE_OFFSET, _FLAGS_OFFSET = 3, 4  # byte offsets of type and flags in a datagram
+# Header tuple positions and byte offsets, from the one table of the layout (wire.py).
+_TYPE, _FLAGS, _SET, _RANK, _JOB, _TOKEN, _SEQ, _CHUNK, _SLOT = (
+    Field.TYPE, Field.FLAGS, Field.SET, Field.RANK, Field.JOB, Field.TOKEN, Field.SEQ,
+    Field.CHUNK, Field.SLOT)
+_TYPE_OFFSET, _FLAGS_OFFSET = AT["type"], AT["flags"]
 
 
 @dataclass(frozen=True, slots=True)

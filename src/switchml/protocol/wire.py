@@ -22,8 +22,11 @@ import numpy as np
 from switchml.protocol.errors import WireError
 
 __all__ = [
+    "AT",
     "EXP_ZERO",
     "HEADER",
+    "HEADER_DTYPE",
+    "HEADER_FIELDS",
     "HEADER_SIZE",
     "KNOWN_FLAGS",
     "ITEMSIZE",
@@ -35,6 +38,7 @@ __all__ = [
     "ChunkShape",
     "ControlInfo",
     "ElementType",
+    "Field",
     "Flags",
     "Header",
     "MessageType",
@@ -62,10 +66,32 @@ __all__ = [
 
 MAGIC = 0x4D53  # b"SM" read little-endian
 VERSION = 1
-# magic, version, type, flags, set, rank, job, token, seq, chunk, slot, count, elem, digest,
-# exp_data, exp_next
-HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
+HEADER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("magic", "H"), ("version", "B"), ("type", "B"), ("flags", "B"), ("set", "B"),
+    ("rank", "H"), ("job", "I"), ("token", "Q"), ("seq", "I"), ("chunk", "I"), ("slot", "I"),
+    ("count", "H"), ("elem", "B"), ("digest", "B"), ("exp_data", "h"), ("exp_next", "h"))
+"""The header, field by field (name, ``struct`` code), little-endian: the one table that the
+``struct`` below, the byte offsets (:data:`AT`), the tuple positions (:class:`Field`), numpy's
+record view (:data:`HEADER_DTYPE`) and the compiled kernels' offsets (``kernels/frames.py``)
+are all made from. docs/protocol.md section 1 shows it as a table."""
+HEADER = struct.Struct("<" + "".join(code for _name, code in HEADER_FIELDS))
 HEADER_SIZE = HEADER.size  # 40
+
+
+def _offsets() -> dict[str, int]:
+    out, at = {}, 0
+    for name, code in HEADER_FIELDS:
+        out[name] = at
+        at += struct.calcsize("<" + code)
+    return out
+
+
+AT: dict[str, int] = _offsets()
+"""Byte offset of each header field in a datagram (``AT["seq"] == 20``)."""
+Field = IntEnum("Field", [(name.upper(), i) for i, (name, _c) in enumerate(HEADER_FIELDS)])
+"""Position of each field in ``HEADER.unpack(...)``'s tuple (``Field.SEQ == 8``)."""
+HEADER_DTYPE = np.dtype([(name, "<" + code) for name, code in HEADER_FIELDS])
+"""The header as a numpy record (``np.frombuffer(datagrams, HEADER_DTYPE)``-style views)."""
 MAX_DATAGRAM_BYTES = 65507  # largest UDP payload over IPv4
 MAX_ELEMENTS_PER_PACKET = (MAX_DATAGRAM_BYTES - HEADER_SIZE) // 4  # 16366 int32
 IPV4_UDP_HEADERS = 28  # IPv4 (no options) + UDP

@@ -20,6 +20,19 @@ from switchml.protocol.kernels.frames import (
     EPOCH_TRAIL,
     F_HAS_EXP,
     F_NONFINITE,
+    H_CHUNK,
+    H_COUNT,
+    H_DIGEST,
+    H_ELEM,
+    H_EXP_DATA,
+    H_EXP_NEXT,
+    H_FLAGS,
+    H_JOB,
+    H_RANK,
+    H_SEQ,
+    H_SET,
+    H_SLOT,
+    H_TOKEN,
     HALF,
     HDR,
     INLINE,
@@ -166,10 +179,11 @@ def _any_bit(bm, v, s):
 @njit(**INLINE)
 def _parse(d, o, base):
     """The REQUEST at ``d[o:]`` (framing already checked)."""
-    elem = np.int64(d[o + 34])
-    return Request(u32(d, o + 20), u32(d, o + 24), u32(d, o + 28) - base, np.int64(d[o + 5]),
-                   np.int64(d[o + 4]), u16(d, o + 32), elem, np.int64(d[o + 35]),
-                   i16(d, o + 36), i16(d, o + 38), 4 if elem == E_INT32 else 2)
+    elem = np.int64(d[o + H_ELEM])
+    return Request(u32(d, o + H_SEQ), u32(d, o + H_CHUNK), u32(d, o + H_SLOT) - base,
+                   np.int64(d[o + H_SET]), np.int64(d[o + H_FLAGS]), u16(d, o + H_COUNT), elem,
+                   np.int64(d[o + H_DIGEST]),
+                   i16(d, o + H_EXP_DATA), i16(d, o + H_EXP_NEXT), 4 if elem == E_INT32 else 2)
 
 
 @njit(**INLINE)
@@ -407,8 +421,8 @@ def _behind_on(jobv, st, seen, clog, cursor, rank, r):
 @njit(**INLINE)
 def _same_sender(d, o, ln, srcs, i, src, jobv, rank):
     """Whether datagram ``i`` is a well-formed REQUEST of this job and rank, from ``src``."""
-    return (srcs[i] == src and request_framing(d, o, ln) and u32(d, o + 8) == jobv[J.JOB]
-            and i64(d, o + 12) == jobv[J.TOKEN] and u16(d, o + 6) == rank)
+    return (srcs[i] == src and request_framing(d, o, ln) and u32(d, o + H_JOB) == jobv[J.JOB]
+            and i64(d, o + H_TOKEN) == jobv[J.TOKEN] and u16(d, o + H_RANK) == rank)
 
 
 @njit(**INLINE)

@@ -1,9 +1,8 @@
 """Datagram framing for the compiled kernels: wire constants, little-endian field access,
 header writing, the REQUEST framing rule, and cutting received buffers into datagrams.
 
-Header offsets (``wire.HEADER``, little-endian): magic 0 (u16), version 2, type 3, flags 4,
-set 5, rank 6 (u16), job 8 (u32), token 12 (u64), seq 20 (u32), chunk 24 (u32), slot 28 (u32),
-count 32 (u16), elem 34, digest 35, exp_data 36 (i16), exp_next 38 (i16). The constants are
+The header's byte offsets (``H_SEQ`` ...) come from ``wire.HEADER_FIELDS``, the one table of
+the layout (module globals: numba compiles them in as constants); the other wire constants are
 checked against ``wire.py`` by ``tests/protocol/test_batches.py``.
 """
 
@@ -12,6 +11,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+
+from switchml.protocol.wire import AT, HEADER_SIZE
 
 try:
     from numba import njit
@@ -35,7 +36,12 @@ INLINE = {**KW, "inline": "always"}
 """A kernel's helper: inlined into its caller at compile time (no call, no reference counting
 of the arrays it is passed; measured: 0.85 -> 0.6 us per request at the switch)."""
 
-HDR = 40
+HDR = HEADER_SIZE
+H_MAGIC, H_VERSION, H_TYPE, H_FLAGS, H_SET = (AT["magic"], AT["version"], AT["type"],
+                                              AT["flags"], AT["set"])
+H_RANK, H_JOB, H_TOKEN, H_SEQ = AT["rank"], AT["job"], AT["token"], AT["seq"]
+H_CHUNK, H_SLOT, H_COUNT, H_ELEM = AT["chunk"], AT["slot"], AT["count"], AT["elem"]
+H_DIGEST, H_EXP_DATA, H_EXP_NEXT = AT["digest"], AT["exp_data"], AT["exp_next"]
 MAGIC = 0x4D53
 VERSION = 1
 T_REQUEST = 1
@@ -113,36 +119,37 @@ def put64(d, o, v):
 def write_header(d, o, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
                  digest, exp_data, exp_next):
     """Write a 40-byte header at ``d[o:]`` (``token`` as int64 bits)."""
-    put16(d, o, MAGIC)
-    d[o + 2] = VERSION
-    d[o + 3] = mtype
-    d[o + 4] = flags
-    d[o + 5] = set_bit
-    put16(d, o + 6, rank)
-    put32(d, o + 8, job)
-    put64(d, o + 12, token)
-    put32(d, o + 20, seq)
-    put32(d, o + 24, chunk)
-    put32(d, o + 28, slot)
-    put16(d, o + 32, count)
-    d[o + 34] = elem
-    d[o + 35] = digest
-    put16(d, o + 36, exp_data & 0xFFFF)
-    put16(d, o + 38, exp_next & 0xFFFF)
+    put16(d, o + H_MAGIC, MAGIC)
+    d[o + H_VERSION] = VERSION
+    d[o + H_TYPE] = mtype
+    d[o + H_FLAGS] = flags
+    d[o + H_SET] = set_bit
+    put16(d, o + H_RANK, rank)
+    put32(d, o + H_JOB, job)
+    put64(d, o + H_TOKEN, token)
+    put32(d, o + H_SEQ, seq)
+    put32(d, o + H_CHUNK, chunk)
+    put32(d, o + H_SLOT, slot)
+    put16(d, o + H_COUNT, count)
+    d[o + H_ELEM] = elem
+    d[o + H_DIGEST] = digest
+    put16(d, o + H_EXP_DATA, exp_data & 0xFFFF)
+    put16(d, o + H_EXP_NEXT, exp_next & 0xFFFF)
 
 
 @njit(**KW)
 def request_framing(d, o, n):
     """Whether ``d[o:o+n]`` is a well-formed REQUEST with an int32 or int16 payload."""
-    if n < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_REQUEST:
+    if (n < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
+            or d[o + H_TYPE] != T_REQUEST):
         return False
-    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
+    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~KNOWN_FLAGS) != 0:
         return False
-    elem = d[o + 34]
+    elem = d[o + H_ELEM]
     if elem == E_INT32:
-        return n == HDR + 4 * u16(d, o + 32)
+        return n == HDR + 4 * u16(d, o + H_COUNT)
     if elem == E_INT16:
-        return n == HDR + 2 * u16(d, o + 32)
+        return n == HDR + 2 * u16(d, o + H_COUNT)
     return False
 
 

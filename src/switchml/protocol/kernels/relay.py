@@ -18,6 +18,18 @@ from switchml.protocol.kernels.frames import (
     E_INT16,
     E_INT32,
     F_RESENT,
+    H_CHUNK,
+    H_COUNT,
+    H_ELEM,
+    H_FLAGS,
+    H_JOB,
+    H_MAGIC,
+    H_SEQ,
+    H_SET,
+    H_SLOT,
+    H_TOKEN,
+    H_TYPE,
+    H_VERSION,
     HDR,
     INLINE,
     KNOWN_FLAGS,
@@ -124,14 +136,16 @@ def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
 @njit(**INLINE)
 def _parent_result(d, o, ln, rv):
     """Whether ``d[o:o+ln]`` is a well-formed RESULT of the parent job."""
-    if ln < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
+    if (ln < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
+            or d[o + H_TYPE] != T_RESULT):
         return False
-    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
+    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~KNOWN_FLAGS) != 0:
         return False
-    elem = np.int64(d[o + 34])
+    elem = np.int64(d[o + H_ELEM])
     isz = 4 if elem == E_INT32 else (2 if elem == E_INT16 else 0)
-    return (isz != 0 and ln == HDR + isz * u16(d, o + 32) and u32(d, o + 8) == rv[RV.PARENT_JOB]
-            and i64(d, o + 12) == rv[RV.PARENT_TOKEN])
+    return (isz != 0 and ln == HDR + isz * u16(d, o + H_COUNT)
+            and u32(d, o + H_JOB) == rv[RV.PARENT_JOB]
+            and i64(d, o + H_TOKEN) == rv[RV.PARENT_TOKEN])
 
 
 @njit(**NO_RC)
@@ -148,11 +162,11 @@ def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
         if not _parent_result(d, o, ln, rv):
             return i, nsend
         i += 1
-        v = np.int64(d[o + 5])
-        lane = u32(d, o + 28) - rv[RV.PARENT_BASE]
+        v = np.int64(d[o + H_SET])
+        lane = u32(d, o + H_SLOT) - rv[RV.PARENT_BASE]
         if (lane < 0 or lane >= W or ust[U.STATE, v, lane] != SENT
-                or ust[U.SEQ, v, lane] != u32(d, o + 20)
-                or ust[U.CHUNK, v, lane] != u32(d, o + 24)):
+                or ust[U.SEQ, v, lane] != u32(d, o + H_SEQ)
+                or ust[U.CHUNK, v, lane] != u32(d, o + H_CHUNK)):
             cnt[RC.PARENT_DUPLICATES] += 1
             continue
         b = down[v, lane]

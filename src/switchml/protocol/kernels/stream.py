@@ -19,6 +19,20 @@ from switchml.protocol.kernels.frames import (
     F_HAS_DATA,
     F_HAS_EXP,
     F_NONFINITE,
+    H_CHUNK,
+    H_COUNT,
+    H_ELEM,
+    H_EXP_DATA,
+    H_EXP_NEXT,
+    H_FLAGS,
+    H_JOB,
+    H_MAGIC,
+    H_SEQ,
+    H_SET,
+    H_SLOT,
+    H_TOKEN,
+    H_TYPE,
+    H_VERSION,
     HDR,
     INLINE,
     KNOWN_FLAGS,
@@ -276,20 +290,21 @@ def _update_rtt(rtt, sample):
 @njit(**INLINE)
 def _result_length(d, o, ln, opv):
     """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one."""
-    if ln < HDR or u16(d, o) != MAGIC or d[o + 2] != VERSION or d[o + 3] != T_RESULT:
+    if (ln < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
+            or d[o + H_TYPE] != T_RESULT):
         return 0
-    if d[o + 5] > 1 or (np.int64(d[o + 4]) & ~KNOWN_FLAGS) != 0:
+    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~KNOWN_FLAGS) != 0:
         return 0
-    elem = np.int64(d[o + 34])
+    elem = np.int64(d[o + H_ELEM])
     if elem == E_INT32:
         isz = 4
     elif elem == E_INT16:
         isz = 2
     else:
         return 0
-    if ln != HDR + isz * u16(d, o + 32):
+    if ln != HDR + isz * u16(d, o + H_COUNT):
         return 0
-    if u32(d, o + 8) != opv[OP.JOB] or i64(d, o + 12) != opv[OP.TOKEN]:
+    if u32(d, o + H_JOB) != opv[OP.JOB] or i64(d, o + H_TOKEN) != opv[OP.TOKEN]:
         return 0
     return isz
 
@@ -298,19 +313,19 @@ def _result_length(d, o, ln, opv):
 def _lane_of(d, o, opv, lane, cnt):
     """The lane whose chunk this result answers, or -1 (a stale, repeated or foreign result,
     counted)."""
-    p = u32(d, o + 24)
-    if u32(d, o + 20) != opv[OP.SEQ]:
+    p = u32(d, o + H_CHUNK)
+    if u32(d, o + H_SEQ) != opv[OP.SEQ]:
         cnt[WC.STALE_RESULT] += 1
         return -1
     i = p % opv[OP.E]
     if p >= opv[OP.T] or lane[LN.CHUNK, i] != p:
         cnt[WC.DUPLICATE_RESULT] += 1
         return -1
-    if u32(d, o + 28) != lane[LN.SLOT, i] or np.int64(d[o + 5]) != lane[LN.SET, i]:
+    if u32(d, o + H_SLOT) != lane[LN.SLOT, i] or np.int64(d[o + H_SET]) != lane[LN.SET, i]:
         cnt[WC.BAD_SLOT] += 1
         return -1
-    count = u16(d, o + 32)
-    if count and np.int64(d[o + 34]) != opv[OP.ELEM]:
+    count = u16(d, o + H_COUNT)
+    if count and np.int64(d[o + H_ELEM]) != opv[OP.ELEM]:
         cnt[WC.BAD_COUNT] += 1
         return -1
     return i
@@ -322,13 +337,13 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
     exponent for the lane. False if its size is wrong. ``scratch``: an aligned buffer of a
     datagram's size, for a payload at an odd offset."""
     E, k = opv[OP.E], opv[OP.K]
-    count = u16(d, o + 32)
+    count = u16(d, o + H_COUNT)
     if p >= E:
         lo = (p - E) * k
         if count != min(lo + k, out.size) - lo:
             return False
-        exp_data = i16(d, o + 36)
-        nonfinite = (np.int64(d[o + 4]) & F_NONFINITE) != 0
+        exp_data = i16(d, o + H_EXP_DATA)
+        nonfinite = (np.int64(d[o + H_FLAGS]) & F_NONFINITE) != 0
         edge = exp_data >= opv[OP.EDGE_EXP]
         po = o + HDR
         if isz == 4 and po % 4 == 0:
@@ -349,7 +364,7 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
     elif count:
         return False
     if p < opv[OP.L]:
-        lane[LN.EMAX, i] = i16(d, o + 38)
+        lane[LN.EMAX, i] = i16(d, o + H_EXP_NEXT)
     return True
 
 
@@ -357,7 +372,7 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
 def _store_int(d, d32, o, p, opv, out):
     """Copy an integer result (block ``p``) into ``out``. False if its size is wrong."""
     lo = p * opv[OP.K]
-    count = u16(d, o + 32)
+    count = u16(d, o + H_COUNT)
     if count != min(lo + opv[OP.K], out.size) - lo:
         return False
     po = o + HDR
