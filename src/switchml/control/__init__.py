@@ -6,9 +6,10 @@ How a job comes to life (documented in ``docs/protocol.md``, section Control):
    id and a random 64-bit token from the OS CSPRNG, plus n, the window W and the chunk size k.
 2. It hands the spec to every rank, e.g. as the string of :func:`encode_job_spec` in an
    environment variable or through torch.distributed's store.
-3. Every rank sends JOIN(job, rank, token, n, W, k) to the switch. The first JOIN creates the job
-   and allocates W slots; later ones must carry the same token and geometry. The switch records
-   each rank's address; results go to those addresses.
+3. Every rank JOINs the switch: JOIN(job, rank, token, n, W, k) draws a challenge, and the
+   JOIN that answers it proves a key derived from the switch's secret (``protocol/auth.py``).
+   The first proven JOIN creates the job and allocates W slots; later ones must carry the same
+   token and geometry. The switch records each rank's address; results go to those addresses.
 4. When every rank has sent LEAVE, the job's slots return to the pool.
 """
 
