@@ -76,3 +76,16 @@ def test_synchronous_servers_equal_sgd_on_the_union_of_the_batches():
     assert not np.allclose(want, _flat(_model()))  # it trained
     for w in range(workers):
         np.testing.assert_allclose(out[w], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_the_servers_cannot_train_is_refused_by_name_before_anything_is_sent():
+    import pytest
+
+    from switchml.protocol.errors import ConfigError
+    half = _model().half()
+    with pytest.raises(ConfigError, match=r"parameter '0.weight' is a float16 tensor on cpu"):
+        PSTrainer(half, servers=[("127.0.0.1", 1)], worker=0, workers=1)
+    strided = _model()
+    strided[0].weight.data = strided[0].weight.data.t().contiguous().t()
+    with pytest.raises(ConfigError, match="non-contiguous float32"):
+        PSTrainer(strided, servers=[("127.0.0.1", 1)], worker=0, workers=1)

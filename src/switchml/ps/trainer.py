@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from switchml.links import LinkSecurity
+from switchml.protocol.errors import ConfigError
 from switchml.ps.client import Address, PSClient
 from switchml.ps.placement import Shard, format_placement, place
 
@@ -48,9 +49,25 @@ class PSTrainer:
                  mode: str = "sync", max_shard_elements: int = 1 << 20,
                  timeout_s: float = 60.0, print_placement: bool = False,
                  security: LinkSecurity | None = None) -> None:
-        """``security``: the servers' TLS credentials (``links.py``; ``PSRole.security``)."""
+        """``security``: the servers' TLS credentials (``links.py``; ``PSRole.security``).
+
+        Raises:
+            ConfigError: a trainable parameter that is not a contiguous float32 CPU tensor
+                (the servers hold float32 shards, read and written in place); named, before
+                anything is sent.
+        """
+        import torch
+
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        for name, p in model.named_parameters():
+            if p.requires_grad and (p.dtype != torch.float32 or p.device.type != "cpu"
+                                    or not p.is_contiguous()):
+                raise ConfigError(
+                    f"parameter {name!r} is a {'' if p.is_contiguous() else 'non-contiguous '}"
+                    f"{str(p.dtype).replace('torch.', '')} tensor on {p.device}: the parameter "
+                    "servers train contiguous float32 CPU parameters (model.float().cpu()); "
+                    "for CUDA or half-precision models use the switchml torch backend")
         self.shards: list[Shard] = place(
             [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad],
             len(servers), max_shard_elements=max_shard_elements)
