@@ -471,6 +471,23 @@ def bad_switch_body(rank: int, world: int, q: Any) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - t0, "threads": []}
 
 
+def _train_sharded(net: Any, rank: int, steps: int) -> list[float]:
+    """``steps`` steps of AdamW on random regression data seeded by ``rank``; the losses."""
+    import torch
+
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def fsdp_body(rank: int, world: int, q: Any, backend: str, version: int, steps: int
               ) -> dict[str, Any]:
     """Train a small MLP sharded with FSDP (``version`` 2: ``fully_shard`` on each Linear and
@@ -494,16 +511,7 @@ def fsdp_body(rank: int, world: int, q: Any, backend: str, version: int, steps: 
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         net = FSDP(model, use_orig_params=True)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        loss = torch.nn.functional.mse_loss(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train_sharded(net, rank, steps)
     if version == 2:
         full = [p.full_tensor().detach().clone() for p in net.parameters()]
     else:
@@ -580,16 +588,7 @@ def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int) -> dict[s
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train_sharded(model, rank, steps)
     full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
     switched = {}
     if backend == "switchml":

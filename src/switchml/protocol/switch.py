@@ -483,8 +483,10 @@ class SwitchDataplane:
             if problem == "stale_cookie":  # a slow worker asks again; a replay gets nowhere
                 self._challenge(h, addr, now)
             return
-        ended = job.left_at[h.rank] if job is not None and h.rank < job.num_workers else (
-            self._removed.get(h.job) if job is None else None)
+        if job is None:
+            ended = self._removed.get(h.job)
+        else:
+            ended = job.left_at[h.rank] if h.rank < job.num_workers else None
         if ended is not None and self.challenges.issued_at(cookie) <= ended:
             # Proven, but asked for before this rank left (or the job ended): a JOIN replayed
             # from the member's own address within the cookie's lifetime.
@@ -805,8 +807,11 @@ class SwitchDataplane:
         # Of those, the ones gone: silent (no JOIN, request or keep-alive) for
         # member_timeout_s; a rank that never joined counts from the job's creation.
         gone, quiet = 0, self._now - self.config.member_timeout_s
-        for r in range(job.num_workers):
-            if missing >> r & 1 and job.heard[r] < quiet:
+        rest = missing
+        while rest:  # over the missing ranks only
+            r = (rest & -rest).bit_length() - 1
+            rest &= rest - 1
+            if job.heard[r] < quiet:
                 gone |= 1 << r
         nb = (job.num_workers + 7) // 8
         payload = missing.to_bytes(nb, "little") + gone.to_bytes(nb, "little")
