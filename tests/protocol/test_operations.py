@@ -150,39 +150,6 @@ def test_peers_of_a_dead_rank_fail_within_the_member_timeout_naming_it():
         assert h.done() and isinstance(h.exception(), OperationFailed)
 
 
-def test_a_displaced_rank_fails_at_once_naming_why():
-    """Process A is rank 1; before the job's first operation a restarted process B takes its
-    place (allowed). A, still alive, then starts the first operation with rank 0 and B: the
-    switch answers A's requests from the old address with UNKNOWN_JOB, A joins again, is
-    refused (the job runs) and fails with the reason, long before its op_timeout_s; the
-    operation completes for rank 0 and B."""
-    cfg = WorkerConfig(op_timeout_s=600.0)
-    c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64, worker_config=cfg)
-    c.join()
-    a_addr, a_session, a = c.addresses[1], c.sessions[1], c.workers[1]
-    b = c.restart_worker(1, ("restarted", 1))
-    c.fabric.run(lambda: b.state is WorkerState.READY)
-    c.fabric.attach(a_addr, a_session)  # A was alive all along
-    xs = _inputs(2, 1000, 2)
-    t0 = c.fabric.now
-    h0 = c.sessions[0].submit(xs[0], now=t0)
-    c.fabric.flush(c.addresses[0])
-    c.fabric.run(lambda: c.switch.stats()["packets_in"] > 0 and any(
-        j for j in c.switch.stats()["elements_aggregated"].values()) or c.fabric.now > t0 + 0.01,
-        max_time_s=1)
-    hb = c.sessions[1].submit(xs[1], now=c.fabric.now)
-    ha = a_session.submit(xs[1], now=c.fabric.now)
-    c.fabric.flush(("restarted", 1))
-    c.fabric.flush(a_addr)
-    c.fabric.run(lambda: h0.done() and hb.done() and a.state is WorkerState.ERROR,
-                 max_time_s=60)
-    assert c.fabric.now - t0 < 5.0
-    assert "is joined from" in a.error and "start a new job" in a.error, a.error
-    assert isinstance(ha.exception(), OperationFailed)
-    np.testing.assert_allclose(h0.result(), xs[0] + xs[1], rtol=1e-5, atol=1e-5)
-    assert np.array_equal(h0.result(), hb.result())
-
-
 def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
     c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
     c.join()

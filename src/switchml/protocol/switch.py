@@ -687,11 +687,7 @@ class SwitchDataplane:
                 self._drops["not_joined"] += 1
                 self._unknown_job(f, addr)
             else:
-                # Right token, another address: a rank whose place a restarted process took
-                # (before the job's first request). Told so, it joins again and hears why it
-                # cannot go on, instead of waiting out its timeout.
                 self._drops["wrong_source"] += 1
-                self._unknown_job(f, addr)
             return None
         min_seq = job.min_seq
         if min_seq is not None and ((seq - min_seq) & _MASK32) >= _HALF:

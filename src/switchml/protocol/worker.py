@@ -536,7 +536,7 @@ class WorkerEndpoint:
                        f"the switch at {self._switch_text} waits for rank(s) {ranks}, which "
                        "it has heard nothing from for longer than its member timeout (no "
                        "request, no keep-alive) or which are no longer members: gone (dead, "
-                       "left, or displaced); the operation cannot complete")
+                       "or left); the operation cannot complete")
 
     def _handle_nack(self, h: Header, data: _Data, now: float) -> None:
         """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
