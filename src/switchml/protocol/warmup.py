@@ -24,7 +24,7 @@ from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
 
-__all__ = ["KERNEL_SOURCES", "clear_stale", "clear_stale_cache", "warm_up"]
+__all__ = ["KERNEL_SOURCES", "KINDS", "clear_stale", "clear_stale_cache", "warm_up"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 
@@ -32,6 +32,13 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 KERNEL_SOURCES = sorted(_KERNELS.glob("*.py"))
 """The kernels' sources: a kernel elsewhere that calls them (``transport/fastpath.py``) is
 stale when any of them changed."""
+
+
+KINDS: tuple[tuple[type, int, bool], ...] = (
+    (np.float32, 32, False), (np.float64, 32, False), (np.int32, 32, False),
+    (np.float16, 32, False), (np.float32, 16, True), (np.float64, 16, True),
+    (np.float32, 16, False))
+"""Every kind of operation a worker runs: (element type, bits on the wire, with a residual)."""
 
 
 def clear_stale(sources: list[Path], cache: Path, prefix: str = "", stamp_name: str = "") -> bool:
@@ -72,10 +79,7 @@ def warm_up() -> None:
     eps = {addr: w, sw_addr: sw}
     w.join(0.0)
     exchange(eps, 0.0)
-    for dtype, bits, residual in ((np.float32, 32, False), (np.float64, 32, False),
-                                  (np.int32, 32, False), (np.float16, 32, False),
-                                  (np.float32, 16, True), (np.float64, 16, True),
-                                  (np.float32, 16, False)):
+    for dtype, bits, residual in KINDS:
         x = np.arange(10, dtype=dtype)
         out = np.empty_like(x)
         res = np.empty(x.size, dtype) if residual else None

@@ -317,7 +317,8 @@ class FastPath:
                     op.opv, op.lane, op.lanef, rtt, next_set, op.exps, op.nonf, op.xk,
                     op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, cnt, op.sendq,
                     op.sendlen, op.scratch, op.stride, op.run_order, op.runs, self.hdr,
-                    self.iov, self.cmsg, self.max_segments, self.max_bytes, op_timeout_s,
+                    self.iov, self.cmsg, self.max_segments, self.max_bytes,
+                    float(op_timeout_s),  # (an int would compile a second pump)
                     self.ts, self.stats)
 
 
@@ -332,7 +333,7 @@ def warm_up() -> None:
     from switchml.protocol.endpoint import exchange
     from switchml.protocol.jobs import Job
     from switchml.protocol.switch import SwitchDataplane
-    from switchml.protocol.warmup import KERNEL_SOURCES, clear_stale
+    from switchml.protocol.warmup import KERNEL_SOURCES, KINDS, clear_stale
     from switchml.protocol.worker import WorkerEndpoint
     from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
 
@@ -358,9 +359,7 @@ def warm_up() -> None:
                                         elements_per_packet=4), rank=0, switch_address=sw_addr)
         w.join(0.0)
         exchange({w_addr: w, sw_addr: sw}, 0.0)
-        for dtype, bits, residual in ((np.float32, 32, False), (np.float64, 32, False),
-                                      (np.int32, 32, False), (np.float32, 16, True),
-                                      (np.float64, 16, True), (np.float32, 16, False)):
+        for dtype, bits, residual in KINDS:
             x = np.arange(10, dtype=dtype)
             w.start_allreduce(x, np.empty_like(x), 0.0, bits=bits,
                               residual=np.empty(x.size, dtype) if residual else None)
