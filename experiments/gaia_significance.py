@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from switchml.demo import build_model, load_data
 from switchml.gaia.rules import SignificanceFilter
+from switchml.workloads import cnn_model as build_model
+from switchml.workloads import digits_split as load_data
 
 
 def main() -> None:

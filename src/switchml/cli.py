@@ -403,26 +403,36 @@ def _add_bench_allreduce_testbed_args(ar: argparse.ArgumentParser) -> None:
 
 def _add_bench_train_parser(bsub: _Subparsers) -> None:
     """``switchml bench train``: DDP training over the testbed."""
+    from switchml import workloads
     tr = bsub.add_parser(
-        "train", help="DDP training over the testbed, gloo against switchml (root)",
-        description="Train a convolutional model (CNN on digits) and a network-bound model "
-                    "(a 6.4M-parameter embedding table, like NCF/DeepLight) with "
-                    "DistributedDataParallel on gloo and on switchml over the same emulated "
-                    "links; report step time, samples/s, time to a target loss and speedup. "
-                    "--model mlp (fully connected, 4096 wide) with --systems ...,hybrid adds "
-                    "Poseidon's hybrid mode and bytes per step per worker, measured on the "
-                    "links and predicted by its cost model.")
+        "train", help="DDP training of the workloads over the testbed, gloo against switchml "
+                      "(root)",
+        description="Train workloads (switchml.workloads: the paper's network-bound kinds, an "
+                    "NCF-style click model, an LSTM and a BERT-style language model, and a CNN "
+                    "and a wide MLP) with DistributedDataParallel over the same emulated "
+                    "links, on each system. Per row: step time, samples/s, time to the target "
+                    "metric (the level every system reached) and loss, bytes per step "
+                    "(measured on the links and predicted), the share of communication hidden "
+                    "behind backward, the speedup against gloo, and the ideal step time: the "
+                    "step with no communication (the noop system) plus the exposed part of the "
+                    "row's wire time at the link rate.",
+        epilog="Workloads: " + "; ".join(f"{w}: {workloads.get(w).summary}"
+                                          for w in workloads.NAMES))
     tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
-    tr.add_argument("--model", action="append", choices=["cnn", "embed", "mlp"],
-                    help="model to train (repeatable; default cnn and embed); mlp: digits -> "
-                         "4096 -> 4096 -> 10, fully connected (17M parameters)")
+    tr.add_argument("--model", action="append", choices=list(workloads.NAMES),
+                    help="workload to train (repeatable; default ncf and cnn)")
     tr.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     tr.add_argument("--batch", type=int, default=None,
-                    help="per-worker batch (default 64; mlp 16)")
-    tr.add_argument("--systems", default="gloo,switchml",
-                    help="comma list of gloo, switchml (DDP on that backend) and hybrid "
-                         "(HybridDataParallel on switchml: per layer, aggregation or "
-                         "sufficient-factor broadcasting) (default gloo,switchml)")
+                    help="per-worker batch (default: each workload's own)")
+    tr.add_argument("--eval-every", type=int, default=10,
+                    help="evaluate the workload's metric every N steps, outside the timed "
+                         "steps (default 10; 0: never)")
+    tr.add_argument("--systems", default="noop,gloo,switchml",
+                    help="comma list of noop (no communication: the compute, for the ideal), "
+                         "gloo, switchml (DDP on that backend), switchml16 (DDP with the 16-bit "
+                         "switchml hook) and hybrid (HybridDataParallel on switchml: per layer, "
+                         "aggregation or sufficient-factor broadcasting) (default "
+                         "noop,gloo,switchml)")
     tr.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
                          "forward, backward, optimizer and communication spans, and report the "
@@ -532,7 +542,7 @@ def _add_bench_geo_parser(bsub: _Subparsers) -> None:
     """``switchml bench geo``: Gaia against synchronous training across data centres."""
     geo = bsub.add_parser(
         "geo", help="Gaia against synchronous training across data centres (root)",
-        description="Train the same model (switchml.demo's CNN on scikit-learn's digits) "
+        description="Train the same model (switchml.workloads' CNN on scikit-learn's digits) "
                     "three ways on the geo testbed: all workers in one data centre (LAN), "
                     "synchronous DDP spanning the WAN, and Gaia (synchronous inside each data "
                     "centre, significant updates across). Reports time to target accuracy, "
@@ -782,8 +792,12 @@ def _run_switch(args: argparse.Namespace) -> int:
     if rack is not None:
         server.run_command(rack.join)  # join the parent job upstream
     shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
-    print(f"switchml switch listening on udp {format_address(server.address)}{shard}",
-          flush=True)
+    # One write (atomic on a pipe): the shards of ``--shards`` share their supervisor's stdout,
+    # and print's two writes (text, then newline; unbuffered under PYTHONUNBUFFERED) let two
+    # shards' lines interleave into "line line\n\n", which the launcher read as a blank line.
+    sys.stdout.write(f"switchml switch listening on udp {format_address(server.address)}"
+                     f"{shard}\n")
+    sys.stdout.flush()
     if args.stop_on_stdin_eof:
         _stop_on_stdin_eof(stop, server)
     _serve_until_stopped(server, stop, args.stats_interval_s)
@@ -1365,8 +1379,9 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
 
     _sigterm_interrupts()  # SIGTERM runs the testbed's teardown
-    cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("cnn", "embed")),
-                           steps=args.steps, batch=args.batch, rate_bps=args.rate_mbit * 1e6,
+    cfg = TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("ncf", "cnn")),
+                           steps=args.steps, batch=args.batch, eval_every=args.eval_every,
+                           rate_bps=args.rate_mbit * 1e6,
                            loss_rate=args.loss, mtu=args.mtu,
                            systems=tuple(s for s in args.systems.split(",") if s),
                            trace=bool(args.trace))
@@ -1388,29 +1403,35 @@ def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) 
     table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
                         f"{rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
                         f"MTU {cfg.mtu}")
-    for col in ("model", "parameters", "system", "step time (ms)", "samples/s", "final loss",
-                "time to target (s)", "speedup", "vs switchml", "MB/step measured",
-                "MB/step predicted", "hidden"):
+    for col in ("model", "parameters", "system", "step (ms)", "samples/s", "final loss",
+                "metric", "to target (s)", "speedup", "MB/step", "MB/step predicted",
+                "hidden", "ideal (ms)", "of ideal"):
         table.add_column(col, justify="right")
 
     def fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
         return "-" if v is None else format(v * scale, spec)
 
     for r in rows:
-        table.add_row(r["model"], f"{r['params']:,}", r.get("system", r["backend"]),
+        metric = "-" if r.get("final_metric") is None else \
+            f"{r['metric']} {r['final_metric']:.3g}"
+        table.add_row(r["model"], f"{r['params']:,}", r["system"],
                       f"{1e3 * r['step_s']:.0f}", f"{r['samples_per_s']:.0f}",
-                      f"{r['final_loss']:.4f}", fmt(r["time_to_target_s"], ".1f"),
-                      fmt(r["speedup_step"], ".2f"), fmt(r.get("speedup_vs_switchml"), ".2f"),
+                      f"{r['final_loss']:.4f}", metric, fmt(r.get("time_to_metric_s"), ".1f"),
+                      fmt(r["speedup_step"], ".2f"),
                       fmt(r.get("bytes_per_step_measured"), ".2f", 1e-6),
                       fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
-                      fmt(r.get("hidden_fraction"), ".0%"))
+                      fmt(r.get("hidden_fraction"), ".0%"),
+                      fmt(r.get("ideal_step_s"), ".0f", 1e3),
+                      fmt(r.get("achieved_over_ideal"), ".2f"))
     return table
 
 
-_TRAIN_CSV_KEYS = ["model", "backend", "system", "workers", "params", "rate_bps", "loss_rate",
-                   "step_s", "samples_per_s", "final_loss", "target_loss", "time_to_target_s",
-                   "speedup_step", "speedup_vs_switchml", "bytes_per_step_measured",
-                   "bytes_per_step_predicted", "hidden_fraction"]
+_TRAIN_CSV_KEYS = ["model", "backend", "system", "hook", "workers", "params", "rate_bps",
+                   "loss_rate", "mtu", "batch", "step_s", "samples_per_s", "final_loss",
+                   "target_loss", "time_to_target_s", "metric", "final_metric",
+                   "target_metric", "time_to_metric_s", "speedup_step", "speedup_vs_switchml",
+                   "bytes_per_step_measured", "bytes_per_step_predicted", "hidden_fraction",
+                   "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal"]
 
 
 def _write_train_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[dict],

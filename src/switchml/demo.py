@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DemoConfig", "RunResult", "build_model", "load_data", "run_demo"]
+__all__ = ["DemoConfig", "RunResult", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -56,32 +56,12 @@ class RunResult:
     backend_stats: dict[str, Any] = field(default_factory=dict)
 
 
-def build_model() -> Any:
-    """A small CNN for 8x8 digits (~560k parameters, so gradients are worth aggregating)."""
-    from torch import nn
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, 10),
-    )
-
-
-def load_data(seed: int) -> tuple[Any, Any, Any, Any]:
-    """Digits as float tensors in [0, 1], split 80/20 with a fixed seed."""
-    import torch
-    from sklearn.datasets import load_digits
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(y))
-    return x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]]
-
-
 def _train_worker(rank: int, cfg: DemoConfig, backend: str, port: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml.workloads import cnn_model, digits_split
     try:
         torch.set_num_threads(1)
         if backend == "switchml":
@@ -90,9 +70,9 @@ def _train_worker(rank: int, cfg: DemoConfig, backend: str, port: int, queue: An
                                 world_size=cfg.workers,
                                 timeout=datetime.timedelta(seconds=60))
         torch.manual_seed(cfg.seed)
-        model = DDP(build_model())
+        model = DDP(cnn_model())
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-        x_tr, y_tr, x_te, y_te = load_data(cfg.seed)
+        x_tr, y_tr, x_te, y_te = digits_split(cfg.seed)
         loss_fn = torch.nn.CrossEntropyLoss()
         shard = torch.arange(rank, len(y_tr), cfg.workers)
         steps_per_epoch = len(shard) // cfg.batch_size

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from switchml.bench.hybridtrain import link_bytes, wrap
-from switchml.bench.testbed import TrainBenchConfig, write_trace
+from switchml.bench.testbed import TrainBenchConfig, add_ideal, add_time_to_target, write_trace
 from switchml.torch.timeline import Span, chrome_events
 
 
@@ -34,9 +34,47 @@ def test_link_bytes_reads_this_namespace():
 def test_config_and_wrap_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown system"):
         TrainBenchConfig(systems=("gloo", "nccl"))
-    with pytest.raises(ValueError, match="unknown model"):
+    with pytest.raises(ValueError, match="unknown workload 'resnet'"):
         TrainBenchConfig(models=("resnet",))
     with pytest.raises(ValueError, match="--batch"):
         TrainBenchConfig(batch=0)
     with pytest.raises(ValueError, match="unknown mode"):
         wrap(None, "fsdp", None)
+
+
+def _row(system, step_s, **kw):
+    return {"model": "ncf", "system": system, "step_s": step_s, "rate_bps": 1e9,
+            "losses": [1.0] * 5, "times": [1.0] * 5, **kw}
+
+
+def test_the_ideal_is_compute_plus_the_exposed_wire_time():
+    # C = 100 ms (noop); gloo moved 100 MB per step both ways (50 MB each way: 0.4 s at
+    # 1 Gbit/s) with 25% hidden: ideal 0.1 + 0.75 x 0.4 = 0.4 s, achieved 0.4 / 0.5.
+    rows = [_row("noop", 0.1), _row("gloo", 0.5, bytes_per_step_measured=100e6,
+                                    hidden_fraction=0.25),
+            _row("switchml", 0.3, bytes_per_step_measured=50e6)]
+    add_ideal(rows)
+    assert "ideal_step_s" not in rows[0]
+    assert rows[1]["ideal_step_s"] == pytest.approx(0.4)
+    assert rows[1]["achieved_over_ideal"] == pytest.approx(0.8)
+    assert rows[2]["ideal_step_s"] == pytest.approx(0.1 + 0.2)  # nothing hidden
+    without_noop = [_row("gloo", 0.5, bytes_per_step_measured=1e6)]
+    add_ideal(without_noop)
+    assert "ideal_step_s" not in without_noop[0]
+
+
+def test_time_to_target_metric_is_the_first_evaluation_at_the_level_all_reached():
+    # perplexity (lower is better): gloo ends at 120, switchml at 110; the target is 120,
+    # which switchml reached at its second evaluation (t = 2 s), gloo at its last (t = 9 s);
+    # noop (no aggregation) does not set the target.
+    rows = [_row("gloo", 0.5, evals=[(10, 3.0, 300.0), (20, 9.0, 120.0)]),
+            _row("switchml", 0.25, evals=[(10, 1.0, 200.0), (20, 2.0, 115.0),
+                                          (30, 4.0, 110.0)]),
+            _row("noop", 0.1, evals=[(10, 0.5, 500.0)])]
+    for r in rows:
+        r["model"] = "lstm"
+        r["final_metric"] = r["evals"][-1][2]
+    add_time_to_target(rows)
+    assert [r["target_metric"] for r in rows] == [120.0] * 3
+    assert [r["time_to_metric_s"] for r in rows] == [9.0, 2.0, None]
+    assert rows[1]["speedup_step"] == pytest.approx(2.0)

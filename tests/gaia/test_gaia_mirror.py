@@ -30,9 +30,9 @@ def test_two_data_centres_train_and_share_only_significant_entries(free_ports, r
     import torch
     from torch import nn
 
-    from switchml.demo import load_data
     from switchml.gaia.trainer import GaiaSync
-    from switchml.ps.launch import build_mlp
+    from switchml.workloads import digits_split as load_data
+    from switchml.workloads import mlp_model
     xtr, ytr, xte, yte = load_data(0)
     leaders = _leaders(free_ports)
     out: dict[int, dict] = {}
@@ -40,7 +40,7 @@ def test_two_data_centres_train_and_share_only_significant_entries(free_ports, r
     models = []
     for _ in range(2):  # here, not in the threads: torch's global generator is shared
         torch.manual_seed(0)
-        models.append(build_mlp())
+        models.append(mlp_model((256,)))
 
     def dc(j: int) -> None:
         model = models[j]

@@ -1,6 +1,6 @@
 """``switchml bench geo``: Gaia's comparison on the geo testbed (Hsieh et al., NSDI'17, fig. 7).
 
-The same model (switchml.demo's CNN, 560k parameters) is trained on scikit-learn's digits three
+The same model (``workloads.cnn_model``, 560k parameters) is trained on scikit-learn's digits three
 ways, each worker in its own namespace:
 
 - ``lan``: all workers in one data centre (one star of LAN links): synchronous DDP over gloo,
@@ -161,14 +161,13 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from switchml.demo import build_model, load_data
-    from switchml.ps.launch import build_mlp
+    from switchml.workloads import cnn_model, digits_split, mlp_model
     torch.set_num_threads(1)
     mode, rank = a["mode"], a["rank"]
     _join_group(a)
     torch.manual_seed(a["seed"])
-    model = build_model() if a["model"] == "cnn" else build_mlp()
-    data = load_data(a["seed"])
+    model = cnn_model() if a["model"] == "cnn" else mlp_model((256,))
+    data = digits_split(a["seed"])
     gen = torch.Generator().manual_seed(a["seed"] * 1000 + rank)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)

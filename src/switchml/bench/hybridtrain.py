@@ -2,8 +2,6 @@
 switch or sufficient-factor broadcasting), used inside the worker processes
 (:func:`switchml.bench.nsproc.train`).
 
-* the fully-connected-heavy model ``mlp``: digits (8x8, flattened) -> 4096 -> 4096 -> 10, so
-  one 4096 x 4096 layer holds 98% of its 17M parameters;
 * :func:`wrap`: DDP (with a tracing communication hook when a timeline is kept) or
   :class:`switchml.torch.HybridDataParallel`;
 * :func:`predicted_bytes`: bytes per worker per step by the cost model, as payload and with the
@@ -21,7 +19,7 @@ from typing import Any
 from switchml.protocol.wire import HEADER_SIZE, elements_for_mtu
 from switchml.torch.timeline import COMM, COMPUTE, Timeline, chrome_events, hidden_fraction
 
-__all__ = ["MODES", "StepRecorder", "build_mlp", "link_bytes", "predicted_bytes", "wrap"]
+__all__ = ["MODES", "StepRecorder", "link_bytes", "predicted_bytes", "wrap"]
 
 MODES = ("ddp", "hybrid")
 ETHERNET_HEADER = 14
@@ -29,36 +27,30 @@ IPV4_UDP = 28
 TCP_IPV4 = 52  # 20 IP + 20 TCP + 12 timestamp option
 
 
-def build_mlp(batch: int, gen: Any) -> tuple[Any, Any, Any]:
-    """The FC-heavy model, its loss and ``batch_of(step)`` over scikit-learn's digits."""
-    import torch
-    from sklearn.datasets import load_digits
-    from torch import nn
-    model = nn.Sequential(nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                          nn.Linear(4096, 10))
-    digits = load_digits()
-    xs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    ys = torch.tensor(digits.target)
-
-    def batch_of(step: int) -> tuple[Any, Any]:
-        idx = torch.randint(0, len(ys), (batch,), generator=gen)
-        return xs[idx], ys[idx]
-
-    return model, nn.CrossEntropyLoss(), batch_of
-
-
-def wrap(model: Any, mode: str, timeline: Timeline | None) -> Any:
-    """DDP or HybridDataParallel around ``model`` on the default group."""
+def wrap(model: Any, mode: str, timeline: Timeline | None, hook: str | None = None) -> Any:
+    """DDP or HybridDataParallel around ``model`` on the default group. ``hook``: a DDP
+    communication hook by name (``switchml.torch.hooks.HookName``: ``switchml16``,
+    ``noop`` ...); None: DDP's own all-reduce on the group's backend. With a ``timeline``,
+    every bucket's communication is recorded on it."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
     if mode == "hybrid":
+        if hook is not None:
+            raise ValueError("the hybrid mode takes no DDP communication hook")
         from switchml.torch.hybrid import HybridDataParallel
         return HybridDataParallel(model, timeline=timeline)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from switchml.torch.timeline import traced_allreduce_hook
+    from switchml.torch.timeline import traced_allreduce_hook, traced_hook
     ddp = DDP(model)
-    if timeline is not None:
+    if hook is not None:
+        from switchml.torch.hooks import hook_for
+        state, fn = hook_for(hook)
+        if timeline is not None:
+            ddp.register_comm_hook((state, fn, timeline), traced_hook)
+        else:
+            ddp.register_comm_hook(state, fn)
+    elif timeline is not None:
         ddp.register_comm_hook((None, timeline), traced_allreduce_hook)
     return ddp
 

@@ -9,6 +9,7 @@ and every worker pulls the sum).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import socket
@@ -193,108 +194,61 @@ ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo, "ps
          "ps": ps, "floor-hub": floor_hub, "floor": floor}
 
 
-def _cnn_task(batch: int, gen: Any) -> tuple[Any, Any, Any]:
-    """The convolutional model on real digits: model, loss and ``batch_of(step)``."""
-    import torch
-    from sklearn.datasets import load_digits
-    from torch import nn
-
-    from switchml.demo import build_model
-    model = build_model()
-    digits = load_digits()
-    xs = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    ys = torch.tensor(digits.target)
-
-    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.randint(0, len(ys), (batch,), generator=gen)
-        return xs[idx], ys[idx]
-    return model, nn.CrossEntropyLoss(), batch_of
-
-
-def _embed_task(batch: int, gen: Any, rows: int) -> tuple[Any, Any, Any]:
-    """The network-bound model, a large embedding table (NCF/DeepLight-like), on synthetic
-    clicks: model, loss and ``batch_of(step)``."""
-    import torch
-    from torch import nn
-    dim = 32
-
-    class Rec(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
-            self.mlp = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.mlp(self.emb(ids)).squeeze(1)
-
-    model = Rec()
-    truth = torch.Generator().manual_seed(7)
-    weights = torch.randn(rows, generator=truth)
-    # Item popularity is Zipf-like, as in real click logs: the head of the table is seen
-    # often enough to learn in a short run, the tail rarely (the gradient stays dense:
-    # the whole table's gradient is all-reduced every step).
-    popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
-    popularity /= popularity.sum()
-
-    def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.multinomial(popularity, batch * 8, replacement=True,
-                                generator=gen).view(batch, 8)
-        return ids, (weights[ids].sum(1) > 0).float()
-    return model, nn.BCEWithLogitsLoss(), batch_of
-
-
-def _task(a: dict[str, Any], gen: Any) -> tuple[Any, Any, Any]:
-    """Model, loss function and ``batch_of(step)`` for ``a["model"]``."""
-    from switchml.bench import hybridtrain
-    if a["model"] == "cnn":
-        return _cnn_task(a["batch"], gen)
-    if a["model"] == "mlp":  # fully connected, one 4096 x 4096 layer (the hybrid mode's case)
-        return hybridtrain.build_mlp(a["batch"], gen)
-    return _embed_task(a["batch"], gen, a.get("rows", 200_000))
-
-
-def _steps(a: dict[str, Any], ddp: Any, opt: Any, loss_fn: Any, batch_of: Any,
+def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
            recorder: Any) -> dict[str, Any]:
-    """The training steps: losses, times since the start, and where the measured second half
+    """The training steps: losses, training time at each step (evaluation excluded), the
+    metric every ``eval_every`` steps and at the end, and where the measured second half
     (after warm-up and bucket rebuilding) starts in time and in link bytes."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
-    losses, times = [], []
+    losses, times, evals = [], [], []
     t0 = time.perf_counter()
     c0 = _cpu()
+    paused = 0.0  # seconds spent evaluating, left out of the training time
     half = a["steps"] // 2
-    half_s, bytes_half = t0, 0
+    half_s, bytes_half, paused_half = t0, 0, 0.0
+    every = a.get("eval_every") or 0
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
-        x, y = batch_of(step)
+            paused_half = paused
+        x, y = task.batch_of(step)
         opt.zero_grad(set_to_none=True)
         f0 = time.perf_counter()
-        loss = loss_fn(ddp(x), y)
+        loss = task.loss_fn(ddp(x), y)
         b0 = time.perf_counter()
         loss.backward()
         o0 = time.perf_counter()
         opt.step()
         losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0 - paused)
         if recorder is not None:
             recorder.forward(f0, b0)
             recorder.backward_done(b0, o0)
             recorder.optimizer(o0, time.perf_counter())
+        if every and ((step + 1) % every == 0 or step + 1 == a["steps"]):
+            e0 = time.perf_counter()
+            model.eval()
+            evals.append((step + 1, times[-1], task.evaluate(model)))
+            model.train()
+            paused += time.perf_counter() - e0
     elapsed = time.perf_counter() - t0
-    return {"losses": losses, "times": times, "elapsed_s": elapsed, "c0": c0, "half": half,
-            "half_s": half_s, "bytes_half": bytes_half}
+    return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
+            "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
+            "bytes_half": bytes_half, "paused_half": paused_half, "paused": paused}
 
 
 def train(a: dict[str, Any]) -> None:
-    """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one model on one
-    backend; every rank reports per-step losses and times, the bytes its link carried per step
+    """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one workload
+    (``switchml.workloads``) on one backend, with ``hook`` (a DDP communication hook by name:
+    ``switchml16``, ``noop``) if given; every rank reports per-step losses and training times,
+    the workload's metric every ``eval_every`` steps, the bytes its link carried per step
     (second half; ``dev`` names the link), the cost model's prediction and, with ``trace``, its
-    timeline and the fraction of communication hidden behind backward compute."""
+    timeline; the fraction of communication hidden behind backward compute always."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from switchml import workloads
     from switchml.bench import hybridtrain
     from switchml.torch.timeline import Timeline
     torch.set_num_threads(1)
@@ -302,31 +256,33 @@ def train(a: dict[str, Any]) -> None:
         import switchml.torch  # noqa: F401
     rank, n = a["rank"], a["n"]
     init_group(a["backend"], a["master"], a["port"], rank, n, 120, a.get("store_file"))
+    work = workloads.get(a["model"])
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    model, loss_fn, batch_of = _task(a, gen)
+    task = work.build(a.get("batch"), seed=1000 + rank)
+    model = task.model
     mode = a.get("mode", "ddp")
-    timeline = Timeline() if a.get("trace") else None
-    ddp = DDP(model) if mode == "ddp" and timeline is None else \
-        hybridtrain.wrap(model, mode, timeline)
-    recorder = hybridtrain.StepRecorder(model, timeline) if timeline is not None else None
+    timeline = Timeline()
+    ddp = hybridtrain.wrap(model, mode, timeline, hook=a.get("hook"))
+    recorder = hybridtrain.StepRecorder(model, timeline)
     dev = a.get("dev")
-    if a["model"] in ("cnn", "mlp"):
-        opt: Any = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
-    else:  # Adam, as recommendation models are usually trained
-        opt = torch.optim.Adam(ddp.parameters(), lr=a["lr"])
+    if a.get("lr"):
+        work = dataclasses.replace(work, lr=a["lr"])
+    opt = work.optimizer(ddp.parameters())
     dist.barrier()
-    run = _steps(a, ddp, opt, loss_fn, batch_of, recorder)
+    run = _steps(a, ddp, opt, task, model, recorder)
     params = sum(p.numel() for p in model.parameters())
     extra: dict[str, Any] = {"mode": mode, "predicted_bytes_per_step": hybridtrain.predicted_bytes(
         ddp, model, world=n, mtu=a.get("mtu", 1500))}
     if dev:
         extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
             a["steps"] - run["half"])
-    if recorder is not None:
-        extra.update(recorder.summary(since_s=run["half_s"], rank=rank))
+    summary = recorder.summary(since_s=run["half_s"], rank=rank)
+    if not a.get("trace"):
+        summary.pop("events")
+    extra.update(summary)
     dist.destroy_process_group()
-    _emit({"losses": run["losses"], "times": run["times"], "elapsed_s": run["elapsed_s"],
+    _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
+           "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
            "cpu_s": _cpu() - run["c0"], "params": params, **extra})
 
 

@@ -484,20 +484,26 @@ def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
 
 @dataclass(frozen=True)
 class TrainBenchConfig:
-    """Data-parallel training over the testbed, gloo against switchml, same links."""
+    """Data-parallel training over the testbed: each workload on each system, same links."""
 
     __test__ = False
 
     workers: int = 4
-    models: tuple[str, ...] = ("cnn", "embed")
+    models: tuple[str, ...] = ("ncf", "cnn")
+    """Workloads (``switchml.workloads``)."""
     steps: int = 60
     batch: int | None = None
-    """Per-worker batch; None: each model's default (``TRAIN_BATCH``: 64, mlp 16)."""
-    systems: tuple[str, ...] = ("gloo", "switchml")
-    """``gloo`` and ``switchml``: DDP on that backend; ``hybrid``: HybridDataParallel on
-    switchml (per layer aggregation or sufficient-factor broadcasting)."""
+    """Per-worker batch; None: each workload's default."""
+    systems: tuple[str, ...] = ("noop", "gloo", "switchml")
+    """``TRAIN_SYSTEMS``: ``gloo`` and ``switchml``: DDP on that backend; ``switchml16``:
+    DDP with the 16-bit switchml hook; ``hybrid``: HybridDataParallel on switchml (per layer
+    aggregation or sufficient-factor broadcasting); ``noop``: DDP with no communication at all
+    (the step's compute, for the ideal)."""
+    eval_every: int = 10
+    """Evaluate the workload's metric every this many steps (left out of the step times)."""
     trace: bool = False
-    """Keep a timeline per rank (Chrome trace events and the hidden-communication fraction)."""
+    """Keep every rank's timeline (Chrome trace events); the hidden-communication fraction is
+    measured either way."""
     rate_bps: float = 1e9
     loss_rate: float = 0.0
     mtu: int = DEFAULT_MTU
@@ -506,10 +512,9 @@ class TrainBenchConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        unknown = set(self.models) - set(TRAIN_BATCH)
-        if unknown:
-            raise ValueError(f"unknown model(s) {sorted(unknown)}; known: "
-                             f"{', '.join(TRAIN_BATCH)}")
+        from switchml import workloads
+        for m in self.models:
+            workloads.get(m)  # raises, naming the known ones
         bad = set(self.systems) - set(TRAIN_SYSTEMS)
         if bad or not self.systems:
             raise ValueError(f"unknown system(s) {sorted(bad)}; known: "
@@ -518,13 +523,15 @@ class TrainBenchConfig:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if self.steps < 2:
             raise ValueError("--steps must be >= 2")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
 
 
-_LR = {"cnn": 0.05, "embed": 0.05, "mlp": 0.02}
-TRAIN_BATCH = {"cnn": 64, "embed": 64, "mlp": 16}
-TRAIN_SYSTEMS = {"gloo": ("gloo", "ddp"), "switchml": ("switchml", "ddp"),
-                 "hybrid": ("switchml", "hybrid")}
-"""system -> (backend, mode)."""
+TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "gloo": ("gloo", "ddp", None),
+                 "switchml": ("switchml", "ddp", None),
+                 "switchml16": ("switchml", "ddp", "switchml16"),
+                 "hybrid": ("switchml", "hybrid", None)}
+"""system -> (backend, mode, DDP communication hook)."""
 
 
 def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> dict[str, str]:
@@ -539,39 +546,45 @@ def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> d
 def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
                 ) -> dict[str, Any]:
     """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses)."""
+    from switchml import workloads
     topo, k = tb.topology, elements_for_mtu(cfg.mtu)
-    batch = cfg.batch or TRAIN_BATCH[model]
-    backend, mode = TRAIN_SYSTEMS[system]
+    work = workloads.get(model)
+    batch = cfg.batch or work.batch
+    backend, mode, hook = TRAIN_SYSTEMS[system]
     port = 33000 + secrets.randbelow(20000)
     with _store_dir() as store:
         procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
             "backend": backend, "model": model, "rank": r, "n": cfg.workers,
             "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
-            "batch": batch, "lr": _LR[model], "mode": mode, "trace": cfg.trace,
-            "dev": tb.host_device(r), "mtu": cfg.mtu, "store_file": f"{store}/group"}),
+            "batch": batch, "mode": mode, "hook": hook, "trace": cfg.trace,
+            "eval_every": cfg.eval_every, "dev": tb.host_device(r), "mtu": cfg.mtu,
+            "store_file": f"{store}/group"}),
             lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
                                     cfg.window or default_window(k), k))
         out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
-    # Step time from the second half (after warm-up and bucket rebuilding).
+    # Step time from the second half (after warm-up and bucket rebuilding); the times leave
+    # evaluation out.
     times = lead["times"]
     half = len(times) // 2
     step_s = (times[-1] - times[half - 1]) / (len(times) - half)
+    evals = lead.get("evals") or []
     return {
-        "model": model, "backend": backend, "system": system, "mode": mode,
-        "workers": cfg.workers,
-        "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
-        "params": lead["params"], "steps": cfg.steps, "batch": batch,
+        "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
+        "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
+        "mtu": cfg.mtu, "params": lead["params"], "steps": cfg.steps, "batch": batch,
         "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
         "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
-        "times": times,
+        "times": times, "metric": work.metric, "evals": evals,
+        "final_metric": evals[-1][2] if evals else None,
         "cpu_percent": _cpu_percent(out),
         **_bytes_and_trace(out),
     }
 
 
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
-    """Train every model on gloo and on switchml over one testbed; return one row each."""
+    """Train every workload on every system over one testbed; return one row each, with the
+    time to the target metric, the speedup against gloo and the ideal step time."""
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
@@ -583,8 +596,29 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                 rows.append(_train_once(tb, cfg, model, system))
         assert switch.stdin is not None
         switch.stdin.close()
-    _add_time_to_target(rows)
+    add_time_to_target(rows)
+    add_ideal(rows)
     return rows
+
+
+def add_ideal(rows: list[dict[str, Any]]) -> None:
+    """The ideal step time of every row, from measured quantities: C, the step with no
+    communication (the ``noop`` row of the same workload), plus the part of the row's wire
+    time that its measured overlap leaves exposed, ``(1 - hidden) x T``, where ``T`` is the
+    bytes the row's links carried per step, each way, at the link rate. ``achieved_over_ideal``
+    (ideal / measured step time) says how much is left on the table."""
+    for r in rows:
+        c = next((x["step_s"] for x in rows if x["model"] == r["model"]
+                  and x["system"] == "noop"), None)
+        measured = r.get("bytes_per_step_measured")
+        if c is None or r["system"] == "noop" or not measured:
+            continue
+        wire_s = measured / 2 * 8 / r["rate_bps"]  # sent + received: half each way
+        hidden = r.get("hidden_fraction") or 0.0
+        r["compute_step_s"] = c
+        r["wire_s"] = wire_s
+        r["ideal_step_s"] = c + (1 - hidden) * wire_s
+        r["achieved_over_ideal"] = r["ideal_step_s"] / r["step_s"]
 
 
 def _bytes_and_trace(out: list[dict[str, Any]]) -> dict[str, Any]:
@@ -636,18 +670,31 @@ def _smooth(xs: list[float], w: int = 5) -> list[float]:
             for i in range(len(xs))]
 
 
-def _add_time_to_target(rows: list[dict[str, Any]]) -> None:
-    """Target loss per model: the worse of the backends' final smoothed losses, plus 5%."""
+def add_time_to_target(rows: list[dict[str, Any]]) -> None:
+    """Per workload: the target metric is the worst final metric among the systems that
+    aggregate (the level every one reached); each row's time to it is the training time at
+    its first evaluation that reaches it. Likewise for the loss (5-step mean, + 5%). And each
+    row's step-time speedup against gloo and against switchml."""
+    from switchml import workloads
     for model in {r["model"] for r in rows}:
         group = [r for r in rows if r["model"] == model]
-        target = 1.05 * max(_smooth(r["losses"])[-1] for r in group)
+        trained = [r for r in group if r["system"] != "noop"] or group
+        target = 1.05 * max(_smooth(r["losses"])[-1] for r in trained)
+        work = workloads.get(model)
+        finals = [r["final_metric"] for r in trained if r.get("final_metric") is not None]
+        metric_target = (min(finals) if work.higher_is_better else max(finals)) \
+            if finals else None
         for r in group:
             sm = _smooth(r["losses"])
             hit = next((i for i, v in enumerate(sm) if v <= target), None)
             r["target_loss"] = target
             r["time_to_target_s"] = r["times"][hit] if hit is not None else None
-        gloo = next((r for r in group if r.get("system", r["backend"]) == "gloo"), None)
-        sw = next((r for r in group if r.get("system") == "switchml"), None)
+            r["target_metric"] = metric_target
+            r["time_to_metric_s"] = next(
+                (t for _, t, v in r.get("evals") or [] if metric_target is not None
+                 and work.better(v, metric_target)), None)
+        gloo = next((r for r in group if r["system"] == "gloo"), None)
+        sw = next((r for r in group if r["system"] == "switchml"), None)
         for r in group:
             r["speedup_step"] = gloo["step_s"] / r["step_s"] if gloo else None
             r["speedup_vs_switchml"] = sw["step_s"] / r["step_s"] if sw else None

@@ -20,7 +20,7 @@ from switchml.protocol.errors import ConfigError
 from switchml.ps.server import ParameterServer, ServerConfig
 from switchml.ps.wire import PSError
 
-__all__ = ["PSRunConfig", "build_mlp", "run_ps_training", "train_worker"]
+__all__ = ["PSRunConfig", "build", "run_ps_training", "train_worker"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PSRunConfig:
     optimizer: str = "sgd"
     seed: int = 0
     model: str = "mlp"
-    """``mlp`` (64-256-10, 19k parameters) or ``cnn`` (switchml.demo's, 560k)."""
+    """``mlp`` (64-256-10, 19k parameters) or ``cnn`` (``workloads.cnn_model``, 560k)."""
     max_shard_elements: int = 1 << 17
     slow_worker: int | None = None
     """A worker that sleeps ``slow_s`` every step (a straggler, to see backup workers act)."""
@@ -67,18 +67,13 @@ class PSRunConfig:
                             self.momentum, self.timeout_s)
 
 
-def build_mlp() -> Any:
-    from torch import nn
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
 def build(cfg: PSRunConfig) -> Any:
     """The run's model, initialised from ``cfg.seed`` (torch's global generator)."""
     import torch
 
-    from switchml.demo import build_model
+    from switchml.workloads import cnn_model, mlp_model
     torch.manual_seed(cfg.seed)
-    return build_mlp() if cfg.model == "mlp" else build_model()
+    return mlp_model((256,)) if cfg.model == "mlp" else cnn_model()
 
 
 def train_worker(cfg: PSRunConfig, rank: int, servers: list[tuple[str, int]],
@@ -89,11 +84,11 @@ def train_worker(cfg: PSRunConfig, rank: int, servers: list[tuple[str, int]],
     import torch
     from torch import nn
 
-    from switchml.demo import load_data
     from switchml.ps.trainer import PSTrainer, model_digest
+    from switchml.workloads import digits_split
     if model is None:
         model = build(cfg)
-    xtr, ytr, xte, yte = load_data(cfg.seed)
+    xtr, ytr, xte, yte = digits_split(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     trainer = PSTrainer(model, servers=servers, worker=rank, workers=cfg.workers, mode=cfg.mode,
                         max_shard_elements=cfg.max_shard_elements, timeout_s=cfg.timeout_s,

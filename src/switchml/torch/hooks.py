@@ -40,8 +40,8 @@ from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
 from switchml.transport.udp import WorkerClient, elements_per_packet_for
 
-__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "noop_hook", "register_hook",
-           "switchml_hook"]
+__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "noop_hook",
+           "register_hook", "switchml_hook"]
 
 
 class SwitchMLHookState:
@@ -196,21 +196,26 @@ class HookName(Enum):
     NOOP = "noop"
 
 
-def register_hook(model: torch.nn.parallel.DistributedDataParallel, name: str | HookName,
-                  process_group: dist.ProcessGroup | None = None) -> Any:
-    """Register a hook by name; returns its state. Raises ValueError listing the known names."""
+def hook_for(name: str | HookName, process_group: dist.ProcessGroup | None = None
+             ) -> tuple[Any, Any]:
+    """The ``(state, hook)`` pair for a hook's name, for ``ddp.register_comm_hook(state,
+    hook)``. Raises ValueError listing the known names."""
     try:
         which = HookName(name)
     except ValueError:
         known = ", ".join(h.value for h in HookName)
         raise ValueError(f"unknown hook {name!r}; known: {known}") from None
     if which is HookName.NOOP:
-        model.register_comm_hook(None, noop_hook)
-        return None
+        return None, noop_hook
     if which is HookName.ALLREDUCE:
-        model.register_comm_hook(process_group, allreduce_hook)
-        return process_group
-    state = SwitchMLHookState(process_group, bits=16 if which is HookName.SWITCHML16 else 32)
-    model.register_comm_hook(state, switchml_hook)
-    return state
+        return process_group, allreduce_hook
+    return SwitchMLHookState(process_group, bits=16 if which is HookName.SWITCHML16 else 32), \
+        switchml_hook
 
+
+def register_hook(model: torch.nn.parallel.DistributedDataParallel, name: str | HookName,
+                  process_group: dist.ProcessGroup | None = None) -> Any:
+    """Register a hook by name; returns its state. Raises ValueError listing the known names."""
+    state, hook = hook_for(name, process_group)
+    model.register_comm_hook(state, hook)
+    return state

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Span", "Timeline", "chrome_events", "hidden_fraction", "traced_allreduce_hook",
-           "write_chrome_trace"]
+           "traced_hook", "write_chrome_trace"]
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -146,3 +146,21 @@ def traced_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
         return fut.value()[0].div_(world)
 
     return work.get_future().then(average)
+
+
+def traced_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """A DDP communication hook that runs another hook and records its work, from the call to
+    the future's completion, as a ``comm`` span.
+
+    ``state`` is ``(inner_state, inner_hook, timeline)``. Usage:
+    ``ddp.register_comm_hook((hook_state, switchml_hook, timeline), traced_hook)``."""
+    inner_state, inner_hook, timeline = state
+    start = timeline.now()
+    name = f"allreduce bucket {bucket.index()}"
+    numel = bucket.buffer().numel()
+
+    def done(fut: Any) -> Any:
+        timeline.record(name, COMM, start, timeline.now(), elements=numel)
+        return fut.value()
+
+    return inner_hook(inner_state, bucket).then(done)
