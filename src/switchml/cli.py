@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_switch_parser, _add_demo_parser, _add_stats_parser, _add_testbed_parser,
-                _add_bench_parser, _add_ps_parser, _add_sim_parser, _add_tls_parser):
+                _add_bench_parser, _add_predict_parser, _add_ps_parser, _add_sim_parser,
+                _add_tls_parser):
         add(sub)
     return parser
 
@@ -276,6 +277,98 @@ def _add_demo_parser(sub: _Subparsers) -> None:
     demo.add_argument("--backend", action="append", choices=["gloo", "switchml"],
                       help="run only this backend (repeatable; default both)")
     demo.set_defaults(func=_run_demo)
+
+
+def _add_predict_parser(sub: _Subparsers) -> None:
+    """``switchml predict``: profile a model, predict its step on each system."""
+    from switchml import workloads
+    pr = sub.add_parser(
+        "predict", help="will switchml speed up my training job? (profile, then predict)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Profile a few local DDP steps of a model (compute, and each gradient "
+                    "bucket's size and when backward makes it ready), then predict its step "
+                    "time with N workers on links of the given rate and MTU: on gloo (ring "
+                    "all-reduce), on switchml (the simulator's timing mode) and with the 16-bit "
+                    "hook, composed as DDP overlaps communication with backward. Prints the "
+                    "predicted speedup and the share of the step spent communicating.\n\n"
+                    "With --against, predict every row of a 'switchml bench train --json' run "
+                    "instead and print predicted against measured step times.",
+        epilog="Workloads: " + ", ".join(workloads.NAMES) + "; or module:factory, where "
+               "factory(batch) returns a switchml.workloads.Task or (model, loss_fn, "
+               "batch_of).")
+    pr.add_argument("--model", default="ncf",
+                    help="a workload or module:factory (default ncf)")
+    pr.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the "
+                    "workload's own)")
+    pr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
+    pr.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="link rate in Mbit/s (default 1000)")
+    pr.add_argument("--mtu", type=int, default=1500, help="path MTU (default 1500)")
+    pr.add_argument("--colocated", type=int, default=1, metavar="K",
+                    help="profile K processes at once: the workers share this machine's cores "
+                         "(as on the testbed), default 1 (each worker has a host of its own)")
+    pr.add_argument("--steps", type=int, default=8, help="profiled steps (default 8)")
+    pr.add_argument("--against", metavar="JSON",
+                    help="a 'switchml bench train --json' file: predict each of its rows "
+                         "(profiling as many processes at once as the run had workers)")
+    pr.add_argument("--json", metavar="PATH", help="write the profile and predictions as JSON")
+    pr.set_defaults(func=_run_predict)
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    """``switchml predict``: one table of predictions (or of predictions against a run)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml import predict as P
+    console = Console(stderr=True)
+    if args.against:
+        with open(args.against) as f:
+            rows = json.load(f)["results"]
+        with console.status("profiling") as status:
+            checked = P.validate(rows, progress=status.update)
+        table = Table(title=f"predicted against measured step times ({args.against})")
+        for col in ("model", "system", "workers", "Mbit/s", "measured (ms)", "predicted (ms)",
+                    "error"):
+            table.add_column(col, justify="right")
+        for c in checked:
+            table.add_row(c["model"], c["system"], str(c["workers"]),
+                          f"{c['rate_bps'] / 1e6:g}", f"{1e3 * c['measured_step_s']:.0f}",
+                          f"{1e3 * c['predicted_step_s']:.0f}", f"{c['error']:+.0%}")
+        _stdout_console().print(table)
+        if args.json:
+            _write_json(args.json, {"against": args.against, "rows": checked})
+        return 0
+    with console.status(f"profiling {args.model} ({args.colocated} at once)"):
+        prof = P.profile(args.model, args.batch, steps=args.steps, colocated=args.colocated)
+    with console.status("simulating the all-reduces"):
+        preds = P.predict(prof, workers=args.workers, rate_bps=args.rate_mbit * 1e6,
+                          mtu=args.mtu)
+    table = Table(title=f"{args.model}: {prof.params:,} parameters, batch {prof.batch}, "
+                        f"{args.workers} workers, {args.rate_mbit:g} Mbit/s, MTU {args.mtu}; "
+                        f"compute {1e3 * prof.compute_s:.0f} ms per step "
+                        f"({len(prof.buckets)} buckets)")
+    for col in ("system", "step (ms)", "communication (ms)", "exposed (ms)",
+                "share of step", "speedup vs gloo"):
+        table.add_column(col, justify="right")
+    for p in preds:
+        table.add_row(p.system, f"{1e3 * p.step_s:.0f}", f"{1e3 * p.comm_s:.0f}",
+                      f"{1e3 * p.exposed_s:.0f}", f"{p.comm_share:.0%}", f"{p.speedup:.2f}x")
+    _stdout_console().print(table)
+    best = max(preds, key=lambda p: p.speedup or 0)
+    gloo = next(p for p in preds if p.system == "gloo")
+    verdict = (f"switchml helps: {best.system} {best.speedup:.2f}x gloo's step, because "
+               f"communication is {gloo.comm_share:.0%} of gloo's step and switchml moves "
+               "fewer bytes" if (best.speedup or 0) > 1.05 else
+               f"little to gain: communication is only {gloo.comm_share:.0%} of gloo's step")
+    print(verdict)
+    if args.json:
+        _write_json(args.json, {"profile": P.profile_dict(prof),
+                                "predictions": [dict(vars(p), comm_share=p.comm_share)
+                                                for p in preds]})
+    return 0
 
 
 def _add_stats_parser(sub: _Subparsers) -> None:
@@ -1074,6 +1167,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from switchml.demo import DemoConfig, run_demo
 
+    if "switchml" in (args.backend or ("switchml",)):
+        print("compiling switchml's kernels (loaded from the cache after the first run)",
+              file=sys.stderr, flush=True)
     cfg = DemoConfig(workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
                      lr=args.lr, out_dir=args.out,
                      backends=tuple(args.backend or ("gloo", "switchml")))
@@ -1092,11 +1188,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     _stdout_console().print(_demo_table(cfg, results))
     console.print(f"loss curves: {cfg.out_dir}/loss.png, figures: {cfg.out_dir}/demo.json")
     console.print("Same script, same loss: only the backend string differs. On one machine "
-                  "there is no network bandwidth to save, so the step times compare software "
-                  "paths (gloo's is C++, switchml's switch is Python). The speedup in-network "
-                  "aggregation exists for appears on bandwidth-bound links: see 'switchml bench "
-                  "allreduce --testbed' and 'switchml bench train' (root) and "
-                  "docs/benchmarks.md.")
+                  "there is no network bandwidth to save: the step times compare software "
+                  "paths sharing this machine's cores (gloo's C++ ring; switchml's compiled "
+                  "workers and an embedded software switch, which also needs CPU here). The "
+                  "speedup in-network aggregation exists for appears on bandwidth-bound links: "
+                  "see 'switchml predict' for your model, 'switchml bench train' and "
+                  "'switchml bench allreduce --testbed' (root), and docs/benchmarks.md.")
     return 0
 
 
@@ -1104,7 +1201,10 @@ def _demo_table(cfg: DemoConfig, results: Sequence[Any]) -> Table:
     """One row per backend of the demo's training runs."""
     from rich.table import Table
 
-    table = Table(title=f"DDP training on digits, {cfg.workers} workers, {cfg.epochs} epochs")
+    from switchml.demo import WARMUP_STEPS
+
+    table = Table(title=f"DDP training on digits, {cfg.workers} workers, {cfg.epochs} epochs "
+                        f"(step time: mean after the first {WARMUP_STEPS} steps)")
     for col in ("backend", "steps", "step time (ms)", "samples/s", "final loss", "test accuracy",
                 "through the switch"):
         table.add_column(col, justify="right")

@@ -359,8 +359,36 @@ NAMES: tuple[str, ...] = tuple(_BY_NAME)
 
 
 def get(name: str) -> Workload:
-    """The workload ``name``; raises ValueError naming the known ones."""
+    """The workload ``name``, or a user's model given as ``module:attribute``: a
+    :class:`Workload`, or a factory ``f(batch) -> Task`` (or ``(model, loss_fn, batch_of)``;
+    trained with SGD, lr 0.01, batch 32 by default). Raises ValueError naming the known ones."""
+    if ":" in name:
+        return _imported(name)
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(NAMES)}") from None
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(NAMES)}, or "
+                         "module:factory") from None
+
+
+def _imported(spec: str) -> Workload:
+    import importlib
+    module, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load the model factory {spec!r}: {exc}") from None
+    if isinstance(obj, Workload):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"{spec!r} is neither a Workload nor a callable factory")
+
+    def build(batch: int, _gen: Any) -> Task:
+        made = obj(batch)
+        if isinstance(made, Task):
+            return made
+        model, loss_fn, batch_of = made
+        return Task(model, loss_fn, batch_of, lambda _m: float("nan"))
+
+    return Workload(spec, f"the factory {spec}", batch=32, lr=0.01, optim="sgd",
+                    metric="none", higher_is_better=True, network_bound=False, _build=build)

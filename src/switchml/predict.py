@@ -1,0 +1,297 @@
+"""``switchml predict``: will in-network aggregation speed up this training job?
+
+Method:
+
+1. **Profile** a few local steps of the model under DDP on a one-rank gloo group, with a
+   communication hook that records, for every gradient bucket, its size and when backward
+   made it ready, and sends nothing. From the steps after DDP rebuilt its buckets: forward
+   ``F``, backward ``B``, optimizer ``O``, and the buckets in the order they become ready.
+   ``colocated`` runs that many profiling processes at once, for jobs whose workers share a
+   machine (the testbed's, on this 2-core machine: compute slows as workers share cores).
+2. **Time each bucket's all-reduce** on each system: switchml (32-bit and the 16-bit hook) with
+   the simulator's timing mode (``sim.timing``: the protocol's self-clocked window over the
+   links at the given rate and MTU); gloo as a ring, ``2 (n - 1) / n`` of the bucket's bytes each
+   way, in TCP segments of the MTU, plus a per-hop latency.
+3. **Compose** as DDP does: buckets all-reduce one after another, each once it is ready, while
+   backward goes on. The step is ``F + max(B, end of the last all-reduce) + O``; the exposed
+   communication is what ends after backward.
+
+The prediction assumes the links are the bottleneck's only shared resource besides the
+profiled compute, no loss, and a switch that keeps up (a real one, or the software switch on
+its own cores). ``validate`` sets predictions against the rows of ``switchml bench train``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from switchml.protocol.wire import HEADER_SIZE, elements_for_mtu
+
+__all__ = ["Bucket", "Prediction", "Profile", "SYSTEMS", "predict", "profile", "validate"]
+
+SYSTEMS = ("gloo", "switchml", "switchml16")
+TCP_IPV4 = 52  # 20 IP + 20 TCP + 12 timestamp option
+ETHERNET = 14 + 24  # header and FCS, preamble, inter-frame gap: what a frame costs the wire
+GLOO_HOP_S = 100e-6
+"""Per ring step: one TCP round of a chunk through two hosts' stacks (measured order on this
+machine's testbed: tens to a hundred microseconds)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    numel: int
+    ready_s: float
+    """Seconds after backward started when DDP handed the bucket to communication."""
+
+
+@dataclass
+class Profile:
+    """One training step's compute, and its gradient buckets in the order they are ready."""
+
+    model: str
+    batch: int
+    params: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    buckets: list[Bucket]
+    colocated: int = 1
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass
+class Prediction:
+    system: str
+    step_s: float
+    comm_s: float
+    """The all-reduces' time, end to end, as if nothing else ran."""
+    exposed_s: float
+    """Communication that ends after backward: the step's cost of communicating."""
+    speedup: float | None = None
+    """gloo's predicted step / this one."""
+    buckets_s: list[float] = field(default_factory=list)
+
+    @property
+    def comm_share(self) -> float:
+        return self.exposed_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def hidden(self) -> float | None:
+        return 1 - self.exposed_s / self.comm_s if self.comm_s else None
+
+
+# -- 1. profile ---------------------------------------------------------------------------------
+
+def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[str, Any]:
+    """Profile in this process (a one-rank gloo group of its own)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from switchml import workloads
+    torch.set_num_threads(1)
+    work = workloads.get(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
+                                rank=0, world_size=1)
+        try:
+            torch.manual_seed(seed)
+            task = work.build(batch, seed=seed)
+            calls: list[tuple[int, float]] = []
+
+            def record(_state, bucket):  # type: ignore[no-untyped-def]  (DDP checks them)
+                calls.append((bucket.buffer().numel(), time.perf_counter()))
+                fut: Any = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+
+            ddp = DDP(task.model)
+            ddp.register_comm_hook(None, record)
+            opt = work.optimizer(ddp.parameters())
+            samples = []
+            for step in range(steps):
+                x, y = task.batch_of(step)
+                calls.clear()
+                opt.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                loss = task.loss_fn(ddp(x), y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                opt.step()
+                t3 = time.perf_counter()
+                samples.append((t1 - t0, t2 - t1, t3 - t2,
+                                [(n, t - t1) for n, t in calls]))
+        finally:
+            dist.destroy_process_group()
+    kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
+    layout = kept[-1][3]
+    ready = [statistics.median(s[3][i][1] for s in kept if len(s[3]) == len(layout))
+             for i in range(len(layout))]
+    return {"model": model, "batch": batch or work.batch,
+            "params": sum(p.numel() for p in task.model.parameters()),
+            "forward_s": statistics.median(s[0] for s in kept),
+            "backward_s": statistics.median(s[1] for s in kept),
+            "optimizer_s": statistics.median(s[2] for s in kept),
+            "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)]}
+
+
+def _profile_child(args: tuple[str, int | None, int, int], out: Any) -> None:
+    try:
+        out.put(_profile_here(*args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: int = 1,
+            seed: int = 0, timeout_s: float = 600.0) -> Profile:
+    """Profile ``steps`` steps of workload ``model`` (``switchml.workloads``); with
+    ``colocated`` > 1, that many processes profile at once and the medians across them are
+    kept (compute as it runs when that many workers share this machine)."""
+    from switchml import workloads
+    workloads.get(model)  # a wrong name fails here, not in a child
+    if steps < 2 or colocated < 1:
+        raise ValueError(f"steps must be >= 2 and colocated >= 1, got {steps}, {colocated}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_profile_child, args=((model, batch, steps, seed + i), out),
+                         daemon=True) for i in range(colocated)]
+    for p in procs:
+        p.start()
+    docs = []
+    try:
+        for _ in procs:
+            docs.append(out.get(timeout=timeout_s))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [d["error"] for d in docs if "error" in d]
+    if errors:
+        raise RuntimeError(f"profiling {model} failed: {errors[0]}")
+    first = docs[0]
+    buckets = [Bucket(b["numel"], statistics.median(d["buckets"][i]["ready_s"] for d in docs))
+               for i, b in enumerate(first["buckets"])]
+    return Profile(model=model, batch=first["batch"], params=first["params"],
+                   forward_s=statistics.median(d["forward_s"] for d in docs),
+                   backward_s=statistics.median(d["backward_s"] for d in docs),
+                   optimizer_s=statistics.median(d["optimizer_s"] for d in docs),
+                   buckets=buckets, colocated=colocated)
+
+
+# -- 2. each bucket's all-reduce ----------------------------------------------------------------
+
+def switchml_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
+                         bits: int = 32, _cache: dict[tuple, float] = {}) -> float:  # noqa: B006
+    """One all-reduce of ``numel`` elements through the switch, by the timing simulator
+    (16 bits: as many elements in half the bytes)."""
+    from switchml.sim.config import SimConfig, SimLink
+    from switchml.sim.timing import run_timing
+    size = -(-numel * bits // 32) * 4  # (the simulator takes whole float32s)
+    key = (size, workers, rate_bps, mtu)
+    if key not in _cache:
+        report = run_timing(SimConfig(workers=workers, size_bytes=max(size, 4),
+                                      access=SimLink(rate_bps=rate_bps), mtu=mtu))
+        if not report.ok:
+            raise RuntimeError(f"the timing simulator failed: {report.error}")
+        _cache[key] = report.elapsed_s
+    return _cache[key]
+
+
+def gloo_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int) -> float:
+    """One ring all-reduce of ``numel`` float32: each link carries ``2 (n - 1) / n`` of the
+    bytes each way in TCP segments, plus a latency per ring step."""
+    if workers < 2:
+        return 0.0
+    mss = mtu - TCP_IPV4
+    wire = numel * 4 * 2 * (workers - 1) / workers * (mss + TCP_IPV4 + ETHERNET) / mss
+    return wire * 8 / rate_bps + 2 * (workers - 1) * GLOO_HOP_S
+
+
+def switchml_wire_bytes(numel: int, *, mtu: int, bits: int = 32) -> float:
+    """Bytes each way per worker for ``numel`` elements through the switch (frames
+    included)."""
+    k = elements_for_mtu(mtu) * (32 // bits)
+    packets = -(-numel // k)
+    return numel * bits / 8 + packets * (HEADER_SIZE + 28 + ETHERNET)
+
+
+# -- 3. compose ---------------------------------------------------------------------------------
+
+def compose(prof: Profile, times: list[float], system: str) -> Prediction:
+    """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done."""
+    end = 0.0
+    for b, t in zip(prof.buckets, times):
+        end = max(end, b.ready_s) + t
+    exposed = max(0.0, end - prof.backward_s) if times else 0.0
+    return Prediction(system, prof.forward_s + prof.backward_s + exposed + prof.optimizer_s,
+                      comm_s=sum(times), exposed_s=exposed, buckets_s=times)
+
+
+def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
+            systems: tuple[str, ...] = SYSTEMS) -> list[Prediction]:
+    """The predicted step of ``prof`` on each system, with speedups against gloo."""
+    if workers < 1 or rate_bps <= 0:
+        raise ValueError(f"workers must be >= 1 and rate_bps > 0, got {workers}, {rate_bps}")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    out = []
+    for system in systems:
+        if system == "gloo":
+            times = [gloo_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps, mtu=mtu)
+                     for b in prof.buckets]
+        else:
+            bits = 16 if system == "switchml16" else 32
+            times = [switchml_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps,
+                                          mtu=mtu, bits=bits) if workers > 1 else 0.0
+                     for b in prof.buckets]
+        out.append(compose(prof, times, system))
+    gloo = next((p for p in out if p.system == "gloo"), None)
+    if gloo is None:
+        gloo = compose(prof, [gloo_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps,
+                                               mtu=mtu) for b in prof.buckets], "gloo")
+    for p in out:
+        p.speedup = gloo.step_s / p.step_s
+    return out
+
+
+def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
+             progress: Any = None) -> list[dict[str, Any]]:
+    """Predict every row of a ``switchml bench train`` run (its workload, batch, workers,
+    rate, MTU) and set the prediction against the measured step: one dict per row, with the
+    relative error. ``colocated``: profile with as many processes as the run had workers
+    (they shared this machine)."""
+    profiles: dict[tuple, Profile] = {}
+    out = []
+    for r in rows:
+        if r["system"] not in SYSTEMS:
+            continue
+        key = (r["model"], r["batch"], r["workers"] if colocated else 1)
+        if key not in profiles:
+            if progress is not None:
+                progress(f"profiling {r['model']} (batch {r['batch']}, {key[2]} at once)")
+            profiles[key] = profile(r["model"], r["batch"], colocated=key[2])
+        prof = profiles[key]
+        pred = predict(prof, workers=r["workers"], rate_bps=r["rate_bps"],
+                       mtu=r.get("mtu", 1500), systems=(r["system"],))[0]
+        out.append({"model": r["model"], "system": r["system"], "workers": r["workers"],
+                    "rate_bps": r["rate_bps"], "measured_step_s": r["step_s"],
+                    "predicted_step_s": pred.step_s, "error": pred.step_s / r["step_s"] - 1,
+                    "predicted_exposed_s": pred.exposed_s, "compute_s": prof.compute_s,
+                    "measured_compute_s": r.get("compute_step_s")})
+    return out
+
+
+def profile_dict(prof: Profile) -> dict[str, Any]:
+    return asdict(prof)

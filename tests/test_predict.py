@@ -1,0 +1,83 @@
+"""``switchml predict``: the profile of a real model, each all-reduce's time against hand
+computations and the link bound, and DDP's overlap composed as a hand-worked example."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from switchml import predict as P
+
+
+def _prof(buckets, f=0.01, b=0.1, o=0.02):
+    return P.Profile(model="x", batch=1, params=sum(n for n, _ in buckets), forward_s=f,
+                     backward_s=b, optimizer_s=o,
+                     buckets=[P.Bucket(n, r) for n, r in buckets])
+
+
+def test_buckets_overlap_backward_as_ddp_runs_them():
+    # ready at 30 and 90 ms of a 100 ms backward, all-reduces of 50 and 40 ms: the first
+    # ends at 80, the second waits for its gradients (90) and ends at 130, 30 ms after
+    # backward: step = 10 + 100 + 30 + 20 ms.
+    p = P.compose(_prof([(100, 0.03), (200, 0.09)]), [0.05, 0.04], "x")
+    assert p.step_s == pytest.approx(0.16)
+    assert p.exposed_s == pytest.approx(0.03)
+    assert p.comm_s == pytest.approx(0.09)
+    assert p.hidden == pytest.approx(2 / 3)
+    # back to back: the second bucket waits for the first (ends 0.03 + 0.1 + 0.1)
+    q = P.compose(_prof([(100, 0.03), (200, 0.04)]), [0.1, 0.1], "x")
+    assert q.exposed_s == pytest.approx(0.13)
+
+
+def test_gloo_is_a_ring_in_tcp_segments():
+    # 1M floats, 4 workers: 2 x 3/4 x 4 MB each way, in 1448-byte segments that cost
+    # 1448 + 52 + 38 bytes of wire, at 1 Gbit/s, plus 6 hops of 100 us.
+    wire = 4e6 * 1.5 * (1448 + 52 + 38) / 1448
+    assert P.gloo_allreduce_s(1_000_000, workers=4, rate_bps=1e9, mtu=1500) == \
+        pytest.approx(wire * 8 / 1e9 + 6 * 100e-6)
+    assert P.gloo_allreduce_s(1_000_000, workers=1, rate_bps=1e9, mtu=1500) == 0.0
+
+
+def test_switchml_time_is_near_its_link_bound_and_16_bits_halve_it():
+    numel = 2_000_000
+    t32 = P.switchml_allreduce_s(numel, workers=4, rate_bps=1e9, mtu=1500)
+    bound = P.switchml_wire_bytes(numel, mtu=1500) * 8 / 1e9
+    assert bound <= t32 < 1.15 * bound, (t32, bound)
+    t16 = P.switchml_allreduce_s(numel, workers=4, rate_bps=1e9, mtu=1500, bits=16)
+    assert 0.45 < t16 / t32 < 0.6
+    # a ring moves 2 (n - 1) / n = 1.5x the bytes: the switch is faster on the same links
+    assert t32 < P.gloo_allreduce_s(numel, workers=4, rate_bps=1e9, mtu=1500)
+
+
+def test_profile_of_a_real_model_covers_every_parameter():
+    prof = P.profile("cnn", 16, steps=4)
+    # conv 1x32x3x3 + 32, conv 32x64x3x3 + 64, linear 1024x512 + 512, linear 512x10 + 10
+    assert sum(b.numel for b in prof.buckets) == prof.params == 320 + 18_496 + 524_800 + 5_130
+    assert prof.forward_s > 0 and prof.backward_s > 0 and prof.optimizer_s > 0
+    assert all(0 <= b.ready_s <= prof.backward_s for b in prof.buckets)
+    preds = {p.system: p for p in P.predict(prof, workers=4, rate_bps=1e8)}
+    assert set(preds) == set(P.SYSTEMS) and preds["gloo"].speedup == 1.0
+    # at 100 Mbit/s, 2 MB of gradient: communication dominates, and switchml's saving shows
+    assert preds["switchml"].speedup > 1.1 and preds["switchml16"].speedup > \
+        preds["switchml"].speedup
+
+
+def test_wrong_arguments_say_what_is_wrong():
+    prof = _prof([(10, 0.0)])
+    with pytest.raises(ValueError, match="unknown system"):
+        P.predict(prof, workers=4, rate_bps=1e9, systems=("nccl",))
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        P.predict(prof, workers=0, rate_bps=1e9)
+    with pytest.raises(ValueError, match="unknown workload 'resnet'"):
+        P.profile("resnet")
+
+
+def test_the_command_prints_a_verdict():
+    out = subprocess.run([sys.executable, "-m", "switchml", "predict", "--model", "cnn",
+                          "--steps", "3", "--rate-mbit", "100"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "switchml16" in out.stdout and "speedup vs gloo" in out.stdout
+    assert "switchml helps" in out.stdout
