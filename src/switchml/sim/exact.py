@@ -1,34 +1,27 @@
 """Exact mode: the real switch, rack-switch and worker objects on simulated links, real data.
 
-``ExactNetwork`` is a discrete-event engine with the in-memory fabric's interface (``attach``,
-``flush``, ``run``, ``events``, ``now``), so ``MemoryCluster``-style drivers and
-:class:`~switchml.sim.cluster.TreeCluster` run on it unchanged. What it adds: every pair of
-endpoints is joined by a link per direction (:class:`~switchml.sim.config.SimLink`: FIFO
-serialisation at its rate, propagation delay, tail drop at the queue limit, random loss, a
-failure time), and every endpoint has a CPU that spends ``cost_s`` per datagram received or
-sent (what it sends leaves after that work). Datagrams that reach one endpoint at the same
-instant, or while its CPU is busy, are handed over in one batch call (``receive_many``), as
-``recvmmsg`` would.
-
-One heap holds deliveries and callbacks, ``(time, sequence, ...)``: equal times keep their
-order. Timers: a second heap with lazy invalidation (each endpoint's ``get_timer()`` is re-read
-after it handled something). Cost per event: O(log events), independent of the number of
-endpoints.
+``ExactNetwork`` is the discrete-event engine the in-memory fabric runs on
+(:class:`~switchml.transport.engine.EventEngine`: ``attach``, ``flush``, ``step``, ``run``,
+``call_at``, ``events``, ``now``, the per-host CPU cost and batch deliveries), so
+``MemoryCluster``-style drivers and :class:`~switchml.sim.cluster.TreeCluster` run on it
+unchanged. Only its link model differs from the fabric's: every pair of endpoints is joined by
+a link per direction (:class:`~switchml.sim.config.SimLink`: FIFO serialisation at its rate,
+propagation delay, tail drop at the queue limit, random loss, a failure time). Each endpoint
+attached with ``cost_s`` has a CPU that spends that per datagram received or sent (what it
+sends leaves after that work); datagrams that reach one endpoint at the same instant, or while
+its CPU is busy, are handed over in one batch call (``receive_many``), as ``recvmmsg`` would.
+Cost per event: O(log events), independent of the number of endpoints.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.endpoint import deliver_datagrams
-from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.session import OperationHandle, WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed
@@ -36,11 +29,9 @@ from switchml.protocol.worker import RECOVERY_COUNTERS, WorkerEndpoint
 from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
 from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
 from switchml.sim.timing import LinkStats, SimReport
-from switchml.transport.memory import EndpointTimers
+from switchml.transport.engine import EventEngine
 
 __all__ = ["ExactNetwork", "run_exact"]
-
-_MAX_BATCH = 64
 
 
 class _Link:
@@ -81,7 +72,7 @@ class _Link:
         return self.free + spec.delay_s
 
 
-class ExactNetwork:
+class ExactNetwork(EventEngine):
     """Endpoints joined by simulated links, on a virtual clock (see the module docstring).
 
     Example::
@@ -92,36 +83,14 @@ class ExactNetwork:
         net.connect(("w0", 1), ("switch", 1), SimLink(rate_bps=1e9))
     """
 
+    _kind = "network"
+    _counts_batches = True  # receive calls: the report's events
+
     def __init__(self, *, seed: int = 0) -> None:
-        self.now = 0.0
+        super().__init__(("unroutable", "batches"))
         self.seed = seed
         self._seeds = np.random.SeedSequence(seed)
-        self.endpoints: dict[Address, Any] = {}
-        self.events: dict[Address, list[Any]] = {}
-        self.event_count = 0
-        self.cost: dict[Address, float] = {}
-        self.cpu_free: dict[Address, float] = {}
         self.links: dict[tuple[Address, Address], _Link] = {}
-        self.stats = {"sent": 0, "delivered": 0, "unroutable": 0, "batches": 0}
-        self._heap: list[tuple[float, int, Any, Any, Any]] = []
-        self._timers = EndpointTimers()
-        self._inbox: dict[Address, list[tuple[Address, bytes]]] = {}
-        self._seq = 0
-
-    # -- building -----------------------------------------------------------------------------
-
-    def attach(self, addr: Address, endpoint: Any, *, cost_s: float = 0.0) -> None:
-        self.endpoints[addr] = endpoint
-        self.events.setdefault(addr, [])
-        self.cost[addr] = cost_s
-        self.cpu_free.setdefault(addr, 0.0)
-        self._timers.forget(addr)
-        self._timers.rearm(addr, endpoint)
-
-    def detach(self, addr: Address) -> None:
-        """Remove an endpoint (a crash): datagrams to it vanish."""
-        self.endpoints.pop(addr, None)
-        self._timers.forget(addr)
 
     def connect(self, a: Address, b: Address, spec: SimLink, *, up: LinkStats | None = None,
                 down: LinkStats | None = None, index: int = 0,
@@ -134,116 +103,13 @@ class ExactNetwork:
         self.links[b, a] = _Link(spec, np.random.default_rng(self._seeds.spawn(1)[0]),
                                  fail_at, down, index)
 
-    def call_at(self, t: float, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` at virtual time ``t`` (e.g. a straggler starting late)."""
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, None, None, fn))
-
-    # -- the fabric interface -----------------------------------------------------------------
-
-    def flush(self, addr: Address, received: int = 0) -> None:
-        """Send what ``addr`` has to send (after its CPU work), collect its events."""
-        ep = self.endpoints.get(addr)
-        if ep is None:
-            return
-        out = ep.datagrams_to_send(self.now)
-        cost = self.cost[addr]
-        depart = self.now
-        if cost:
-            # The CPU takes the received datagrams, then builds and sends one datagram after
-            # the other: the j-th output leaves after (received + j + 1) x cost.
-            depart = max(self.now, self.cpu_free[addr]) + cost * received
-            self.cpu_free[addr] = depart + cost * len(out)
-        last: object = None
-        payload = b""
-        heap = self._heap
-        links = self.links
-        for data, dst in out:
-            if data is not last:
-                payload = bytes(data)
-                last = data
-            self.stats["sent"] += 1
-            depart += cost
-            link = links.get((addr, dst))
-            if link is None:
-                self.stats["unroutable"] += 1
-                continue
-            at = link.send(depart, len(payload))
-            if at is not None:
-                self._seq += 1
-                heapq.heappush(heap, (at, self._seq, dst, addr, payload))
-        while (ev := ep.next_event()) is not None:
-            self.events[addr].append(ev)
-            self.event_count += 1
-        self._timers.rearm(addr, ep)
-
-    def _wake(self, dst: Address) -> None:
-        """Schedule ``dst`` to take its waiting datagrams when its CPU is free."""
-        self._seq += 1
-        heapq.heappush(self._heap, (self.cpu_free[dst], self._seq, dst, None, None))
-
-    def step(self) -> bool:
-        """Process the next delivery batch, callback or timer. False when nothing is left."""
-        timer = self._timers.next(self.endpoints)
-        heap = self._heap
-        if heap and (timer is None or heap[0][0] <= timer[0]):
-            at, _, dst, src, payload = heapq.heappop(heap)
-            if dst is None:  # a callback
-                self.now = max(self.now, at)
-                payload()
-                return True
-            ep = self.endpoints.get(dst)
-            if ep is None:
-                return True
-            inbox = self._inbox.get(dst)
-            if src is None:  # the host's CPU is free again: it takes what queued meanwhile
-                self.now = max(self.now, at)
-                batch = inbox[:_MAX_BATCH]
-                del inbox[:_MAX_BATCH]
-            elif self.cpu_free[dst] > at or inbox:
-                # The host is still working: the datagram waits in its socket buffer and the
-                # host takes everything waiting in one batch when it is done.
-                if inbox is None:
-                    inbox = self._inbox[dst] = []
-                if not inbox:
-                    self._wake(dst)
-                inbox.append((src, payload))
-                return True
-            else:
-                self.now = max(self.now, at)
-                batch = [(src, payload)]
-                while (heap and heap[0][0] == at and heap[0][2] == dst
-                       and len(batch) < _MAX_BATCH):
-                    _, _, _, src, payload = heapq.heappop(heap)
-                    batch.append((src, payload))
-            self.stats["delivered"] += len(batch)
-            self.stats["batches"] += 1
-            if len(batch) == 1:
-                ep.receive_datagram(batch[0][1], batch[0][0], self.now)
-            else:
-                deliver_datagrams(ep, batch, self.now)
-            self.flush(dst, len(batch))
-            if inbox:
-                self._wake(dst)
-            return True
-        if timer is not None:
-            t, addr = timer
-            busy = self.cpu_free[addr]
-            self.now = max(self.now, t, busy)
-            self._timers.consume(addr)
-            self.endpoints[addr].handle_timer(self.now)
-            self.flush(addr)
-            return True
-        return False
-
-    def run(self, until: Callable[[], bool], *, max_time_s: float = 3600.0) -> None:
-        """Step until ``until()``; raise SwitchMLError if the network goes idle first."""
-        while not until():
-            if not self.step():
-                raise SwitchMLError(f"network idle at t={self.now:.6f} s before the condition "
-                                    "held")
-            if self.now > max_time_s:
-                raise SwitchMLError(f"condition not reached by t={self.now:.3f} s")
+    def _transmit(self, src: Address, dst: Address, payload: bytes, t: float) -> float | None:
+        """The link model: the ``src`` -> ``dst`` link queues, serialises, delays or drops."""
+        link = self.links.get((src, dst))
+        if link is None:
+            self.stats["unroutable"] += 1
+            return None
+        return link.send(t, len(payload))
 
 
 def _link_stats(config: SimConfig) -> list[LinkStats]:

@@ -27,7 +27,7 @@ times, so a round costs a handful of numpy calls however many workers take part;
 times drift apart (a loss, a straggler) split off into events of their own, so each link still
 serves its frames in time order (to within one frame time). Not modelled: spurious timeouts
 (a timer only fires for a datagram that was really lost), reordering, duplication, WAITING
-replies, and the switch's CPU. ``tests/sim/test_timing.py`` checks this model against the real
+replies, and the switch's CPU. ``tests/sim/test_sim.py`` checks this model against the real
 endpoints on the same links (``sim.exact``).
 """
 

@@ -1,9 +1,11 @@
 """In-memory fabric: drives switch and worker endpoints on a virtual clock, with seeded faults.
 
-The fabric is a tiny discrete-event loop: datagrams become deliveries at ``now + latency`` (plus
-jitter), each one may be lost, duplicated or held back (reordered) with the given probabilities,
-drawn from one ``random.Random(seed)``; endpoint timers fire when the clock reaches them. The
-same seed gives the same run, so a failure found with loss can be replayed exactly.
+``MemoryFabric`` is the shared discrete-event engine (:mod:`switchml.transport.engine`, which
+the simulator's ``ExactNetwork`` also runs on) with a fault model for its links: datagrams
+become deliveries at ``now + latency`` (plus jitter), each one may be lost, duplicated or held
+back (reordered) with the given probabilities, drawn from one ``random.Random(seed)``; endpoint
+timers fire when the clock reaches them. The same seed gives the same run, so a failure found
+with loss can be replayed exactly.
 
 ``MemoryCluster`` wires one switch and n workers of one job on a fabric: the tests' and the
 docs' way to run the real protocol code with no sockets.
@@ -11,7 +13,6 @@ docs' way to run the real protocol code with no sockets.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,16 +22,14 @@ import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.endpoint import Endpoint, deliver_datagrams
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.events import Event
 from switchml.protocol.session import WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
+from switchml.transport.engine import EndpointTimers, EventEngine
 from switchml.transport.handles import AllreduceHandle
 
 __all__ = ["EndpointTimers", "FaultModel", "MemoryCluster", "MemoryFabric"]
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,50 +53,13 @@ class FaultModel:
             raise ValueError("latency_s, jitter_s and reorder_delay_s must be >= 0")
 
 
-class EndpointTimers:
-    """The endpoints' deadlines for a discrete-event driver: a heap of (deadline, counter,
-    addr) with lazy invalidation. ``armed`` holds each endpoint's deadline as last read from
-    ``get_timer()``; a heap entry whose time differs from it is stale and skipped when popped.
-    The driver re-reads an endpoint's deadline after everything it handles (``rearm``), so
-    finding the next timer costs O(log n) instead of a scan of every endpoint per event
-    (456 s for n = 256 with a scan). The memory fabric and the simulator share it."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Address]] = []
-        self._counter = 0
-        self.armed: dict[Address, float | None] = {}
-
-    def forget(self, addr: Address) -> None:
-        """An endpoint attached anew or detached: its old deadline no longer counts."""
-        self.armed.pop(addr, None)
-
-    def rearm(self, addr: Address, ep: Endpoint) -> None:
-        """Re-read ``ep``'s deadline; push a heap entry if it changed."""
-        t = ep.get_timer()
-        if self.armed.get(addr, -1.0) != t:
-            self.armed[addr] = t
-            if t is not None:
-                self._counter += 1
-                heapq.heappush(self._heap, (t, self._counter, addr))
-
-    def consume(self, addr: Address) -> None:
-        """The endpoint's timer fired: the next ``rearm`` reads its new deadline."""
-        self.armed[addr] = None
-
-    def next(self, endpoints: dict[Address, Any]) -> tuple[float, Address] | None:
-        """The earliest live timer of an endpoint in ``endpoints`` (stale entries dropped)."""
-        heap = self._heap
-        while heap:
-            t, _, addr = heap[0]
-            if addr in endpoints and self.armed.get(addr) == t:
-                return t, addr
-            heapq.heappop(heap)
-        return None
-
-
 @dataclass
-class MemoryFabric:
-    """Moves datagrams between endpoints attached at addresses; a seeded virtual network."""
+class MemoryFabric(EventEngine):
+    """Moves datagrams between endpoints attached at addresses; a seeded virtual network.
+
+    An :class:`~switchml.transport.engine.EventEngine` whose link model is ``faults``: each
+    datagram may be dropped (``drop_filter``, then ``loss_rate``), duplicated, and arrives
+    after ``latency_s`` plus jitter, plus a reordering delay when held back."""
 
     faults: FaultModel = field(default_factory=FaultModel)
     seed: int = 0
@@ -108,121 +70,43 @@ class MemoryFabric:
     (``receive_many``, as ``recvmmsg`` would), in their order; False: one call each. Same
     rules either way; the batch calls cost about a tenth per datagram."""
 
+    _kind = "fabric"
+
     def __post_init__(self) -> None:
+        EventEngine.__init__(self, ("lost", "duplicated", "reordered"))
         self.rng = random.Random(self.seed)
-        self.now = 0.0
-        self.endpoints: dict[Address, Endpoint] = {}
-        self.events: dict[Address, list[Event]] = {}
-        self.stats = {"sent": 0, "lost": 0, "duplicated": 0, "reordered": 0, "delivered": 0}
-        self._heap: list[tuple[float, int, Address, Address, bytes]] = []
-        self._counter = 0
-        self._timers = EndpointTimers()  # re-read after everything an endpoint handles
-        self.event_count = 0
-        """Events collected so far, all endpoints together (a cheap "anything new?" test)."""
 
-    def attach(self, addr: Address, endpoint: Endpoint) -> None:
-        self.endpoints[addr] = endpoint
-        self.events.setdefault(addr, [])
-        self._timers.forget(addr)
-        self._timers.rearm(addr, endpoint)
-
-    def detach(self, addr: Address) -> None:
-        """Remove an endpoint (a crash): datagrams to it vanish from now on."""
-        self.endpoints.pop(addr, None)
-        self._timers.forget(addr)
-
-    def flush(self, addr: Address) -> None:
-        """Collect an endpoint's outputs and events after a user command (join, start ...)."""
-        ep = self.endpoints.get(addr)
-        if ep is None:
-            return
+    def _transmit(self, src: Address, dst: Address, payload: bytes, t: float) -> float | None:
+        """The fault model: drop, duplicate, delay and reorder ``payload``."""
         f = self.faults
-        last_data: object = None
-        payload = b""
-        for data, dst in ep.datagrams_to_send(self.now):
-            if data is not last_data:  # a multicast repeats one buffer: copy it once
-                # the switch's buffers are only valid until its next receive
-                payload = bytes(data)
-                last_data = data
-            self.stats["sent"] += 1
-            if self.drop_filter is not None and self.drop_filter(payload, addr, dst):
-                self.stats["lost"] += 1
-                continue
-            if f.loss_rate and self.rng.random() < f.loss_rate:
-                self.stats["lost"] += 1
-                continue
-            copies = 1
-            if f.duplicate_rate and self.rng.random() < f.duplicate_rate:
-                copies = 2
-                self.stats["duplicated"] += 1
-            for _ in range(copies):
-                delay = f.latency_s
-                if f.jitter_s:
-                    delay += self.rng.random() * f.jitter_s
-                if f.reorder_rate and self.rng.random() < f.reorder_rate:
-                    delay += self.rng.random() * f.reorder_delay_s
-                    self.stats["reordered"] += 1
-                self._counter += 1
-                heapq.heappush(self._heap, (self.now + delay, self._counter, addr, dst, payload))
-        while (ev := ep.next_event()) is not None:
-            self.events[addr].append(ev)
-            self.event_count += 1
-        self._timers.rearm(addr, ep)
+        stats = self.stats
+        if self.drop_filter is not None and self.drop_filter(payload, src, dst):
+            stats["lost"] += 1
+            return None
+        rng = self.rng
+        if f.loss_rate and rng.random() < f.loss_rate:
+            stats["lost"] += 1
+            return None
+        duplicate = bool(f.duplicate_rate) and rng.random() < f.duplicate_rate
+        if not (duplicate or f.jitter_s or f.reorder_rate):
+            return t + f.latency_s  # the common case, without a call per datagram
+        at = t + self._delay()
+        if duplicate:
+            stats["duplicated"] += 1
+            self._deliver_at(t + self._delay(), src, dst, payload)
+        return at
 
-    def step(self) -> bool:
-        """Advance to the next delivery or timer and process it. False when nothing is left."""
-        next_timer = self._timers.next(self.endpoints)
-        if next_timer is None and not self._heap:
-            # Idle: re-read every endpoint once, in case one was driven directly without a
-            # ``flush`` afterwards (its deadline would otherwise be missed).
-            for addr, ep in self.endpoints.items():
-                self._timers.rearm(addr, ep)
-            next_timer = self._timers.next(self.endpoints)
-        heap = self._heap
-        if heap and (next_timer is None or heap[0][0] <= next_timer[0]):
-            at, _, src, dst, payload = heapq.heappop(heap)
-            self.now = max(self.now, at)
-            ep = self.endpoints.get(dst)
-            if ep is None:
-                return True
-            if not self.batch or not heap or heap[0][0] != at or heap[0][3] != dst:
-                self.stats["delivered"] += 1
-                ep.receive_datagram(payload, src, self.now)
-            else:
-                # Datagrams due at the same instant for the same endpoint, next in the heap:
-                # one batch call, as a host's recvmmsg would take them (same order).
-                batch = [(src, payload)]
-                while (heap and heap[0][0] == at and heap[0][3] == dst
-                       and len(batch) < _MAX_BATCH):
-                    _, _, src, _, payload = heapq.heappop(heap)
-                    batch.append((src, payload))
-                self.stats["delivered"] += len(batch)
-                deliver_datagrams(ep, batch, self.now)
-            self.flush(dst)
-            return True
-        if next_timer is not None:
-            self.now = max(self.now, next_timer[0])
-            self._timers.consume(next_timer[1])  # flush re-reads the next deadline
-            self.endpoints[next_timer[1]].handle_timer(self.now)
-            self.flush(next_timer[1])
-            return True
-        return False
-
-    def run(self, until: Callable[[], bool], *, max_time_s: float = 3600.0,
-            max_steps: int = 10**8) -> None:
-        """Step until ``until()`` is true. Raises SwitchMLError if the network goes idle first
-        or the virtual clock passes ``max_time_s`` (a hang in virtual time is a bug)."""
-        steps = 0
-        while not until():
-            if not self.step():
-                raise SwitchMLError(f"fabric idle at t={self.now:.6f} s before the condition held")
-            steps += 1
-            if self.now > max_time_s or steps > max_steps:
-                raise SwitchMLError(f"condition not reached by t={self.now:.3f} s, {steps} steps")
-
-
-_MAX_BATCH = 64
-"""Datagrams one batch delivery takes at most (a ``recvmmsg`` of 64)."""
+    def _delay(self) -> float:
+        """One copy's time on the wire: latency, jitter and, if held back, a reordering
+        delay."""
+        f = self.faults
+        delay = f.latency_s
+        if f.jitter_s:
+            delay += self.rng.random() * f.jitter_s
+        if f.reorder_rate and self.rng.random() < f.reorder_rate:
+            delay += self.rng.random() * f.reorder_delay_s
+            self.stats["reordered"] += 1
+        return delay
 
 
 class MemoryCluster:
