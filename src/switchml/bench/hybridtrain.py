@@ -55,10 +55,13 @@ def wrap(model: Any, mode: str, timeline: Timeline | None, hook: str | None = No
     return ddp
 
 
-def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int) -> dict[str, Any]:
+def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int,
+                    hook: str | None = None) -> dict[str, Any]:
     """Bytes per worker per step (sent + received) by the cost model: ``payload`` and ``wire``
     (with Ethernet/IP/UDP/switchml headers per switchml datagram and Ethernet/IP/TCP headers per
-    full TCP segment; TCP acknowledgements are not counted)."""
+    full TCP segment; TCP acknowledgements are not counted). ``hook``: the DDP communication
+    hook by name, if any (``noop`` moves nothing; ``switchml16`` half the bytes of 32-bit
+    aggregation through the switch, in datagrams of as many bytes)."""
     import torch.distributed as dist
 
     from switchml.torch.hybrid import SFB, aggregation_bytes, transport_of
@@ -76,6 +79,11 @@ def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int) -> dict[s
             sfb_numel += d.in_features * d.out_features
             sfb += d.sfb_bytes
     agg = aggregation_bytes(total - sfb_numel, world=world, transport=transport)
+    if hook == "noop":
+        agg = 0
+    elif hook in ("switchml", "switchml16"):
+        agg = 2 * (total - sfb_numel) * (2 if hook == "switchml16" else 4)  # up and down
+        agg_frame = switch_frame
     return {"payload": agg + sfb, "wire": round(agg * agg_frame + sfb * tcp_frame),
             "aggregated_params": total - sfb_numel, "sfb_bytes": sfb,
             "decisions": [str(d) for d in decisions]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import socket
 import sys
@@ -60,6 +61,8 @@ def init_group(backend: str, master: str, port: int, rank: int, world: int,
 def switch(a: dict[str, Any]) -> None:
     from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
+    if a.get("nice"):  # before any thread starts: every thread inherits it
+        os.nice(a["nice"])
     server = SwitchServer(host="0.0.0.0", port=a["port"],
                           config=SwitchConfig(nack_gap=a.get("nack_gap", 4)),
                           batching=env.batching())
@@ -272,7 +275,7 @@ def train(a: dict[str, Any]) -> None:
     run = _steps(a, ddp, opt, task, model, recorder)
     params = sum(p.numel() for p in model.parameters())
     extra: dict[str, Any] = {"mode": mode, "predicted_bytes_per_step": hybridtrain.predicted_bytes(
-        ddp, model, world=n, mtu=a.get("mtu", 1500))}
+        ddp, model, world=n, mtu=a.get("mtu", 1500), hook=a.get("hook"))}
     if dev:
         extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
             a["steps"] - run["half"])

@@ -321,9 +321,11 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 
 
-def _start_switch(tb: Testbed, nack_gap: int = 4) -> subprocess.Popen[str]:
-    """Start the software switch in the switch namespace; it stops when its stdin closes."""
-    return _start_server(tb, tb.switch_ns, "switch", {"port": SWITCH_PORT, "nack_gap": nack_gap},
+def _start_switch(tb: Testbed, nack_gap: int = 4, nice: int = 0) -> subprocess.Popen[str]:
+    """Start the software switch in the switch namespace; it stops when its stdin closes.
+    ``nice``: its scheduling niceness (negative: ahead of the workers for the CPU)."""
+    return _start_server(tb, tb.switch_ns, "switch",
+                         {"port": SWITCH_PORT, "nack_gap": nack_gap, "nice": nice},
                          "the switch did not start in its namespace")
 
 
@@ -509,6 +511,10 @@ class TrainBenchConfig:
     mtu: int = DEFAULT_MTU
     window: int | None = None
     """Slots per job; default from the chunk size (``protocol.config.default_window``)."""
+    switch_nice: int = -10
+    """The software switch's niceness. It stands for a device with silicon of its own; on a
+    machine whose cores the workers' training also needs, it goes first for the CPU, as a
+    real switch would not wait for the hosts' compute (0: share the CPU equally)."""
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -588,7 +594,7 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
-        switch = _start_switch(tb)
+        switch = _start_switch(tb, nice=cfg.switch_nice)
         for model in cfg.models:
             for system in cfg.systems:
                 if progress is not None:
