@@ -523,8 +523,10 @@ def _add_bench_train_parser(bsub: _Subparsers) -> None:
     tr.add_argument("--systems", default="noop,gloo,switchml",
                     help="comma list of noop (no communication: the compute, for the ideal), "
                          "gloo, switchml (DDP on that backend), switchml16 (DDP with the 16-bit "
-                         "switchml hook) and hybrid (HybridDataParallel on switchml: per layer, "
-                         "aggregation or sufficient-factor broadcasting) (default "
+                         "switchml hook), hybrid (HybridDataParallel on switchml: per layer, "
+                         "aggregation or sufficient-factor broadcasting), hsdp and hsdp-gloo "
+                         "(FSDP2 on a mesh of n/2 replicas x 2 shards; the replicas' all-reduce "
+                         "goes through the switch on hsdp, timed per step) (default "
                          "noop,gloo,switchml)")
     tr.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
@@ -1492,6 +1494,9 @@ def _run_bench_train(args: argparse.Namespace) -> int:
     for r in rows:
         for d in r.get("decisions", []):
             console.print(f"{r['model']} {r['system']}: {d}")
+        if "replica_allreduce_s" in r:
+            console.print(f"{r['model']} {r['system']}: the replicas' all-reduce took "
+                          f"{1e3 * r['replica_allreduce_s']:.0f} ms per step")
     _write_train_outputs(args, cfg, rows, console)
     return 0
 
@@ -1531,7 +1536,8 @@ _TRAIN_CSV_KEYS = ["model", "backend", "system", "hook", "workers", "params", "r
                    "target_loss", "time_to_target_s", "metric", "final_metric",
                    "target_metric", "time_to_metric_s", "speedup_step", "speedup_vs_switchml",
                    "bytes_per_step_measured", "bytes_per_step_predicted", "hidden_fraction",
-                   "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal"]
+                   "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal",
+                   "replica_allreduce_s"]
 
 
 def _write_train_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[dict],

@@ -241,6 +241,37 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             "bytes_half": bytes_half, "paused_half": paused_half, "paused": paused}
 
 
+def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:
+    """``model`` under FSDP2 on a 2-D mesh (replicate x shard): HSDP. Every all-reduce FSDP
+    makes on the replicate dimension is timed into ``replica["calls"]`` as (start, seconds)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if n % shard:
+        raise ValueError(f"{n} workers do not split into shards of {shard}")
+    mesh = init_device_mesh("cpu", (n // shard, shard), mesh_dim_names=("replicate", "shard"))
+    group = mesh.get_group("replicate")
+    calls: list[tuple[float, float]] = []
+    replica["calls"] = calls
+    inner = dist.all_reduce
+
+    def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("group") is not group:
+            return inner(tensor, *args, **kwargs)
+        t0 = time.perf_counter()
+        work = inner(tensor, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        calls.append((t0, time.perf_counter() - t0))
+        return work
+
+    dist.all_reduce = timed  # FSDP2 calls dist.all_reduce through the module
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def train(a: dict[str, Any]) -> None:
     """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one workload
     (``switchml.workloads``) on one backend, with ``hook`` (a DDP communication hook by name:
@@ -264,9 +295,13 @@ def train(a: dict[str, Any]) -> None:
     task = work.build(a.get("batch"), seed=1000 + rank)
     model = task.model
     mode = a.get("mode", "ddp")
-    timeline = Timeline()
-    ddp = hybridtrain.wrap(model, mode, timeline, hook=a.get("hook"))
-    recorder = hybridtrain.StepRecorder(model, timeline)
+    replica: dict[str, Any] = {}
+    if mode == "hsdp":
+        ddp, recorder = _hsdp(model, n, a.get("shard", 2), replica), None
+    else:
+        timeline = Timeline()
+        ddp = hybridtrain.wrap(model, mode, timeline, hook=a.get("hook"))
+        recorder = hybridtrain.StepRecorder(model, timeline)
     dev = a.get("dev")
     if a.get("lr"):
         work = dataclasses.replace(work, lr=a["lr"])
@@ -274,15 +309,25 @@ def train(a: dict[str, Any]) -> None:
     dist.barrier()
     run = _steps(a, ddp, opt, task, model, recorder)
     params = sum(p.numel() for p in model.parameters())
-    extra: dict[str, Any] = {"mode": mode, "predicted_bytes_per_step": hybridtrain.predicted_bytes(
-        ddp, model, world=n, mtu=a.get("mtu", 1500), hook=a.get("hook"))}
+    if mode == "hsdp":  # (full sizes: the parameters are shards)
+        params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
+                     for p in model.parameters())
+    extra: dict[str, Any] = {"mode": mode}
+    if mode != "hsdp":
+        extra["predicted_bytes_per_step"] = hybridtrain.predicted_bytes(
+            ddp, model, world=n, mtu=a.get("mtu", 1500), hook=a.get("hook"))
     if dev:
         extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
             a["steps"] - run["half"])
-    summary = recorder.summary(since_s=run["half_s"], rank=rank)
-    if not a.get("trace"):
-        summary.pop("events")
-    extra.update(summary)
+    if recorder is not None:
+        summary = recorder.summary(since_s=run["half_s"], rank=rank)
+        if not a.get("trace"):
+            summary.pop("events")
+        extra.update(summary)
+    if replica:
+        spans = [d for t, d in replica["calls"] if t >= run["half_s"]]
+        extra["replica_allreduce_s_per_step"] = sum(spans) / (a["steps"] - run["half"])
+        extra["replica_allreduce_calls"] = len(spans)
     dist.destroy_process_group()
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],

@@ -500,7 +500,9 @@ class TrainBenchConfig:
     """``TRAIN_SYSTEMS``: ``gloo`` and ``switchml``: DDP on that backend; ``switchml16``:
     DDP with the 16-bit switchml hook; ``hybrid``: HybridDataParallel on switchml (per layer
     aggregation or sufficient-factor broadcasting); ``noop``: DDP with no communication at all
-    (the step's compute, for the ideal)."""
+    (the step's compute, for the ideal); ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of
+    (workers / 2) replicas x 2 shards, on switchml (the replicas' all-reduce through the switch)
+    and on gloo; their rows report the replica all-reduce's seconds per step."""
     eval_every: int = 10
     """Evaluate the workload's metric every this many steps (left out of the step times)."""
     trace: bool = False
@@ -536,7 +538,8 @@ class TrainBenchConfig:
 TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "gloo": ("gloo", "ddp", None),
                  "switchml": ("switchml", "ddp", None),
                  "switchml16": ("switchml", "ddp", "switchml16"),
-                 "hybrid": ("switchml", "hybrid", None)}
+                 "hybrid": ("switchml", "hybrid", None),
+                 "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None)}
 """system -> (backend, mode, DDP communication hook)."""
 
 
@@ -585,6 +588,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
         "final_metric": evals[-1][2] if evals else None,
         "cpu_percent": _cpu_percent(out),
         **_bytes_and_trace(out),
+        **({"replica_allreduce_s": sum(o["replica_allreduce_s_per_step"] for o in out)
+            / len(out)} if "replica_allreduce_s_per_step" in lead else {}),
     }
 
 
@@ -640,7 +645,7 @@ def _bytes_and_trace(out: list[dict[str, Any]]) -> dict[str, Any]:
         row["bytes_per_step_predicted"] = pred["wire"]
         row["bytes_per_step_predicted_payload"] = pred["payload"]
         row["decisions"] = pred["decisions"]
-        if measured:
+        if measured and pred["wire"]:
             row["measured_over_predicted"] = row["bytes_per_step_measured"] / pred["wire"]
     hidden = [o["hidden_fraction"] for o in out if o.get("hidden_fraction") is not None]
     if hidden:
