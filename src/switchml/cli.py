@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from switchml import __version__, env
-from switchml.protocol.address import format_address, parse_address
+from switchml.protocol.address import parse_address
 from switchml.protocol.errors import ConfigError, SwitchMLError
 
 if TYPE_CHECKING:
@@ -886,13 +886,8 @@ def _run_switch(args: argparse.Namespace) -> int:
     server.start()
     if rack is not None:
         server.run_command(rack.join)  # join the parent job upstream
-    shard = f" (shard {shard_index}/{shard_count})" if shard_count > 1 else ""
-    # One write (atomic on a pipe): the shards of ``--shards`` share their supervisor's stdout,
-    # and print's two writes (text, then newline; unbuffered under PYTHONUNBUFFERED) let two
-    # shards' lines interleave into "line line\n\n", which the launcher read as a blank line.
-    sys.stdout.write(f"switchml switch listening on udp {format_address(server.address)}"
-                     f"{shard}\n")
-    sys.stdout.flush()
+    from switchml.control.announce import announce
+    announce(server.address, (shard_index, shard_count))  # the launchers' contract
     if args.stop_on_stdin_eof:
         _stop_on_stdin_eof(stop, server)
     _serve_until_stopped(server, stop, args.stats_interval_s)

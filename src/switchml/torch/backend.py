@@ -50,6 +50,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.control.announce import parse_listening
 from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
@@ -491,7 +492,8 @@ class _Embedded:
         assert proc.stdout is not None and proc.stderr is not None
         ready, _, _ = select.select([proc.stdout], [], [], _SWITCH_START_S)
         line = proc.stdout.readline() if ready else ""
-        if "listening on udp" not in line:
+        address = parse_listening(line)
+        if address is None:
             proc.kill()
             _, err = proc.communicate()
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
@@ -507,7 +509,7 @@ class _Embedded:
         threading.Thread(target=_forward, args=(proc.stderr,), daemon=True,
                          name="switchml-switch-log").start()
         self.proc, self.secret = proc, secret.encode()
-        self.address = parse_address(line.rsplit(" ", 1)[1], what="the embedded switch")
+        self.address = address
         atexit.register(self.stop)
         log.info("started an embedded switch at %s:%d (pid %d)", *self.address, proc.pid)
 
