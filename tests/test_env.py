@@ -11,11 +11,12 @@ from switchml.protocol.errors import ConfigError
 def test_unset_variables_give_none_or_the_default(monkeypatch):
     for name in ("SWITCHML_SWITCH", "SWITCHML_SECRET", "SWITCHML_MTU", "SWITCHML_WINDOW",
                  "SWITCHML_ELEMENTS_PER_PACKET", "SWITCHML_GSO", "SWITCHML_DC",
+                 "SWITCHML_DC_LEADERS",
                  "SWITCHML_PS_HOST", "SWITCHML_PORT"):
         monkeypatch.delenv(name, raising=False)
     assert env.switch_addresses() is None and env.secret() is None and env.mtu() is None
     assert env.window() is None and env.elements_per_packet() is None
-    assert env.dc_layout() is None and env.ps_host() is None
+    assert env.dc_index() is None and env.dc_leaders() == [] and env.ps_host() is None
     assert env.batching() is True
     assert env.flag_default("port", 48864) == 48864
 

@@ -14,7 +14,8 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
-| ``SWITCHML_DC`` | this worker's data-centre layout (Gaia), e.g. ``2x2`` |
+| ``SWITCHML_DC`` | this worker's data centre, by index (Gaia: ``switchml.gaia.connect``) |
+| ``SWITCHML_DC_LEADERS`` | the data centres' leaders, ``host:port,...`` in index order (Gaia) |
 | ``SWITCHML_PS_HOST`` | the address a parameter-server rank announces |
 | ``SWITCHML_STALL_LOG_S`` | torch: log what a rank waits for after this long in a collective (30) |
 | ``SWITCHML_FLIGHT_SIGNAL`` | torch: a signal (e.g. ``USR1``) dumping recent collectives |
@@ -31,9 +32,9 @@ from switchml.protocol.address import Address, parse_addresses
 if TYPE_CHECKING:
     from switchml.links import LinkSecurity
 
-__all__ = ["batching", "dc_layout", "elements_per_packet", "flag_default", "flight_signal",
-           "link_security", "mtu", "ps_host", "secret", "stall_log_s", "switch_addresses",
-           "window"]
+__all__ = ["batching", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
+           "flight_signal", "link_security", "mtu", "ps_host", "secret", "stall_log_s",
+           "switch_addresses", "window"]
 
 
 def _get(name: str) -> str | None:
@@ -123,9 +124,14 @@ def fast_path() -> bool:
     return os.environ.get("SWITCHML_FASTPATH", "1").lower() not in ("0", "no", "off", "false")
 
 
-def dc_layout() -> str | None:
-    """``SWITCHML_DC``."""
-    return _get("SWITCHML_DC")
+def dc_index() -> int | None:
+    """``SWITCHML_DC``: this data centre's index (Gaia)."""
+    return _int("SWITCHML_DC")
+
+
+def dc_leaders() -> list[str]:
+    """``SWITCHML_DC_LEADERS``: the data centres' leaders, in index order (Gaia)."""
+    return [a.strip() for a in (_get("SWITCHML_DC_LEADERS") or "").split(",") if a.strip()]
 
 
 def ps_host() -> str | None:

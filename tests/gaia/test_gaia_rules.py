@@ -95,17 +95,14 @@ def test_sparse_updates_round_trip_at_eight_bytes_an_entry():
         decode_sparse(data[:-1])
 
 
-def test_data_centres_from_an_argument_or_switchml_dc(monkeypatch):
-    from switchml import env
+def test_data_centres_from_a_layout():
     assert parse_dc_layout("2x2") == [[0, 1], [2, 3]]
     assert parse_dc_layout("3,1") == [[0, 1, 2], [3]]
     assert parse_dc_layout("0,1,0,1", workers=4) == [[0, 2], [1, 3]]
-    monkeypatch.setenv("SWITCHML_DC", "1x3")
-    assert parse_dc_layout(env.dc_layout()) == [[0, 1, 2]]
+    assert parse_dc_layout("1x3") == [[0, 1, 2]]
     with pytest.raises(ConfigError, match="expected 4"):
         parse_dc_layout("2x3", workers=4)
     with pytest.raises(ConfigError, match="bad data-centre layout"):
         parse_dc_layout("two")
-    monkeypatch.delenv("SWITCHML_DC")
-    with pytest.raises(ConfigError, match="SWITCHML_DC"):
-        parse_dc_layout(env.dc_layout())
+    with pytest.raises(ConfigError, match="no data centres given"):
+        parse_dc_layout(None)

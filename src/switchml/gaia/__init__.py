@@ -4,9 +4,11 @@ Synchronous training inside each data centre; between them only significant upda
 (:class:`SignificanceFilter`), with a selective barrier (:class:`SelectiveBarrier`) and a mirror
 clock bounding staleness (:class:`MirrorClock`); :mod:`.rules` holds these rules without I/O,
 :class:`Mirror` links the data centres' leaders over TCP, :class:`GaiaSync` drives a PyTorch
-model. See docs/geo.md.
+model, and :func:`connect` sets that up in a training loop from the environment
+(``gaia/api.py``). See docs/geo.md.
 """
 
+from switchml.gaia.api import GaiaJob, connect
 from switchml.gaia.mirror import GaiaError, Mirror
 from switchml.gaia.rules import (
     MirrorClock,
@@ -17,5 +19,5 @@ from switchml.gaia.rules import (
 )
 from switchml.gaia.trainer import GaiaSync
 
-__all__ = ["GaiaError", "GaiaSync", "Mirror", "MirrorClock", "SelectiveBarrier",
-           "SignificanceFilter", "parse_dc_layout", "significance_threshold"]
+__all__ = ["GaiaError", "GaiaJob", "GaiaSync", "Mirror", "MirrorClock", "SelectiveBarrier",
+           "SignificanceFilter", "connect", "parse_dc_layout", "significance_threshold"]

@@ -175,15 +175,15 @@ def decode_sparse(data: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
 
 def parse_dc_layout(spec: str | None, *, workers: int | None = None) -> list[list[int]]:
     """Data centres from ``"2x2"`` (two of two workers), ``"3,1"`` (sizes) or
-    ``"0,0,1,1"`` (each worker's data centre, as ``SWITCHML_DC`` may give it:
-    ``switchml.env.dc_layout``). Returns the workers (global ranks) of each data centre.
+    ``"0,0,1,1"`` (each worker's data centre), as ``--dcs`` gives them. Returns the workers
+    (global ranks) of each data centre.
 
     Raises:
         ConfigError: unparsable, empty data centre, or a worker count that does not match.
     """
     text = (spec or "").strip()
     if not text:
-        raise ConfigError("no data centres given: pass e.g. '2x2' or set SWITCHML_DC")
+        raise ConfigError("no data centres given: pass e.g. '2x2'")
     try:
         if "x" in text:
             count, size = (int(v) for v in text.split("x"))

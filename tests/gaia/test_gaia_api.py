@@ -1,0 +1,63 @@
+"""``switchml.gaia.connect``: Gaia in a torchrun training loop, configured from the environment
+(``examples/train_gaia.py``), and the errors that say what is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from switchml.gaia import connect
+from switchml.protocol.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gaia.py"
+
+
+def test_a_missing_or_wrong_data_centre_says_what_to_set(monkeypatch):
+    monkeypatch.delenv("SWITCHML_DC", raising=False)
+    monkeypatch.delenv("SWITCHML_DC_LEADERS", raising=False)
+    with pytest.raises(ConfigError, match="set SWITCHML_DC"):
+        connect(None)
+    monkeypatch.setenv("SWITCHML_DC", "1")
+    with pytest.raises(ConfigError, match="set SWITCHML_DC_LEADERS"):
+        connect(None)
+    monkeypatch.setenv("SWITCHML_DC_LEADERS", "127.0.0.1:1,127.0.0.1:2")
+    with pytest.raises(ConfigError, match=r"index 2 is not in 0\.\.1"):
+        connect(None, dc=2)
+    with pytest.raises(ConfigError, match="at least 2 data centres"):
+        connect(None, leaders=["127.0.0.1:1"])
+    monkeypatch.setenv("SWITCHML_DC", "first")
+    with pytest.raises(ValueError, match="SWITCHML_DC must be an integer"):
+        connect(None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_torchrun_data_centres_end_with_the_same_model(free_ports):
+    leaders = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    masters = free_ports(2)
+    procs = []
+    for dc in range(2):
+        env = {**os.environ, "SWITCHML_DC": str(dc), "SWITCHML_DC_LEADERS": leaders,
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(masters[dc]), str(EXAMPLE), "--steps", "40"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    lines = [ln for out, _ in outs for ln in out.splitlines() if "parameters" in ln]
+    assert len(lines) == 4, lines
+    digests = {re.search(r"parameters (\w+)", ln).group(1) for ln in lines}
+    assert len(digests) == 1, lines  # every replica in both data centres: the same model
+    for ln in lines:
+        acc = float(re.search(r"accuracy ([\d.]+)", ln).group(1))
+        published = int(re.search(r"published (\d+)", ln).group(1))
+        assert acc > 0.5, ln
+        if "rank 0" in ln:  # leaders publish; the other ranks apply what their leader got
+            assert published > 0, ln
