@@ -10,7 +10,8 @@ the leader, links to the other data centres' leaders. Two data centres on this m
 On other hosts, give each leader's reachable address in SWITCHML_DC_LEADERS and the leaders
 TLS credentials (``switchml tls init DIR`` on one host, copied to the others; then
 ``SWITCHML_TLS_DIR=DIR``). Every rank prints its accuracy and a digest of its parameters at
-the end: after ``finish()`` every replica in every data centre holds the same model.
+the end: after ``finish()`` the replicas of a data centre are identical, and every data
+centre holds every update made anywhere (summed in another order: equal to float32 rounding).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threshold", type=float, default=0.01,
                         help="Gaia's significance threshold S (default 0.01: 1%%)")
+    parser.add_argument("--save", metavar="PREFIX",
+                        help="save this rank's final parameters to PREFIX-dc<i>-rank<r>.npy")
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)  # this data centre's ranks (torchrun)
@@ -54,6 +57,9 @@ def main() -> None:
     gaia.finish()
     flat = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    if args.save:
+        import numpy as np
+        np.save(f"{args.save}-dc{env.dc_index()}-rank{rank}.npy", flat.numpy())
     print(f"data centre {env.dc_index()} rank {rank}: accuracy "
           f"{task.evaluate(task.model):.3f}, published {gaia.entries_published}, applied "
           f"{gaia.entries_applied}, parameters {digest}", flush=True)

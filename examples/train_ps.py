@@ -14,9 +14,9 @@ import argparse
 import torch
 from torch import nn
 
-from switchml.demo import load_data
 from switchml.ps import PSTrainer, model_digest
 from switchml.ps.roles import torchrun_role
+from switchml.workloads import digits_split
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         return
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-    xtr, ytr, xte, yte = load_data(0)
+    xtr, ytr, xte, yte = digits_split(0)
     gen = torch.Generator().manual_seed(role.worker)
     trainer = PSTrainer(model, servers=role.servers, worker=role.worker, workers=role.workers,
                         print_placement=role.worker == 0, security=role.security)

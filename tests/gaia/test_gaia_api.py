@@ -37,7 +37,7 @@ def test_a_missing_or_wrong_data_centre_says_what_to_set(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_torchrun_data_centres_end_with_the_same_model(free_ports):
+def test_two_torchrun_data_centres_end_with_the_same_model(free_ports, tmp_path):
     leaders = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     masters = free_ports(2)
     procs = []
@@ -46,15 +46,23 @@ def test_two_torchrun_data_centres_end_with_the_same_model(free_ports):
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(masters[dc]), str(EXAMPLE), "--steps", "40"],
+             "--master-port", str(masters[dc]), str(EXAMPLE), "--steps", "40",
+             "--save", str(tmp_path / "params")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     lines = [ln for out, _ in outs for ln in out.splitlines() if "parameters" in ln]
     assert len(lines) == 4, lines
-    digests = {re.search(r"parameters (\w+)", ln).group(1) for ln in lines}
-    assert len(digests) == 1, lines  # every replica in both data centres: the same model
+    # the replicas of a data centre: bit for bit the same model
+    for dc in range(2):
+        digests = {re.search(r"parameters (\w+)", ln).group(1) for ln in lines
+                   if ln.startswith(f"data centre {dc} ")}
+        assert len(digests) == 1, lines
+    # across data centres: every update made anywhere, summed in another order (float32)
+    import numpy as np
+    flats = [np.load(tmp_path / f"params-dc{dc}-rank{r}.npy") for dc in range(2) for r in range(2)]
+    np.testing.assert_allclose(flats[0], flats[2], atol=1e-5)
     for ln in lines:
         acc = float(re.search(r"accuracy ([\d.]+)", ln).group(1))
         published = int(re.search(r"published (\d+)", ln).group(1))

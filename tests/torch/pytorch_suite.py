@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 
+os.environ.pop("CI", None)  # (under CI, PyTorch's harness writes JUnit XML with xmlrunner)
 os.environ.setdefault("BACKEND", "switchml")
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="switchml-torch-suite-"))
