@@ -285,13 +285,13 @@ def _add_predict_parser(sub: _Subparsers) -> None:
     pr = sub.add_parser(
         "predict", help="will switchml speed up my training job? (profile, then predict)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Profile a few local DDP steps of a model (compute, and each gradient "
-                    "bucket's size and when backward makes it ready), then predict its step "
-                    "time with N workers on links of the given rate and MTU: on gloo (ring "
-                    "all-reduce), on switchml (the simulator's timing mode) and with the 16-bit "
-                    "hook, composed as DDP overlaps communication with backward. Prints the "
+        description="Profile a few local DDP steps of a model (compute, and each gradient\n"
+                    "bucket's size and when backward makes it ready), then predict its step\n"
+                    "time with N workers on links of the given rate and MTU: on gloo (ring\n"
+                    "all-reduce), on switchml (the simulator's timing mode) and with the 16-bit\n"
+                    "hook, composed as DDP overlaps communication with backward. Prints the\n"
                     "predicted speedup and the share of the step spent communicating.\n\n"
-                    "With --against, predict every row of a 'switchml bench train --json' run "
+                    "With --against, predict every row of a 'switchml bench train --json' run\n"
                     "instead and print predicted against measured step times.",
         epilog="Workloads: " + ", ".join(workloads.NAMES) + "; or module:factory, where "
                "factory(batch) returns a switchml.workloads.Task or (model, loss_fn, "
