@@ -22,35 +22,38 @@ def _model(widths: list[int]) -> Any:
     return torch.nn.Sequential(*layers)
 
 
-def _batch(widths: list[int], rows: int, positions: int, gen: Any) -> tuple[Any, Any]:
+def _batch(widths: list[int], rows: int, positions: int, gen: Any,
+           dtype: Any = None) -> tuple[Any, Any]:
     import torch
     shape = (rows, positions) if positions else (rows,)
-    return (torch.randn(*shape, widths[0], generator=gen),
-            torch.randn(*shape, widths[-1], generator=gen))
+    return (torch.randn(*shape, widths[0], generator=gen, dtype=dtype),
+            torch.randn(*shape, widths[-1], generator=gen, dtype=dtype))
 
 
 def _run(wrapped: Any, model: Any, widths: list[int], rows: int, positions: int, rank: int,
-         steps: int) -> dict[str, Any]:
+         steps: int, dtype: Any = None) -> dict[str, Any]:
     """One backward (gradients) then ``steps`` SGD steps (losses) on rank-specific data."""
     import torch
     gen = torch.Generator().manual_seed(500 + rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     grads, losses = None, []
-    x, y = _batch(widths, rows, positions, gen)  # one batch per rank: the loss must fall
+    x, y = _batch(widths, rows, positions, gen, dtype)  # one batch per rank: the loss must fall
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(wrapped(x), y)
         loss.backward()
         if grads is None:
-            grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+            grads = {n: p.grad.detach().float().numpy().copy()
+                     for n, p in model.named_parameters()}
         opt.step()
         losses.append(loss.item())
     return {"grads": grads, "losses": losses}
 
 
-def hybrid_vs_ddp_body(rank: int, world: int, q: Any, backend: str, steps: int
-                       ) -> dict[str, Any]:
-    """Per case: DDP on gloo and HybridDataParallel on ``backend`` from the same weights."""
+def hybrid_vs_ddp_body(rank: int, world: int, q: Any, backend: str, steps: int,
+                       dtype: str = "float32") -> dict[str, Any]:
+    """Per case: DDP on gloo and HybridDataParallel on ``backend`` from the same weights, with
+    parameters and data in ``dtype``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,14 +67,15 @@ def hybrid_vs_ddp_body(rank: int, world: int, q: Any, backend: str, steps: int
     out: dict[str, Any] = {}
     for name, widths, rows_by_rank, positions in CASES:
         rows = rows_by_rank[rank % len(rows_by_rank)]
+        dt = getattr(torch, dtype)
         torch.manual_seed(7)
-        ref_model = _model(widths)
+        ref_model = _model(widths).to(dt)
         torch.manual_seed(7)
-        hyb_model = _model(widths)
+        hyb_model = _model(widths).to(dt)
         ref = _run(DDP(ref_model, process_group=gloo), ref_model, widths, rows, positions, rank,
-                   steps)
+                   steps, dt)
         hdp = stt.HybridDataParallel(hyb_model, bucket_cap_mb=0.01)
-        hyb = _run(hdp, hyb_model, widths, rows, positions, rank, steps)
+        hyb = _run(hdp, hyb_model, widths, rows, positions, rank, steps, dt)
         out[name] = {"ref": ref, "hybrid": hyb,
                      "decisions": [(d.name, d.path, d.rows) for d in hdp.decisions]}
     if backend == "switchml":
