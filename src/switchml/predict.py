@@ -119,16 +119,8 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[
             opt = work.optimizer(ddp.parameters())
             samples = []
             for step in range(steps):
-                x, y = task.batch_of(step)
                 calls.clear()
-                opt.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                loss = task.loss_fn(ddp(x), y)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                opt.step()
-                t3 = time.perf_counter()
+                _, (t0, t1, t2, t3) = task.timed_step(ddp, opt, step)
                 samples.append((t1 - t0, t2 - t1, t3 - t2,
                                 [(n, t - t1) for n, t in calls]))
         finally:

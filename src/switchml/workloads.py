@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 import sysconfig
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -61,6 +62,20 @@ class Task:
     """The (x, y) of training step ``step`` on this rank."""
     evaluate: Callable[[Any], float]
     """The workload's metric of ``model`` on the held-out data (no gradients)."""
+
+    def timed_step(self, forward: Any, opt: Any, step: int) -> tuple[Any, tuple[float, ...]]:
+        """One training step through ``forward`` (the model or its DDP wrapper): the loss and
+        the ``time.perf_counter`` instants at which forward, backward and the optimizer began,
+        and the step ended."""
+        x, y = self.batch_of(step)
+        opt.zero_grad(set_to_none=True)
+        f0 = time.perf_counter()
+        loss = self.loss_fn(forward(x), y)
+        b0 = time.perf_counter()
+        loss.backward()
+        o0 = time.perf_counter()
+        opt.step()
+        return loss, (f0, b0, o0, time.perf_counter())
 
 
 @dataclass(frozen=True)

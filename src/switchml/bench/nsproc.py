@@ -209,26 +209,18 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     c0 = _cpu()
     paused = 0.0  # seconds spent evaluating, left out of the training time
     half = a["steps"] // 2
-    half_s, bytes_half, paused_half = t0, 0, 0.0
+    half_s, bytes_half = t0, 0
     every = a.get("eval_every") or 0
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
-            paused_half = paused
-        x, y = task.batch_of(step)
-        opt.zero_grad(set_to_none=True)
-        f0 = time.perf_counter()
-        loss = task.loss_fn(ddp(x), y)
-        b0 = time.perf_counter()
-        loss.backward()
-        o0 = time.perf_counter()
-        opt.step()
+        loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
         losses.append(loss.item())
-        times.append(time.perf_counter() - t0 - paused)
+        times.append(end - t0 - paused)
         if recorder is not None:
             recorder.forward(f0, b0)
             recorder.backward_done(b0, o0)
-            recorder.optimizer(o0, time.perf_counter())
+            recorder.optimizer(o0, end)
         if every and ((step + 1) % every == 0 or step + 1 == a["steps"]):
             e0 = time.perf_counter()
             model.eval()
@@ -238,7 +230,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     elapsed = time.perf_counter() - t0
     return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
-            "bytes_half": bytes_half, "paused_half": paused_half, "paused": paused}
+            "bytes_half": bytes_half}
 
 
 def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:
