@@ -44,3 +44,20 @@ def train_with_hooks(rank: int, world: int, port: int, steps: int, queue) -> Non
         queue.put((rank, out, None))
     except BaseException as exc:  # noqa: BLE001
         queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+
+
+def hook_geometry(rank: int, world: int, port: int, mtu: int, queue) -> None:
+    """Create a hook state with ``SWITCHML_MTU=mtu`` on this rank; report the job's chunk size."""
+    import os
+    try:
+        os.environ["SWITCHML_MTU"] = str(mtu)
+        from switchml.torch.hooks import SwitchMLHookState
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        state = SwitchMLHookState()
+        k = state.client.spec.elements_per_packet
+        state.close()
+        dist.destroy_process_group()
+        queue.put((rank, k, None))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))

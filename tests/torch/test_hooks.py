@@ -69,6 +69,28 @@ def test_noop_hook_really_skips_communication(trained):
     assert any(not np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_hook_sizes_chunks_for_the_smallest_mtu_of_any_rank(free_port):
+    """The backend's rule, not rank 0's MTU: rank 0 says 9000, rank 1 says 1500, and both
+    ranks' jobs carry chunks that fit 1500-byte datagrams."""
+    from switchml.protocol.wire import elements_for_mtu
+    world, q, port = 2, CTX.Queue(), free_port()
+    procs = [CTX.Process(target=hook_procs.hook_geometry, args=(r, world, port, mtu, q))
+             for r, mtu in enumerate((9000, 1500))]
+    for p in procs:
+        p.start()
+    try:
+        rows = sorted((q.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, _, err in rows:
+        assert err is None, f"rank {rank}: {err}"
+    assert [k for _, k, _ in rows] == [elements_for_mtu(1500)] * world
+
+
 def test_hook_arguments_are_checked():
     from switchml.torch.hooks import SwitchMLHookState, register_hook
     with pytest.raises(ConfigError, match="bits must be 32 or 16"):

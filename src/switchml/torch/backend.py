@@ -40,6 +40,7 @@ import sys
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -52,15 +53,17 @@ from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.control.announce import parse_listening
 from switchml.protocol.address import format_address, parse_address
-from switchml.protocol.config import WorkerConfig
+from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import SwitchMLError, TransportError
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.flight import FlightRecorder
 from switchml.transport.udp import AllreduceHandle, WorkerClient, path_mtu
 
-__all__ = ["SwitchMLProcessGroup", "SwitchMLWork", "embedded_switch_pid", "failable_future",
-           "register", "stats", "stop_embedded_switch"]
+__all__ = ["StagedTensor", "SwitchMLProcessGroup", "SwitchMLWork", "complete_elsewhere",
+           "embedded_switch_pid", "failable_future", "job_spec_for_ranks", "local_mtu", "register",
+           "release_embedded_switch", "resolve_switch_over_group", "stats",
+           "stop_embedded_switch"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -173,29 +176,42 @@ def complete_elsewhere(completer: torch.futures.Future[Any], value: Any) -> None
                      daemon=True).start()
 
 
-class _Plan:
-    """How one tensor travels: the numpy array sent, and what to do after the sum."""
+class StagedTensor:
+    """How one tensor travels through the switch: the numpy array sent, and the write-back.
 
-    __slots__ = ("tensor", "array", "staging", "kind")
+    ``array`` is a flat view of the tensor itself where it can be (a contiguous CPU tensor of a
+    type the switch sums), else of a contiguous CPU copy (``staging``): bfloat16 and, with
+    ``dtype``, any other type travels as ``dtype`` (by default float32 for bfloat16); int64
+    travels as three int32 limbs. Used by the backend for every all-reduce and by the DDP hooks
+    (``dtype=torch.float32``) for every bucket.
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    Args:
+        tensor: the tensor to reduce in place.
+        dtype: send as this type (a copy unless the tensor already is); None: as the backend does.
+    """
+
+    __slots__ = ("tensor", "array", "flat", "staging", "kind")
+
+    def __init__(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> None:
         self.tensor = tensor
         t = tensor.detach()
         self.staging: torch.Tensor | None = None
-        if t.dtype is torch.int64:
+        if t.dtype is torch.int64 and dtype is None:
             self.kind = "limbs"
             self.array = _to_limbs(t.reshape(-1).cpu().numpy())
+            self.flat = torch.from_numpy(self.array)
             return
         self.kind = "plain"
-        if t.dtype is torch.bfloat16:
-            self.staging = t.to(device="cpu", dtype=torch.float32).contiguous()
-        elif t.device.type != "cpu" or not t.is_contiguous():
-            self.staging = t.to("cpu").contiguous()
+        want = dtype or (torch.float32 if t.dtype is torch.bfloat16 else t.dtype)
+        if t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
+            self.staging = t.to(device="cpu", dtype=want).contiguous()
         src = self.staging if self.staging is not None else t
-        self.array = src.reshape(-1).numpy()
+        self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
+        self.array = self.flat.numpy()
 
     def finish(self, size: int, average: bool) -> None:
-        """Write the sum back into the user's tensor, in place (runs on the I/O thread)."""
+        """Write the sum back into the user's tensor, in place (runs on the I/O thread);
+        with ``average``, divide it by ``size``."""
         t = self.tensor.detach()
         if self.kind == "limbs":
             t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
@@ -268,7 +284,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
         """Queue one switch operation per tensor; the Work completes when all are done."""
         completer, future = failable_future()
-        plans = [_Plan(t) for t in tensors]
+        plans = [StagedTensor(t) for t in tensors]
         size = self.size()
         with self._stats_lock:
             self.switch_ops["allreduce"] += 1
@@ -280,7 +296,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         state = {"left": len(plans), "error": None}
         lock = threading.Lock()
 
-        def on_done(handle: AllreduceHandle, plan: _Plan) -> None:
+        def on_done(handle: AllreduceHandle, plan: StagedTensor) -> None:
             error = handle.exception()
             if error is None:
                 try:
@@ -588,19 +604,55 @@ def _resolve_switch(store: dist.Store, rank: int
     return address, store.get(f"{key}/secret"), False
 
 
-def _resolve_address_over_group(pg: dist.ProcessGroup, rank: int
-                                ) -> tuple[tuple[str, int], bytes | None, bool]:
-    """The switch for a hook over any group: SWITCHML_SWITCH, or rank 0's embedded switch,
-    shared with ``broadcast_object_list`` over ``pg``."""
+def release_embedded_switch() -> None:
+    """Release one use of the switch this process started (from :func:`resolve_switch_over_group`
+    returning True); the last release stops it after a grace period."""
+    _EMBEDDED.release()
+
+
+def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
+                              ) -> tuple[tuple[str, int] | list[tuple[str, int]], bytes | None,
+                                         bool]:
+    """Find the switch for a job over any process group (the DDP hooks' groups).
+
+    ``SWITCHML_SWITCH`` (and ``SWITCHML_SECRET``) win; otherwise rank 0 of ``pg`` acquires this
+    process's embedded switch and shares its address and secret with ``broadcast_object_list``
+    over ``pg`` (the backend's own groups use their store instead). A collective: every rank of
+    ``pg`` calls it.
+
+    Returns:
+        (address or list of shard addresses, secret, whether this call acquired the embedded
+        switch: then call :func:`release_embedded_switch` once done with it).
+    """
     configured = env.switch_addresses()
     if configured is not None:
-        return configured, env.secret(), False  # type: ignore[return-value]
+        return configured, env.secret(), False
     box: list[Any] = [None]
     if rank == 0:
         box[0] = _EMBEDDED.acquire()
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
     address, secret = box[0]
     return tuple(address), secret, rank == 0  # type: ignore[return-value]
+
+
+def local_mtu(switch: tuple[str, int] | list[tuple[str, int]]) -> int:
+    """This rank's MTU towards the switch: ``SWITCHML_MTU``, else the route's (the smallest
+    over a sharded switch's shards), else 1500."""
+    return env.mtu() or path_mtu(switch) or 1500
+
+
+def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,
+                       elements_per_packet: int | None = None) -> JobSpec:
+    """A new switch job for ``size`` ranks whose MTUs towards the switch are ``mtus``.
+
+    Chunks fit the smallest MTU of any rank (no IP fragmentation on any path), unless
+    ``elements_per_packet`` or ``SWITCHML_ELEMENTS_PER_PACKET`` says otherwise; the window is
+    ``window``, else ``SWITCHML_WINDOW``, else :func:`switchml.control.new_job_spec`'s default for
+    the chunk size. Called by the group's rank 0, which shares the result with the others.
+    """
+    k = elements_per_packet or env.elements_per_packet() or elements_for_mtu(min(mtus))
+    return new_job_spec(size, window=window if window is not None else env.window(),
+                        elements_per_packet=k)
 
 
 def _create(store: dist.Store, rank: int, size: int,
@@ -613,16 +665,11 @@ def _create(store: dist.Store, rank: int, size: int,
     gloo: Any = None
     try:
         key = f"switchml/{_incarnation}/job"
-        # Chunks fit the smallest path MTU of any rank towards the switch (no IP
-        # fragmentation), unless SWITCHML_ELEMENTS_PER_PACKET or SWITCHML_MTU say otherwise.
-        my_mtu = env.mtu() or path_mtu(switch) or 1500
-        store.set(f"switchml/{_incarnation}/mtu/{rank}", str(my_mtu))
+        # Every rank publishes its MTU towards the switch; rank 0 sizes the job's chunks.
+        store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
         if rank == 0:
-            window = env.window()  # default: from the chunk size
-            mtu = min(int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode())
-                      for r in range(size))
-            k = env.elements_per_packet() or elements_for_mtu(mtu)
-            spec = new_job_spec(size, window=window, elements_per_packet=k)
+            spec = job_spec_for_ranks(size, (
+                int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)))
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())

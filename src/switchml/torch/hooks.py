@@ -23,8 +23,15 @@ Hooks (``HookName``):
 
 Tuning guide (``SwitchMLHookState``): ``bits`` trades bandwidth for precision (16 is fine with
 error feedback for SGD-like optimisers; use 32 for the first steps of very sensitive models).
-``window`` and ``elements_per_packet`` are the switch job's geometry (defaults: chunks that fit
-the path MTU to the switch, about 256 KiB in flight).
+``window`` and ``elements_per_packet`` are the switch job's geometry (defaults as the backend's:
+chunks that fit the smallest MTU of any rank towards the switch, about 256 KiB in flight).
+
+The hooks share the backend's machinery (``switchml.torch.backend``): the switch is found by
+:func:`~switchml.torch.backend.resolve_switch_over_group` (``SWITCHML_SWITCH``, else rank 0's
+embedded switch), the job is sized by :func:`~switchml.torch.backend.job_spec_for_ranks` from
+every rank's :func:`~switchml.torch.backend.local_mtu` (``SWITCHML_MTU``, ``SWITCHML_WINDOW`` and
+``SWITCHML_ELEMENTS_PER_PACKET`` apply), and buckets travel through
+:class:`~switchml.torch.backend.StagedTensor`.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
@@ -35,10 +42,20 @@ import torch
 import torch.distributed as dist
 
 from switchml import env
-from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.control import decode_job_spec, encode_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
-from switchml.transport.udp import WorkerClient, elements_per_packet_for
+from switchml.torch.backend import (
+    StagedTensor,
+    SwitchMLProcessGroup,
+    complete_elsewhere,
+    failable_future,
+    job_spec_for_ranks,
+    local_mtu,
+    release_embedded_switch,
+    resolve_switch_over_group,
+)
+from switchml.transport.udp import WorkerClient
 
 __all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "noop_hook",
            "register_hook", "switchml_hook"]
@@ -55,7 +72,8 @@ class SwitchMLHookState:
         process_group: the DDP group (default: the default group). Any backend.
         bits: 32, or 16 (half the bytes on the wire, with error feedback).
         window, elements_per_packet: the switch job's geometry (W slots, k int32 per slot);
-            default: k fits rank 0's path MTU to the switch, W keeps about 256 KiB in flight.
+            default: k fits the smallest MTU of any rank towards the switch, W keeps about
+            256 KiB in flight (see :func:`switchml.torch.backend.job_spec_for_ranks`).
         op_timeout_s: a bucket fails if no progress for this long (a dead peer or switch).
 
     Raises:
@@ -76,7 +94,6 @@ class SwitchMLHookState:
                  op_timeout_s: float = 60.0) -> None:
         if bits not in (32, 16):
             raise ConfigError(f"bits must be 32 or 16, got {bits}")
-        from switchml.torch.backend import SwitchMLProcessGroup, _resolve_address_over_group
         self.bits = bits
         self.process_group = process_group
         pg = process_group or dist.distributed_c10d._get_default_group()
@@ -85,23 +102,26 @@ class SwitchMLHookState:
         self.residuals: dict[int, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
         self.buckets = 0
         self.bytes_sent = 0
-        self._owns_switch = False
+        self._owns_switch = self._owns_client = False
         if isinstance(pg, SwitchMLProcessGroup):
             self.client = pg.client  # the group's own switch job
-            self._owns_client = False
             return
         rank = dist.get_rank(pg)
-        switch, secret, self._owns_switch = _resolve_address_over_group(pg, rank)
-        # Rank 0's path MTU to the switch sizes the chunks unless told (every rank of a hook's
-        # group usually shares a network; the backend itself takes the smallest over ranks).
-        box: list[Any] = [encode_job_spec(new_job_spec(
-            self.world_size, window=window,
-            elements_per_packet=elements_per_packet or elements_per_packet_for(switch)))
-            if rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-        self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
-            op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
-            batching=env.batching())
+        switch, secret, self._owns_switch = resolve_switch_over_group(pg, rank)
+        try:
+            # The backend's rule: chunks fit the smallest MTU of any rank towards the switch.
+            mtus: list[Any] = [None] * self.world_size
+            dist.all_gather_object(mtus, local_mtu(switch), group=pg)
+            box: list[Any] = [encode_job_spec(job_spec_for_ranks(
+                self.world_size, mtus, window=window, elements_per_packet=elements_per_packet))
+                if rank == 0 else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+            self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
+                op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
+                batching=env.batching())
+        except BaseException:
+            self.close()  # the embedded switch, if this rank acquired it
+            raise
         self._owns_client = True
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,9 +138,8 @@ class SwitchMLHookState:
             self.client.close()
             self._owns_client = False
         if self._owns_switch:
-            from switchml.torch.backend import _EMBEDDED
             self._owns_switch = False
-            _EMBEDDED.release()
+            release_embedded_switch()
 
 
 def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
@@ -130,11 +149,8 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
     # 2. A float32 contiguous CPU array to send (staged if the bucket is anything else).
-    staged = buffer.dtype is not torch.float32 or buffer.device.type != "cpu" \
-        or not buffer.is_contiguous()
-    work = buffer.detach().to(device="cpu", dtype=torch.float32).contiguous() if staged \
-        else buffer.detach()
-    array = work.numpy()
+    staged = StagedTensor(buffer, dtype=torch.float32)
+    work = staged.flat
     # 3. Error feedback: add what rounding took from this bucket last time.
     residual = None
     if state.bits == 16:
@@ -150,17 +166,17 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     state.buckets += 1
     state.bytes_sent += work.numel() * state.bits // 8
     # 4. Aggregate on the communication thread; the future resolves there.
-    from switchml.torch.backend import complete_elsewhere, failable_future
     completer, future = failable_future()
     handle = state.client.allreduce_async(
-        array, array, bits=state.bits,
+        staged.array, staged.array, bits=state.bits,
         residual=residual.numpy() if residual is not None else None)
 
     def done(h: Any) -> None:
+        # 5. Write a staged copy back into the bucket, then complete DDP's future.
         error = h.exception()
-        if error is None and staged:
+        if error is None:
             try:
-                buffer.copy_(work)
+                staged.finish(state.world_size, average=False)
             except Exception as exc:  # never leave DDP waiting on a future nobody completes
                 error = exc
         if error is not None:
