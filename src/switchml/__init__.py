@@ -5,7 +5,8 @@ integer aggregation slots, workers that stream their vectors through it in chunk
 fixed-point block-exponent numbers that make floats summable as integers.
 
 Layers (imports point down only): ``protocol`` (sans-I/O core), ``transport`` (UDP and in-memory
-pumps around the core), ``control`` (job registration helpers), ``bench``, ``cli``.
+pumps around the core), ``control`` (job registration helpers), ``service`` (switch launchers),
+``torch``, ``bench``, ``cli``.
 """
 
 from switchml.protocol.errors import (

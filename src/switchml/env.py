@@ -1,7 +1,8 @@
 """Every environment variable switchml reads, in one place, read only at the edges.
 
 Libraries take parameters; only entry points read the environment and pass what they found:
-the ``switchml`` command (``cli.py``: every flag's default may come from ``SWITCHML_<FLAG>``),
+the ``switchml`` command (``cli/``: every flag's default may come from ``SWITCHML_<FLAG>``;
+``service.py`` reads ``SWITCHML_SECRET`` for the switch it launches when no secret file is given),
 torch group creation (``torch/backend.py``, ``torch/hooks.py``), the torchrun roles of the
 parameter servers (``ps/roles.py``) and the processes the testbed starts
 (``bench/nsproc.py``).

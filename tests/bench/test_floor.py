@@ -57,21 +57,3 @@ def test_machine_busy_grows_with_work():
     for i in range(3_000_000):
         x += i
     assert machine_busy_s() > b0 > 0
-
-
-def test_a_degraded_row_is_flagged_in_the_table():
-    from rich.console import Console
-
-    from switchml.bench.testbed import DEGRADED_NO_ETHTOOL, TestbedBenchConfig
-    from switchml.cli import _testbed_table
-    row = {"system": "switchml", "size_bytes": 1 << 20, "ate_per_s": 1e6,
-           "fraction_of_line_rate": 0.15, "bound_ring_ate": 2.0, "bound_line_ate": 3.0,
-           "cpu_percent": [10.0], "worker_cpu_s_per_gelem": 50.0,
-           "degraded": DEGRADED_NO_ETHTOOL}
-    gloo = {**row, "system": "gloo", "worker_cpu_s_per_gelem": 25.0}
-    gloo.pop("degraded")
-    console = Console(width=250, record=True)
-    console.print(_testbed_table(TestbedBenchConfig(), 1000, [row, gloo]))
-    text = console.export_text()
-    assert "switchml (degraded)" in text and "no ethtool" in text
-    assert "50.0 (2.00x)" in text

@@ -1,13 +1,14 @@
-"""The ``switchml`` command: help texts and argument errors."""
+"""The ``switchml`` command as a whole (``cli/__init__.py``, ``cli/registry.py``): help texts,
+argument errors, the registry of commands and the dispatch to their runners."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 
-from switchml import cli
-from switchml.cli import build_parser, main
+from switchml.cli import build_parser, main, registry, stats
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -38,6 +39,9 @@ def test_bad_arguments_say_what_is_wrong(capsys):
     assert "must be HOST:PORT, got 'nohostport'" in capsys.readouterr().err
     assert main(["bench", "allreduce", "--workers", "0"]) == 2
     assert "--workers must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["no-such-command"])
+    assert "invalid choice: 'no-such-command'" in capsys.readouterr().err
 
 
 def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -50,27 +54,64 @@ def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
             yield from _leaves(sub, (*path, name))
 
 
-def test_every_command_has_its_own_handler():
+def test_every_command_has_its_own_runner_in_its_own_module():
     leaves = dict(_leaves(build_parser()))
     assert ("bench", "geo") in leaves and ("ps", "server") in leaves and ("sim",) in leaves
     handlers = [p.get_default("func") for p in leaves.values()]
-    assert all(callable(h) and h.__name__.startswith("_run_") for h in handlers)
+    assert all(callable(h) and h.__name__.startswith("run") for h in handlers)
     assert len(set(handlers)) == len(handlers)
+    for path, parser in leaves.items():
+        reg = registry.BENCH_COMMANDS if path[0] == "bench" else registry.COMMANDS
+        assert parser.get_default("func").__module__ == reg[path[-1] if path[0] == "bench"
+                                                           else path[0]], path
 
 
-def test_main_dispatches_to_the_bound_handler(monkeypatch, capsys):
+def test_the_registry_orders_the_commands():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(registry.COMMANDS)
+    bench = next(a for a in sub.choices["bench"]._actions
+                 if isinstance(a, argparse._SubParsersAction))
+    assert list(bench.choices) == list(registry.BENCH_COMMANDS)
+    for module in (*registry.COMMANDS.values(), *registry.BENCH_COMMANDS.values()):
+        assert callable(importlib.import_module(module).add_parser), module
+
+
+def test_an_unknown_command_module_names_the_known_ones():
+    assert registry.command_module(registry.COMMANDS, "stats") is stats
+    with pytest.raises(ValueError, match="unknown command 'nope'; known: switch, demo, stats"):
+        registry.command_module(registry.COMMANDS, "nope")
+
+
+def test_main_dispatches_to_the_bound_runner(monkeypatch, capsys):
     seen = []
 
     def fake_stats(args: argparse.Namespace) -> int:
         seen.append(args.once)
         return 7
 
-    monkeypatch.setattr(cli, "_run_stats", fake_stats)
+    monkeypatch.setattr(stats, "run", fake_stats)
     assert main(["stats", "--once"]) == 7 and seen == [True]
 
     def failing(args: argparse.Namespace) -> int:
         raise RuntimeError("it broke")
 
-    monkeypatch.setattr(cli, "_run_bench_plot", failing)
+    from switchml.cli.bench import plot
+    monkeypatch.setattr(plot, "run", failing)
     assert main(["bench", "plot", "x.json"]) == 2
     assert "switchml: error: it broke" in capsys.readouterr().err
+
+
+def test_the_log_level_may_come_from_the_environment(monkeypatch, parse):
+    assert parse("stats").log_level == "info"
+    monkeypatch.setenv("SWITCHML_LOG_LEVEL", "debug")
+    assert parse("stats").log_level == "debug"
+
+
+def test_python_m_switchml_and_the_console_script_run_main(run_switchml):
+    from importlib.metadata import entry_points
+
+    from switchml import __version__
+    (script,) = entry_points(group="console_scripts", name="switchml")
+    assert script.load() is main
+    res = run_switchml("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"switchml {__version__}"

@@ -1,4 +1,8 @@
-"""A software switch in a process of its own, driven over a pipe (used by the benchmarks)."""
+"""A software switch in a process of its own, driven over a pipe (used by the benchmarks).
+
+The server is the one ``switchml switch`` runs, built by :func:`switchml.service.build_server`
+with the command's defaults.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +23,9 @@ def rss_bytes(pid: int) -> int:
 
 def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None,
            batching: bool = True, shard: tuple[int, int] = (0, 1)) -> None:
-    from switchml.protocol.config import SwitchConfig
-    from switchml.transport.udp import SwitchServer
-    server = SwitchServer(host="127.0.0.1", port=0,
-                          config=SwitchConfig(lease_timeout_s=lease_timeout_s, secret=secret,
-                                              shard_index=shard[0], shard_count=shard[1]),
-                          batching=batching)
+    from switchml.service import SwitchSpec, build_server
+    server = build_server(SwitchSpec(host="127.0.0.1", port=0, lease_timeout_s=lease_timeout_s,
+                                     batching=batching, shard=shard), secret)
     conn.send(server.address)
     server.start()
     try:

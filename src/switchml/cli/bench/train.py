@@ -1,0 +1,173 @@
+"""``switchml bench train``: DDP training of the workloads over the testbed, system against
+system.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from switchml.cli.common import Subparsers, sigterm_interrupts, stdout_console, write_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml.bench.testbed import TrainBenchConfig
+
+__all__ = ["add_parser", "config_from_args", "run"]
+
+
+def add_parser(bsub: Subparsers) -> None:
+    """``switchml bench train``: DDP training over the testbed."""
+    from switchml import workloads
+    tr = bsub.add_parser(
+        "train", help="DDP training of the workloads over the testbed, gloo against switchml "
+                      "(root)",
+        description="Train workloads (switchml.workloads: the paper's network-bound kinds, an "
+                    "NCF-style click model, an LSTM and a BERT-style language model, and a CNN "
+                    "and a wide MLP) with DistributedDataParallel over the same emulated "
+                    "links, on each system. Per row: step time, samples/s, time to the target "
+                    "metric (the level every system reached) and loss, bytes per step "
+                    "(measured on the links and predicted), the share of communication hidden "
+                    "behind backward, the speedup against gloo, and the ideal step time: the "
+                    "step with no communication (the noop system) plus the exposed part of the "
+                    "row's wire time at the link rate.",
+        epilog="Workloads: " + "; ".join(f"{w}: {workloads.get(w).summary}"
+                                          for w in workloads.NAMES))
+    tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
+    tr.add_argument("--model", action="append", choices=list(workloads.NAMES),
+                    help="workload to train (repeatable; default ncf and cnn)")
+    tr.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    tr.add_argument("--batch", type=int, default=None,
+                    help="per-worker batch (default: each workload's own)")
+    tr.add_argument("--eval-every", type=int, default=10,
+                    help="evaluate the workload's metric every N steps, outside the timed "
+                         "steps (default 10; 0: never)")
+    tr.add_argument("--systems", default="noop,gloo,switchml",
+                    help="comma list of noop (no communication: the compute, for the ideal), "
+                         "gloo, switchml (DDP on that backend), switchml16 (DDP with the 16-bit "
+                         "switchml hook), hybrid (HybridDataParallel on switchml: per layer, "
+                         "aggregation or sufficient-factor broadcasting), hsdp and hsdp-gloo "
+                         "(FSDP2 on a mesh of n/2 replicas x 2 shards; the replicas' all-reduce "
+                         "goes through the switch on hsdp, timed per step) (default "
+                         "noop,gloo,switchml)")
+    tr.add_argument("--trace", metavar="PATH",
+                    help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
+                         "forward, backward, optimizer and communication spans, and report the "
+                         "fraction of communication hidden behind backward compute")
+    tr.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="link rate in Mbit/s (default 1000)")
+    tr.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    tr.add_argument("--mtu", type=int, default=1500,
+                    help="link MTU in bytes; switchml's chunks are sized to fit it (default "
+                         "1500, Ethernet; 9000 for jumbo frames; veth takes up to 65535 but "
+                         "that is not a real network)")
+    tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
+                    "bytes per step and step time per system to PNG's name + '-bytes'; with "
+                    "--trace, rank 0's last two steps to + '-timeline')")
+    tr.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
+    """The training runs ``args`` describe (ncf and cnn unless ``--model`` names some)."""
+    from switchml.bench.testbed import TrainBenchConfig
+    return TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("ncf", "cnn")),
+                            steps=args.steps, batch=args.batch, eval_every=args.eval_every,
+                            rate_bps=args.rate_mbit * 1e6,
+                            loss_rate=args.loss, mtu=args.mtu,
+                            systems=tuple(s for s in args.systems.split(",") if s),
+                            trace=bool(args.trace))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``switchml bench train``: DDP training over the testbed, one row per model and system."""
+    from rich.console import Console
+
+    from switchml.bench.testbed import run_testbed_train
+
+    sigterm_interrupts()  # SIGTERM runs the testbed's teardown
+    cfg = config_from_args(args)
+    console = Console(stderr=True)
+    with console.status("building the testbed") as status:
+        rows = run_testbed_train(cfg, progress=lambda what: status.update(what))
+    stdout_console(200).print(_train_table(cfg, args.rate_mbit, rows))
+    for r in rows:
+        for d in r.get("decisions", []):
+            console.print(f"{r['model']} {r['system']}: {d}")
+        if "replica_allreduce_s" in r:
+            console.print(f"{r['model']} {r['system']}: the replicas' all-reduce took "
+                          f"{1e3 * r['replica_allreduce_s']:.0f} ms per step")
+    _write_outputs(args, cfg, rows, console)
+    return 0
+
+
+def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) -> Table:
+    """One row per model and system of the training benchmark."""
+    from rich.table import Table
+
+    table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
+                        f"{rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
+                        f"MTU {cfg.mtu}")
+    for col in ("model", "parameters", "system", "step (ms)", "samples/s", "final loss",
+                "metric", "to target (s)", "speedup", "MB/step", "MB/step predicted",
+                "hidden", "ideal (ms)", "of ideal"):
+        table.add_column(col, justify="right")
+
+    def fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+        return "-" if v is None else format(v * scale, spec)
+
+    for r in rows:
+        metric = "-" if r.get("final_metric") is None else \
+            f"{r['metric']} {r['final_metric']:.3g}"
+        table.add_row(r["model"], f"{r['params']:,}", r["system"],
+                      f"{1e3 * r['step_s']:.0f}", f"{r['samples_per_s']:.0f}",
+                      f"{r['final_loss']:.4f}", metric, fmt(r.get("time_to_metric_s"), ".1f"),
+                      fmt(r["speedup_step"], ".2f"),
+                      fmt(r.get("bytes_per_step_measured"), ".2f", 1e-6),
+                      fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
+                      fmt(r.get("hidden_fraction"), ".0%"),
+                      fmt(r.get("ideal_step_s"), ".0f", 1e3),
+                      fmt(r.get("achieved_over_ideal"), ".2f"))
+    return table
+
+
+_TRAIN_CSV_KEYS = ["model", "backend", "system", "hook", "workers", "params", "rate_bps",
+                   "loss_rate", "mtu", "batch", "step_s", "samples_per_s", "final_loss",
+                   "target_loss", "time_to_target_s", "metric", "final_metric",
+                   "target_metric", "time_to_metric_s", "speedup_step", "speedup_vs_switchml",
+                   "bytes_per_step_measured", "bytes_per_step_predicted", "hidden_fraction",
+                   "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal",
+                   "replica_allreduce_s"]
+
+
+def _write_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[dict],
+                         console: Console) -> None:
+    """The training benchmark's trace, JSON, CSV and plots, as the options ask."""
+    import csv
+
+    from switchml.bench.testbed import plot_bytes, plot_timeline, plot_training, write_trace
+
+    base = args.plot[:-4] if args.plot and args.plot.endswith(".png") else args.plot
+    if args.trace:
+        events = write_trace(rows, args.trace)
+        console.print(f"wrote {events} trace events to {args.trace}")
+    if args.plot and args.trace:
+        plot_timeline(rows, f"{base}-timeline.png")
+    for r in rows:
+        r.pop("trace_events", None)
+    if args.json:
+        write_json(args.json, {"benchmark": "train-testbed", "config": cfg.__dict__,
+                                "results": rows})
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=_TRAIN_CSV_KEYS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        plot_training(rows, args.plot)
+        if any("bytes_per_step_measured" in r for r in rows):
+            plot_bytes(rows, f"{base}-bytes.png")

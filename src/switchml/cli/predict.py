@@ -1,0 +1,101 @@
+"""``switchml predict``: profile a model, predict its step time on each system."""
+
+from __future__ import annotations
+
+import argparse
+
+from switchml.cli.common import Subparsers, stdout_console, write_json
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Subparsers) -> None:
+    """``switchml predict``: profile a model, predict its step on each system."""
+    from switchml import workloads
+    pr = sub.add_parser(
+        "predict", help="will switchml speed up my training job? (profile, then predict)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Profile a few local DDP steps of a model (compute, and each gradient\n"
+                    "bucket's size and when backward makes it ready), then predict its step\n"
+                    "time with N workers on links of the given rate and MTU: on gloo (ring\n"
+                    "all-reduce), on switchml (the simulator's timing mode) and with the 16-bit\n"
+                    "hook, composed as DDP overlaps communication with backward. Prints the\n"
+                    "predicted speedup and the share of the step spent communicating.\n\n"
+                    "With --against, predict every row of a 'switchml bench train --json' run\n"
+                    "instead and print predicted against measured step times.",
+        epilog="Workloads: " + ", ".join(workloads.NAMES) + "; or module:factory, where "
+               "factory(batch) returns a switchml.workloads.Task or (model, loss_fn, "
+               "batch_of).")
+    pr.add_argument("--model", default="ncf",
+                    help="a workload or module:factory (default ncf)")
+    pr.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the "
+                    "workload's own)")
+    pr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
+    pr.add_argument("--rate-mbit", type=float, default=1000.0,
+                    help="link rate in Mbit/s (default 1000)")
+    pr.add_argument("--mtu", type=int, default=1500, help="path MTU (default 1500)")
+    pr.add_argument("--colocated", type=int, default=1, metavar="K",
+                    help="profile K processes at once: the workers share this machine's cores "
+                         "(as on the testbed), default 1 (each worker has a host of its own)")
+    pr.add_argument("--steps", type=int, default=8, help="profiled steps (default 8)")
+    pr.add_argument("--against", metavar="JSON",
+                    help="a 'switchml bench train --json' file: predict each of its rows "
+                         "(profiling as many processes at once as the run had workers)")
+    pr.add_argument("--json", metavar="PATH", help="write the profile and predictions as JSON")
+    pr.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``switchml predict``: one table of predictions (or of predictions against a run)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from switchml import predict as P
+    console = Console(stderr=True)
+    if args.against:
+        with open(args.against) as f:
+            rows = json.load(f)["results"]
+        with console.status("profiling") as status:
+            checked = P.validate(rows, progress=status.update)
+        table = Table(title=f"predicted against measured step times ({args.against})")
+        for col in ("model", "system", "workers", "Mbit/s", "measured (ms)", "predicted (ms)",
+                    "error"):
+            table.add_column(col, justify="right")
+        for c in checked:
+            table.add_row(c["model"], c["system"], str(c["workers"]),
+                          f"{c['rate_bps'] / 1e6:g}", f"{1e3 * c['measured_step_s']:.0f}",
+                          f"{1e3 * c['predicted_step_s']:.0f}", f"{c['error']:+.0%}")
+        stdout_console().print(table)
+        if args.json:
+            write_json(args.json, {"against": args.against, "rows": checked})
+        return 0
+    with console.status(f"profiling {args.model} ({args.colocated} at once)"):
+        prof = P.profile(args.model, args.batch, steps=args.steps, colocated=args.colocated)
+    with console.status("simulating the all-reduces"):
+        preds = P.predict(prof, workers=args.workers, rate_bps=args.rate_mbit * 1e6,
+                          mtu=args.mtu)
+    table = Table(title=f"{args.model}: {prof.params:,} parameters, batch {prof.batch}, "
+                        f"{args.workers} workers, {args.rate_mbit:g} Mbit/s, MTU {args.mtu}; "
+                        f"compute {1e3 * prof.compute_s:.0f} ms per step "
+                        f"({len(prof.buckets)} buckets)")
+    for col in ("system", "step (ms)", "communication (ms)", "exposed (ms)",
+                "share of step", "speedup vs gloo"):
+        table.add_column(col, justify="right")
+    for p in preds:
+        table.add_row(p.system, f"{1e3 * p.step_s:.0f}", f"{1e3 * p.comm_s:.0f}",
+                      f"{1e3 * p.exposed_s:.0f}", f"{p.comm_share:.0%}", f"{p.speedup:.2f}x")
+    stdout_console().print(table)
+    best = max(preds, key=lambda p: p.speedup or 0)
+    gloo = next(p for p in preds if p.system == "gloo")
+    verdict = (f"switchml helps: {best.system} {best.speedup:.2f}x gloo's step, because "
+               f"communication is {gloo.comm_share:.0%} of gloo's step and switchml moves "
+               "fewer bytes" if (best.speedup or 0) > 1.05 else
+               f"little to gain: communication is only {gloo.comm_share:.0%} of gloo's step")
+    print(verdict)
+    if args.json:
+        write_json(args.json, {"profile": P.profile_dict(prof),
+                                "predictions": [dict(vars(p), comm_share=p.comm_share)
+                                                for p in preds]})
+    return 0

@@ -1,0 +1,90 @@
+"""``switchml bench allreduce`` (``cli/bench/allreduce.py``): loopback and ``--testbed``
+configs, the runner's call, and its tables."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from switchml.bench import allreduce as library
+from switchml.bench import testbed as testbed_library
+from switchml.bench.allreduce import BenchConfig, Measurement
+from switchml.bench.testbed import TestbedBenchConfig
+from switchml.cli import main
+from switchml.cli.bench import allreduce
+
+
+def test_loopback_flags_become_the_bench_config(parse):
+    args = parse("bench", "allreduce", "-n", "2", "--size", "1MiB", "--size", "4KiB",
+                 "--iters", "3", "--warmup", "0", "--switch", "10.0.0.1:9", "--window", "8",
+                 "--elements-per-packet", "256", "--bits", "16", "--no-gloo", "--no-batching",
+                 "--timeout-s", "30")
+    assert args.func is allreduce.run
+    assert allreduce.config_from_args(args) == BenchConfig(
+        workers=2, sizes_bytes=(1 << 20, 4096), iters=3, warmup=0, switch=("10.0.0.1", 9),
+        window=8, elements_per_packet=256, bits=16, baselines=(), timeout_s=30.0,
+        batching=False)
+
+
+def test_the_chunk_fits_the_mtu_by_default(parse):
+    cfg = allreduce.config_from_args(parse("bench", "allreduce", "--mtu", "1500"))
+    assert cfg.elements_per_packet == 358 and cfg.sizes_bytes == (64 << 20,)
+
+
+def test_testbed_flags_become_the_testbed_config(parse):
+    args = parse("bench", "allreduce", "--testbed", "-n", "8", "--rate-mbit", "250",
+                 "--loss", "0.001", "--systems", "switchml, gloo", "--fast-retransmit",
+                 "--nack-gap", "0")
+    assert allreduce.testbed_config_from_args(args) == TestbedBenchConfig(
+        workers=8, rate_bps=250e6, loss_rate=0.001, mtu=1500, iters=5, warmup=2,
+        systems=("switchml", "gloo"), fast_retransmit=True, nack_gap=0, timeout_s=600.0)
+
+
+def _measurement(system: str, ate: float) -> Measurement:
+    return Measurement(system=system, workers=2, size_bytes=1 << 20, numel=1 << 18, iters=1,
+                       elapsed_s=1.0, ate_per_s=ate, goodput_gbps=1.0, cpu_percent=[50.0],
+                       max_rel_error=0.0)
+
+
+def test_the_runner_measures_and_prints_switchml_against_gloo(record, tmp_path, capsys):
+    run = record(library, "run_benchmark", ([_measurement("switchml", 2e8),
+                                             _measurement("gloo", 1e8)], {}))
+    written = record(library, "write_json")
+    out = str(tmp_path / "r.json")
+    assert main(["bench", "allreduce", "-n", "2", "--size", "1MiB", "--json", out]) == 0
+    (cfg,) = run.args
+    assert (cfg.workers, cfg.sizes_bytes) == (2, (1 << 20,))
+    assert written.args[0] == out and written.args[1] is cfg
+    text = capsys.readouterr().out
+    assert "1 MiB" in text and "2.00" in text  # switchml/gloo
+
+
+def test_the_testbed_runner_fails_on_a_wrong_sum(record):
+    rows = [{"system": "switchml", "size_bytes": 1 << 20, "ate_per_s": 1e6,
+             "fraction_of_line_rate": 0.5, "bound_ring_ate": 2.0, "bound_line_ate": 3.0,
+             "cpu_percent": [10.0], "max_abs_error": 0.5}]
+    record(testbed_library, "run_testbed_allreduce", rows)
+    write = record(testbed_library, "write_outputs")
+    assert main(["bench", "allreduce", "--testbed", "--csv", "x.csv"]) == 1
+    assert write.args == (rows, None, "x.csv")
+
+
+def test_a_degraded_row_is_flagged_in_the_table():
+    from switchml.bench.testbed import DEGRADED_NO_ETHTOOL
+    row = {"system": "switchml", "size_bytes": 1 << 20, "ate_per_s": 1e6,
+           "fraction_of_line_rate": 0.15, "bound_ring_ate": 2.0, "bound_line_ate": 3.0,
+           "cpu_percent": [10.0], "worker_cpu_s_per_gelem": 50.0,
+           "degraded": DEGRADED_NO_ETHTOOL}
+    gloo = {**row, "system": "gloo", "worker_cpu_s_per_gelem": 25.0}
+    gloo.pop("degraded")
+    console = Console(width=250, record=True)
+    console.print(allreduce._testbed_table(TestbedBenchConfig(), 1000, [row, gloo]))
+    text = console.export_text()
+    assert "switchml (degraded)" in text and "no ethtool" in text
+    assert "50.0 (2.00x)" in text
+
+
+def test_a_bad_bit_width_is_refused(parse, capsys):
+    with pytest.raises(SystemExit):
+        parse("bench", "allreduce", "--bits", "8")
+    assert "invalid choice: 8" in capsys.readouterr().err

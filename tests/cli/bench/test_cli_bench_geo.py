@@ -1,0 +1,39 @@
+"""``switchml bench geo`` (``cli/bench/geo.py``): config, runner call and its table."""
+
+from __future__ import annotations
+
+from switchml.bench import geo as library
+from switchml.bench.geo import GeoBenchConfig
+from switchml.cli import main
+from switchml.cli.bench import geo
+
+
+def test_flags_become_the_geo_config(parse):
+    args = parse("bench", "geo", "--dcs", "3,1", "--wan-mbit", "10", "--lan-mbit", "100",
+                 "--modes", "wan,gaia,", "--steps", "5", "--batch", "4", "--lr", "0.1",
+                 "--model", "mlp", "--target", "0.5", "--eval-every", "2", "--threshold",
+                 "0.2", "--decay", "--staleness", "1", "--gaia-lr-scale", "0.5",
+                 "--dc-backend", "switchml")
+    assert args.func is geo.run
+    assert geo.config_from_args(args) == GeoBenchConfig(
+        dcs=(3, 1), wan_bps=10e6, lan_bps=100e6, modes=("wan", "gaia"), steps=5, batch=4,
+        lr=0.1, model="mlp", eval_every=2, target_accuracy=0.5, threshold=0.2, decay=True,
+        staleness=1, gaia_lr_scale=0.5, dc_backend="switchml")
+    # the command's own defaults differ from the library's (a short run)
+    cfg = geo.config_from_args(parse("bench", "geo"))
+    assert (cfg.threshold, cfg.decay) == (0.1, False)
+
+
+def test_the_runner_prints_one_line_per_mode(record, capsys):
+    rows = [{"mode": "lan", "time_to_target_s": 1.5, "final_accuracy": 0.96,
+             "wan_bytes": 0, "comparison": {}},
+            {"mode": "gaia", "time_to_target_s": None, "final_accuracy": 0.9,
+             "wan_bytes": 2e6, "comparison": {"speedup_vs_wan": 2.0}}]
+    run = record(library, "run_geo_bench", rows)
+    written = record(library, "write_outputs", ["o/geo.json"])
+    assert main(["bench", "geo", "--dcs", "2x2", "--out", "o"]) == 0
+    assert run.args[0].dcs == (2, 2) and written.args[2] == "o"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["lan", "1.50", "0.9600"]
+    assert lines[2].split()[:4] == ["gaia", "-", "0.9000", "2.00"]
+    assert lines[-1] == "o/geo.json"

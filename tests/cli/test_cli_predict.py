@@ -1,0 +1,35 @@
+"""``switchml predict`` (``cli/predict.py``): profile, then one prediction per system."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from switchml import predict as library
+from switchml.cli import main, predict
+
+
+def _prediction(system: str, speedup: float) -> SimpleNamespace:
+    return SimpleNamespace(system=system, step_s=0.1 / speedup, comm_s=0.05, exposed_s=0.02,
+                           comm_share=0.5, speedup=speedup)
+
+
+def test_profile_and_predict_get_the_flags(record, parse, capsys):
+    assert parse("predict").func is predict.run
+    prof = SimpleNamespace(params=1000, batch=8, compute_s=0.05, buckets=[1, 2])
+    profile = record(library, "profile", prof)
+    preds = record(library, "predict", [_prediction("gloo", 1.0),
+                                        _prediction("switchml", 1.5)])
+    assert main(["predict", "--model", "cnn", "--batch", "8", "-n", "8", "--rate-mbit", "100",
+                 "--mtu", "9000", "--colocated", "2", "--steps", "3"]) == 0
+    assert profile.args == ("cnn", 8) and profile.kwargs == {"steps": 3, "colocated": 2}
+    assert preds.args == (prof,) and preds.kwargs == {"workers": 8, "rate_bps": 100e6,
+                                                      "mtu": 9000}
+    out = capsys.readouterr().out
+    assert "switchml helps: switchml 1.50x gloo's step" in out
+
+
+def test_little_to_gain_is_said_too(record, capsys):
+    record(library, "profile", SimpleNamespace(params=1, batch=1, compute_s=1.0, buckets=[]))
+    record(library, "predict", [_prediction("gloo", 1.0), _prediction("switchml", 1.01)])
+    assert main(["predict"]) == 0
+    assert "little to gain: communication is only 50% of gloo's step" in capsys.readouterr().out
