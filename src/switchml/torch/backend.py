@@ -34,9 +34,7 @@ import datetime
 import logging
 import os
 import secrets
-import select
 import subprocess
-import sys
 import threading
 import weakref
 from collections import Counter
@@ -49,12 +47,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from switchml import env
+from switchml import env, service
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
-from switchml.control.announce import parse_listening
 from switchml.protocol.address import format_address, parse_address
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.errors import SwitchMLError, TransportError
+from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.flight import FlightRecorder
@@ -500,34 +497,16 @@ class _Embedded:
 
     def _start(self) -> None:
         secret = secrets.token_hex(32)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "switchml", "--log-level", "warning", "switch", "--port", "0",
-             "--metrics-port", "0", "--stop-on-stdin-eof"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "SWITCHML_SECRET": secret})
-        assert proc.stdout is not None and proc.stderr is not None
-        ready, _, _ = select.select([proc.stdout], [], [], _SWITCH_START_S)
-        line = proc.stdout.readline() if ready else ""
-        address = parse_listening(line)
-        if address is None:
-            proc.kill()
-            _, err = proc.communicate()
-            for pipe in (proc.stdin, proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-            said = (f"exited with status {proc.returncode}" if ready and not line
-                    else f"said {line!r}" if ready
-                    else f"said nothing in {_SWITCH_START_S:g} s")
-            tail = " | ".join(err.strip().splitlines()[-5:])
-            raise TransportError(f"the embedded switch did not start ({said})"
-                                 + (f"; its last words: {tail}" if tail else ""))
-        # Its log (warnings) goes on to this process's standard error.
-        threading.Thread(target=_forward, args=(proc.stderr,), daemon=True,
-                         name="switchml-switch-log").start()
-        self.proc, self.secret = proc, secret.encode()
-        self.address = address
+        # ``switchml switch`` in a child process; it announces its address (control.announce)
+        # and its log (warnings) goes on to this process's standard error.
+        child = service.start_switch_process(
+            ["--log-level", "warning", "switch", "--port", "0", "--metrics-port", "0",
+             "--stop-on-stdin-eof"],
+            environ={**os.environ, "SWITCHML_SECRET": secret}, start_timeout_s=_SWITCH_START_S)
+        self.proc, self.secret = child.proc, secret.encode()
+        self.address = child.address
         atexit.register(self.stop)
-        log.info("started an embedded switch at %s:%d (pid %d)", *self.address, proc.pid)
+        log.info("started an embedded switch at %s:%d (pid %d)", *self.address, child.proc.pid)
 
     def _stop_if_unused(self) -> None:
         with self.lock:
@@ -549,23 +528,7 @@ class _Embedded:
 
     @staticmethod
     def _terminate(proc: subprocess.Popen[str] | None) -> None:
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()  # the switch exits on EOF, once quiet (at most 5 s)
-            proc.wait(timeout=8)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-
-
-def _forward(pipe: Any) -> None:
-    """Copy the embedded switch's standard error to ours, line by line, until it closes."""
-    try:
-        for line in pipe:
-            sys.stderr.write(line)
-    except (OSError, ValueError):
-        pass
+        service.stop_switch_process(proc)  # it exits on EOF, once quiet (at most 5 s)
 
 
 _EMBEDDED = _Embedded()
