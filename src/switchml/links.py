@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from switchml.protocol.errors import ConfigError
 
@@ -176,10 +177,7 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=days))
+    ca = (_certificate(ca_name, ca_name, ca_key.public_key(), now=now, days=days)
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                        key_encipherment=False, data_encipherment=False,
@@ -188,28 +186,36 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
                          critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} peer")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
+    peer_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} peer")])
+    cert = (_certificate(peer_name, ca_name, key.public_key(), now=now, days=days)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
-
-    def write(fname: str, data: bytes, mode: int) -> None:
-        fd = os.open(d / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-
     pem = serialization.Encoding.PEM
     private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
                    encryption_algorithm=serialization.NoEncryption())
-    write(CA_FILE, ca.public_bytes(pem), 0o644)
-    write(CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
-    write(CERT_FILE, cert.public_bytes(pem), 0o644)
-    write(KEY_FILE, key.private_bytes(**private), 0o600)
+    _write_new(d / CA_FILE, ca.public_bytes(pem), 0o644)
+    _write_new(d / CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
+    _write_new(d / CERT_FILE, cert.public_bytes(pem), 0o644)
+    _write_new(d / KEY_FILE, key.private_bytes(**private), 0o600)
     return LinkSecurity.from_dir(d)
+
+
+def _certificate(subject: Any, issuer: Any, public_key: Any, *, now: datetime.datetime,
+                 days: int) -> Any:
+    """A certificate builder for ``subject``'s ``public_key``, issued by ``issuer``, with a
+    random serial number, valid from five minutes before ``now`` (clock skew) for ``days``."""
+    from cryptography import x509
+    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+            .public_key(public_key).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days)))
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path``, which must not exist yet, creating it with ``mode``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
