@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GIGA", "cpu_per_gelem", "machine_busy_s", "ratio_text"]
+__all__ = ["GIGA", "cpu_per_gelem", "machine_busy_s", "proc_cpu_s", "ratio_text"]
 
 GIGA = 1e9
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (not idle, iowait)
@@ -28,6 +28,14 @@ def machine_busy_s() -> float:
     except OSError:
         return 0.0
     return sum(int(fields[i]) for i in _BUSY_FIELDS) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU-seconds (user + system, all threads) of process ``pid`` so far, from
+    ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_per_gelem(*, worker_cpu_s: Sequence[float], machine_busy: tuple[float, float] | None,
