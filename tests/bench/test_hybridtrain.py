@@ -7,7 +7,12 @@ import json
 import pytest
 
 from switchml.bench.hybridtrain import link_bytes, wrap
-from switchml.bench.testbed import TrainBenchConfig, add_ideal, add_time_to_target, write_trace
+from switchml.bench.testbed_train import (
+    TrainBenchConfig,
+    add_ideal,
+    add_time_to_target,
+    write_trace,
+)
 from switchml.torch.timeline import Span, chrome_events
 
 

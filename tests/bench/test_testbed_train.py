@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 
 def test_training_over_the_testbed_matches_gloo():
-    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
+    from switchml.bench.testbed_train import TrainBenchConfig, run_testbed_train
     rows = run_testbed_train(TrainBenchConfig(
         workers=2, steps=6, models=("ncf",), rate_bps=1e9, batch=32, eval_every=3,
         systems=("noop", "gloo", "switchml", "switchml16")))
@@ -33,7 +33,7 @@ def test_training_over_the_testbed_matches_gloo():
 
 @pytest.mark.timeout(400)
 def test_hybrid_moves_the_predicted_bytes_and_trains_like_ddp():
-    from switchml.bench.testbed import TrainBenchConfig, run_testbed_train
+    from switchml.bench.testbed_train import TrainBenchConfig, run_testbed_train
     rows = run_testbed_train(TrainBenchConfig(workers=2, steps=6, models=("mlp",),
                                               systems=("switchml", "hybrid"), trace=True))
     by = {r["system"]: r for r in rows}

@@ -71,7 +71,8 @@ def test_addresses_are_per_link():
 
 
 def test_the_default_mtu_is_ethernets():
-    from switchml.bench.testbed import TestbedBenchConfig, TrainBenchConfig, elements_for_mtu
+    from switchml.bench.testbed import TestbedBenchConfig, elements_for_mtu
+    from switchml.bench.testbed_train import TrainBenchConfig
     from switchml.cli import build_parser
     assert LinkSpec().mtu == 1500
     assert TestbedBenchConfig().mtu == TrainBenchConfig().mtu == 1500

@@ -220,7 +220,8 @@ def _worker_env(tb: Any, r: int, switched: bool) -> dict[str, str]:
     the switch in its data centre's router."""
     geo = tb.geo
     if switched:
-        from switchml.bench.testbed import SWITCH_PORT, _switchml_env
+        from switchml.bench.testbed import SWITCH_PORT
+        from switchml.bench.testbed_train import _switchml_env
         from switchml.protocol.config import default_window
         from switchml.protocol.wire import elements_for_mtu
         k = elements_for_mtu(geo.lan.mtu)

@@ -8,6 +8,8 @@ to its gateway address); the parameter server has a host (and link) of its own, 
 TensorFlow's deployment. Bounds per worker, in
 elements/s: in-network aggregation B/32 (each worker sends and receives its vector once), ring
 B/32 / (2(n-1)/n), parameter server B/32 / n (its one link carries all n vectors).
+
+Training over the same testbed: :mod:`switchml.bench.testbed_train`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from switchml.bench.cpu import cpu_per_gelem
+from switchml.bench.cpu import cpu_per_gelem, proc_cpu_s
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import RECOVERY_COUNTERS
@@ -78,12 +80,6 @@ class TestbedBenchConfig:
     def elements_per_packet(self) -> int:
         """The largest chunk that fits the MTU (:func:`elements_for_mtu`)."""
         return elements_for_mtu(self.mtu)
-
-
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _nsproc(role: str, args: dict[str, Any]) -> list[str]:
@@ -225,12 +221,12 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
     topo = tb.topology
     spec = encode_job_spec(new_job_spec(cfg.workers, window=cfg.window,
                                         elements_per_packet=cfg.elements_per_packet))
-    cpu0, t0 = _proc_cpu_s(switch_pid), time.perf_counter()
+    cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
     procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("switchml", {
         **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
         "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits}))
     rows = _wait_all(procs, cfg.timeout_s)
-    switch_cpu = 100 * (_proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
+    switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
     return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
 
 
@@ -481,321 +477,3 @@ def write_outputs(rows: list[dict[str, Any]], json_path: str | None,
             w.writeheader()
             for r in rows:
                 w.writerow(r)
-
-
-
-@dataclass(frozen=True)
-class TrainBenchConfig:
-    """Data-parallel training over the testbed: each workload on each system, same links."""
-
-    __test__ = False
-
-    workers: int = 4
-    models: tuple[str, ...] = ("ncf", "cnn")
-    """Workloads (``switchml.workloads``)."""
-    steps: int = 60
-    batch: int | None = None
-    """Per-worker batch; None: each workload's default."""
-    systems: tuple[str, ...] = ("noop", "gloo", "switchml")
-    """``TRAIN_SYSTEMS``: ``gloo`` and ``switchml``: DDP on that backend; ``switchml16``:
-    DDP with the 16-bit switchml hook; ``hybrid``: HybridDataParallel on switchml (per layer
-    aggregation or sufficient-factor broadcasting); ``noop``: DDP with no communication at all
-    (the step's compute, for the ideal); ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of
-    (workers / 2) replicas x 2 shards, on switchml (the replicas' all-reduce through the switch)
-    and on gloo; their rows report the replica all-reduce's seconds per step."""
-    eval_every: int = 10
-    """Evaluate the workload's metric every this many steps (left out of the step times)."""
-    trace: bool = False
-    """Keep every rank's timeline (Chrome trace events); the hidden-communication fraction is
-    measured either way."""
-    rate_bps: float = 1e9
-    loss_rate: float = 0.0
-    mtu: int = DEFAULT_MTU
-    window: int | None = None
-    """Slots per job; default from the chunk size (``protocol.config.default_window``)."""
-    switch_nice: int = -10
-    """The software switch's niceness. It stands for a device with silicon of its own; on a
-    machine whose cores the workers' training also needs, it goes first for the CPU, as a
-    real switch would not wait for the hosts' compute (0: share the CPU equally)."""
-    timeout_s: float = 900.0
-
-    def __post_init__(self) -> None:
-        from switchml import workloads
-        for m in self.models:
-            workloads.get(m)  # raises, naming the known ones
-        bad = set(self.systems) - set(TRAIN_SYSTEMS)
-        if bad or not self.systems:
-            raise ValueError(f"unknown system(s) {sorted(bad)}; known: "
-                             f"{', '.join(TRAIN_SYSTEMS)}")
-        if self.batch is not None and self.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {self.batch}")
-        if self.steps < 2:
-            raise ValueError("--steps must be >= 2")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
-
-
-TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "gloo": ("gloo", "ddp", None),
-                 "switchml": ("switchml", "ddp", None),
-                 "switchml16": ("switchml", "ddp", "switchml16"),
-                 "hybrid": ("switchml", "hybrid", None),
-                 "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None)}
-"""system -> (backend, mode, DDP communication hook)."""
-
-
-def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> dict[str, str]:
-    """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret)."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(host),
-           "SWITCHML_SWITCH": switch, "SWITCHML_WINDOW": str(window),
-           "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
-    env.pop("SWITCHML_SECRET", None)
-    return env
-
-
-def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
-                ) -> dict[str, Any]:
-    """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses)."""
-    from switchml import workloads
-    topo, k = tb.topology, elements_for_mtu(cfg.mtu)
-    work = workloads.get(model)
-    batch = cfg.batch or work.batch
-    backend, mode, hook = TRAIN_SYSTEMS[system]
-    port = 33000 + secrets.randbelow(20000)
-    with _store_dir() as store:
-        procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
-            "backend": backend, "model": model, "rank": r, "n": cfg.workers,
-            "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
-            "batch": batch, "mode": mode, "hook": hook, "trace": cfg.trace,
-            "eval_every": cfg.eval_every, "dev": tb.host_device(r), "mtu": cfg.mtu,
-            "store_file": f"{store}/group"}),
-            lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                    cfg.window or default_window(k), k))
-        out = _wait_all(procs, cfg.timeout_s)
-    lead = out[0]
-    # Step time from the second half (after warm-up and bucket rebuilding); the times leave
-    # evaluation out.
-    times = lead["times"]
-    half = len(times) // 2
-    step_s = (times[-1] - times[half - 1]) / (len(times) - half)
-    evals = lead.get("evals") or []
-    return {
-        "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
-        "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
-        "mtu": cfg.mtu, "params": lead["params"], "steps": cfg.steps, "batch": batch,
-        "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
-        "final_loss": sum(lead["losses"][-5:]) / 5, "losses": lead["losses"],
-        "times": times, "metric": work.metric, "evals": evals,
-        "final_metric": evals[-1][2] if evals else None,
-        "cpu_percent": _cpu_percent(out),
-        **_bytes_and_trace(out),
-        **({"replica_allreduce_s": sum(o["replica_allreduce_s_per_step"] for o in out)
-            / len(out)} if "replica_allreduce_s_per_step" in lead else {}),
-    }
-
-
-def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
-    """Train every workload on every system over one testbed; return one row each, with the
-    time to the target metric, the speedup against gloo and the ideal step time."""
-    topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
-    rows: list[dict[str, Any]] = []
-    with Testbed(topo) as tb:
-        switch = _start_switch(tb, nice=cfg.switch_nice)
-        for model in cfg.models:
-            for system in cfg.systems:
-                if progress is not None:
-                    progress(f"training {model} on {system}, n={cfg.workers}")
-                rows.append(_train_once(tb, cfg, model, system))
-        assert switch.stdin is not None
-        switch.stdin.close()
-    add_time_to_target(rows)
-    add_ideal(rows)
-    return rows
-
-
-def add_ideal(rows: list[dict[str, Any]]) -> None:
-    """The ideal step time of every row, from measured quantities: C, the step with no
-    communication (the ``noop`` row of the same workload), plus the part of the row's wire
-    time that its measured overlap leaves exposed, ``(1 - hidden) x T``, where ``T`` is the
-    bytes the row's links carried per step, each way, at the link rate. ``achieved_over_ideal``
-    (ideal / measured step time) says how much is left on the table."""
-    for r in rows:
-        c = next((x["step_s"] for x in rows if x["model"] == r["model"]
-                  and x["system"] == "noop"), None)
-        measured = r.get("bytes_per_step_measured")
-        if c is None or r["system"] == "noop" or not measured:
-            continue
-        wire_s = measured / 2 * 8 / r["rate_bps"]  # sent + received: half each way
-        hidden = r.get("hidden_fraction") or 0.0
-        r["compute_step_s"] = c
-        r["wire_s"] = wire_s
-        r["ideal_step_s"] = c + (1 - hidden) * wire_s
-        r["achieved_over_ideal"] = r["ideal_step_s"] / r["step_s"]
-
-
-def _bytes_and_trace(out: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-worker bytes per step (measured on each worker's link, mean over workers, and
-    predicted by the cost model), the hidden-communication fraction (mean over ranks) and the
-    ranks' Chrome trace events."""
-    row: dict[str, Any] = {}
-    measured = [o["link_bytes_per_step"] for o in out if "link_bytes_per_step" in o]
-    if measured:
-        row["bytes_per_step_measured"] = sum(measured) / len(measured)
-    if "predicted_bytes_per_step" in out[0]:
-        pred = out[0]["predicted_bytes_per_step"]
-        row["bytes_per_step_predicted"] = pred["wire"]
-        row["bytes_per_step_predicted_payload"] = pred["payload"]
-        row["decisions"] = pred["decisions"]
-        if measured and pred["wire"]:
-            row["measured_over_predicted"] = row["bytes_per_step_measured"] / pred["wire"]
-    hidden = [o["hidden_fraction"] for o in out if o.get("hidden_fraction") is not None]
-    if hidden:
-        row["hidden_fraction"] = sum(hidden) / len(hidden)
-    if any("events" in o for o in out):
-        row["trace_events"] = [e for o in out for e in o.get("events", [])]
-    return row
-
-
-def write_trace(rows: list[dict[str, Any]], path: str) -> int:
-    """Merge the rows' trace events into one Chrome trace: one process per (run, rank),
-    named "model system rank r", timestamps from the earliest event. Returns the event count."""
-    from switchml.torch.timeline import write_chrome_trace
-    events: list[dict[str, Any]] = []
-    for i, r in enumerate(rows):
-        evs = r.get("trace_events") or []
-        origin = min((e["ts"] for e in evs if e["ph"] == "X"), default=0.0)
-        ranks = sorted({e["pid"] for e in evs})
-        for e in evs:
-            e = {**e, "pid": 100 * i + e["pid"]}
-            if e["ph"] == "X":
-                e["ts"] = round(e["ts"] - origin, 1)
-            events.append(e)
-        for rank in ranks:
-            events.append({"ph": "M", "name": "process_name", "pid": 100 * i + rank, "tid": 0,
-                           "args": {"name": f"{r['model']} {r['system']} rank {rank}"}})
-    write_chrome_trace(path, events)
-    return len(events)
-
-
-def _smooth(xs: list[float], w: int = 5) -> list[float]:
-    return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1])
-            for i in range(len(xs))]
-
-
-def add_time_to_target(rows: list[dict[str, Any]]) -> None:
-    """Per workload: the target metric is the worst final metric among the systems that
-    aggregate (the level every one reached); each row's time to it is the training time at
-    its first evaluation that reaches it. Likewise for the loss (5-step mean, + 5%). And each
-    row's step-time speedup against gloo and against switchml."""
-    from switchml import workloads
-    for model in {r["model"] for r in rows}:
-        group = [r for r in rows if r["model"] == model]
-        trained = [r for r in group if r["system"] != "noop"] or group
-        target = 1.05 * max(_smooth(r["losses"])[-1] for r in trained)
-        work = workloads.get(model)
-        finals = [r["final_metric"] for r in trained if r.get("final_metric") is not None]
-        metric_target = (min(finals) if work.higher_is_better else max(finals)) \
-            if finals else None
-        for r in group:
-            sm = _smooth(r["losses"])
-            hit = next((i for i, v in enumerate(sm) if v <= target), None)
-            r["target_loss"] = target
-            r["time_to_target_s"] = r["times"][hit] if hit is not None else None
-            r["target_metric"] = metric_target
-            r["time_to_metric_s"] = next(
-                (t for _, t, v in r.get("evals") or [] if metric_target is not None
-                 and work.better(v, metric_target)), None)
-        gloo = next((r for r in group if r["system"] == "gloo"), None)
-        sw = next((r for r in group if r["system"] == "switchml"), None)
-        for r in group:
-            r["speedup_step"] = gloo["step_s"] / r["step_s"] if gloo else None
-            r["speedup_vs_switchml"] = sw["step_s"] / r["step_s"] if sw else None
-
-
-def plot_training(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for r in rows:
-            if r["model"] == model:
-                ax.plot(r["times"], _smooth(r["losses"]), label=r.get("system", r["backend"]))
-        ax.set_title(f"{model}: {rows[0]['workers']} workers, "
-                     f"{rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
-        ax.set_xlabel("seconds since training start")
-        ax.set_ylabel("training loss (rank 0, 5-step mean)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_bytes(rows: list[dict[str, Any]], path: str) -> None:
-    """Bars per (model, system): bytes per worker per step (measured on the link, and as the
-    cost model predicts) and step time."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labels = [f"{r['model']}\n{r.get('system', r['backend'])}" for r in rows]
-    xs = range(len(rows))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(rows)), 4))
-    a.bar([x - 0.2 for x in xs], [1e-6 * (r.get("bytes_per_step_measured") or 0) for r in rows],
-          width=0.4, label="measured (link counters)")
-    a.bar([x + 0.2 for x in xs], [1e-6 * (r.get("bytes_per_step_predicted") or 0) for r in rows],
-          width=0.4, label="predicted (cost model + headers)")
-    a.set_yscale("log")
-    a.set_ylabel("MB per worker per step (sent + received)")
-    a.legend()
-    b.bar(list(xs), [1e3 * r["step_s"] for r in rows])
-    b.set_ylabel("step time (ms)")
-    for ax in (a, b):
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"{rows[0]['workers']} workers, {rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_timeline(rows: list[dict[str, Any]], path: str, steps: int = 2) -> None:
-    """Rank 0's last ``steps`` steps of every traced run, compute above communication."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    traced = [r for r in rows if r.get("trace_events")]
-    if not traced:
-        return
-    colors = {"forward": "tab:blue", "backward": "tab:green", "optimizer": "tab:purple",
-              "synchronize": "lightgray", "sfb rebuild": "tab:olive", "allreduce": "tab:red",
-              "sfb all_gather": "tab:orange", "rows": "tab:pink"}
-    fig, axes = plt.subplots(len(traced), 1, figsize=(12, 1.6 * len(traced) + 0.6),
-                             squeeze=False)
-    for ax, r in zip(axes[:, 0], traced):
-        evs = [e for e in r["trace_events"] if e["ph"] == "X" and e["pid"] == 0]
-        fwd = sorted(e["ts"] for e in evs if e["name"] == "forward")
-        t0 = fwd[-steps] if len(fwd) >= steps else min(e["ts"] for e in evs)
-        for e in evs:
-            if e["ts"] + e["dur"] < t0:
-                continue
-            key = next((k for k in colors if e["name"].startswith(k)), None)
-            y = 1 if e["tid"] == 0 else 0
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y + 0.05, 0.9),
-                           color=colors.get(key or "", "k"), label=key if key else None,
-                           zorder=1 if key == "synchronize" else 2)
-        ax.set_yticks([0.5, 1.5])
-        ax.set_yticklabels(["comm", "compute"])
-        hidden = r.get("hidden_fraction")
-        ax.set_title(f"{r['model']} {r.get('system', r['backend'])}, rank 0"
-                     + (f": {hidden:.0%} of communication hidden" if hidden is not None else ""),
-                     fontsize=9)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0))
-    axes[-1, 0].set_xlabel("ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

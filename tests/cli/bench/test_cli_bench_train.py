@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from switchml.bench import testbed as library
-from switchml.bench.testbed import TrainBenchConfig
+from switchml.bench import testbed_train as library
+from switchml.bench.testbed_train import TrainBenchConfig
 from switchml.cli import main
 from switchml.cli.bench import train
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from switchml.bench.testbed import TrainBenchConfig
+    from switchml.bench.testbed_train import TrainBenchConfig
 
 __all__ = ["add_parser", "config_from_args", "run"]
 
@@ -74,7 +74,7 @@ def add_parser(bsub: Subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
     """The training runs ``args`` describe (ncf and cnn unless ``--model`` names some)."""
-    from switchml.bench.testbed import TrainBenchConfig
+    from switchml.bench.testbed_train import TrainBenchConfig
     return TrainBenchConfig(workers=args.workers, models=tuple(args.model or ("ncf", "cnn")),
                             steps=args.steps, batch=args.batch, eval_every=args.eval_every,
                             rate_bps=args.rate_mbit * 1e6,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     """``switchml bench train``: DDP training over the testbed, one row per model and system."""
     from rich.console import Console
 
-    from switchml.bench.testbed import run_testbed_train
+    from switchml.bench.testbed_train import run_testbed_train
 
     sigterm_interrupts()  # SIGTERM runs the testbed's teardown
     cfg = config_from_args(args)
@@ -149,7 +149,12 @@ def _write_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[d
     """The training benchmark's trace, JSON, CSV and plots, as the options ask."""
     import csv
 
-    from switchml.bench.testbed import plot_bytes, plot_timeline, plot_training, write_trace
+    from switchml.bench.testbed_train import (
+        plot_bytes,
+        plot_timeline,
+        plot_training,
+        write_trace,
+    )
 
     base = args.plot[:-4] if args.plot and args.plot.endswith(".png") else args.plot
     if args.trace:
