@@ -107,4 +107,4 @@ def run(args: argparse.Namespace) -> int:
     from switchml import service
     spec = config_from_args(args)
     return service.serve(spec, stop_on_signals(
-        "stopping the shards" if service.shard_count(spec) > 1 else "stopping"))
+        "stopping" if spec.shards == 1 else "stopping the shards"))
