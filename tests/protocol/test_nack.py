@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_switch import join
 
+from switchml.protocol.kernels import R
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
@@ -194,10 +195,14 @@ def test_a_lost_datagram_is_recovered_by_nack_not_timeout(what, drop_once):
     # Each chunk's payload is counted once as sent; re-sends are counted apart.
     assert [w.counters["payload_bytes_sent"] for w in c.workers] == [64 * 40 * 4] * 3
     assert sum(w.counters["payload_bytes_resent"] for w in c.workers) > 0
-    # Without NACKs the same loss waits for the 2 s timeout.
+    # Without NACKs the same loss waits until every other lane is done and the results stop:
+    # then the idle probe recovers it (not the 2 s timeout), later than the NACK did.
+    nacked = elapsed
     c, elapsed, outs, ref = _one_op(drop_once, 0, drop)
     np.testing.assert_allclose(outs[0], ref, atol=1e-4)
-    assert elapsed >= 2.0
+    assert nacked < elapsed < 0.5
+    assert sum(w.counters["idle_probes"] for w in c.workers) >= 1
+    assert sum(w.counters["timer_retransmissions"] for w in c.workers) == 0
 
 
 def test_nacks_keep_sums_exact_under_random_loss_and_reordering():
@@ -267,7 +272,7 @@ def test_a_lost_last_chunk_is_probed_when_a_later_chunk_has_its_result():
     p.up(0, 0.0015)
     p.up(1, 0.0015, keep=lambda h: h.chunk != 2)  # rank 1's chunk 2 is lost
     a = p.w[0]
-    assert a.get_timer() >= 0.001 + 0.05 - 1e-9  # nothing says anything is lost yet
+    assert a.get_timer() > 0.0025  # nothing says anything is lost yet
     # Round 3 completes: rank 0 gets the result of chunk 3, which it sent after chunk 2.
     p.down(0.0025, keep=lambda h, r: h.chunk == 3)
     # Chunk 2 is probed after a reorder window (1 ms, the default min_reorder_window_s).
@@ -277,16 +282,53 @@ def test_a_lost_last_chunk_is_probed_when_a_later_chunk_has_its_result():
     assert a.counters["retransmissions"] == 1
 
 
-def test_a_late_rank_causes_no_tail_probe():
+def test_a_late_rank_causes_no_tail_probe_and_idle_probes_back_off():
     p = _Pair()
     p.start_and_send_last_chunks()
     p.up(0, 0.0015)  # rank 1 is slow: neither of its last chunks has arrived
     a = p.w[0]
-    # srtt is ~1 ms, yet rank 0 waits for its 50 ms timeout: no result of a later chunk came.
-    assert a.get_timer() >= 0.001 + 0.05 - 1e-9
+    srtt = float(a.recovery.rtt[R.SRTT])
+    assert 0.0009 < srtt < 0.0016
+    # No result of a later chunk came: no tail probe. Only the idle probe, two round trips
+    # after the last result (1.5 ms), re-sends both outstanding chunks; WAITING answers them
+    # (rank 1 is missing), and each probe without a result doubles the wait for the next.
+    probes = []
+    while (t := a.get_timer()) < 0.030:
+        a.handle_timer(t)
+        probes.append((t, sorted(unpack_header(bytes(d)).chunk
+                                 for d, _ in a.datagrams_to_send(t))))
+    pto = 2 * srtt
+    assert [t for t, _ in probes] == pytest.approx(
+        [0.0015 + pto, 0.0015 + 3 * pto, 0.0015 + 7 * pto, 0.0015 + 15 * pto][:len(probes)])
+    assert len(probes) == 3 and all(chunks == [2, 3] for _, chunks in probes)
+    assert a.counters["tail_probes"] == 0 and a.counters["timer_retransmissions"] == 0
     p.up(1, 0.030)  # rank 1 catches up; both rounds complete, in order
     p.down(0.031)
-    assert a.state.value == "ready" and a.counters["retransmissions"] == 0
+    assert a.state.value == "ready" and a.counters["retransmissions"] == 6
+
+
+def test_a_lost_result_of_the_last_chunks_is_recovered_by_the_idle_probe():
+    """The end of an operation: both ranks' last chunks arrive, but the results to rank 0
+    are lost. No later chunk shows the switch anything (NACKs) and no later result shows
+    rank 0 anything (tail probes); the idle probe re-sends two round trips after the last
+    result, and the switch answers from the completed rounds: long before the 50 ms
+    timeout."""
+    p = _Pair()
+    p.start_and_send_last_chunks()
+    p.up(0, 0.0015)
+    p.up(1, 0.0015)
+    p.down(0.002, keep=lambda h, r: r == 1)  # rank 0's results of chunks 2 and 3 are lost
+    p.pending.clear()
+    a, b = p.w
+    assert b.state.value == "ready" and a.state.value == "busy"
+    srtt = float(a.recovery.rtt[R.SRTT])
+    t = a.get_timer()
+    assert t == pytest.approx(0.0015 + 2 * srtt)  # the last result came at 1.5 ms
+    a.handle_timer(t)
+    p.up(0, t)
+    p.down(t + 0.0005)
+    assert a.state.value == "ready" and a.counters["idle_probes"] == 2
+    assert a.counters["timer_retransmissions"] == 0
 
 
 def _nack_to(p: _Pair, r: int, chunk: int, now: float) -> list[Header]:
@@ -308,12 +350,14 @@ def test_a_nack_resend_after_a_timeout_resend_is_not_marked_as_its_answer():
     p.start_and_send_last_chunks()
     sent = [unpack_header(bytes(d)) for d, _ in p.w[1].datagrams_to_send(0.0015)]
     p.seq = sent[0].seq
-    # Rank 1's chunk 2 (sent first) was lost; its timer re-sends it, unmarked.
+    # Rank 1's chunk 2 (sent first) was lost; its timer (the idle probe, two round trips
+    # after the last result) re-sends it and chunk 3, unmarked.
     b = p.w[1]
     t = b.get_timer()
     b.handle_timer(t)
-    (resent,) = [unpack_header(bytes(d)) for d, _ in b.datagrams_to_send(t)]
-    assert resent.chunk == 2 and not resent.flags & Flags.RESENT
+    resent = [unpack_header(bytes(d)) for d, _ in b.datagrams_to_send(t)]
+    assert [h.chunk for h in resent] == [2, 3]
+    assert not any(h.flags & Flags.RESENT for h in resent)
     # A NACK for chunk 2 comes after the timeout's re-send: re-sent again, unmarked.
     (again,) = _nack_to(p, 1, 2, t + 0.01)
     assert again.chunk == 2 and not again.flags & Flags.RESENT

@@ -104,6 +104,33 @@ def test_dropped_request_is_retransmitted_after_initial_rto() -> None:
     assert w0.rto_s == cfg.initial_rto_s
 
 
+def test_the_first_round_trip_brings_the_first_windows_deadlines_down() -> None:
+    """Chunks of a job's first window go out before anything was measured, under the 0.2 s
+    initial timeout. When the first result gives a round trip, their deadlines come down to
+    the measured timeout (RFC 6298 5.3 re-arms the timer with each estimate): a lost chunk
+    whose NACK was lost too waits 10 ms, not 0.2 s. (The idle probe is put out of the way:
+    a floor of 1 s.)"""
+    cfg = WorkerConfig(initial_rto_s=0.2, min_rto_s=0.01, max_rto_s=1.0,
+                       min_reorder_window_s=1.0)
+    c = cluster(window=2, config=cfg)
+    a0, a1 = c.addresses
+    # Rank 0's chunk 1 never arrives (nor its re-sends by NACK: the switch's NACKs to it
+    # are lost), so only its timer can recover it.
+    script = Script(c.fabric, lambda h, src, dst, nth: (
+        (h.type is MessageType.REQUEST and src == a0 and h.chunk == 1 and nth == 0)
+        or (h.type is MessageType.NACK and dst == a0)))
+    inputs = int_inputs(2, 8)
+    outs = [np.empty_like(x) for x in inputs]
+    t0 = c.fabric.now
+    c.wait(c.start(inputs, outs))
+    resent = script.sends(MessageType.REQUEST, src=a0, chunk=1)
+    assert len(resent) == 2 and len(script.dropped) >= 1
+    # Sent at t0; the first result came one round trip (100 us) later and set the timeout to
+    # its 10 ms floor, so chunk 1's re-send left at t0 + 10 ms.
+    assert resent[1].t == pytest.approx(t0 + 0.01)
+    assert np.array_equal(outs[0], int_sum(inputs)) and np.array_equal(outs[1], outs[0])
+
+
 def test_rto_adapts_to_measured_rtt_and_governs_retransmission() -> None:
     latency = 0.005  # RTT = 2 * latency = 10 ms exactly
     cfg = WorkerConfig(initial_rto_s=0.5, min_rto_s=0.001, max_rto_s=1.0)

@@ -205,7 +205,8 @@ class WorkerConfig:
     min_reorder_window_s: float = 0.001
     """How much later a chunk must have been sent before its result marks an earlier chunk as
     lost (RACK), and how long a tail-loss probe waits for a reordered result: the larger of
-    this and a quarter of the smallest round trip seen. Default 1 ms."""
+    this and a quarter of the smallest round trip seen. Also the least time without any
+    result before an idle probe (otherwise two smoothed round trips). Default 1 ms."""
     max_reorder_scale: float = 1024.0
     """RACK's reorder window doubles at each needless re-send, up to this many times its base.
     Default 1024."""

@@ -5,7 +5,11 @@ chunk has a retransmission deadline from an RFC 6298 style estimate (``srtt + 4 
 at least ``min_rto_srtts`` x srtt; Karn's rule: no sample from a re-sent chunk), doubled at
 each expiry up to ``max_rto_s``; a lane's last chunk, which no later chunk can reveal as
 missing, is probed a reorder window after a chunk sent after it has its result (a tail-loss
-probe, RFC 8985 section 7; ``kernels.stream``).
+probe, RFC 8985 section 7; ``kernels.stream``); when no result at all has come for two
+round trips while chunks are outstanding (the end of an operation, where neither a later
+chunk nor a later result can show a loss), an idle probe re-sends the oldest few of them
+(:meth:`LossRecovery.probe_chunks`, backing off). The first measured round trip brings the
+first window's deadlines, set under ``initial_rto_s``, down to the measured timeout.
 Faster than timeouts:
 
 * **NACKs** (the default): the switch sees a rank's later chunks arrive while an earlier one
@@ -32,7 +36,12 @@ from switchml.protocol import kernels as K
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.operation import Operation
 
-__all__ = ["LossRecovery"]
+__all__ = ["PROBE_LANES", "LossRecovery"]
+
+PROBE_LANES = 8
+"""How many outstanding chunks an idle probe re-sends at most. At the end of an operation the
+lanes still held by a loss are few; the bound keeps a probe that finds a slow peer instead
+(every lane outstanding, nothing lost) to a few datagrams."""
 
 
 class LossRecovery:
@@ -60,6 +69,10 @@ class LossRecovery:
         op.spurious = int(self._cnt[K.WC.SPURIOUS])
         self.rtt[K.R.FMAX] = op.fmax
         self.rtt[K.R.LAST_PROGRESS] = self.rtt[K.R.LAST_HEARD] = now
+        # No idle probe before the operation's first result: until then silence only says
+        # that a peer has not started yet (the first window's losses are NACKed).
+        self.rtt[K.R.PROBED_AT] = now
+        self.rtt[K.R.PROBES] = np.inf
 
     def on_completed(self, op: Operation) -> None:
         """A clean operation (no needless RACK re-send) narrows the reorder window again."""
@@ -144,13 +157,33 @@ class LossRecovery:
         chunk, deadline = op.lane[K.LN.CHUNK], op.lanef[K.LF.DEADLINE]
         return [int(chunk[i]) for i in np.flatnonzero((chunk >= 0) & (deadline <= now))]
 
+    def probe_chunks(self, op: Operation, now: float) -> list[int]:
+        """The idle probe (``kernels.probe_time``) is due: the outstanding chunks to re-send
+        now, the ``PROBE_LANES`` transmitted longest ago, each at least a round trip ago (an
+        answer may be on its way). A probe backs the probe timeout off, whether or not it
+        finds a chunk to send. Each probe's answer is a RESENT result (the result was lost),
+        the result (the request was), or WAITING (another rank's loss holds the round: that
+        rank's own probe recovers it)."""
+        rtt = self.rtt
+        if now < K.probe_time(rtt):
+            return []
+        if rtt[K.R.LAST_PROGRESS] > rtt[K.R.PROBED_AT]:
+            rtt[K.R.PROBES] = 0
+        rtt[K.R.PROBED_AT] = now
+        rtt[K.R.PROBES] += 1
+        busy = np.flatnonzero(op.lane[K.LN.CHUNK] >= 0)
+        xmit_at = op.lanef[K.LF.XMIT_AT, busy]
+        oldest = busy[np.argsort(xmit_at, kind="stable")[:PROBE_LANES]]
+        return [int(op.lane[K.LN.CHUNK, i]) for i in oldest
+                if now - op.lanef[K.LF.XMIT_AT, i] >= rtt[K.R.SRTT]]
+
     def fail_at(self) -> float:
         """When the operation fails without progress (``op_timeout_s`` after the last)."""
         return float(self.rtt[K.R.LAST_PROGRESS]) + self.config.op_timeout_s
 
     def deadline(self, op: Operation) -> float:
         """The earliest of the lanes' retransmission deadlines and the failure time."""
-        return min(float(K.next_deadline(op.lane, op.lanef)), self.fail_at())
+        return min(float(K.next_deadline(op.lane, op.lanef, self.rtt)), self.fail_at())
 
     def timed_out(self, now: float) -> bool:
         # The same sum as ``deadline``: ``now - last >= timeout`` can be false by a rounding

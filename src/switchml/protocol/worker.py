@@ -84,7 +84,7 @@ _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.
 _Data = bytes | bytearray | memoryview
 _Run = tuple[list[_Data], int, Address]
 """A GSO run: buffers whose bytes are datagrams of ``size`` bytes, and their destination."""
-RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes",
+RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes", "idle_probes",
                      "nacks_ignored", "waiting_received")
 """The ``counters`` that say how a worker recovered loss (benchmarks and the simulator report
 them summed over the workers)."""
@@ -398,7 +398,8 @@ class WorkerEndpoint:
         ``waiting_received``, ``mismatch_received``, ``fast_retransmissions``,
         ``spurious_fast_retransmissions``, ``nack_retransmissions``, ``nacks_ignored``,
         ``timer_retransmissions`` (deadlines that passed: timeouts and tail-loss probes),
-        ``tail_probes`` (deadlines a probe brought forward), ``operations_completed``,
+        ``tail_probes`` (deadlines a probe brought forward), ``idle_probes`` (chunks
+        re-sent because no result came for two round trips), ``operations_completed``,
         ``operations_restarted``, ``operations_failed``."""
         return K.counter_snapshot(self._counters, self._cnt, _KERNEL_COUNTERS)
 
@@ -728,6 +729,9 @@ class WorkerEndpoint:
         for p in self.recovery.due_chunks(op, now):
             self._counters["timer_retransmissions"] += 1
             self._send_chunk(op, p, now, retransmit=True)
+        for p in self.recovery.probe_chunks(op, now):
+            self._counters["idle_probes"] += 1
+            self._send_chunk(op, p, now, retransmit=True, fast=True)
         if self.recovery.timed_out(now):
             self._fail(self.recovery.silence_reason(
                 op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",

@@ -166,7 +166,7 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
                     return FP.RECV_FAILED.value, 0, 0, 0
             # Nothing to read: wait in the kernel for a datagram, a command or the deadline.
             now = _now(ts)
-            due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
+            due = min(K.next_deadline(lane, lanef, rtt), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
             if now >= due:
                 return FP.DUE.value, 0, 0, 0
             if now - idle_since >= MAX_WAIT_S:
@@ -197,7 +197,7 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
             return FP.SEND_FAILED.value, 0, 0, 0
         if code != K.WS.DONE.value:
             return FP.STOPPED.value, at, nseg, code
-        due = min(K.next_deadline(lane, lanef), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
+        due = min(K.next_deadline(lane, lanef, rtt), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
         if now >= due:
             return FP.DUE.value, 0, 0, 0
 

@@ -101,9 +101,11 @@ class R(IntEnum):
     MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
     MIN_REO_WINDOW = 12  # WorkerConfig.min_reorder_window_s
     RTO_SRTTS = 13  # WorkerConfig.min_rto_srtts: the timeout is at least this many srtt
+    PROBED_AT = 14  # the last idle probe, or the operation's start
+    PROBES = 15  # idle probes since the last result (backoff); inf before the first result
 
 
-R_FIELDS = 14
+R_FIELDS = 16
 
 
 class LN(IntEnum):
@@ -393,7 +395,10 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     a RACK re-send it answers was needless: the reorder window widens."""
     delivered = lanef[LF.XMIT_AT, i]
     if lane[LN.XMITS, i] == 0:
+        first = rtt[R.SRTT] < 0
         _update_rtt(rtt, now - lanef[LF.SENT_AT, i])
+        if first:
+            _rearm(lane, lanef, rtt)
     elif rtt[R.MIN_RTT] >= 0 and now - delivered < rtt[R.MIN_RTT]:
         # Too soon to answer the re-send: it answers an earlier transmission (RFC 8985 6.2
         # step 2), so only that one's time says which chunks were sent before it.
@@ -405,6 +410,21 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     rtt[R.DELIVERED_XMIT] = delivered
     rtt[R.LAST_PROGRESS] = now
     rtt[R.LAST_HEARD] = now
+
+
+@njit(**INLINE)
+def _rearm(lane, lanef, rtt):
+    """The first round trip measured: the deadlines of chunks sent under the initial timeout
+    (``initial_rto_s``, 0.2 s, before anything was measured) come down to the measured one,
+    as TCP re-arms its timer with each new estimate (RFC 6298 5.3). Otherwise a loss in the
+    first window that no NACK reaches (the NACK lost too) waits 0.2 s at the end of a first
+    operation that takes a tenth of that."""
+    for j in range(lane.shape[1]):
+        if lane[LN.CHUNK, j] >= 0:
+            due = lanef[LF.XMIT_AT, j] + min(rtt[R.RTO] * (2.0 ** lane[LN.TRIES, j]),
+                                             rtt[R.MAX_RTO])
+            if due < lanef[LF.DEADLINE, j]:
+                lanef[LF.DEADLINE, j] = due
 
 
 @njit(**INLINE)
@@ -557,10 +577,35 @@ def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order
 
 
 @njit(**NO_RC)
-def next_deadline(lane, lanef):
-    """The earliest retransmission deadline of a busy lane (inf when none is busy)."""
+def probe_time(rtt):
+    """When the operation's idle probe is due (inf before a round trip was measured).
+
+    The probe timeout (RFC 8985 section 7's PTO) is two smoothed round trips, at least
+    ``MIN_REO_WINDOW``: no result for that long while chunks are outstanding means the
+    results stopped, not that they are late. Unlike the retransmission timeout it has no
+    ``min_rto_s`` floor, which is what makes it worth having at the end of an operation: there
+    no later chunk shows the switch a loss (NACKs) and no later result shows the worker one
+    (tail probes), so a lost chunk or result would wait for a timeout, tens of round trips,
+    while the whole operation waits for it. Each probe without a result since doubles it.
+    None before the operation's first result (``PROBES`` is inf): until then silence says
+    only that a peer has not started."""
+    srtt = rtt[R.SRTT]
+    if srtt < 0:
+        return np.inf
+    pto = max(2.0 * srtt, rtt[R.MIN_REO_WINDOW])
+    if rtt[R.LAST_PROGRESS] > rtt[R.PROBED_AT]:
+        return rtt[R.LAST_PROGRESS] + pto
+    return rtt[R.PROBED_AT] + pto * 2.0 ** rtt[R.PROBES]
+
+
+@njit(**NO_RC)
+def next_deadline(lane, lanef, rtt):
+    """The earliest retransmission deadline of a busy lane, or the idle probe's
+    (:func:`probe_time`) if sooner; inf when no lane is busy."""
     best = np.inf
     for i in range(lane.shape[1]):
         if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] < best:
             best = lanef[LF.DEADLINE, i]
+    if best < np.inf:
+        best = min(best, probe_time(rtt))
     return best
