@@ -107,7 +107,7 @@ def switchml(a: dict[str, Any]) -> None:
     spec = decode_job_spec(a["spec"])
     x = np.full(a["numel"], a["rank"] + 1.0, dtype=np.float32)
     out = np.empty_like(x)
-    cfg = WorkerConfig(op_timeout_s=60.0, min_rto_s=0.02,
+    cfg = WorkerConfig(op_timeout_s=60.0,
                        fast_retransmit=a.get("fast_retransmit", False))
     with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg,
                       batching=env.batching()) as w:
