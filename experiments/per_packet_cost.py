@@ -51,19 +51,23 @@ def main() -> None:
     addrs = [(f"10.0.0.{r + 1}", 5000) for r in range(n)]
     swa = ("10.0.0.100", 48864)
     ws = [WorkerEndpoint(spec=spec, rank=r, switch_address=swa) for r in range(n)]
-    for r, w in enumerate(ws):
+    for w in ws:
         w.join(0.0)
-        for d, _ in w.datagrams_to_send(0.0):
-            sw.receive_datagram(bytes(d), addrs[r], 0.0)
-    for d, addr in sw.datagrams_to_send(0.0):
-        ws[addrs.index(addr)].receive_datagram(bytes(d), swa, 0.0)
+    for _ in range(2):  # JOIN, CHALLENGE, JOIN with the proof, JOINED
+        for r, w in enumerate(ws):
+            for d, _ in w.datagrams_to_send(0.0):
+                sw.receive_datagram(bytes(d), addrs[r], 0.0)
+        for d, addr in sw.datagrams_to_send(0.0):
+            ws[addrs.index(addr)].receive_datagram(bytes(d), swa, 0.0)
+    for w in ws:
+        while w.next_event() is not None:
+            pass
     numel = a.mib * 2**20 // 4
     xs = [np.random.default_rng(r).standard_normal(numel).astype(np.float32) for r in range(n)]
     # Written once first, as a training job reuses its buffers: first-touch page faults
     # (the kernel zeroing fresh pages) are not the per-packet cost.
     outs = [np.ones(numel, np.float32) for _ in range(n)]
     for r, w in enumerate(ws):
-        w.next_event()
         w.start_allreduce(xs[r], outs[r], 0.0)
     pending = [[bytes(d) for d, _ in w.datagrams_to_send(0.0)] for w in ws]
     t_sw = t_w = 0.0
