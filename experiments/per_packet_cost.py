@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from switchml.protocol.config import JobSpec
+from switchml.protocol.endpoint import Batch
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.warmup import warm_up
 from switchml.protocol.worker import WorkerEndpoint
@@ -78,8 +79,9 @@ def main() -> None:
         for r in range(n):
             for run in _batches(pending[r], a.batch):
                 buf = np.frombuffer(bytearray(b"".join(run)), np.uint8)
+                batch = Batch.of_segments(buf, len(buf), len(run[0]), addrs[r])
                 t = time.perf_counter()
-                sw.receive_batch(buf, len(buf), len(run[0]), addrs[r], 0.0)
+                sw.receive_many(batch, 0.0)
                 out = sw.datagrams_to_send(0.0)
                 t_sw += time.perf_counter() - t
                 n_sw += len(run)
@@ -89,8 +91,9 @@ def main() -> None:
         for r, w in enumerate(ws):
             for run in _batches(back[r], a.batch):
                 buf = np.frombuffer(bytearray(b"".join(run)), np.uint8)
+                batch = Batch.of_segments(buf, len(buf), len(run[0]), swa)
                 t = time.perf_counter()
-                w.receive_batch(buf, len(buf), len(run[0]), swa, 0.0)
+                w.receive_many(batch, 0.0)
                 # What the UDP transport takes: GSO runs planned by a kernel.
                 out, runs = w.runs_to_send(0.0, max_segments=64, max_bytes=65000)
                 t_w += time.perf_counter() - t

@@ -27,7 +27,7 @@ from switchml.transport.memory import MemoryCluster, MemoryFabric
 class Timed:
     """An endpoint whose calls are timed (``seconds``); everything else passes through."""
 
-    _TIMED = ("receive_datagram", "receive_batch", "receive_many", "handle_timer",
+    _TIMED = ("receive_datagram", "receive_many", "handle_timer",
               "datagrams_to_send", "output_runs", "next_event", "get_timer")
 
     def __init__(self, inner: Any) -> None:

@@ -1,4 +1,4 @@
-"""Batch entry points of the compiled data plane (``receive_batch``, ``receive_many``).
+"""The batch entry point of the compiled data plane (``receive_many`` of an ``endpoint.Batch``).
 
 A GRO buffer or a recvmmsg batch must give exactly what the same datagrams give one by one, and
 no batch of bytes, however malformed (truncated, wrong segment sizes, other jobs' headers,
@@ -16,7 +16,7 @@ from test_switch import TOKEN, TOKEN2, decode, join_job
 from switchml.protocol import kernels as K
 from switchml.protocol import wire
 from switchml.protocol.config import JobSpec, SwitchConfig
-from switchml.protocol.endpoint import exchange
+from switchml.protocol.endpoint import Batch, exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
@@ -73,7 +73,7 @@ def test_a_gro_buffer_gives_what_the_datagrams_give_one_by_one():
                                 seq=0, chunk=rnd * 8 + s) for s in range(8)]
                 if batched:
                     buf, n, seg = _gro(reqs)
-                    sw.receive_batch(buf, n, seg, job.addrs[r], 0.0)
+                    sw.receive_many(Batch.of_segments(buf, n, seg, job.addrs[r]), 0.0)
                 else:
                     for q in reqs:
                         sw.receive_datagram(q, job.addrs[r], 0.0)
@@ -98,7 +98,7 @@ def test_a_recvmmsg_batch_of_several_senders_is_taken_in_order():
     starts = np.arange(len(reqs), dtype=np.int64) * slot
     lens = np.array([len(q) for q in reqs], np.int64)
     senders = np.array([0, 1, 1, 0], np.int64)
-    sw.receive_many(buf, starts, lens, senders, len(reqs), lambda k: job.addrs[k], 0.0)
+    sw.receive_many(Batch(buf, starts, lens, senders, len(reqs), lambda k: job.addrs[k]), 0.0)
     out = [decode(d, a) for d, a in sw.datagrams_to_send(0.0)]
     for addr in job.addrs:  # every rank gets both results, in the order the rounds completed
         assert [o.payload.tolist() for o in out if o.addr == addr] == [[11, 22, 33, 44],
@@ -115,8 +115,8 @@ def test_a_rank_spoofed_from_another_address_inside_a_batch_is_not_aggregated():
     buf = np.frombuffer(bytearray(b"".join(reqs)), np.uint8)
     starts = np.array([0, len(reqs[0])], np.int64)
     lens = np.array([len(q) for q in reqs], np.int64)
-    sw.receive_many(buf, starts, lens, np.array([0, 1], np.int64), 2, lambda k: job.addrs[k],
-                    0.0)
+    sw.receive_many(Batch(buf, starts, lens, np.array([0, 1], np.int64), 2,
+                          lambda k: job.addrs[k]), 0.0)
     assert sw.drops["wrong_source"] == 1
     assert not sw._jobs[7].seen[:, 1].any()
 
@@ -158,10 +158,10 @@ def test_no_batch_of_bytes_raises_or_touches_another_job(chunks, seg, cut, mmsg)
         keep = starts + lens <= len(raw)
         starts, lens = starts[keep], lens[keep]
         senders = np.zeros(len(starts), np.int64)
-        sw.receive_many(buf, starts, lens, senders, len(starts), lambda k: attacker.addrs[0],
-                        0.0)
+        sw.receive_many(Batch(buf, starts, lens, senders, len(starts),
+                              lambda k: attacker.addrs[0]), 0.0)
     else:
-        sw.receive_batch(buf, len(raw), seg, attacker.addrs[0], 0.0)
+        sw.receive_many(Batch.of_segments(buf, len(raw), seg, attacker.addrs[0]), 0.0)
     sw.datagrams_to_send(0.0)
     assert _job_state(sw, 9) == before
     assert sw.stats()["jobs"] == 2
@@ -182,7 +182,8 @@ def test_no_batch_of_bytes_makes_a_worker_raise_or_lose_its_operation(junk, seg)
     out = np.zeros_like(x)
     w.start_allreduce(x, out, 0.0)
     raw = b"".join(junk)
-    w.receive_batch(np.frombuffer(bytearray(raw), np.uint8), len(raw), seg, sa, 0.0)
+    w.receive_many(Batch.of_segments(np.frombuffer(bytearray(raw), np.uint8), len(raw), seg, sa),
+                   0.0)
     for _ in range(100):
         moved = False
         for d, _ in w.datagrams_to_send(0.0):
@@ -193,7 +194,7 @@ def test_no_batch_of_bytes_makes_a_worker_raise_or_lose_its_operation(junk, seg)
             buf, n, size = _gro(results) if len({len(r) for r in results}) == 1 else (
                 None, 0, 0)
             if buf is not None:
-                w.receive_batch(buf, n, size, sa, 0.0)
+                w.receive_many(Batch.of_segments(buf, n, size, sa), 0.0)
             else:
                 for r in results:
                     w.receive_datagram(r, sa, 0.0)

@@ -10,7 +10,7 @@ import pytest
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec
-from switchml.protocol.endpoint import exchange
+from switchml.protocol.endpoint import Batch, exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
@@ -75,8 +75,8 @@ class World:
             lens = np.array([len(d) for d in ds], np.int64)
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
             buf = np.frombuffer(bytearray(b"".join(ds)), np.uint8)
-            self.ws[r].receive_many(buf, starts, lens, np.zeros(len(ds), np.int64), len(ds),
-                                    lambda _k: SA, 0.0)
+            self.ws[r].receive_many(Batch(buf, starts, lens, np.zeros(len(ds), np.int64),
+                                          len(ds), lambda _k: SA), 0.0)
 
 
 @pytest.mark.parametrize("k,window,numel", [(64, 8, 5000), (16, 4, 37), (358, 128, 100_000)])
@@ -167,8 +167,9 @@ def test_results_at_odd_offsets_are_read_as_aligned_ones():
                     starts.append(len(blob))
                     blob += d + b"\x00" * shift
                 lens = np.array([len(d) for d in res], np.int64)
-                w.receive_many(np.frombuffer(blob, np.uint8), np.array(starts, np.int64), lens,
-                               np.zeros(len(res), np.int64), len(res), lambda _k: SA, 0.0)
+                w.receive_many(Batch(np.frombuffer(blob, np.uint8), np.array(starts, np.int64),
+                                     lens, np.zeros(len(res), np.int64), len(res),
+                                     lambda _k: SA), 0.0)
             assert any(isinstance(e, OperationCompleted) for e in iter(w.next_event, None))
             outs.append(out)
         if dtype == np.int32:

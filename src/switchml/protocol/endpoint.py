@@ -5,11 +5,9 @@ worker session, a fault-injecting wrapper) offers the same methods, so that one 
 the UDP transports, the in-memory fabric, the simulator and the tests:
 
 * ``receive_datagram(data, addr, now)``: one datagram.
-* ``receive_batch(buf, nbytes, seg, addr, now)``: the datagrams ``buf[i*seg : (i+1)*seg]`` of
-  one sender (a GRO buffer; ``seg = nbytes`` for one datagram).
-* ``receive_many(buf, starts, lens, senders, count, address_of, now)``: ``count`` datagrams
-  ``buf[starts[i] : starts[i] + lens[i]]`` of several senders (``recvmmsg``): ``senders[i]``
-  numbers the sender and ``address_of`` turns the number into its address.
+* ``receive_many(batch, now)``: a :class:`Batch`, datagrams of one or several senders as one
+  ``recvmmsg`` (or one GRO buffer, :meth:`Batch.of_segments`) returns them, taken in order,
+  exactly as the same datagrams one by one.
 * ``handle_timer(now)``: the deadline from ``get_timer`` has passed.
 * then, after any of these and after any user command that takes ``now``: drain
   ``datagrams_to_send(now)`` (send each, in order) and ``next_event()`` (until None), and re-arm
@@ -27,16 +25,90 @@ next receive call: a driver that keeps them longer copies them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from switchml.protocol.address import Address
 
-__all__ = ["Datagram", "Endpoint", "deliver_datagrams", "exchange", "flatten_runs"]
+__all__ = ["Batch", "Datagram", "Endpoint", "deliver_datagrams", "exchange", "flatten_runs"]
 
 Datagram = bytes | bytearray | memoryview
 """What an endpoint takes and returns: bytes, or a view of a buffer."""
+
+
+class Batch(NamedTuple):
+    """Datagrams received together: ``buf[starts[i] : starts[i] + lens[i]]`` for ``i <
+    count``, in arrival order; ``senders[i]`` numbers the sender of datagram ``i`` and
+    ``address_of`` turns the number into its address. ``buf`` is writable uint8, ``starts``,
+    ``lens`` and ``senders`` int64 arrays (a receiver's own, reused: valid until its next
+    receive). The compiled kernels take these arrays as they are.
+
+    A NamedTuple, not a frozen dataclass: one is built per receive call on the hot path, and a
+    tuple is built in a third of the time (about 0.25 us against 0.75 us) and unpacked at once.
+
+    Example::
+
+        ep.receive_many(Batch.of_segments(gro_buf, nbytes, seg, addr), now)
+    """
+
+    buf: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    senders: np.ndarray
+    count: int
+    address_of: Callable[[int], Address]
+
+    @classmethod
+    def of_datagram(cls, data: Datagram | np.ndarray, addr: Address) -> Batch:
+        """One datagram from ``addr`` (copied where it is read-only, e.g. bytes)."""
+        buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        if not buf.flags.writeable:
+            buf = buf.copy()
+        return cls(buf, np.zeros(1, np.int64), np.full(1, len(buf), np.int64),
+                   np.zeros(1, np.int64), 1, _constant(addr))
+
+    @classmethod
+    def of_segments(cls, buf: np.ndarray, nbytes: int, seg: int, addr: Address) -> Batch:
+        """A GRO buffer of one sender: the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]``
+        (uint8, writable). An empty buffer, or ``seg <= 0``, is one empty datagram (dropped as
+        short by every endpoint)."""
+        if nbytes <= 0 or seg <= 0:
+            starts, lens = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        else:
+            starts = np.arange(0, nbytes, seg, dtype=np.int64)
+            lens = np.minimum(seg, nbytes - starts)
+        return cls(buf, starts, lens, np.zeros(len(starts), np.int64), len(starts),
+                   _constant(addr))
+
+    @classmethod
+    def of_pairs(cls, pairs: Sequence[tuple[Address, Datagram]]) -> Batch:
+        """``(sender, datagram)`` pairs, in order, gathered into one buffer (a copy), as a
+        host's ``recvmmsg`` would hand them over."""
+        lens = np.fromiter((len(p) for _, p in pairs), np.int64, len(pairs))
+        starts = np.zeros(len(pairs), np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        buf = np.frombuffer(bytearray(b"".join(p for _, p in pairs)), np.uint8)  # writable
+        addrs: list[Address] = []
+        index: dict[Address, int] = {}
+        senders = np.empty(len(pairs), np.int64)
+        for i, (src, _) in enumerate(pairs):
+            j = index.get(src)
+            if j is None:
+                j = index[src] = len(addrs)
+                addrs.append(src)
+            senders[i] = j
+        return cls(buf, starts, lens, senders, len(pairs), addrs.__getitem__)
+
+    def slice(self, i: int, j: int) -> Batch:
+        """Datagrams ``i`` to ``j - 1`` of this batch (views of the same arrays)."""
+        return Batch(self.buf, self.starts[i:j], self.lens[i:j], self.senders[i:j], j - i,
+                     self.address_of)
+
+
+def _constant(addr: Address) -> Callable[[int], Address]:
+    """``address_of`` for a batch of one sender."""
+    return lambda _key: addr
 
 
 class Endpoint(Protocol):
@@ -44,12 +116,7 @@ class Endpoint(Protocol):
 
     def receive_datagram(self, data: Datagram, addr: Address, now: float) -> None: ...
 
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None: ...
-
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                     now: float) -> None: ...
+    def receive_many(self, batch: Batch, now: float) -> None: ...
 
     def handle_timer(self, now: float) -> None: ...
 
@@ -78,20 +145,7 @@ def deliver_datagrams(ep: Endpoint, batch: Sequence[tuple[Address, Datagram]],
         src, payload = batch[0]
         ep.receive_datagram(payload, src, now)
         return
-    lens = np.fromiter((len(p) for _, p in batch), np.int64, len(batch))
-    starts = np.zeros(len(batch), np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    buf = np.frombuffer(bytearray(b"".join(p for _, p in batch)), np.uint8)  # writable
-    addrs: list[Address] = []
-    index: dict[Address, int] = {}
-    senders = np.empty(len(batch), np.int64)
-    for i, (src, _) in enumerate(batch):
-        j = index.get(src)
-        if j is None:
-            j = index[src] = len(addrs)
-            addrs.append(src)
-        senders[i] = j
-    ep.receive_many(buf, starts, lens, senders, len(batch), addrs.__getitem__, now)
+    ep.receive_many(Batch.of_pairs(batch), now)
 
 
 def exchange(endpoints: Mapping[Address, Endpoint], now: float, *, max_rounds: int = 1000

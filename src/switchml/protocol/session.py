@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.endpoint import Batch
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, SwitchMLError
 from switchml.protocol.events import (
     Event,
@@ -251,15 +252,8 @@ class WorkerSession:
         self.endpoint.receive_datagram(data, addr, now)
         self._settle(now)
 
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Any,
-                      now: float) -> None:
-        self.endpoint.receive_batch(buf, nbytes, seg, addr, now)
-        self._settle(now)
-
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Any],
-                     now: float) -> None:
-        self.endpoint.receive_many(buf, starts, lens, senders, count, address_of, now)
+    def receive_many(self, batch: Batch, now: float) -> None:
+        self.endpoint.receive_many(batch, now)
         self._settle(now)
 
     def handle_timer(self, now: float) -> None:

@@ -27,7 +27,7 @@ counted before it touches any state.
 
 Buffers: a result datagram is a memoryview of the slot's own buffer (header + accumulator), so
 multicasting costs no copy. It stays valid until the next receive call (``receive_datagram``,
-``receive_batch``, ``receive_many``); drivers that keep datagrams longer (the in-memory fabric)
+``receive_many``); drivers that keep datagrams longer (the in-memory fabric)
 copy them. The per-request rules themselves are ``kernels.switch_requests`` (compiled); this
 class holds the state as arrays for it (``jobs.Job``) and handles what is rare in Python
 (control messages, retransmission answers, disagreeing ranks).
@@ -45,7 +45,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof
 from switchml.protocol.config import SwitchConfig
-from switchml.protocol.endpoint import flatten_runs
+from switchml.protocol.endpoint import Batch, flatten_runs
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
 from switchml.protocol.jobs import Job, SlotAllocator, bitmap, store_bitmap
@@ -120,9 +120,9 @@ class SwitchDataplane:
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
         self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
         self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # runs_to_send's plan
-        self._starts = np.empty(K.MAX_BATCH, np.int64)
-        self._lens = np.empty(K.MAX_BATCH, np.int64)
-        self._one_sender = np.zeros(K.MAX_BATCH, np.int64)
+        self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
+        self._lens = np.empty(1, np.int64)
+        self._one_sender = np.zeros(1, np.int64)
         self.packets_in = 0
         self.packets_out = 0
         self.results_resent = 0
@@ -160,36 +160,25 @@ class SwitchDataplane:
 
     def receive_datagram(self, data: bytes | bytearray | memoryview | np.ndarray, addr: Address,
                          now: float) -> None:
-        """Process one datagram. Call ``datagrams_to_send`` afterwards."""
+        """Process one datagram. Call ``datagrams_to_send`` afterwards: results are views of
+        slot memory, valid until the next receive. Never raises for peer input: bad
+        datagrams are dropped and counted."""
+        self._now = now
         buf = K.as_buffer(data)
-        self.receive_batch(buf, len(buf), len(buf), addr, now)
+        self._starts[0], self._lens[0] = 0, len(buf)
+        self._receive(buf, self._starts, self._lens, self._one_sender, 1, lambda _key: addr, now)
 
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None:
-        """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` of one sender (a GRO
-        buffer; ``seg = nbytes`` for one datagram), in order. Call ``datagrams_to_send``
-        afterwards: results are views of slot memory, valid until the next receive. Never
-        raises for peer input: bad datagrams are dropped and counted.
-        """
+    def receive_many(self, batch: Batch, now: float) -> None:
+        """Process a batch of datagrams of one or several senders (``endpoint.Batch``), in
+        order, as the same datagrams one by one. Call ``datagrams_to_send`` afterwards. More
+        than ``kernels.MAX_BATCH`` datagrams is malformed input (a real GRO buffer or
+        ``recvmmsg`` holds at most 64): the excess is dropped and counted."""
+        buf, starts, lens, senders, count, address_of = batch
         self._now = now
-        if nbytes <= 0 or seg <= 0:
-            self.packets_in += 1
-            self._drops["short"] += 1
-            return
-        count, excess = K.split_gro(nbytes, seg, self._starts, self._lens)
-        if excess:  # more than a GRO buffer can hold: malformed
-            self.packets_in += excess
-            self._drops["too_many_segments"] += excess
-        self._receive(buf, self._starts, self._lens, self._one_sender, count,
-                      lambda _key: addr, now)
-
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                     now: float) -> None:
-        """Process ``count`` datagrams ``buf[starts[i] : starts[i] + lens[i]]`` (int64 arrays)
-        of several senders (``recvmmsg``): ``senders[i]`` is a number per sender address and
-        ``address_of`` turns it into the address. In order, as ``receive_batch``."""
-        self._now = now
+        if count > K.MAX_BATCH:
+            self.packets_in += count - K.MAX_BATCH
+            self._drops["too_many_segments"] += count - K.MAX_BATCH
+            count = K.MAX_BATCH
         self._receive(buf, starts, lens, senders, count, address_of, now)
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,

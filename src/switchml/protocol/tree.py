@@ -43,7 +43,6 @@ upstream too: a rack completes round (s, v) only after every child had the resul
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +51,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.auth import job_key, join_datagram
 from switchml.protocol.config import JobSpec, SwitchConfig
-from switchml.protocol.endpoint import flatten_runs
+from switchml.protocol.endpoint import Batch, flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
 from switchml.protocol.jobs import Job
@@ -229,8 +228,8 @@ class RackAggregator:
         self._rv = rv
         self._cnt = np.zeros(KR.RC.N, np.int64)
         self._sendq = np.zeros((max(K.MAX_BATCH, 2 * w), 3), np.int64)
-        self._starts = np.empty(K.MAX_BATCH, np.int64)
-        self._lens = np.empty(K.MAX_BATCH, np.int64)
+        self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
+        self._lens = np.empty(1, np.int64)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -256,24 +255,18 @@ class RackAggregator:
     def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
                          now: float) -> None:
         """Process one datagram (from the parent or a child). Call ``datagrams_to_send``."""
-        buf = K.as_buffer(data)
-        self.receive_batch(buf, len(buf), len(buf), addr, now)
-
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None:
-        """A GRO buffer of one sender (``SwitchDataplane.receive_batch``'s contract)."""
         if addr != self.parent_address:
-            self.switch.receive_batch(buf, nbytes, seg, addr, now)
+            self.switch.receive_datagram(data, addr, now)
             self._collect(now)
             return
-        count, _excess = K.split_gro(max(nbytes, 0), max(seg, 1), self._starts, self._lens)
-        self._from_parent(buf, self._starts, self._lens, 0, count, now)
+        buf = K.as_buffer(data)
+        self._starts[0], self._lens[0] = 0, len(buf)
+        self._from_parent(buf, self._starts, self._lens, 0, 1 if len(buf) else 0, now)
 
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                     now: float) -> None:
+    def receive_many(self, batch: Batch, now: float) -> None:
         """Process a batch (as ``SwitchDataplane.receive_many``): runs of child datagrams go to
         the inner switch in one call each, runs of the parent's through the relay kernel."""
+        count, address_of, senders = batch.count, batch.address_of, batch.senders
         i = 0
         while i < count:
             parent = address_of(int(senders[i])) == self.parent_address
@@ -281,10 +274,9 @@ class RackAggregator:
             while j < count and (address_of(int(senders[j])) == self.parent_address) == parent:
                 j += 1
             if parent:
-                self._from_parent(buf, starts, lens, i, j, now)
+                self._from_parent(batch.buf, batch.starts, batch.lens, i, j, now)
             else:
-                self.switch.receive_many(buf, starts[i:j], lens[i:j], senders[i:j], j - i,
-                                         address_of, now)
+                self.switch.receive_many(batch.slice(i, j), now)
                 self._collect(now)
             i = j
 

@@ -30,7 +30,7 @@ so a new job must be joined.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_addresses
 from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.endpoint import Batch
 from switchml.protocol.errors import LocalProtocolError, WireError
 from switchml.protocol.events import (
     Event,
@@ -157,8 +158,8 @@ class WorkerEndpoint:
         self._next_set = np.zeros(spec.window, np.int64)  # per lane, kept across operations
         self._cnt = np.zeros(K.WC.N, np.int64)
         self.recovery = LossRecovery(self.config, self._cnt)
-        self._starts = np.empty(K.MAX_BATCH, np.int64)
-        self._lens = np.empty(K.MAX_BATCH, np.int64)
+        self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
+        self._lens = np.empty(1, np.int64)
         self._drops: Counter[str] = Counter()
         self._counters: Counter[str] = Counter()
         self._handlers = {
@@ -291,27 +292,15 @@ class WorkerEndpoint:
             self._receive_other(data, now)
             return
         buf = K.as_buffer(data)
-        self.receive_batch(buf, len(buf), len(buf), addr, now)
+        self._starts[0], self._lens[0] = 0, len(buf)
+        self._receive(buf, self._starts, self._lens, 1, now)
 
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None:
-        """Process the datagrams ``buf[i*seg : min((i+1)*seg, nbytes)]`` (uint8; one GRO
-        buffer from the switch, or one datagram with ``seg = nbytes``), in order."""
-        if nbytes <= 0 or seg <= 0:
-            self._receive_other(b"", now)
-            return
-        count, excess = K.split_gro(nbytes, seg, self._starts, self._lens)
-        if excess:
-            self._drops["too_many_segments"] += excess
-        self._receive(buf, self._starts, self._lens, count, now)
-
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                     now: float) -> None:
-        """Process ``count`` datagrams ``buf[starts[i] : starts[i] + lens[i]]`` (int64 arrays;
-        ``recvmmsg``) from the switch (or its shards), in order. The senders do not matter: a
-        result is checked against the job's token and the lane's slot and set."""
-        self._receive(buf, starts, lens, count, now)
+    def receive_many(self, batch: Batch, now: float) -> None:
+        """Process a batch of datagrams (``endpoint.Batch``; ``recvmmsg``, a GRO buffer) from
+        the switch (or its shards), in order. The senders do not matter: a result is checked
+        against the job's token and the lane's slot and set. Call ``datagrams_to_send``
+        afterwards."""
+        self._receive(batch.buf, batch.starts, batch.lens, batch.count, now)
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (retransmissions, control retries, failure). Drain afterwards."""

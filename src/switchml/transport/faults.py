@@ -10,13 +10,12 @@ own fault model, ``transport.memory.FaultModel``, with duplication and reorderin
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from switchml.protocol.address import Address
-from switchml.protocol.endpoint import Datagram, Endpoint
+from switchml.protocol.endpoint import Batch, Datagram, Endpoint
 
 __all__ = ["LossyEndpoint"]
 
@@ -49,21 +48,13 @@ class LossyEndpoint:
         if not self._lost():
             self.inner.receive_datagram(data, addr, now)
 
-    def receive_batch(self, buf: np.ndarray, nbytes: int, seg: int, addr: Address,
-                      now: float) -> None:
-        starts = np.arange(0, max(nbytes, 0), max(seg, 1), dtype=np.int64)
-        lens = np.minimum(seg, nbytes - starts).astype(np.int64)
-        self.receive_many(buf, starts, lens, np.zeros(len(starts), np.int64), len(starts),
-                          lambda _k: addr, now)
-
-    def receive_many(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                     now: float) -> None:
+    def receive_many(self, batch: Batch, now: float) -> None:
+        count = batch.count
         keep = np.fromiter((not self._lost() for _ in range(count)), bool, count)
         if keep.any():
-            kept = int(keep.sum())
-            self.inner.receive_many(buf, starts[:count][keep], lens[:count][keep],
-                                    senders[:count][keep], kept, address_of, now)
+            self.inner.receive_many(Batch(batch.buf, batch.starts[:count][keep],
+                                          batch.lens[:count][keep], batch.senders[:count][keep],
+                                          int(keep.sum()), batch.address_of), now)
 
     def handle_timer(self, now: float) -> None:
         self.inner.handle_timer(now)

@@ -33,7 +33,7 @@ import numpy as np
 from switchml import env
 from switchml.protocol.address import Address, format_address, format_addresses
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.endpoint import Endpoint
+from switchml.protocol.endpoint import Batch, Endpoint
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, TransportError
 from switchml.protocol.events import OperationRestarted
 from switchml.protocol.session import WorkerSession, prepare_submission
@@ -136,8 +136,8 @@ class SwitchServer:
                 self.recv_calls += 1
                 now = clock()
                 self._process(self.dataplane.receive_many,
-                              (rx.buf, rx.starts, rx.lens, rx.senders, n, rx.address_of, now),
-                              now)
+                              (Batch(rx.buf, rx.starts, rx.lens, rx.senders, n, rx.address_of),
+                               now), now)
         log.info("switch on %s stopped: %s", format_address(self.address), self.stats())
 
     def _process(self, call: Callable[..., None], args: tuple, now: float) -> None:
@@ -450,8 +450,8 @@ class WorkerClient:
             if not n:
                 return got
             self.recv_calls += 1
-            self._driven.receive_many(rx.buf, rx.starts, rx.lens, rx.senders, n, rx.address_of,
-                                      time.monotonic())
+            self._driven.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, n,
+                                            rx.address_of), time.monotonic())
             got = True
             self._transmit()
             if rx.drained:
@@ -479,8 +479,8 @@ class WorkerClient:
             now = time.monotonic()
             self.session.after_results_kernel(state[0], code, now)
             if at < nseg:
-                self._driven.receive_many(rx.buf, rx.starts[at:nseg], rx.lens[at:nseg],
-                                          rx.senders[at:nseg], nseg - at, rx.address_of, now)
+                self._driven.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, nseg,
+                                                rx.address_of).slice(at, nseg), now)
             self._transmit()
             return why, True
         if why == FP.SEND_FAILED:
