@@ -86,6 +86,23 @@ def test_a_gro_buffer_gives_what_the_datagrams_give_one_by_one():
     assert states[0] == states[1]
 
 
+def test_a_batch_of_one_datagram_gives_what_receive_datagram_gives():
+    outs = []
+    for batched in (True, False):
+        sw = _sw()
+        job = join_job(sw, 7, TOKEN, 2, window=4, k=4)
+        for r in range(2):
+            q = job.req(r, [r + 1] * 4, slot=0)
+            if batched:
+                sw.receive_many(Batch.of_datagram(q, job.addrs[r]), 0.0)
+            else:
+                sw.receive_datagram(q, job.addrs[r], 0.0)
+        sw.receive_many(Batch.of_segments(np.zeros(0, np.uint8), 0, 0, job.addrs[0]), 0.0)
+        outs.append(([(bytes(d), a) for d, a in sw.datagrams_to_send(0.0)], sw.stats()))
+    assert outs[0][0] and outs[0] == outs[1]
+    assert outs[0][1]["drops"] == {"short": 1}
+
+
 def test_a_recvmmsg_batch_of_several_senders_is_taken_in_order():
     sw = _sw()
     job = join_job(sw, 7, TOKEN, 2, window=4, k=4)

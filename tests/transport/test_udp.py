@@ -130,6 +130,21 @@ def test_join_without_switch_fails_with_clear_error():
     assert time.monotonic() - t0 < 5.0
 
 
+def test_a_client_of_a_default_spec_sends_datagrams_that_fit_the_path(server):
+    """The WorkerClient's own docstring example: ``new_job_spec(n)`` without a chunk size sends
+    datagrams that fit an Ethernet MTU (it sent 64 KB datagrams, fragmented by IP on any path
+    but loopback); given the switch, chunks fit this host's path to it (loopback: 64 KB)."""
+    for spec, mtu in ((new_job_spec(1), 1500),
+                      (new_job_spec(1, switch=server.address), 65536)):
+        with WorkerClient(server.address, spec, 0) as w:
+            x = np.arange(50_000, dtype=np.float32)
+            assert np.array_equal(w.allreduce(x), x)
+            c = w.counters
+        largest = 20 + 8 + HEADER_SIZE + 4 * spec.elements_per_packet
+        assert largest <= mtu
+        assert c["payload_bytes_sent"] <= c["packets_sent"] * 4 * spec.elements_per_packet
+
+
 def test_async_handles_and_argument_errors(server):
     spec = new_job_spec(1, window=4, elements_per_packet=1000)
     with WorkerClient(server.address, spec, 0) as w:

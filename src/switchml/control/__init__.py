@@ -16,19 +16,50 @@ How a job comes to life (documented in ``docs/protocol.md``, section Control):
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
+from switchml.protocol.address import Address
 from switchml.protocol.config import JobSpec, default_window
 from switchml.protocol.errors import ConfigError
+from switchml.protocol.wire import elements_for_mtu
+from switchml.transport.sockets import elements_per_packet_for
 
 __all__ = ["decode_job_spec", "encode_job_spec", "new_job_spec"]
 
 
+ETHERNET_MTU = 1500
+"""The MTU a job's chunks fit when nobody says which path they take."""
+
+
 def new_job_spec(num_workers: int, *, window: int | None = None,
-                 elements_per_packet: int = 16000) -> JobSpec:
+                 elements_per_packet: int | None = None,
+                 switch: Address | Sequence[Address] | None = None) -> JobSpec:
     """Return a JobSpec with a fresh random job id and an unguessable token.
 
+    Every rank's datagrams (the numpy ``WorkerClient``'s as the torch backend's) carry
+    ``elements_per_packet`` int32 elements, so by default they fit the path without IP
+    fragmentation, with the torch backend's rule:
+
+    * ``elements_per_packet`` if given;
+    * else, given the ``switch`` the ranks will use (an address, or a sharded switch's shards),
+      the MTU of this host's path to it (``transport.sockets.local_mtu``: ``SWITCHML_MTU``,
+      else the route's, else 1500): 358 elements at 1500, 2233 at 9000, 16366 on loopback
+      (65536: the largest datagram UDP allows);
+    * else a 1500-byte Ethernet MTU (358 elements), which fits any Ethernet path.
+
+    Size the job for the rank with the smallest MTU: a launcher on the switch's host sees
+    loopback, while its ranks on other hosts may see 1500.
+
     ``window``: slots in flight per worker; default ``default_window(elements_per_packet)``
-    (about 256 KiB in flight: 128 slots for MTU-1500 chunks, 16 for 64 KB datagrams)."""
+    (about 256 KiB in flight: 128 slots for MTU-1500 chunks, 16 for 64 KB datagrams).
+
+    Example::
+
+        spec = new_job_spec(2, switch=("127.0.0.1", 48864))   # loopback: 16366 elements
+    """
+    if elements_per_packet is None:
+        elements_per_packet = (elements_for_mtu(ETHERNET_MTU) if switch is None
+                               else elements_per_packet_for(switch))
     return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),
                    num_workers=num_workers,
                    window=default_window(elements_per_packet) if window is None else window,

@@ -7,9 +7,12 @@ comma-separated list of them (``SWITCHML_SWITCH=h:48864,h:48865``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["Address", "format_address", "format_addresses", "parse_address", "parse_addresses"]
+__all__ = ["Address", "as_addresses", "format_address", "format_addresses", "parse_address",
+           "parse_addresses"]
 
 Address = tuple[str, int]
 """``(host, port)``: a UDP endpoint (a switch, a shard, a worker, a simulated host)."""
@@ -20,13 +23,30 @@ def format_address(addr: Address) -> str:
     return f"{addr[0]}:{addr[1]}"
 
 
-def format_addresses(addrs: Address | tuple[Address, ...] | list[Address]) -> str:
+def as_addresses(value: Address | Sequence[Address]) -> tuple[Address, ...]:
+    """One switch address, or the list of a sharded switch's shards, as a tuple of addresses.
+
+    The one place that tells ``(host, port)`` from a list of them: call it where a user's
+    value enters (a constructor's or a public function's argument), so that everything inside
+    holds a tuple. Example: ``as_addresses(("h", 1)) == (("h", 1),)``.
+
+    Raises:
+        ConfigError: an empty list (no switch at all).
+    """
+    if len(value) and isinstance(value[0], str):
+        return (value,)  # type: ignore[return-value]
+    shards = tuple(value)
+    if not shards:
+        raise ConfigError("expected a switch address (HOST, PORT) or a list of a sharded "
+                          "switch's shards, got an empty list")
+    return shards  # type: ignore[return-value]
+
+
+def format_addresses(addrs: Sequence[Address]) -> str:
     """One address as ``HOST:PORT``; several (a sharded switch's shards) as ``shards A, B``."""
-    if isinstance(addrs[0], str):
-        return format_address(addrs)  # type: ignore[arg-type]
     if len(addrs) == 1:
-        return format_address(addrs[0])  # type: ignore[arg-type]
-    return "shards " + ", ".join(format_address(a) for a in addrs)  # type: ignore[arg-type]
+        return format_address(addrs[0])
+    return "shards " + ", ".join(format_address(a) for a in addrs)
 
 
 def parse_address(text: str, *, what: str = "address") -> Address:

@@ -128,14 +128,12 @@ class JobSpec:
     elements_per_packet: int = 16000
     """k, int32 elements per chunk (packet payload = 4k bytes). Default 16000 (64 KB datagrams,
     right for loopback only). Whoever makes the spec chooses k; no transport changes it.
-    Unless told k, the torch backend sizes it to the smallest path MTU over the ranks, the DDP
-    hook over a group of another backend to rank 0's, ``switchml bench allreduce`` to the path
-    MTU or its ``--mtu``. The numpy ``WorkerClient`` does not: it sends chunks of whatever its
-    spec says, so a spec made with the defaults (``new_job_spec(n)``) sends 64 KB datagrams,
-    which IP fragments on any path with a smaller MTU than loopback's. Size it by hand:
-    ``new_job_spec(n, elements_per_packet=elements_per_packet_for(switch))``
-    (``transport.sockets``; 358 for a 1500-byte MTU, 2233 for 9000-byte jumbo frames: no IP
-    fragmentation)."""
+    Unless told k, the torch backend and its DDP hooks size it to the smallest path MTU over
+    the ranks, ``switchml bench allreduce`` to the path MTU or its ``--mtu``, and
+    ``control.new_job_spec`` (the numpy ``WorkerClient``'s jobs) to the MTU of the path to
+    the ``switch`` it is given, else to a 1500-byte Ethernet MTU: all with one rule,
+    ``transport.sockets.local_mtu`` and ``wire.elements_for_mtu`` (358 for a 1500-byte MTU,
+    2233 for 9000-byte jumbo frames, 16366 on loopback: no IP fragmentation)."""
     scale_workers: int | None = None
     """How many contributors the fixed-point scale must allow for (``P = 31 -
     bit_length(scale_workers)``). ``None`` means ``num_workers``. A job whose sums are added

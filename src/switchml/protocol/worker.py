@@ -35,11 +35,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from switchml.protocol import kernels as K
-from switchml.protocol.address import Address, format_addresses
+from switchml.protocol.address import Address, as_addresses, format_addresses
 from switchml.protocol.auth import job_key, join_datagram, leave_proof
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.endpoint import Batch
-from switchml.protocol.errors import LocalProtocolError, WireError
+from switchml.protocol.errors import ConfigError, LocalProtocolError, WireError
 from switchml.protocol.events import (
     Event,
     Joined,
@@ -134,13 +134,13 @@ class WorkerEndpoint:
         self.spec = spec
         self.rank = rank
         # One switch, or the shards of a sharded switch (lane i goes to shard i mod S).
-        shards = ((switch_address,) if isinstance(switch_address[0], str)
-                  else tuple(switch_address))  # type: ignore[arg-type]
-        if not shards:
-            raise LocalProtocolError("switch_address: give a switch address or a list of shards")
-        self.switch_addresses: tuple[Address, ...] = shards  # type: ignore[assignment]
-        self.switch_address: Address = shards[0]  # type: ignore[assignment]
-        self._switch_text = format_addresses(shards)  # type: ignore[arg-type]
+        try:
+            shards = as_addresses(switch_address)
+        except ConfigError as exc:
+            raise LocalProtocolError(f"switch_address: {exc}") from None
+        self.switch_addresses: tuple[Address, ...] = shards
+        self.switch_address: Address = shards[0]
+        self._switch_text = format_addresses(shards)
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie

@@ -49,13 +49,14 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env, service
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
-from switchml.protocol.address import format_address, parse_address
+from switchml.protocol.address import Address, as_addresses, format_address, parse_address
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.flight import FlightRecorder
-from switchml.transport.udp import AllreduceHandle, WorkerClient, path_mtu
+from switchml.transport.sockets import local_mtu
+from switchml.transport.udp import AllreduceHandle, WorkerClient
 
 __all__ = ["StagedTensor", "SwitchMLProcessGroup", "SwitchMLWork", "complete_elsewhere",
            "embedded_switch_pid", "failable_future", "job_spec_for_ranks", "local_mtu", "register",
@@ -240,10 +241,11 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     """A process group whose all-reduce goes through a switchml switch."""
 
     def __init__(self, *, rank: int, size: int, client: WorkerClient, gloo: dist.ProcessGroup,
-                 switch: tuple[str, int]) -> None:
+                 switch: tuple[Address, ...]) -> None:
         super().__init__(rank, size)
         self.client = client
         self.switch = switch
+        """The switch's address, or a sharded switch's shards (``as_addresses``)."""
         self._gloo = gloo
         self._stats_lock = threading.Lock()
         self.switch_ops: Counter[str] = Counter()
@@ -422,8 +424,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         """What went through the switch, what was delegated to gloo, and the worker counters."""
         with self._stats_lock:
             return {"switch_ops": dict(self.switch_ops), "delegated": dict(self.delegated),
-                    "worker": self.client.counters, "switch": ",".join(f"{h}:{p}" for h, p in (
-                        [self.switch] if isinstance(self.switch[0], str) else self.switch))}
+                    "worker": self.client.counters,
+                    "switch": ",".join(format_address(a) for a in self.switch)}
 
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: leave the job and release the embedded
@@ -548,23 +550,24 @@ def embedded_switch_pid() -> int | None:
 
 
 def _resolve_switch(store: dist.Store, rank: int
-                    ) -> tuple[tuple[str, int], bytes | None, bool]:
-    """Return (switch address, secret, whether this call acquired the embedded switch).
+                    ) -> tuple[tuple[Address, ...], bytes | None, bool]:
+    """Return (switch address or shards, secret, whether this call acquired the embedded
+    switch).
 
     SWITCHML_SWITCH wins; otherwise rank 0 acquires this process's embedded switch and
     publishes its address and secret in the group's store; other ranks always read them there.
     """
     configured = env.switch_addresses()
     if configured is not None:
-        return configured, env.secret(), False  # type: ignore[return-value]
+        return as_addresses(configured), env.secret(), False
     key = f"switchml/{_incarnation}"
     if rank == 0:
         address, secret = _EMBEDDED.acquire()
         store.set(f"{key}/switch", format_address(address))
         store.set(f"{key}/secret", secret)
-        return address, secret, True
+        return (address,), secret, True
     address = parse_address(store.get(f"{key}/switch").decode(), what="the group's switch")
-    return address, store.get(f"{key}/secret"), False
+    return (address,), store.get(f"{key}/secret"), False
 
 
 def release_embedded_switch() -> None:
@@ -574,8 +577,7 @@ def release_embedded_switch() -> None:
 
 
 def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
-                              ) -> tuple[tuple[str, int] | list[tuple[str, int]], bytes | None,
-                                         bool]:
+                              ) -> tuple[tuple[Address, ...], bytes | None, bool]:
     """Find the switch for a job over any process group (the DDP hooks' groups).
 
     ``SWITCHML_SWITCH`` (and ``SWITCHML_SECRET``) win; otherwise rank 0 of ``pg`` acquires this
@@ -584,24 +586,19 @@ def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
     ``pg`` calls it.
 
     Returns:
-        (address or list of shard addresses, secret, whether this call acquired the embedded
-        switch: then call :func:`release_embedded_switch` once done with it).
+        (the switch's address or its shards' as a tuple (``as_addresses``), secret, whether
+        this call acquired the embedded switch: then call :func:`release_embedded_switch` once
+        done with it).
     """
     configured = env.switch_addresses()
     if configured is not None:
-        return configured, env.secret(), False
+        return as_addresses(configured), env.secret(), False
     box: list[Any] = [None]
     if rank == 0:
         box[0] = _EMBEDDED.acquire()
     dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
     address, secret = box[0]
-    return tuple(address), secret, rank == 0  # type: ignore[return-value]
-
-
-def local_mtu(switch: tuple[str, int] | list[tuple[str, int]]) -> int:
-    """This rank's MTU towards the switch: ``SWITCHML_MTU``, else the route's (the smallest
-    over a sharded switch's shards), else 1500."""
-    return env.mtu() or path_mtu(switch) or 1500
+    return (tuple(address),), secret, rank == 0  # type: ignore[return-value]
 
 
 def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,

@@ -181,8 +181,7 @@ class MemoryCluster:
         a new worker with the same spec joins. Returns its endpoint."""
         self.fabric.detach(self.addresses[rank])
         old = self.workers[rank]
-        w = WorkerEndpoint(spec=self.spec, rank=rank, switch_address=old.switch_addresses
-                           if len(old.switch_addresses) > 1 else old.switch_address,
+        w = WorkerEndpoint(spec=self.spec, rank=rank, switch_address=old.switch_addresses,
                            config=old.config)
         self.addresses[rank], self.workers[rank] = address, w
         self.sessions[rank] = WorkerSession(w, handle_type=AllreduceHandle)

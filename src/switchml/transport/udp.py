@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from switchml import env
-from switchml.protocol.address import Address, format_address, format_addresses
+from switchml.protocol.address import Address, as_addresses, format_address, format_addresses
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import Batch, Endpoint
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, TransportError
@@ -251,10 +251,17 @@ class WorkerClient:
     sharded switch's shards. ``wrap``: wraps the session for the pump, e.g. seeded loss
     injection (``transport.faults.LossyEndpoint``).
 
+    Datagrams carry ``spec.elements_per_packet`` elements, which every rank and the switch
+    share. ``new_job_spec`` sizes them to fit the MTU of the path to the switch it is given
+    (``transport.sockets.local_mtu``, the torch backend's rule: ``SWITCHML_MTU``, else the
+    route's, else 1500; loopback: 64 KB datagrams), and without one to a 1500-byte Ethernet
+    MTU, so that IP never fragments them.
+
     Example::
 
-        spec = new_job_spec(num_workers=2)        # shared with every rank, e.g. by a launcher
-        with WorkerClient(("127.0.0.1", 48864), spec, rank=0) as w:
+        switch = ("127.0.0.1", 48864)
+        spec = new_job_spec(num_workers=2, switch=switch)  # shared with every rank
+        with WorkerClient(switch, spec, rank=0) as w:
             total = w.allreduce(np.ones(1_000_000, np.float32))
 
     Raises (constructor):
@@ -266,14 +273,13 @@ class WorkerClient:
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
                  buffer_bytes: int = SOCKET_BUFFER_BYTES, batching: bool = True,
                  wrap: Callable[[WorkerSession], Endpoint] | None = None) -> None:
-        shards = [switch] if isinstance(switch[0], str) else list(switch)  # type: ignore
-        self.switches: list[Address] = [(socket.gethostbyname(h), int(p)) for h, p in shards]
+        self.switches: list[Address] = [(socket.gethostbyname(h), int(p))
+                                        for h, p in as_addresses(switch)]
         self.switch = self.switches[0]
         sharded = len(self.switches) > 1
         self.spec, self.rank = spec, rank
         self.session = WorkerSession(
-            WorkerEndpoint(spec=spec, rank=rank, config=config,
-                           switch_address=self.switches if sharded else self.switch),
+            WorkerEndpoint(spec=spec, rank=rank, config=config, switch_address=self.switches),
             handle_type=AllreduceHandle, explain=self._icmp_note)
         self.endpoint = self.session.endpoint
         self._driven: Endpoint = wrap(self.session) if wrap is not None else self.session
