@@ -23,7 +23,8 @@ ahead of another on any slot, and a retransmission always finds its round or its
 
 Jobs are isolated: a datagram naming an unknown job, a wrong token, a rank outside the job, an
 address other than the one the rank joined from, or a slot outside the job's range is dropped and
-counted before it touches any state.
+counted before it touches any state. The control plane (JOIN, LEAVE, KEEPALIVE) is
+``switch_control.py``, a base class of the switch.
 
 Buffers: a result datagram is a memoryview of the slot's own buffer (header + accumulator), so
 multicasting costs no copy. It stays valid until the next receive call (``receive_datagram``,
@@ -35,27 +36,26 @@ class holds the state as arrays for it (``jobs.Job``) and handles what is rare i
 
 from __future__ import annotations
 
-import hmac
 from collections import Counter, deque
 from collections.abc import Callable
 
 import numpy as np
 
 from switchml.protocol import kernels as K
-from switchml.protocol.address import Address, format_address
-from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof
+from switchml.protocol.address import Address
+from switchml.protocol.auth import Challenges
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import Batch, flatten_runs
 from switchml.protocol.errors import WireError
-from switchml.protocol.events import Event, JobCreated, JobRefused, JobRemoved, MemberJoined
+from switchml.protocol.events import Event, JobRemoved
 from switchml.protocol.jobs import Job, SlotAllocator, bitmap, store_bitmap
 from switchml.protocol.slots import action_table
+from switchml.protocol.switch_control import SwitchControl
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
     MAGIC,
-    NO_COOKIE,
     VERSION,
     ChunkShape,
     ControlInfo,
@@ -64,14 +64,9 @@ from switchml.protocol.wire import (
     Flags,
     Header,
     MessageType,
-    pack_challenge,
     pack_header,
-    pack_joined,
     pack_mismatch,
     unpack_header,
-    unpack_join,
-    unpack_leave,
-    unpack_payload,
 )
 
 __all__ = ["SlotAllocator", "SwitchDataplane"]
@@ -90,7 +85,7 @@ _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
 
 
-class SwitchDataplane:
+class SwitchDataplane(SwitchControl):
     """Aggregate chunks for many jobs; the sans-I/O switch.
 
     Drive it with the Endpoint contract: after ``receive_datagram`` or ``handle_timer``, drain
@@ -432,200 +427,6 @@ class SwitchDataplane:
             "nack_gaps": {j.job_id: int(j.jobv[K.J.NACK_GAP]) for j in self._jobs.values()},
             "memory_bytes": sum(j.memory_bytes() for j in self._jobs.values()),
         }
-
-    # -- Control -----------------------------------------------------------------------------
-
-    def _refuse(self, h: Header, addr: Address, reason: str) -> None:
-        self._drops["refused"] += 1
-        self._events.append(JobRefused(h.job, h.rank, addr, reason))
-        payload = reason.encode()[:1024]
-        reply = Header(MessageType.REFUSED, h.job, rank=h.rank, token=h.token,
-                       count=len(payload), elem=ElementType.BYTES)
-        self._out.append((pack_header(reply) + payload, addr))
-
-    def _handle_join(self, h: Header, data: bytes | bytearray | memoryview, addr: Address,
-                     now: float) -> None:
-        """JOIN creates the job on first use (same token and geometry for every rank after),
-        refreshes its lease (as KEEPALIVE does for idle workers), and carries in ``seq`` the
-        first operation of the worker's epoch (raised after a switch restart).
-
-        A JOIN without a cookie is answered with a CHALLENGE and changes nothing. A JOIN with
-        one counts only if the cookie was made here, for this source address, a moment ago
-        (else ``bad_cookie`` or ``stale_cookie``), and its proof verifies under the job key
-        (else ``bad_proof``): a captured JOIN replayed from elsewhere, or later, changes
-        nothing (``protocol/auth.py``)."""
-        try:
-            asked, cookie, proof = unpack_join(unpack_payload(data, h))
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        job = self._jobs.get(h.job)
-        if job is not None and h.token != job.token:
-            self._drops["bad_token"] += 1
-            return
-        if cookie == NO_COOKIE:
-            self._challenge(h, addr, now)
-            return
-        problem = self.challenges.check(cookie, now, addr, h.job, h.rank)
-        if problem is not None:
-            self._drops[problem] += 1
-            if problem == "stale_cookie":  # a slow worker asks again; a replay gets nowhere
-                self._challenge(h, addr, now)
-            return
-        if job is None:
-            ended = self._removed.get(h.job)
-        else:
-            ended = job.left_at[h.rank] if h.rank < job.num_workers else None
-        if ended is not None and self.challenges.issued_at(cookie) <= ended:
-            # Proven, but asked for before this rank left (or the job ended): a JOIN replayed
-            # from the member's own address within the cookie's lifetime.
-            self._drops["spent_cookie"] += 1
-            return
-        key = job.key if job is not None else job_key(self.config.secret, h.job, h.token)
-        if not hmac.compare_digest(proof, join_proof(key, job=h.job, token=h.token,
-                                                     rank=h.rank, seq=h.seq, info=asked,
-                                                     cookie=cookie)):
-            self._drops["bad_proof"] += 1
-            self._refuse(h, addr, "the JOIN's proof does not verify: "
-                         + ("the worker's secret (SWITCHML_SECRET) is not this switch's"
-                            if self.config.secret is not None else
-                            "this switch has no secret, but the worker used one "
-                            "(unset SWITCHML_SECRET)"))
-            return
-        if job is None:
-            if h.rank >= asked.num_workers:  # refuse before allocating anything
-                self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of "
-                             f"{asked.num_workers}")
-                return
-            job = self._create_job(h, asked, addr)
-            if job is None:
-                return
-            job.key = key
-        elif (asked.num_workers, asked.window, asked.elements_per_packet) != (
-                job.num_workers, job.window, job.elements_per_packet):
-            self._refuse(h, addr, f"job {h.job} exists with n={job.num_workers} "
-                         f"window={job.window} elements_per_packet={job.elements_per_packet}; "
-                         f"asked n={asked.num_workers} window={asked.window} "
-                         f"elements_per_packet={asked.elements_per_packet}")
-            return
-        if h.rank >= job.num_workers:
-            self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
-            return
-        old = job.members[h.rank]
-        if old != addr:
-            if old is not None and job.started:
-                self._refuse(h, addr, f"rank {h.rank} of job {h.job} is joined from "
-                             f"{format_address(old)} and the job is running; a restarted worker "
-                             "cannot take over its state: start a new job")
-                return
-            job.members[h.rank] = addr
-            job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
-            job.heard[h.rank] = now
-            self._events.append(MemberJoined(job.job_id, h.rank, addr))
-        if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
-            job.min_seq = h.seq  # a new epoch: older requests are stale from now on
-        job.last_seen = now
-        self._out.append((pack_joined(job=h.job, token=h.token, rank=h.rank,
-                                      shard=self.config.shard_index, info=job.info,
-                                      cookie=job.cookies[h.rank]), addr))
-
-    def _challenge(self, h: Header, addr: Address, now: float) -> None:
-        """Answer a JOIN with a cookie for its source address (no state is kept)."""
-        self.challenges_sent += 1
-        cookie = self.challenges.issue(now, addr, h.job, h.rank)
-        self._out.append((pack_challenge(job=h.job, token=h.token, rank=h.rank,
-                                         shard=self.config.shard_index, cookie=cookie), addr))
-
-    def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:
-        cfg = self.config
-        problem = None
-        if not 1 <= asked.num_workers <= cfg.max_workers:
-            problem = f"num_workers must be in 1..{cfg.max_workers}, got {asked.num_workers}"
-        elif not 1 <= asked.elements_per_packet <= cfg.max_elements_per_packet:
-            problem = (f"elements_per_packet must be in 1..{cfg.max_elements_per_packet}, got "
-                       f"{asked.elements_per_packet}")
-        elif not 1 <= asked.window <= cfg.max_window:
-            problem = f"window must be in 1..{cfg.max_window}, got {asked.window}"
-        if problem is not None:
-            self._refuse(h, addr, problem)
-            return None
-        base = self.allocator.allocate(asked.window)
-        if base is None:
-            self._refuse(h, addr, f"no room for job {h.job}: asked {asked.window} slots, the "
-                         f"largest free range is {self.allocator.largest_free()} of a pool of "
-                         f"{cfg.pool_slots}")
-            return None
-        try:
-            job = Job(h.job, h.token, asked.num_workers, base, asked.window,
-                      asked.elements_per_packet, [None] * asked.num_workers,
-                      nack_log_windows=cfg.nack_log_windows)
-            job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
-            job.jobv[K.J.NACK_CALM] = self.config.nack_calm
-            job.jobv[K.J.LOG_AT_RELEASE] = int(h.job in self.relayed_jobs)
-            job.jobv[K.J.SHARDS] = self.config.shard_count
-        except MemoryError:
-            self.allocator.release(base, asked.window)
-            self._refuse(h, addr, f"no memory for job {h.job}")
-            return None
-        job.last_seen = self._now
-        job.heard = [self._now] * job.num_workers  # silence counts from here
-        self._jobs[h.job] = job
-        self._events.append(JobCreated(h.job, job.num_workers, base, job.window,
-                                       job.elements_per_packet))
-        return job
-
-    def _handle_leave(self, h: Header, data: bytes | bytearray | memoryview,
-                      addr: Address, now: float) -> None:
-        """A member leaves, if its LEAVE comes from its address and proves the cookie its
-        membership began with (else ``bad_leave``, and nothing changes); the job and its
-        slots go when the last member has left. A LEAVE from a non-member (a retry whose LEFT
-        was lost, or a stranger) is answered and changes nothing."""
-        try:
-            proof = unpack_leave(unpack_payload(data, h))
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        job = self._jobs.get(h.job)
-        if job is not None:
-            if h.token != job.token:
-                self._drops["bad_token"] += 1
-                return
-            if h.rank < job.num_workers and job.members[h.rank] == addr:
-                cookie = job.cookies[h.rank]
-                if cookie is None or not hmac.compare_digest(proof, leave_proof(
-                        job.key, job=h.job, token=h.token, rank=h.rank, cookie=cookie)):
-                    self._drops["bad_leave"] += 1
-                    return
-                job.members[h.rank] = None
-                job.cookies[h.rank] = None
-                job.left_at[h.rank] = now  # JOINs challenged before now are spent
-            if all(m is None for m in job.members):
-                self.remove_job(h.job, "left")
-        reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token,
-                       chunk=self.config.shard_index)
-        self._out.append((pack_header(reply), addr))
-
-    def _handle_keepalive(self, h: Header, data: bytes | bytearray | memoryview,
-                          addr: Address, now: float) -> None:
-        """Renew the lease of a member's job; an unknown job is answered with UNKNOWN_JOB."""
-        job = self._jobs.get(h.job)
-        if job is None:
-            self._drops["unknown_job"] += 1
-            self._unknown_job(HEADER.unpack_from(data), addr)
-            return
-        if h.token != job.token or h.rank >= job.num_workers:
-            self._drops["bad_keepalive"] += 1
-            return
-        member = job.members[h.rank]
-        if member is None:  # a member of an earlier incarnation of the job: rejoin
-            self._drops["not_joined"] += 1
-            self._unknown_job(HEADER.unpack_from(data), addr)
-            return
-        if member != addr:
-            self._drops["bad_keepalive"] += 1
-            return
-        job.last_seen = now
-        job.heard[h.rank] = now
 
     def job_buffers(self, job_id: int) -> np.ndarray | None:
         """The result buffers ``[set, slot, byte]`` of a live job (a relay reads them)."""
