@@ -24,7 +24,8 @@ operations, repeated results and results for chunks not in flight are dropped. A
 with no progress for ``op_timeout_s`` fails with a reason naming the switch (no answer at all)
 or the silent ranks (the switch said, in WAITING replies, who has not contributed). After a
 failed operation the endpoint is in ``ERROR``: the job's slot state can no longer be trusted,
-so a new job must be joined.
+so a new job must be joined. Joining, rejoining, keep-alives and leaving are
+``worker_control.py``, a base class of the endpoint.
 """
 
 from __future__ import annotations
@@ -36,43 +37,32 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import job_key, join_datagram, leave_proof
+from switchml.protocol.auth import job_key
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.endpoint import Batch
 from switchml.protocol.errors import ConfigError, LocalProtocolError, WireError
 from switchml.protocol.events import (
     Event,
-    Joined,
-    JoinFailed,
     Left,
     OperationAborted,
     OperationCompleted,
-    OperationRestarted,
 )
 from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_state
 from switchml.protocol.operation import SUPPORTED_DTYPES, WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
-    NO_COOKIE,
-    ControlInfo,
     Flags,
     Header,
     MessageType,
-    pack_header,
-    pack_leave,
-    unpack_challenge,
     unpack_header,
-    unpack_joined,
     unpack_mismatch,
     unpack_payload,
 )
+from switchml.protocol.worker_control import EPOCH_SEQ_STRIDE, ControlRetry, WorkerControl
 
 __all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerEndpoint",
            "WorkerState", "validate_arrays"]
 
-EPOCH_SEQ_STRIDE = 2**16
-"""After the switch lost the job, the operation restarts as ``seq + EPOCH_SEQ_STRIDE``: every rank
-computes the same number, and the switch drops anything older (docs/protocol.md, epochs)."""
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
@@ -91,26 +81,7 @@ RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_prob
 them summed over the workers)."""
 
 
-class _Retry:
-    """A control request (JOIN, LEAVE) retried with exponential backoff until a deadline."""
-
-    __slots__ = ("at", "backoff", "config", "deadline")
-
-    def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
-        self.at = self.deadline = 0.0
-        self.backoff = config.control_retry_s
-
-    def start(self, now: float, timeout_s: float) -> None:
-        self.deadline = now + timeout_s
-        self.backoff = self.config.control_retry_s
-
-    def sent(self, now: float) -> None:
-        self.at = now + self.backoff
-        self.backoff = min(self.backoff * 2, self.config.control_retry_max_s)
-
-
-class WorkerEndpoint:
+class WorkerEndpoint(WorkerControl):
     """One rank of a job: join, run all-reduce operations one at a time, leave.
 
     Endpoint contract (``protocol/endpoint.py``): after every call that takes ``now``, drain
@@ -154,7 +125,7 @@ class WorkerEndpoint:
         self._op: Operation | None = None
         self._out: list[tuple[_Data, Address]] = []
         self._events: deque[Event] = deque()
-        self._control = _Retry(self.config)
+        self._control = ControlRetry(self.config)
         self._next_set = np.zeros(spec.window, np.int64)  # per lane, kept across operations
         self._cnt = np.zeros(K.WC.N, np.int64)
         self.recovery = LossRecovery(self.config, self._cnt)
@@ -275,16 +246,6 @@ class WorkerEndpoint:
         self._send_leave(now)
 
     # -- Endpoint contract -------------------------------------------------------------------
-
-    @property
-    def slot_base(self) -> int:
-        """The first slot the switch (shard 0 of a sharded switch) granted the job."""
-        return self._shard_bases[0] or 0
-
-    @property
-    def slot_bases(self) -> list[int]:
-        """The slot base each shard granted (one entry for an unsharded switch)."""
-        return [b or 0 for b in self._shard_bases]
 
     def receive_datagram(self, data: _Data, addr: Address, now: float) -> None:
         """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards."""
@@ -576,140 +537,6 @@ class WorkerEndpoint:
                    f"disagree: {what}. Every rank must issue the same operations, with the "
                    "same size, dtype and bits, in the same order")
 
-    # -- Control -----------------------------------------------------------------------------
-
-    def _handle_challenge(self, h: Header, data: _Data, now: float) -> None:
-        """The switch (shard) asks this JOIN to prove itself: answer with its cookie and the
-        proof under the job key, to the shard that asked (not retried: the next retry of the
-        JOIN draws a new challenge)."""
-        if not can(self.state, WorkerInput.CHALLENGED):
-            self._drops["unexpected_control"] += 1
-            return
-        try:
-            cookie = unpack_challenge(unpack_payload(data, h))
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        shard = h.chunk if len(self._shard_bases) > 1 else 0
-        if shard >= len(self._shard_bases) or h.rank != self.rank:
-            self._drops["bad_shard" if h.rank == self.rank else "foreign"] += 1
-            return
-        if self._shard_bases[shard] is not None:
-            self._drops["late_challenge"] += 1  # this shard granted the job already
-            return
-        self._counters["challenges_answered"] += 1
-        self._out.append((self._join_datagram(cookie), self.switch_addresses[shard]))
-
-    def _handle_joined(self, h: Header, data: _Data, now: float) -> None:
-        if not can(self.state, WorkerInput.JOINED):
-            return  # a late answer to a retried or keep-alive JOIN
-        try:
-            info, cookie = unpack_joined(unpack_payload(data, h))
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        spec = self.spec
-        if (info.num_workers, info.window, info.elements_per_packet) != (
-                spec.num_workers, spec.window, spec.elements_per_packet):
-            self._join_failed(f"switch granted {info}, which does not match the job spec")
-            return
-        shard = h.chunk if len(self._shard_bases) > 1 else 0  # a shard says which it is
-        if shard >= len(self._shard_bases):
-            self._drops["bad_shard"] += 1
-            return
-        self._shard_bases[shard] = info.slot_base
-        self._cookies[shard] = cookie
-        if any(b is None for b in self._shard_bases):
-            return  # other shards still to answer
-        if self.state is WorkerState.REJOINING:
-            self._resume_after_rejoin(now)
-            return
-        self._move(WorkerInput.JOINED)
-        self._keepalive_at = now + self.config.keepalive_s
-        self._events.append(Joined(self.slot_base, info.window))
-
-    def _handle_refused(self, h: Header, data: _Data, now: float) -> None:
-        if not can(self.state, WorkerInput.JOIN_FAILED):
-            self._drops["unexpected_control"] += 1
-            return
-        reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
-        self._join_failed(f"switch at {self._switch_text} refused JOIN: {reason}")
-
-    def _join_failed(self, reason: str) -> None:
-        """JOINING: the job can't be joined (JoinFailed). REJOINING: the operation fails."""
-        if self.state is WorkerState.REJOINING:
-            self._fail(f"restart after the switch lost the job failed: {reason}",
-                       WorkerInput.JOIN_FAILED)
-            return
-        self._move(WorkerInput.JOIN_FAILED)
-        self.error = reason
-        self._events.append(JoinFailed(reason))
-
-    def _handle_unknown_job(self, h: Header, data: _Data, now: float) -> None:
-        """The switch has lost the job (restarted, lease expired) or we are behind its epoch."""
-        st = self.state
-        if st is WorkerState.BUSY and self._op is not None and h.seq == self._op.seq:
-            self._restart(now)
-        elif st is WorkerState.READY and h.seq == self._epoch_seq:
-            # Idle, and the answer is to our current keep-alive (not a stray echo of an older
-            # epoch): the next operation starts the new epoch; every rank computes the same seq,
-            # and a fresh switch means every slot starts on set 0, as for the busy ranks.
-            self._epoch_seq = self._seq = (self._seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
-            self._rejoin(now)
-        else:
-            self._drops["stale_unknown_job"] += 1
-
-    def _rejoin(self, now: float) -> None:
-        """Join the switch again on the current epoch (it lost the job)."""
-        self._move(WorkerInput.SWITCH_LOST_JOB)
-        self._next_set[:] = 0  # a fresh switch: every rank starts on set 0
-        self._shard_bases = [None] * len(self.switch_addresses)
-        self._control.start(now, self.config.join_timeout_s)
-        self._send_join(now)
-
-    def _restart(self, now: float) -> None:
-        """Join again on a new epoch, then run the operation from its input."""
-        op = self._op
-        assert op is not None
-        if op.restarts >= self.config.max_restarts:
-            self._fail(f"operation {op.seq} of job {self.spec.job_id}: the switch at "
-                       f"{self._switch_text} lost the job {op.restarts + 1} times "
-                       f"(restarts allowed: {self.config.max_restarts})")
-            return
-        new_seq = (op.seq + EPOCH_SEQ_STRIDE) & 0xFFFFFFFF
-        self._events.append(OperationRestarted(op.seq, new_seq, "the switch lost the job"))
-        self._counters["operations_restarted"] += 1
-        # From here on the operation is ``new_seq``: a failure is reported under it, and late
-        # results of the old epoch no longer match it.
-        op.seq = new_seq
-        self._epoch_seq = new_seq
-        self._rejoin(now)
-
-    def _resume_after_rejoin(self, now: float) -> None:
-        """Every shard granted the job again: run the operation from its input (or fail it,
-        if its arrays can't be allocated again: peer input never raises)."""
-        old = self._op
-        assert old is not None
-        try:
-            op = old.restarted(self._epoch_seq, self.spec, self.rank, self.slot_bases)
-        except MemoryError:
-            self._fail(f"operation {old.seq}: no memory to restart it after the switch lost "
-                       "the job")
-            return
-        self._move(WorkerInput.JOINED)
-        self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
-        self._begin(op, now)
-
-    def _handle_left(self, h: Header, data: _Data, now: float) -> None:
-        if not can(self.state, WorkerInput.LEFT):
-            self._drops["unexpected_control"] += 1
-            return
-        self._shards_left.add(h.chunk if len(self.switch_addresses) > 1 else 0)
-        if len(self._shards_left) < len(self.switch_addresses):
-            return  # other shards still to answer
-        self._move(WorkerInput.LEFT)
-        self._events.append(Left())
-
     # -- Timers and failure ------------------------------------------------------------------
 
     def _handle_op_timers(self, now: float) -> None:
@@ -726,19 +553,6 @@ class WorkerEndpoint:
                 op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",
                 switch=self._switch_text, num_workers=self.spec.num_workers, now=now))
 
-    def _handle_control_timer(self, now: float) -> None:
-        """JOIN or LEAVE: retry it, or give up at its deadline."""
-        st = self.state
-        if now < self._control.deadline:
-            if now >= self._control.at:
-                (self._send_leave if st is WorkerState.CLOSING else self._send_join)(now)
-        elif st is WorkerState.CLOSING:
-            self._move(WorkerInput.LEFT)  # no answer to LEAVE: closed anyway
-            self._events.append(Left())
-        else:
-            self._join_failed(f"switch at {self._switch_text} did not answer JOIN for job "
-                              f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
-
     def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL) -> None:
         """The operation in flight can't complete: ERROR, and OperationAborted."""
         self._move(what)
@@ -754,46 +568,6 @@ class WorkerEndpoint:
         self._events.append(OperationAborted(op.seq, reason))
 
     # -- Sending -----------------------------------------------------------------------------
-
-    def _join_datagram(self, cookie: bytes = NO_COOKIE) -> bytes:
-        """JOIN of this rank on the current epoch: without a cookie, a request for a
-        challenge; with one, proven with the job key."""
-        spec = self.spec
-        return join_datagram(self._key, job=spec.job_id, token=spec.token, rank=self.rank,
-                             seq=self._epoch_seq, cookie=cookie,
-                             info=ControlInfo(spec.num_workers, spec.window,
-                                              spec.elements_per_packet))
-
-    def _send_join(self, now: float) -> None:
-        datagram = self._join_datagram()
-        for shard, base in enumerate(self._shard_bases):
-            if base is None:  # not joined yet (on this epoch)
-                self._out.append((datagram, self.switch_addresses[shard]))
-        self._control.sent(now)
-
-    def _send_keepalive(self, now: float) -> None:
-        header = Header(MessageType.KEEPALIVE, self.spec.job_id, rank=self.rank,
-                        token=self.spec.token, seq=self._epoch_seq)
-        datagram = pack_header(header)
-        self._out.extend((datagram, a) for a in self.switch_addresses)
-        self._keepalive_at = now + self.config.keepalive_s
-
-    def _send_leave(self, now: float) -> None:
-        """LEAVE every shard that granted the job, proven with the cookie it granted it with
-        (a shard that never answered JOIN holds no membership to end)."""
-        spec = self.spec
-        for i, a in enumerate(self.switch_addresses):
-            if i in self._shards_left:
-                continue
-            cookie = self._cookies[i]
-            if cookie is None:
-                self._shards_left.add(i)
-                continue
-            proof = leave_proof(self._key, job=spec.job_id, token=spec.token, rank=self.rank,
-                                cookie=cookie)
-            self._out.append((pack_leave(job=spec.job_id, token=spec.token, rank=self.rank,
-                                         proof=proof), a))
-        self._control.sent(now)
 
     def _send_chunk(self, op: Operation, p: int, now: float, *, retransmit: bool,
                     fast: bool = False) -> None:

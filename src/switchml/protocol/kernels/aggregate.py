@@ -454,8 +454,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
 
     Returns ``(next, ndone, code)``: the segment to go on from, completions written, and why it
     stopped (``SS.DONE`` when ``next`` is past the end; else the Python side handles segment
-    ``next`` (``SS.CONFLICT_ADDED`` and ``SS.NACK``: segment ``next - 1``) and calls again).
-    """
+    ``next`` (``SS.CONFLICT_ADDED`` and ``SS.NACK``: segment ``next - 1``) and calls again)."""
     src = srcs[start]
     ndone = 0
     i = start
