@@ -49,6 +49,7 @@ def test_gaia_with_threshold_zero_and_staleness_zero_is_synchronous_training(fre
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 gaia.after_step()
+                gaia.settle()  # what the next forward pass reads, module by module
                 per_clock[j].append(_flat(model))
             mirror.close()
         except BaseException as exc:  # noqa: BLE001 - reported below

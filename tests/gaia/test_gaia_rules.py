@@ -9,7 +9,9 @@ from switchml.gaia.rules import (
     MirrorClock,
     SelectiveBarrier,
     SignificanceFilter,
+    decode_announce,
     decode_sparse,
+    encode_announce,
     encode_sparse,
     parse_dc_layout,
     significance_threshold,
@@ -62,6 +64,33 @@ def test_selective_barrier_holds_until_announced_updates_are_applied():
     assert b.may_proceed()
     with pytest.raises(ValueError, match="not announced"):
         b.applied(1, 6)
+
+
+def test_selective_barrier_blocks_only_the_announced_tensors_until_all_entries_are_in():
+    b = SelectiveBarrier()
+    b.announce(1, 5, tensors=[0, 3], entries=120)
+    b.announce(2, 6, tensors=[3, 4], entries=10)
+    assert b.blocked([0, 1, 2]) == {0}            # 1 and 2: nothing announced, read at once
+    assert b.blocked(up_to=5) == {0, 3}           # clock 6's update is not due at clock 5
+    assert b.blocked() == {0, 3, 4}
+    b.applied(1, 5, 100)                          # a piece: 20 entries still to come
+    assert b.blocked([0]) == {0} and b.pending == [(1, 5), (2, 6)]
+    b.applied(1, 5, 20)
+    assert b.blocked([0, 3], up_to=5) == set() and b.blocked([3]) == {3}
+
+
+def test_an_announce_carries_the_entry_count_and_a_tensor_bitmap():
+    data = encode_announce(7, np.array([0, 9, 10]), 11)
+    assert len(data) == 8 + 2
+    assert data[:8] == (7).to_bytes(8, "little") and data[8:] == bytes([0b1, 0b110])
+    entries, tensors = decode_announce(data, 11)
+    assert entries == 7 and tensors.tolist() == [0, 9, 10]
+    with pytest.raises(ValueError, match="has 10 bytes, got 9"):
+        decode_announce(data[:9], 11)
+    with pytest.raises(ValueError, match="past the model's 10"):
+        decode_announce(data, 10)
+    with pytest.raises(ValueError, match="no entries or no tensors"):
+        decode_announce(encode_announce(0, np.array([1]), 11), 11)
 
 
 def test_mirror_clock_bounds_how_far_a_data_centre_runs_ahead():

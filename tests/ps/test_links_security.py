@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml.gaia.mirror import GaiaError, Mirror
+from switchml.gaia.rules import encode_announce, encode_sparse
 from switchml.links import LinkSecurity, check_exposure, make_credentials
 from switchml.protocol.errors import ConfigError
 from switchml.ps.client import PSClient
@@ -263,7 +264,7 @@ def test_gaia_leaders_exchange_over_tls_and_refuse_strangers(free_ports, creds, 
         m1.publish(1, np.array([2, 5], np.int32), np.array([0.5, -1.0], np.float32))
         m0.clock.finish()
         m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())))
+        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
         assert got == [([2, 5], [0.5, -1.0])]
         deadline = time.monotonic() + 5
         while m0.stats()["refused_links"] < 2 and time.monotonic() < deadline:
@@ -282,17 +283,34 @@ def _forge(addr, msgs) -> None:
     s.close()
 
 
+def _announce(step: int, entries: int, tensors: list[int], count: int = 2) -> tuple:
+    """A selective barrier for a model of ``count`` tensors (the forged tests' layout: 4 and 6
+    parameters)."""
+    return (MessageType.CLOCK, dict(step=step, flags=1, payload=encode_announce(
+        entries, np.array(tensors), count)))
+
+
+def _sparse(step: int, idx: list[int]) -> tuple:
+    return (MessageType.SPARSE, dict(step=step, payload=encode_sparse(
+        np.array(idx, np.int32), np.ones(len(idx), np.float32))))
+
+
 @pytest.mark.parametrize("msgs, reason", [
     ([(MessageType.CLOCK, dict(step=5))], "clock 5 after clock 0"),
     ([(MessageType.SPARSE, dict(step=1, payload=b"\0" * 8))], "was not announced"),
-    ([(MessageType.CLOCK, dict(step=1, flags=1)),
-      (MessageType.SPARSE, dict(step=1, payload=np.array([99], np.int32).tobytes()
-                                + np.ones(1, np.float32).tobytes()))],
-     "outside the model's 10 parameters"),
-    ([(MessageType.CLOCK, dict(step=1, flags=1)),
-      (MessageType.SPARSE, dict(step=1, payload=b"\0" * 7))], "8 bytes an entry"),
-    ([(MessageType.CLOCK, dict(step=1, flags=1)),
-      (MessageType.SPARSE, dict(step=1, payload=b"\0" * 88))], "at most 80 expected"),
+    ([_announce(1, 1, [0]), _sparse(1, [99])], "outside the model's 10 parameters"),
+    ([_announce(1, 1, [0]), (MessageType.SPARSE, dict(step=1, payload=b"\0" * 7))],
+     "8 bytes an entry"),
+    ([_announce(1, 10, [0, 1]), (MessageType.SPARSE, dict(step=1, payload=b"\0" * 88))],
+     "at most 80 expected"),
+    ([_announce(1, 2, [0]), _sparse(1, [1, 7])], "touching a tensor its announce did not"),
+    ([(MessageType.CLOCK, dict(step=1, flags=1))], "has 9 bytes, got 0"),
+    ([(MessageType.CLOCK, dict(step=1, flags=1, payload=encode_announce(1, np.array([5]), 8)))],
+     "a tensor past the model's 2"),
+    ([_announce(1, 11, [0])], "an announce of 11 entries for a model of 10"),
+    ([_announce(2, 1, [0])], "announce of clock 2 after clock 0"),
+    ([_announce(1, 1, [0]), _announce(1, 1, [0])], "announced already"),
+    ([_announce(1, 3, [1]), (MessageType.BYE, {})], "a goodbye with 3 entries of clock 1"),
     ([(MessageType.PUSH, dict(step=1))], "unexpected PUSH"),
 ])
 def test_a_data_centre_that_breaks_a_rule_is_named_and_the_leader_survives(free_ports, msgs,
@@ -303,7 +321,7 @@ def test_a_data_centre_that_breaks_a_rule_is_named_and_the_leader_survives(free_
     leaders = [("127.0.0.1", p) for p in free_ports(2)]
     m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=5)
     m0.listen()  # only: the forger plays data centre 1
-    m0.expect_entries(10)
+    m0.expect_layout([4, 6])
     _forge(leaders[0], [(MessageType.HELLO, dict(worker=1))] + msgs)
     applied = []
     m0.clock.finish()

@@ -3,36 +3,51 @@
 Theory of operation. Each leader listens on one TCP port and connects out to every other
 leader; it sends on its outgoing connections (through one sender thread each, so training never
 waits for the WAN) and receives on the accepted ones (one receiver thread each). Per finished
-clock ``c`` a leader sends, to every other data centre: ``CLOCK(c, announce)`` and
-``SPARSE(c)`` when it has significant updates, then ``CLOCK(c)``. Receivers record the announce
-in the :class:`SelectiveBarrier`, queue the sparse update, and move the :class:`MirrorClock`.
-:meth:`Mirror.exchange` applies the queued updates of clocks up to its own (a faster data
-centre's later ones wait) and returns once the rules allow the next clock, or raises
-:class:`GaiaError` naming the data centres it waited for after ``timeout_s``, or at once when a
-data centre's connection dropped without a goodbye.
+clock ``c`` a leader sends, to every other data centre: when it has significant updates, the
+selective barrier ``CLOCK(c, announce)`` (how many entries, and a bitmap of the tensors they
+touch); then ``CLOCK(c)``; then the entries, as ``SPARSE(c)`` pieces of at most
+``piece_entries``. Control messages go before the next piece of any update, so a barrier and
+a clock never wait behind bulky data (on a 50 Mbit/s WAN a piece of 32k entries is 42 ms).
+Receivers record the announce in the :class:`SelectiveBarrier`, move the :class:`MirrorClock`,
+and queue the pieces. :meth:`Mirror.exchange` applies the queued pieces of clocks up to its
+own (a faster data centre's later ones wait) and returns once the mirror clock allows the next
+clock; :meth:`Mirror.wait_tensors` is the barrier's reader side: it waits, with a bound, until
+no announced update will still change the given tensors. Either raises :class:`GaiaError`
+naming the data centres it waited for after ``timeout_s``, or at once when a data centre's
+connection dropped without a goodbye.
 
 Security. With ``security`` (``links.py``) every link is mutual TLS: a stranger cannot connect,
 read or alter anything. Beyond loopback a mirror refuses to listen without it. Every message is
 checked before it touches any state: a HELLO names another data centre that is not connected
-yet; clocks come one at a time in order; an announce is for the next clock; a SPARSE update
-follows its announce, holds at most the model's entries (``expect_entries``) and indexes
-inside it. A link that breaks a rule is closed, logged and counted (``stats()``), and fails the
-exchange naming its data centre; a connection that never said a valid HELLO changes nothing.
+yet; clocks come one at a time in order; an announce is for the next clock, names tensors of the
+model and at most its entries; a SPARSE piece belongs to the oldest announced update with
+entries to come, holds at most those, and indexes inside the tensors announced; a goodbye
+leaves nothing announced outstanding. A link that breaks a rule is closed, logged and counted
+(``stats()``), and fails the exchange naming its data centre; a connection that never said a
+valid HELLO changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from switchml.gaia.rules import MirrorClock, SelectiveBarrier, decode_sparse, encode_sparse
+from switchml.gaia.rules import (
+    MirrorClock,
+    SelectiveBarrier,
+    decode_announce,
+    decode_sparse,
+    encode_announce,
+    encode_sparse,
+    tensor_of,
+)
 from switchml.links import LinkSecurity, WarningBudget, check_exposure
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
@@ -61,9 +76,11 @@ class Mirror:
 
     def __init__(self, *, dc: int, leaders: Sequence[Address], staleness: int = 2,
                  timeout_s: float = 120.0, bind_host: str = "127.0.0.1",
-                 security: LinkSecurity | None = None, insecure: bool = False) -> None:
+                 security: LinkSecurity | None = None, insecure: bool = False,
+                 piece_entries: int = 1 << 15) -> None:
         """``security``: mutual TLS on every link, needed to listen beyond loopback (that is,
-        for data centres on other hosts) unless ``insecure``.
+        for data centres on other hosts) unless ``insecure``. ``piece_entries``: the most
+        entries an update's piece holds (control messages overtake an update between pieces).
 
         Raises:
             ConfigError: a non-loopback ``bind_host`` without ``security`` or ``insecure``.
@@ -73,8 +90,13 @@ class Mirror:
         self.security = security
         self._server_tls = security.server_context() if security is not None else None
         self._client_tls = security.client_context() if security is not None else None
-        self.max_entries = 1 << 28
-        """The most entries a SPARSE update may hold (the model's size: ``expect_entries``)."""
+        if piece_entries < 1:
+            raise ValueError(f"piece_entries must be >= 1, got {piece_entries}")
+        self.piece_entries = piece_entries
+        self._offsets = np.array([0, 1 << 28], np.int64)
+        """Where each tensor of the model starts in the flat vector, and its end
+        (``expect_layout``)."""
+        self._layout = threading.Event()
         self.refused_links = 0
         self.protocol_errors = 0
         self._linked: set[int] = set()  # data centres whose incoming link said HELLO
@@ -94,7 +116,11 @@ class Mirror:
         self._inbox: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self._errors: dict[int, str] = {}
         self._out: dict[int, socket.socket] = {}
-        self._queues: dict[int, queue.Queue[Any]] = {}
+        self._queues: dict[int, _Outbox] = {}
+        self.barrier_waits = 0
+        """Readers that waited for an announced update (``wait_tensors``)."""
+        self.barrier_timeouts = 0
+        """Readers that went on without it after the bound."""
         self._senders: list[threading.Thread] = []
         self._lsock = socket.socket()
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,7 +163,7 @@ class Mirror:
                                     f"same CA?): {exc}") from exc
             send_message(sock, MessageType.HELLO, worker=self.dc)
             self._out[j] = sock
-            self._queues[j] = queue.Queue()
+            self._queues[j] = _Outbox()
             self._senders.append(self._spawn(self._sender, j))
         return self
 
@@ -173,16 +199,16 @@ class Mirror:
     # -- sending ----------------------------------------------------------------------------
 
     def _sender(self, j: int) -> None:
-        sock, q = self._out[j], self._queues[j]
+        sock, box = self._out[j], self._queues[j]
         try:
             while True:
-                item = q.get()
+                item = box.take()
                 if item is None:
                     send_message(sock, MessageType.BYE, worker=self.dc)
                     return
-                for mtype, flags, clock, payload in item:
-                    self.bytes_sent += send_message(sock, mtype, worker=self.dc, step=clock,
-                                                    flags=flags, payload=payload)
+                mtype, flags, clock, payload = item
+                self.bytes_sent += send_message(sock, mtype, worker=self.dc, step=clock,
+                                                flags=flags, payload=payload)
         except OSError as exc:
             with self._cond:
                 self._errors[j] = f"sending to {self._name(j)} failed: {exc}"
@@ -190,20 +216,44 @@ class Mirror:
 
     def publish(self, clock: int, idx: np.ndarray, vals: np.ndarray) -> None:
         """Send this data centre's significant updates of ``clock`` and the clock itself to
-        every other data centre (in the background)."""
-        msgs: list[tuple[MessageType, int, int, bytes]] = []
+        every other data centre (in the background): the selective barrier and the clock
+        at once, ahead of any update still being sent; the entries in pieces."""
+        control: list[tuple[MessageType, int, int, bytes]] = []
+        data: list[tuple[MessageType, int, int, bytes]] = []
         if idx.size:
-            msgs.append((MessageType.CLOCK, 1, clock, b""))  # the selective barrier
-            msgs.append((MessageType.SPARSE, 0, clock, encode_sparse(idx, vals)))
-        msgs.append((MessageType.CLOCK, 0, clock, b""))
-        for q in self._queues.values():
-            q.put(msgs)
+            tensors = np.unique(tensor_of(self._offsets, idx))
+            control.append((MessageType.CLOCK, 1, clock,
+                            encode_announce(idx.size, tensors, self.tensors)))
+            step = self.piece_entries
+            data += [(MessageType.SPARSE, 0, clock,
+                      encode_sparse(idx[i:i + step], vals[i:i + step]))
+                     for i in range(0, idx.size, step)]
+        control.append((MessageType.CLOCK, 0, clock, b""))
+        for box in self._queues.values():
+            box.put(control, data)
 
     # -- receiving --------------------------------------------------------------------------
 
+    def expect_layout(self, sizes: Sequence[int]) -> None:
+        """The model's tensors have ``sizes`` elements (in parameter order): updates index the
+        flat vector of all of them, and announces name tensors by their place here."""
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"a model of one or more non-empty tensors, got sizes {sizes}")
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._layout.set()
+
     def expect_entries(self, size: int) -> None:
-        """The model has ``size`` parameters: a SPARSE update indexes inside it."""
-        self.max_entries = size
+        """The model has ``size`` parameters, as one tensor (:meth:`expect_layout`)."""
+        self.expect_layout([size])
+
+    @property
+    def max_entries(self) -> int:
+        """The model's parameters: the most entries an update may hold."""
+        return int(self._offsets[-1])
+
+    @property
+    def tensors(self) -> int:
+        return len(self._offsets) - 1
 
     def _receiver(self, conn: socket.socket) -> None:
         j = -1
@@ -243,43 +293,68 @@ class Mirror:
 
     def _receive_from(self, conn: socket.socket, j: int) -> None:
         """Data centre ``j``'s messages, each checked before it changes anything."""
-        announced = 0  # the clock whose SPARSE update was announced and not yet received
         last = 0  # the last clock j finished
+        due: deque[list[int]] = deque()  # [clock, entries to come] of j's announced updates
+        touched: dict[int, np.ndarray] = {}  # the tensors each of those updates announced
         while True:
             h = recv_header(conn)
-            limit = 8 * self.max_entries if h.type == MessageType.SPARSE else (
-                CONTROL_PAYLOAD_BYTES)
+            if h.type in (MessageType.SPARSE, MessageType.CLOCK) and not self._layout.wait(
+                    self.timeout_s):  # a peer may be a step ahead of this leader's set-up
+                raise GaiaError("an update came, but this leader was never told the model's "
+                                "layout (expect_layout)")
+            if h.type == MessageType.SPARSE:
+                if not due:
+                    raise GaiaError(f"an update for clock {h.step}, which was not announced")
+                limit = 8 * due[0][1]
+            elif h.type == MessageType.CLOCK and h.flags:
+                limit = 8 + (self.tensors + 7) // 8
+            else:
+                limit = CONTROL_PAYLOAD_BYTES
             payload = recv_payload(conn, h, limit=limit)
             if h.type == MessageType.CLOCK and h.flags:
-                if h.step != last + 1 or announced:
+                if h.step != last + 1 or (due and due[-1][0] == h.step):
                     raise GaiaError(f"announce of clock {h.step} after clock {last}"
-                                    + (f" with clock {announced}'s update outstanding"
-                                       if announced else ""))
-                announced = h.step
+                                    + (" announced already" if due and due[-1][0] == h.step
+                                       else ""))
+                entries, tensors = decode_announce(payload, self.tensors)
+                if entries > self.max_entries:
+                    raise GaiaError(f"an announce of {entries} entries for a model of "
+                                    f"{self.max_entries}")
+                due.append([h.step, entries])
+                touched[h.step] = tensors
                 with self._cond:
-                    self.barrier.announce(j, h.step)
+                    self.barrier.announce(j, h.step, tensors.tolist(), entries)
                     self._cond.notify_all()
             elif h.type == MessageType.CLOCK:
-                if h.step != last + 1 or announced:
-                    raise GaiaError(f"clock {h.step} after clock {last}"
-                                    + (f" before clock {announced}'s announced update"
-                                       if announced else ""))
+                if h.step != last + 1:
+                    raise GaiaError(f"clock {h.step} after clock {last}")
                 last = h.step
                 with self._cond:
                     self.clock.observe(j, h.step)
                     self._cond.notify_all()
             elif h.type == MessageType.SPARSE:
-                if h.step != announced or not announced:
-                    raise GaiaError(f"an update for clock {h.step}, which was not announced")
+                clock, left = due[0]
+                if h.step != clock:
+                    raise GaiaError(f"an update for clock {h.step} while clock {clock}'s "
+                                    "announced update is outstanding")
                 idx, vals = decode_sparse(payload)
                 if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.max_entries):
                     raise GaiaError(f"an update indexing outside the model's "
                                     f"{self.max_entries} parameters")
-                announced = 0
+                if not np.isin(tensor_of(self._offsets, idx), touched[clock]).all():
+                    raise GaiaError(f"an update of clock {clock} touching a tensor its "
+                                    "announce did not name")
+                due[0][1] = left - idx.size
+                if due[0][1] == 0:
+                    due.popleft()
+                    del touched[clock]
                 with self._cond:
                     self._inbox.append((j, h.step, idx, vals))
                     self._cond.notify_all()
             elif h.type == MessageType.BYE:
+                if due:
+                    raise GaiaError(f"a goodbye with {due[0][1]} entries of clock {due[0][0]}"
+                                    "'s announced update outstanding")
                 with self._cond:
                     self.clock.observe(j, _DONE)
                     self._cond.notify_all()
@@ -287,57 +362,97 @@ class Mirror:
             else:
                 raise GaiaError(f"unexpected {h.type.name}")
 
+    def _apply_due(self, apply: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Apply the queued pieces of clocks up to this data centre's own, in arrival order;
+        a faster one's later clocks wait for ours (never an update from this one's future:
+        with staleness 0 that is exactly synchronous training). Under ``_cond``."""
+        mine = self.clock.clocks[self.dc]
+        later = []
+        for item in self._inbox:
+            j, clock, idx, vals = item
+            if clock > mine:
+                later.append(item)
+                continue
+            apply(idx, vals)
+            self.barrier.applied(j, clock, idx.size)
+            self.entries_received += idx.size
+            self.updates_received += (j, clock) not in self.barrier.pending
+        self._inbox = later
+
+    def _wait(self, done: Callable[[], bool], apply: Callable[[np.ndarray, np.ndarray], None],
+              deadline: float) -> bool:
+        """Apply what comes until ``done()``; False at ``deadline``. Raises GaiaError at once
+        when a data centre's link failed. Under ``_cond``."""
+        while True:
+            self._apply_due(apply)
+            if done():
+                return True
+            bad = [j for j in self._errors if self.clock.clocks[j] < _DONE]
+            if bad:
+                raise GaiaError(self._errors[bad[0]])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(min(left, 0.5))
+
     def exchange(self, apply: Callable[[np.ndarray, np.ndarray], None], *,
                  everyone: bool = False) -> None:
-        """Apply every received update (``apply(idx, vals)``, in arrival order) and return
-        once the selective barrier and the mirror clock allow the next clock (``everyone``:
-        once every data centre reached this one's clock, as at the end of training).
+        """Apply every received piece of an update (``apply(idx, vals)``, in arrival order)
+        and return once the mirror clock allows the next clock (``everyone``: once every data
+        centre reached this one's clock and every update announced up to it is applied, as at
+        the end of training). Updates still on their way are the selective barrier's: their
+        tensors' readers wait in :meth:`wait_tensors`.
 
         Raises:
             GaiaError: a data centre's link failed, or the wait passed ``timeout_s`` (names
                 the data centres waited for).
         """
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
+        mine = self.clock.clocks[self.dc]
+
+        def done() -> bool:
+            if everyone:
+                return (min(self.clock.clocks) >= mine
+                        and self.barrier.may_proceed(up_to=mine))
+            return self.clock.may_start()
+
         with self._cond:
-            while True:
-                mine = self.clock.clocks[self.dc]
-                # Updates up to this data centre's own clock, in arrival order; a faster one's
-                # later clocks wait for ours (never an update from this one's future: with
-                # staleness 0 that is exactly synchronous training).
-                later = []
-                for item in self._inbox:
-                    j, clock, idx, vals = item
-                    if clock > mine:
-                        later.append(item)
-                        continue
-                    apply(idx, vals)
-                    self.barrier.applied(j, clock)
-                    self.updates_received += 1
-                    self.entries_received += idx.size
-                self._inbox = later
-                caught_up = (min(self.clock.clocks) >= mine
-                             if everyone else self.clock.may_start())
-                if self.barrier.may_proceed(up_to=mine) and caught_up:
-                    break
-                bad = [j for j in self._errors if self.clock.clocks[j] < _DONE]
-                if bad:
-                    raise GaiaError(self._errors[bad[0]])
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    mine = self.clock.clocks[self.dc]
-                    behind = ([j for j, c in enumerate(self.clock.clocks) if c < mine]
-                              if everyone else self.clock.waiting_for())
-                    who = sorted({j for j, _ in self.barrier.pending} | set(behind))
-                    raise GaiaError(f"data centre {self.dc} waited {self.timeout_s:g} s for "
-                                    + ", ".join(self._name(j) for j in who))
-                self._cond.wait(min(left, 0.5))
+            if not self._wait(done, apply, t0 + self.timeout_s):
+                behind = ([j for j, c in enumerate(self.clock.clocks) if c < mine]
+                          if everyone else self.clock.waiting_for())
+                who = sorted({j for j, _ in self.barrier.pending} | set(behind))
+                raise GaiaError(f"data centre {self.dc} waited {self.timeout_s:g} s for "
+                                + ", ".join(self._name(j) for j in who))
         self.wait_s += time.monotonic() - t0
+
+    def wait_tensors(self, tensors: Iterable[int], apply: Callable[[np.ndarray, np.ndarray],
+                     None], *, timeout_s: float) -> set[int]:
+        """The selective barrier's reader: apply what comes (as :meth:`exchange`) until no
+        update announced for a clock up to this data centre's own will still change one of
+        ``tensors``, or ``timeout_s`` passed; returns the tensors still waited for (read
+        stale: their update is applied when it comes, at a later call).
+
+        Raises:
+            GaiaError: a data centre's link failed.
+        """
+        want = set(tensors)
+        t0 = time.monotonic()
+        with self._cond:
+            mine = self.clock.clocks[self.dc]
+            if not self.barrier.blocked(want, up_to=mine) and not self._inbox:
+                return set()
+            self.barrier_waits += 1
+            self._wait(lambda: not self.barrier.blocked(want, up_to=mine), apply,
+                       t0 + timeout_s)
+            still = self.barrier.blocked(want, up_to=mine)
+            self.barrier_timeouts += bool(still)
+        self.wait_s += time.monotonic() - t0
+        return still
 
     def close(self) -> None:
         """Say goodbye to every data centre (after the queued updates are sent) and stop."""
-        for q in self._queues.values():
-            q.put(None)
+        for box in self._queues.values():
+            box.put([], [None])
         for t in self._senders:
             t.join(self.timeout_s)
         for sock in self._out.values():
@@ -350,5 +465,29 @@ class Mirror:
     def stats(self) -> dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "updates_received": self.updates_received,
                 "entries_received": self.entries_received, "wait_s": self.wait_s,
+                "barrier_waits": self.barrier_waits, "barrier_timeouts": self.barrier_timeouts,
                 "clocks": list(self.clock.clocks), "refused_links": self.refused_links,
                 "protocol_errors": self.protocol_errors}
+
+
+class _Outbox:
+    """One link's messages to send: control messages (barriers, clocks) go before the next
+    piece of data, whatever was queued first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._control: deque[Any] = deque()
+        self._data: deque[Any] = deque()
+
+    def put(self, control: list[Any], data: list[Any]) -> None:
+        with self._cond:
+            self._control.extend(control)
+            self._data.extend(data)
+            self._cond.notify()
+
+    def take(self) -> Any:
+        """The next message (None: say goodbye), waiting for one."""
+        with self._cond:
+            while not self._control and not self._data:
+                self._cond.wait()
+            return self._control.popleft() if self._control else self._data.popleft()

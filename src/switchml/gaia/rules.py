@@ -9,10 +9,11 @@ Approximate Synchronous Parallel (ASP) has three parts:
    decay keeps the error bounded as learning slows: paper section 3.2). Significant entries are
    sent (index, value) and their accumulator reset; the rest keeps accumulating, so no update
    is ever lost, only delayed until it matters.
-2. **Selective barrier.** A data centre announces that significant updates for clock ``c`` are
-   coming before sending them; a receiver does not start its next clock while an announced
-   update has not been applied. (The paper sends the barrier ahead of the bulky data so that it
-   is not delayed behind it.)
+2. **Selective barrier.** Before its significant updates for clock ``c``, a data centre
+   announces which parameters they touch; on the receiving side a reader of those parameters
+   waits until the update is applied (with a bound), and the other parameters are read at
+   once. The announce travels ahead of the bulky data (the mirror sends control messages
+   before the next piece of an update), so the barrier is known long before the entries come.
 3. **Mirror clock.** Each data centre tells the others when it finishes a clock; none may run
    more than ``staleness`` clocks ahead of the slowest, which bounds how stale the updates
    from elsewhere can be (ASP's stale-synchronous guarantee): a data centre that finished
@@ -22,14 +23,15 @@ Approximate Synchronous Parallel (ASP) has three parts:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["MirrorClock", "SelectiveBarrier", "SignificanceFilter", "decode_sparse",
-           "encode_sparse", "parse_dc_layout", "significance_threshold"]
+__all__ = ["MirrorClock", "SelectiveBarrier", "SignificanceFilter", "decode_announce",
+           "decode_sparse", "encode_announce", "encode_sparse", "parse_dc_layout",
+           "significance_threshold", "tensor_of"]
 
 
 def significance_threshold(clock: int, *, threshold: float = 0.01, decay: bool = True) -> float:
@@ -93,31 +95,66 @@ class SignificanceFilter:
 
 
 class SelectiveBarrier:
-    """Which announced updates (data centre, clock) have not been applied yet."""
+    """Which parameters announced updates will change, until those updates are applied.
+
+    A data centre announces, per clock, the *tensors* (parameters, by index in the model's
+    parameter list) its significant update of that clock touches and how many entries it
+    holds, before the entries themselves (:func:`encode_announce`). A reader of a tensor waits
+    while an update announced for it is not applied (:meth:`blocked`); readers of other tensors
+    proceed. Entries are applied in pieces (:meth:`applied`); an update is done when all its
+    announced entries are.
+
+    Example::
+
+        b = SelectiveBarrier()
+        b.announce(1, 7, tensors={0, 3}, entries=120)
+        b.blocked({3, 4}, up_to=7)      # {3}
+        b.applied(1, 7, 120)
+        b.blocked({3, 4}, up_to=7)      # set()
+    """
 
     def __init__(self) -> None:
-        self._pending: set[tuple[int, int]] = set()
+        self._pending: dict[tuple[int, int], tuple[frozenset[int], int]] = {}
 
-    def announce(self, dc: int, clock: int) -> None:
-        """Data centre ``dc`` said significant updates for ``clock`` are on their way."""
-        self._pending.add((dc, clock))
+    def announce(self, dc: int, clock: int, tensors: Iterable[int] = (), entries: int = 0
+                 ) -> None:
+        """Data centre ``dc`` said an update of ``entries`` entries for ``clock``, touching
+        ``tensors``, is on its way."""
+        self._pending[dc, clock] = (frozenset(tensors), entries)
 
-    def applied(self, dc: int, clock: int) -> None:
-        """Those updates are now in the local model. An update never announced is an error
-        (the sender must announce first)."""
+    def applied(self, dc: int, clock: int, entries: int | None = None) -> None:
+        """``entries`` more entries of that update are now in the local model (None: all of
+        them). An update never announced is an error (the sender must announce first)."""
         try:
-            self._pending.remove((dc, clock))
+            tensors, left = self._pending[dc, clock]
         except KeyError:
             raise ValueError(f"update of data centre {dc} clock {clock} was not announced"
                              ) from None
+        left = 0 if entries is None else left - entries
+        if left <= 0:
+            del self._pending[dc, clock]
+        else:
+            self._pending[dc, clock] = (tensors, left)
 
     @property
     def pending(self) -> list[tuple[int, int]]:
+        """The (data centre, clock) of every update announced and not wholly applied."""
         return sorted(self._pending)
 
+    def blocked(self, tensors: Iterable[int] | None = None, *, up_to: int | None = None
+                ) -> set[int]:
+        """The tensors among ``tensors`` (None: all) that an update of a clock up to
+        ``up_to`` (None: any) will still change: their readers wait."""
+        want = None if tensors is None else set(tensors)
+        out: set[int] = set()
+        for (_dc, clock), (touched, _left) in self._pending.items():
+            if up_to is None or clock <= up_to:
+                out |= touched if want is None else touched & want
+        return out
+
     def may_proceed(self, up_to: int | None = None) -> bool:
-        """Whether the next clock may start: every announced update applied (of clocks up
-        to ``up_to``, when given: later ones are not due yet)."""
+        """Whether every announced update (of clocks up to ``up_to``, when given: later ones
+        are not due yet) is applied."""
         if up_to is None:
             return not self._pending
         return not any(clock <= up_to for _dc, clock in self._pending)
@@ -156,6 +193,39 @@ class MirrorClock:
         """The data centres this one waits for (too far behind)."""
         limit = self.clocks[self.me] - self.staleness
         return [j for j, c in enumerate(self.clocks) if c < limit]
+
+
+def tensor_of(offsets: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The tensor of each flat parameter index (``offsets``: where each tensor starts in the
+    flat vector, and its end: ``[0, n0, n0 + n1, ..., total]``)."""
+    return np.searchsorted(offsets, idx, side="right") - 1
+
+
+def encode_announce(entries: int, tensors: np.ndarray, count: int) -> bytes:
+    """A selective barrier's payload: the update's entry count (uint64, little-endian), then a
+    bitmap of the ``count`` tensors, bit ``t`` set when tensor ``t`` is touched."""
+    bits = np.zeros(count, np.uint8)
+    bits[tensors] = 1
+    return np.uint64(entries).tobytes() + np.packbits(bits, bitorder="little").tobytes()
+
+
+def decode_announce(data: bytes | memoryview, count: int) -> tuple[int, np.ndarray]:
+    """``(entries, tensors)`` of a selective barrier for a model of ``count`` tensors.
+
+    Raises:
+        ValueError: the wrong length, no tensor, or a bit past the last tensor.
+    """
+    want = 8 + (count + 7) // 8
+    if len(data) != want:
+        raise ValueError(f"an announce for {count} tensors has {want} bytes, got {len(data)}")
+    entries = int(np.frombuffer(data, np.uint64, count=1)[0])
+    bits = np.unpackbits(np.frombuffer(data, np.uint8, offset=8), bitorder="little")
+    if bits[count:].any():
+        raise ValueError(f"an announce names a tensor past the model's {count}")
+    tensors = np.flatnonzero(bits[:count])
+    if tensors.size == 0 or entries == 0:
+        raise ValueError("an announce of no entries or no tensors")
+    return entries, tensors
 
 
 def encode_sparse(idx: np.ndarray, vals: np.ndarray) -> bytes:
