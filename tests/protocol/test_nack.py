@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from test_switch import join
 
-from switchml.protocol.kernels import R
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.endpoint import Batch
+from switchml.protocol.kernels import R
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     EXP_ZERO,
@@ -362,6 +363,38 @@ def test_a_nack_resend_after_a_timeout_resend_is_not_marked_as_its_answer():
     (again,) = _nack_to(p, 1, 2, t + 0.01)
     assert again.chunk == 2 and not again.flags & Flags.RESENT
     assert b.counters["nack_retransmissions"] == 1
+
+
+@pytest.mark.parametrize("rack", [False, True])
+def test_the_results_kernel_answers_a_nack_in_a_batch_and_goes_on(rack, monkeypatch):
+    """A NACK amid results (one receive call): the results kernel re-sends the lane's chunk
+    itself and takes the result after it, without a turn through Python (the compiled loop
+    keeps running under loss). With RACK on, NACKs go to Python, which logs the re-send; the
+    outcome is the same."""
+    p = _Pair()
+    for w in p.w:
+        w.recovery.fast_retransmit = rack
+    p.start_and_send_last_chunks()
+    p.up(0, 0.0016)
+    p.up(1, 0.0016, keep=lambda h: h.chunk != 2)  # rank 1's chunk 2 is lost; 3 arrives
+    to_b = [bytes(d) for d, a in p.sw.datagrams_to_send(0.0016) if a == ADDRS[1]]
+    (result,) = [d for d in to_b if unpack_header(d).type is MessageType.RESULT]
+    assert unpack_header(result).chunk == 3
+    b = p.w[1]
+    in_python = []
+    real = b._handlers[MessageType.NACK]
+    monkeypatch.setitem(b._handlers, MessageType.NACK,
+                        lambda *a: (in_python.append(1), real(*a)))
+    nack = pack_header(Header(MessageType.NACK, JOB, rank=1, token=TOKEN,
+                              seq=unpack_header(result).seq, chunk=2, slot=b.slot_base,
+                              elem=ElementType.BYTES))
+    before = b.counters["results_received"]
+    b.receive_many(Batch.of_pairs([(p.sa, nack), (p.sa, result)]), 0.002)
+    out = [unpack_header(bytes(d)) for d, _ in b.datagrams_to_send(0.002)]
+    assert [h.chunk for h in out] == [2] and out[0].flags & Flags.RESENT
+    assert b.counters["nack_retransmissions"] == 1
+    assert b.counters["results_received"] == before + 1  # the result after the NACK
+    assert in_python == ([1] if rack else [])
 
 
 def test_a_nack_answered_by_a_first_resend_is_marked():

@@ -14,7 +14,7 @@ Faster than timeouts:
 
 * **NACKs** (the default): the switch sees a rank's later chunks arrive while an earlier one
   is missing, and says so; the worker re-sends what it has outstanding on that lane at once,
-  unless it re-sent it less than a round trip ago (:meth:`LossRecovery.nack_resend`).
+  unless it re-sent it less than a round trip ago (``kernels.take_nack``).
 * **RACK** (``WorkerConfig.fast_retransmit``): a result for a chunk sent at time *t* marks
   every chunk still outstanding that was sent more than the reorder window before *t* as lost
   (:meth:`LossRecovery.lost_chunks`); a re-send that proves needless (a WAITING answer, or a
@@ -131,24 +131,6 @@ class LossRecovery:
                                           self.rtt[K.R.MAX_REO_SCALE])
         op.waiting_missing = missing
         op.waiting_chunk = chunk
-
-    def nack_resend(self, op: Operation, chunk: int, now: float) -> int | None:
-        """The switch lacks ``chunk`` although later chunks of ours arrived: the chunk to
-        re-send now on its lane (the chunk itself, or the earlier one whose lost result
-        releases it: the switch answers that from its round or shadow copy), or None when
-        it was delivered meanwhile or re-sent less than a round trip ago (its answer may be
-        on its way). A first transmission, however recent, is re-sent: the switch NACKs a
-        chunk only once a chunk sent after it arrived, so on a path that keeps order it was
-        lost (a NACK can come back sooner than a round trip after it)."""
-        self.heard(now)
-        i = chunk % op.E
-        p = int(op.lane[K.LN.CHUNK, i])
-        if p < 0 or p > chunk:
-            return None
-        if (op.lane[K.LN.XMITS, i] > 0
-                and now - float(op.lanef[K.LF.XMIT_AT, i]) < self.rtt[K.R.MIN_RTT]):
-            return None
-        return p
 
     # -- timers ----------------------------------------------------------------------------------
 

@@ -51,7 +51,6 @@ from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_stat
 from switchml.protocol.operation import SUPPORTED_DTYPES, WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
-    Flags,
     Header,
     MessageType,
     unpack_header,
@@ -69,7 +68,9 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("payload_bytes_resent", K.WC.PAYLOAD_RESENT),
                     ("retransmissions", K.WC.RETRANSMISSIONS),
                     ("spurious_fast_retransmissions", K.WC.SPURIOUS),
-                    ("tail_probes", K.WC.TAIL_PROBES))
+                    ("tail_probes", K.WC.TAIL_PROBES),
+                    ("nack_retransmissions", K.WC.NACK_RESENDS),
+                    ("nacks_ignored", K.WC.NACKS_IGNORED))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
@@ -196,6 +197,7 @@ class WorkerEndpoint(WorkerControl):
         # sequence number included (the ranks must stay in step).
         op = Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
                        slot_bases=self.slot_bases, bits=bits, residual=residual)
+        op.opv[K.OP.PY_NACKS] = self.recovery.fast_retransmit  # RACK logs its re-sends
         self._seq = (seq + 1) & 0xFFFFFFFF
         self._move(WorkerInput.START)
         self._begin(op, now)
@@ -491,28 +493,17 @@ class WorkerEndpoint(WorkerControl):
 
     def _handle_nack(self, h: Header, data: _Data, now: float) -> None:
         """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
-        what is outstanding on its lane now (``LossRecovery.nack_resend``). Like a RACK
-        re-send, it does not back the lane's timeout off."""
+        what is outstanding on its lane now, by the kernel's rule (``kernels.take_nack``; the
+        results kernel answers the NACKs it finds itself, without RACK). Like a RACK re-send,
+        it does not back the lane's timeout off."""
         op = self._current_op(h, "stale_nack")
         if op is None:
             return
-        i = h.chunk % op.E
-        if h.chunk >= op.T or h.slot != op.lane[K.LN.SLOT, i]:
-            self._drops["bad_slot"] += 1
-            return
-        p = self.recovery.nack_resend(op, h.chunk, now)
-        if p is None:
-            self._counters["nacks_ignored"] += 1
-            return
-        self._counters["nack_retransmissions"] += 1
-        self._send_chunk(op, p, now, retransmit=True, fast=True)
-        if p == h.chunk and op.lane[K.LN.XMITS, i] == 1:
-            # The switch thinks this request was lost: mark the re-send, so that it can tell
-            # when it was only late (reordered) and widen its NACK gap. Only the chunk's
-            # first re-send: after a timeout's or a probe's, finding the chunk in shows that
-            # copy got there first, not that the network reorders (marking it would widen
-            # the gap whenever timeouts race NACKs, and turn NACKs off for good).
-            op.txbuf[i, 4] |= Flags.RESENT
+        p = int(K.take_nack(h.chunk, h.slot, now, op.opv, op.lane, op.lanef, self.recovery.rtt,
+                            self._cnt))
+        if p >= 0:
+            i = self._send_chunk(op, p, now, retransmit=True, fast=True)
+            K.mark_nack_resend(i, p, h.chunk, op.opv, op.lane, op.tx8)
 
     def _handle_mismatch(self, h: Header, data: _Data, now: float) -> None:
         """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
@@ -570,7 +561,7 @@ class WorkerEndpoint(WorkerControl):
     # -- Sending -----------------------------------------------------------------------------
 
     def _send_chunk(self, op: Operation, p: int, now: float, *, retransmit: bool,
-                    fast: bool = False) -> None:
+                    fast: bool = False) -> int:
         """(Re-)send packet ``p``, rebuilt from the input (``kernels.send_chunk``).
 
         ``fast``: a NACK or RACK re-send: it does not back the lane's timeout off but, as any
@@ -579,6 +570,7 @@ class WorkerEndpoint(WorkerControl):
                          self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.res, op.tx8,
                          op.tx16, op.tx32, self._cnt, op.sendlen)
         self._queue_lane(op, int(i), now)
+        return int(i)
 
     def _queue_lane(self, op: Operation, i: int, now: float) -> None:
         """Queue lane ``i``'s datagram (``txbuf[i, :sendlen[i]]``, sent by the next drain) as

@@ -19,6 +19,7 @@ from switchml.protocol.kernels.frames import (
     F_HAS_DATA,
     F_HAS_EXP,
     F_NONFINITE,
+    F_RESENT,
     H_CHUNK,
     H_COUNT,
     H_ELEM,
@@ -38,6 +39,7 @@ from switchml.protocol.kernels.frames import (
     KNOWN_FLAGS,
     MAGIC,
     NO_RC,
+    T_NACK,
     T_REQUEST,
     T_RESULT,
     VERSION,
@@ -79,9 +81,10 @@ class OP(IntEnum):
     TAIL_HEAD = 17  # the queue LN.TAIL_ORDER[TAIL_HEAD:TAIL_END] (tail-loss probes)
     TAIL_END = 18
     NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
+    PY_NACKS = 20  # 1: NACKs go to Python (RACK keeps its transmission log there)
 
 
-O_FIELDS = 20
+O_FIELDS = 21
 
 
 class R(IntEnum):
@@ -147,7 +150,9 @@ class WC(IntEnum):
     SPURIOUS = 8
     PAYLOAD_RESENT = 9  # payload bytes of re-sends (timeouts, probes, NACKs, RACK)
     TAIL_PROBES = 10  # lanes' last chunks whose deadline a tail-loss probe brought forward
-    N = 11
+    NACK_RESENDS = 11  # chunks re-sent because the switch NACKed their lane
+    NACKS_IGNORED = 12  # NACKs answered meanwhile, or for a chunk re-sent under a round trip
+    N = 13
 
 
 class WS(IntEnum):
@@ -309,6 +314,56 @@ def _result_length(d, o, ln, opv):
     if u32(d, o + H_JOB) != opv[OP.JOB] or i64(d, o + H_TOKEN) != opv[OP.TOKEN]:
         return 0
     return isz
+
+
+@njit(**INLINE)
+def _is_nack(d, o, ln, opv):
+    """Whether ``d[o:o+ln]`` is a NACK of the operation in flight, as the switch sends them
+    (header only, no flags, this job's token and sequence number). Anything else that claims to
+    be one goes to Python's full header check (``wire.unpack_header``)."""
+    return (ln == HDR and u16(d, o + H_MAGIC) == MAGIC and d[o + H_VERSION] == VERSION
+            and d[o + H_TYPE] == T_NACK and d[o + H_FLAGS] == 0 and d[o + H_SET] <= 1
+            and u16(d, o + H_COUNT) == 0 and d[o + H_ELEM] <= E_INT16
+            and u32(d, o + H_JOB) == opv[OP.JOB] and i64(d, o + H_TOKEN) == opv[OP.TOKEN]
+            and u32(d, o + H_SEQ) == opv[OP.SEQ] and opv[OP.PY_NACKS] == 0)
+
+
+@njit(**INLINE)
+def take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt):
+    """The switch lacks ``chunk`` (on ``slot``) of this operation although later chunks of
+    this rank arrived: the chunk to re-send now on its lane (the chunk itself, or the one
+    before it, whose lost result releases it: the switch answers that from its round or
+    shadow copy), or -1. -1 when the NACK names no lane of ours (counted ``BAD_SLOT``), when
+    the lane moved past the chunk meanwhile, or re-sent its chunk less than the smallest
+    round trip ago (its answer may be on the way; counted ``NACKS_IGNORED``). A first
+    transmission, however recent, is re-sent: the switch NACKs a chunk only once a chunk sent
+    after it arrived, so on a path that keeps order it was lost. The caller re-sends it as a
+    fast re-send (no timeout backoff) and calls :func:`mark_nack_resend`."""
+    rtt[R.LAST_HEARD] = now
+    i = chunk % opv[OP.E]
+    if chunk >= opv[OP.T] or slot != lane[LN.SLOT, i]:
+        cnt[WC.BAD_SLOT] += 1
+        return -1
+    p = lane[LN.CHUNK, i]
+    if p < 0 or p > chunk or (lane[LN.XMITS, i] > 0
+                              and now - lanef[LF.XMIT_AT, i] < rtt[R.MIN_RTT]):
+        cnt[WC.NACKS_IGNORED] += 1
+        return -1
+    cnt[WC.NACK_RESENDS] += 1
+    return p
+
+
+@njit(**INLINE)
+def mark_nack_resend(i, p, chunk, opv, lane, tx8):
+    """Lane ``i`` re-sent ``p`` for a NACK of ``chunk``. The switch thinks that request was
+    lost: the chunk's first re-send carries ``RESENT``, so that the switch can tell when it
+    was only late (reordered) and widen its NACK gap. Only the first: after a timeout's or a
+    probe's re-send, finding the chunk in shows that copy got there first, not that the
+    network reorders (marking it would widen the gap whenever timeouts race NACKs, and turn
+    NACKs off for good)."""
+    if p == chunk and lane[LN.XMITS, i] == 1:
+        base = i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
+        tx8[base + H_FLAGS] |= F_RESENT
 
 
 @njit(**INLINE)
@@ -475,7 +530,17 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         o = starts[i]
         isz = _result_length(d, o, lens[i], opv)
         if isz == 0:
-            return i, WS.OTHER.value
+            if not _is_nack(d, o, lens[i], opv):
+                return i, WS.OTHER.value
+            i += 1  # a NACK of this operation: answered here, without leaving the loop
+            p = take_nack(u32(d, o + H_CHUNK), u32(d, o + H_SLOT), now, opv, lane, lanef, rtt,
+                          cnt)
+            if p >= 0:
+                ln_i = send_chunk(p, True, True, now, opv, lane, lanef, rtt, next_set, exps,
+                                  nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                mark_nack_resend(ln_i, p, u32(d, o + H_CHUNK), opv, lane, tx8)
+                queue_lane(ln_i, opv, sendq)
+            continue
         i += 1
         ln_i = _lane_of(d, o, opv, lane, cnt)
         if ln_i < 0:
