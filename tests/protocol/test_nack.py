@@ -308,6 +308,23 @@ def test_a_late_rank_causes_no_tail_probe_and_idle_probes_back_off():
     assert a.state.value == "ready" and a.counters["retransmissions"] == 6
 
 
+def test_no_idle_probe_before_the_operations_last_window():
+    """Mid-operation (chunks still to send after the outstanding ones) a silence says a peer
+    stalls, and a lane held up by a loss only falls behind: no idle probe, the lanes'
+    timeouts stand (50 ms here). In the last window it is armed again."""
+    p = _Pair()
+    x = np.arange(40, dtype=np.float32)  # 10 blocks on 2 lanes: 12 packets
+    for r, w in enumerate(p.w):
+        w.start_allreduce(x, np.empty_like(x), 0.0)
+        p.up(r, 0.0)
+    p.down(0.001)  # the first window's results: chunks 2 and 3 go out at 1 ms
+    p.up(0, 0.001)  # rank 1 stalls: its chunks 2 and 3 do not arrive
+    a = p.w[0]
+    assert a.get_timer() == pytest.approx(0.001 + 0.05)  # the timeout, not 2 srtt
+    a.handle_timer(0.001 + 0.05)
+    assert a.counters["idle_probes"] == 0 and a.counters["timer_retransmissions"] == 2
+
+
 def test_a_lost_result_of_the_last_chunks_is_recovered_by_the_idle_probe():
     """The end of an operation: both ranks' last chunks arrive, but the results to rank 0
     are lost. No later chunk shows the switch anything (NACKs) and no later result shows

@@ -6,8 +6,8 @@ at least ``min_rto_srtts`` x srtt; Karn's rule: no sample from a re-sent chunk),
 each expiry up to ``max_rto_s``; a lane's last chunk, which no later chunk can reveal as
 missing, is probed a reorder window after a chunk sent after it has its result (a tail-loss
 probe, RFC 8985 section 7; ``kernels.stream``); when no result at all has come for two
-round trips while chunks are outstanding (the end of an operation, where neither a later
-chunk nor a later result can show a loss), an idle probe re-sends the oldest few of them
+round trips while chunks are outstanding in the operation's last window (where neither a
+later chunk nor a later result can show a loss), an idle probe re-sends the oldest few of them
 (:meth:`LossRecovery.probe_chunks`, backing off). The first measured round trip brings the
 first window's deadlines, set under ``initial_rto_s``, down to the measured timeout.
 Faster than timeouts:
@@ -69,10 +69,8 @@ class LossRecovery:
         op.spurious = int(self._cnt[K.WC.SPURIOUS])
         self.rtt[K.R.FMAX] = op.fmax
         self.rtt[K.R.LAST_PROGRESS] = self.rtt[K.R.LAST_HEARD] = now
-        # No idle probe before the operation's first result: until then silence only says
-        # that a peer has not started yet (the first window's losses are NACKed).
-        self.rtt[K.R.PROBED_AT] = now
-        self.rtt[K.R.PROBES] = np.inf
+        # No idle probe before the operation's last window (``kernels.probe_time``).
+        self.rtt[K.R.PROBED_AT] = self.rtt[K.R.PROBES] = np.inf
 
     def on_completed(self, op: Operation) -> None:
         """A clean operation (no needless RACK re-send) narrows the reorder window again."""

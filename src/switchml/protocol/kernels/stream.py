@@ -104,8 +104,8 @@ class R(IntEnum):
     MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
     MIN_REO_WINDOW = 12  # WorkerConfig.min_reorder_window_s
     RTO_SRTTS = 13  # WorkerConfig.min_rto_srtts: the timeout is at least this many srtt
-    PROBED_AT = 14  # the last idle probe, or the operation's start
-    PROBES = 15  # idle probes since the last result (backoff); inf before the first result
+    PROBED_AT = 14  # the last idle probe; inf before the operation's last window
+    PROBES = 15  # idle probes since the last result (backoff); inf until they are armed
 
 
 R_FIELDS = 16
@@ -252,6 +252,8 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
         lane[LN.FAST, i] = 0
         lanef[LF.SENT_AT, i] = now
         if p + opv[OP.E] >= opv[OP.T]:  # the lane's last chunk: a tail-loss probe candidate
+            if opv[OP.TAIL_END] == 0:  # the operation's last window: idle probes from the
+                rtt[R.PROBED_AT] = rtt[R.LAST_PROGRESS]  # next result on (probe_time)
             lane[LN.TAIL_ORDER, opv[OP.TAIL_END]] = i
             opv[OP.TAIL_END] += 1
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
@@ -652,8 +654,10 @@ def probe_time(rtt):
     no later chunk shows the switch a loss (NACKs) and no later result shows the worker one
     (tail probes), so a lost chunk or result would wait for a timeout, tens of round trips,
     while the whole operation waits for it. Each probe without a result since doubles it.
-    None before the operation's first result (``PROBES`` is inf): until then silence says
-    only that a peer has not started."""
+    Armed only in the operation's last window (from the first result after its first lane
+    sent its last chunk; ``send_chunk`` sets ``PROBED_AT``): before that, NACKs and later
+    results see losses, and a silence says only that a peer stalls or has not started (on a
+    busy host, probing then re-sent hundreds of chunks per loss-free operation for nothing)."""
     srtt = rtt[R.SRTT]
     if srtt < 0:
         return np.inf
