@@ -293,9 +293,7 @@ class Mirror:
 
     def _receive_from(self, conn: socket.socket, j: int) -> None:
         """Data centre ``j``'s messages, each checked before it changes anything."""
-        last = 0  # the last clock j finished
-        due: deque[list[int]] = deque()  # [clock, entries to come] of j's announced updates
-        touched: dict[int, np.ndarray] = {}  # the tensors each of those updates announced
+        link = _Link()
         while True:
             h = recv_header(conn)
             if h.type in (MessageType.SPARSE, MessageType.CLOCK) and not self._layout.wait(
@@ -303,64 +301,74 @@ class Mirror:
                 raise GaiaError("an update came, but this leader was never told the model's "
                                 "layout (expect_layout)")
             if h.type == MessageType.SPARSE:
-                if not due:
+                if not link.due:
                     raise GaiaError(f"an update for clock {h.step}, which was not announced")
-                limit = 8 * due[0][1]
+                limit = 8 * link.due[0][1]
             elif h.type == MessageType.CLOCK and h.flags:
                 limit = 8 + (self.tensors + 7) // 8
             else:
                 limit = CONTROL_PAYLOAD_BYTES
             payload = recv_payload(conn, h, limit=limit)
             if h.type == MessageType.CLOCK and h.flags:
-                if h.step != last + 1 or (due and due[-1][0] == h.step):
-                    raise GaiaError(f"announce of clock {h.step} after clock {last}"
-                                    + (" announced already" if due and due[-1][0] == h.step
-                                       else ""))
-                entries, tensors = decode_announce(payload, self.tensors)
-                if entries > self.max_entries:
-                    raise GaiaError(f"an announce of {entries} entries for a model of "
-                                    f"{self.max_entries}")
-                due.append([h.step, entries])
-                touched[h.step] = tensors
-                with self._cond:
-                    self.barrier.announce(j, h.step, tensors.tolist(), entries)
-                    self._cond.notify_all()
+                self._on_announce(j, link, h.step, payload)
             elif h.type == MessageType.CLOCK:
-                if h.step != last + 1:
-                    raise GaiaError(f"clock {h.step} after clock {last}")
-                last = h.step
+                if h.step != link.last + 1:
+                    raise GaiaError(f"clock {h.step} after clock {link.last}")
+                link.last = h.step
                 with self._cond:
                     self.clock.observe(j, h.step)
                     self._cond.notify_all()
             elif h.type == MessageType.SPARSE:
-                clock, left = due[0]
-                if h.step != clock:
-                    raise GaiaError(f"an update for clock {h.step} while clock {clock}'s "
-                                    "announced update is outstanding")
-                idx, vals = decode_sparse(payload)
-                if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.max_entries):
-                    raise GaiaError(f"an update indexing outside the model's "
-                                    f"{self.max_entries} parameters")
-                if not np.isin(tensor_of(self._offsets, idx), touched[clock]).all():
-                    raise GaiaError(f"an update of clock {clock} touching a tensor its "
-                                    "announce did not name")
-                due[0][1] = left - idx.size
-                if due[0][1] == 0:
-                    due.popleft()
-                    del touched[clock]
-                with self._cond:
-                    self._inbox.append((j, h.step, idx, vals))
-                    self._cond.notify_all()
+                self._on_sparse(j, link, h.step, payload)
             elif h.type == MessageType.BYE:
-                if due:
-                    raise GaiaError(f"a goodbye with {due[0][1]} entries of clock {due[0][0]}"
-                                    "'s announced update outstanding")
+                if link.due:
+                    raise GaiaError(f"a goodbye with {link.due[0][1]} entries of clock "
+                                    f"{link.due[0][0]}'s announced update outstanding")
                 with self._cond:
                     self.clock.observe(j, _DONE)
                     self._cond.notify_all()
                 return
             else:
                 raise GaiaError(f"unexpected {h.type.name}")
+
+    def _on_announce(self, j: int, link: _Link, clock: int, payload: memoryview) -> None:
+        """A selective barrier: for the next clock, once, naming tensors of the model and at
+        most its entries."""
+        again = bool(link.due) and link.due[-1][0] == clock
+        if clock != link.last + 1 or again:
+            raise GaiaError(f"announce of clock {clock} after clock {link.last}"
+                            + (" announced already" if again else ""))
+        entries, tensors = decode_announce(payload, self.tensors)
+        if entries > self.max_entries:
+            raise GaiaError(f"an announce of {entries} entries for a model of "
+                            f"{self.max_entries}")
+        link.due.append([clock, entries])
+        link.touched[clock] = tensors
+        with self._cond:
+            self.barrier.announce(j, clock, tensors.tolist(), entries)
+            self._cond.notify_all()
+
+    def _on_sparse(self, j: int, link: _Link, clock: int, payload: memoryview) -> None:
+        """A piece of the oldest announced update with entries to come, inside the model and
+        the tensors its announce named."""
+        due, left = link.due[0]
+        if clock != due:
+            raise GaiaError(f"an update for clock {clock} while clock {due}'s announced "
+                            "update is outstanding")
+        idx, vals = decode_sparse(payload)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.max_entries):
+            raise GaiaError(f"an update indexing outside the model's {self.max_entries} "
+                            "parameters")
+        if not np.isin(tensor_of(self._offsets, idx), link.touched[due]).all():
+            raise GaiaError(f"an update of clock {due} touching a tensor its announce did "
+                            "not name")
+        link.due[0][1] = left - idx.size
+        if link.due[0][1] == 0:
+            link.due.popleft()
+            del link.touched[due]
+        with self._cond:
+            self._inbox.append((j, clock, idx, vals))
+            self._cond.notify_all()
 
     def _apply_due(self, apply: Callable[[np.ndarray, np.ndarray], None]) -> None:
         """Apply the queued pieces of clocks up to this data centre's own, in arrival order;
@@ -468,6 +476,17 @@ class Mirror:
                 "barrier_waits": self.barrier_waits, "barrier_timeouts": self.barrier_timeouts,
                 "clocks": list(self.clock.clocks), "refused_links": self.refused_links,
                 "protocol_errors": self.protocol_errors}
+
+
+class _Link:
+    """What a receiver knows of one data centre's stream: the last clock it finished, its
+    announced updates with entries still to come (``[clock, entries]``, oldest first), and the
+    tensors each announced."""
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.due: deque[list[int]] = deque()
+        self.touched: dict[int, np.ndarray] = {}
 
 
 class _Outbox:
