@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from switchml.gaia.mirror import Mirror
-from switchml.gaia.rules import encode_announce, encode_sparse
+from switchml.gaia.rules import encode_announce, encode_sparse, tensor_of
 from switchml.gaia.trainer import GaiaSync
 from switchml.ps.wire import MessageType, recv_header, recv_payload, send_message
 
@@ -34,7 +34,7 @@ class _FakeDC:
         send_message(self.out, mtype, worker=1, **kw)
 
     def announce(self, clock: int, idx: np.ndarray, count: int) -> None:
-        tensors = np.unique(np.searchsorted(self.offsets, idx, side="right") - 1)
+        tensors = np.unique(tensor_of(self.offsets, idx))
         self.send(MessageType.CLOCK, step=clock, flags=1,
                   payload=encode_announce(idx.size, tensors, count))
 

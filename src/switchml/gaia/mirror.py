@@ -46,6 +46,7 @@ from switchml.gaia.rules import (
     decode_sparse,
     encode_announce,
     encode_sparse,
+    layout_offsets,
     tensor_of,
 )
 from switchml.links import LinkSecurity, WarningBudget, check_exposure
@@ -239,7 +240,7 @@ class Mirror:
         flat vector of all of them, and announces name tensors by their place here."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"a model of one or more non-empty tensors, got sizes {sizes}")
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._offsets = layout_offsets(sizes)
         self._layout.set()
 
     def expect_entries(self, size: int) -> None:

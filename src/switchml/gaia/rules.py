@@ -31,7 +31,7 @@ from switchml.protocol.errors import ConfigError
 
 __all__ = ["MirrorClock", "SelectiveBarrier", "SignificanceFilter", "decode_announce",
            "decode_sparse", "encode_announce", "encode_sparse", "parse_dc_layout",
-           "significance_threshold", "tensor_of"]
+           "layout_offsets", "significance_threshold", "tensor_of"]
 
 
 def significance_threshold(clock: int, *, threshold: float = 0.01, decay: bool = True) -> float:
@@ -193,6 +193,12 @@ class MirrorClock:
         """The data centres this one waits for (too far behind)."""
         limit = self.clocks[self.me] - self.staleness
         return [j for j, c in enumerate(self.clocks) if c < limit]
+
+
+def layout_offsets(sizes: Sequence[int]) -> np.ndarray:
+    """Where each tensor of ``sizes`` elements starts in the flat vector of all of them, and
+    its end: ``[0, n0, n0 + n1, ..., total]`` (int64)."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 def tensor_of(offsets: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from switchml.gaia.mirror import Mirror
-from switchml.gaia.rules import SignificanceFilter
+from switchml.gaia.rules import SignificanceFilter, layout_offsets, tensor_of
 
 __all__ = ["GaiaSync"]
 
@@ -54,7 +54,7 @@ class GaiaSync:
         self.clock = 0
         self._prev = self._flat()
         sizes = [p.numel() for p in self.params]
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._offsets = layout_offsets(sizes)
         self.filter = (SignificanceFilter(self._prev.size, threshold=threshold, decay=decay)
                        if mirror is not None else None)
         if mirror is not None:
@@ -85,7 +85,7 @@ class GaiaSync:
         if not idx.size:
             return
         np.add.at(self._prev, idx, vals)
-        owner = np.searchsorted(self._offsets, idx, side="right") - 1
+        owner = tensor_of(self._offsets, idx)
         torch = self._torch
         with torch.no_grad():
             for t in np.unique(owner):
@@ -101,7 +101,7 @@ class GaiaSync:
         tensor this step's forward already read wait for the clock's end (``_deferred``):
         changing it in place now would corrupt the gradient autograd computes from it."""
         if self._read:
-            owner = np.searchsorted(self._offsets, idx, side="right") - 1
+            owner = tensor_of(self._offsets, idx)
             late = np.isin(owner, list(self._read))
             if late.any():
                 self._deferred.append((idx[late], vals[late]))
