@@ -166,6 +166,13 @@ class WS(IntEnum):
 
 
 @njit(**INLINE)
+def lane_row(i, opv):
+    """Where lane ``i``'s datagram starts in the transmit buffer: each lane has a row of one
+    full datagram (header and ``K`` elements)."""
+    return i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
+
+
+@njit(**INLINE)
 def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                   residual):
     """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
@@ -180,7 +187,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
     E = opv[OP.E]
     k = opv[OP.K]
     itemsize = opv[OP.ITEMSIZE]
-    base = i * (HDR + k * itemsize)  # a lane's row: a full datagram
+    base = lane_row(i, opv)
     flags = 0
     exp_data = EXP_ZERO
     exp_next = EXP_ZERO
@@ -364,8 +371,7 @@ def mark_nack_resend(i, p, chunk, opv, lane, tx8):
     network reorders (marking it would widen the gap whenever timeouts race NACKs, and turn
     NACKs off for good)."""
     if p == chunk and lane[LN.XMITS, i] == 1:
-        base = i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
-        tx8[base + H_FLAGS] |= F_RESENT
+        tx8[lane_row(i, opv) + H_FLAGS] |= F_RESENT
 
 
 @njit(**INLINE)
