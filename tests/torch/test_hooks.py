@@ -13,17 +13,15 @@ from switchml.protocol.errors import ConfigError
 CTX = mp.get_context("spawn")
 
 
-@pytest.fixture(scope="module")
-def trained(free_port):
-    world, steps = 2, 40
+def _ranks(target, args_of, world: int, timeout: float) -> list:
+    """Run ``target(*args_of(rank), queue)`` in ``world`` processes; each puts ``(rank, result,
+    error)``. Returns the results by rank; fails on any rank's error."""
     q = CTX.Queue()
-    port = free_port()
-    procs = [CTX.Process(target=hook_procs.train_with_hooks, args=(r, world, port, steps, q))
-             for r in range(world)]
+    procs = [CTX.Process(target=target, args=(*args_of(r), q)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        rows = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r[0])
+        rows = sorted((q.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -32,6 +30,12 @@ def trained(free_port):
     for rank, _, err in rows:
         assert err is None, f"rank {rank}: {err}"
     return [r[1] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def trained(free_port):
+    world, steps, port = 2, 40, free_port()
+    return _ranks(hook_procs.train_with_hooks, lambda r: (r, world, port, steps), world, 240)
 
 
 def _max_rel_diff(a: dict, b: dict) -> float:
@@ -74,21 +78,9 @@ def test_hook_sizes_chunks_for_the_smallest_mtu_of_any_rank(free_port):
     """The backend's rule, not rank 0's MTU: rank 0 says 9000, rank 1 says 1500, and both
     ranks' jobs carry chunks that fit 1500-byte datagrams."""
     from switchml.protocol.wire import elements_for_mtu
-    world, q, port = 2, CTX.Queue(), free_port()
-    procs = [CTX.Process(target=hook_procs.hook_geometry, args=(r, world, port, mtu, q))
-             for r, mtu in enumerate((9000, 1500))]
-    for p in procs:
-        p.start()
-    try:
-        rows = sorted((q.get(timeout=120) for _ in procs), key=lambda r: r[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, _, err in rows:
-        assert err is None, f"rank {rank}: {err}"
-    assert [k for _, k, _ in rows] == [elements_for_mtu(1500)] * world
+    world, port, mtus = 2, free_port(), (9000, 1500)
+    got = _ranks(hook_procs.hook_geometry, lambda r: (r, world, port, mtus[r]), world, 120)
+    assert got == [elements_for_mtu(1500)] * world
 
 
 def test_hook_arguments_are_checked():
