@@ -51,6 +51,7 @@ def main() -> None:
     sw = SwitchDataplane()
     addrs = [(f"10.0.0.{r + 1}", 5000) for r in range(n)]
     swa = ("10.0.0.100", 48864)
+    keys = [(r + 1) << 16 | 5000 for r in range(n)]  # stable sender numbers, as recvmmsg gives
     ws = [WorkerEndpoint(spec=spec, rank=r, switch_address=swa) for r in range(n)]
     for w in ws:
         w.join(0.0)
@@ -79,14 +80,22 @@ def main() -> None:
         for r in range(n):
             for run in _batches(pending[r], a.batch):
                 buf = np.frombuffer(bytearray(b"".join(run)), np.uint8)
+                # As the UDP switch gets them: with sender numbers stable across calls.
                 batch = Batch.of_segments(buf, len(buf), len(run[0]), addrs[r])
+                batch = batch._replace(senders=np.full(batch.count, keys[r], np.int64),
+                                       stable_senders=True)
                 t = time.perf_counter()
                 sw.receive_many(batch, 0.0)
-                out = sw.datagrams_to_send(0.0)
+                # What the UDP switch takes: GSO runs planned by a kernel.
+                out, runs = sw.runs_to_send(0.0, max_segments=64, max_bytes=65000)
                 t_sw += time.perf_counter() - t
                 n_sw += len(run)
                 for d, addr in out:
                     back[addrs.index(addr)].append(bytes(d))
+                for bufs, size, addr in runs:
+                    for b in bufs:
+                        back[addrs.index(addr)].extend(bytes(b[o:o + size])
+                                                       for o in range(0, len(b), size))
             pending[r] = []
         for r, w in enumerate(ws):
             for run in _batches(back[r], a.batch):

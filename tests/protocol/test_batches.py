@@ -43,7 +43,8 @@ def test_kernel_constants_match_the_wire_format():
     assert K.KNOWN_FLAGS == wire.KNOWN_FLAGS and K.EXP_ZERO == wire.EXP_ZERO
     assert (K.F_NONFINITE, K.F_HAS_DATA, K.F_HAS_EXP) == (
         wire.Flags.NONFINITE, wire.Flags.HAS_DATA, wire.Flags.HAS_EXP)
-    assert (K.E_INT32, K.E_INT16) == (wire.ElementType.INT32, wire.ElementType.INT16)
+    assert (K.E_BYTES, K.E_INT32, K.E_INT16) == (wire.ElementType.BYTES, wire.ElementType.INT32,
+                                                wire.ElementType.INT16)
     # The header field offsets the kernels read: pack a header and read it back.
     h = wire.Header(wire.MessageType.REQUEST, 0x01020304, rank=0x0506, token=0x0708090A0B0C0D0E,
                     seq=0x11121314, chunk=0x21222324, slot=0x31323334, set_bit=1, count=7,

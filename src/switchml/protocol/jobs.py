@@ -110,13 +110,19 @@ class Job:
     key: bytes = b""  # the job key (auth.job_key): JOIN and LEAVE proofs verify under it
     cookies: list[bytes | None] = field(default_factory=list)  # each member's JOIN cookie
     left_at: list[float] = field(default_factory=list)  # when each rank last left (LEAVE)
-    heard: list[float] = field(default_factory=list)  # when each member last sent anything
+    heard: np.ndarray = field(default=None)  # type: ignore[assignment]
+    """When each member last sent anything (float64 per rank; the kernel writes it)."""
+    mkeys: np.ndarray = field(default=None)  # type: ignore[assignment]
+    """Per rank, the sender number (``endpoint.Batch.senders``) its admitted requests came
+    with, or -1: the kernel takes a rank's requests only from that sender, so the address check
+    is made once per member, not per batch (``set_member`` forgets it)."""
 
     def __post_init__(self) -> None:
         w = self.window
         self.cookies = [None] * self.num_workers
         self.left_at = [float("-inf")] * self.num_workers
-        self.heard = [float("-inf")] * self.num_workers
+        self.heard = np.full(self.num_workers, float("-inf"))
+        self.mkeys = np.full(self.num_workers, -1, np.int64)
         self.all_ranks = (1 << self.num_workers) - 1
         nwords = (self.num_workers + 63) // 64
         jobv = np.zeros(K.J_FIELDS, np.int64)
@@ -155,6 +161,12 @@ class Job:
         # Rounds completed and not yet sent (rows (set, slot, length), in completion order).
         self.pend = np.empty((2 * w + K.MAX_BATCH, 3), np.int64)
         self.npend = 0
+
+    def set_member(self, rank: int, addr: Address | None) -> None:
+        """Record (or, with None, forget) the address of ``rank``; its datagrams' sender
+        number is checked again."""
+        self.members[rank] = addr
+        self.mkeys[rank] = -1
 
     @property
     def min_seq(self) -> int | None:

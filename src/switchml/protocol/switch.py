@@ -37,7 +37,7 @@ class holds the state as arrays for it (``jobs.Job``) and handles what is rare i
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -76,7 +76,6 @@ _INT16 = int(ElementType.INT16)
 _DATA_ITEMSIZE = {_INT32: 4, _INT16: 2}
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 _UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
-_NACK = int(MessageType.NACK)
 _BYTES = int(ElementType.BYTES)
 
 _HALF = 2**31
@@ -118,6 +117,11 @@ class SwitchDataplane(SwitchControl):
         self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
         self._lens = np.empty(1, np.int64)
         self._one_sender = np.zeros(1, np.int64)
+        self._nacks = np.empty(K.NACKS_PER_CALL * HEADER_SIZE, np.uint8)  # the kernel's NACKs
+        self._nack_ranks = np.empty(K.NACKS_PER_CALL, np.int64)
+        self._hot: Job | None = None  # the job of the last request admitted
+        self._stable = False  # whether the last batch's sender numbers were stable
+        self._learned: list[Job] = []  # jobs whose mkeys this call learned (unstable numbers)
         self.packets_in = 0
         self.packets_out = 0
         self.results_resent = 0
@@ -161,68 +165,125 @@ class SwitchDataplane(SwitchControl):
         self._now = now
         buf = K.as_buffer(data)
         self._starts[0], self._lens[0] = 0, len(buf)
-        self._receive(buf, self._starts, self._lens, self._one_sender, 1, lambda _key: addr, now)
+        self._receive(buf, self._starts, self._lens, self._one_sender, 1, lambda _key: addr, now,
+                      False)
 
     def receive_many(self, batch: Batch, now: float) -> None:
         """Process a batch of datagrams of one or several senders (``endpoint.Batch``), in
         order, as the same datagrams one by one. Call ``datagrams_to_send`` afterwards. More
         than ``kernels.MAX_BATCH`` datagrams is malformed input (a real GRO buffer or
         ``recvmmsg`` holds at most 64): the excess is dropped and counted."""
-        buf, starts, lens, senders, count, address_of = batch
+        buf, starts, lens, senders, count, address_of, stable = batch
         self._now = now
         if count > K.MAX_BATCH:
             self.packets_in += count - K.MAX_BATCH
             self._drops["too_many_segments"] += count - K.MAX_BATCH
             count = K.MAX_BATCH
-        self._receive(buf, starts, lens, senders, count, address_of, now)
+        self._receive(buf, starts, lens, senders, count, address_of, now, stable)
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                  senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                 now: float) -> None:
-        """Requests go through the compiled kernel, many per call; control messages and
-        anything rare datagram by datagram."""
+                 now: float, stable: bool) -> None:
+        """Requests go through the compiled kernel, all of one job's members' in one call;
+        control messages and anything rare datagram by datagram.
+
+        The kernel takes a rank's requests from the sender number Python admitted it from
+        (``Job.mkeys``, learned here by ``_admit``): with ``stable`` sender numbers that holds
+        across calls, so a busy switch enters Python once per receive call; otherwise only
+        within this call."""
+        if stable != self._stable:  # another numbering: what was learned means nothing now
+            self._forget_senders(self._jobs.values())
+            self._stable = stable
         self.packets_in += count
         view = memoryview(buf)
+        # The job of the last request taken, most likely the next one's; with unstable
+        # numbers the kernel knows no sender yet, so Python looks first.
+        job = self._hot if stable else None
+        admitted_at = -1
         i = 0
         while i < count:
+            if job is not None:
+                j, code = self._run_kernel(job, buf, starts, lens, senders, count, i, now)
+                if code == K.SS.DONE:
+                    break
+                if code != K.SS.OTHER:
+                    i = self._after_kernel(job, code, j, view, starts, senders, address_of)
+                    continue
+                if j == admitted_at:  # can't happen: _admit checked the same
+                    self._drops["internal"] += 1
+                    i = j + 1
+                    continue
+                i = j
+            # Datagram i is not a request of a known member of ``job``: check it in Python.
             o = int(starts[i])
             end = o + int(lens[i])
             addr = address_of(int(senders[i]))
             f = self._request_fields(buf, view, o, end)
             if f is None:
                 self._receive_other(view[o:end], addr, now)
+                job = self._hot  # (a LEAVE or a lease may have removed it)
                 i += 1
                 continue
-            job = self._admit(f, addr, now)
-            if job is None:
+            admitted = self._admit(f, addr, now)
+            if admitted is None:
                 i += 1
                 continue
-            nxt, ndone, code = K.switch_requests(buf, starts, lens, senders, count, i,
-                                                 f[Field.RANK],
-                                                 job.jobv, job.st, job.seen, job.conflict,
-                                                 job.bufs, job.clog, job.cursor, self._rules,
-                                                 self._cnt, self._done)
-            if ndone and (self.on_completed is None
-                          or not self.on_completed(job, self._done, ndone, now)):
-                self._queue_results(job, ndone)
-            i = self._after_kernel(job, code, nxt, i, view, starts, addr)
+            admitted.mkeys[f[Field.RANK]] = senders[i]
+            if not stable:
+                self._learned.append(admitted)
+            job = self._hot = admitted
+            admitted_at = i  # the kernel takes it from here
+        if self._learned:
+            self._forget_senders(self._learned)
+            self._learned.clear()
 
-    def _after_kernel(self, job: Job, code: int, nxt: int, i: int, view: memoryview,
-                      starts: np.ndarray, addr: Address) -> int:
+    def _run_kernel(self, job: Job, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                    senders: np.ndarray, count: int, i: int, now: float) -> tuple[int, int]:
+        """One call of the kernel for ``job`` from datagram ``i``; queue its results and
+        NACKs. Returns ``(next, code)``."""
+        nxt, ndone, nnack, code = K.switch_requests(
+            buf, starts, lens, senders, count, i, now, job.jobv, job.st, job.seen,
+            job.conflict, job.bufs, job.clog, job.cursor, job.mkeys, job.heard, self._rules,
+            self._cnt, self._done, self._nacks, self._nack_ranks)
+        if nxt > i or code != K.SS.OTHER:
+            job.last_seen = now
+            job.started = True
+        if nnack:
+            self._queue_nacks(job, nnack)
+        if ndone and (self.on_completed is None
+                      or not self.on_completed(job, self._done, ndone, now)):
+            self._queue_results(job, ndone)
+        return nxt, code
+
+    @staticmethod
+    def _forget_senders(jobs: Iterable[Job]) -> None:
+        for job in jobs:
+            job.mkeys[:] = -1
+
+    def _after_kernel(self, job: Job, code: int, nxt: int, view: memoryview,
+                      starts: np.ndarray, senders: np.ndarray,
+                      address_of: Callable[[int], Address]) -> int:
         """Answer what stopped the kernel (the slot rule's Python actions); return the
         datagram to go on from."""
         reply = self._replies.get(code)
         if reply is not None:  # about datagram nxt, which the kernel did not take
-            reply(job, HEADER.unpack_from(view, int(starts[nxt])), addr)
+            reply(job, HEADER.unpack_from(view, int(starts[nxt])),
+                  address_of(int(senders[nxt])))
             return nxt + 1
         if code == K.SS.CONFLICT_ADDED:  # about datagram nxt - 1, which it took
-            self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr, None)
-        elif code == K.SS.NACK:
-            self._nack(job, HEADER.unpack_from(view, int(starts[nxt - 1])), addr)
-        elif code == K.SS.OTHER and nxt == i:  # can't happen: _admit checked the same
-            self._drops["internal"] += 1
-            return nxt + 1
-        return nxt
+            self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])),
+                           address_of(int(senders[nxt - 1])), None)
+        return nxt  # (NACKS_FULL: queued already)
+
+    def _queue_nacks(self, job: Job, n: int) -> None:
+        """Send the NACKs the kernel wrote (``_nacks`` rows, to ``_nack_ranks``): each tells
+        its rank that the switch lacks an earlier chunk of its (``kernels.aggregate._behind_on``
+        found it)."""
+        rows, members = self._nacks, job.members
+        for k, rank in enumerate(self._nack_ranks[:n].tolist()):
+            self._out.append((rows[k * HEADER_SIZE:(k + 1) * HEADER_SIZE].tobytes(),
+                              members[rank]))
+        self.nacks_sent += n
 
     @staticmethod
     def _request_fields(buf: np.ndarray, view: memoryview, o: int, end: int) -> tuple | None:
@@ -439,6 +500,8 @@ class SwitchDataplane(SwitchControl):
         if job is None:
             return False
         job.npend = 0  # results not yet sent go nowhere
+        if self._hot is job:
+            self._hot = None
         self.allocator.release(job.slot_base, job.window)
         # JOINs challenged before now must not bring the job back (a replay within a
         # cookie's lifetime); remembered for that lifetime only.
@@ -537,16 +600,6 @@ class SwitchDataplane(SwitchControl):
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))
         self._out.append((pack_header(reply) + payload, addr))
         self.mismatch_sent += 1
-
-    def _nack(self, job: Job, f: tuple, addr: Address) -> None:
-        """Tell the sender of ``f`` that the switch lacks an earlier chunk of its (the kernel
-        found it: ``kernels.aggregate._behind_on``)."""
-        jobv = job.jobv
-        self._out.append((HEADER.pack(MAGIC, VERSION, _NACK, 0, 0, f[Field.RANK], job.job_id,
-                                      job.token, f[Field.SEQ], int(jobv[K.J.NACK_CHUNK]),
-                                      job.slot_base + int(jobv[K.J.NACK_SLOT]), 0, _BYTES, 0,
-                                      EXP_ZERO, EXP_ZERO), addr))
-        self.nacks_sent += 1
 
     def _nack_was_needless(self, job: Job) -> None:
         """A re-send answering a NACK found its chunk already in: the chunk had been

@@ -163,7 +163,7 @@ class SwitchControl:
                              f"{format_address(old)} and the job is running; a restarted worker "
                              "cannot take over its state: start a new job")
                 return
-            job.members[h.rank] = addr
+            job.set_member(h.rank, addr)
             job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
             job.heard[h.rank] = now
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
@@ -213,7 +213,7 @@ class SwitchControl:
             self._refuse(h, addr, f"no memory for job {h.job}")
             return None
         job.last_seen = self._now
-        job.heard = [self._now] * job.num_workers  # silence counts from here
+        job.heard[:] = self._now  # silence counts from here
         self._jobs[h.job] = job
         self._events.append(JobCreated(h.job, job.num_workers, base, job.window,
                                        job.elements_per_packet))
@@ -241,7 +241,7 @@ class SwitchControl:
                         job.key, job=h.job, token=h.token, rank=h.rank, cookie=cookie)):
                     self._drops["bad_leave"] += 1
                     return
-                job.members[h.rank] = None
+                job.set_member(h.rank, None)
                 job.cookies[h.rank] = None
                 job.left_at[h.rank] = now  # JOINs challenged before now are spent
             if all(m is None for m in job.members):

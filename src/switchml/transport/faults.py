@@ -54,7 +54,8 @@ class LossyEndpoint:
         if keep.any():
             self.inner.receive_many(Batch(batch.buf, batch.starts[:count][keep],
                                           batch.lens[:count][keep], batch.senders[:count][keep],
-                                          int(keep.sum()), batch.address_of), now)
+                                          int(keep.sum()), batch.address_of,
+                                          batch.stable_senders), now)
 
     def handle_timer(self, now: float) -> None:
         self.inner.handle_timer(now)

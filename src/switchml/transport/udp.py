@@ -125,6 +125,7 @@ class SwitchServer:
         timers = threading.Thread(target=self._run_timers, name="switchml-timers", daemon=True)
         timers.start()
         rx, clock = self._rx, time.monotonic
+        stable = isinstance(rx, MultiReceiver)  # (numbers senders by address and port)
         while not self._stop.is_set():
             try:
                 n = rx.receive(block=True)
@@ -136,8 +137,8 @@ class SwitchServer:
                 self.recv_calls += 1
                 now = clock()
                 self._process(self.dataplane.receive_many,
-                              (Batch(rx.buf, rx.starts, rx.lens, rx.senders, n, rx.address_of),
-                               now), now)
+                              (Batch(rx.buf, rx.starts, rx.lens, rx.senders, n, rx.address_of,
+                                     stable), now), now)
         log.info("switch on %s stopped: %s", format_address(self.address), self.stats())
 
     def _process(self, call: Callable[..., None], args: tuple, now: float) -> None:

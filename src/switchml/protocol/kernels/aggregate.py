@@ -16,8 +16,10 @@ from typing import NamedTuple
 import numpy as np
 
 from switchml.protocol.kernels.frames import (
+    E_BYTES,
     E_INT32,
     EPOCH_TRAIL,
+    EXP_ZERO,
     F_HAS_EXP,
     F_NONFINITE,
     H_CHUNK,
@@ -39,6 +41,7 @@ from switchml.protocol.kernels.frames import (
     MASK32,
     NO_RC,
     SHAPE_FLAGS,
+    T_NACK,
     T_RESULT,
     copy_bytes,
     i16,
@@ -126,12 +129,16 @@ class SS(IntEnum):
     """Why :func:`switch_requests` stopped."""
 
     DONE = 0  # every datagram taken
-    OTHER = 1  # not a request of this job and rank, or from before the epoch: Python's path
+    OTHER = 1  # not a request of a known member of this job, or from before the epoch: Python
     RESEND_RESULT = 2  # a retransmission into a complete round: Python sends the stored copy
     ANSWER_WAITING = 3  # a retransmission into an open round: Python answers WAITING
     MISMATCH = 4  # the chunk disagrees with the round: Python refuses it
     CONFLICT_ADDED = 5  # added to a round that has refused ranks: Python tells this rank
-    NACK = 6  # added, and this rank is behind on an earlier chunk: Python sends it a NACK
+    NACKS_FULL = 6  # the NACKs written fill their buffer: Python queues them and calls again
+
+
+NACKS_PER_CALL = 64
+"""NACK datagrams :func:`switch_requests` writes per call (its ``nacks`` buffer's rows)."""
 
 
 class Request(NamedTuple):
@@ -419,10 +426,26 @@ def _behind_on(jobv, st, seen, clog, cursor, rank, r):
 # -- the batch ----------------------------------------------------------------------------------
 
 @njit(**INLINE)
-def _same_sender(d, o, ln, srcs, i, src, jobv, rank):
-    """Whether datagram ``i`` is a well-formed REQUEST of this job and rank, from ``src``."""
-    return (srcs[i] == src and request_framing(d, o, ln) and u32(d, o + H_JOB) == jobv[J.JOB]
-            and i64(d, o + H_TOKEN) == jobv[J.TOKEN] and u16(d, o + H_RANK) == rank)
+def _member_request(d, o, ln, sender, jobv, mkeys):
+    """Whether the datagram at ``d[o:o+ln]`` is a well-formed REQUEST of this job (job and
+    token) from a rank whose membership was checked for this sender (``mkeys``: per rank, the
+    sender number its admitted requests came with; -1: none)."""
+    if sender < 0 or not request_framing(d, o, ln):
+        return False
+    if u32(d, o + H_JOB) != jobv[J.JOB] or i64(d, o + H_TOKEN) != jobv[J.TOKEN]:
+        return False
+    rank = u16(d, o + H_RANK)
+    return rank < jobv[J.N] and mkeys[rank] == sender
+
+
+@njit(**INLINE)
+def _write_nack(jobv, nacks, nack_ranks, k, rank, seq):
+    """NACK ``k`` of this call: tell ``rank`` the chunk ``_behind_on`` found (a header-only
+    datagram in row ``k`` of ``nacks``)."""
+    write_header(nacks, k * HDR, T_NACK, 0, 0, rank, jobv[J.JOB], jobv[J.TOKEN], seq,
+                 jobv[J.NACK_CHUNK], jobv[J.SLOT_BASE] + jobv[J.NACK_SLOT], 0, E_BYTES, 0,
+                 EXP_ZERO, EXP_ZERO)
+    nack_ranks[k] = rank
 
 
 @njit(**INLINE)
@@ -441,30 +464,35 @@ def _before_epoch(jobv, seq):
 
 
 @njit(**NO_RC)
-def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, conflict, bufs,
-                    clog, cursor, rules, cnt, done):
-    """Aggregate the REQUESTs of a batch of datagrams, from datagram ``start`` on.
+def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
+                    clog, cursor, mkeys, heard, rules, cnt, done, nacks, nack_ranks):
+    """Aggregate the REQUESTs of one job in a batch of datagrams, from datagram ``start`` on.
 
     ``d``: the received bytes (uint8); datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``
-    and came from the sender ``srcs[i]`` (a number per address). The caller has checked that
-    datagram ``start`` is a REQUEST of this job from ``rank`` at the rank's joined address;
-    every later one must be too (same sender, job, token and rank), else the kernel stops
-    there. ``rules``: ``slots.action_table()``. ``done`` receives ``(set, slot, length)`` of
-    every round completed here: the result datagram is ``bufs[set, slot, :length]``.
+    and came from the sender ``srcs[i]`` (a number per address). The kernel takes every
+    datagram that is a REQUEST of this job from a member whose address Python checked for that
+    sender number (``mkeys[rank] == srcs[i]``), whichever rank it is, and stops at the first
+    other one. ``heard[rank] = now`` for each. ``rules``: ``slots.action_table()``. ``done``
+    receives ``(set, slot, length)`` of every round completed here: the result datagram is
+    ``bufs[set, slot, :length]``. NACKs go into ``nacks`` (rows of a header each, for rank
+    ``nack_ranks[k]``), at most ``NACKS_PER_CALL``.
 
-    Returns ``(next, ndone, code)``: the segment to go on from, completions written, and why it
-    stopped (``SS.DONE`` when ``next`` is past the end; else the Python side handles segment
-    ``next`` (``SS.CONFLICT_ADDED`` and ``SS.NACK``: segment ``next - 1``) and calls again)."""
-    src = srcs[start]
+    Returns ``(next, ndone, nnack, code)``: the segment to go on from, completions and NACKs
+    written, and why it stopped (``SS.DONE`` when ``next`` is past the end; else the Python
+    side handles segment ``next`` (``SS.CONFLICT_ADDED``: segment ``next - 1``;
+    ``SS.NACKS_FULL``: nothing) and calls again)."""
     ndone = 0
+    nnack = 0
     i = start
     while i < nseg:
         o, ln = starts[i], lens[i]
-        if not _same_sender(d, o, ln, srcs, i, src, jobv, rank):
-            return i, ndone, SS.OTHER.value
+        if not _member_request(d, o, ln, srcs[i], jobv, mkeys):
+            return i, ndone, nnack, SS.OTHER.value
         r = _parse(d, o, jobv[J.SLOT_BASE])
         if _before_epoch(jobv, r.seq):
-            return i, ndone, SS.OTHER.value  # from before a restart: Python tells it
+            return i, ndone, nnack, SS.OTHER.value  # from before a restart: Python tells it
+        rank = u16(d, o + H_RANK)
+        heard[rank] = now
         if r.s < 0 or r.s >= jobv[J.WINDOW]:
             cnt[SC.BAD_SLOT] += 1
             i += 1
@@ -479,11 +507,11 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
             i += 1
             continue
         if action == A_RESEND_RESULT:
-            return i, ndone, SS.RESEND_RESULT.value
+            return i, ndone, nnack, SS.RESEND_RESULT.value
         if action == A_ANSWER_WAITING:
-            return i, ndone, SS.ANSWER_WAITING.value
+            return i, ndone, nnack, SS.ANSWER_WAITING.value
         if action == A_REFUSE_MISMATCH:
-            return i, ndone, SS.MISMATCH.value
+            return i, ndone, nnack, SS.MISMATCH.value
         pay = d[o + HDR:o + HDR + r.count * r.itemsize]
         conflicted = False
         if action == A_START_ROUND:
@@ -491,16 +519,18 @@ def switch_requests(d, starts, lens, srcs, nseg, start, rank, jobv, st, seen, co
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
         _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
-        nack = _behind_on(jobv, st, seen, clog, cursor, rank, r)
+        if _behind_on(jobv, st, seen, clog, cursor, rank, r):
+            _write_nack(jobv, nacks, nack_ranks, nnack, rank, r.seq)
+            nnack += 1
         if st[S.MISSING, r.v, r.s] == 0:
             _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt)
             ndone += 1
         i += 1
         if conflicted:
-            return i, ndone, SS.CONFLICT_ADDED.value
-        if nack:
-            return i, ndone, SS.NACK.value
-    return i, ndone, SS.DONE.value
+            return i, ndone, nnack, SS.CONFLICT_ADDED.value
+        if nnack == nack_ranks.shape[0]:
+            return i, ndone, nnack, SS.NACKS_FULL.value
+    return i, ndone, nnack, SS.DONE.value
 
 
 @njit(**NO_RC)
