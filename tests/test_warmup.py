@@ -28,7 +28,7 @@ _PROBE = textwrap.dedent("""
         pkg = importlib.import_module("switchml.protocol.kernels")
         names = [f"switchml.protocol.kernels.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
         out = {}
-        for name in [*names, "switchml.transport.fastpath"]:
+        for name in [*names, "switchml.transport.fastpath", "switchml.transport.switchpath"]:
             for key, obj in vars(importlib.import_module(name)).items():
                 if isinstance(obj, CPUDispatcher) and obj.__module__ == name:
                     out[f"{name}.{key}"] = obj

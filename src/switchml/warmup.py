@@ -18,8 +18,10 @@ def warm_up() -> None:
     """Every kernel, for every operation kind."""
     from switchml.protocol.warmup import warm_up as warm_protocol
     from switchml.transport.fastpath import warm_up as warm_fast_path
+    from switchml.transport.switchpath import warm_up as warm_switch_path
     warm_protocol()
     warm_fast_path()
+    warm_switch_path()
     _warm_transports()
 
 

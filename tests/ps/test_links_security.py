@@ -203,8 +203,11 @@ def test_fuzzed_messages_never_crash_the_server_or_change_another_workers_state(
     """Worker 0 runs a job of one shard; a hostile connection in each phase of its own
     (fresh, after a HELLO as worker 1, after an INIT) sends random messages. The server
     survives, and the job's values are exactly what worker 0 set (a hostile INIT can only
-    land for a shard nobody initialised, here shard 9, never shard 0)."""
-    server = ParameterServer(0, ServerConfig(workers=2, mode="async", optimizer="sum",
+    land for a shard nobody initialised, here shard 9, never shard 0). Synchronous steps:
+    after a HELLO the connection *is* worker 1 (no secret on loopback), whose well-formed
+    PUSH is its part of a step, which never completes without worker 0's; asynchronously it
+    would be applied, as it should be."""
+    server = ParameterServer(0, ServerConfig(workers=2, mode="sync", optimizer="sum",
                                              timeout_s=0.5)).start()
     try:
         shards = place([("x", 6)], 1, max_shard_elements=6)

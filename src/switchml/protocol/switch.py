@@ -183,7 +183,7 @@ class SwitchDataplane(SwitchControl):
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                  senders: np.ndarray, count: int, address_of: Callable[[int], Address],
-                 now: float, stable: bool) -> None:
+                 now: float, stable: bool, start: int = 0) -> None:
         """Requests go through the compiled kernel, all of one job's members' in one call;
         control messages and anything rare datagram by datagram.
 
@@ -194,13 +194,13 @@ class SwitchDataplane(SwitchControl):
         if stable != self._stable:  # another numbering: what was learned means nothing now
             self._forget_senders(self._jobs.values())
             self._stable = stable
-        self.packets_in += count
+        self.packets_in += count - start
         view = memoryview(buf)
         # The job of the last request taken, most likely the next one's; with unstable
         # numbers the kernel knows no sender yet, so Python looks first.
         job = self._hot if stable else None
         admitted_at = -1
-        i = 0
+        i = start
         while i < count:
             if job is not None:
                 j, code = self._run_kernel(job, buf, starts, lens, senders, count, i, now)
@@ -254,6 +254,46 @@ class SwitchDataplane(SwitchControl):
                       or not self.on_completed(job, self._done, ndone, now)):
             self._queue_results(job, ndone)
         return nxt, code
+
+    def fast_path_state(self) -> tuple[Job, tuple] | None:
+        """What a transport's compiled receive loop (``transport/switchpath.py``) needs to
+        take the requests of the job that took the last one, as ``receive_many`` would, and
+        send its results and NACKs itself: ``(job, the kernel's arguments after now)``. None
+        when only the Python path may run: no job is hot, sender numbers are not stable,
+        something is queued to send, or a relay takes the completions (a rack switch). The
+        loop returns to Python (``after_fast_path``, then ``resume``) for anything else."""
+        job = self._hot
+        if (job is None or not self._stable or self._out or self._pending or self._runs
+                or self.on_completed is not None):
+            return None
+        return job, (job.jobv, job.st, job.seen, job.conflict, job.bufs, job.clog, job.cursor,
+                     job.mkeys, job.heard, self._rules, self._cnt, self._done, self._nacks,
+                     self._nack_ranks)
+
+    def after_fast_path(self, job: Job, *, taken: int, results_out: int, nacks: int,
+                        now: float) -> None:
+        """Count what the compiled loop did for ``job``: ``taken`` datagrams received and
+        taken by the kernel, ``results_out`` result datagrams and ``nacks`` NACKs sent."""
+        if taken:
+            self.packets_in += taken
+            job.last_seen = now
+            job.started = True
+        self.packets_out += results_out + nacks
+        self.nacks_sent += nacks
+
+    def resume(self, batch: Batch, job: Job, code: int, at: int, now: float) -> None:
+        """Go on with a batch where the compiled loop's kernel call for ``job`` stopped
+        (``code`` at datagram ``at``; the datagrams before it are taken, their results and
+        NACKs sent): answer the stop as ``receive_many`` would, then take the rest. Call
+        ``datagrams_to_send`` (or ``results_to_send``) afterwards."""
+        self._now = now
+        buf, starts, lens, senders, count, address_of, stable = batch
+        i = at
+        if code not in (K.SS.DONE, K.SS.OTHER):
+            self.packets_in += 1 if self._replies.get(code) is not None else 0
+            i = self._after_kernel(job, code, at, memoryview(buf), starts, senders, address_of)
+        if i < count:
+            self._receive(buf, starts, lens, senders, count, address_of, now, stable, i)
 
     @staticmethod
     def _forget_senders(jobs: Iterable[Job]) -> None:

@@ -13,8 +13,7 @@ kernel leaves to Python (control, NACK, WAITING, the operation's last result, a 
 queue), a due deadline, a command, a failed system call (with its errno), or after
 ``MAX_WAIT_S`` idle; Python goes on exactly as it would have. Only for one switch address (a
 connected socket) and without RACK (its transmission log is Python's); elsewhere the Python
-pump runs alone. :class:`ResultSender` is the switch's counterpart for sending: a job's planned
-result runs to every member from the slots' memory, one compiled call per job.
+pump runs alone. ``switchpath.py`` is the switch's counterpart.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from numba import types
 from switchml.protocol import kernels as K
 from switchml.protocol.kernels.frames import INLINE, NO_RC, njit
 
-__all__ = ["FP", "FastPath", "ResultSender", "available", "warm_up"]
+__all__ = ["FP", "FastPath", "available", "warm_up"]
 
 MSG_DONTWAIT = 0x40
 CLOCK_MONOTONIC = 1
@@ -202,91 +201,6 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
             return FP.DUE.value, 0, 0, 0
 
 
-class SC(IntEnum):
-    """Counters :func:`send_results` adds to."""
-
-    SEND_CALLS = 0
-    DATAGRAMS_SENT = 1
-    BLOCKED = 2  # datagrams a full socket buffer refused (lost: retransmission recovers)
-    ERRORS = 3  # datagrams another send error lost
-    N = 4
-
-
-@njit(**NO_RC)
-def send_results(fd, pend, n, bufs, stride, names, nmembers, max_segments, max_bytes, runs,
-                 hdr, iov, cmsg, stats):
-    """The switch's send of a job's completed rounds (``pend[:n]``, rows ``(set, slot,
-    length)``; results in ``bufs[set, slot]``) to each of its ``nmembers`` members
-    (``names[m]``: a ``struct sockaddr_in``): the GSO runs ``kernels.plan_result_runs`` plans,
-    one ``sendmsg`` per run and member, from the slots' memory. A failed send loses that run
-    for that member (counted; the workers' retransmissions recover it, as for any loss)."""
-    nr = K.plan_result_runs(pend, n, stride, max_segments, max_bytes, runs)
-    base = bufs.ctypes.data
-    set_bytes = bufs.shape[1] * stride
-    for r in range(nr):
-        first, count, size, contiguous = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
-        if contiguous:
-            iov[0] = base + pend[first, 0] * set_bytes + pend[first, 1] * stride
-            iov[1] = (count - 1) * stride + pend[first + count - 1, 2]
-            niov = 1
-        else:
-            for j in range(count):
-                iov[2 * j] = base + pend[first + j, 0] * set_bytes + pend[first + j, 1] * stride
-                iov[2 * j + 1] = pend[first + j, 2]
-            niov = count
-        _set_run(hdr, iov, niov, cmsg, count, size)
-        for m in range(nmembers):
-            hdr[0] = names.ctypes.data + 16 * m
-            hdr[1] = 16  # sizeof(struct sockaddr_in)
-            if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
-                stats[SC.BLOCKED if _errno()[0] == EAGAIN else SC.ERRORS] += count
-            else:
-                stats[SC.SEND_CALLS] += 1
-                stats[SC.DATAGRAMS_SENT] += count
-
-
-class ResultSender:
-    """:func:`send_results`'s fixed arguments for a switch socket, and each job's members as
-    ``struct sockaddr_in`` rows (rebuilt when its membership changes)."""
-
-    def __init__(self, sock: Any, *, max_segments: int, max_bytes: int) -> None:
-        from switchml.transport.batching import SOL_UDP, UDP_SEGMENT
-        self.fd = sock.fileno()
-        self.max_segments, self.max_bytes = max_segments, max_bytes
-        self.hdr = np.zeros(7, np.int64)
-        self.iov = np.zeros(2 * max_segments, np.int64)
-        self.cmsg = np.array([18, SOL_UDP | (UDP_SEGMENT << 32), 0], np.int64)
-        self.stats = np.zeros(SC.N, np.int64)
-        self.runs = np.empty((1024, 4), np.int64)
-        self._names: dict[int, tuple[tuple, np.ndarray]] = {}
-
-    def names(self, job: Any) -> np.ndarray:
-        """The job's joined members as sockaddr_in rows (IPv4)."""
-        key = tuple(job.members)
-        cached = self._names.get(job.job_id)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        members = [m for m in job.members if m is not None]
-        names = np.zeros((len(members), 16), np.uint8)
-        for i, (host, port) in enumerate(members):
-            names[i, 0:2] = (2, 0)  # AF_INET, little-endian
-            names[i, 2:4] = (port >> 8, port & 0xFF)  # network order
-            names[i, 4:8] = np.frombuffer(socket.inet_aton(host), np.uint8)
-        if len(self._names) > 4096:  # jobs come and go: keep it bounded
-            self._names.clear()
-        self._names[job.job_id] = (key, names)
-        return names
-
-    def send(self, job: Any, n: int) -> None:
-        """Send the job's ``n`` queued results to every member."""
-        if len(self.runs) < n:
-            self.runs = np.empty((n, 4), np.int64)
-        names = self.names(job)
-        send_results(self.fd, job.pend, n, job.bufs, job.stride, names, len(names),
-                     self.max_segments, self.max_bytes, self.runs, self.hdr, self.iov,
-                     self.cmsg, self.stats)
-
-
 class FastPath:
     """The compiled loop's fixed arguments for one worker socket and receiver: the libc
     functions, the receiver's buffers and the ``sendmsg`` header, iovecs and UDP_SEGMENT
@@ -331,7 +245,6 @@ def warm_up() -> None:
 
     from switchml.protocol.config import JobSpec
     from switchml.protocol.endpoint import exchange
-    from switchml.protocol.jobs import Job
     from switchml.protocol.switch import SwitchDataplane
     from switchml.protocol.warmup import KERNEL_SOURCES, KINDS, clear_stale
     from switchml.protocol.worker import WorkerEndpoint
@@ -353,7 +266,6 @@ def warm_up() -> None:
         wake_r, wake_w = os.pipe()
         os.write(wake_w, b"x")  # (the loop returns at once)
         fast = FastPath(sock, rx, wake_r, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
-        sender = ResultSender(sock, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
         sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
         w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
                                         elements_per_packet=4), rank=0, switch_address=sw_addr)
@@ -372,6 +284,3 @@ def warm_up() -> None:
             exchange({w_addr: w, sw_addr: sw}, 0.0)
         os.close(wake_r)
         os.close(wake_w)
-        # The switch's send, for a job with no member yet (nothing is sent).
-        sender.send(Job(job_id=0, token=0, num_workers=1, slot_base=0, window=2,
-                        elements_per_packet=4, members=[None]), 0)

@@ -19,13 +19,15 @@ recovered by retransmission, at a cost in speed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,8 +50,7 @@ from switchml.transport.batching import (
     open_receiver,
 )
 from switchml.transport.eventlog import SwitchEventLog
-from switchml.transport.fastpath import FP, ST, FastPath, ResultSender
-from switchml.transport.fastpath import SC as RSC
+from switchml.transport.fastpath import FP, ST, FastPath
 from switchml.transport.fastpath import available as fastpath_available
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.inbox import Inbox
@@ -61,6 +62,8 @@ from switchml.transport.sockets import (
     path_mtu,
     size_buffers,
 )
+from switchml.transport.switchpath import SC as RSC
+from switchml.transport.switchpath import SP, ResultSender, SwitchFastPath
 
 __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient",
            "elements_per_packet_for", "path_mtu"]
@@ -104,9 +107,18 @@ class SwitchServer:
                                       max_bytes=MAX_GSO_BYTES)
                          if (type(self.dataplane) is SwitchDataplane and self._sender.gso
                              and env.fast_path() and fastpath_available()) else None)
+        # Threads waiting for the lock: the compiled loop, which holds it while it streams,
+        # returns when this is nonzero, and the receive loop lets them go first.
+        self._asks = np.zeros(1, np.int64)
+        self._asks_lock = threading.Lock()
+        # The compiled loop that receives, aggregates and sends while one job streams.
+        self._fast = (SwitchFastPath(self._rx, self._results, asks=self._asks)
+                      if self._results is not None and isinstance(self._rx, MultiReceiver)
+                      else None)
         self._events = SwitchEventLog(lambda: self.dataplane.allocator.free_slots)
         self.internal_errors = 0
         self.recv_calls = 0
+        self.fast_path_datagrams = 0  # requests the compiled loop took
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the dataplane against the timer thread, stats()
@@ -127,6 +139,8 @@ class SwitchServer:
         rx, clock = self._rx, time.monotonic
         stable = isinstance(rx, MultiReceiver)  # (numbers senders by address and port)
         while not self._stop.is_set():
+            if self._fast is not None and self._serve_fast():
+                continue
             try:
                 n = rx.receive(block=True)
             except OSError as exc:
@@ -141,11 +155,57 @@ class SwitchServer:
                                      stable), now), now)
         log.info("switch on %s stopped: %s", format_address(self.address), self.stats())
 
+    def _serve_fast(self) -> bool:
+        """One call of the compiled loop (``switchpath.switch_pump``) for the dataplane's hot
+        job, under the dataplane's lock, then what it left to Python (the rest of its last
+        batch). False when the dataplane has no state for it (the Python path serves)."""
+        dp, fast, rx = self.dataplane, self._fast, self._rx
+        if self._asks[0]:  # another thread waits for the dataplane: it goes first
+            time.sleep(0.0001)
+            return True
+        with self._lock:
+            state = dp.fast_path_state()
+            if state is None:
+                return False
+            job = state[0]
+            why, at, nseg, code = fast.run(*state)
+            now = time.monotonic()
+            st = fast.stats
+            self.recv_calls += int(st[SP.RECV_CALLS])
+            taken = int(st[SP.TAKEN])
+            self.fast_path_datagrams += taken
+            dp.after_fast_path(job, taken=taken, results_out=int(st[SP.RESULTS]),
+                               nacks=int(st[SP.NACKS]), now=now)
+            err = int(st[SP.ERRNO])
+            st[:] = 0
+            self._count_result_sends()
+        if why == FP.STOPPED:
+            batch = Batch(rx.buf, rx.starts, rx.lens, rx.senders, nseg, rx.address_of, True)
+            self._process(dp.resume, (batch, job, code, at, now), now)
+        elif why == FP.RECV_FAILED and not self._stop.is_set():
+            log.warning("recv failed: %s", os.strerror(err))
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The dataplane's lock, asked for so that the compiled loop lets go of it."""
+        with self._asks_lock:
+            self._asks[0] += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._asks_lock:
+                self._asks[0] -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _process(self, call: Callable[..., None], args: tuple, now: float) -> None:
         """Run one call of the dataplane; send what it released; log its events."""
         dp = self.dataplane
         gso_runs = getattr(dp, "runs_to_send", None)  # a rack switch has output_runs only
-        with self._lock:
+        with self._locked():
             try:
                 call(*args)
                 runs, planned, jobs = {}, [], []
@@ -193,24 +253,25 @@ class SwitchServer:
         a thread of their own, so the receive loop stays a plain blocking read."""
         dp = self.dataplane
         while not self._stop.is_set():
-            with self._lock:
+            with self._locked():
                 timer = dp.get_timer()
             wait = 1.0 if timer is None else min(max(timer - time.monotonic(), 0.0), 1.0)
             if self._stop.wait(wait):
                 return
             now = time.monotonic()
-            with self._lock:
+            with self._locked():
                 timer = dp.get_timer()
             if timer is not None and timer <= now:
                 self._process(dp.handle_timer, (now,), now)
 
     def stats(self) -> dict[str, object]:
         """The dataplane's counters plus the pump's."""
-        with self._lock:
+        with self._locked():
             s = self.dataplane.stats()
         s.update(internal_errors=self.internal_errors, truncated=self._rx.truncated,
                  send_errors=self._sender.errors + self._sender.blocked,
                  send_calls=self._sender.calls, recv_calls=self.recv_calls,
+                 fast_path_datagrams=self.fast_path_datagrams,
                  gso=self._sender.gso, gro=self.gro, recvmmsg=isinstance(self._rx, MultiReceiver))
         return s
 

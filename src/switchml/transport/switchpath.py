@@ -1,0 +1,300 @@
+"""The switch's receive-aggregate-send loop, compiled, and its send of results.
+
+The budget of a testbed run (docs/benchmarks.md, section 0) put the interpreter at about
+three times the compiled aggregation in the switch process: per wake-up, ``recvmmsg`` through
+ctypes, the batch, the dataplane's Python around its kernel, the results' send. While one job
+streams, every wake-up is the same, so :func:`switch_pump` runs it in one compiled call that
+holds no GIL: ``recvmmsg``, cut the batch (``split_mmsg``), take the requests
+(``kernels.switch_requests``: the one implementation of the per-request rules), send the NACKs
+it wrote and the rounds it completed (:func:`send_results`, GSO runs to every member), and wait
+in ``poll`` when the socket is empty. It returns to Python (``SwitchDataplane.resume``) for
+anything the kernel leaves to it: a datagram of another job or a stranger, a control message,
+a retransmission to answer, disagreeing ranks; or after ``max_wait_s`` idle, or at a wake-up.
+It runs for the dataplane's hot job (``SwitchDataplane.fast_path_state``): a plain switch
+(not a rack of a tree), stable sender numbers (``recvmmsg``), and nothing queued in Python.
+"""
+
+from __future__ import annotations
+
+import socket
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from switchml.protocol import kernels as K
+from switchml.protocol.kernels.frames import HDR, NO_RC, njit
+from switchml.transport.fastpath import (
+    EAGAIN,
+    FP,
+    MSG_DONTWAIT,
+    POLLIN,
+    _errno,
+    _now,
+    _poll,
+    _recvmmsg,
+    _sendmsg,
+    _set_run,
+)
+
+__all__ = ["SC", "SP", "ResultSender", "SwitchFastPath", "send_results", "switch_pump",
+           "warm_up"]
+
+
+class SC(IntEnum):
+    """Counters :func:`send_results` adds to."""
+
+    SEND_CALLS = 0
+    DATAGRAMS_SENT = 1
+    BLOCKED = 2  # datagrams a full socket buffer refused (lost: retransmission recovers)
+    ERRORS = 3  # datagrams another send error lost
+    N = 4
+
+
+class SP(IntEnum):
+    """Counters :func:`switch_pump` adds to (beside ``SC``'s)."""
+
+    RECV_CALLS = 0
+    TAKEN = 1  # datagrams received and taken by the kernel
+    RESULTS = 2  # result datagrams sent (or lost to a full buffer)
+    NACKS = 3  # NACKs sent
+    ERRNO = 4  # the errno of a failed recvmmsg or poll; not a counter
+    N = 5
+
+
+@njit(**NO_RC)
+def send_results(fd, pend, n, bufs, stride, names, max_segments, max_bytes, runs, hdr, iov,
+                 cmsg, stats):
+    """The switch's send of a job's completed rounds (``pend[:n]``, rows ``(set, slot,
+    length)``; results in ``bufs[set, slot]``) to each joined member (``names[rank]``: a
+    ``struct sockaddr_in``; family 0: no member): the GSO runs ``kernels.plan_result_runs``
+    plans, one ``sendmsg`` per run and member, from the slots' memory. A failed send loses
+    that run for that member (counted; the workers' retransmissions recover it, as for any
+    loss). Returns the result datagrams it handed to the kernel or lost."""
+    nr = K.plan_result_runs(pend, n, stride, max_segments, max_bytes, runs)
+    base = bufs.ctypes.data
+    set_bytes = bufs.shape[1] * stride
+    out = 0
+    for r in range(nr):
+        first, count, size, contiguous = runs[r, 0], runs[r, 1], runs[r, 2], runs[r, 3]
+        if contiguous:
+            iov[0] = base + pend[first, 0] * set_bytes + pend[first, 1] * stride
+            iov[1] = (count - 1) * stride + pend[first + count - 1, 2]
+            niov = 1
+        else:
+            for j in range(count):
+                iov[2 * j] = base + pend[first + j, 0] * set_bytes + pend[first + j, 1] * stride
+                iov[2 * j + 1] = pend[first + j, 2]
+            niov = count
+        _set_run(hdr, iov, niov, cmsg, count, size)
+        for m in range(names.shape[0]):
+            if names[m, 0] == 0:
+                continue
+            hdr[0] = names.ctypes.data + 16 * m
+            hdr[1] = 16  # sizeof(struct sockaddr_in)
+            out += count
+            if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
+                stats[SC.BLOCKED if _errno()[0] == EAGAIN else SC.ERRORS] += count
+            else:
+                stats[SC.SEND_CALLS] += 1
+                stats[SC.DATAGRAMS_SENT] += count
+    return out
+
+
+@njit(**NO_RC)
+def _send_nacks(fd, nacks, nack_ranks, nnack, names, hdr, iov, cmsg, stats):
+    """The NACKs the kernel wrote (``nacks`` rows, to ``names[nack_ranks[k]]``)."""
+    base = nacks.ctypes.data
+    for k in range(nnack):
+        iov[0] = base + k * HDR
+        iov[1] = HDR
+        _set_run(hdr, iov, 1, cmsg, 1, HDR)
+        hdr[0] = names.ctypes.data + 16 * nack_ranks[k]
+        hdr[1] = 16
+        if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
+            stats[SC.BLOCKED if _errno()[0] == EAGAIN else SC.ERRORS] += 1
+        else:
+            stats[SC.SEND_CALLS] += 1
+            stats[SC.DATAGRAMS_SENT] += 1
+
+
+@njit(**NO_RC)
+def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at, rx_names,
+                control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
+                jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, rules, cnt, done,
+                nacks, nack_ranks, names, stride, max_segments, max_bytes, runs, hdr, iov,
+                cmsg, max_wait_s, asks, ts, stats, sstats):
+    """Receive, aggregate one job's requests and send its results and NACKs, and wait in
+    ``poll`` (on the socket and ``wake_fd``; -1: none) when there is nothing to receive,
+    until something needs Python, or another thread asks for the dataplane (``asks[0]``
+    nonzero). Returns ``(why, at, nseg, code)`` (``FP``): with
+    ``STOPPED``, the kernel returned ``code`` (``kernels.SS``) at datagram ``at`` of the
+    ``nseg`` the last batch cut into (``starts``/``lens``/``senders``); what came before is
+    taken and sent."""
+    idle_since = _now(ts)
+    while True:
+        if asks[0] != 0:
+            return FP.WAKE.value, 0, 0, 0
+        n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
+        if n <= 0:
+            if n < 0:
+                e = _errno()[0]
+                if e != EAGAIN:
+                    stats[SP.ERRNO] = e
+                    return FP.RECV_FAILED.value, 0, 0, 0
+            now = _now(ts)
+            if now - idle_since >= max_wait_s:
+                return FP.WAKE.value, 0, 0, 0
+            pfd[0] = fd | (POLLIN << 32)
+            pfd[1] = wake_fd | (POLLIN << 32)
+            r = _poll(pfd.ctypes.data, 2, np.int32((idle_since + max_wait_s - now) * 1e3) + 1)
+            if r < 0:
+                stats[SP.ERRNO] = _errno()[0]
+                return FP.RECV_FAILED.value, 0, 0, 0  # (EINTR: Python's turn)
+            if wake_fd >= 0 and (pfd[1] >> 48) & POLLIN:
+                return FP.WAKE.value, 0, 0, 0
+            continue
+        stats[SP.RECV_CALLS] += 1
+        nseg = K.split_mmsg(raw, msg_len_at, controllen_at, rx_names, control, n, slot_bytes,
+                            gro, sol_udp, udp_gro, starts, lens, senders)
+        now = _now(ts)
+        idle_since = now
+        at, ndone, nnack, code = K.switch_requests(buf, starts, lens, senders, nseg, 0, now,
+                                                   jobv, st, seen, conflict, bufs, clog,
+                                                   cursor, mkeys, heard, rules, cnt, done,
+                                                   nacks, nack_ranks)
+        stats[SP.TAKEN] += at
+        if nnack:
+            _send_nacks(fd, nacks, nack_ranks, nnack, names, hdr, iov, cmsg, sstats)
+            stats[SP.NACKS] += nnack
+        if ndone:
+            stats[SP.RESULTS] += send_results(fd, done, ndone, bufs, stride, names,
+                                              max_segments, max_bytes, runs, hdr, iov, cmsg,
+                                              sstats)
+        if code != K.SS.DONE.value:
+            return FP.STOPPED.value, at, nseg, code
+
+
+def _sockaddr(names: np.ndarray, i: int, host: str, port: int) -> None:
+    names[i, 0:2] = (2, 0)  # AF_INET, little-endian
+    names[i, 2:4] = (port >> 8, port & 0xFF)  # network order
+    names[i, 4:8] = np.frombuffer(socket.inet_aton(host), np.uint8)
+
+
+class ResultSender:
+    """:func:`send_results`'s fixed arguments for a switch socket, and each job's members as
+    ``struct sockaddr_in`` rows by rank (rebuilt when its membership changes)."""
+
+    def __init__(self, sock: Any, *, max_segments: int, max_bytes: int) -> None:
+        from switchml.transport.batching import SOL_UDP, UDP_SEGMENT
+        self.fd = sock.fileno()
+        self.max_segments, self.max_bytes = max_segments, max_bytes
+        self.hdr = np.zeros(7, np.int64)
+        self.iov = np.zeros(2 * max_segments, np.int64)
+        self.cmsg = np.array([18, SOL_UDP | (UDP_SEGMENT << 32), 0], np.int64)
+        self.stats = np.zeros(SC.N, np.int64)
+        self.runs = np.empty((1024, 4), np.int64)
+        self._names: dict[int, tuple[tuple, np.ndarray]] = {}
+
+    def names(self, job: Any) -> np.ndarray:
+        """The job's members by rank, as sockaddr_in rows (IPv4; family 0 where none)."""
+        key = tuple(job.members)
+        cached = self._names.get(job.job_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        names = np.zeros((len(job.members), 16), np.uint8)
+        for rank, member in enumerate(job.members):
+            if member is not None:
+                _sockaddr(names, rank, *member)
+        if len(self._names) > 4096:  # jobs come and go: keep it bounded
+            self._names.clear()
+        self._names[job.job_id] = (key, names)
+        return names
+
+    def send(self, job: Any, n: int) -> None:
+        """Send the job's ``n`` queued results to every member."""
+        if len(self.runs) < n:
+            self.runs = np.empty((n, 4), np.int64)
+        send_results(self.fd, job.pend, n, job.bufs, job.stride, self.names(job),
+                     self.max_segments, self.max_bytes, self.runs, self.hdr, self.iov,
+                     self.cmsg, self.stats)
+
+
+class SwitchFastPath:
+    """:func:`switch_pump`'s fixed arguments for a switch socket and its receiver."""
+
+    def __init__(self, rx: Any, results: ResultSender, *, wake_fd: int = -1,
+                 max_wait_s: float = 0.2, asks: np.ndarray | None = None) -> None:
+        from switchml.transport.batching import SOL_UDP, UDP_GRO
+        self.results = results
+        self.wake_fd = wake_fd
+        self.max_wait_s = float(max_wait_s)
+        self.asks = np.zeros(1, np.int64) if asks is None else asks
+        self.pfd = np.zeros(2, np.int64)  # struct pollfd[2]: fd | events << 32 | revents << 48
+        self.ts = np.zeros(2, np.int64)
+        self.stats = np.zeros(SP.N, np.int64)
+        self.runs = np.empty((K.MAX_BATCH, 4), np.int64)
+        self._rx_args = (rx.fd_msgs_address, rx.count, rx._raw, rx._msg_len_at,
+                         rx._controllen_at, rx._names, rx._control, rx.slot_bytes, rx.gro,
+                         SOL_UDP, UDP_GRO, rx.buf, rx.starts, rx.lens, rx.senders)
+
+    def run(self, job: Any, kernel_args: tuple) -> tuple[int, int, int, int]:
+        """One call of :func:`switch_pump` for ``job`` (``SwitchDataplane.fast_path_state``):
+        ``(why, at, nseg, code)``."""
+        res = self.results
+        return switch_pump(res.fd, self.wake_fd, self.pfd, *self._rx_args, *kernel_args,
+                           res.names(job), job.stride, res.max_segments, res.max_bytes,
+                           self.runs, res.hdr, res.iov, res.cmsg, self.max_wait_s, self.asks,
+                           self.ts, self.stats, res.stats)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) :func:`switch_pump` and :func:`send_results`, on an
+    idle loopback socket (the pump returns at once: its wake-up pipe is readable). The cache
+    is cleared first when this file or any kernel it calls changed."""
+    import os
+    from pathlib import Path
+
+    from switchml.protocol.config import JobSpec
+    from switchml.protocol.endpoint import Batch, exchange
+    from switchml.protocol.switch import SwitchDataplane
+    from switchml.protocol.warmup import KERNEL_SOURCES, clear_stale
+    from switchml.protocol.worker import WorkerEndpoint
+    from switchml.transport import fastpath
+    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
+
+    here = Path(__file__).resolve()
+    clear_stale([*KERNEL_SOURCES, here, Path(fastpath.__file__).resolve()],
+                here.parent / "__pycache__", "switchpath.", "switchpath-sources.sha256")
+    if not fastpath.available():
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+        try:
+            rx = MultiReceiver(sock)
+        except OSError:
+            return
+        sender = ResultSender(sock, max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
+        wake_r, wake_w = os.pipe()
+        os.write(wake_w, b"x")  # (the loop returns at once)
+        try:
+            fast = SwitchFastPath(rx, sender, wake_fd=wake_r)
+            sw, w_addr = SwitchDataplane(), ("127.0.0.1", 1)
+            w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
+                                            elements_per_packet=4), rank=0,
+                               switch_address=("127.0.0.1", 2))
+            w.join(0.0)
+            exchange({w_addr: w, ("127.0.0.1", 2): sw}, 0.0)
+            x = np.arange(10, dtype=np.float32)
+            w.start_allreduce(x, np.empty_like(x), 0.0)
+            request = bytes(w.datagrams_to_send(0.0)[0][0])
+            sw.receive_many(Batch.of_datagram(request, w_addr)._replace(stable_senders=True),
+                            0.0)
+            sw.datagrams_to_send(0.0)
+            state = sw.fast_path_state()
+            if state is not None:
+                fast.run(*state)
+        finally:
+            os.close(wake_r)
+            os.close(wake_w)

@@ -1,0 +1,125 @@
+"""The switch's compiled receive-aggregate-send loop (``transport/switchpath.py``): the sums
+it gives against numpy and against the switch's Python path, loss recovery through it (NACKs
+it sends, retransmissions it leaves to Python), forged requests dropped while it streams, and
+the dataplane's lock handed to other threads (statistics, leases) while it holds it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from switchml.control import new_job_spec
+from switchml.protocol.config import WorkerConfig
+from switchml.protocol.wire import ElementType, Flags, Header, MessageType, pack_header
+from switchml.transport import fastpath
+from switchml.transport.faults import LossyEndpoint
+from switchml.transport.udp import SwitchServer, WorkerClient
+
+pytestmark = pytest.mark.skipif(not fastpath.available(), reason="no Linux libc here")
+
+
+def _allreduce(server, spec, xs, *, ops: int = 2, loss: float = 0.0,
+               during=None) -> dict[int, list[np.ndarray]]:
+    """Every rank's outputs of ``ops`` all-reduces of ``xs[rank]`` (int32); ``loss``: each
+    worker loses that share of what it sends and receives; ``during()`` runs meanwhile."""
+    outs: dict[int, list[np.ndarray]] = {}
+    errors: list[BaseException] = []
+    cfg = WorkerConfig(op_timeout_s=30, min_rto_s=0.005)
+
+    def rank(r: int) -> None:
+        try:
+            wrap = (lambda s: LossyEndpoint(s, loss, seed=r)) if loss else None
+            with WorkerClient(server.address, spec, r, cfg, wrap=wrap) as w:
+                outs[r] = [w.allreduce(xs[r]) for _ in range(ops)]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(xs))]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during(lambda: any(t.is_alive() for t in threads))
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return outs
+
+
+def _inputs(n: int, numel: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(-10**6, 10**6, numel).astype(np.int32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.02])
+def test_the_switch_loop_sums_as_numpy_and_as_the_python_switch(monkeypatch, loss):
+    xs = _inputs(3, 200_000)
+    total = np.sum(np.stack(xs).astype(np.int64), axis=0).astype(np.int32)
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setenv("SWITCHML_FASTPATH", "1" if fast else "0")
+        with SwitchServer(host="127.0.0.1", port=0) as server:
+            outs = _allreduce(server, new_job_spec(3, window=16, elements_per_packet=358), xs,
+                              loss=loss)
+            stats = server.stats()
+        for r, per_op in outs.items():
+            for op, out in enumerate(per_op):
+                np.testing.assert_array_equal(out, total, err_msg=f"rank {r}, operation {op}")
+        got[fast] = stats
+    assert got[True]["fast_path_datagrams"] > 0  # the loop took them
+    assert got[False]["fast_path_datagrams"] == 0
+    if loss:  # recovery went through it: NACKs it sent, answers Python gave
+        assert got[True]["nacks_sent"] + got[True]["results_resent"] > 0
+
+
+def test_forged_requests_while_the_loop_streams_are_dropped_and_counted():
+    """Another socket sends requests with the job's id, token and rank 0 while the job
+    streams: each is dropped as ``wrong_source`` (the loop hands it to Python), and the
+    sums are exact."""
+    xs = _inputs(2, 400_000)
+    total = np.sum(np.stack(xs).astype(np.int64), axis=0).astype(np.int32)
+    spec = new_job_spec(2, window=16, elements_per_packet=358)
+    forged = 300
+    with SwitchServer(host="127.0.0.1", port=0) as server:
+        def forge(_busy) -> None:
+            payload = np.full(358, 10**6, "<i4").tobytes()
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for i in range(forged):
+                    h = Header(MessageType.REQUEST, spec.job_id, rank=0, token=spec.token,
+                               seq=0, chunk=i % 16, slot=i % 16, count=358,
+                               elem=ElementType.INT32, flags=int(Flags.HAS_DATA))
+                    s.sendto(pack_header(h) + payload, server.address)
+                    time.sleep(0.0005)
+
+        outs = _allreduce(server, spec, xs, ops=3, during=forge)
+        stats = server.stats()
+    for per_op in outs.values():
+        for out in per_op:
+            np.testing.assert_array_equal(out, total)
+    assert stats["fast_path_datagrams"] > 0
+    # (a forged datagram that came before the job existed is an unknown job's)
+    assert stats["drops"].get("wrong_source", 0) + stats["drops"].get("unknown_job", 0) \
+        + stats["drops"].get("not_joined", 0) == forged
+
+
+def test_other_threads_get_the_dataplane_while_the_loop_streams():
+    """``stats()`` (and the lease timer) take the dataplane's lock, which the loop holds
+    while it streams: each call returns at once, not when the loop next has nothing to do."""
+    xs = _inputs(2, 1_000_000)
+    waits: list[float] = []
+    with SwitchServer(host="127.0.0.1", port=0) as server:
+        def poll_stats(busy) -> None:
+            while busy():
+                t = time.monotonic()
+                taken = server.stats()["fast_path_datagrams"]
+                if taken:  # (the loop runs: the job streams)
+                    waits.append(time.monotonic() - t)
+                time.sleep(0.002)
+
+        _allreduce(server, new_job_spec(2, window=32, elements_per_packet=358), xs, ops=30,
+                   during=poll_stats)
+    assert len(waits) > 20
+    assert max(waits) < 0.1, f"stats() waited {max(waits):.2f} s for the dataplane"
