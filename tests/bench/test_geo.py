@@ -31,6 +31,10 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(dcs=(4,))
     with pytest.raises(ValueError, match="accuracy in"):
         GeoBenchConfig(target_accuracy=95)
+    with pytest.raises(ValueError, match="inner-steps"):
+        GeoBenchConfig(inner_steps=0)
+    with pytest.raises(ValueError, match="outer-bits"):
+        GeoBenchConfig(outer_bits=8)
 
 
 def test_comparison_and_outputs(tmp_path):
@@ -57,11 +61,16 @@ def test_comparison_and_outputs(tmp_path):
 @pytest.mark.root
 @pytest.mark.slow
 def test_short_geo_run_on_the_testbed():
-    cfg = GeoBenchConfig(modes=("wan", "gaia"), steps=12, eval_every=4, model="mlp",
-                         wan_bps=20e6, target_accuracy=0.3)
+    cfg = GeoBenchConfig(modes=("wan", "gaia", "diloco"), steps=12, eval_every=4, model="mlp",
+                         wan_bps=20e6, target_accuracy=0.3, inner_steps=4)
     rows = run_geo_bench(cfg)
-    wan, gaia = rows
+    wan, gaia, diloco = rows
     assert wan["wan_bytes"] > 12 * 19210 * 4  # a dense all-reduce crossed every step
     assert gaia["wan_bytes"] < wan["wan_bytes"]
     assert gaia["eval_steps"][-1] == 12 and 0 < gaia["final_accuracy"] <= 1
     assert len(gaia["gaia"]) == 2  # both data centre leaders reported
+    # DiLoCo: three outer steps of 19,210 parameters, 16-bit, through the switch: data
+    # centre 1's leader sends its pseudo-gradient over the WAN and gets the sum back
+    assert [d["outer_steps"] for d in diloco["diloco"]] == [3, 3]
+    assert 3 * 19210 * 2 * 2 < diloco["wan_bytes"] < wan["wan_bytes"] / 3
+    assert 0 < diloco["final_accuracy"] <= 1

@@ -8,7 +8,11 @@ ways, each worker in its own namespace:
 - ``wan``: the workers split over data centres joined by the WAN, synchronous DDP over gloo
   spanning it (what a user would run without Gaia);
 - ``gaia``: the same split; synchronous DDP over gloo inside each data centre, Gaia's
-  significance filter, selective barrier and mirror clock across (switchml.gaia).
+  significance filter, selective barrier and mirror clock across (switchml.gaia);
+- ``diloco``: the same split; synchronous DDP inside each data centre, and every
+  ``inner_steps`` steps DiLoCo's outer Nesterov step on the pseudo-gradients, all-reduced by
+  the data centres' leaders through the switch in data centre 0's router, 16-bit on the wire
+  (``switchml.gaia.diloco``).
 
 Rank 0 (in data centre 0) evaluates test accuracy every ``eval_every`` steps (evaluation time is
 not counted). Reported per mode: time to the target accuracy (first evaluation at or above it),
@@ -33,7 +37,9 @@ from typing import Any
 
 __all__ = ["GeoBenchConfig", "MODES", "geo_worker", "run_geo_bench", "write_outputs"]
 
-MODES = ("lan", "wan", "gaia")
+MODES = ("lan", "wan", "gaia", "diloco")
+LOCAL_MODES = ("gaia", "diloco")
+"""Modes whose process groups are a data centre's, not every worker's."""
 GAIA_PORT = 47100
 
 
@@ -68,6 +74,12 @@ class GeoBenchConfig:
     dc_backend: str = "gloo"
     """Gaia's synchronous training inside a data centre: DDP over ``gloo``, or over
     ``switchml`` (a software switch in each data centre's router)."""
+    inner_steps: int = 50
+    """DiLoCo: local steps between outer steps."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_bits: int = 16
+    """DiLoCo's outer all-reduce on the wire: 16 (fixed point, error feedback) or 32."""
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -83,6 +95,8 @@ class GeoBenchConfig:
             raise ValueError("--steps must be >= 2, --eval-every and --batch >= 1")
         if not 0 < self.target_accuracy <= 1:
             raise ValueError("--target must be an accuracy in (0, 1]")
+        if self.inner_steps < 1 or self.outer_bits not in (16, 32):
+            raise ValueError("--inner-steps must be >= 1 and --outer-bits 16 or 32")
         if self.model not in ("cnn", "mlp"):
             raise ValueError(f"unknown model {self.model!r}; known: cnn, mlp")
 
@@ -94,13 +108,13 @@ def _join_group(a: dict[str, Any]) -> None:
     worker's (gloo)."""
     from switchml.bench.nsproc import init_group
     mode = a["mode"]
-    backend = a.get("dc_backend", "gloo") if mode == "gaia" else "gloo"
+    backend = a.get("dc_backend", "gloo") if mode in LOCAL_MODES else "gloo"
     if backend == "switchml":
         import switchml.torch  # noqa: F401  # registers the backend
     # Rendezvous through a file every namespace sees (the hosts share a file system): torch's
     # TCP store aborted now and then in these DNS-less namespaces (``C10D_ABORT``).
     store = a.get("store_dir")
-    if mode == "gaia":  # the data centre's own process group
+    if mode in LOCAL_MODES:  # the data centre's own process group
         init_group(backend, a["dc_master"], a["port"], a["local_rank"], a["dc_size"],
                    a["timeout_s"], store and f"{store}/dc{a['dc']}")
     else:
@@ -123,6 +137,25 @@ def _start_gaia(a: dict[str, Any], model: Any) -> tuple[Any, Any]:
     return gaia, mirror
 
 
+def _start_diloco(a: dict[str, Any], model: Any) -> Any:
+    """DiLoCo's outer loop for ``model``; a data centre's leader all-reduces through the
+    switch in data centre 0's router."""
+    import torch.distributed as dist
+
+    from switchml.gaia.diloco import DiLoCo, switch_outer
+    outer = None
+    if a["local_rank"] == 0:
+        from switchml.protocol.config import WorkerConfig
+        outer = switch_outer(tuple(a["outer_switch"]), dcs=len(a["leaders"]), dc=a["dc"],
+                             job_id=a["outer_job"], token=a["outer_token"],
+                             bits=a["outer_bits"], elements_per_packet=a["outer_k"],
+                             window=a["outer_window"],
+                             config=WorkerConfig(op_timeout_s=a["timeout_s"]))
+    return DiLoCo(model, outer=outer, dcs=len(a["leaders"]), inner_steps=a["inner_steps"],
+                  outer_lr=a["outer_lr"], outer_momentum=a["outer_momentum"],
+                  group=dist.group.WORLD)
+
+
 def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, ...],
            gen: Any, gaia: Any, evaluate: bool) -> dict[str, Any]:
     """The training steps, with an evaluation every ``eval_every`` steps when ``evaluate``:
@@ -141,8 +174,8 @@ def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, .
         opt.zero_grad(set_to_none=True)
         loss_fn(ddp(xtr[idx]), ytr[idx]).backward()
         opt.step()
-        if gaia is not None:  # the last step ends with Gaia's final full exchange
-            gaia.after_step() if step < a["steps"] else gaia.finish()
+        if gaia is not None:  # Gaia's last step ends with its final full exchange
+            gaia.after_step() if step < a["steps"] or a["mode"] != "gaia" else gaia.finish()
         if evaluate and (step % a["eval_every"] == 0 or step == a["steps"]):
             e0 = time.perf_counter()
             with torch.no_grad():
@@ -172,9 +205,10 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
     gaia, mirror = _start_gaia(a, model) if mode == "gaia" else (None, None)
+    diloco = _start_diloco(a, model) if mode == "diloco" else None
     lead = a["local_rank"] == 0
-    evaluate = rank == 0 or (mode == "gaia" and lead)
-    run = _train(a, model, ddp, opt, data, gen, gaia, evaluate)
+    evaluate = rank == 0 or (mode in LOCAL_MODES and lead)
+    run = _train(a, model, ddp, opt, data, gen, gaia or diloco, evaluate)
     out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": run["elapsed_s"]}
     if evaluate:
         out.update(times=run["times"], accuracy=run["accuracy"], steps=run["steps"])
@@ -184,6 +218,11 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
                        "entries_applied": gaia.entries_applied,
                        "parameters": int(gaia._prev.size)}
         mirror.close()
+    if diloco is not None and diloco.outer is not None:
+        out["diloco"] = {"outer_steps": diloco.outer_steps,
+                         "bytes_reduced": diloco.bytes_reduced,
+                         "parameters": sum(p.numel() for p in diloco.params)}
+        diloco.outer.close()
     dist.destroy_process_group()
     return out
 
@@ -204,15 +243,32 @@ def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str,
             "timeout_s": min(cfg.timeout_s, 300.0), "master": geo.worker_ip(0), "port": port,
             "leaders": [(geo.worker_ip(geo.workers_of(j)[0]), GAIA_PORT)
                         for j in range(len(geo.dcs))],
-            "dc_backend": cfg.dc_backend}
+            "dc_backend": cfg.dc_backend, "inner_steps": cfg.inner_steps,
+            "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
+            "outer_bits": cfg.outer_bits, **_outer_job(geo)}
+
+
+def _outer_job(geo: Any) -> dict[str, Any]:
+    """DiLoCo's outer all-reduce: a job of the data centres' leaders at the switch in data
+    centre 0's router, sized for the smaller of the LAN's and the WAN's MTU."""
+    from switchml.protocol.config import default_window
+    from switchml.protocol.wire import elements_for_mtu
+    k = elements_for_mtu(min(geo.lan.mtu, geo.wan.mtu))
+    return {"outer_job": secrets.randbits(32), "outer_token": secrets.randbits(64),
+            "outer_k": k, "outer_window": default_window(k)}
 
 
 def _worker_args(common: dict[str, Any], geo: Any, r: int) -> dict[str, Any]:
     """Worker r's arguments: ``common`` and its place in its data centre."""
     j = geo.dc_of(r)
     members = geo.workers_of(j)
+    from switchml.bench.testbed import SWITCH_PORT
+    # The switch in data centre 0's router answers from the address a datagram's route
+    # leaves by: its LAN address inside data centre 0, its WAN address to the others.
+    outer = geo.gateway_ip(r) if j == 0 else geo.wan_router_ip(0)
     return {**common, "rank": r, "dc": j, "local_rank": members.index(r),
-            "dc_size": len(members), "dc_master": geo.worker_ip(members[0])}
+            "dc_size": len(members), "dc_master": geo.worker_ip(members[0]),
+            "outer_switch": (outer, SWITCH_PORT)}
 
 
 def _worker_env(tb: Any, r: int, switched: bool) -> dict[str, str]:
@@ -263,10 +319,11 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
     switches = []
-    if mode == "gaia" and cfg.dc_backend == "switchml":
+    if (mode in LOCAL_MODES and cfg.dc_backend == "switchml") or mode == "diloco":
         switches = _start_dc_switches(tb)
+    switched = mode in LOCAL_MODES and cfg.dc_backend == "switchml"
     procs = _start_workers(tb, range(geo.workers), lambda r: _argv(_worker_args(common, geo, r)),
-                           lambda r: _worker_env(tb, r, bool(switches)))
+                           lambda r: _worker_env(tb, r, switched))
     wan0 = tb.wan_bytes()
     outs = _wait_all(procs, cfg.timeout_s)
     wan = tb.wan_bytes() - wan0
@@ -283,7 +340,7 @@ def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any
     row: dict[str, Any] = {
         "mode": mode, "dcs": list(geo.dcs), "wan_bps": cfg.wan_bps if len(geo.dcs) > 1 else None,
         "lan_bps": cfg.lan_bps, "steps": cfg.steps,
-        "dc_backend": cfg.dc_backend if mode == "gaia" else "gloo",
+        "dc_backend": cfg.dc_backend if mode in LOCAL_MODES else "gloo",
         "elapsed_s": max(o["elapsed_s"] for o in outs),
         "times": lead["times"], "accuracy": lead["accuracy"], "eval_steps": lead["steps"],
         "final_accuracy": _final(lead["accuracy"]), "last_accuracy": lead["accuracy"][-1],
@@ -297,6 +354,11 @@ def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any
         sent = sum(o["gaia"]["entries_published"] for o in leaders)
         row["fraction_entries_sent"] = sent / (leaders[0]["gaia"]["parameters"] * cfg.steps
                                                * len(leaders))
+    if mode == "diloco":
+        leaders = [o for o in outs if "diloco" in o]
+        row["diloco"] = [o["diloco"] for o in leaders]
+        row["final_accuracy_per_dc"] = [_final(o["accuracy"]) for o in leaders]
+        row["inner_steps"], row["outer_bits"] = cfg.inner_steps, cfg.outer_bits
     return row
 
 
@@ -401,7 +463,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = {"lan": "one data centre (LAN)", "wan": "synchronous across the WAN",
-              "gaia": "Gaia"}
+              "gaia": "Gaia", "diloco": f"DiLoCo (H = {cfg.inner_steps}, {cfg.outer_bits}-bit)"}
     for r in rows:
         ax.plot(r["times"], r["accuracy"], label=f"{labels[r['mode']]}: "
                 f"{r['wan_bytes'] / 1e6:.1f} MB over the WAN")

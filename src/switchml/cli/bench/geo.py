@@ -1,4 +1,4 @@
-"""``switchml bench geo``: Gaia against synchronous training across data centres."""
+"""``switchml bench geo``: Gaia and DiLoCo against synchronous training across data centres."""
 
 from __future__ import annotations
 
@@ -16,19 +16,23 @@ __all__ = ["add_parser", "config_from_args", "run"]
 
 
 def add_parser(bsub: Subparsers) -> None:
-    """``switchml bench geo``: Gaia against synchronous training across data centres."""
+    """``switchml bench geo``: Gaia and DiLoCo against synchronous training across data
+    centres."""
     geo = bsub.add_parser(
-        "geo", help="Gaia against synchronous training across data centres (root)",
+        "geo", help="Gaia and DiLoCo against synchronous training across data centres (root)",
         description="Train the same model (switchml.workloads' CNN on scikit-learn's digits) "
-                    "three ways on the geo testbed: all workers in one data centre (LAN), "
-                    "synchronous DDP spanning the WAN, and Gaia (synchronous inside each data "
-                    "centre, significant updates across). Reports time to target accuracy, "
+                    "four ways on the geo testbed: all workers in one data centre (LAN), "
+                    "synchronous DDP spanning the WAN, Gaia (synchronous inside each data "
+                    "centre, significant updates across) and DiLoCo (synchronous inside, an "
+                    "outer Nesterov step every --inner-steps steps, its all-reduce through a "
+                    "switch across). Reports time to target accuracy, "
                     "final accuracy and WAN bytes (WAN interface counters); writes geo.json, "
                     "geo.csv and geo.png (accuracy against time). Needs root.")
     geo.add_argument("--dcs", default="2x2", help="data centres x workers (default 2x2)")
     geo.add_argument("--wan-mbit", type=float, default=50.0, help="WAN Mbit/s (default 50)")
     geo.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
-    geo.add_argument("--modes", default="lan,wan,gaia", help="comma list (default all three)")
+    geo.add_argument("--modes", default="lan,wan,gaia,diloco",
+                     help="comma list of lan, wan, gaia, diloco (default all four)")
     geo.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
     geo.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
     geo.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
@@ -50,13 +54,21 @@ def add_parser(bsub: Subparsers) -> None:
                      help="Gaia's synchronous training inside a data centre: DDP over gloo, "
                           "or over switchml with a switch in each data centre's router "
                           "(default gloo, as the other two modes)")
+    geo.add_argument("--inner-steps", type=int, default=50,
+                     help="DiLoCo: local steps between outer steps (default 50)")
+    geo.add_argument("--outer-lr", type=float, default=0.7,
+                     help="DiLoCo: the outer Nesterov step's learning rate (default 0.7)")
+    geo.add_argument("--outer-momentum", type=float, default=0.9,
+                     help="DiLoCo: the outer step's momentum (default 0.9)")
+    geo.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
+                     help="DiLoCo: bits per element of the outer all-reduce (default 16)")
     geo.add_argument("--out", default="switchml-geo", help="output folder (default "
                                                            "switchml-geo)")
     geo.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
-    """The three trainings ``args`` describe (``--dcs`` as data centre sizes)."""
+    """The trainings ``args`` describe (``--dcs`` as data centre sizes)."""
     from switchml.bench.geo import GeoBenchConfig
     from switchml.gaia.rules import parse_dc_layout
 
@@ -66,11 +78,13 @@ def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
                           batch=args.batch, lr=args.lr, model=args.model,
                           eval_every=args.eval_every, target_accuracy=args.target,
                           threshold=args.threshold, decay=args.decay, staleness=args.staleness,
-                          gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend)
+                          gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend,
+                          inner_steps=args.inner_steps, outer_lr=args.outer_lr,
+                          outer_momentum=args.outer_momentum, outer_bits=args.outer_bits)
 
 
 def run(args: argparse.Namespace) -> int:
-    """``switchml bench geo``: LAN, WAN-synchronous and Gaia training, compared."""
+    """``switchml bench geo``: LAN, WAN-synchronous, Gaia and DiLoCo training, compared."""
     from switchml.bench.geo import run_geo_bench, write_outputs
 
     sigterm_interrupts()  # SIGTERM runs the testbed's teardown
