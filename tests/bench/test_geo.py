@@ -11,6 +11,7 @@ import pytest
 from switchml.bench.geo import (
     GeoBenchConfig,
     _compare,
+    _mean_row,
     run_geo_bench,
     time_to_target,
     write_outputs,
@@ -35,6 +36,20 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(inner_steps=0)
     with pytest.raises(ValueError, match="outer-bits"):
         GeoBenchConfig(outer_bits=8)
+
+
+def test_a_modes_row_is_the_mean_of_its_seeds():
+    runs = [{**_row("gaia", [1, 2], [0.9, 0.96], 100), "seed": 0, "time_to_target_s": 2,
+             "final_loss": 0.2},
+            {**_row("gaia", [1, 3], [0.8, 0.98], 300), "seed": 1, "time_to_target_s": 3,
+             "final_loss": 0.4}]
+    row = _mean_row(runs)
+    assert (row["wan_bytes"], row["time_to_target_s"]) == (200, 2.5)
+    assert row["final_accuracy"] == pytest.approx(0.97)
+    assert row["final_loss"] == pytest.approx(0.3)
+    assert row["times"] == [1, 2] and [r["seed"] for r in row["runs"]] == [0, 1]
+    runs[1]["time_to_target_s"] = None  # one seed never reached it: the mean has no time
+    assert _mean_row(runs)["time_to_target_s"] is None
 
 
 def test_comparison_and_outputs(tmp_path):

@@ -59,6 +59,8 @@ class GeoBenchConfig:
     lr: float = 0.05
     model: str = "cnn"
     seed: int = 0
+    seeds: int = 1
+    """Runs per mode, with seeds ``seed .. seed + seeds - 1``; a mode's row is their mean."""
     eval_every: int = 5
     target_accuracy: float = 0.95
     threshold: float = 0.01
@@ -91,8 +93,8 @@ class GeoBenchConfig:
             raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
         if len(self.dcs) < 2:
             raise ValueError(f"--dcs needs at least two data centres, got {self.dcs}")
-        if self.steps < 2 or self.eval_every < 1 or self.batch < 1:
-            raise ValueError("--steps must be >= 2, --eval-every and --batch >= 1")
+        if self.steps < 2 or self.eval_every < 1 or self.batch < 1 or self.seeds < 1:
+            raise ValueError("--steps must be >= 2, --eval-every, --batch and --seeds >= 1")
         if not 0 < self.target_accuracy <= 1:
             raise ValueError("--target must be an accuracy in (0, 1]")
         if self.inner_steps < 1 or self.outer_bits not in (16, 32):
@@ -165,7 +167,7 @@ def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, .
     from torch import nn
     xtr, ytr, xte, yte = data
     loss_fn = nn.CrossEntropyLoss()
-    times, accs, steps = [], [], []
+    times, accs, losses, steps = [], [], [], []
     dist.barrier()
     t0 = time.perf_counter()
     paused = 0.0
@@ -179,13 +181,16 @@ def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, .
         if evaluate and (step % a["eval_every"] == 0 or step == a["steps"]):
             e0 = time.perf_counter()
             with torch.no_grad():
-                acc = float((model(xte).argmax(1) == yte).float().mean())
+                logits = model(xte)
+                acc = float((logits.argmax(1) == yte).float().mean())
+                losses.append(float(loss_fn(logits, yte)))
             times.append(e0 - t0 - paused)  # training time only
             paused += time.perf_counter() - e0
             accs.append(acc)
             steps.append(step)
     elapsed = time.perf_counter() - t0 - paused
-    return {"elapsed_s": elapsed, "times": times, "accuracy": accs, "steps": steps}
+    return {"elapsed_s": elapsed, "times": times, "accuracy": accs, "loss": losses,
+            "steps": steps}
 
 
 def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
@@ -211,7 +216,8 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
     run = _train(a, model, ddp, opt, data, gen, gaia or diloco, evaluate)
     out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": run["elapsed_s"]}
     if evaluate:
-        out.update(times=run["times"], accuracy=run["accuracy"], steps=run["steps"])
+        out.update(times=run["times"], accuracy=run["accuracy"], loss=run["loss"],
+                   steps=run["steps"])
     if gaia is not None and mirror is not None:
         assert gaia.filter is not None
         out["gaia"] = {**mirror.stats(), "entries_published": gaia.entries_published,
@@ -296,7 +302,7 @@ def _start_dc_switches(tb: Any) -> list[Any]:
             for j in range(len(tb.geo.dcs))]
 
 
-def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
+def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int) -> dict[str, Any]:
     """Train ``mode`` on the testbed ``tb``: its row."""
     geo = tb.geo
     port = 34000 + secrets.randbelow(10000)
@@ -306,7 +312,7 @@ def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
         # CPU and bytes of encryption are in every Gaia row.
         from switchml.links import make_credentials
         make_credentials(f"{store_dir}/tls")
-        return _run_mode_in(tb, cfg, mode, {**_mode_args(cfg, geo, mode, port),
+        return _run_mode_in(tb, cfg, mode, {**_mode_args(cfg, geo, mode, port), "seed": seed,
                                             "store_dir": store_dir,
                                             "tls_dir": f"{store_dir}/tls"})
     finally:
@@ -344,6 +350,7 @@ def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any
         "elapsed_s": max(o["elapsed_s"] for o in outs),
         "times": lead["times"], "accuracy": lead["accuracy"], "eval_steps": lead["steps"],
         "final_accuracy": _final(lead["accuracy"]), "last_accuracy": lead["accuracy"][-1],
+        "loss": lead["loss"], "final_loss": _final(lead["loss"]),
         "wan_bytes": wan,
     }
     if mode == "gaia":
@@ -380,17 +387,18 @@ the geo benchmark now rendezvouses through files). Nothing of the training ran y
 mode is run again, once."""
 
 
-def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str) -> dict[str, Any]:
+def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int
+                       ) -> dict[str, Any]:
     """:func:`_run_mode`, again once if torch aborted while the process group formed."""
     from switchml.testbed import TestbedError
     try:
-        return _run_mode(tb, cfg, mode)
+        return _run_mode(tb, cfg, mode, seed)
     except TestbedError as exc:
         if C10D_ABORT not in str(exc):
             raise
         log.warning("%s: a worker aborted while its process group formed (%s); running the "
                     "mode again", mode, str(exc).splitlines()[-1])
-        return _run_mode(tb, cfg, mode)
+        return _run_mode(tb, cfg, mode, seed)
 
 
 def time_to_target(row: dict[str, Any], target: float) -> float | None:
@@ -408,9 +416,14 @@ def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, A
         if progress is not None:
             progress(f"{mode}: data centres {dcs}, WAN {cfg.wan_bps / 1e6:g} Mbit/s, "
                      f"{cfg.steps} steps")
+        runs = []
         with GeoTestbed(topo) as tb:
-            row = _run_mode_retrying(tb, cfg, mode)
-        row["time_to_target_s"] = time_to_target(row, cfg.target_accuracy)
+            for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+                run = _run_mode_retrying(tb, cfg, mode, seed)
+                run["seed"] = seed
+                run["time_to_target_s"] = time_to_target(run, cfg.target_accuracy)
+                runs.append(run)
+        row = _mean_row(runs)
         row["target_accuracy"] = cfg.target_accuracy
         rows.append(row)
         if progress is not None:
@@ -419,6 +432,24 @@ def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, A
                      f"{row['wan_bytes']}")
     _compare(rows)
     return rows
+
+
+MEAN_KEYS = ("elapsed_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes")
+
+
+def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's row from its runs (one per seed): the first run's curves, the mean of
+    ``MEAN_KEYS`` and of the time to target (None unless every run reached it), and every
+    run's figures under ``runs``."""
+    row = dict(runs[0])
+    if len(runs) == 1:
+        return row
+    for k in MEAN_KEYS:
+        row[k] = sum(r[k] for r in runs) / len(runs)
+    times = [r["time_to_target_s"] for r in runs]
+    row["time_to_target_s"] = None if None in times else sum(times) / len(times)
+    row["runs"] = [{k: r[k] for k in ("seed", "time_to_target_s", *MEAN_KEYS)} for r in runs]
+    return row
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:
@@ -435,6 +466,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
             cmp["wan_bytes_vs_wan"] = r["wan_bytes"] / wan["wan_bytes"]
         if wan:
             cmp["accuracy_minus_wan_points"] = 100 * (r["final_accuracy"] - wan["final_accuracy"])
+            if wan.get("final_loss"):
+                cmp["loss_vs_wan"] = r["final_loss"] / wan["final_loss"]
         r["comparison"] = cmp
     del gaia
 
@@ -449,13 +482,13 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
             "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows}, f,
             indent=2)
     keys = ["mode", "dcs", "wan_bps", "steps", "elapsed_s", "time_to_target_s",
-            "final_accuracy", "last_accuracy", "wan_bytes"]
+            "final_accuracy", "last_accuracy", "final_loss", "wan_bytes"]
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
         for r in rows:
             c = r.get("comparison", {})
-            w.writerow([r[k] for k in keys] + [c.get("time_to_target_vs_lan"),
+            w.writerow([r.get(k) for k in keys] + [c.get("time_to_target_vs_lan"),
                                                c.get("speedup_vs_wan"),
                                                c.get("wan_bytes_vs_wan")])
     import matplotlib

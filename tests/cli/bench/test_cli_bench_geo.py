@@ -14,13 +14,13 @@ def test_flags_become_the_geo_config(parse):
                  "--model", "mlp", "--target", "0.5", "--eval-every", "2", "--threshold",
                  "0.2", "--decay", "--staleness", "1", "--gaia-lr-scale", "0.5",
                  "--dc-backend", "switchml", "--inner-steps", "7", "--outer-lr", "0.5",
-                 "--outer-momentum", "0.8", "--outer-bits", "32")
+                 "--outer-momentum", "0.8", "--outer-bits", "32", "--seeds", "3")
     assert args.func is geo.run
     assert geo.config_from_args(args) == GeoBenchConfig(
         dcs=(3, 1), wan_bps=10e6, lan_bps=100e6, modes=("wan", "gaia"), steps=5, batch=4,
         lr=0.1, model="mlp", eval_every=2, target_accuracy=0.5, threshold=0.2, decay=True,
         staleness=1, gaia_lr_scale=0.5, dc_backend="switchml", inner_steps=7, outer_lr=0.5,
-        outer_momentum=0.8, outer_bits=32)
+        outer_momentum=0.8, outer_bits=32, seeds=3)
     # the command's own defaults differ from the library's (a short run)
     cfg = geo.config_from_args(parse("bench", "geo"))
     assert (cfg.threshold, cfg.decay) == (0.1, False)
@@ -37,6 +37,6 @@ def test_the_runner_prints_one_line_per_mode(record, capsys):
     assert main(["bench", "geo", "--dcs", "2x2", "--out", "o"]) == 0
     assert run.args[0].dcs == (2, 2) and written.args[2] == "o"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[:3] == ["lan", "1.50", "0.9600"]
-    assert lines[2].split()[:4] == ["gaia", "-", "0.9000", "2.00"]
+    assert lines[1].split()[:4] == ["lan", "1.50", "0.9600", "-"]
+    assert lines[2].split()[:5] == ["gaia", "-", "0.9000", "-", "2.00"]
     assert lines[-1] == "o/geo.json"

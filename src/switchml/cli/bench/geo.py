@@ -62,6 +62,9 @@ def add_parser(bsub: Subparsers) -> None:
                      help="DiLoCo: the outer step's momentum (default 0.9)")
     geo.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
                      help="DiLoCo: bits per element of the outer all-reduce (default 16)")
+    geo.add_argument("--seeds", type=int, default=1,
+                     help="runs per mode (seeds 0 .. N-1); a mode's row is their mean "
+                          "(default 1)")
     geo.add_argument("--out", default="switchml-geo", help="output folder (default "
                                                            "switchml-geo)")
     geo.set_defaults(func=run)
@@ -80,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
                           threshold=args.threshold, decay=args.decay, staleness=args.staleness,
                           gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend,
                           inner_steps=args.inner_steps, outer_lr=args.outer_lr,
-                          outer_momentum=args.outer_momentum, outer_bits=args.outer_bits)
+                          outer_momentum=args.outer_momentum, outer_bits=args.outer_bits,
+                          seeds=args.seeds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,12 +107,13 @@ def _geo_cell(v: float | None, spec: str, suffix: str = "") -> str:
 
 def _print_geo_rows(rows: Sequence[dict]) -> None:
     """The geo benchmark's table, one line per mode."""
-    print(f"{'mode':<6} {'time to target (s)':>18} {'final accuracy':>14} {'WAN MB':>9} "
-          f"{'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
+    print(f"{'mode':<6} {'time to target (s)':>18} {'final accuracy':>14} {'final loss':>10} "
+          f"{'WAN MB':>9} {'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
     for r in rows:
         c = r["comparison"]
         print(f"{r['mode']:<6} {_geo_cell(r['time_to_target_s'], '.2f'):>18} "
-              f"{r['final_accuracy']:>14.4f} {r['wan_bytes'] / 1e6:>9.2f} "
+              f"{r['final_accuracy']:>14.4f} {_geo_cell(r.get('final_loss'), '.4f'):>10} "
+              f"{r['wan_bytes'] / 1e6:>9.2f} "
               f"{_geo_cell(c.get('time_to_target_vs_lan'), '.2f', 'x'):>7} "
               f"{_geo_cell(c.get('speedup_vs_wan'), '.2f', 'x'):>11} "
               f"{_geo_cell(c.get('wan_bytes_vs_wan'), '.4f'):>17}")
