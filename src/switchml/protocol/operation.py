@@ -41,7 +41,7 @@ class Operation:
     """
 
     __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize",
-                 "k", "lane", "lanef", "nonf", "opv", "out", "outk", "res", "residual",
+                 "k", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
                  "restarts", "run_order", "runs", "scratch", "sendlen", "sendq", "seq",
                  "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf",
                  "txflat", "views", "waiting_chunk", "waiting_missing", "x", "xbits", "xk",
@@ -88,6 +88,7 @@ class Operation:
         # lane is released once (results) and may be re-sent (timers, NACKs, RACK): 4 per
         # lane is ample; a full queue is spilled into plain datagrams (worker.py).
         self.sendq = np.empty(4 * self.E + 64, np.int64)
+        self.picked = np.empty(K.PROBE_LANES, np.int64)  # the idle probe's lanes (fire_timers)
         self.run_order = np.empty(self.sendq.size, np.int64)
         self.runs = np.empty((self.sendq.size, 5), np.int64)
         # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection

@@ -8,7 +8,7 @@ missing, is probed a reorder window after a chunk sent after it has its result (
 probe, RFC 8985 section 7; ``kernels.stream``); when no result at all has come for two
 round trips while chunks are outstanding in the operation's last window (where neither a
 later chunk nor a later result can show a loss), an idle probe re-sends the oldest few of them
-(:meth:`LossRecovery.probe_chunks`, backing off). The first measured round trip brings the
+(``kernels.fire_timers``, backing off). The first measured round trip brings the
 first window's deadlines, set under ``initial_rto_s``, down to the measured timeout.
 Faster than timeouts:
 
@@ -21,8 +21,10 @@ Faster than timeouts:
   result sooner than the smallest round trip after it) widens the window.
 
 The per-datagram rules (the RTT update, the deadline of a (re-)sent chunk, spurious re-sends
-seen in results) are compiled, in ``kernels/stream.py``; this module holds their state (``rtt``, the
-array the kernels share, fields ``kernels.R``) and the decisions taken per event in Python.
+seen in results) and the timers' re-sends (``kernels.fire_timers``: timeouts and the idle
+probe, which the worker's compiled loop also runs) are compiled, in ``kernels/stream.py``;
+this module holds their state (``rtt``, the array the kernels share, fields ``kernels.R``) and
+the decisions taken per event in Python.
 An operation with no progress for ``op_timeout_s`` fails with :meth:`silence_reason`.
 """
 
@@ -38,7 +40,7 @@ from switchml.protocol.operation import Operation
 
 __all__ = ["PROBE_LANES", "LossRecovery"]
 
-PROBE_LANES = 8
+PROBE_LANES = K.PROBE_LANES
 """How many outstanding chunks an idle probe re-sends at most. At the end of an operation the
 lanes still held by a loss are few; the bound keeps a probe that finds a slow peer instead
 (every lane outstanding, nothing lost) to a few datagrams."""
@@ -131,31 +133,6 @@ class LossRecovery:
         op.waiting_chunk = chunk
 
     # -- timers ----------------------------------------------------------------------------------
-
-    def due_chunks(self, op: Operation, now: float) -> list[int]:
-        """Outstanding chunks whose retransmission deadline has passed."""
-        chunk, deadline = op.lane[K.LN.CHUNK], op.lanef[K.LF.DEADLINE]
-        return [int(chunk[i]) for i in np.flatnonzero((chunk >= 0) & (deadline <= now))]
-
-    def probe_chunks(self, op: Operation, now: float) -> list[int]:
-        """The idle probe (``kernels.probe_time``) is due: the outstanding chunks to re-send
-        now, the ``PROBE_LANES`` transmitted longest ago, each at least a round trip ago (an
-        answer may be on its way). A probe backs the probe timeout off, whether or not it
-        finds a chunk to send. Each probe's answer is a RESENT result (the result was lost),
-        the result (the request was), or WAITING (another rank's loss holds the round: that
-        rank's own probe recovers it)."""
-        rtt = self.rtt
-        if now < K.probe_time(rtt):
-            return []
-        if rtt[K.R.LAST_PROGRESS] > rtt[K.R.PROBED_AT]:
-            rtt[K.R.PROBES] = 0
-        rtt[K.R.PROBED_AT] = now
-        rtt[K.R.PROBES] += 1
-        busy = np.flatnonzero(op.lane[K.LN.CHUNK] >= 0)
-        xmit_at = op.lanef[K.LF.XMIT_AT, busy]
-        oldest = busy[np.argsort(xmit_at, kind="stable")[:PROBE_LANES]]
-        return [int(op.lane[K.LN.CHUNK, i]) for i in oldest
-                if now - op.lanef[K.LF.XMIT_AT, i] >= rtt[K.R.SRTT]]
 
     def fail_at(self) -> float:
         """When the operation fails without progress (``op_timeout_s`` after the last)."""

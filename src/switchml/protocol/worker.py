@@ -70,7 +70,9 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("spurious_fast_retransmissions", K.WC.SPURIOUS),
                     ("tail_probes", K.WC.TAIL_PROBES),
                     ("nack_retransmissions", K.WC.NACK_RESENDS),
-                    ("nacks_ignored", K.WC.NACKS_IGNORED))
+                    ("nacks_ignored", K.WC.NACKS_IGNORED),
+                    ("timer_retransmissions", K.WC.TIMER_RESENDS),
+                    ("idle_probes", K.WC.IDLE_PROBES))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
@@ -533,16 +535,28 @@ class WorkerEndpoint(WorkerControl):
     def _handle_op_timers(self, now: float) -> None:
         op = self._op
         assert op is not None
-        for p in self.recovery.due_chunks(op, now):
-            self._counters["timer_retransmissions"] += 1
-            self._send_chunk(op, p, now, retransmit=True)
-        for p in self.recovery.probe_chunks(op, now):
-            self._counters["idle_probes"] += 1
-            self._send_chunk(op, p, now, retransmit=True, fast=True)
+        if not self.recovery.timed_out(now):
+            self.fire_timers(op, now)
         if self.recovery.timed_out(now):
             self._fail(self.recovery.silence_reason(
                 op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",
                 switch=self._switch_text, num_workers=self.spec.num_workers, now=now))
+
+    def fire_timers(self, op: Operation, now: float) -> None:
+        """Re-send what is due (``kernels.fire_timers``: timeouts, then the idle probe) and
+        queue it; RACK logs the re-sends. (The transports' compiled loop calls the kernel
+        itself.)"""
+        nq = int(op.opv[K.OP.NQ])
+        args = (now, op.opv, op.lane, op.lanef, self.recovery.rtt, self._next_set, op.exps,
+                op.nonf, op.xk, op.xbits, op.res, op.tx8, op.tx16, op.tx32, self._cnt, op.sendq,
+                op.sendlen, op.picked)
+        if not K.fire_timers(*args):
+            self._spill(op)  # (a queue without room for every busy lane)
+            nq = 0
+            K.fire_timers(*args)
+        if self.recovery.fast_retransmit:
+            for i in op.sendq[nq:int(op.opv[K.OP.NQ])].tolist():
+                self.recovery.on_sent(op, i, now)
 
     def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL) -> None:
         """The operation in flight can't complete: ERROR, and OperationAborted."""

@@ -1,4 +1,4 @@
-"""The worker's receive-and-send loop, compiled, and the switch's send of its results.
+"""The worker's receive-and-send loop, compiled.
 
 A Python pump pays per wake-up: ``recvmmsg`` through ctypes, a dozen calls around the kernels,
 one ``sendmsg`` per GSO run; measured on the testbed (n = 4, 1 Gbit/s, MTU 1500), the
@@ -7,13 +7,14 @@ calls. While an operation is in flight the steady state is always the same, so :
 runs it in one compiled call that holds no GIL: ``recvmmsg`` (libc's, which numba calls as an
 external symbol), cut the batch (``split_mmsg``), take the results (``worker_results``: the one
 implementation of the per-datagram rules), plan the released requests into GSO runs
-(``plan_runs``), ``sendmsg`` each, and, when the socket is empty, wait in ``poll`` on it and
-the inbox's wake-up pipe. It returns to Python, saying where it stopped, for a datagram the
-kernel leaves to Python (control, NACK, WAITING, the operation's last result, a full send
-queue), a due deadline, a command, a failed system call (with its errno), or after
-``MAX_WAIT_S`` idle; Python goes on exactly as it would have. Only for one switch address (a
-connected socket) and without RACK (its transmission log is Python's); elsewhere the Python
-pump runs alone. ``switchpath.py`` is the switch's counterpart.
+(``plan_runs``), ``sendmsg`` each, re-send what the timers say is due (``fire_timers``:
+timeouts and the idle probe), and, when the socket is empty, wait in ``poll`` on it and the
+inbox's wake-up pipe until the next deadline. It returns to Python, saying where it stopped,
+for a datagram the kernel leaves to Python (control, WAITING, the operation's last result, a
+full send queue), the operation's own timeout, a command, a failed system call (with its
+errno), or after ``MAX_WAIT_S`` idle; Python goes on exactly as it would have. Only for one
+switch address (a connected socket) and without RACK (its transmission log is Python's);
+elsewhere the Python pump runs alone. ``switchpath.py`` is the switch's counterpart.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class FP(IntEnum):
 
     WAKE = 0  # a command came (the inbox is readable), or MAX_WAIT_S passed idle
     STOPPED = 1  # the results kernel stopped at datagram ``at`` of the batch: Python goes on
-    DUE = 2  # a deadline passed
+    DUE = 2  # the operation's own timeout passed (no progress for op_timeout_s)
     SEND_FAILED = 3  # a sendmsg failed: the unsent requests are still queued
     RECV_FAILED = 4  # recvmmsg or poll failed (not for want of data): ``stats[ERRNO]``
 
@@ -141,12 +142,29 @@ def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cm
     return True
 
 
+@njit(**INLINE)
+def _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
+              tx32, cnt, sendq, sendlen, picked, stride, order, runs, hdr, iov, cmsg,
+              max_segments, max_bytes, stats):
+    """Re-send what the timers say is due (``kernels.fire_timers``) and send it; False at a
+    failed ``sendmsg`` (what is unsent stays queued for Python)."""
+    if not K.fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
+                         tx16, tx32, cnt, sendq, sendlen, picked):
+        if not _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
+                            max_segments, max_bytes, stats):
+            return False
+        K.fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
+                      tx16, tx32, cnt, sendq, sendlen, picked)
+    return _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
+                        max_segments, max_bytes, stats)
+
+
 @njit(**NO_RC)
 def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
          names, control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
          opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt,
-         sendq, sendlen, scratch, stride, order, runs, hdr, iov, cmsg, max_segments, max_bytes,
-         op_timeout_s, ts, stats):
+         sendq, sendlen, scratch, picked, stride, order, runs, hdr, iov, cmsg, max_segments,
+         max_bytes, op_timeout_s, ts, stats):
     """Receive, take results and send, and wait in ``poll`` (on the socket and the inbox's
     ``wake_fd``) when there is nothing to receive, until something needs Python (``FP``):
     an operation in flight costs Python nothing while it only streams. Returns
@@ -165,9 +183,16 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
                     return FP.RECV_FAILED.value, 0, 0, 0
             # Nothing to read: wait in the kernel for a datagram, a command or the deadline.
             now = _now(ts)
-            due = min(K.next_deadline(lane, lanef, rtt), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
-            if now >= due:
-                return FP.DUE.value, 0, 0, 0
+            fail_at = rtt[K.R.LAST_PROGRESS] + op_timeout_s
+            if now >= fail_at:
+                return FP.DUE.value, 0, 0, 0  # the operation failed: Python says why
+            if now >= K.next_deadline(lane, lanef, rtt):
+                if not _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+                                 res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride,
+                                 order, runs, hdr, iov, cmsg, max_segments, max_bytes, stats):
+                    return FP.SEND_FAILED.value, 0, 0, 0
+                continue
+            due = min(K.next_deadline(lane, lanef, rtt), fail_at)
             if now - idle_since >= MAX_WAIT_S:
                 return FP.WAKE.value, 0, 0, 0
             pfd[0] = fd | (POLLIN << 32)
@@ -196,9 +221,13 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
             return FP.SEND_FAILED.value, 0, 0, 0
         if code != K.WS.DONE.value:
             return FP.STOPPED.value, at, nseg, code
-        due = min(K.next_deadline(lane, lanef, rtt), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
-        if now >= due:
+        if now >= rtt[K.R.LAST_PROGRESS] + op_timeout_s:
             return FP.DUE.value, 0, 0, 0
+        if now >= K.next_deadline(lane, lanef, rtt):
+            if not _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
+                             tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order, runs,
+                             hdr, iov, cmsg, max_segments, max_bytes, stats):
+                return FP.SEND_FAILED.value, 0, 0, 0
 
 
 class FastPath:
@@ -230,7 +259,7 @@ class FastPath:
         return pump(self.fd, self.wake_fd, self.pfd, *self._rx_args,
                     op.opv, op.lane, op.lanef, rtt, next_set, op.exps, op.nonf, op.xk,
                     op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, cnt, op.sendq,
-                    op.sendlen, op.scratch, op.stride, op.run_order, op.runs, self.hdr,
+                    op.sendlen, op.scratch, op.picked, op.stride, op.run_order, op.runs, self.hdr,
                     self.iov, self.cmsg, self.max_segments, self.max_bytes,
                     float(op_timeout_s),  # (an int would compile a second pump)
                     self.ts, self.stats)

@@ -152,7 +152,13 @@ class WC(IntEnum):
     TAIL_PROBES = 10  # lanes' last chunks whose deadline a tail-loss probe brought forward
     NACK_RESENDS = 11  # chunks re-sent because the switch NACKed their lane
     NACKS_IGNORED = 12  # NACKs answered meanwhile, or for a chunk re-sent under a round trip
-    N = 13
+    TIMER_RESENDS = 13  # chunks re-sent because their lane's deadline passed
+    IDLE_PROBES = 14  # chunks re-sent by the idle probe (``fire_timers``)
+    N = 15
+
+
+PROBE_LANES = 8
+"""Chunks an idle probe re-sends at most: the outstanding ones transmitted longest ago."""
 
 
 class WS(IntEnum):
@@ -671,6 +677,60 @@ def probe_time(rtt):
     if rtt[R.LAST_PROGRESS] > rtt[R.PROBED_AT]:
         return rtt[R.LAST_PROGRESS] + pto
     return rtt[R.PROBED_AT] + pto * 2.0 ** rtt[R.PROBES]
+
+
+@njit(**NO_RC)
+def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16, tx32,
+                cnt, sendq, sendlen, picked):
+    """Re-send what is due at ``now`` and queue it: every busy lane whose deadline passed (a
+    timeout: the lane's timeout backs off), then, if the idle probe is due
+    (:func:`probe_time`), the ``PROBE_LANES`` busy lanes transmitted longest ago (ties: the
+    lower lane), each that went out at least a smoothed round trip ago (a probe: no backoff;
+    each probe doubles the wait for the next until a result comes). ``picked``: scratch of
+    ``PROBE_LANES`` int64. Returns False, having done nothing, when the send queue lacks room
+    for every busy lane: send (or spill) it and call again. The operation's own timeout is the
+    caller's."""
+    busy = 0
+    for i in range(lane.shape[1]):
+        if lane[LN.CHUNK, i] >= 0:
+            busy += 1
+    if opv[OP.NQ] > 0 and opv[OP.NQ] + busy > sendq.size:
+        return False
+    for i in range(lane.shape[1]):
+        if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] <= now:
+            cnt[WC.TIMER_RESENDS] += 1
+            send_chunk(lane[LN.CHUNK, i], True, False, now, opv, lane, lanef, rtt, next_set,
+                       exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+            queue_lane(i, opv, sendq)
+    if now < probe_time(rtt):
+        return True
+    if rtt[R.LAST_PROGRESS] > rtt[R.PROBED_AT]:
+        rtt[R.PROBES] = 0
+    rtt[R.PROBED_AT] = now
+    rtt[R.PROBES] += 1
+    n = 0
+    for _ in range(PROBE_LANES):  # the busy lanes transmitted longest ago, oldest first
+        best = -1
+        for i in range(lane.shape[1]):
+            if lane[LN.CHUNK, i] < 0:
+                continue
+            taken = False
+            for m in range(n):
+                taken = taken or picked[m] == i
+            if not taken and (best < 0 or lanef[LF.XMIT_AT, i] < lanef[LF.XMIT_AT, best]):
+                best = i
+        if best < 0:
+            break
+        picked[n] = best
+        n += 1
+    for m in range(n):
+        i = picked[m]
+        if now - lanef[LF.XMIT_AT, i] >= rtt[R.SRTT]:
+            cnt[WC.IDLE_PROBES] += 1
+            send_chunk(lane[LN.CHUNK, i], True, True, now, opv, lane, lanef, rtt, next_set,
+                       exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+            queue_lane(i, opv, sendq)
+    return True
 
 
 @njit(**NO_RC)
