@@ -142,63 +142,68 @@ def _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cm
     return True
 
 
+FIRED = -2
+NOTHING_DUE = -1
+
+
 @njit(**INLINE)
-def _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
-              tx32, cnt, sendq, sendlen, picked, stride, order, runs, hdr, iov, cmsg,
-              max_segments, max_bytes, stats):
-    """Re-send what the timers say is due (``kernels.fire_timers``) and send it; False at a
-    failed ``sendmsg`` (what is unsent stays queued for Python)."""
+def _timers(fd, now, op_timeout_s, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
+            tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order, runs, hdr, iov, cmsg,
+            max_segments, max_bytes, stats):
+    """What the timers ask at ``now``: ``NOTHING_DUE``; ``FP.DUE`` (the operation timed out:
+    Python fails it); or the re-sends they call for (``kernels.fire_timers``), sent:
+    ``FIRED``, or ``FP.SEND_FAILED`` at a failed ``sendmsg`` (the rest stays queued)."""
+    if now >= rtt[K.R.LAST_PROGRESS] + op_timeout_s:
+        return FP.DUE.value
+    if now < K.next_deadline(lane, lanef, rtt):
+        return NOTHING_DUE
     if not K.fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
                          tx16, tx32, cnt, sendq, sendlen, picked):
         if not _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
                             max_segments, max_bytes, stats):
-            return False
+            return FP.SEND_FAILED.value
         K.fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
                       tx16, tx32, cnt, sendq, sendlen, picked)
-    return _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
-                        max_segments, max_bytes, stats)
+    if not _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
+                        max_segments, max_bytes, stats):
+        return FP.SEND_FAILED.value
+    return FIRED
 
 
 @njit(**NO_RC)
-def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
-         names, control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
-         opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt,
-         sendq, sendlen, scratch, picked, stride, order, runs, hdr, iov, cmsg, max_segments,
-         max_bytes, op_timeout_s, ts, stats):
-    """Receive, take results and send, and wait in ``poll`` (on the socket and the inbox's
-    ``wake_fd``) when there is nothing to receive, until something needs Python (``FP``):
-    an operation in flight costs Python nothing while it only streams. Returns
-    ``(why, at, nseg, code)``: with ``STOPPED``, the results kernel returned ``code``
-    (``WS``) at datagram ``at`` of the ``nseg`` the last batch cut into
-    (``starts``/``lens``/``senders``): Python does what the code asks
-    (``WorkerEndpoint.after_results_kernel``) and takes the batch on from there."""
+def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at, names, control,
+         slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders, opv, lane, lanef, rtt,
+         next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
+         scratch, picked, stride, order, runs, hdr, iov, cmsg, max_segments, max_bytes,
+         op_timeout_s, ts, stats):
+    """Receive, take results and send, fire the timers, and wait in ``poll`` (on the socket
+    and the inbox's ``wake_fd``) until something needs Python (``FP``). Returns ``(why, at,
+    nseg, code)``: with ``STOPPED``, the results kernel returned ``code`` (``WS``) at datagram
+    ``at`` of the ``nseg`` the last batch cut into (``starts``/``lens``/``senders``): Python
+    does what it asks (``WorkerEndpoint.after_results_kernel``) and goes on from there."""
     idle_since = _now(ts)
     while True:
         n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
         if n <= 0:
-            if n < 0:
-                e = _errno()[0]
-                if e != EAGAIN:  # (a socket error is reported once: Python is told which)
-                    stats[ST.ERRNO] = e
-                    return FP.RECV_FAILED.value, 0, 0, 0
+            if n < 0 and _errno()[0] != EAGAIN:  # (an error is reported once: Python says it)
+                stats[ST.ERRNO] = _errno()[0]
+                return FP.RECV_FAILED.value, 0, 0, 0
             # Nothing to read: wait in the kernel for a datagram, a command or the deadline.
             now = _now(ts)
-            fail_at = rtt[K.R.LAST_PROGRESS] + op_timeout_s
-            if now >= fail_at:
-                return FP.DUE.value, 0, 0, 0  # the operation failed: Python says why
-            if now >= K.next_deadline(lane, lanef, rtt):
-                if not _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
-                                 res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride,
-                                 order, runs, hdr, iov, cmsg, max_segments, max_bytes, stats):
-                    return FP.SEND_FAILED.value, 0, 0, 0
-                continue
-            due = min(K.next_deadline(lane, lanef, rtt), fail_at)
+            t = _timers(fd, now, op_timeout_s, opv, lane, lanef, rtt, next_set, exps, nonf, x,
+                        xbits, res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order,
+                        runs, hdr, iov, cmsg, max_segments, max_bytes, stats)
+            if t != NOTHING_DUE:
+                if t == FIRED:
+                    continue
+                return t, 0, 0, 0
+            due = min(K.next_deadline(lane, lanef, rtt), rtt[K.R.LAST_PROGRESS] + op_timeout_s)
             if now - idle_since >= MAX_WAIT_S:
                 return FP.WAKE.value, 0, 0, 0
             pfd[0] = fd | (POLLIN << 32)
             pfd[1] = wake_fd | (POLLIN << 32)
-            wait_s = min(due, idle_since + MAX_WAIT_S) - now
-            r = _poll(pfd.ctypes.data, 2, np.int32(wait_s * 1e3) + 1)
+            wait_ms = np.int32((min(due, idle_since + MAX_WAIT_S) - now) * 1e3) + 1
+            r = _poll(pfd.ctypes.data, 2, wait_ms)
             if r < 0:
                 stats[ST.ERRNO] = _errno()[0]
                 return FP.RECV_FAILED.value, 0, 0, 0  # (EINTR: Python's turn)
@@ -210,10 +215,9 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
                             sol_udp, udp_gro, starts, lens, senders)
         now = _now(ts)
         idle_since = now
-        # (limit past the batch: ONE is RACK's stop, and RACK runs in Python)
-        at, code = K.worker_results(buf, starts, lens, nseg, 0, nseg + 1, now, opv, lane, lanef,
-                                    rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16,
-                                    tx32, cnt, sendq, sendlen, scratch)
+        at, code = K.worker_results(  # (limit past the batch: RACK, which stops at ONE, is off)
+            buf, starts, lens, nseg, 0, nseg + 1, now, opv, lane, lanef, rtt, next_set, exps,
+            nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen, scratch)
         if not _send_queued(fd, opv, sendq, sendlen, stride, tx8, order, runs, hdr, iov, cmsg,
                             max_segments, max_bytes, stats):
             if code != K.WS.DONE.value:
@@ -221,13 +225,11 @@ def pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at,
             return FP.SEND_FAILED.value, 0, 0, 0
         if code != K.WS.DONE.value:
             return FP.STOPPED.value, at, nseg, code
-        if now >= rtt[K.R.LAST_PROGRESS] + op_timeout_s:
-            return FP.DUE.value, 0, 0, 0
-        if now >= K.next_deadline(lane, lanef, rtt):
-            if not _fire_due(fd, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
-                             tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order, runs,
-                             hdr, iov, cmsg, max_segments, max_bytes, stats):
-                return FP.SEND_FAILED.value, 0, 0, 0
+        t = _timers(fd, now, op_timeout_s, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+                    res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order, runs, hdr,
+                    iov, cmsg, max_segments, max_bytes, stats)
+        if t >= 0:
+            return t, 0, 0, 0
 
 
 class FastPath:

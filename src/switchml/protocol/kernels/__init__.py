@@ -14,6 +14,8 @@ and work through the batch without returning to Python:
 * ``stream.py`` (the worker): :func:`worker_results` takes results (dequantizes into the
   output), updates its lanes and round-trip estimate, and builds the requests they release
   straight into a preallocated transmit buffer (:func:`build_request`, :func:`send_chunk`).
+* ``timers.py`` (the worker): :func:`fire_timers` re-sends what the timers call for
+  (timeouts, the idle probe).
 * ``frames.py``: wire constants, field access, header writing, batches of datagrams.
 
 A kernel stops (returns the index of the datagram) at anything rare that needs Python: control
@@ -86,22 +88,19 @@ from switchml.protocol.kernels.stream import (
     LNF_FIELDS,
     O_FIELDS,
     OP,
-    PROBE_LANES,
     R_FIELDS,
     WC,
     WS,
     R,
     build_request,
-    fire_timers,
     mark_nack_resend,
-    next_deadline,
     plan_runs,
-    probe_time,
     send_chunk,
     send_first,
     take_nack,
     worker_results,
 )
+from switchml.protocol.kernels.timers import PROBE_LANES, fire_timers, next_deadline, probe_time
 
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",

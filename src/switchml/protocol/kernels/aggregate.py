@@ -463,6 +463,31 @@ def _before_epoch(jobv, seq):
     return False
 
 
+@njit(**INLINE)
+def _outside(jobv, r, cnt):
+    """A request for a slot outside the job's range, or with more payload than a slot holds:
+    dropped and counted."""
+    if r.s < 0 or r.s >= jobv[J.WINDOW]:
+        cnt[SC.BAD_SLOT] += 1
+        return True
+    if r.count * r.itemsize > jobv[J.MAX_BYTES]:
+        cnt[SC.BAD_PAYLOAD] += 1
+        return True
+    return False
+
+
+@njit(**INLINE)
+def _python_answer(action):
+    """The stop (``SS``) of a slot action that Python answers, or -1."""
+    if action == A_RESEND_RESULT:
+        return SS.RESEND_RESULT.value
+    if action == A_ANSWER_WAITING:
+        return SS.ANSWER_WAITING.value
+    if action == A_REFUSE_MISMATCH:
+        return SS.MISMATCH.value
+    return -1
+
+
 @njit(**NO_RC)
 def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
                     clog, cursor, mkeys, heard, rules, cnt, done, nacks, nack_ranks):
@@ -493,12 +518,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             return i, ndone, nnack, SS.OTHER.value  # from before a restart: Python tells it
         rank = u16(d, o + H_RANK)
         heard[rank] = now
-        if r.s < 0 or r.s >= jobv[J.WINDOW]:
-            cnt[SC.BAD_SLOT] += 1
-            i += 1
-            continue
-        if r.count * r.itemsize > jobv[J.MAX_BYTES]:
-            cnt[SC.BAD_PAYLOAD] += 1
+        if _outside(jobv, r, cnt):
             i += 1
             continue
         action = _action(st, seen, rules, r, rank)
@@ -506,12 +526,9 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             cnt[SC.STALE if action == A_DROP_STALE else SC.LATE_DUPLICATE] += 1
             i += 1
             continue
-        if action == A_RESEND_RESULT:
-            return i, ndone, nnack, SS.RESEND_RESULT.value
-        if action == A_ANSWER_WAITING:
-            return i, ndone, nnack, SS.ANSWER_WAITING.value
-        if action == A_REFUSE_MISMATCH:
-            return i, ndone, nnack, SS.MISMATCH.value
+        stop = _python_answer(action)
+        if stop >= 0:
+            return i, ndone, nnack, stop
         pay = d[o + HDR:o + HDR + r.count * r.itemsize]
         conflicted = False
         if action == A_START_ROUND:
