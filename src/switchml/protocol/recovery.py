@@ -38,12 +38,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.operation import Operation
 
-__all__ = ["PROBE_LANES", "LossRecovery"]
-
-PROBE_LANES = K.PROBE_LANES
-"""How many outstanding chunks an idle probe re-sends at most. At the end of an operation the
-lanes still held by a loss are few; the bound keeps a probe that finds a slow peer instead
-(every lane outstanding, nothing lost) to a few datagrams."""
+__all__ = ["LossRecovery"]
 
 
 class LossRecovery:
