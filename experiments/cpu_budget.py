@@ -14,6 +14,7 @@ worker aggregated), with the rate the bench measured. Cited in docs/benchmarks.m
 
     python experiments/cpu_budget.py --mtu 1500 --perf
     python experiments/cpu_budget.py --mtu 9000
+    python experiments/cpu_budget.py --mtu 1500 --loss 0.01 --perf
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=float, default=1000)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--loss", type=float, default=0.0,
+                    help="random loss on every link (the bench's --loss)")
     ap.add_argument("--perf", action="store_true", help="also split the CPU with perf record")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +93,8 @@ def main() -> None:
             [sys.executable, "-m", "switchml", "bench", "allreduce", "--testbed",
              "-n", str(a.workers), "--mtu", str(a.mtu), "--rate-mbit", str(a.rate_mbit),
              "--size", "64MiB", "--iters", "40", "--warmup", "1", "--systems", "switchml",
-             "--json", js], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--loss", str(a.loss), "--json", js],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Wait for the timed phase: the workers exist and have spent a second of CPU.
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -113,7 +117,7 @@ def main() -> None:
         rate = row["ate_per_s"]  # elements per second per worker
         gelem = rate * a.seconds  # elements one worker aggregated in the window
         ns = 1e9 / gelem / HZ  # ticks -> ns per element
-        print(f"testbed n={a.workers}, {a.rate_mbit:g} Mbit/s, MTU {a.mtu}: "
+        print(f"testbed n={a.workers}, {a.rate_mbit:g} Mbit/s, MTU {a.mtu}, loss {a.loss:g}: "
               f"{rate:.3g} ATE/s per worker ({row['fraction_of_line_rate']:.0%} of B/32); "
               "CPU in ns per aggregated element (all workers summed, as CPU-s per 10^9)")
         per: dict[tuple[str, str], float] = collections.Counter()

@@ -121,10 +121,10 @@ def test_a_rank_that_left_and_joined_from_elsewhere_is_not_taken_from_its_old_ad
 
 def test_every_nack_of_a_batch_goes_out_even_past_the_kernels_buffer():
     """Rank 1's odd chunks of the first window are lost: each even chunk shows the odd one
-    before it missing (gap 1), more NACKs than one kernel call holds (``NACKS_PER_CALL``).
+    before it missing (gap 1), more NACKs than one kernel call holds (``REPLIES_PER_CALL``).
     Every NACK names the lost chunk and its slot, for rank 1, with the job's token and the
     operation's seq, a header and nothing else."""
-    window = 2 * K.NACKS_PER_CALL + 20
+    window = 2 * K.REPLIES_PER_CALL + 20
     sw = SwitchDataplane(SwitchConfig(pool_slots=window, max_window=window,
                                       max_elements_per_packet=8, nack_gap=1))
     addrs = [("w0", 1000), ("w1", 1001)]
@@ -140,7 +140,69 @@ def test_every_nack_of_a_batch_goes_out_even_past_the_kernels_buffer():
     expected = [Header(MessageType.NACK, 9, rank=1, token=TOKEN, seq=4, chunk=p - 1,
                        slot=p - 1, elem=ElementType.BYTES, exp_data=EXP_ZERO,
                        exp_next=EXP_ZERO) for p in sent if p >= 1]
-    assert len(expected) > K.NACKS_PER_CALL
+    assert len(expected) > K.REPLIES_PER_CALL
     assert [raw for _, raw, _ in nacks] == [pack_header(h) for h in expected]
     assert {a for _, _, a in nacks} == {addrs[1]}
     assert sw.stats()["nacks_sent"] == len(expected)
+
+
+def test_resends_in_one_batch_are_answered_past_the_kernels_buffer_with_exact_replies():
+    """Every lane of a 3-rank job: rank 0 re-sends into a complete round (lane even) or an
+    open one (lane odd), all in one receive batch, more answers than one kernel call holds
+    (``REPLIES_PER_CALL``). Each answer is the hand-built datagram: the stored result with the
+    RESENT flag, or WAITING naming ranks 1 and 2 (open lanes lack them) and none gone."""
+    window = K.REPLIES_PER_CALL + 30
+    sw = SwitchDataplane(SwitchConfig(pool_slots=window, max_window=window,
+                                      max_elements_per_packet=8, nack_gap=0))
+    job = join_job(sw, 5, TOKEN, 3, window=window, k=8)
+    base, numbers = job.slot_base, {a: i + 1 for i, a in enumerate(job.addrs)}
+    first, expected = [], []
+    for s in range(window):
+        vals = [[s, 1, -2], [10 * s, 3, 4], [-s, 5, 6]]
+        ranks = range(3) if s % 2 == 0 else range(1)  # even lanes complete, odd lanes open
+        first += [(job.addrs[r], request(5, TOKEN, r, base + s, 0, 7, s, vals[r]))
+                  for r in ranks]
+        if s % 2 == 0:
+            h = Header(MessageType.RESULT, 5, rank=2, token=TOKEN, seq=7, chunk=s,
+                       slot=base + s, count=3, elem=ElementType.INT32,
+                       flags=Flags.HAS_DATA | Flags.RESENT)
+            total = np.array([10 * s, 9, 8], "<i4").tobytes()
+            expected.append(pack_header(h) + total)
+        else:
+            h = Header(MessageType.WAITING, 5, rank=0, token=TOKEN, seq=7, chunk=s,
+                       slot=base + s, count=2, elem=ElementType.BYTES)
+            expected.append(pack_header(h) + bytes([0b110, 0]))
+    sw.receive_many(_batch(first, numbers, stable=True), now=0.0)
+    _drain(sw)
+    again = [(job.addrs[0], request(5, TOKEN, 0, base + s, 0, 7, s, [s, 1, -2]))
+             for s in range(window)]
+    sw.receive_many(_batch(again, numbers, stable=True), now=0.0)
+    out = [(bytes(d), a) for d, a in sw.datagrams_to_send(0.0)]
+    assert len(expected) > K.REPLIES_PER_CALL
+    assert [d for d, _ in out] == expected
+    assert {a for _, a in out} == {job.addrs[0]}
+    st = sw.stats()
+    assert (st["results_resent"], st["waiting_sent"]) == (window // 2, window // 2)
+    assert sw.drops == {"duplicate": window // 2}
+
+
+def test_waiting_names_the_missing_ranks_that_went_silent_as_gone():
+    """WAITING's second bitmap: of the ranks missing, those silent for the member timeout
+    (rank 2 joined at 0 and sent nothing since; rank 1 sent a keep-alive of a request at
+    t = 9)."""
+    sw = SwitchDataplane(SwitchConfig(pool_slots=64, max_elements_per_packet=64, max_workers=8,
+                                      nack_gap=0, member_timeout_s=10.0))
+    job = join_job(sw, 6, TOKEN, 4, window=2, k=4)
+    base, numbers = job.slot_base, {a: i + 1 for i, a in enumerate(job.addrs)}
+    sw.receive_many(_batch([(job.addrs[1], request(6, TOKEN, 1, base + 1, 0, 0, 1, [1]))],
+                           numbers, stable=True), now=9.0)
+    for now in (9.5, 10.5):  # rank 2's silence passes the timeout between the two
+        sw.receive_many(_batch([(job.addrs[0], request(6, TOKEN, 0, base, 0, 0, 0, [1])),
+                                (job.addrs[3], request(6, TOKEN, 3, base, 0, 0, 0, [2]))],
+                               numbers, stable=True), now=now)
+    _drain(sw)
+    sw.receive_many(_batch([(job.addrs[0], request(6, TOKEN, 0, base, 0, 0, 0, [1]))],
+                           numbers, stable=True), now=10.5)
+    (o,) = _drain(sw)
+    assert o.header.type is MessageType.WAITING and o.addr == job.addrs[0]
+    assert o.payload.tolist() == [0b0110, 0b0100]  # ranks 1 and 2 missing; rank 2 gone

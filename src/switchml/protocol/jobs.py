@@ -105,6 +105,8 @@ class Job:
     pend: np.ndarray = field(default=None)  # type: ignore[assignment]
     npend: int = 0  # rounds completed and not yet sent: ``pend[:npend]``
     nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
+    member_timeout_s: float = 20.0  # a member silent this long is gone (SwitchConfig)
+    reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
     key: bytes = b""  # the job key (auth.job_key): JOIN and LEAVE proofs verify under it
@@ -140,7 +142,10 @@ class Job:
         jobv[K.J.NACK_GAP] = jobv[K.J.NACK_BASE_GAP] = 0
         jobv[K.J.NACK_CALM] = np.iinfo(np.int64).max // 2
         jobv[K.J.NACK_WIDENED_AT] = -(1 << 40)
+        jobv[K.J.NACK_CAP] = self.nack_log_windows * w
+        jobv[K.J.MEMBER_TIMEOUT_US] = round(self.member_timeout_s * 1e6)
         self.jobv = jobv
+        self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet)
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
         self.st[K.S.ELEM] = _INT32

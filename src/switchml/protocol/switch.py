@@ -13,8 +13,9 @@ the same round), whether w already contributed (a retransmission: a unicast copy
 if the set is complete, else a WAITING reply naming the ranks still missing), whether the set
 is complete (a late duplicate from a worker that moved on: dropped) and whether the chunk
 agrees with the round's shape (else MISMATCH). The compiled kernel looks every request up in
-it; what needs an answer comes back to Python (``_resend_result``, ``_answer_waiting``,
-``_refuse_mismatch``, in ``switch_replies.py``, a base class of the switch).
+it and writes the answers to one rank (RESENT results, WAITING, NACKs) itself; disagreeing
+ranks come back to Python (``_refuse_mismatch``, ``_waiting_conflict``, in
+``switch_replies.py``, a base class of the switch).
 
 Every accepted contribution also clears w in ``seen`` of the other set, as in the original. The
 invariant that makes one bit of set enough: a worker reaches (s, v) again only after receiving the
@@ -31,7 +32,7 @@ multicasting costs no copy. It stays valid until the next receive call (``receiv
 ``receive_many``); drivers that keep datagrams longer (the in-memory fabric)
 copy them. The per-request rules themselves are ``kernels.switch_requests`` (compiled); this
 class holds the state as arrays for it (``jobs.Job``) and handles what is rare in Python
-(control messages, retransmission answers, disagreeing ranks).
+(control messages, disagreeing ranks).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ _BYTES = int(ElementType.BYTES)
 _HALF = 2**31
 _MASK32 = 2**32 - 1
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
-                 ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE))
+                 ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE),
+                 ("duplicate", K.SC.DUPLICATE))
 
 
 class SwitchDataplane(SwitchReplies, SwitchControl):
@@ -109,18 +111,16 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
         self._lens = np.empty(1, np.int64)
         self._one_sender = np.zeros(1, np.int64)
-        self._nacks = np.empty(K.NACKS_PER_CALL * HEADER_SIZE, np.uint8)  # the kernel's NACKs
-        self._nack_ranks = np.empty(K.NACKS_PER_CALL, np.int64)
+        # The kernel's replies to one rank (NACK, RESENT, WAITING): rows of the largest job's
+        # reply_bytes, and (rank, length) of each.
+        self._reply_rows = np.empty((K.REPLIES_PER_CALL, HEADER_SIZE), np.uint8)
+        self._reply_meta = np.empty((K.REPLIES_PER_CALL, 2), np.int64)
         self._hot: Job | None = None  # the job of the last request admitted
         self._stable = False  # whether the last batch's sender numbers were stable
         self._learned: list[Job] = []  # jobs whose mkeys this call learned (unstable numbers)
         self.packets_in = 0
         self.packets_out = 0
-        self.results_resent = 0
-        self.waiting_sent = 0
         self.mismatch_sent = 0
-        self.nacks_sent = 0
-        self.nacks_needless = 0
         self.challenges_sent = 0
         self.challenges = Challenges(self.config.join_challenge_s)
         """JOIN cookies (``auth.Challenges``): random per switch."""
@@ -140,10 +140,9 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         their NACK order is logged when the relay sends the results (``kernels.log_releases``),
         not at completion."""
         self._rules = action_table()  # slots.SLOT_RULES, as the kernel looks them up
-        # The slot rule's actions that the kernel leaves to Python (slots.SlotAction).
-        self._replies = {
-            K.SS.RESEND_RESULT: self._resend_result,
-            K.SS.ANSWER_WAITING: self._answer_waiting,
+        # The slot rule's answers that the kernel leaves to Python (slots.SlotAction).
+        self._answers = {
+            K.SS.WAITING_CONFLICT: self._waiting_conflict,
             K.SS.MISMATCH: self._refuse_mismatch,
         }
 
@@ -232,25 +231,31 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
     def _run_kernel(self, job: Job, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                     senders: np.ndarray, count: int, i: int, now: float) -> tuple[int, int]:
         """One call of the kernel for ``job`` from datagram ``i``; queue its results and
-        NACKs. Returns ``(next, code)``."""
-        nxt, ndone, nnack, code = K.switch_requests(
+        replies. Returns ``(next, code)``."""
+        nxt, ndone, nreply, code = K.switch_requests(
             buf, starts, lens, senders, count, i, now, job.jobv, job.st, job.seen,
             job.conflict, job.bufs, job.clog, job.cursor, job.mkeys, job.heard, self._rules,
-            self._cnt, self._done, self._nacks, self._nack_ranks)
+            self._cnt, self._done, self._replies_for(job), self._reply_meta)
         if nxt > i or code != K.SS.OTHER:
             job.last_seen = now
             job.started = True
-        if nnack:
-            self._queue_nacks(job, nnack)
+        if nreply:
+            self._queue_replies(job, nreply)
         if ndone and (self.on_completed is None
                       or not self.on_completed(job, self._done, ndone, now)):
             self._queue_results(job, ndone)
         return nxt, code
 
+    def _replies_for(self, job: Job) -> np.ndarray:
+        """The kernel's reply rows, grown to hold ``job``'s."""
+        if self._reply_rows.shape[1] < job.reply_bytes:
+            self._reply_rows = np.empty((K.REPLIES_PER_CALL, job.reply_bytes), np.uint8)
+        return self._reply_rows
+
     def fast_path_state(self) -> tuple[Job, tuple] | None:
         """What a transport's compiled receive loop (``transport/switchpath.py``) needs to
         take the requests of the job that took the last one, as ``receive_many`` would, and
-        send its results and NACKs itself: ``(job, the kernel's arguments after now)``. None
+        send its results and replies itself: ``(job, the kernel's arguments after now)``. None
         when only the Python path may run: no job is hot, sender numbers are not stable,
         something is queued to send, or a relay takes the completions (a rack switch). The
         loop returns to Python (``after_fast_path``, then ``resume``) for anything else."""
@@ -259,30 +264,30 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
                 or self.on_completed is not None):
             return None
         return job, (job.jobv, job.st, job.seen, job.conflict, job.bufs, job.clog, job.cursor,
-                     job.mkeys, job.heard, self._rules, self._cnt, self._done, self._nacks,
-                     self._nack_ranks)
+                     job.mkeys, job.heard, self._rules, self._cnt, self._done,
+                     self._replies_for(job), self._reply_meta)
 
-    def after_fast_path(self, job: Job, *, taken: int, results_out: int, nacks: int,
+    def after_fast_path(self, job: Job, *, taken: int, results_out: int, replies: int,
                         now: float) -> None:
         """Count what the compiled loop did for ``job``: ``taken`` datagrams received and
-        taken by the kernel, ``results_out`` result datagrams and ``nacks`` NACKs sent."""
+        taken by the kernel, ``results_out`` result datagrams and ``replies`` replies (NACK,
+        RESENT, WAITING) sent."""
         if taken:
             self.packets_in += taken
             job.last_seen = now
             job.started = True
-        self.packets_out += results_out + nacks
-        self.nacks_sent += nacks
+        self.packets_out += results_out + replies
 
     def resume(self, batch: Batch, job: Job, code: int, at: int, now: float) -> None:
         """Go on with a batch where the compiled loop's kernel call for ``job`` stopped
         (``code`` at datagram ``at``; the datagrams before it are taken, their results and
-        NACKs sent): answer the stop as ``receive_many`` would, then take the rest. Call
+        replies sent): answer the stop as ``receive_many`` would, then take the rest. Call
         ``datagrams_to_send`` (or ``results_to_send``) afterwards."""
         self._now = now
         buf, starts, lens, senders, count, address_of, stable = batch
         i = at
         if code not in (K.SS.DONE, K.SS.OTHER):
-            self.packets_in += 1 if self._replies.get(code) is not None else 0
+            self.packets_in += 1 if self._answers.get(code) is not None else 0
             i = self._after_kernel(job, code, at, memoryview(buf), starts, senders, address_of)
         if i < count:
             self._receive(buf, starts, lens, senders, count, address_of, now, stable, i)
@@ -297,25 +302,23 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
                       address_of: Callable[[int], Address]) -> int:
         """Answer what stopped the kernel (the slot rule's Python actions); return the
         datagram to go on from."""
-        reply = self._replies.get(code)
-        if reply is not None:  # about datagram nxt, which the kernel did not take
-            reply(job, HEADER.unpack_from(view, int(starts[nxt])),
+        answer = self._answers.get(code)
+        if answer is not None:  # about datagram nxt, which the kernel did not take
+            answer(job, HEADER.unpack_from(view, int(starts[nxt])),
                   address_of(int(senders[nxt])))
             return nxt + 1
         if code == K.SS.CONFLICT_ADDED:  # about datagram nxt - 1, which it took
             self._mismatch(job, HEADER.unpack_from(view, int(starts[nxt - 1])),
                            address_of(int(senders[nxt - 1])), None)
-        return nxt  # (NACKS_FULL: queued already)
+        return nxt  # (REPLIES_FULL: queued already)
 
-    def _queue_nacks(self, job: Job, n: int) -> None:
-        """Send the NACKs the kernel wrote (``_nacks`` rows, to ``_nack_ranks``): each tells
-        its rank that the switch lacks an earlier chunk of its (``kernels.aggregate._behind_on``
-        found it)."""
-        rows, members = self._nacks, job.members
-        for k, rank in enumerate(self._nack_ranks[:n].tolist()):
-            self._out.append((rows[k * HEADER_SIZE:(k + 1) * HEADER_SIZE].tobytes(),
-                              members[rank]))
-        self.nacks_sent += n
+    def _queue_replies(self, job: Job, n: int) -> None:
+        """Send the replies the kernel wrote (``_reply_rows``, each to one rank): NACKs (the
+        switch lacks an earlier chunk of the rank's: ``kernels.aggregate._behind_on`` found
+        it), RESENT results and WAITING (answers to re-sent requests)."""
+        rows, members = self._reply_rows, job.members
+        for k, (rank, length) in enumerate(self._reply_meta[:n].tolist()):
+            self._out.append((rows[k, :length].tobytes(), members[rank]))
 
     @staticmethod
     def _request_fields(buf: np.ndarray, view: memoryview, o: int, end: int) -> tuple | None:
@@ -499,6 +502,24 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
     @property
     def rounds_abandoned(self) -> int:
         return int(self._cnt[K.SC.ABANDONED])
+
+    @property
+    def results_resent(self) -> int:
+        """Re-sent requests into complete rounds, answered with the stored result."""
+        return int(self._cnt[K.SC.RESULTS_RESENT])
+
+    @property
+    def waiting_sent(self) -> int:
+        return int(self._cnt[K.SC.WAITING_SENT])
+
+    @property
+    def nacks_sent(self) -> int:
+        return int(self._cnt[K.SC.NACKS])
+
+    @property
+    def nacks_needless(self) -> int:
+        """Re-sends for a NACK that found their chunk already in (it was reordered)."""
+        return int(self._cnt[K.SC.NACKS_NEEDLESS])
 
     def stats(self) -> dict[str, object]:
         """A snapshot of the counters (for logs, ``switchml stats`` and tests)."""

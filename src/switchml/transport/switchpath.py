@@ -5,11 +5,12 @@ three times the compiled aggregation in the switch process: per wake-up, ``recvm
 ctypes, the batch, the dataplane's Python around its kernel, the results' send. While one job
 streams, every wake-up is the same, so :func:`switch_pump` runs it in one compiled call that
 holds no GIL: ``recvmmsg``, cut the batch (``split_mmsg``), take the requests
-(``kernels.switch_requests``: the one implementation of the per-request rules), send the NACKs
-it wrote and the rounds it completed (:func:`send_results`, GSO runs to every member), and wait
-in ``poll`` when the socket is empty. It returns to Python (``SwitchDataplane.resume``) for
-anything the kernel leaves to it: a datagram of another job or a stranger, a control message,
-a retransmission to answer, disagreeing ranks; or after ``max_wait_s`` idle, or at a wake-up.
+(``kernels.switch_requests``: the one implementation of the per-request rules), send the
+replies it wrote (NACKs, RESENT results, WAITING) and the rounds it completed
+(:func:`send_results`, GSO runs to every member), and wait in ``poll`` when the socket is
+empty. It returns to Python (``SwitchDataplane.resume``) for anything the kernel leaves to it:
+a datagram of another job or a stranger, a control message, disagreeing ranks; or after
+``max_wait_s`` idle, or at a wake-up.
 It runs for the dataplane's hot job (``SwitchDataplane.fast_path_state``): a plain switch
 (not a rack of a tree), stable sender numbers (``recvmmsg``), and nothing queued in Python.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol import kernels as K
-from switchml.protocol.kernels.frames import HDR, NO_RC, njit
+from switchml.protocol.kernels.frames import NO_RC, njit
 from switchml.transport.fastpath import (
     EAGAIN,
     FP,
@@ -57,7 +58,7 @@ class SP(IntEnum):
     RECV_CALLS = 0
     TAKEN = 1  # datagrams received and taken by the kernel
     RESULTS = 2  # result datagrams sent (or lost to a full buffer)
-    NACKS = 3  # NACKs sent
+    REPLIES = 3  # replies sent (NACK, RESENT, WAITING)
     ERRNO = 4  # the errno of a failed recvmmsg or poll; not a counter
     N = 5
 
@@ -102,14 +103,16 @@ def send_results(fd, pend, n, bufs, stride, names, max_segments, max_bytes, runs
 
 
 @njit(**NO_RC)
-def _send_nacks(fd, nacks, nack_ranks, nnack, names, hdr, iov, cmsg, stats):
-    """The NACKs the kernel wrote (``nacks`` rows, to ``names[nack_ranks[k]]``)."""
-    base = nacks.ctypes.data
-    for k in range(nnack):
-        iov[0] = base + k * HDR
-        iov[1] = HDR
-        _set_run(hdr, iov, 1, cmsg, 1, HDR)
-        hdr[0] = names.ctypes.data + 16 * nack_ranks[k]
+def _send_replies(fd, replies, reply_meta, nreply, names, hdr, iov, cmsg, stats):
+    """The replies the kernel wrote (``replies[k, :reply_meta[k, 1]]``, to
+    ``names[reply_meta[k, 0]]``), one ``sendmsg`` each."""
+    base = replies.ctypes.data
+    row = replies.shape[1]
+    for k in range(nreply):
+        iov[0] = base + k * row
+        iov[1] = reply_meta[k, 1]
+        _set_run(hdr, iov, 1, cmsg, 1, reply_meta[k, 1])
+        hdr[0] = names.ctypes.data + 16 * reply_meta[k, 0]
         hdr[1] = 16
         if _sendmsg(fd, hdr.ctypes.data, 0) < 0:
             stats[SC.BLOCKED if _errno()[0] == EAGAIN else SC.ERRORS] += 1
@@ -122,9 +125,9 @@ def _send_nacks(fd, nacks, nack_ranks, nnack, names, hdr, iov, cmsg, stats):
 def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at, rx_names,
                 control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
                 jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, rules, cnt, done,
-                nacks, nack_ranks, names, stride, max_segments, max_bytes, runs, hdr, iov,
+                replies, reply_meta, names, stride, max_segments, max_bytes, runs, hdr, iov,
                 cmsg, max_wait_s, asks, ts, stats, sstats):
-    """Receive, aggregate one job's requests and send its results and NACKs, and wait in
+    """Receive, aggregate one job's requests and send its results and replies, and wait in
     ``poll`` (on the socket and ``wake_fd``; -1: none) when there is nothing to receive,
     until something needs Python, or another thread asks for the dataplane (``asks[0]``
     nonzero). Returns ``(why, at, nseg, code)`` (``FP``): with
@@ -159,14 +162,14 @@ def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_
                             gro, sol_udp, udp_gro, starts, lens, senders)
         now = _now(ts)
         idle_since = now
-        at, ndone, nnack, code = K.switch_requests(buf, starts, lens, senders, nseg, 0, now,
-                                                   jobv, st, seen, conflict, bufs, clog,
-                                                   cursor, mkeys, heard, rules, cnt, done,
-                                                   nacks, nack_ranks)
+        at, ndone, nreply, code = K.switch_requests(buf, starts, lens, senders, nseg, 0, now,
+                                                    jobv, st, seen, conflict, bufs, clog,
+                                                    cursor, mkeys, heard, rules, cnt, done,
+                                                    replies, reply_meta)
         stats[SP.TAKEN] += at
-        if nnack:
-            _send_nacks(fd, nacks, nack_ranks, nnack, names, hdr, iov, cmsg, sstats)
-            stats[SP.NACKS] += nnack
+        if nreply:
+            _send_replies(fd, replies, reply_meta, nreply, names, hdr, iov, cmsg, sstats)
+            stats[SP.REPLIES] += nreply
         if ndone:
             stats[SP.RESULTS] += send_results(fd, done, ndone, bufs, stride, names,
                                               max_segments, max_bytes, runs, hdr, iov, cmsg,

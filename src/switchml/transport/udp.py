@@ -175,7 +175,7 @@ class SwitchServer:
             taken = int(st[SP.TAKEN])
             self.fast_path_datagrams += taken
             dp.after_fast_path(job, taken=taken, results_out=int(st[SP.RESULTS]),
-                               nacks=int(st[SP.NACKS]), now=now)
+                               replies=int(st[SP.REPLIES]), now=now)
             err = int(st[SP.ERRNO])
             st[:] = 0
             self._count_result_sends()

@@ -32,7 +32,7 @@ sources changed (the test suite and ``.ci/run`` call it first).
 
 from switchml.protocol.kernels.aggregate import (
     J_FIELDS,
-    NACKS_PER_CALL,
+    REPLIES_PER_CALL,
     S_FIELDS,
     SC,
     SS,
@@ -40,6 +40,7 @@ from switchml.protocol.kernels.aggregate import (
     S,
     log_releases,
     plan_result_runs,
+    reply_row_bytes,
     switch_requests,
 )
 from switchml.protocol.kernels.frames import (
@@ -58,6 +59,7 @@ from switchml.protocol.kernels.frames import (
     T_NACK,
     T_REQUEST,
     T_RESULT,
+    T_WAITING,
     VERSION,
     as_buffer,
     counter_snapshot,
@@ -105,12 +107,13 @@ from switchml.protocol.kernels.timers import PROBE_LANES, fire_timers, next_dead
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",
     "F_RESENT", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
-    "MAGIC", "MAX_BATCH", "NACKS_PER_CALL", "OP", "O_FIELDS", "PROBE_LANES", "R", "R_FIELDS", "S",
-    "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "VERSION", "WC", "WS", "as_buffer",
+    "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "R", "REPLIES_PER_CALL", "R_FIELDS",
+    "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING", "VERSION", "WC",
+    "WS", "as_buffer",
     "block_exponents", "build_request", "counter_snapshot", "dequantize_block", "dequantize_into",
     "exponent_of_bits", "fire_timers", "gro_segments", "i16", "i64", "log_releases",
     "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs", "probe_time",
-    "quantize_block", "quantize_into", "request_framing", "residual_block", "residual_into",
-    "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests", "take_nack", "u16",
-    "u32", "worker_results", "write_header",
+    "quantize_block", "quantize_into", "reply_row_bytes", "request_framing", "residual_block",
+    "residual_into", "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests",
+    "take_nack", "u16", "u32", "worker_results", "write_header",
 ]

@@ -1,11 +1,13 @@
 """The switch's per-request rules, compiled: validate, classify by the slot table, aggregate,
-complete, and find chunks a rank should have delivered (NACKs).
+complete, find chunks a rank should have delivered (NACKs), and answer a re-sent request
+(the stored result again, or WAITING).
 
 ``switch.py`` explains the protocol and holds the state as arrays (``jobs.Job``: ``jobv``
 fields J, ``st`` fields S, bitmaps ``seen``/``conflict``, result buffers ``bufs``, the
 completion log ``clog`` and per-rank ``cursor``); ``slots.py`` holds the table
-every request is classified by (passed in as ``rules``). A kernel stops at anything rare that
-needs Python (a retransmission to answer, disagreeing ranks, a NACK to send) and returns why.
+every request is classified by (passed in as ``rules``). The answers to one rank (NACKs, RESENT
+results, WAITING) are written into a reply buffer that the caller sends. A kernel stops at
+what needs Python (disagreeing ranks, a full reply buffer) and returns why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from switchml.protocol.kernels.frames import (
     EXP_ZERO,
     F_HAS_EXP,
     F_NONFINITE,
+    F_RESENT,
     H_CHUNK,
     H_COUNT,
     H_DIGEST,
@@ -43,6 +46,7 @@ from switchml.protocol.kernels.frames import (
     SHAPE_FLAGS,
     T_NACK,
     T_RESULT,
+    T_WAITING,
     copy_bytes,
     i16,
     i64,
@@ -90,9 +94,11 @@ class J(IntEnum):
     NACK_CALM = 16  # SwitchConfig.nack_calm: completions without a needless NACK per halving
     NACK_WIDENED_AT = 17  # the completion of the last widening (Python's: once per window)
     LOG_AT_RELEASE = 18  # 1: a relay releases the rounds later (log_releases logs them then)
+    NACK_CAP = 19  # SwitchConfig.nack_log_windows x WINDOW: how far a widened gap grows
+    MEMBER_TIMEOUT_US = 20  # SwitchConfig.member_timeout_s: a member silent this long is gone
 
 
-J_FIELDS = 19
+J_FIELDS = 21
 
 
 class S(IntEnum):
@@ -122,7 +128,12 @@ class SC(IntEnum):
     LATE_DUPLICATE = 3
     MULTICAST = 4
     ABANDONED = 5
-    N = 6
+    RESULTS_RESENT = 6  # re-sent requests into complete rounds, answered with the result
+    WAITING_SENT = 7  # re-sent requests into open rounds, answered WAITING
+    NACKS_NEEDLESS = 8  # re-sends for a NACK that found their chunk already in (reordered)
+    DUPLICATE = 9  # re-sent requests into open rounds (dropped: the data is in)
+    NACKS = 10  # NACKs written
+    N = 11
 
 
 class SS(IntEnum):
@@ -130,15 +141,22 @@ class SS(IntEnum):
 
     DONE = 0  # every datagram taken
     OTHER = 1  # not a request of a known member of this job, or from before the epoch: Python
-    RESEND_RESULT = 2  # a retransmission into a complete round: Python sends the stored copy
-    ANSWER_WAITING = 3  # a retransmission into an open round: Python answers WAITING
-    MISMATCH = 4  # the chunk disagrees with the round: Python refuses it
-    CONFLICT_ADDED = 5  # added to a round that has refused ranks: Python tells this rank
-    NACKS_FULL = 6  # the NACKs written fill their buffer: Python queues them and calls again
+    WAITING_CONFLICT = 2  # a retransmission into an open round with refused ranks: Python
+    #                       tells the sender (MISMATCH)
+    MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
+    CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
+    REPLIES_FULL = 5  # the replies written fill their buffer: the caller sends them, calls again
 
 
-NACKS_PER_CALL = 64
-"""NACK datagrams :func:`switch_requests` writes per call (its ``nacks`` buffer's rows)."""
+REPLIES_PER_CALL = 64
+"""Replies (NACK, RESENT, WAITING datagrams) :func:`switch_requests` writes per call: its
+``replies`` buffer's rows."""
+
+
+def reply_row_bytes(num_workers: int, elements_per_packet: int) -> int:
+    """The bytes a reply row needs for a job: a stored result (header and int32 payload), or a
+    WAITING (header and two bitmaps of the ranks)."""
+    return HDR + max(4 * elements_per_packet, 2 * ((num_workers + 7) // 8))
 
 
 class Request(NamedTuple):
@@ -439,13 +457,12 @@ def _member_request(d, o, ln, sender, jobv, mkeys):
 
 
 @njit(**INLINE)
-def _write_nack(jobv, nacks, nack_ranks, k, rank, seq):
-    """NACK ``k`` of this call: tell ``rank`` the chunk ``_behind_on`` found (a header-only
-    datagram in row ``k`` of ``nacks``)."""
-    write_header(nacks, k * HDR, T_NACK, 0, 0, rank, jobv[J.JOB], jobv[J.TOKEN], seq,
+def _write_nack(jobv, replies, reply_meta, k, rank, seq):
+    """Reply ``k``: a NACK, telling ``rank`` the chunk ``_behind_on`` found (header only)."""
+    write_header(replies[k], 0, T_NACK, 0, 0, rank, jobv[J.JOB], jobv[J.TOKEN], seq,
                  jobv[J.NACK_CHUNK], jobv[J.SLOT_BASE] + jobv[J.NACK_SLOT], 0, E_BYTES, 0,
                  EXP_ZERO, EXP_ZERO)
-    nack_ranks[k] = rank
+    reply_meta[k, 0], reply_meta[k, 1] = rank, HDR
 
 
 @njit(**INLINE)
@@ -477,20 +494,80 @@ def _outside(jobv, r, cnt):
 
 
 @njit(**INLINE)
-def _python_answer(action):
-    """The stop (``SS``) of a slot action that Python answers, or -1."""
+def _nack_was_needless(jobv, cnt):
+    """A re-send answering a NACK found its chunk already in: the chunk had been reordered,
+    not lost. Widen the job's gap (as RACK widens its reorder window), so a network that
+    reorders costs a few needless re-sends, not one per datagram. At most once per window of
+    completions: the NACKs of one reordering episode, sent before the gap widened, come back
+    needless together and must count once. It halves back after ``NACK_CALM`` completions
+    without one (``_log_release``)."""
+    cnt[SC.NACKS_NEEDLESS] += 1
+    now = jobv[J.COMPLETIONS]
+    jobv[J.NACK_CALM_FROM] = now
+    gap = jobv[J.NACK_GAP]
+    if gap > 0 and now - jobv[J.NACK_WIDENED_AT] >= jobv[J.WINDOW]:
+        jobv[J.NACK_GAP] = max(jobv[J.NACK_BASE_GAP], min(2 * gap, jobv[J.NACK_CAP]))
+        jobv[J.NACK_WIDENED_AT] = now
+
+
+@njit(**INLINE)
+def _write_resent(st, bufs, replies, reply_meta, k, rank, r):
+    """Reply ``k``: the stored result of the request's round again, marked RESENT (the result
+    was lost on its way to this rank)."""
+    v, s = r.v, r.s
+    size = HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
+    row = replies[k]
+    copy_bytes(row, 0, bufs[v, s], 0, size)
+    row[H_FLAGS] |= F_RESENT
+    reply_meta[k, 0], reply_meta[k, 1] = rank, size
+
+
+@njit(**INLINE)
+def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
+    """Reply ``k``: WAITING, to a re-send into an open round that has this rank's data: the
+    ranks still missing, then those of them gone (silent for ``MEMBER_TIMEOUT_US``; a rank
+    that never joined counts from the job's creation), each a little-endian bitmap of
+    ``ceil(N / 8)`` bytes."""
+    v, s = r.v, r.s
+    n = jobv[J.N]
+    nb = (n + 7) // 8
+    quiet = now - jobv[J.MEMBER_TIMEOUT_US] * 1e-6
+    row = replies[k]
+    write_header(row, 0, T_WAITING, 0, v, rank, jobv[J.JOB], jobv[J.TOKEN], r.seq, r.chunk,
+                 s + jobv[J.SLOT_BASE], 2 * nb, E_BYTES, 0, EXP_ZERO, EXP_ZERO)
+    for b in range(2 * nb):
+        row[HDR + b] = 0
+    for q in range(n):
+        if not _has_bit(seen, v, s, q):
+            row[HDR + (q >> 3)] |= np.uint8(1 << (q & 7))
+            if heard[q] < quiet:
+                row[HDR + nb + (q >> 3)] |= np.uint8(1 << (q & 7))
+    reply_meta[k, 0], reply_meta[k, 1] = rank, HDR + 2 * nb
+
+
+@njit(**INLINE)
+def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_meta, k, rank, r,
+                   action, cnt):
+    """A re-sent request (a timeout, a probe or a NACK: its round has this rank's data, or is
+    complete): write the answer as reply ``k`` and return True, or return False when the
+    round has refused ranks (Python answers MISMATCH)."""
+    if r.flags & F_RESENT:
+        _nack_was_needless(jobv, cnt)  # the chunk NACKed as lost was in (reordered)
+    if action == A_ANSWER_WAITING and _any_bit(conflict, r.v, r.s):
+        return False
     if action == A_RESEND_RESULT:
-        return SS.RESEND_RESULT.value
-    if action == A_ANSWER_WAITING:
-        return SS.ANSWER_WAITING.value
-    if action == A_REFUSE_MISMATCH:
-        return SS.MISMATCH.value
-    return -1
+        _write_resent(st, bufs, replies, reply_meta, k, rank, r)
+        cnt[SC.RESULTS_RESENT] += 1
+    else:
+        _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r)
+        cnt[SC.WAITING_SENT] += 1
+        cnt[SC.DUPLICATE] += 1
+    return True
 
 
 @njit(**NO_RC)
 def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
-                    clog, cursor, mkeys, heard, rules, cnt, done, nacks, nack_ranks):
+                    clog, cursor, mkeys, heard, rules, cnt, done, replies, reply_meta):
     """Aggregate the REQUESTs of one job in a batch of datagrams, from datagram ``start`` on.
 
     ``d``: the received bytes (uint8); datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``
@@ -499,13 +576,14 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
     sender number (``mkeys[rank] == srcs[i]``), whichever rank it is, and stops at the first
     other one. ``heard[rank] = now`` for each. ``rules``: ``slots.action_table()``. ``done``
     receives ``(set, slot, length)`` of every round completed here: the result datagram is
-    ``bufs[set, slot, :length]``. NACKs go into ``nacks`` (rows of a header each, for rank
-    ``nack_ranks[k]``), at most ``NACKS_PER_CALL``.
+    ``bufs[set, slot, :length]``. The answers to one rank (NACKs, RESENT results, WAITING) go
+    into ``replies``: reply ``k`` is ``replies[k, :reply_meta[k, 1]]``, for rank
+    ``reply_meta[k, 0]``; a row holds ``reply_row_bytes`` of the job.
 
-    Returns ``(next, ndone, nnack, code)``: the segment to go on from, completions and NACKs
-    written, and why it stopped (``SS.DONE`` when ``next`` is past the end; else the Python
-    side handles segment ``next`` (``SS.CONFLICT_ADDED``: segment ``next - 1``;
-    ``SS.NACKS_FULL``: nothing) and calls again)."""
+    Returns ``(next, ndone, nreply, code)``: the segment to go on from, completions and
+    replies written, and why it stopped (``SS.DONE`` when ``next`` is past the end; else the
+    Python side handles segment ``next`` (``SS.CONFLICT_ADDED``: segment ``next - 1``;
+    ``SS.REPLIES_FULL``: nothing) and calls again)."""
     ndone = 0
     nnack = 0
     i = start
@@ -526,9 +604,17 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             cnt[SC.STALE if action == A_DROP_STALE else SC.LATE_DUPLICATE] += 1
             i += 1
             continue
-        stop = _python_answer(action)
-        if stop >= 0:
-            return i, ndone, nnack, stop
+        if action == A_RESEND_RESULT or action == A_ANSWER_WAITING:
+            if not _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies,
+                                  reply_meta, nnack, rank, r, action, cnt):
+                return i, ndone, nnack, SS.WAITING_CONFLICT.value
+            nnack += 1
+            i += 1
+            if nnack == reply_meta.shape[0]:
+                return i, ndone, nnack, SS.REPLIES_FULL.value
+            continue
+        if action == A_REFUSE_MISMATCH:
+            return i, ndone, nnack, SS.MISMATCH.value
         pay = d[o + HDR:o + HDR + r.count * r.itemsize]
         conflicted = False
         if action == A_START_ROUND:
@@ -537,7 +623,8 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
         _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
         if _behind_on(jobv, st, seen, clog, cursor, rank, r):
-            _write_nack(jobv, nacks, nack_ranks, nnack, rank, r.seq)
+            _write_nack(jobv, replies, reply_meta, nnack, rank, r.seq)
+            cnt[SC.NACKS] += 1
             nnack += 1
         if st[S.MISSING, r.v, r.s] == 0:
             _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt)
@@ -545,8 +632,8 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
         i += 1
         if conflicted:
             return i, ndone, nnack, SS.CONFLICT_ADDED.value
-        if nnack == nack_ranks.shape[0]:
-            return i, ndone, nnack, SS.NACKS_FULL.value
+        if nnack == reply_meta.shape[0]:
+            return i, ndone, nnack, SS.REPLIES_FULL.value
     return i, ndone, nnack, SS.DONE.value
 
 
