@@ -5,7 +5,7 @@ the stored result again, marked RESENT, or WAITING, naming the ranks still missi
 
 Part of :class:`~switchml.protocol.switch.SwitchDataplane` (a base class of it, as
 ``switch_control.py`` is): rare events, handled in plain Python datagram by datagram
-(docs/protocol.md, the slot table's Python actions).
+(docs/protocol.md, the slot table).
 """
 
 from __future__ import annotations
