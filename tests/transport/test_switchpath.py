@@ -123,3 +123,76 @@ def test_other_threads_get_the_dataplane_while_the_loop_streams():
                    during=poll_stats)
     assert len(waits) > 20
     assert max(waits) < 0.1, f"stats() waited {max(waits):.2f} s for the dataplane"
+
+
+def test_the_loop_takes_two_jobs_interleaved_datagram_by_datagram():
+    """Two jobs (as HSDP's shard groups: the same hosts, one job per shard) stream at once,
+    their requests interleaved in one receive batch: one call of the loop takes every one of
+    them (it goes on with the other job's kernel call where a datagram names it) and returns
+    only when idle; each rank's sums are exact (numpy)."""
+    from switchml.protocol.config import JobSpec
+    from switchml.protocol.endpoint import Batch, exchange
+    from switchml.protocol.switch import SwitchDataplane
+    from switchml.protocol.worker import WorkerEndpoint
+    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
+    from switchml.transport.switchpath import ResultSender, SwitchFastPath
+
+    n, window, k, numel = 2, 4, 64, 4 * 64 * 3  # three windows of chunks per rank
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ssock:
+        ssock.bind(("127.0.0.1", 0))
+        ssock.setblocking(False)
+        saddr = ssock.getsockname()
+        rx = MultiReceiver(ssock)
+        fast = SwitchFastPath(rx, ResultSender(ssock, max_segments=MAX_SEGMENTS,
+                                               max_bytes=MAX_GSO_BYTES), max_wait_s=0.05)
+        sw = SwitchDataplane()
+        socks, eps, outs, xs = [], [], [], []
+        rng = np.random.default_rng(5)
+        for job_id in (21, 22):
+            spec = JobSpec(job_id=job_id, token=7 + job_id, num_workers=n, window=window,
+                           elements_per_packet=k)
+            for rank in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.bind(("127.0.0.1", 0))
+                s.settimeout(2.0)
+                w = WorkerEndpoint(spec=spec, rank=rank, switch_address=saddr)
+                w.join(0.0)
+                exchange({s.getsockname(): w, saddr: sw}, 0.0)
+                socks.append(s)
+                eps.append(w)
+                xs.append(rng.integers(-10**6, 10**6, numel).astype(np.int32))
+                outs.append(np.zeros(numel, np.int32))
+        for i, w in enumerate(eps):
+            w.start_allreduce(xs[i], outs[i], 0.0)
+        calls = []
+        try:
+            for round_ in range(3):
+                # Every rank's window of requests, interleaved one datagram at a time.
+                queued = [[bytes(d) for d, _ in w.datagrams_to_send(0.0)] for w in eps]
+                assert all(len(q) == window for q in queued)
+                for j in range(window):
+                    for i, s in enumerate(socks):
+                        s.sendto(queued[i][j], saddr)
+                if round_ == 0:  # Python admits each member (and learns its sender number)
+                    time.sleep(0.05)
+                    got = rx.receive()
+                    sw.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, got,
+                                          rx.address_of, True), 0.0)
+                    for d, a in sw.datagrams_to_send(0.0):
+                        ssock.sendto(bytes(d), a)
+                else:
+                    state = sw.fast_path_state()
+                    assert state is not None and len(state[0]) == 2
+                    why, _at, _nseg, _code, _k = fast.run(*state)
+                    calls.append((why, fast.taken[:2].tolist()))
+                for i, s in enumerate(socks):
+                    for _ in range(window):
+                        eps[i].receive_datagram(s.recv(65536), saddr, 0.0)
+        finally:
+            for s in socks:
+                s.close()
+    assert calls == [(fastpath.FP.WAKE, [n * window, n * window])] * 2
+    for job in range(2):
+        total = xs[2 * job].astype(np.int64) + xs[2 * job + 1]
+        for rank in range(n):
+            np.testing.assert_array_equal(outs[2 * job + rank], total.astype(np.int32))

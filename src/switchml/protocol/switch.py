@@ -54,6 +54,7 @@ from switchml.protocol.slots import action_table
 from switchml.protocol.switch_control import SwitchControl
 from switchml.protocol.switch_replies import SwitchReplies
 from switchml.protocol.wire import (
+    AT,
     EXP_ZERO,
     HEADER,
     HEADER_SIZE,
@@ -69,6 +70,9 @@ from switchml.protocol.wire import (
 __all__ = ["SlotAllocator", "SwitchDataplane"]
 
 _UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
+_JOB_AT = AT["job"]
+HOT_JOBS = 4
+"""Jobs a transport's compiled loop takes requests of at once (``fast_path_state``)."""
 _BYTES = int(ElementType.BYTES)
 
 _HALF = 2**31
@@ -116,6 +120,10 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         self._reply_rows = np.empty((K.REPLIES_PER_CALL, HEADER_SIZE), np.uint8)
         self._reply_meta = np.empty((K.REPLIES_PER_CALL, 2), np.int64)
         self._hot: Job | None = None  # the job of the last request admitted
+        # The jobs whose requests were taken last, the hot one first (at most HOT_JOBS): a
+        # transport's compiled loop takes all of theirs (jobs streaming at once, as HSDP's
+        # shard groups do, interleave datagram by datagram).
+        self._warm: list[Job] = []
         self._stable = False  # whether the last batch's sender numbers were stable
         self._learned: list[Job] = []  # jobs whose mkeys this call learned (unstable numbers)
         self.packets_in = 0
@@ -190,7 +198,8 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         # The job of the last request taken, most likely the next one's; with unstable
         # numbers the kernel knows no sender yet, so Python looks first.
         job = self._hot if stable else None
-        admitted_at = -1
+        admitted_at = -1  # the datagram Python admitted last (the kernel takes it)
+        switched_at = -1  # the datagram the kernel was last tried on for another known job
         i = start
         while i < count:
             if job is not None:
@@ -205,6 +214,13 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
                     i = j + 1
                     continue
                 i = j
+                if stable and j != switched_at:
+                    # A request of another job whose members the kernel knows (jobs that
+                    # stream at once interleave): the kernel checks it itself.
+                    other = self._known_job_at(buf, starts, lens, j)
+                    if other is not None and other is not job:
+                        job, switched_at = other, j
+                        continue
             # Datagram i is not a request of a known member of ``job``: check it in Python.
             o = int(starts[i])
             end = o + int(lens[i])
@@ -223,10 +239,28 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             if not stable:
                 self._learned.append(admitted)
             job = self._hot = admitted
+            self._warm_job(admitted)
             admitted_at = i  # the kernel takes it from here
         if self._learned:
             self._forget_senders(self._learned)
             self._learned.clear()
+
+    def _known_job_at(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                      i: int) -> Job | None:
+        """The live job datagram ``i`` names, if it is long enough to be a request."""
+        if int(lens[i]) < HEADER_SIZE:
+            return None
+        return self._jobs.get(int(K.u32(buf, int(starts[i]) + _JOB_AT)))
+
+    def _warm_job(self, job: Job) -> None:
+        """``job`` took requests last: first of the warm jobs."""
+        warm = self._warm
+        if warm and warm[0] is job:
+            return
+        if job in warm:
+            warm.remove(job)
+        warm.insert(0, job)
+        del warm[HOT_JOBS:]
 
     def _run_kernel(self, job: Job, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                     senders: np.ndarray, count: int, i: int, now: float) -> tuple[int, int]:
@@ -239,6 +273,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         if nxt > i or code != K.SS.OTHER:
             job.last_seen = now
             job.started = True
+            self._warm_job(job)
         if nreply:
             self._queue_replies(job, nreply)
         if ndone and (self.on_completed is None
@@ -252,30 +287,33 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             self._reply_rows = np.empty((K.REPLIES_PER_CALL, job.reply_bytes), np.uint8)
         return self._reply_rows
 
-    def fast_path_state(self) -> tuple[Job, tuple] | None:
+    def fast_path_state(self) -> tuple[list[Job], tuple] | None:
         """What a transport's compiled receive loop (``transport/switchpath.py``) needs to
-        take the requests of the job that took the last one, as ``receive_many`` would, and
-        send its results and replies itself: ``(job, the kernel's arguments after now)``. None
-        when only the Python path may run: no job is hot, sender numbers are not stable,
-        something is queued to send, or a relay takes the completions (a rack switch). The
-        loop returns to Python (``after_fast_path``, then ``resume``) for anything else."""
-        job = self._hot
-        if (job is None or not self._stable or self._out or self._pending or self._runs
+        take the requests of the jobs that took the last ones (at most ``HOT_JOBS``, the last
+        first), as ``receive_many`` would, and send their results and replies itself:
+        ``(jobs, the kernel's arguments shared by all jobs: rules, counters, completions,
+        reply rows and their ranks and lengths)``. None when only the Python path may run: no
+        job took requests, sender numbers are not stable, something is queued to send, or a
+        relay takes the completions (a rack switch). The loop returns to Python
+        (``after_fast_path``, then ``resume``) for anything else."""
+        jobs = self._warm
+        if (not jobs or not self._stable or self._out or self._pending or self._runs
                 or self.on_completed is not None):
             return None
-        return job, (job.jobv, job.st, job.seen, job.conflict, job.bufs, job.clog, job.cursor,
-                     job.mkeys, job.heard, self._rules, self._cnt, self._done,
-                     self._replies_for(job), self._reply_meta)
+        for job in jobs:
+            replies = self._replies_for(job)
+        return list(jobs), (self._rules, self._cnt, self._done, replies, self._reply_meta)
 
-    def after_fast_path(self, job: Job, *, taken: int, results_out: int, replies: int,
-                        now: float) -> None:
-        """Count what the compiled loop did for ``job``: ``taken`` datagrams received and
-        taken by the kernel, ``results_out`` result datagrams and ``replies`` replies (NACK,
-        RESENT, WAITING) sent."""
-        if taken:
-            self.packets_in += taken
-            job.last_seen = now
-            job.started = True
+    def after_fast_path(self, jobs: list[Job], taken: list[int], *, results_out: int,
+                        replies: int, now: float) -> None:
+        """Count what the compiled loop did: ``taken[k]`` datagrams received and taken by the
+        kernel for ``jobs[k]``, ``results_out`` result datagrams and ``replies`` replies
+        (NACK, RESENT, WAITING) sent."""
+        for job, n in zip(jobs, taken):
+            if n:
+                self.packets_in += n
+                job.last_seen = now
+                job.started = True
         self.packets_out += results_out + replies
 
     def resume(self, batch: Batch, job: Job, code: int, at: int, now: float) -> None:
@@ -555,6 +593,8 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         job.npend = 0  # results not yet sent go nowhere
         if self._hot is job:
             self._hot = None
+        if job in self._warm:
+            self._warm.remove(job)
         self.allocator.release(job.slot_base, job.window)
         # JOINs challenged before now must not bring the job back (a replay within a
         # cookie's lifetime); remembered for that lifetime only.

@@ -2,8 +2,8 @@
 
 The budget of a testbed run (docs/benchmarks.md, section 0) put the interpreter at about
 three times the compiled aggregation in the switch process: per wake-up, ``recvmmsg`` through
-ctypes, the batch, the dataplane's Python around its kernel, the results' send. While one job
-streams, every wake-up is the same, so :func:`switch_pump` runs it in one compiled call that
+ctypes, the batch, the dataplane's Python around its kernel, the results' send. While jobs
+stream, every wake-up is the same, so :func:`switch_pump` runs it in one compiled call that
 holds no GIL: ``recvmmsg``, cut the batch (``split_mmsg``), take the requests
 (``kernels.switch_requests``: the one implementation of the per-request rules), send the
 replies it wrote (NACKs, RESENT results, WAITING) and the rounds it completed
@@ -11,7 +11,8 @@ replies it wrote (NACKs, RESENT results, WAITING) and the rounds it completed
 empty. It returns to Python (``SwitchDataplane.resume``) for anything the kernel leaves to it:
 a datagram of another job or a stranger, a control message, disagreeing ranks; or after
 ``max_wait_s`` idle, or at a wake-up.
-It runs for the dataplane's hot job (``SwitchDataplane.fast_path_state``): a plain switch
+It runs for the dataplane's hot jobs (``SwitchDataplane.fast_path_state``: the last ones to
+take requests, up to ``HOT_JOBS``, whose datagrams may interleave in a batch): a plain switch
 (not a rack of a tree), stable sender numbers (``recvmmsg``), and nothing queued in Python.
 """
 
@@ -24,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol import kernels as K
-from switchml.protocol.kernels.frames import NO_RC, njit
+from switchml.protocol.jobs import Job
+from switchml.protocol.kernels.frames import H_JOB, HDR, INLINE, NO_RC, njit, u32
+from switchml.protocol.switch import HOT_JOBS
 from switchml.transport.fastpath import (
     EAGAIN,
     FP,
@@ -121,61 +124,97 @@ def _send_replies(fd, replies, reply_meta, nreply, names, hdr, iov, cmsg, stats)
             stats[SC.DATAGRAMS_SENT] += 1
 
 
+@njit(**INLINE)
+def _job_at(buf, starts, lens, i, jobvs, njobs):
+    """The index of the hot job datagram ``i`` names, or -1."""
+    o = starts[i]
+    if lens[i] < HDR:
+        return -1
+    job = u32(buf, o + H_JOB)
+    for k in range(njobs):
+        if jobvs[k][K.J.JOB] == job:
+            return k
+    return -1
+
+
 @njit(**NO_RC)
 def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_at, rx_names,
                 control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,
-                jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, rules, cnt, done,
-                replies, reply_meta, names, stride, max_segments, max_bytes, runs, hdr, iov,
-                cmsg, max_wait_s, asks, ts, stats, sstats):
-    """Receive, aggregate one job's requests and send its results and replies, and wait in
-    ``poll`` (on the socket and ``wake_fd``; -1: none) when there is nothing to receive,
-    until something needs Python, or another thread asks for the dataplane (``asks[0]``
-    nonzero). Returns ``(why, at, nseg, code)`` (``FP``): with
-    ``STOPPED``, the kernel returned ``code`` (``kernels.SS``) at datagram ``at`` of the
-    ``nseg`` the last batch cut into (``starts``/``lens``/``senders``); what came before is
-    taken and sent."""
+                njobs, jobvs, sts, seens, conflicts, bufss, clogs, cursors, mkeyss, heards,
+                namess, strides, rules, cnt, done, replies, reply_meta, max_segments,
+                max_bytes, runs, hdr, iov, cmsg, max_wait_s, asks, ts, stats, taken_by, sstats):
+    """Receive, aggregate the requests of the hot jobs (the first ``njobs`` of the tuples of
+    their arrays, ``SwitchDataplane.fast_path_state``) and send their results and replies,
+    and wait in ``poll`` (on the socket and ``wake_fd``; -1: none) when there is nothing to
+    receive, until something needs Python, or another thread asks for the dataplane
+    (``asks[0]`` nonzero). Datagrams of the hot jobs may interleave: where the kernel stops at
+    a datagram that names another hot job, that job's kernel call goes on from it (and checks
+    its sender itself). ``taken_by[k]``: the datagrams taken for job ``k``.
+
+    Returns ``(why, at, nseg, code, k)`` (``FP``): with ``STOPPED``, the kernel returned
+    ``code`` (``kernels.SS``) for job ``k`` at datagram ``at`` of the ``nseg`` the last batch
+    cut into (``starts``/``lens``/``senders``); what came before is taken and sent."""
     idle_since = _now(ts)
     while True:
         if asks[0] != 0:
-            return FP.WAKE.value, 0, 0, 0
+            return FP.WAKE.value, 0, 0, 0, 0
         n = _recvmmsg(fd, msgs_addr, count, MSG_DONTWAIT, 0)
         if n <= 0:
             if n < 0:
                 e = _errno()[0]
                 if e != EAGAIN:
                     stats[SP.ERRNO] = e
-                    return FP.RECV_FAILED.value, 0, 0, 0
+                    return FP.RECV_FAILED.value, 0, 0, 0, 0
             now = _now(ts)
             if now - idle_since >= max_wait_s:
-                return FP.WAKE.value, 0, 0, 0
+                return FP.WAKE.value, 0, 0, 0, 0
             pfd[0] = fd | (POLLIN << 32)
             pfd[1] = wake_fd | (POLLIN << 32)
             r = _poll(pfd.ctypes.data, 2, np.int32((idle_since + max_wait_s - now) * 1e3) + 1)
             if r < 0:
                 stats[SP.ERRNO] = _errno()[0]
-                return FP.RECV_FAILED.value, 0, 0, 0  # (EINTR: Python's turn)
+                return FP.RECV_FAILED.value, 0, 0, 0, 0  # (EINTR: Python's turn)
             if wake_fd >= 0 and (pfd[1] >> 48) & POLLIN:
-                return FP.WAKE.value, 0, 0, 0
+                return FP.WAKE.value, 0, 0, 0, 0
             continue
         stats[SP.RECV_CALLS] += 1
         nseg = K.split_mmsg(raw, msg_len_at, controllen_at, rx_names, control, n, slot_bytes,
                             gro, sol_udp, udp_gro, starts, lens, senders)
         now = _now(ts)
         idle_since = now
-        at, ndone, nreply, code = K.switch_requests(buf, starts, lens, senders, nseg, 0, now,
-                                                    jobv, st, seen, conflict, bufs, clog,
-                                                    cursor, mkeys, heard, rules, cnt, done,
-                                                    replies, reply_meta)
-        stats[SP.TAKEN] += at
-        if nreply:
-            _send_replies(fd, replies, reply_meta, nreply, names, hdr, iov, cmsg, sstats)
-            stats[SP.REPLIES] += nreply
-        if ndone:
-            stats[SP.RESULTS] += send_results(fd, done, ndone, bufs, stride, names,
-                                              max_segments, max_bytes, runs, hdr, iov, cmsg,
-                                              sstats)
-        if code != K.SS.DONE.value:
-            return FP.STOPPED.value, at, nseg, code
+        at = 0
+        k = _job_at(buf, starts, lens, 0, jobvs, njobs) if nseg > 0 else 0
+        k = 0 if k < 0 else k
+        while True:
+            start = at
+            at, ndone, nreply, code = K.switch_requests(
+                buf, starts, lens, senders, nseg, start, now, jobvs[k], sts[k], seens[k],
+                conflicts[k], bufss[k], clogs[k], cursors[k], mkeyss[k], heards[k], rules, cnt,
+                done, replies, reply_meta)
+            stats[SP.TAKEN] += at - start
+            taken_by[k] += at - start
+            if nreply:
+                _send_replies(fd, replies, reply_meta, nreply, namess[k], hdr, iov, cmsg,
+                              sstats)
+                stats[SP.REPLIES] += nreply
+            if ndone:
+                stats[SP.RESULTS] += send_results(fd, done, ndone, bufss[k], strides[k],
+                                                  namess[k], max_segments, max_bytes, runs,
+                                                  hdr, iov, cmsg, sstats)
+            if code == K.SS.DONE.value:
+                break
+            if code == K.SS.OTHER.value:
+                # Another hot job's datagram: its kernel call goes on from here (and if
+                # that job's call stops at it too, Python looks at it).
+                k2 = _job_at(buf, starts, lens, at, jobvs, njobs)
+                if k2 >= 0 and k2 != k:
+                    k = k2
+                    continue
+            return FP.STOPPED.value, at, nseg, code, k
+
+
+_JOB_ARRAYS = ("jobv", "st", "seen", "conflict", "bufs", "clog", "cursor", "mkeys", "heard")
+"""A job's arrays that ``switch_pump`` takes, each as a tuple over the hot jobs."""
 
 
 def _sockaddr(names: np.ndarray, i: int, host: str, port: int) -> None:
@@ -237,18 +276,34 @@ class SwitchFastPath:
         self.ts = np.zeros(2, np.int64)
         self.stats = np.zeros(SP.N, np.int64)
         self.runs = np.empty((K.MAX_BATCH, 4), np.int64)
+        self.strides = np.zeros(HOT_JOBS, np.int64)
+        self.taken = np.zeros(HOT_JOBS, np.int64)
+        self._dummy: Job | None = None
+        self._dummy_names = np.zeros((1, 16), np.uint8)
         self._rx_args = (rx.fd_msgs_address, rx.count, rx._raw, rx._msg_len_at,
                          rx._controllen_at, rx._names, rx._control, rx.slot_bytes, rx.gro,
                          SOL_UDP, UDP_GRO, rx.buf, rx.starts, rx.lens, rx.senders)
 
-    def run(self, job: Any, kernel_args: tuple) -> tuple[int, int, int, int]:
-        """One call of :func:`switch_pump` for ``job`` (``SwitchDataplane.fast_path_state``):
-        ``(why, at, nseg, code)``."""
+    def run(self, jobs: list[Any], shared: tuple) -> tuple[int, int, int, int, int]:
+        """One call of :func:`switch_pump` for ``jobs`` with the kernel's ``shared``
+        arguments (``SwitchDataplane.fast_path_state``): ``(why, at, nseg, code, k)``;
+        ``self.taken[k]``: the datagrams it took for ``jobs[k]``."""
         res = self.results
-        return switch_pump(res.fd, self.wake_fd, self.pfd, *self._rx_args, *kernel_args,
-                           res.names(job), job.stride, res.max_segments, res.max_bytes,
-                           self.runs, res.hdr, res.iov, res.cmsg, self.max_wait_s, self.asks,
-                           self.ts, self.stats, res.stats)
+        if self._dummy is None:  # fills the tuples' unused places (its id matches no job)
+            self._dummy = Job(0, 0, 1, 0, 1, 1, [None])
+            self._dummy.jobv[K.J.JOB] = -1
+            self._dummy_names = np.zeros((1, 16), np.uint8)
+        pad = [*jobs[:HOT_JOBS], *[self._dummy] * (HOT_JOBS - len(jobs))]
+        arrays = tuple(tuple(getattr(j, f) for j in pad) for f in _JOB_ARRAYS)
+        names = tuple(self._dummy_names if j is self._dummy else res.names(j) for j in pad)
+        for k, j in enumerate(pad):
+            self.strides[k] = j.stride
+        self.taken[:] = 0
+        return switch_pump(res.fd, self.wake_fd, self.pfd, *self._rx_args, min(len(jobs),
+                           HOT_JOBS), *arrays, names, self.strides, *shared, res.max_segments,
+                           res.max_bytes, self.runs, res.hdr, res.iov, res.cmsg,
+                           self.max_wait_s, self.asks, self.ts, self.stats, self.taken,
+                           res.stats)
 
 
 def warm_up() -> None:

@@ -111,7 +111,7 @@ class SwitchServer:
         # returns when this is nonzero, and the receive loop lets them go first.
         self._asks = np.zeros(1, np.int64)
         self._asks_lock = threading.Lock()
-        # The compiled loop that receives, aggregates and sends while one job streams.
+        # The compiled loop that receives, aggregates and sends while jobs stream.
         self._fast = (SwitchFastPath(self._rx, self._results, asks=self._asks)
                       if self._results is not None and isinstance(self._rx, MultiReceiver)
                       else None)
@@ -167,21 +167,21 @@ class SwitchServer:
             state = dp.fast_path_state()
             if state is None:
                 return False
-            job = state[0]
-            why, at, nseg, code = fast.run(*state)
+            jobs = state[0]
+            why, at, nseg, code, k = fast.run(*state)
             now = time.monotonic()
             st = fast.stats
             self.recv_calls += int(st[SP.RECV_CALLS])
-            taken = int(st[SP.TAKEN])
-            self.fast_path_datagrams += taken
-            dp.after_fast_path(job, taken=taken, results_out=int(st[SP.RESULTS]),
-                               replies=int(st[SP.REPLIES]), now=now)
+            self.fast_path_datagrams += int(st[SP.TAKEN])
+            dp.after_fast_path(jobs, fast.taken[:len(jobs)].tolist(),
+                               results_out=int(st[SP.RESULTS]), replies=int(st[SP.REPLIES]),
+                               now=now)
             err = int(st[SP.ERRNO])
             st[:] = 0
             self._count_result_sends()
         if why == FP.STOPPED:
             batch = Batch(rx.buf, rx.starts, rx.lens, rx.senders, nseg, rx.address_of, True)
-            self._process(dp.resume, (batch, job, code, at, now), now)
+            self._process(dp.resume, (batch, jobs[k], code, at, now), now)
         elif why == FP.RECV_FAILED and not self._stop.is_set():
             log.warning("recv failed: %s", os.strerror(err))
         return True
