@@ -70,11 +70,24 @@ class TestbedBenchConfig:
     """Wire width of switchml's floats: 32, or 16 (half the bytes on the wire)."""
     nack_gap: int = 4
     """The switch's NACK gap (``SwitchConfig.nack_gap``); 0: recovery by timeouts only."""
+    jobs: int = 1
+    """Jobs the workers are split into, running at once (worker i in job i mod ``jobs``):
+    switchml's share the switch, gloo's are separate rings. switchml and gloo only."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+        if self.jobs < 1 or self.workers % self.jobs or self.workers // self.jobs < 2:
+            raise ValueError(f"jobs must divide the {self.workers} workers into jobs of at "
+                             f"least 2, got {self.jobs}")
+        if self.jobs > 1 and set(self.systems) - {"switchml", "gloo"}:
+            raise ValueError("with jobs > 1, only the systems switchml and gloo run, got "
+                             f"{', '.join(self.systems)}")
+
+    def job_of(self, worker: int) -> tuple[int, int]:
+        """(job, rank in it) of worker ``worker``."""
+        return worker % self.jobs, worker // self.jobs
 
     @property
     def elements_per_packet(self) -> int:
@@ -219,12 +232,14 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
     """switchml's workers through the switch: their rows, and the switch's CPU with theirs."""
     from switchml.control import encode_job_spec, new_job_spec
     topo = tb.topology
-    spec = encode_job_spec(new_job_spec(cfg.workers, window=cfg.window,
-                                        elements_per_packet=cfg.elements_per_packet))
+    specs = [encode_job_spec(new_job_spec(cfg.workers // cfg.jobs, window=cfg.window,
+                                          elements_per_packet=cfg.elements_per_packet))
+             for _ in range(cfg.jobs)]
     cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
-    procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("switchml", {
-        **common, "spec": spec, "rank": r, "switch": topo.switch_ip(r),
-        "port": SWITCH_PORT, "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits}))
+    procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml", {
+        **common, "spec": specs[cfg.job_of(i)[0]], "rank": cfg.job_of(i)[1],
+        "switch": topo.switch_ip(i), "port": SWITCH_PORT,
+        "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits}))
     rows = _wait_all(procs, cfg.timeout_s)
     switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
     return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
@@ -245,13 +260,14 @@ def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
 
 def _run_gloo_once(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
                    ) -> list[dict[str, Any]]:
-    n, port = cfg.workers, 29000 + secrets.randbelow(20000)
+    n, port = cfg.workers // cfg.jobs, 29000 + secrets.randbelow(20000)
     # gloo binds to the address its host name resolves to; name the link instead.
     with _store_dir() as store:
-        procs = _start_workers(tb, range(n), lambda r: _nsproc("gloo", {
-            **common, "rank": r, "n": n, "master": tb.topology.worker_ip(0), "port": port,
-            "store_file": f"{store}/group"}),
-            lambda r: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(r)})
+        procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("gloo", {
+            **common, "rank": cfg.job_of(i)[1], "n": n,
+            "master": tb.topology.worker_ip(cfg.job_of(i)[0]), "port": port + cfg.job_of(i)[0],
+            "store_file": f"{store}/group{cfg.job_of(i)[0]}"}),
+            lambda i: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(i)})
         return _wait_all(procs, cfg.timeout_s)
 
 
@@ -312,7 +328,8 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         rows, extra = _run_floor(tb, cfg, common)
     else:
         rows, extra = _run_ps(tb, cfg, common)
-    return {**_ate_row(cfg, system, cfg.workers, size, rows, cfg.loss_rate),
+    return {**_ate_row(cfg, system, cfg.workers // cfg.jobs, size, rows, cfg.loss_rate),
+            "jobs": cfg.jobs,
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 

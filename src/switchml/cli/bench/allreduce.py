@@ -65,6 +65,10 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                      help="hierarchical aggregation: RACKS racks of -n workers each, every rack "
                           "switch under a spine switch, against one rack alone (switchml only; "
                           "default 1: a flat star)")
+    tbg.add_argument("--jobs", type=int, default=1,
+                     help="split the -n workers into JOBS jobs that run at once (worker i in "
+                          "job i mod JOBS), as HSDP's shard groups do: switchml's jobs share "
+                          "the switch, gloo's are JOBS rings (default 1)")
     tbg.add_argument("--nack-gap", type=int, default=4,
                      help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
                           "the two in one session) (default 4)")
@@ -112,7 +116,8 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         iters=args.iters, warmup=args.warmup,
         systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
-        fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap)
+        fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
+        jobs=args.jobs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,7 +199,9 @@ def _testbed_table(cfg: Any, rate_mbit: float, rows: Sequence[dict]) -> Table:
 
     from switchml.bench.cpu import ratio_text
 
-    table = Table(title=f"all-reduce over the testbed: {cfg.workers} workers, {rate_mbit:g} "
+    jobs = (f" in {cfg.jobs} jobs of {cfg.workers // cfg.jobs} at once"
+            if getattr(cfg, "jobs", 1) > 1 else "")
+    table = Table(title=f"all-reduce over the testbed: {cfg.workers} workers{jobs}, {rate_mbit:g} "
                         f"Mbit/s links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per "
                         "worker)",
                   caption="CPU-s/1e9: CPU-seconds per 10^9 elements aggregated per worker "
