@@ -238,7 +238,7 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
     cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
     procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml", {
         **common, "spec": specs[cfg.job_of(i)[0]], "rank": cfg.job_of(i)[1],
-        "switch": topo.switch_ip(i), "port": SWITCH_PORT,
+        "switch": topo.switch_ip(i), "port": SWITCH_PORT, "offset": 100 * cfg.job_of(i)[0],
         "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits}))
     rows = _wait_all(procs, cfg.timeout_s)
     switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)

@@ -40,6 +40,20 @@ def test_testbed_flags_become_the_testbed_config(parse):
         systems=("switchml", "gloo"), fast_retransmit=True, nack_gap=0, timeout_s=600.0)
 
 
+def test_jobs_split_the_workers_and_a_split_that_leaves_a_job_alone_is_refused(parse):
+    args = parse("bench", "allreduce", "--testbed", "-n", "8", "--jobs", "2", "--systems",
+                 "switchml,gloo")
+    cfg = allreduce.testbed_config_from_args(args)
+    assert cfg.jobs == 2
+    # worker i in job i mod 2, ranks in order within each job (HSDP's shard groups)
+    assert [cfg.job_of(i) for i in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2),
+                                                 (1, 2), (0, 3), (1, 3)]
+    for workers, jobs, systems in ((8, 3, ("switchml",)), (4, 4, ("switchml",)),
+                                   (8, 2, ("switchml", "ps"))):
+        with pytest.raises(ValueError, match="jobs"):
+            TestbedBenchConfig(workers=workers, jobs=jobs, systems=systems)
+
+
 def _measurement(system: str, ate: float) -> Measurement:
     return Measurement(system=system, workers=2, size_bytes=1 << 20, numel=1 << 18, iters=1,
                        elapsed_s=1.0, ate_per_s=ate, goodput_gbps=1.0, cpu_percent=[50.0],
