@@ -31,6 +31,21 @@ def test_buckets_overlap_backward_as_ddp_runs_them():
     assert q.exposed_s == pytest.approx(0.13)
 
 
+def test_the_hooks_work_on_backwards_thread_delays_later_buckets_and_backward():
+    # As above (ready at 30 and 90 ms of a 100 ms backward, all-reduces of 50 and 40 ms),
+    # with 100 ns per element of division and, for the 16-bit hook, 100 more of adding the
+    # residual: buckets of 100k and 200k elements. 32-bit: the first bucket is handed over
+    # 10 ms late (40, ends 90), the second 30 ms (120, ends 160); backward ends at 130:
+    # exposed 30, step 10 + 130 + 30 + 20 ms. 16-bit: delays 20 and 60 ms, backward 160,
+    # the all-reduces end at 100 and 190: exposed 30, step 220 ms.
+    prof = _prof([(100_000, 0.03), (200_000, 0.09)])
+    prof.div_ns, prof.add_ns = 100.0, 100.0
+    p32 = P.compose(prof, [0.05, 0.04], "switchml")
+    assert p32.exposed_s == pytest.approx(0.03) and p32.step_s == pytest.approx(0.19)
+    p16 = P.compose(prof, [0.05, 0.04], "switchml16")
+    assert p16.exposed_s == pytest.approx(0.03) and p16.step_s == pytest.approx(0.22)
+
+
 def test_gloo_is_a_ring_in_tcp_segments():
     # 1M floats, 4 workers: 2 x 3/4 x 4 MB each way, in 1448-byte segments that cost
     # 1448 + 52 + 38 bytes of wire, at 1 Gbit/s, plus 6 hops of 100 us.

@@ -14,7 +14,11 @@ Method:
    way, in TCP segments of the MTU, plus a per-hop latency.
 3. **Compose** as DDP does: buckets all-reduce one after another, each once it is ready, while
    backward goes on. The step is ``F + max(B, end of the last all-reduce) + O``; the exposed
-   communication is what ends after backward.
+   communication is what ends after backward. What a hook does to a bucket before it sends
+   it runs on backward's thread and delays every later bucket and backward's end: dividing
+   by the world size (every system: DDP's reducer, switchml's hook), and adding the rounding
+   residual (the 16-bit hook). Their cost per element is measured while profiling, as the
+   compute is (``colocated``).
 
 The prediction assumes the links are the bottleneck's only shared resource besides the
 profiled compute, no loss, and a switch that keeps up (a real one, or the software switch on
@@ -62,6 +66,10 @@ class Profile:
     optimizer_s: float
     buckets: list[Bucket]
     colocated: int = 1
+    div_ns: float = 0.0
+    """A bucket's division by the world size, in ns per element (measured in profiling)."""
+    add_ns: float = 0.0
+    """Adding a bucket's rounding residual (the 16-bit hook), in ns per element."""
 
     @property
     def compute_s(self) -> float:
@@ -125,6 +133,7 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[
                                 [(n, t - t1) for n, t in calls]))
         finally:
             dist.destroy_process_group()
+    div_ns, add_ns = _local_work_ns(max(n for n, _ in samples[-1][3]) if samples[-1][3] else 0)
     kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
     layout = kept[-1][3]
     ready = [statistics.median(s[3][i][1] for s in kept if len(s[3]) == len(layout))
@@ -134,7 +143,27 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[
             "forward_s": statistics.median(s[0] for s in kept),
             "backward_s": statistics.median(s[1] for s in kept),
             "optimizer_s": statistics.median(s[2] for s in kept),
-            "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)]}
+            "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)],
+            "div_ns": div_ns, "add_ns": add_ns}
+
+
+def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
+    """ns per element of what hooks do to a bucket of ``numel`` float32 on backward's
+    thread: ``div_`` by the world size, and ``add_`` of a residual (medians)."""
+    import torch
+    if numel <= 0:
+        return 0.0, 0.0
+    buf, res = torch.ones(numel), torch.full((numel,), 1e-3)
+    div, add = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.div_(4)
+        t1 = time.perf_counter()
+        buf.add_(res)
+        t2 = time.perf_counter()
+        div.append(t1 - t0)
+        add.append(t2 - t1)
+    return 1e9 * statistics.median(div) / numel, 1e9 * statistics.median(add) / numel
 
 
 def _profile_child(args: tuple[str, int | None, int, int], out: Any) -> None:
@@ -178,7 +207,9 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
                    forward_s=statistics.median(d["forward_s"] for d in docs),
                    backward_s=statistics.median(d["backward_s"] for d in docs),
                    optimizer_s=statistics.median(d["optimizer_s"] for d in docs),
-                   buckets=buckets, colocated=colocated)
+                   buckets=buckets, colocated=colocated,
+                   div_ns=statistics.median(d["div_ns"] for d in docs),
+                   add_ns=statistics.median(d["add_ns"] for d in docs))
 
 
 # -- 2. each bucket's all-reduce ----------------------------------------------------------------
@@ -220,13 +251,23 @@ def switchml_wire_bytes(numel: int, *, mtu: int, bits: int = 32) -> float:
 
 # -- 3. compose ---------------------------------------------------------------------------------
 
+def local_ns(prof: Profile, system: str) -> float:
+    """What ``system``'s hook does to a bucket on backward's thread, ns per element."""
+    return prof.div_ns + (prof.add_ns if system == "switchml16" else 0.0)
+
+
 def compose(prof: Profile, times: list[float], system: str) -> Prediction:
-    """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done."""
-    end = 0.0
+    """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done.
+    The hook's work on each bucket (``local_ns``) runs on backward's thread when the bucket
+    is ready: it delays the later buckets and backward's end."""
+    per = local_ns(prof, system) * 1e-9
+    end = delay = 0.0
     for b, t in zip(prof.buckets, times):
-        end = max(end, b.ready_s) + t
-    exposed = max(0.0, end - prof.backward_s) if times else 0.0
-    return Prediction(system, prof.forward_s + prof.backward_s + exposed + prof.optimizer_s,
+        delay += per * b.numel
+        end = max(end, b.ready_s + delay) + t
+    backward = prof.backward_s + delay
+    exposed = max(0.0, end - backward) if times else 0.0
+    return Prediction(system, prof.forward_s + backward + exposed + prof.optimizer_s,
                       comm_s=sum(times), exposed_s=exposed, buckets_s=times)
 
 
