@@ -206,3 +206,17 @@ def test_waiting_names_the_missing_ranks_that_went_silent_as_gone():
     (o,) = _drain(sw)
     assert o.header.type is MessageType.WAITING and o.addr == job.addrs[0]
     assert o.payload.tolist() == [0b0110, 0b0100]  # ranks 1 and 2 missing; rank 2 gone
+
+
+def test_a_member_timeout_of_inf_never_calls_a_rank_gone():
+    """``member_timeout_s=inf``: silence never makes a rank gone (and the job still forms)."""
+    sw = SwitchDataplane(SwitchConfig(pool_slots=64, max_elements_per_packet=64, max_workers=8,
+                                      nack_gap=0, member_timeout_s=float("inf")))
+    job = join_job(sw, 7, TOKEN, 2, window=2, k=4)
+    base, numbers = job.slot_base, {a: i + 1 for i, a in enumerate(job.addrs)}
+    for now in (1.0, 1e7):  # the second, a re-send long after rank 1 went silent
+        sw.receive_many(_batch([(job.addrs[0], request(7, TOKEN, 0, base, 0, 0, 0, [1]))],
+                               numbers, stable=True), now=now)
+    (o,) = _drain(sw)
+    assert o.header.type is MessageType.WAITING
+    assert o.payload.tolist() == [0b10, 0]  # rank 1 missing, not gone

@@ -196,3 +196,71 @@ def test_the_loop_takes_two_jobs_interleaved_datagram_by_datagram():
         total = xs[2 * job].astype(np.int64) + xs[2 * job + 1]
         for rank in range(n):
             np.testing.assert_array_equal(outs[2 * job + rank], total.astype(np.int32))
+
+
+def test_the_loop_answers_more_resends_in_a_batch_than_its_reply_rows_hold():
+    """A rank re-sends a whole window into complete rounds, more than the kernel's reply rows
+    (``REPLIES_PER_CALL``): one call of the loop answers every one (the stored result,
+    RESENT) and returns only when idle."""
+    from switchml.protocol import kernels as K
+    from switchml.protocol.config import JobSpec
+    from switchml.protocol.endpoint import Batch, exchange
+    from switchml.protocol.switch import SwitchDataplane
+    from switchml.protocol.wire import unpack_header
+    from switchml.protocol.worker import WorkerEndpoint
+    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
+    from switchml.transport.switchpath import ResultSender, SwitchFastPath
+
+    window, k = K.REPLIES_PER_CALL + 16, 8
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ssock:
+        ssock.bind(("127.0.0.1", 0))
+        ssock.setblocking(False)
+        saddr = ssock.getsockname()
+        rx = MultiReceiver(ssock)
+        fast = SwitchFastPath(rx, ResultSender(ssock, max_segments=MAX_SEGMENTS,
+                                               max_bytes=MAX_GSO_BYTES), max_wait_s=0.05)
+        sw = SwitchDataplane()
+        spec = JobSpec(job_id=31, token=77, num_workers=2, window=window, elements_per_packet=k)
+        socks, eps, sent = [], [], []
+        try:
+            for rank in range(2):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                s.bind(("127.0.0.1", 0))
+                s.settimeout(2.0)
+                w = WorkerEndpoint(spec=spec, rank=rank, switch_address=saddr)
+                w.join(0.0)
+                exchange({s.getsockname(): w, saddr: sw}, 0.0)
+                x = np.arange(window * k, dtype=np.int32) * (rank + 1)
+                w.start_allreduce(x, np.zeros_like(x), 0.0)
+                queued = [bytes(d) for d, _ in w.datagrams_to_send(0.0)]
+                assert len(queued) == window
+                sent.append(queued)
+                socks.append(s)
+                eps.append(w)
+            for r, s in enumerate(socks):  # every round completes (Python admits the ranks)
+                for d in sent[r]:
+                    s.sendto(d, saddr)
+            time.sleep(0.05)
+            while (got := rx.receive()) > 0:
+                sw.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, got,
+                                      rx.address_of, True), 0.0)
+                for d, a in sw.datagrams_to_send(0.0):
+                    ssock.sendto(bytes(d), a)
+            results = {}
+            for d in (socks[0].recv(65536) for _ in range(window)):
+                results[unpack_header(d).chunk] = d
+            for d in sent[0]:  # rank 0 re-sends its whole window
+                socks[0].sendto(d, saddr)
+            time.sleep(0.05)
+            why, *_ = fast.run(*sw.fast_path_state())
+            assert why == fastpath.FP.WAKE and fast.taken[0] == window
+            for _ in range(window):
+                d = socks[0].recv(65536)
+                h = unpack_header(d)
+                assert h.flags & Flags.RESENT
+                original = bytearray(results[h.chunk])
+                original[4] |= Flags.RESENT
+                assert d == bytes(original)
+        finally:
+            for s in socks:
+                s.close()

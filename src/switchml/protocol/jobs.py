@@ -143,7 +143,8 @@ class Job:
         jobv[K.J.NACK_CALM] = np.iinfo(np.int64).max // 2
         jobv[K.J.NACK_WIDENED_AT] = -(1 << 40)
         jobv[K.J.NACK_CAP] = self.nack_log_windows * w
-        jobv[K.J.MEMBER_TIMEOUT_US] = round(self.member_timeout_s * 1e6)
+        # (a timeout of inf, or past any job's life, as 10^9 s: int64 microseconds)
+        jobv[K.J.MEMBER_TIMEOUT_US] = round(min(self.member_timeout_s, 1e9) * 1e6)
         self.jobv = jobv
         self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet)
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)

@@ -16,7 +16,6 @@ from switchml.protocol.address import Address
 from switchml.protocol.jobs import Job, bitmap, store_bitmap
 from switchml.protocol.wire import (
     ChunkShape,
-    ElementType,
     Field,
     Flags,
     Header,
@@ -27,7 +26,6 @@ from switchml.protocol.wire import (
 
 __all__ = ["SwitchReplies"]
 
-_DATA_ITEMSIZE = {int(ElementType.INT32): 4, int(ElementType.INT16): 2}
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
 
 
@@ -83,7 +81,6 @@ class SwitchReplies:
     def _waiting_conflict(self, job: Job, f: tuple, addr: Address) -> None:
         """A retransmission into an open round that has refused ranks: it never completes;
         tell the sender which chunks were refused (the kernel answers WAITING otherwise)."""
-        self._drops["duplicate"] += 1
         self._mismatch(job, f, addr, None)
 
     def _refuse_mismatch(self, job: Job, f: tuple, addr: Address) -> None:

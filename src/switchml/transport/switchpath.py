@@ -203,6 +203,8 @@ def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_
                                                   hdr, iov, cmsg, sstats)
             if code == K.SS.DONE.value:
                 break
+            if code == K.SS.REPLIES_FULL.value:
+                continue  # (sent above: the rows are free again)
             if code == K.SS.OTHER.value:
                 # Another hot job's datagram: its kernel call goes on from here (and if
                 # that job's call stops at it too, Python looks at it).
@@ -292,7 +294,6 @@ class SwitchFastPath:
         if self._dummy is None:  # fills the tuples' unused places (its id matches no job)
             self._dummy = Job(0, 0, 1, 0, 1, 1, [None])
             self._dummy.jobv[K.J.JOB] = -1
-            self._dummy_names = np.zeros((1, 16), np.uint8)
         pad = [*jobs[:HOT_JOBS], *[self._dummy] * (HOT_JOBS - len(jobs))]
         arrays = tuple(tuple(getattr(j, f) for j in pad) for f in _JOB_ARRAYS)
         names = tuple(self._dummy_names if j is self._dummy else res.names(j) for j in pad)
