@@ -5,6 +5,7 @@ the dataplane's lock handed to other threads (statistics, leases) while it holds
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -125,39 +126,66 @@ def test_other_threads_get_the_dataplane_while_the_loop_streams():
     assert max(waits) < 0.1, f"stats() waited {max(waits):.2f} s for the dataplane"
 
 
+@contextlib.contextmanager
+def _switch_socket():
+    """A switch on a loopback socket, driven by hand: ``(socket, its address, receiver,
+    compiled loop, dataplane)``; the loop returns after 50 ms idle."""
+    from switchml.protocol.switch import SwitchDataplane
+    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
+    from switchml.transport.switchpath import ResultSender, SwitchFastPath
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ssock:
+        ssock.bind(("127.0.0.1", 0))
+        ssock.setblocking(False)
+        rx = MultiReceiver(ssock)
+        fast = SwitchFastPath(rx, ResultSender(ssock, max_segments=MAX_SEGMENTS,
+                                               max_bytes=MAX_GSO_BYTES), max_wait_s=0.05)
+        yield ssock, ssock.getsockname(), rx, fast, SwitchDataplane()
+
+
+def _joined_worker(spec, rank: int, saddr, sw):
+    """A worker endpoint on a socket of its own, joined to ``sw`` (in memory)."""
+    from switchml.protocol.endpoint import exchange
+    from switchml.protocol.worker import WorkerEndpoint
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    s.settimeout(2.0)
+    w = WorkerEndpoint(spec=spec, rank=rank, switch_address=saddr)
+    w.join(0.0)
+    exchange({s.getsockname(): w, saddr: sw}, 0.0)
+    return s, w
+
+
+def _python_path(ssock, rx, sw) -> None:
+    """What the switch socket holds, through the dataplane's Python path (which admits each
+    member and learns its sender number), results sent."""
+    from switchml.protocol.endpoint import Batch
+
+    time.sleep(0.05)
+    while (got := rx.receive()) > 0:
+        sw.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, got, rx.address_of,
+                              True), 0.0)
+        for d, a in sw.datagrams_to_send(0.0):
+            ssock.sendto(bytes(d), a)
+
+
 def test_the_loop_takes_two_jobs_interleaved_datagram_by_datagram():
     """Two jobs (as HSDP's shard groups: the same hosts, one job per shard) stream at once,
     their requests interleaved in one receive batch: one call of the loop takes every one of
     them (it goes on with the other job's kernel call where a datagram names it) and returns
     only when idle; each rank's sums are exact (numpy)."""
     from switchml.protocol.config import JobSpec
-    from switchml.protocol.endpoint import Batch, exchange
-    from switchml.protocol.switch import SwitchDataplane
-    from switchml.protocol.worker import WorkerEndpoint
-    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
-    from switchml.transport.switchpath import ResultSender, SwitchFastPath
 
     n, window, k, numel = 2, 4, 64, 4 * 64 * 3  # three windows of chunks per rank
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ssock:
-        ssock.bind(("127.0.0.1", 0))
-        ssock.setblocking(False)
-        saddr = ssock.getsockname()
-        rx = MultiReceiver(ssock)
-        fast = SwitchFastPath(rx, ResultSender(ssock, max_segments=MAX_SEGMENTS,
-                                               max_bytes=MAX_GSO_BYTES), max_wait_s=0.05)
-        sw = SwitchDataplane()
+    with _switch_socket() as (ssock, saddr, rx, fast, sw):
         socks, eps, outs, xs = [], [], [], []
         rng = np.random.default_rng(5)
         for job_id in (21, 22):
             spec = JobSpec(job_id=job_id, token=7 + job_id, num_workers=n, window=window,
                            elements_per_packet=k)
             for rank in range(n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                s.bind(("127.0.0.1", 0))
-                s.settimeout(2.0)
-                w = WorkerEndpoint(spec=spec, rank=rank, switch_address=saddr)
-                w.join(0.0)
-                exchange({s.getsockname(): w, saddr: sw}, 0.0)
+                s, w = _joined_worker(spec, rank, saddr, sw)
                 socks.append(s)
                 eps.append(w)
                 xs.append(rng.integers(-10**6, 10**6, numel).astype(np.int32))
@@ -174,12 +202,7 @@ def test_the_loop_takes_two_jobs_interleaved_datagram_by_datagram():
                     for i, s in enumerate(socks):
                         s.sendto(queued[i][j], saddr)
                 if round_ == 0:  # Python admits each member (and learns its sender number)
-                    time.sleep(0.05)
-                    got = rx.receive()
-                    sw.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, got,
-                                          rx.address_of, True), 0.0)
-                    for d, a in sw.datagrams_to_send(0.0):
-                        ssock.sendto(bytes(d), a)
+                    _python_path(ssock, rx, sw)
                 else:
                     state = sw.fast_path_state()
                     assert state is not None and len(state[0]) == 2
@@ -204,48 +227,24 @@ def test_the_loop_answers_more_resends_in_a_batch_than_its_reply_rows_hold():
     RESENT) and returns only when idle."""
     from switchml.protocol import kernels as K
     from switchml.protocol.config import JobSpec
-    from switchml.protocol.endpoint import Batch, exchange
-    from switchml.protocol.switch import SwitchDataplane
     from switchml.protocol.wire import unpack_header
-    from switchml.protocol.worker import WorkerEndpoint
-    from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
-    from switchml.transport.switchpath import ResultSender, SwitchFastPath
 
     window, k = K.REPLIES_PER_CALL + 16, 8
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ssock:
-        ssock.bind(("127.0.0.1", 0))
-        ssock.setblocking(False)
-        saddr = ssock.getsockname()
-        rx = MultiReceiver(ssock)
-        fast = SwitchFastPath(rx, ResultSender(ssock, max_segments=MAX_SEGMENTS,
-                                               max_bytes=MAX_GSO_BYTES), max_wait_s=0.05)
-        sw = SwitchDataplane()
-        spec = JobSpec(job_id=31, token=77, num_workers=2, window=window, elements_per_packet=k)
-        socks, eps, sent = [], [], []
+    spec = JobSpec(job_id=31, token=77, num_workers=2, window=window, elements_per_packet=k)
+    with _switch_socket() as (ssock, saddr, rx, fast, sw):
+        socks, sent = [], []
         try:
             for rank in range(2):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                s.bind(("127.0.0.1", 0))
-                s.settimeout(2.0)
-                w = WorkerEndpoint(spec=spec, rank=rank, switch_address=saddr)
-                w.join(0.0)
-                exchange({s.getsockname(): w, saddr: sw}, 0.0)
+                s, w = _joined_worker(spec, rank, saddr, sw)
+                socks.append(s)
                 x = np.arange(window * k, dtype=np.int32) * (rank + 1)
                 w.start_allreduce(x, np.zeros_like(x), 0.0)
-                queued = [bytes(d) for d, _ in w.datagrams_to_send(0.0)]
-                assert len(queued) == window
-                sent.append(queued)
-                socks.append(s)
-                eps.append(w)
+                sent.append([bytes(d) for d, _ in w.datagrams_to_send(0.0)])
+                assert len(sent[-1]) == window
             for r, s in enumerate(socks):  # every round completes (Python admits the ranks)
                 for d in sent[r]:
                     s.sendto(d, saddr)
-            time.sleep(0.05)
-            while (got := rx.receive()) > 0:
-                sw.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, got,
-                                      rx.address_of, True), 0.0)
-                for d, a in sw.datagrams_to_send(0.0):
-                    ssock.sendto(bytes(d), a)
+            _python_path(ssock, rx, sw)
             results = {}
             for d in (socks[0].recv(65536) for _ in range(window)):
                 results[unpack_header(d).chunk] = d
