@@ -62,6 +62,8 @@ class Task:
     """The (x, y) of training step ``step`` on this rank."""
     evaluate: Callable[[Any], float]
     """The workload's metric of ``model`` on the held-out data (no gradients)."""
+    held_loss: Callable[[Any], float] | None = None
+    """The training loss of ``model`` on the held-out data, where the workload defines it."""
 
     def timed_step(self, forward: Any, opt: Any, step: int) -> tuple[Any, tuple[float, ...]]:
         """One training step through ``forward`` (the model or its DDP wrapper): the loss and
@@ -86,7 +88,8 @@ class Workload:
     """Default per-worker batch."""
     lr: float
     optim: str
-    """``sgd`` (momentum 0.9) or ``adam``."""
+    """``sgd`` (momentum 0.9), ``plain-sgd`` (no momentum: a step changes only the entries
+    its batch has gradients for) or ``adam``."""
     metric: str
     higher_is_better: bool
     network_bound: bool
@@ -106,7 +109,8 @@ class Workload:
         import torch
         if self.optim == "adam":
             return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=self.lr,
+                               momentum=0.0 if self.optim == "plain-sgd" else 0.9)
 
     def better(self, a: float, b: float) -> bool:
         """Whether metric ``a`` is at least as good as ``b``."""
@@ -162,10 +166,21 @@ def _digits_task(model: Any, batch: int, gen: Any) -> Task:
         with torch.no_grad():
             return float((m(xte).argmax(1) == yte).float().mean())
 
-    return Task(model, nn.CrossEntropyLoss(), batch_of, evaluate)
+    def held_loss(m: Any) -> float:
+        with torch.no_grad():
+            return float(nn.functional.cross_entropy(m(xte), yte))
+
+    return Task(model, nn.CrossEntropyLoss(), batch_of, evaluate, held_loss)
 
 
 # -- ncf: a click model with large embedding tables ----------------------------------------------
+
+def _zipf(n: int, exponent: float) -> Any:
+    """Probabilities proportional to 1 / rank^exponent over ranks 1..n (click-log popularity)."""
+    import torch
+    p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** exponent
+    return p / p.sum()
+
 
 def _ncf_task(batch: int, gen: Any, users: int = 200_000, items: int = 100_000,
               dim: int = 32) -> Task:
@@ -197,11 +212,7 @@ def _ncf_task(batch: int, gen: Any, users: int = 200_000, items: int = 100_000,
     fu = torch.randn(users, 8, generator=truth)
     fi = torch.randn(items, 8, generator=truth)
 
-    def zipf(n: int) -> Any:
-        p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.05
-        return p / p.sum()
-
-    pu, pi = zipf(users), zipf(items)
+    pu, pi = _zipf(users, 1.05), _zipf(items, 1.05)
 
     def draw(n: int, g: Any) -> tuple[Any, Any]:
         u = torch.multinomial(pu, n, replacement=True, generator=g)
@@ -217,6 +228,56 @@ def _ncf_task(batch: int, gen: Any, users: int = 200_000, items: int = 100_000,
             return float(roc_auc_score(held_y.numpy(), m(held_x).numpy()))
 
     return Task(NCF(), nn.BCEWithLogitsLoss(), lambda step: draw(batch, gen), evaluate)
+
+
+# -- mf: matrix factorisation, the kind Gaia trained across data centres --------------------------
+
+def _mf_task(batch: int, gen: Any, users: int = 2000, items: int = 2000, dim: int = 16) -> Task:
+    """Matrix factorisation of implicit feedback: ``like(u, i) = <p_u, q_i> + b_u + b_i > 0``,
+    trained with plain SGD, the kind of model Gaia's evaluation trained across data centres
+    (Hsieh et al. 2017, Netflix). The world: rank-8 latent factors (fixed seed, the same on
+    every rank), a pair liked when its factors agree; users and items drawn with Zipf
+    popularity. A step changes only the rows of the users and items in its batch (no
+    momentum), as SGD on a factorisation does: the sparse update Gaia's filter exploits."""
+    import torch
+    from torch import nn
+
+    class MF(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user, self.item = nn.Embedding(users, dim), nn.Embedding(items, dim)
+            self.user_bias, self.item_bias = nn.Embedding(users, 1), nn.Embedding(items, 1)
+            for e in (self.user, self.item):
+                nn.init.normal_(e.weight, std=0.1)
+            for e in (self.user_bias, self.item_bias):
+                nn.init.zeros_(e.weight)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            u, i = ids[:, 0], ids[:, 1]
+            return ((self.user(u) * self.item(i)).sum(1) + self.user_bias(u).squeeze(1)
+                    + self.item_bias(i).squeeze(1))
+
+    truth = torch.Generator().manual_seed(7)
+    fu, fi = torch.randn(users, 8, generator=truth), torch.randn(items, 8, generator=truth)
+    pu, pi = _zipf(users, 1.0), _zipf(items, 1.0)
+
+    def draw(n: int, g: Any) -> tuple[Any, Any]:
+        u = torch.multinomial(pu, n, replacement=True, generator=g)
+        i = torch.multinomial(pi, n, replacement=True, generator=g)
+        return torch.stack([u, i], 1), ((fu[u] * fi[i]).sum(1) > 0).float()
+
+    held_x, held_y = draw(20_000, torch.Generator().manual_seed(99))
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def evaluate(m: Any) -> float:
+        with torch.no_grad():
+            return float(((m(held_x) > 0).float() == held_y).float().mean())
+
+    def held_loss(m: Any) -> float:
+        with torch.no_grad():
+            return float(loss_fn(m(held_x), held_y))
+
+    return Task(MF(), loss_fn, lambda step: draw(batch, gen), evaluate, held_loss)
 
 
 # -- text: the Python standard library's source ----------------------------------------------------
@@ -368,6 +429,12 @@ _ALL = [
     Workload("mlp", "digits -> 4096 -> 4096 -> 10, one wide layer (17M parameters)",
              batch=16, lr=0.02, optim="sgd", metric="accuracy", higher_is_better=True,
              network_bound=True, _build=lambda b, g: _digits_task(mlp_model(), b, g)),
+    # A row's gradient is 1/batch of its samples' (a mean loss), so the rate scales with the
+    # whole step's batch: 12 for one process of 64 (a sample moves its rows by lr/64 = 0.19);
+    # switchml bench geo's 4 x 64 takes 50 (80 diverged late in a measured run).
+    Workload("mf", "matrix factorisation, 2000 users + 2000 items x 16, plain SGD (68k "
+             "parameters; Gaia's kind)", batch=64, lr=12.0, optim="plain-sgd",
+             metric="accuracy", higher_is_better=True, network_bound=False, _build=_mf_task),
 ]
 _BY_NAME = {w.name: w for w in _ALL}
 NAMES: tuple[str, ...] = tuple(_BY_NAME)

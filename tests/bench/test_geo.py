@@ -36,6 +36,12 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(inner_steps=0)
     with pytest.raises(ValueError, match="outer-bits"):
         GeoBenchConfig(outer_bits=8)
+    with pytest.raises(ValueError, match="unknown model 'resnet'.*mf"):
+        GeoBenchConfig(model="resnet")
+    with pytest.raises(ValueError, match="thresholds are fractions"):
+        GeoBenchConfig(thresholds=(0.01, 2.0))
+    with pytest.raises(ValueError, match="momentum"):
+        GeoBenchConfig(momentum=-0.1)
 
 
 def test_a_modes_row_is_the_mean_of_its_seeds():
@@ -71,6 +77,23 @@ def test_comparison_and_outputs(tmp_path):
     table = list(csv.DictReader(open(paths[1])))
     assert table[2]["mode"] == "gaia" and float(table[2]["speedup_vs_wan"]) == 6.0
     assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert len(paths) == 3  # one Gaia row: no trade-off curve
+
+
+def test_gaia_at_several_thresholds_draws_the_trade_off(tmp_path):
+    rows = [_row("wan", [5, 10], [0.5, 0.97], 1000)]
+    for s, acc, wan in ((0.01, 0.965, 80), (0.1, 0.95, 40), (0.3, 0.9, 10)):
+        rows.append({**_row("gaia", [1, 2], [0.5, acc], wan), "threshold": s, "decay": True,
+                     "fraction_entries_sent": wan / 1000})
+    for r in rows:
+        r["time_to_target_s"] = time_to_target(r, 0.95)
+    _compare(rows)
+    paths = write_outputs(rows, GeoBenchConfig(thresholds=(0.01, 0.1, 0.3)), str(tmp_path))
+    assert paths[-1].endswith("tradeoff.png")
+    assert open(paths[-1], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    table = list(csv.DictReader(open(paths[1])))
+    assert [t["threshold"] for t in table] == ["", "0.01", "0.1", "0.3"]
+    assert float(table[3]["wan_bytes_vs_wan"]) == pytest.approx(0.01)
 
 
 @pytest.mark.root
@@ -89,3 +112,21 @@ def test_short_geo_run_on_the_testbed():
     assert [d["outer_steps"] for d in diloco["diloco"]] == [3, 3]
     assert 3 * 19210 * 2 * 2 < diloco["wan_bytes"] < wan["wan_bytes"] / 3
     assert 0 < diloco["final_accuracy"] <= 1
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_gaia_sends_at_most_the_rows_a_factorisation_step_touches():
+    # Plain SGD on matrix factorisation changes only the rows of a step's users and items:
+    # a data centre of 2 x 8 samples touches at most 16 user and 16 item rows of 17 entries
+    # (16 factors and a bias) per clock, so Gaia can send no more, whatever its threshold;
+    # the final flush sends what is left, at most the same rows again over the run.
+    steps, batch, dim = 10, 8, 17
+    cfg = GeoBenchConfig(modes=("gaia",), model="mf", steps=steps, batch=batch, eval_every=5,
+                         threshold=0.0, target_accuracy=0.99)
+    (gaia,) = run_geo_bench(cfg)
+    per_clock = 2 * (2 * batch) * dim
+    sent = [g["entries_published"] for g in gaia["gaia"]]
+    assert all(0 < e <= per_clock * (steps + 1) for e in sent), sent
+    assert gaia["wan_bytes"] > 8 * min(sent)  # (index, value) pairs crossed the WAN
+    assert gaia["fraction_entries_sent"] <= per_clock * (steps + 1) / (68_000 * steps)

@@ -1,7 +1,7 @@
 """``switchml bench geo``: Gaia's comparison on the geo testbed (Hsieh et al., NSDI'17, fig. 7).
 
-The same model (``workloads.cnn_model``, 560k parameters) is trained on scikit-learn's digits three
-ways, each worker in its own namespace:
+The same model (by default ``switchml.workloads``' matrix factorisation, Gaia's kind of
+workload; or the digits CNN or MLP) is trained four ways, each worker in its own namespace:
 
 - ``lan``: all workers in one data centre (one star of LAN links): synchronous DDP over gloo,
   the speed Gaia wants to approach;
@@ -45,6 +45,21 @@ GAIA_PORT = 47100
 
 log = logging.getLogger(__name__)
 
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Gaia's kind of workload (matrix factorisation, plain SGD): a step changes only its
+    # batch's rows, and the run is long enough (800 clocks) for S / sqrt(t) to matter.
+    "mf": {"steps": 800, "batch": 64, "lr": 50.0, "momentum": 0.0, "eval_every": 20,
+           "target_accuracy": 0.88},
+    # A small CNN trained fast: dense updates, each entry moves by more than 1% / sqrt(t)
+    # per step (docs/geo.md: the library's default threshold sends half the entries).
+    "cnn": {"steps": 150, "batch": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 5,
+            "target_accuracy": 0.95},
+    "mlp": {"steps": 150, "batch": 32, "lr": 0.05, "momentum": 0.9, "eval_every": 5,
+            "target_accuracy": 0.95},
+}
+"""Each model's training settings where the command line leaves them out."""
+
+
 @dataclass(frozen=True)
 class GeoBenchConfig:
     __test__ = False
@@ -53,18 +68,23 @@ class GeoBenchConfig:
     wan_bps: float = 50e6
     lan_bps: float = 1e9
     modes: tuple[str, ...] = MODES
-    steps: int = 150
-    batch: int = 32
+    model: str = "mf"
+    steps: int = None  # type: ignore[assignment]
+    """This and the next five: ``MODEL_DEFAULTS[model]``'s where None."""
+    batch: int = None  # type: ignore[assignment]
     """Per worker."""
-    lr: float = 0.05
-    model: str = "cnn"
+    lr: float = None  # type: ignore[assignment]
+    momentum: float = None  # type: ignore[assignment]
+    eval_every: int = None  # type: ignore[assignment]
+    target_accuracy: float = None  # type: ignore[assignment]
     seed: int = 0
     seeds: int = 1
     """Runs per mode, with seeds ``seed .. seed + seeds - 1``; a mode's row is their mean."""
-    eval_every: int = 5
-    target_accuracy: float = 0.95
     threshold: float = 0.01
     """Gaia's significance threshold S (S_t = S / sqrt(t))."""
+    thresholds: tuple[float, ...] = ()
+    """Where given, Gaia runs once at each of these thresholds instead of ``threshold``
+    (the trade-off of WAN bytes against accuracy: ``tradeoff.png``)."""
     decay: bool = True
     staleness: int = 2
     """Gaia's mirror-clock bound, in clocks."""
@@ -85,6 +105,11 @@ class GeoBenchConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
+        if self.model not in MODEL_DEFAULTS:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODEL_DEFAULTS)}")
+        for key, value in MODEL_DEFAULTS[self.model].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
         if self.dc_backend not in ("gloo", "switchml"):
             raise ValueError(f"unknown data-centre backend {self.dc_backend!r}; known: gloo, "
                              "switchml")
@@ -99,8 +124,10 @@ class GeoBenchConfig:
             raise ValueError("--target must be an accuracy in (0, 1]")
         if self.inner_steps < 1 or self.outer_bits not in (16, 32):
             raise ValueError("--inner-steps must be >= 1 and --outer-bits 16 or 32")
-        if self.model not in ("cnn", "mlp"):
-            raise ValueError(f"unknown model {self.model!r}; known: cnn, mlp")
+        if any(not 0 <= t <= 1 for t in (self.threshold, *self.thresholds)):
+            raise ValueError("Gaia's thresholds are fractions in [0, 1]")
+        if self.momentum < 0 or self.lr <= 0:
+            raise ValueError("--lr must be > 0 and --momentum >= 0")
 
 
 # -- the worker (runs inside a namespace) --------------------------------------------------------
@@ -158,35 +185,64 @@ def _start_diloco(a: dict[str, Any], model: Any) -> Any:
                   group=dist.group.WORLD)
 
 
-def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, data: tuple[Any, ...],
-           gen: Any, gaia: Any, evaluate: bool) -> dict[str, Any]:
-    """The training steps, with an evaluation every ``eval_every`` steps when ``evaluate``:
-    training time, and the evaluations' times, accuracies and steps."""
+def _task(a: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """This worker's (model, batch_of(step) -> (x, y), loss_fn, evaluate(model) -> (accuracy,
+    loss)): digits (cnn, mlp; split under the run's seed) or ``switchml.workloads``' mf. The
+    model's initial values are the same on every rank (the run's seed); the batches are the
+    rank's own."""
     import torch
-    import torch.distributed as dist
     from torch import nn
-    xtr, ytr, xte, yte = data
+    torch.manual_seed(a["seed"])
+    seed = a["seed"] * 1000 + a["rank"]
+    if a["model"] == "mf":
+        from switchml.workloads import get
+        task = get("mf").build(a["batch"], seed=seed)
+        assert task.held_loss is not None
+        held_loss = task.held_loss
+        return (task.model, task.batch_of, task.loss_fn,
+                lambda m: (task.evaluate(m), held_loss(m)))
+    from switchml.workloads import cnn_model, digits_split, mlp_model
+    model = cnn_model() if a["model"] == "cnn" else mlp_model((256,))
+    xtr, ytr, xte, yte = digits_split(a["seed"])
+    gen = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
+
+    def batch_of(step: int) -> tuple[Any, Any]:
+        idx = torch.randint(0, len(ytr), (a["batch"],), generator=gen)
+        return xtr[idx], ytr[idx]
+
+    def evaluate(m: Any) -> tuple[float, float]:
+        with torch.no_grad():
+            logits = m(xte)
+            return float((logits.argmax(1) == yte).float().mean()), float(loss_fn(logits, yte))
+
+    return model, batch_of, loss_fn, evaluate
+
+
+def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, task: tuple[Any, ...],
+           gaia: Any, evaluate: bool) -> dict[str, Any]:
+    """The training steps, with an evaluation every ``eval_every`` steps when ``evaluate``:
+    training time, and the evaluations' times, accuracies, losses and steps."""
+    import torch.distributed as dist
+    _, batch_of, loss_fn, metrics = task
     times, accs, losses, steps = [], [], [], []
     dist.barrier()
     t0 = time.perf_counter()
     paused = 0.0
     for step in range(1, a["steps"] + 1):
-        idx = torch.randint(0, len(ytr), (a["batch"],), generator=gen)
+        x, y = batch_of(step)
         opt.zero_grad(set_to_none=True)
-        loss_fn(ddp(xtr[idx]), ytr[idx]).backward()
+        loss_fn(ddp(x), y).backward()
         opt.step()
         if gaia is not None:  # Gaia's last step ends with its final full exchange
             gaia.after_step() if step < a["steps"] or a["mode"] != "gaia" else gaia.finish()
         if evaluate and (step % a["eval_every"] == 0 or step == a["steps"]):
             e0 = time.perf_counter()
-            with torch.no_grad():
-                logits = model(xte)
-                acc = float((logits.argmax(1) == yte).float().mean())
-                losses.append(float(loss_fn(logits, yte)))
+            acc, loss = metrics(model)
             times.append(e0 - t0 - paused)  # training time only
             paused += time.perf_counter() - e0
             accs.append(acc)
+            losses.append(loss)
             steps.append(step)
     elapsed = time.perf_counter() - t0 - paused
     return {"elapsed_s": elapsed, "times": times, "accuracy": accs, "loss": losses,
@@ -199,21 +255,18 @@ def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from switchml.workloads import cnn_model, digits_split, mlp_model
     torch.set_num_threads(1)
     mode, rank = a["mode"], a["rank"]
     _join_group(a)
-    torch.manual_seed(a["seed"])
-    model = cnn_model() if a["model"] == "cnn" else mlp_model((256,))
-    data = digits_split(a["seed"])
-    gen = torch.Generator().manual_seed(a["seed"] * 1000 + rank)
+    task = _task(a)
+    model = task[0]
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=a["momentum"])
     gaia, mirror = _start_gaia(a, model) if mode == "gaia" else (None, None)
     diloco = _start_diloco(a, model) if mode == "diloco" else None
     lead = a["local_rank"] == 0
     evaluate = rank == 0 or (mode in LOCAL_MODES and lead)
-    run = _train(a, model, ddp, opt, data, gen, gaia or diloco, evaluate)
+    run = _train(a, model, ddp, opt, task, gaia or diloco, evaluate)
     out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": run["elapsed_s"]}
     if evaluate:
         out.update(times=run["times"], accuracy=run["accuracy"], loss=run["loss"],
@@ -243,7 +296,8 @@ def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str,
     """The arguments every worker of ``mode`` gets."""
     scale = cfg.gaia_lr_scale if cfg.gaia_lr_scale is not None else 1 / len(geo.dcs)
     return {"mode": mode, "n": geo.workers, "steps": cfg.steps, "batch": cfg.batch,
-            "lr": cfg.lr * scale if mode == "gaia" else cfg.lr, "seed": cfg.seed,
+            "lr": cfg.lr * scale if mode == "gaia" else cfg.lr, "momentum": cfg.momentum,
+            "seed": cfg.seed,
             "model": cfg.model, "eval_every": cfg.eval_every,
             "threshold": cfg.threshold, "decay": cfg.decay, "staleness": cfg.staleness,
             "timeout_s": min(cfg.timeout_s, 300.0), "master": geo.worker_ip(0), "port": port,
@@ -406,32 +460,48 @@ def time_to_target(row: dict[str, Any], target: float) -> float | None:
 
 
 def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
-    """Build the testbeds, run every mode, return one row per mode (with the comparison)."""
+    """Build the testbeds, run every mode (Gaia at each of ``cfg.thresholds``, where given),
+    return one row per mode and threshold (with the comparison)."""
+    from dataclasses import replace
+
     from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
     lan_link = LinkSpec(bandwidth_bps=cfg.lan_bps)
     rows = []
     for mode in cfg.modes:
         dcs = (sum(cfg.dcs),) if mode == "lan" else cfg.dcs
+        variants = [replace(cfg, threshold=t) for t in cfg.thresholds or (cfg.threshold,)
+                    ] if mode == "gaia" else [cfg]
         topo = GeoTopology(dcs=dcs, lan=lan_link, wan=LinkSpec(bandwidth_bps=cfg.wan_bps))
-        if progress is not None:
-            progress(f"{mode}: data centres {dcs}, WAN {cfg.wan_bps / 1e6:g} Mbit/s, "
-                     f"{cfg.steps} steps")
-        runs = []
         with GeoTestbed(topo) as tb:
-            for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-                run = _run_mode_retrying(tb, cfg, mode, seed)
-                run["seed"] = seed
-                run["time_to_target_s"] = time_to_target(run, cfg.target_accuracy)
-                runs.append(run)
-        row = _mean_row(runs)
-        row["target_accuracy"] = cfg.target_accuracy
-        rows.append(row)
-        if progress is not None:
-            progress(f"{mode}: final accuracy {row['final_accuracy']:.4f}, time to "
-                     f"{cfg.target_accuracy:g}: {row['time_to_target_s']}, WAN bytes "
-                     f"{row['wan_bytes']}")
+            for run_cfg in variants:
+                if progress is not None:
+                    progress(f"{_label(mode, run_cfg)}: data centres {dcs}, WAN "
+                             f"{cfg.wan_bps / 1e6:g} Mbit/s, {cfg.steps} steps, "
+                             f"{cfg.seeds} seed(s)")
+                runs = []
+                for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+                    run = _run_mode_retrying(tb, run_cfg, mode, seed)
+                    run["seed"] = seed
+                    run["time_to_target_s"] = time_to_target(run, cfg.target_accuracy)
+                    runs.append(run)
+                row = _mean_row(runs)
+                row["target_accuracy"] = cfg.target_accuracy
+                if mode == "gaia":
+                    row["threshold"], row["decay"] = run_cfg.threshold, run_cfg.decay
+                rows.append(row)
+                if progress is not None:
+                    progress(f"{_label(mode, run_cfg)}: final accuracy "
+                             f"{row['final_accuracy']:.4f}, time to {cfg.target_accuracy:g}: "
+                             f"{row['time_to_target_s']}, WAN bytes {row['wan_bytes']}")
     _compare(rows)
     return rows
+
+
+def _label(mode: str, cfg: GeoBenchConfig) -> str:
+    """``mode``, with Gaia's threshold."""
+    if mode != "gaia":
+        return mode
+    return f"gaia S={cfg.threshold:g}{'/sqrt(t)' if cfg.decay else ''}"
 
 
 MEAN_KEYS = ("elapsed_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes")
@@ -444,8 +514,9 @@ def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(runs[0])
     if len(runs) == 1:
         return row
-    for k in MEAN_KEYS:
-        row[k] = sum(r[k] for r in runs) / len(runs)
+    for k in (*MEAN_KEYS, "fraction_entries_sent"):
+        if all(k in r for r in runs):
+            row[k] = sum(r[k] for r in runs) / len(runs)
     times = [r["time_to_target_s"] for r in runs]
     row["time_to_target_s"] = None if None in times else sum(times) / len(times)
     row["runs"] = [{k: r[k] for k in ("seed", "time_to_target_s", *MEAN_KEYS)} for r in runs]
@@ -473,7 +544,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
 
 
 def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str) -> list[str]:
-    """JSON, CSV and PNG (accuracy against time) in ``out_dir``; returns the paths."""
+    """JSON, CSV and PNG (accuracy against time) in ``out_dir``, and with Gaia at several
+    thresholds ``tradeoff.png`` (final accuracy against WAN bytes); returns the paths."""
     import csv
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("geo.json", "geo.csv", "geo.png")]
@@ -481,8 +553,9 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
         json.dump({"benchmark": "geo", "config": asdict(cfg), "machine": {
             "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows}, f,
             indent=2)
-    keys = ["mode", "dcs", "wan_bps", "steps", "elapsed_s", "time_to_target_s",
-            "final_accuracy", "last_accuracy", "final_loss", "wan_bytes"]
+    keys = ["mode", "threshold", "decay", "dcs", "wan_bps", "steps", "elapsed_s",
+            "time_to_target_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes",
+            "fraction_entries_sent"]
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
@@ -498,20 +571,58 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
     labels = {"lan": "one data centre (LAN)", "wan": "synchronous across the WAN",
               "gaia": "Gaia", "diloco": f"DiLoCo (H = {cfg.inner_steps}, {cfg.outer_bits}-bit)"}
     for r in rows:
-        ax.plot(r["times"], r["accuracy"], label=f"{labels[r['mode']]}: "
+        name = labels[r["mode"]] if r["mode"] != "gaia" else _row_label(r)
+        ax.plot(r["times"], r["accuracy"], label=f"{name}: "
                 f"{r['wan_bytes'] / 1e6:.1f} MB over the WAN")
     ax.axhline(cfg.target_accuracy, color="grey", ls="--", lw=0.8, label="target")
     ax.set_xlabel("seconds of training")
-    ax.set_ylabel("test accuracy (digits, data centre 0)")
-    ax.set_title(f"{cfg.model} on digits, data centres {cfg.dcs}, WAN "
+    ax.set_ylabel("held-out accuracy (data centre 0)")
+    ax.set_title(f"{cfg.model}, data centres {cfg.dcs}, WAN "
                  f"{cfg.wan_bps / 1e6:g} Mbit/s, LAN {cfg.lan_bps / 1e9:g} Gbit/s")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0.5 if cfg.model == "mf" else 0, 1)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(paths[2], dpi=100)
     plt.close(fig)
+    if sum(r["mode"] == "gaia" for r in rows) > 1:
+        paths.append(_plot_tradeoff(rows, cfg, os.path.join(out_dir, "tradeoff.png")))
     return paths
+
+
+def _row_label(r: dict[str, Any]) -> str:
+    """A Gaia row's name, with its threshold."""
+    decay = "/sqrt(t)" if r.get("decay") else ""
+    return f"Gaia S = {r.get('threshold', 0):g}{decay}"
+
+
+def _plot_tradeoff(rows: list[dict[str, Any]], cfg: GeoBenchConfig, path: str) -> str:
+    """Final accuracy against WAN bytes: Gaia at each threshold, a line; the other modes
+    across the WAN, points."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gaia = sorted((r for r in rows if r["mode"] == "gaia"), key=lambda r: r["wan_bytes"])
+    ax.plot([r["wan_bytes"] / 1e6 for r in gaia], [100 * r["final_accuracy"] for r in gaia],
+            "o-", label="Gaia")
+    for r in gaia:
+        ax.annotate(_row_label(r)[5:], (r["wan_bytes"] / 1e6, 100 * r["final_accuracy"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for r in rows:
+        if r["mode"] in ("wan", "diloco"):
+            ax.plot([r["wan_bytes"] / 1e6], [100 * r["final_accuracy"]], "s",
+                    label="synchronous" if r["mode"] == "wan" else
+                    f"DiLoCo (H = {cfg.inner_steps})")
+    ax.set_xscale("log")
+    ax.set_xlabel("WAN bytes (MB, log scale)")
+    ax.set_ylabel("final held-out accuracy (%)")
+    ax.set_title(f"{cfg.model}: the significance threshold trades accuracy for WAN bytes"
+                 f" (mean of {cfg.seeds} seed(s))", fontsize=10)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -21,10 +21,20 @@ def test_flags_become_the_geo_config(parse):
         lr=0.1, model="mlp", eval_every=2, target_accuracy=0.5, threshold=0.2, decay=True,
         staleness=1, gaia_lr_scale=0.5, dc_backend="switchml", inner_steps=7, outer_lr=0.5,
         outer_momentum=0.8, outer_bits=32, seeds=3)
-    # the command's own defaults differ from the library's (a short run)
+    # the command runs Gaia at the library's defaults, on the model whose settings fit them
     cfg = geo.config_from_args(parse("bench", "geo"))
-    assert (cfg.threshold, cfg.decay) == (0.1, False)
+    import inspect
+
+    from switchml.gaia.trainer import GaiaSync
+    lib = inspect.signature(GaiaSync).parameters
+    assert (cfg.threshold, cfg.decay) == (lib["threshold"].default, lib["decay"].default)
     assert cfg.modes == ("lan", "wan", "gaia", "diloco")
+    assert (cfg.model, cfg.steps, cfg.momentum, cfg.target_accuracy) == ("mf", 800, 0.0, 0.88)
+    # a model's settings fill in what the flags leave out; a flag wins
+    cfg = geo.config_from_args(parse("bench", "geo", "--model", "cnn", "--momentum", "0.5"))
+    assert (cfg.steps, cfg.lr, cfg.momentum, cfg.target_accuracy) == (150, 0.05, 0.5, 0.95)
+    cfg = geo.config_from_args(parse("bench", "geo", "--thresholds", "0,0.01,0.3"))
+    assert cfg.thresholds == (0.0, 0.01, 0.3)
 
 
 def test_the_runner_prints_one_line_per_mode(record, capsys):
