@@ -17,9 +17,10 @@ def test_flags_become_the_topology(parse):
         workers=3, link=LinkSpec(bandwidth_bps=250e6, loss_rate=0.01, mtu=9000))
     assert testbed.config_from_args(parse("testbed", "--rate-mbit", "0")).link.bandwidth_bps \
         is None
-    geo = testbed.geo_config_from_args(parse("testbed", "--dcs", "2x3", "--wan-mbit", "10"))
+    geo = testbed.geo_config_from_args(parse("testbed", "--dcs", "2x3", "--wan-mbit", "10",
+                                             "--wan-rtt-ms", "150"))
     assert geo == GeoTopology(dcs=(3, 3), lan=LinkSpec(bandwidth_bps=1e9),
-                              wan=LinkSpec(bandwidth_bps=10e6))
+                              wan=LinkSpec(bandwidth_bps=10e6), wan_rtt_s=0.15)
 
 
 class _FakeTestbed:

@@ -27,3 +27,5 @@ def test_bad_geo_topologies_are_refused():
         GeoTopology(wan=LinkSpec(bandwidth_bps=50e6, loss_rate=0.01))
     with pytest.raises(ConfigError, match="out of range"):
         GeoTopology().dc_of(4)
+    with pytest.raises(ConfigError, match="wan_rtt_s must be in"):
+        GeoTopology(wan_rtt_s=-0.05)

@@ -67,6 +67,8 @@ class GeoBenchConfig:
     dcs: tuple[int, ...] = (2, 2)
     wan_bps: float = 50e6
     lan_bps: float = 1e9
+    wan_rtt_s: float = 0.0
+    """Round trip added between data centres (the geo testbed's delay line)."""
     modes: tuple[str, ...] = MODES
     model: str = "mf"
     steps: int = None  # type: ignore[assignment]
@@ -384,13 +386,18 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     switched = mode in LOCAL_MODES and cfg.dc_backend == "switchml"
     procs = _start_workers(tb, range(geo.workers), lambda r: _argv(_worker_args(common, geo, r)),
                            lambda r: _worker_env(tb, r, switched))
-    wan0 = tb.wan_bytes()
+    wan0, cpu0, packets0 = tb.wan_bytes(), tb.delay_line_cpu_s(), tb.delay_line_packets()
     outs = _wait_all(procs, cfg.timeout_s)
     wan = tb.wan_bytes() - wan0
     for sw in switches:
         assert sw.stdin is not None
         sw.stdin.close()
-    return _mode_row(cfg, geo, mode, outs, wan)
+    row = _mode_row(cfg, geo, mode, outs, wan)
+    row["wan_rtt_s"] = geo.wan_rtt_s
+    if geo.wan_rtt_s > 0:  # what the emulation itself cost (CPU of the shared machine)
+        row["delay_line_cpu_s"] = tb.delay_line_cpu_s() - cpu0
+        row["delay_line_packets"] = tb.delay_line_packets() - packets0
+    return row
 
 
 def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any]],
@@ -471,12 +478,14 @@ def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, A
         dcs = (sum(cfg.dcs),) if mode == "lan" else cfg.dcs
         variants = [replace(cfg, threshold=t) for t in cfg.thresholds or (cfg.threshold,)
                     ] if mode == "gaia" else [cfg]
-        topo = GeoTopology(dcs=dcs, lan=lan_link, wan=LinkSpec(bandwidth_bps=cfg.wan_bps))
+        topo = GeoTopology(dcs=dcs, lan=lan_link, wan=LinkSpec(bandwidth_bps=cfg.wan_bps),
+                           wan_rtt_s=cfg.wan_rtt_s if len(dcs) > 1 else 0.0)
         with GeoTestbed(topo) as tb:
             for run_cfg in variants:
                 if progress is not None:
                     progress(f"{_label(mode, run_cfg)}: data centres {dcs}, WAN "
-                             f"{cfg.wan_bps / 1e6:g} Mbit/s, {cfg.steps} steps, "
+                             f"{cfg.wan_bps / 1e6:g} Mbit/s, round trip +"
+                             f"{topo.wan_rtt_s * 1000:g} ms, {cfg.steps} steps, "
                              f"{cfg.seeds} seed(s)")
                 runs = []
                 for seed in range(cfg.seed, cfg.seed + cfg.seeds):
@@ -514,7 +523,7 @@ def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(runs[0])
     if len(runs) == 1:
         return row
-    for k in (*MEAN_KEYS, "fraction_entries_sent"):
+    for k in (*MEAN_KEYS, "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets"):
         if all(k in r for r in runs):
             row[k] = sum(r[k] for r in runs) / len(runs)
     times = [r["time_to_target_s"] for r in runs]
@@ -553,9 +562,9 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
         json.dump({"benchmark": "geo", "config": asdict(cfg), "machine": {
             "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows}, f,
             indent=2)
-    keys = ["mode", "threshold", "decay", "dcs", "wan_bps", "steps", "elapsed_s",
+    keys = ["mode", "threshold", "decay", "dcs", "wan_bps", "wan_rtt_s", "steps", "elapsed_s",
             "time_to_target_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes",
-            "fraction_entries_sent"]
+            "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets"]
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
@@ -577,8 +586,8 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
     ax.axhline(cfg.target_accuracy, color="grey", ls="--", lw=0.8, label="target")
     ax.set_xlabel("seconds of training")
     ax.set_ylabel("held-out accuracy (data centre 0)")
-    ax.set_title(f"{cfg.model}, data centres {cfg.dcs}, WAN "
-                 f"{cfg.wan_bps / 1e6:g} Mbit/s, LAN {cfg.lan_bps / 1e9:g} Gbit/s")
+    ax.set_title(f"{cfg.model}, data centres {cfg.dcs}, WAN {cfg.wan_bps / 1e6:g} Mbit/s + "
+                 f"{cfg.wan_rtt_s * 1000:g} ms, LAN {cfg.lan_bps / 1e9:g} Gbit/s")
     ax.set_ylim(0.5 if cfg.model == "mf" else 0, 1)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right")

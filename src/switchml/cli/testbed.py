@@ -41,6 +41,10 @@ def add_parser(sub: Subparsers) -> None:
                          "--wan-mbit WAN links)")
     tb.add_argument("--wan-mbit", type=float, default=50.0,
                     help="with --dcs: WAN link rate in Mbit/s (default 50)")
+    tb.add_argument("--wan-rtt-ms", type=float, default=0.0,
+                    help="with --dcs: round-trip time added between data centres, ms "
+                         "(default 0; a user-space delay line in the WAN core, as this "
+                         "kernel may lack netem)")
     tb.set_defaults(func=run)
 
 
@@ -59,7 +63,8 @@ def geo_config_from_args(args: argparse.Namespace) -> GeoTopology:
     sizes = tuple(len(dc) for dc in parse_dc_layout(args.dcs))
     return GeoTopology(dcs=sizes, lan=LinkSpec(bandwidth_bps=args.rate_mbit * 1e6 or None,
                                                mtu=args.mtu),
-                       wan=LinkSpec(bandwidth_bps=args.wan_mbit * 1e6, mtu=args.mtu))
+                       wan=LinkSpec(bandwidth_bps=args.wan_mbit * 1e6, mtu=args.mtu),
+                       wan_rtt_s=args.wan_rtt_ms / 1000)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +109,9 @@ def _run_geo_testbed(args: argparse.Namespace) -> int:
     stop = stop_on_signals("stopping")
     with GeoTestbed(topo) as bed:
         print(f"geo testbed {bed.prefix} is up: data centres {sizes}, LAN {topo.lan}, "
-              f"WAN {topo.wan} (no propagation delay: no netem)")
+              f"WAN {topo.wan}, round trip between data centres +{topo.wan_rtt_s * 1000:g} ms"
+              + (f" (delay line: TUN device {bed.delay_device} in the WAN core)"
+                 if topo.wan_rtt_s else ""))
         for j in range(len(sizes)):
             print(f"  data centre {j}: router ip netns exec {bed.dc_ns(j)} ...  (WAN device "
                   f"{bed.wan_device(j)})")

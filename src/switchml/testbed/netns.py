@@ -21,8 +21,10 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 _TOOLS = ("ip", "tc", "nft")
 CLAIMS_DIR = "/run/switchml-testbed"
 LOSS_TABLE = "smlloss"
+DELAY_TABLE = 100
+"""The WAN core's routing table that sends packets from the data centres to the delay line."""
 
 
 class TestbedError(SwitchMLError):
@@ -409,6 +413,12 @@ class GeoTestbed(Testbed):
     def __init__(self, topology: GeoTopology, prefix: str | None = None) -> None:
         super().__init__(topology, prefix)  # type: ignore[arg-type]
         self.geo = topology
+        self._delay_line: subprocess.Popen[Any] | None = None
+
+    @property
+    def delay_device(self) -> str:
+        """The WAN core's TUN device of the delay line (with ``wan_rtt_s`` > 0)."""
+        return f"{self.prefix}dl"
 
     def dc_ns(self, j: int) -> str:
         return f"{self.prefix}d{j}"
@@ -457,8 +467,57 @@ class GeoTestbed(Testbed):
                 _run(["ip", "-n", ns, "route", "add", "default", "via", geo.gateway_ip(i)])
                 _run(["ip", "-n", core, "route", "add", f"{geo.subnet}.{i}.0/24", "via",
                       geo.wan_router_ip(j)])
-        log.info("geo testbed %s up: data centres %s, LAN %s, WAN %s", self.prefix, geo.dcs,
-                 geo.lan, geo.wan)
+        if geo.wan_rtt_s > 0:
+            self._start_delay_line()
+        log.info("geo testbed %s up: data centres %s, LAN %s, WAN %s, WAN round trip +%g ms",
+                 self.prefix, geo.dcs, geo.lan, geo.wan, geo.wan_rtt_s * 1000)
+
+    def _start_delay_line(self) -> None:
+        """Route every packet that reaches the WAN core from a data centre through the delay
+        line (a TUN device and :mod:`switchml.testbed.delayline`), which gives it back half
+        the round trip later; the kernel then forwards it by the main table. Packets coming
+        back from the TUN device match no rule of their own, so each passes once."""
+        core, dev, geo = self.router_ns, self.delay_device, self.geo
+        _run(["ip", "-n", core, "tuntap", "add", "dev", dev, "mode", "tun"])
+        _run(["ip", "-n", core, "link", "set", dev, "mtu", str(geo.wan.mtu), "up"])
+        for key in ("all", "default", dev):
+            _run(["ip", "netns", "exec", core, "sysctl", "-qw",
+                  f"net.ipv4.conf.{key}.rp_filter=0"])
+        _run(["ip", "-n", core, "route", "add", "default", "dev", dev, "table",
+              str(DELAY_TABLE)])
+        for j in range(len(geo.dcs)):
+            _run(["ip", "-n", core, "rule", "add", "iif", f"{self.prefix}y{j}", "lookup",
+                  str(DELAY_TABLE)])
+        proc = self.popen(core, [sys.executable, "-m", "switchml.testbed.delayline", dev,
+                                 repr(geo.wan_rtt_s / 2)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            proc.kill()
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            raise TestbedError(f"the WAN delay line did not start: {line!r} {err[-1000:]}")
+        self._delay_line = proc
+
+    def teardown(self) -> None:
+        super().teardown()  # kills the delay line with every other process
+        self._delay_line = None
+
+    def delay_line_cpu_s(self) -> float:
+        """CPU seconds (user and system) the delay line has used; 0 without one."""
+        if self._delay_line is None:
+            return 0.0
+        with open(f"/proc/{self._delay_line.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def delay_line_packets(self) -> int:
+        """Packets the delay line has given back so far (the TUN device's receive counter)."""
+        if self._delay_line is None:
+            return 0
+        return int(_run(["ip", "netns", "exec", self.router_ns, "cat",
+                         f"/sys/class/net/{self.delay_device}/statistics/rx_packets"]))
 
     def wan_bytes(self) -> int:
         """Bytes sent so far onto the WAN: the sum over data centres of their WAN interface's

@@ -111,8 +111,9 @@ class GeoTopology:
     is ``subnet.(200 + j).0/24`` (core ``.1``, data-centre router ``.2``). Traffic between two
     data centres crosses two WAN links (up to the core, down to the other side), both shaped at
     ``wan``'s rate, so the path runs at that rate. With one data centre nothing crosses the
-    WAN (the "all workers in one data centre" baseline). Propagation delay is not emulated:
-    this needs netem, which the testbed's kernel may lack (docs/geo.md). No loss either.
+    WAN (the "all workers in one data centre" baseline). A round trip between data centres
+    takes ``wan_rtt_s`` more than the links alone: a user-space delay line in the WAN core
+    (:mod:`switchml.testbed.delayline`; this kernel has no netem). No loss.
     """
 
     dcs: tuple[int, ...] = (2, 2)
@@ -120,12 +121,17 @@ class GeoTopology:
     lan: LinkSpec = LinkSpec(bandwidth_bps=1e9)
     wan: LinkSpec = LinkSpec(bandwidth_bps=50e6)
     subnet: str = "10.202"
+    wan_rtt_s: float = 0.0
+    """Propagation delay added to every round trip between two data centres (each packet is
+    held ``wan_rtt_s / 2`` in the WAN core)."""
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.dcs) <= 8 or any(n < 1 for n in self.dcs):
             raise ConfigError(f"dcs must list 1..8 data centres of >= 1 worker, got {self.dcs}")
         if sum(self.dcs) > 199:
             raise ConfigError(f"at most 199 workers in all, got {sum(self.dcs)}")
+        if not 0.0 <= self.wan_rtt_s <= 10.0:
+            raise ConfigError(f"wan_rtt_s must be in [0, 10] seconds, got {self.wan_rtt_s}")
         if self.lan.loss_rate or self.wan.loss_rate:
             raise ConfigError("the geo testbed has no loss emulation: loss_rate must be 0")
         Topology(workers=1, subnet=self.subnet)  # validates the subnet

@@ -33,8 +33,9 @@ def test_flags_become_the_geo_config(parse):
     # a model's settings fill in what the flags leave out; a flag wins
     cfg = geo.config_from_args(parse("bench", "geo", "--model", "cnn", "--momentum", "0.5"))
     assert (cfg.steps, cfg.lr, cfg.momentum, cfg.target_accuracy) == (150, 0.05, 0.5, 0.95)
-    cfg = geo.config_from_args(parse("bench", "geo", "--thresholds", "0,0.01,0.3"))
-    assert cfg.thresholds == (0.0, 0.01, 0.3)
+    cfg = geo.config_from_args(parse("bench", "geo", "--thresholds", "0,0.01,0.3",
+                                     "--wan-rtt-ms", "100"))
+    assert cfg.thresholds == (0.0, 0.01, 0.3) and cfg.wan_rtt_s == 0.1
 
 
 def test_the_runner_prints_one_line_per_mode(record, capsys):

@@ -33,6 +33,9 @@ def add_parser(bsub: Subparsers) -> None:
                     "geo.csv and geo.png (accuracy against time). Needs root.")
     geo.add_argument("--dcs", default="2x2", help="data centres x workers (default 2x2)")
     geo.add_argument("--wan-mbit", type=float, default=50.0, help="WAN Mbit/s (default 50)")
+    geo.add_argument("--wan-rtt-ms", type=float, default=0.0,
+                     help="round trip added between data centres, ms (default 0: the links' "
+                          "own; a user-space delay line in the WAN core: docs/geo.md)")
     geo.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
     geo.add_argument("--modes", default="lan,wan,gaia,diloco",
                      help="comma list of lan, wan, gaia, diloco (default all four)")
@@ -90,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
 
     return GeoBenchConfig(dcs=tuple(len(d) for d in parse_dc_layout(args.dcs)),
                           wan_bps=args.wan_mbit * 1e6, lan_bps=args.lan_mbit * 1e6,
+                          wan_rtt_s=args.wan_rtt_ms / 1000,
                           modes=tuple(m for m in args.modes.split(",") if m), steps=args.steps,
                           batch=args.batch, lr=args.lr, momentum=args.momentum,
                           model=args.model, eval_every=args.eval_every,
