@@ -123,10 +123,13 @@ def test_gaia_sends_at_most_the_rows_a_factorisation_step_touches():
     # the final flush sends what is left, at most the same rows again over the run.
     steps, batch, dim = 10, 8, 17
     cfg = GeoBenchConfig(modes=("gaia",), model="mf", steps=steps, batch=batch, eval_every=5,
-                         threshold=0.0, target_accuracy=0.99)
+                         threshold=0.0, target_accuracy=0.99, wan_rtt_s=0.02)
     (gaia,) = run_geo_bench(cfg)
     per_clock = 2 * (2 * batch) * dim
     sent = [g["entries_published"] for g in gaia["gaia"]]
     assert all(0 < e <= per_clock * (steps + 1) for e in sent), sent
     assert gaia["wan_bytes"] > 8 * min(sent)  # (index, value) pairs crossed the WAN
     assert gaia["fraction_entries_sent"] <= per_clock * (steps + 1) / (68_000 * steps)
+    # behind a 20 ms round trip: the delay line carried the WAN's packets and lost none
+    assert gaia["wan_rtt_s"] == 0.02 and gaia["delay_line_packets"] > 10
+    assert gaia["delay_line_lost"] == 0 and gaia["delay_line_cpu_s"] >= 0

@@ -85,6 +85,7 @@ def _udp_rtts(py, tb: GeoTestbed, src: int, dst: int, count: int = 15) -> list[f
 
 def test_the_wan_round_trip_gains_the_delay_lines_delay(py, namespaces, tcp_rate):
     import statistics
+    import time
     wan = 20e6
     topo = GeoTopology(dcs=(2, 2), wan=LinkSpec(bandwidth_bps=wan), wan_rtt_s=0.1)
     with GeoTestbed(topo) as tb:
@@ -94,10 +95,13 @@ def test_the_wan_round_trip_gains_the_delay_lines_delay(py, namespaces, tcp_rate
         assert 0.1 <= across <= 0.13, across  # one pass through the core each way
         assert inside < 0.01, inside  # the LAN is not delayed
         packets, cpu0 = tb.delay_line_packets(), tb.delay_line_cpu_s()
-        assert packets >= 30  # 15 echoes, each way through the core
+        assert packets["given_back"] >= 30  # 15 echoes, each way through the core
         rate, _ = tcp_rate(tb, tb.worker_ns(1), tb.worker_ns(3), tb.geo.worker_ip(3), 5204, 3.0)
         assert 0.7 * wan <= rate <= 1.1 * wan, rate  # the WAN's rate holds behind the delay
-        assert tb.delay_line_packets() > packets + 3 * wan / 8 / 1500 * 0.5
+        time.sleep(0.2)  # the last packets out of the line
+        after = tb.delay_line_packets()
+        assert after["given_back"] > packets["given_back"] + 3 * wan / 8 / 1500 * 0.5
+        assert after["taken"] == after["given_back"] and after["queue_drops"] == 0  # no loss
         assert tb.delay_line_cpu_s() > cpu0
         line = tb._delay_line
     assert line is not None and line.poll() is not None  # stopped with the testbed

@@ -396,7 +396,12 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     row["wan_rtt_s"] = geo.wan_rtt_s
     if geo.wan_rtt_s > 0:  # what the emulation itself cost (CPU of the shared machine)
         row["delay_line_cpu_s"] = tb.delay_line_cpu_s() - cpu0
-        row["delay_line_packets"] = tb.delay_line_packets() - packets0
+        time.sleep(2 * geo.wan_rtt_s)  # the last packets out of the line
+        packets = tb.delay_line_packets()
+        row["delay_line_packets"] = packets["given_back"] - packets0["given_back"]
+        row["delay_line_lost"] = (packets["taken"] - packets0["taken"]
+                                  - row["delay_line_packets"]
+                                  + packets["queue_drops"] - packets0["queue_drops"])
     return row
 
 
@@ -523,7 +528,8 @@ def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(runs[0])
     if len(runs) == 1:
         return row
-    for k in (*MEAN_KEYS, "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets"):
+    for k in (*MEAN_KEYS, "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets",
+              "delay_line_lost"):
         if all(k in r for r in runs):
             row[k] = sum(r[k] for r in runs) / len(runs)
     times = [r["time_to_target_s"] for r in runs]
@@ -564,7 +570,8 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
             indent=2)
     keys = ["mode", "threshold", "decay", "dcs", "wan_bps", "wan_rtt_s", "steps", "elapsed_s",
             "time_to_target_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes",
-            "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets"]
+            "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets",
+            "delay_line_lost"]
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
@@ -606,28 +613,50 @@ def _row_label(r: dict[str, Any]) -> str:
 
 
 def _plot_tradeoff(rows: list[dict[str, Any]], cfg: GeoBenchConfig, path: str) -> str:
-    """Final accuracy against WAN bytes: Gaia at each threshold, a line; the other modes
-    across the WAN, points."""
+    """Final accuracy, and time to target, against WAN bytes: Gaia at each threshold a line,
+    the other modes across the WAN points. A point far below Gaia's and synchronous training's
+    accuracies (a run that diverged) is drawn at the bottom edge with its value."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     gaia = sorted((r for r in rows if r["mode"] == "gaia"), key=lambda r: r["wan_bytes"])
-    ax.plot([r["wan_bytes"] / 1e6 for r in gaia], [100 * r["final_accuracy"] for r in gaia],
-            "o-", label="Gaia")
-    for r in gaia:
-        ax.annotate(_row_label(r)[5:], (r["wan_bytes"] / 1e6, 100 * r["final_accuracy"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=8)
-    for r in rows:
-        if r["mode"] in ("wan", "diloco"):
-            ax.plot([r["wan_bytes"] / 1e6], [100 * r["final_accuracy"]], "s",
-                    label="synchronous" if r["mode"] == "wan" else
-                    f"DiLoCo (H = {cfg.inner_steps})")
-    ax.set_xscale("log")
-    ax.set_xlabel("WAN bytes (MB, log scale)")
-    ax.set_ylabel("final held-out accuracy (%)")
-    ax.set_title(f"{cfg.model}: the significance threshold trades accuracy for WAN bytes"
-                 f" (mean of {cfg.seeds} seed(s))", fontsize=10)
-    ax.grid(True, alpha=0.3, which="both")
-    ax.legend(loc="lower right")
+    others = [r for r in rows if r["mode"] in ("wan", "diloco")]
+    names = {"wan": "synchronous", "diloco": f"DiLoCo (H = {cfg.inner_steps})"}
+    decay = "/sqrt(t)" if cfg.decay else ""
+    scale = [100 * r["final_accuracy"] for r in gaia + [r for r in others if r["mode"] == "wan"]]
+    low, high = min(scale) - 1.0, max(scale) + 1.0
+    mb = [r["wan_bytes"] / 1e6 for r in gaia]
+    acc_ax.plot(mb, [100 * r["final_accuracy"] for r in gaia], "o-",
+                label=f"Gaia, threshold S{decay}")
+    times = [(r["wan_bytes"] / 1e6, r["time_to_target_s"]) for r in gaia
+             if r["time_to_target_s"] is not None]
+    if times:
+        time_ax.plot(*zip(*times), "o-", label=f"Gaia, threshold S{decay}")
+    for k, r in enumerate(gaia):
+        offset = (-10, 8 + 10 * (k % 3)) if k % 2 == 0 else (-10, -14 - 10 * (k % 3))
+        acc_ax.annotate(f"S = {r.get('threshold', 0):g}", (mb[k], 100 * r["final_accuracy"]),
+                        textcoords="offset points", xytext=offset, fontsize=8)
+    for r in others:
+        x, acc = r["wan_bytes"] / 1e6, 100 * r["final_accuracy"]
+        if acc < low:
+            acc_ax.plot([x], [low + 0.1], "v", label=f"{names[r['mode']]}: {acc:.1f}% "
+                        "(off the scale)")
+        else:
+            acc_ax.plot([x], [acc], "s", label=names[r["mode"]])
+        if r["time_to_target_s"] is not None:
+            time_ax.plot([x], [r["time_to_target_s"]], "s", label=names[r["mode"]])
+    acc_ax.set_ylim(low, high)
+    acc_ax.set_ylabel("final held-out accuracy (%)")
+    time_ax.set_ylabel(f"seconds to {100 * cfg.target_accuracy:g}% (runs that reached it)")
+    from matplotlib.ticker import NullFormatter
+    for ax in (acc_ax, time_ax):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("WAN bytes (MB, log scale)")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"{cfg.model}: the significance threshold trades accuracy and time for WAN "
+                 f"bytes (WAN {cfg.wan_bps / 1e6:g} Mbit/s, mean of {cfg.seeds} seed(s))",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -9,9 +9,10 @@ from a data centre's WAN link to the TUN device; this process reads it, holds it
 by the main table to the other data centre. Each packet between data centres passes the core
 once, so a round trip between them gains ``2 * delay_s``.
 
-The cost is one ``read`` and one ``write`` system call per packet in this process: measured,
-about 10 us of CPU per packet on the development machine (docs/geo.md), so a 50 Mbit/s WAN
-(about 4,200 full-size packets per second each way) costs under a tenth of a core.
+The cost is one ``read`` and one ``write`` system call per packet in this process, and a
+``select`` per wake-up: measured, 27-53 us of CPU per packet on the development machine
+(the fewer packets per wake-up, the more each costs), 4-8% of a core while training across a
+50 Mbit/s WAN (docs/benchmarks.md, section 5.3).
 
 Run as ``python -m switchml.testbed.delayline DEVICE DELAY_S`` inside the namespace that holds
 the (persistent, ``ip tuntap add ... mode tun``) device; it runs until killed, and on SIGTERM

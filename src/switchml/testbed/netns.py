@@ -512,12 +512,18 @@ class GeoTestbed(Testbed):
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def delay_line_packets(self) -> int:
-        """Packets the delay line has given back so far (the TUN device's receive counter)."""
+    def delay_line_packets(self) -> dict[str, int]:
+        """The delay line's packet counters so far, from its TUN device: ``taken`` (routed
+        into it), ``given_back`` (written back by the delay line) and ``queue_drops`` (the
+        device's queue was full: the delay line did not read fast enough). Once traffic
+        stops, ``taken - given_back`` is what the delay line itself dropped. Zeros without
+        a delay line."""
         if self._delay_line is None:
-            return 0
-        return int(_run(["ip", "netns", "exec", self.router_ns, "cat",
-                         f"/sys/class/net/{self.delay_device}/statistics/rx_packets"]))
+            return {"taken": 0, "given_back": 0, "queue_drops": 0}
+        stats = f"/sys/class/net/{self.delay_device}/statistics"
+        out = _run(["ip", "netns", "exec", self.router_ns, "cat", f"{stats}/tx_packets",
+                    f"{stats}/rx_packets", f"{stats}/tx_dropped"]).split()
+        return dict(zip(("taken", "given_back", "queue_drops"), map(int, out)))
 
     def wan_bytes(self) -> int:
         """Bytes sent so far onto the WAN: the sum over data centres of their WAN interface's
