@@ -122,3 +122,26 @@ def test_16_bit_is_refused_for_integers_and_bad_residuals():
     with pytest.raises(LocalProtocolError, match="residual must be"):
         w.start_allreduce(f, f, 0.0, residual=np.ones(3, np.float32))
     assert w.start_allreduce(f, f, 0.0, bits=16, residual=np.zeros(10, np.float32)) == 0
+
+
+@pytest.mark.parametrize("x_type,res_type", [(np.float32, np.float32), (np.float32, np.float64),
+                                             (np.float64, np.float64), (np.float64, np.float32),
+                                             (np.float16, np.float32)])
+def test_the_residual_is_what_rounding_took_in_any_float_type(x_type, res_type):
+    # One worker: the switch's sum is its own quantized input, so x = result + residual, to
+    # the residual's own rounding; whichever float types the input and residual have (the
+    # kernels write a float32 input's residual in float32, others are staged).
+    rng = np.random.default_rng(7)
+    c = MemoryCluster(num_workers=1, elements_per_packet=64, window=4)
+    c.join()
+    x = (rng.standard_normal(700) * 3.0).astype(x_type)
+    out, res = np.empty_like(x), np.full(x.size, np.nan, res_type)
+    c.wait(c.start([x], [out], bits=16, residuals=[res]))
+    lost = x.astype(np.float64) - out.astype(np.float64)
+    assert np.all(np.isfinite(res)) and np.count_nonzero(res) > 100  # rounding took something
+    assert np.allclose(res, lost, rtol=1e-6, atol=float(np.spacing(np.float32(3.0))))
+    block = 128
+    for b in range(0, x.size, block):
+        quantum = 2.0 ** (block_exponent(x[b:b + block].astype(np.float32))[0]
+                          - scale_bits(1, 16))
+        assert np.all(np.abs(res[b:b + block]) <= 0.5 * quantum * 1.0001)
