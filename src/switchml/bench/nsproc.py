@@ -113,7 +113,10 @@ def switchml(a: dict[str, Any]) -> None:
     with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg,
                       batching=env.batching()) as w:
         bits = a.get("bits", 32)
-        r = _timed(lambda v: w.allreduce(v, out, bits=bits), x, a["warmup"], a["iters"])
+        # the 16-bit DDP hook's error feedback: a float32 residual per bucket
+        res = np.zeros(x.size, np.float32) if a.get("residual") else None
+        r = _timed(lambda v: w.allreduce(v, out, bits=bits, residual=res), x, a["warmup"],
+                   a["iters"])
         n = spec.num_workers
         # (a tree's racks repeat the local ranks: it says what to expect)
         expect = a.get("expect", n * (n + 1) / 2 + n * offset)

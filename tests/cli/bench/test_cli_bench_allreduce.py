@@ -102,3 +102,13 @@ def test_a_bad_bit_width_is_refused(parse, capsys):
     with pytest.raises(SystemExit):
         parse("bench", "allreduce", "--bits", "8")
     assert "invalid choice: 8" in capsys.readouterr().err
+
+
+def test_the_hooks_residual_is_a_16_bit_testbed_option(parse):
+    args = parse("bench", "allreduce", "--testbed", "--bits", "16", "--residual")
+    assert allreduce.testbed_config_from_args(args).residual is True
+    with pytest.raises(ValueError, match="needs --bits 16"):
+        allreduce.testbed_config_from_args(parse("bench", "allreduce", "--testbed",
+                                                 "--residual"))
+    with pytest.raises(SystemExit, match="needs --testbed"):
+        allreduce.run(parse("bench", "allreduce", "--residual"))

@@ -43,6 +43,9 @@ def add_parser(bsub: Subparsers) -> None:
     ar.add_argument("--bits", type=int, choices=(32, 16), default=32,
                     help="switchml's wire width for floats: 32, or 16 (fixed point in half the "
                          "bytes, the DDP hook's bandwidth-halving mode) (default 32)")
+    ar.add_argument("--residual", action="store_true",
+                    help="with --testbed --bits 16: each worker keeps a float32 rounding "
+                         "residual (error feedback), as the 16-bit DDP hook does")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     ar.add_argument("--no-batching", action="store_true",
                     help="switch and workers make one system call per datagram (no UDP "
@@ -117,13 +120,15 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
-        jobs=args.jobs)
+        jobs=args.jobs, residual=args.residual)
 
 
 def run(args: argparse.Namespace) -> int:
     """``switchml bench allreduce`` on loopback (or, with ``--testbed``, the emulated network)."""
     if args.testbed:
         return _run_testbed(args)
+    if args.residual:
+        raise SystemExit("switchml bench allreduce: --residual needs --testbed")
     from rich.console import Console
 
     from switchml.bench.allreduce import run_benchmark, write_json
