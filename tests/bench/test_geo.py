@@ -42,6 +42,10 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(thresholds=(0.01, 2.0))
     with pytest.raises(ValueError, match="momentum"):
         GeoBenchConfig(momentum=-0.1)
+    with pytest.raises(ValueError, match="thresholds are Gaia's"):
+        GeoBenchConfig(modes=("wan",), thresholds=(0.1, 0.3))
+    with pytest.raises(ValueError, match="wan-rtt-ms must be in"):
+        GeoBenchConfig(wan_rtt_s=-0.05)
 
 
 def test_a_modes_row_is_the_mean_of_its_seeds():
@@ -132,4 +136,4 @@ def test_gaia_sends_at_most_the_rows_a_factorisation_step_touches():
     assert gaia["fraction_entries_sent"] <= per_clock * (steps + 1) / (68_000 * steps)
     # behind a 20 ms round trip: the delay line carried the WAN's packets and lost none
     assert gaia["wan_rtt_s"] == 0.02 and gaia["delay_line_packets"] > 10
-    assert gaia["delay_line_lost"] == 0 and gaia["delay_line_cpu_s"] >= 0
+    assert gaia["delay_line_lost"] == 0

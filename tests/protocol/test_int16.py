@@ -121,6 +121,11 @@ def test_16_bit_is_refused_for_integers_and_bad_residuals():
         w.start_allreduce(f, f, 0.0, bits=8)
     with pytest.raises(LocalProtocolError, match="residual must be"):
         w.start_allreduce(f, f, 0.0, residual=np.ones(3, np.float32))
+    with pytest.raises(LocalProtocolError, match="must not share memory with data or out"):
+        w.start_allreduce(f, np.empty_like(f), 0.0, bits=16, residual=f)
+    with pytest.raises(LocalProtocolError, match="must not share memory with data or out"):
+        o = np.empty_like(f)
+        w.start_allreduce(f, o, 0.0, bits=16, residual=o)
     assert w.start_allreduce(f, f, 0.0, bits=16, residual=np.zeros(10, np.float32)) == 0
 
 

@@ -63,5 +63,27 @@ def test_a_full_line_drops_and_counts(monkeypatch):
 def test_a_wrong_delay_or_device_says_what_is_wrong():
     with pytest.raises(ValueError, match="delay_s must be in"):
         DelayLine(0, -0.1)
-    with pytest.raises(OSError):  # not root, or no such TUN device here
-        delayline.open_tun("no/such/dev")
+    # a name that is no device here: refused, not created (TUNSETIFF would make one)
+    with pytest.raises(OSError, match="no network device 'smnosuchdl' in this namespace"):
+        delayline.open_tun("smnosuchdl")
+
+
+def test_the_loop_delays_until_stopped():
+    import threading
+    import time
+    outside, end = _pair()
+    line = DelayLine(end.fileno(), 0.05)
+    stop = [False]
+    runner = threading.Thread(target=line.run, args=(stop,))
+    runner.start()
+    try:
+        t0 = time.monotonic()
+        outside.send(b"ping")
+        outside.setblocking(True)
+        outside.settimeout(2)
+        assert outside.recv(100) == b"ping"
+        assert time.monotonic() - t0 >= 0.05
+    finally:
+        stop[0] = True
+        runner.join(timeout=2)
+    assert not runner.is_alive() and line.stats.packets == 1

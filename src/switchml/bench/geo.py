@@ -128,6 +128,10 @@ class GeoBenchConfig:
             raise ValueError("--inner-steps must be >= 1 and --outer-bits 16 or 32")
         if any(not 0 <= t <= 1 for t in (self.threshold, *self.thresholds)):
             raise ValueError("Gaia's thresholds are fractions in [0, 1]")
+        if self.thresholds and "gaia" not in self.modes:
+            raise ValueError("--thresholds are Gaia's: add gaia to --modes")
+        if not 0 <= self.wan_rtt_s <= 10:
+            raise ValueError(f"--wan-rtt-ms must be in 0..10000, got {self.wan_rtt_s * 1000:g}")
         if self.momentum < 0 or self.lr <= 0:
             raise ValueError("--lr must be > 0 and --momentum >= 0")
 
@@ -384,10 +388,14 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     if (mode in LOCAL_MODES and cfg.dc_backend == "switchml") or mode == "diloco":
         switches = _start_dc_switches(tb)
     switched = mode in LOCAL_MODES and cfg.dc_backend == "switchml"
+    wan0, cpu0, packets0 = tb.wan_bytes(), tb.delay_line_cpu_s(), tb.delay_line_packets()
     procs = _start_workers(tb, range(geo.workers), lambda r: _argv(_worker_args(common, geo, r)),
                            lambda r: _worker_env(tb, r, switched))
-    wan0, cpu0, packets0 = tb.wan_bytes(), tb.delay_line_cpu_s(), tb.delay_line_packets()
-    outs = _wait_all(procs, cfg.timeout_s)
+    try:
+        outs = _wait_all(procs, cfg.timeout_s)
+    except Exception:
+        tb.check_delay_line()  # a dead delay line is the reason, if it died
+        raise
     wan = tb.wan_bytes() - wan0
     for sw in switches:
         assert sw.stdin is not None
@@ -511,11 +519,14 @@ def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, A
     return rows
 
 
+def gaia_label(threshold: float, decay: bool) -> str:
+    """Gaia's threshold as the tables and plots name it: ``S=0.01/sqrt(t)``."""
+    return f"S={threshold:g}{'/sqrt(t)' if decay else ''}"
+
+
 def _label(mode: str, cfg: GeoBenchConfig) -> str:
     """``mode``, with Gaia's threshold."""
-    if mode != "gaia":
-        return mode
-    return f"gaia S={cfg.threshold:g}{'/sqrt(t)' if cfg.decay else ''}"
+    return mode if mode != "gaia" else f"gaia {gaia_label(cfg.threshold, cfg.decay)}"
 
 
 MEAN_KEYS = ("elapsed_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes")
@@ -608,8 +619,7 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
 
 def _row_label(r: dict[str, Any]) -> str:
     """A Gaia row's name, with its threshold."""
-    decay = "/sqrt(t)" if r.get("decay") else ""
-    return f"Gaia S = {r.get('threshold', 0):g}{decay}"
+    return f"Gaia {gaia_label(r.get('threshold', 0), bool(r.get('decay')))}"
 
 
 def _plot_tradeoff(rows: list[dict[str, Any]], cfg: GeoBenchConfig, path: str) -> str:
@@ -633,7 +643,7 @@ def _plot_tradeoff(rows: list[dict[str, Any]], cfg: GeoBenchConfig, path: str) -
         time_ax.plot(*zip(*times), "o-", label=f"Gaia, threshold S{decay}")
     for k, r in enumerate(gaia):
         offset = (-10, 8 + 10 * (k % 3)) if k % 2 == 0 else (-10, -14 - 10 * (k % 3))
-        acc_ax.annotate(f"S = {r.get('threshold', 0):g}", (mb[k], 100 * r["final_accuracy"]),
+        acc_ax.annotate(f"S={r.get('threshold', 0):g}", (mb[k], 100 * r["final_accuracy"]),
                         textcoords="offset points", xytext=offset, fontsize=8)
     for r in others:
         x, acc = r["wan_bytes"] / 1e6, 100 * r["final_accuracy"]

@@ -175,8 +175,10 @@ class WorkerEndpoint(WorkerControl):
         Args:
             bits: 32, or 16 for floats: 16-bit fixed point on the wire, half the bytes, about
                 ``15 - log2(n)`` bits of the block max (pair it with ``residual``).
-            residual: float array of data's size; receives this rank's own quantization error
-                (error feedback: add it to the next operation's input).
+            residual: float array of data's size, apart from ``data`` and ``out``; receives
+                this rank's own quantization error (error feedback: add it to the next
+                operation's input), written as chunks are sent (an operation that fails
+                leaves it partly written).
 
         Raises:
             LocalProtocolError: not ready (joining, busy, failed, closed), unsupported dtype,
@@ -186,7 +188,7 @@ class WorkerEndpoint(WorkerControl):
         if not can(self.state, WorkerInput.START):
             next_state(self.state, WorkerInput.START, self.error or "")  # raises
         x, o = validate_arrays(data, out)
-        residual = self._check_wire(x, bits, residual)
+        residual = self._check_wire(x, o, bits, residual)
         if self.config.max_restarts and np.may_share_memory(x, o):
             x = x.copy()  # a restart after a switch failure needs the input, not partial sums
         seq = self._seq
@@ -206,7 +208,7 @@ class WorkerEndpoint(WorkerControl):
         return seq
 
     @staticmethod
-    def _check_wire(x: np.ndarray, bits: int, residual: np.ndarray | None
+    def _check_wire(x: np.ndarray, o: np.ndarray, bits: int, residual: np.ndarray | None
                     ) -> np.ndarray | None:
         """Check ``bits`` and ``residual`` against the data; return the flat residual."""
         if bits not in WIRE_BITS:
@@ -221,6 +223,10 @@ class WorkerEndpoint(WorkerControl):
                 or not residual.flags.writeable or x.dtype.kind != "f"):
             raise LocalProtocolError("residual must be a writeable C-contiguous float array "
                                      "of data's size, for float data")
+        if np.may_share_memory(residual, x) or np.may_share_memory(residual, o):
+            # the kernels write it as they send: a re-send re-quantizes data, and a result
+            # lands in out
+            raise LocalProtocolError("residual must not share memory with data or out")
         return residual.reshape(-1)
 
     def _begin(self, op: Operation, now: float) -> None:

@@ -15,13 +15,14 @@ The cost is one ``read`` and one ``write`` system call per packet in this proces
 50 Mbit/s WAN (docs/benchmarks.md, section 5.3).
 
 Run as ``python -m switchml.testbed.delayline DEVICE DELAY_S`` inside the namespace that holds
-the (persistent, ``ip tuntap add ... mode tun``) device; it runs until killed, and on SIGTERM
-or SIGINT prints its counters as one JSON line.
+the (persistent, ``ip tuntap add ... mode tun``) device; it runs until stopped, and on SIGTERM
+or SIGINT prints its counters as one JSON line (the geo testbed logs them at teardown).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import json
 import os
@@ -38,14 +39,24 @@ _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 
+READS_PER_WAKE = 256
+"""Packets read per wake-up at most, so that a flood cannot hold back the ones due."""
+
 MAX_QUEUED = 65536
 """Packets held at once; beyond this one is dropped and counted (at 50 Mbit/s and 150 ms the
 line holds about 650 full-size packets)."""
 
 
 def open_tun(name: str) -> int:
-    """A non-blocking file descriptor for the TUN device ``name`` (no packet-information
-    header: each read is one IP packet)."""
+    """A non-blocking file descriptor for the existing TUN device ``name`` (no
+    packet-information header: each read is one IP packet).
+
+    Raises:
+        OSError: no such device here (TUNSETIFF would create one), or it cannot be attached.
+    """
+    if "/" in name or not os.path.exists(f"/sys/class/net/{name}"):
+        raise OSError(errno.ENODEV, f"no network device {name!r} in this namespace (create it "
+                                    "with: ip tuntap add dev NAME mode tun)")
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     try:
         fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
@@ -80,9 +91,10 @@ class DelayLine:
         self._held: collections.deque[tuple[float, bytes]] = collections.deque()
 
     def take(self, now: float) -> None:
-        """Read every packet waiting on the device; each is due at ``now + delay_s``."""
+        """Read the packets waiting on the device (at most ``READS_PER_WAKE``); each is due at
+        ``now + delay_s``."""
         due = now + self.delay_s
-        while True:
+        for _ in range(READS_PER_WAKE):
             try:
                 packet = os.read(self.fd, 65536)
             except BlockingIOError:

@@ -479,7 +479,9 @@ class GeoTestbed(Testbed):
         back from the TUN device match no rule of their own, so each passes once."""
         core, dev, geo = self.router_ns, self.delay_device, self.geo
         _run(["ip", "-n", core, "tuntap", "add", "dev", dev, "mode", "tun"])
-        _run(["ip", "-n", core, "link", "set", dev, "mtu", str(geo.wan.mtu), "up"])
+        # a queue for a burst at the WAN's rate (the default, 500 packets, drops first)
+        _run(["ip", "-n", core, "link", "set", dev, "mtu", str(geo.wan.mtu), "txqueuelen",
+              "10000", "up"])
         for key in ("all", "default", dev):
             _run(["ip", "netns", "exec", core, "sysctl", "-qw",
                   f"net.ipv4.conf.{key}.rp_filter=0"])
@@ -501,8 +503,25 @@ class GeoTestbed(Testbed):
         self._delay_line = proc
 
     def teardown(self) -> None:
-        super().teardown()  # kills the delay line with every other process
-        self._delay_line = None
+        line, self._delay_line = self._delay_line, None
+        if line is not None:  # stopped first, so that it prints its counters
+            if line.poll() is None:
+                line.terminate()
+            try:
+                out, _ = line.communicate(timeout=5)
+                log.info("WAN delay line: %s", (out.strip().splitlines() or ["-"])[-1])
+            except subprocess.TimeoutExpired:
+                line.kill()
+                line.communicate()
+        super().teardown()
+
+    def check_delay_line(self) -> None:
+        """Raise TestbedError if the delay line died (the WAN would then carry nothing)."""
+        line = self._delay_line
+        if line is not None and line.poll() is not None:
+            err = line.stderr.read() if line.stderr is not None else ""
+            raise TestbedError(f"the WAN delay line exited ({line.returncode}): "
+                               f"{err.strip()[-1000:]}")
 
     def delay_line_cpu_s(self) -> float:
         """CPU seconds (user and system) the delay line has used; 0 without one."""
@@ -513,11 +532,12 @@ class GeoTestbed(Testbed):
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def delay_line_packets(self) -> dict[str, int]:
-        """The delay line's packet counters so far, from its TUN device: ``taken`` (routed
-        into it), ``given_back`` (written back by the delay line) and ``queue_drops`` (the
-        device's queue was full: the delay line did not read fast enough). Once traffic
-        stops, ``taken - given_back`` is what the delay line itself dropped. Zeros without
-        a delay line."""
+        """The delay line's packet counters so far, from its TUN device: ``taken`` (read by
+        the delay line), ``given_back`` (written back by it) and ``queue_drops`` (routed into
+        the device but dropped there: its queue was full). Once traffic stops,
+        ``taken - given_back`` is what the delay line itself dropped. Zeros without a delay
+        line; TestbedError if it died."""
+        self.check_delay_line()
         if self._delay_line is None:
             return {"taken": 0, "given_back": 0, "queue_drops": 0}
         stats = f"/sys/class/net/{self.delay_device}/statistics"

@@ -8,7 +8,7 @@ from switchml.cli import main
 from switchml.cli.bench import geo
 
 
-def test_flags_become_the_geo_config(parse):
+def test_flags_become_the_geo_config(parse, capsys):
     args = parse("bench", "geo", "--dcs", "3,1", "--wan-mbit", "10", "--lan-mbit", "100",
                  "--modes", "wan,gaia,", "--steps", "5", "--batch", "4", "--lr", "0.1",
                  "--model", "mlp", "--target", "0.5", "--eval-every", "2", "--threshold",
@@ -36,6 +36,11 @@ def test_flags_become_the_geo_config(parse):
     cfg = geo.config_from_args(parse("bench", "geo", "--thresholds", "0,0.01,0.3",
                                      "--wan-rtt-ms", "100"))
     assert cfg.thresholds == (0.0, 0.01, 0.3) and cfg.wan_rtt_s == 0.1
+    import pytest
+    with pytest.raises(SystemExit):
+        parse("bench", "geo", "--thresholds", "0.1,lots")
+    assert "expected a comma list of numbers such as 0,0.01,0.1, got '0.1,lots'" in \
+        capsys.readouterr().err
 
 
 def test_the_runner_prints_one_line_per_mode(record, capsys):

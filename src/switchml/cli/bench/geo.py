@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from switchml.bench.geo import MODEL_DEFAULTS
+from switchml.bench.geo import MODEL_DEFAULTS, gaia_label
 from switchml.cli.common import Subparsers, sigterm_interrupts
 
 if TYPE_CHECKING:
@@ -107,8 +107,12 @@ def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
 
 
 def _fractions(text: str) -> tuple[float, ...]:
-    """``0,0.01,0.1`` as floats; argparse turns a ValueError into a usage error."""
-    return tuple(float(x) for x in text.split(",") if x.strip())
+    """``0,0.01,0.1`` as floats."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a comma list of numbers such as "
+                                         f"0,0.01,0.1, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,12 +135,13 @@ def _geo_cell(v: float | None, spec: str, suffix: str = "") -> str:
 
 def _print_geo_rows(rows: Sequence[dict]) -> None:
     """The geo benchmark's table, one line per mode."""
-    print(f"{'mode':<13} {'time to target (s)':>18} {'final accuracy':>14} {'final loss':>10} "
+    print(f"{'mode':<20} {'time to target (s)':>18} {'final accuracy':>14} {'final loss':>10} "
           f"{'WAN MB':>9} {'vs LAN':>7} {'vs WAN sync':>11} {'WAN bytes vs sync':>17}")
     for r in rows:
         c = r["comparison"]
-        mode = r["mode"] if "threshold" not in r else f"gaia S={r['threshold']:g}"
-        print(f"{mode:<13} {_geo_cell(r['time_to_target_s'], '.2f'):>18} "
+        mode = r["mode"] if "threshold" not in r else \
+            f"gaia {gaia_label(r['threshold'], r.get('decay', False))}"
+        print(f"{mode:<20} {_geo_cell(r['time_to_target_s'], '.2f'):>18} "
               f"{r['final_accuracy']:>14.4f} {_geo_cell(r.get('final_loss'), '.4f'):>10} "
               f"{r['wan_bytes'] / 1e6:>9.2f} "
               f"{_geo_cell(c.get('time_to_target_vs_lan'), '.2f', 'x'):>7} "
