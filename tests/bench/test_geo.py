@@ -137,3 +137,23 @@ def test_gaia_sends_at_most_the_rows_a_factorisation_step_touches():
     # behind a 20 ms round trip: the delay line carried the WAN's packets and lost none
     assert gaia["wan_rtt_s"] == 0.02 and gaia["delay_line_packets"] > 10
     assert gaia["delay_line_lost"] == 0
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_failed_run_stops_its_switches_so_that_a_retry_can_start_them():
+    # A mode that fails (a worker aborting as its process group forms is retried once) must
+    # not leave its data centres' switches holding their port.
+    from switchml.bench.geo import _run_mode_in, _start_dc_switches, _stop_switches
+    from switchml.testbed import GeoTestbed, GeoTopology, TestbedError
+    cfg = GeoBenchConfig(modes=("diloco",), model="mlp", steps=2)
+    with GeoTestbed(GeoTopology(dcs=(1, 1))) as tb:
+        with pytest.raises(TestbedError, match="benchmark process failed"):
+            _run_mode_in(tb, cfg, "diloco", {"mode": "diloco"})  # no port: the workers die
+        switches: list = []
+        try:
+            _start_dc_switches(tb, switches)  # on the same port: free again
+            assert len(switches) == 2 and all(s.poll() is None for s in switches)
+        finally:
+            _stop_switches(switches)
+        assert all(s.returncode is not None for s in switches)

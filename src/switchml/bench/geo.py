@@ -354,12 +354,31 @@ def _worker_env(tb: Any, r: int, switched: bool) -> dict[str, str]:
     return env
 
 
-def _start_dc_switches(tb: Any) -> list[Any]:
-    """One software switch in every data centre's router."""
+def _start_dc_switches(tb: Any, switches: list[Any]) -> None:
+    """One software switch in every data centre's router, appended to ``switches`` as each
+    starts (so that the caller stops those that did if a later one does not)."""
     from switchml.bench.testbed import SWITCH_PORT, _start_server
-    return [_start_server(tb, tb.dc_ns(j), "switch", {"port": SWITCH_PORT},
-                          f"the switch of data centre {j} did not start", 120, RuntimeError)
-            for j in range(len(tb.geo.dcs))]
+    for j in range(len(tb.geo.dcs)):
+        switches.append(_start_server(tb, tb.dc_ns(j), "switch", {"port": SWITCH_PORT},
+                                      f"the switch of data centre {j} did not start", 120,
+                                      RuntimeError))
+
+
+def _stop_switches(switches: list[Any]) -> None:
+    """Stop the data centres' switches and wait until they exited (their port is free for
+    the next run, a retry included)."""
+    import subprocess
+    for sw in switches:
+        if sw.stdin is not None and not sw.stdin.closed:
+            sw.stdin.close()  # a switch stops when its stdin closes
+    for sw in switches:
+        try:
+            sw.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            sw.kill()
+            sw.wait()
+        if sw.stdout is not None:
+            sw.stdout.close()
 
 
 def _run_mode(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int) -> dict[str, Any]:
@@ -384,22 +403,23 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     """:func:`_run_mode` with the workers' arguments made."""
     from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
-    switches = []
-    if (mode in LOCAL_MODES and cfg.dc_backend == "switchml") or mode == "diloco":
-        switches = _start_dc_switches(tb)
+    switches: list[Any] = []
     switched = mode in LOCAL_MODES and cfg.dc_backend == "switchml"
-    wan0, cpu0, packets0 = tb.wan_bytes(), tb.delay_line_cpu_s(), tb.delay_line_packets()
-    procs = _start_workers(tb, range(geo.workers), lambda r: _argv(_worker_args(common, geo, r)),
-                           lambda r: _worker_env(tb, r, switched))
     try:
-        outs = _wait_all(procs, cfg.timeout_s)
-    except Exception:
-        tb.check_delay_line()  # a dead delay line is the reason, if it died
-        raise
-    wan = tb.wan_bytes() - wan0
-    for sw in switches:
-        assert sw.stdin is not None
-        sw.stdin.close()
+        if switched or mode == "diloco":
+            _start_dc_switches(tb, switches)
+        wan0, cpu0, packets0 = tb.wan_bytes(), tb.delay_line_cpu_s(), tb.delay_line_packets()
+        procs = _start_workers(tb, range(geo.workers),
+                               lambda r: _argv(_worker_args(common, geo, r)),
+                               lambda r: _worker_env(tb, r, switched))
+        try:
+            outs = _wait_all(procs, cfg.timeout_s)
+        except Exception:
+            tb.check_delay_line()  # a dead delay line is the reason, if it died
+            raise
+        wan = tb.wan_bytes() - wan0
+    finally:  # also when the run failed: a retry starts its switches on the same port
+        _stop_switches(switches)
     row = _mode_row(cfg, geo, mode, outs, wan)
     row["wan_rtt_s"] = geo.wan_rtt_s
     if geo.wan_rtt_s > 0:  # what the emulation itself cost (CPU of the shared machine)
