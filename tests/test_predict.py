@@ -46,6 +46,19 @@ def test_the_hooks_work_on_backwards_thread_delays_later_buckets_and_backward():
     assert p16.exposed_s == pytest.approx(0.03) and p16.step_s == pytest.approx(0.22)
 
 
+def test_the_slowest_ranks_compute_sets_the_pace():
+    # The example above with a lockstep of 0.26 s against 0.13 s of compute (slowdown 2):
+    # forward 20, backward 200 ms; the buckets are ready at 60 and 180 ms, the all-reduces
+    # end at 110 and 220: exposed 20, step 20 + 200 + 20 + 40 ms.
+    prof = _prof([(100, 0.03), (200, 0.09)])
+    prof.lockstep_s = 0.26
+    assert prof.slowdown == pytest.approx(2.0)
+    p = P.compose(prof, [0.05, 0.04], "x")
+    assert p.exposed_s == pytest.approx(0.02) and p.step_s == pytest.approx(0.28)
+    prof.lockstep_s = 0.1  # faster than the median rank's compute: measurement noise
+    assert prof.slowdown == 1.0
+
+
 def test_gloo_is_a_ring_in_tcp_segments():
     # 1M floats, 4 workers: 2 x 3/4 x 4 MB each way, in 1448-byte segments that cost
     # 1448 + 52 + 38 bytes of wire, at 1 Gbit/s, plus 6 hops of 100 us.
@@ -72,11 +85,29 @@ def test_profile_of_a_real_model_covers_every_parameter():
     assert sum(b.numel for b in prof.buckets) == prof.params == 320 + 18_496 + 524_800 + 5_130
     assert prof.forward_s > 0 and prof.backward_s > 0 and prof.optimizer_s > 0
     assert all(0 <= b.ready_s <= prof.backward_s for b in prof.buckets)
+    # one process: its lockstep is its own step (forward, backward, optimizer and the batch)
+    assert prof.compute_s <= prof.lockstep_s < 2 * prof.compute_s + 0.05
     preds = {p.system: p for p in P.predict(prof, workers=4, rate_bps=1e8)}
     assert set(preds) == set(P.SYSTEMS) and preds["gloo"].speedup == 1.0
     # at 100 Mbit/s, 2 MB of gradient: communication dominates, and switchml's saving shows
     assert preds["switchml"].speedup > 1.1 and preds["switchml16"].speedup > \
         preds["switchml"].speedup
+
+
+def test_profiling_waits_on_the_barrier_after_every_step():
+    import time
+
+    class SlowBarrier:  # the others' compute: 50 ms after each step
+        waits = 0
+
+        def wait(self):
+            SlowBarrier.waits += 1
+            time.sleep(0.05)
+
+    doc = P._profile_here("cnn", 16, 5, 0, barrier=SlowBarrier())
+    assert SlowBarrier.waits == 5
+    compute = doc["forward_s"] + doc["backward_s"] + doc["optimizer_s"]
+    assert doc["lockstep_s"] >= compute + 0.045
 
 
 def test_wrong_arguments_say_what_is_wrong():

@@ -8,13 +8,18 @@ Method:
    ``F``, backward ``B``, optimizer ``O``, and the buckets in the order they become ready.
    ``colocated`` runs that many profiling processes at once, for jobs whose workers share a
    machine (the testbed's, on this 2-core machine: compute slows as workers share cores).
+   They wait for each other after every step (a barrier), as the ranks of a synchronous job
+   wait at every all-reduce: the step of that lockstep is the slowest rank's compute, which on
+   shared cores is above the mean rank's (``Profile.lockstep_s``, ``Profile.slowdown``).
 2. **Time each bucket's all-reduce** on each system: switchml (32-bit and the 16-bit hook) with
    the simulator's timing mode (``sim.timing``: the protocol's self-clocked window over the
    links at the given rate and MTU); gloo as a ring, ``2 (n - 1) / n`` of the bucket's bytes each
    way, in TCP segments of the MTU, plus a per-hop latency.
 3. **Compose** as DDP does: buckets all-reduce one after another, each once it is ready, while
    backward goes on. The step is ``F + max(B, end of the last all-reduce) + O``; the exposed
-   communication is what ends after backward. What a hook does to a bucket before it sends
+   communication is what ends after backward. Forward, backward, the buckets' ready times
+   and the optimizer are those of the slowest rank: the profile's, stretched by its
+   ``slowdown``. What a hook does to a bucket before it sends
    it runs on backward's thread and delays every later bucket and backward's end: dividing
    by the world size (every system: DDP's reducer, switchml's hook), and adding the rounding
    residual (the 16-bit hook). Their cost per element is measured while profiling, as the
@@ -70,10 +75,20 @@ class Profile:
     """A bucket's division by the world size, in ns per element (measured in profiling)."""
     add_ns: float = 0.0
     """Adding a bucket's rounding residual (the 16-bit hook), in ns per element."""
+    lockstep_s: float | None = None
+    """The step of the ``colocated`` processes when they wait for each other after every
+    step: the slowest one's compute (None: not measured)."""
 
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def slowdown(self) -> float:
+        """The slowest rank's compute over the median rank's (at least 1)."""
+        if not self.lockstep_s or not self.compute_s:
+            return 1.0
+        return max(1.0, self.lockstep_s / self.compute_s)
 
 
 @dataclass
@@ -99,8 +114,10 @@ class Prediction:
 
 # -- 1. profile ---------------------------------------------------------------------------------
 
-def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[str, Any]:
-    """Profile in this process (a one-rank gloo group of its own)."""
+def _profile_here(model: str, batch: int | None, steps: int, seed: int,
+                  barrier: Any = None) -> dict[str, Any]:
+    """Profile in this process (a one-rank gloo group of its own); with a ``barrier``, wait
+    on it after every step (the lockstep of a synchronous job)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,16 +142,20 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[
             ddp = DDP(task.model)
             ddp.register_comm_hook(None, record)
             opt = work.optimizer(ddp.parameters())
-            samples = []
+            samples, passed = [], []
             for step in range(steps):
                 calls.clear()
                 _, (t0, t1, t2, t3) = task.timed_step(ddp, opt, step)
                 samples.append((t1 - t0, t2 - t1, t3 - t2,
                                 [(n, t - t1) for n, t in calls]))
+                if barrier is not None:
+                    barrier.wait()
+                passed.append(time.perf_counter())
         finally:
             dist.destroy_process_group()
     div_ns, add_ns = _local_work_ns(max(n for n, _ in samples[-1][3]) if samples[-1][3] else 0)
     kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
+    periods = [b - a for a, b in zip(passed[-len(kept) - 1:], passed[-len(kept):])]
     layout = kept[-1][3]
     ready = [statistics.median(s[3][i][1] for s in kept if len(s[3]) == len(layout))
              for i in range(len(layout))]
@@ -144,7 +165,8 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int) -> dict[
             "backward_s": statistics.median(s[1] for s in kept),
             "optimizer_s": statistics.median(s[2] for s in kept),
             "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)],
-            "div_ns": div_ns, "add_ns": add_ns}
+            "div_ns": div_ns, "add_ns": add_ns,
+            "lockstep_s": statistics.median(periods) if periods else None}
 
 
 def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
@@ -166,9 +188,9 @@ def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
     return 1e9 * statistics.median(div) / numel, 1e9 * statistics.median(add) / numel
 
 
-def _profile_child(args: tuple[str, int | None, int, int], out: Any) -> None:
+def _profile_child(args: tuple[str, int | None, int, int], barrier: Any, out: Any) -> None:
     try:
-        out.put(_profile_here(*args))
+        out.put(_profile_here(*args, barrier=barrier))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out.put({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -177,15 +199,18 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
             seed: int = 0, timeout_s: float = 600.0) -> Profile:
     """Profile ``steps`` steps of workload ``model`` (``switchml.workloads``); with
     ``colocated`` > 1, that many processes profile at once and the medians across them are
-    kept (compute as it runs when that many workers share this machine)."""
+    kept (compute as it runs when that many workers share this machine), and they wait for
+    each other after every step (``Profile.lockstep_s``)."""
     from switchml import workloads
     workloads.get(model)  # a wrong name fails here, not in a child
     if steps < 2 or colocated < 1:
         raise ValueError(f"steps must be >= 2 and colocated >= 1, got {steps}, {colocated}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_profile_child, args=((model, batch, steps, seed + i), out),
-                         daemon=True) for i in range(colocated)]
+    barrier = ctx.Barrier(colocated, timeout=timeout_s)
+    procs = [ctx.Process(target=_profile_child,
+                         args=((model, batch, steps, seed + i), barrier, out), daemon=True)
+             for i in range(colocated)]
     for p in procs:
         p.start()
     docs = []
@@ -199,6 +224,7 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
                 p.kill()
     errors = [d["error"] for d in docs if "error" in d]
     if errors:
+        barrier.abort()  # (a child that failed leaves the others waiting)
         raise RuntimeError(f"profiling {model} failed: {errors[0]}")
     first = docs[0]
     buckets = [Bucket(b["numel"], statistics.median(d["buckets"][i]["ready_s"] for d in docs))
@@ -209,7 +235,9 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
                    optimizer_s=statistics.median(d["optimizer_s"] for d in docs),
                    buckets=buckets, colocated=colocated,
                    div_ns=statistics.median(d["div_ns"] for d in docs),
-                   add_ns=statistics.median(d["add_ns"] for d in docs))
+                   add_ns=statistics.median(d["add_ns"] for d in docs),
+                   lockstep_s=statistics.median(d["lockstep_s"] for d in docs)
+                   if all(d.get("lockstep_s") for d in docs) else None)
 
 
 # -- 2. each bucket's all-reduce ----------------------------------------------------------------
@@ -257,17 +285,19 @@ def local_ns(prof: Profile, system: str) -> float:
 
 
 def compose(prof: Profile, times: list[float], system: str) -> Prediction:
-    """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done.
+    """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done;
+    compute and ready times are the slowest rank's (``prof.slowdown`` times the profile's).
     The hook's work on each bucket (``local_ns``) runs on backward's thread when the bucket
     is ready: it delays the later buckets and backward's end."""
     per = local_ns(prof, system) * 1e-9
+    slow = prof.slowdown  # the slowest rank's compute sets every rank's pace
     end = delay = 0.0
     for b, t in zip(prof.buckets, times):
         delay += per * b.numel
-        end = max(end, b.ready_s + delay) + t
-    backward = prof.backward_s + delay
+        end = max(end, slow * b.ready_s + delay) + t
+    backward = slow * prof.backward_s + delay
     exposed = max(0.0, end - backward) if times else 0.0
-    return Prediction(system, prof.forward_s + backward + exposed + prof.optimizer_s,
+    return Prediction(system, slow * (prof.forward_s + prof.optimizer_s) + backward + exposed,
                       comm_s=sum(times), exposed_s=exposed, buckets_s=times)
 
 
@@ -322,6 +352,7 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
                     "rate_bps": r["rate_bps"], "measured_step_s": r["step_s"],
                     "predicted_step_s": pred.step_s, "error": pred.step_s / r["step_s"] - 1,
                     "predicted_exposed_s": pred.exposed_s, "compute_s": prof.compute_s,
+                    "lockstep_s": prof.lockstep_s,
                     "measured_compute_s": r.get("compute_step_s")})
     return out
 

@@ -63,9 +63,24 @@ def test_the_ideal_is_compute_plus_the_exposed_wire_time():
     assert rows[1]["ideal_step_s"] == pytest.approx(0.4)
     assert rows[1]["achieved_over_ideal"] == pytest.approx(0.8)
     assert rows[2]["ideal_step_s"] == pytest.approx(0.1 + 0.2)  # nothing hidden
+    assert "ideal_lockstep_step_s" not in rows[1]  # no lockstep row in this run
     without_noop = [_row("gloo", 0.5, bytes_per_step_measured=1e6)]
     add_ideal(without_noop)
     assert "ideal_step_s" not in without_noop[0]
+
+
+def test_the_lockstep_ideal_starts_from_the_slowest_ranks_compute():
+    # noop 100 ms, lockstep 120 ms (the ranks waited for each other); gloo as above: its
+    # lockstep ideal is 0.12 + 0.75 x 0.4 = 0.42 s, achieved 0.42 / 0.5; the noop ideal stays
+    # 0.4 s. Neither reference row gets an ideal of its own.
+    rows = [_row("noop", 0.1), _row("lockstep", 0.12, bytes_per_step_measured=2e3),
+            _row("gloo", 0.5, bytes_per_step_measured=100e6, hidden_fraction=0.25)]
+    add_ideal(rows)
+    assert rows[2]["ideal_step_s"] == pytest.approx(0.4)
+    assert rows[2]["ideal_lockstep_step_s"] == pytest.approx(0.42)
+    assert rows[2]["achieved_over_lockstep_ideal"] == pytest.approx(0.84)
+    assert rows[2]["lockstep_step_s"] == 0.12
+    assert not any(k.startswith(("ideal", "achieved")) for r in rows[:2] for k in r)
 
 
 def test_time_to_target_metric_is_the_first_evaluation_at_the_level_all_reached():
@@ -75,11 +90,12 @@ def test_time_to_target_metric_is_the_first_evaluation_at_the_level_all_reached(
     rows = [_row("gloo", 0.5, evals=[(10, 3.0, 300.0), (20, 9.0, 120.0)]),
             _row("switchml", 0.25, evals=[(10, 1.0, 200.0), (20, 2.0, 115.0),
                                           (30, 4.0, 110.0)]),
-            _row("noop", 0.1, evals=[(10, 0.5, 500.0)])]
+            _row("noop", 0.1, evals=[(10, 0.5, 500.0)]),
+            _row("lockstep", 0.1, evals=[(10, 0.5, 600.0)])]
     for r in rows:
         r["model"] = "lstm"
         r["final_metric"] = r["evals"][-1][2]
     add_time_to_target(rows)
-    assert [r["target_metric"] for r in rows] == [120.0] * 3
-    assert [r["time_to_metric_s"] for r in rows] == [9.0, 2.0, None]
+    assert [r["target_metric"] for r in rows] == [120.0] * 4
+    assert [r["time_to_metric_s"] for r in rows] == [9.0, 2.0, None, None]
     assert rows[1]["speedup_step"] == pytest.approx(2.0)

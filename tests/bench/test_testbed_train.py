@@ -12,9 +12,9 @@ def test_training_over_the_testbed_matches_gloo():
     from switchml.bench.testbed_train import TrainBenchConfig, run_testbed_train
     rows = run_testbed_train(TrainBenchConfig(
         workers=2, steps=6, models=("ncf",), rate_bps=1e9, batch=32, eval_every=3,
-        systems=("noop", "gloo", "switchml", "switchml16")))
+        systems=("noop", "lockstep", "gloo", "switchml", "switchml16")))
     by = {r["system"]: r for r in rows}
-    assert set(by) == {"noop", "gloo", "switchml", "switchml16"}
+    assert set(by) == {"noop", "lockstep", "gloo", "switchml", "switchml16"}
     gloo, sml, s16 = (by[s]["losses"] for s in ("gloo", "switchml", "switchml16"))
     # same data, same seeds: the fixed-point sums keep the curves together (16 bits: looser)
     assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(gloo, sml)), (gloo, sml)
@@ -22,11 +22,14 @@ def test_training_over_the_testbed_matches_gloo():
     # the 16-bit hook moves about half the bytes; noop moves none of the gradient
     assert 0.4 < by["switchml16"]["bytes_per_step_measured"] / \
         by["switchml"]["bytes_per_step_measured"] < 0.6
-    assert by["noop"]["bytes_per_step_measured"] < 0.01 * by["gloo"]["bytes_per_step_measured"]
+    for silent in ("noop", "lockstep"):  # neither moves the gradient
+        assert by[silent]["bytes_per_step_measured"] < 0.01 * \
+            by["gloo"]["bytes_per_step_measured"]
     for s in ("gloo", "switchml", "switchml16"):
         r = by[s]
         assert r["speedup_step"] > 0 and 0 < r["achieved_over_ideal"]
         assert r["compute_step_s"] == by["noop"]["step_s"]
+        assert r["lockstep_step_s"] == by["lockstep"]["step_s"]
         assert [e[0] for e in r["evals"]] == [3, 6] and r["final_metric"] is not None
         assert r["hidden_fraction"] is not None
 

@@ -15,7 +15,8 @@ def _prediction(system: str, speedup: float) -> SimpleNamespace:
 
 def test_profile_and_predict_get_the_flags(record, parse, capsys):
     assert parse("predict").func is predict.run
-    prof = SimpleNamespace(params=1000, batch=8, compute_s=0.05, buckets=[1, 2])
+    prof = SimpleNamespace(params=1000, batch=8, compute_s=0.05, buckets=[1, 2], colocated=2,
+                           slowdown=1.5)
     profile = record(library, "profile", prof)
     preds = record(library, "predict", [_prediction("gloo", 1.0),
                                         _prediction("switchml", 1.5)])
@@ -29,7 +30,8 @@ def test_profile_and_predict_get_the_flags(record, parse, capsys):
 
 
 def test_little_to_gain_is_said_too(record, capsys):
-    record(library, "profile", SimpleNamespace(params=1, batch=1, compute_s=1.0, buckets=[]))
+    record(library, "profile", SimpleNamespace(params=1, batch=1, compute_s=1.0, buckets=[],
+                                               colocated=1, slowdown=1.0))
     record(library, "predict", [_prediction("gloo", 1.0), _prediction("switchml", 1.01)])
     assert main(["predict"]) == 0
     assert "little to gain: communication is only 50% of gloo's step" in capsys.readouterr().out

@@ -61,3 +61,39 @@ def hook_geometry(rank: int, world: int, port: int, mtu: int, queue) -> None:
         queue.put((rank, k, None))
     except BaseException as exc:  # noqa: BLE001
         queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+
+
+def lockstep_waits(rank: int, world: int, port: int, delay_s: float, queue) -> None:
+    """Rank 1 sleeps ``delay_s`` before each backward; report, per hook, rank's backward
+    times and final parameters (``noop`` and ``lockstep``)."""
+    import time
+    try:
+        from switchml.torch.hooks import register_hook
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        out = {}
+        for name in ("noop", "lockstep"):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                      torch.nn.Linear(16, 1))
+            ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0001)
+            register_hook(ddp, name)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank))
+            backward_s = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = (ddp(x) ** 2).mean()
+                if rank == 1:
+                    time.sleep(delay_s)
+                t0 = time.perf_counter()
+                loss.backward()
+                backward_s.append(time.perf_counter() - t0)
+                opt.step()
+                dist.barrier()  # both ranks start the next step together
+            out[name] = (backward_s, {k: v.numpy().copy() for k, v in net.state_dict().items()})
+        dist.destroy_process_group()
+        queue.put((rank, out, None))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))

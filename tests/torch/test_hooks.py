@@ -74,6 +74,21 @@ def test_noop_hook_really_skips_communication(trained):
 
 
 @pytest.mark.slow
+def test_lockstep_hook_waits_for_the_slowest_rank_and_moves_no_gradient(free_port):
+    """Rank 1 starts each backward 0.5 s after rank 0: with ``lockstep`` rank 0's backward
+    waits for it (at least 0.4 s), with ``noop`` it does not (well under that); neither
+    averages the gradients, so the ranks' parameters differ (their data differ)."""
+    world, port, delay = 2, free_port(), 0.5
+    got = _ranks(hook_procs.lockstep_waits, lambda r: (r, world, port, delay), world, 120)
+    noop_s, lock_s = got[0]["noop"][0], got[0]["lockstep"][0]
+    assert min(lock_s) >= 0.8 * delay, lock_s
+    assert max(noop_s) < 0.5 * delay, noop_s
+    for name in ("noop", "lockstep"):
+        a, b = got[0][name][1], got[1][name][1]
+        assert any(not np.array_equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.slow
 def test_hook_sizes_chunks_for_the_smallest_mtu_of_any_rank(free_port):
     """The backend's rule, not rank 0's MTU: rank 0 says 9000, rank 1 says 1500, and both
     ranks' jobs carry chunks that fit 1500-byte datagrams."""
@@ -87,7 +102,7 @@ def test_hook_arguments_are_checked():
     from switchml.torch.hooks import SwitchMLHookState, register_hook
     with pytest.raises(ConfigError, match="bits must be 32 or 16"):
         SwitchMLHookState(bits=8)
-    with pytest.raises(ValueError, match="known: switchml, switchml16, allreduce, noop"):
+    with pytest.raises(ValueError, match="known: switchml, switchml16, allreduce, noop, lockstep"):
         register_hook(None, "fastest")  # type: ignore[arg-type]
 
 

@@ -79,8 +79,8 @@ def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int,
             sfb_numel += d.in_features * d.out_features
             sfb += d.sfb_bytes
     agg = aggregation_bytes(total - sfb_numel, world=world, transport=transport)
-    if hook == "noop":
-        agg = 0
+    if hook in ("noop", "lockstep"):
+        agg = 0  # (lockstep: a 4-byte all-reduce per bucket)
     elif hook in ("switchml", "switchml16"):
         agg = 2 * (total - sfb_numel) * (2 if hook == "switchml16" else 4)  # up and down
         agg_frame = switch_frame

@@ -48,7 +48,8 @@ class TrainBenchConfig:
     """``TRAIN_SYSTEMS``: ``gloo`` and ``switchml``: DDP on that backend; ``switchml16``:
     DDP with the 16-bit switchml hook; ``hybrid``: HybridDataParallel on switchml (per layer
     aggregation or sufficient-factor broadcasting); ``noop``: DDP with no communication at all
-    (the step's compute, for the ideal); ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of
+    (the step's compute, for the ideal); ``lockstep``: no gradient moves, but the ranks wait
+    for each other at every bucket (the slowest rank's compute, for the lockstep ideal); ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of
     (workers / 2) replicas x 2 shards, on switchml (the replicas' all-reduce through the switch)
     and on gloo; their rows report the replica all-reduce's seconds per step."""
     eval_every: int = 10
@@ -83,12 +84,15 @@ class TrainBenchConfig:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
 
 
-TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "gloo": ("gloo", "ddp", None),
+TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "lockstep"),
+                 "gloo": ("gloo", "ddp", None),
                  "switchml": ("switchml", "ddp", None),
                  "switchml16": ("switchml", "ddp", "switchml16"),
                  "hybrid": ("switchml", "hybrid", None),
                  "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None)}
 """system -> (backend, mode, DDP communication hook)."""
+SILENT = frozenset({"noop", "lockstep"})
+"""The systems that move no gradient: references for the ideal, not trained models."""
 
 
 def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> dict[str, str]:
@@ -165,19 +169,33 @@ def add_ideal(rows: list[dict[str, Any]]) -> None:
     communication (the ``noop`` row of the same workload), plus the part of the row's wire
     time that its measured overlap leaves exposed, ``(1 - hidden) x T``, where ``T`` is the
     bytes the row's links carried per step, each way, at the link rate. ``achieved_over_ideal``
-    (ideal / measured step time) says how much is left on the table."""
+    (ideal / measured step time) says how much is left on the table.
+
+    With a ``lockstep`` row, the same again from its step (``ideal_lockstep_step_s``,
+    ``achieved_over_lockstep_ideal``): the ranks of a synchronous system wait for the slowest
+    one at every all-reduce, which ``noop``'s ranks never do; where ranks share cores (the
+    testbed's), the slowest rank's step is above the mean's, and that difference is the
+    machine's, not the communication's."""
+    def step_of(model: str, system: str) -> float | None:
+        return next((x["step_s"] for x in rows if x["model"] == model
+                     and x["system"] == system), None)
+
     for r in rows:
-        c = next((x["step_s"] for x in rows if x["model"] == r["model"]
-                  and x["system"] == "noop"), None)
+        c, lock = step_of(r["model"], "noop"), step_of(r["model"], "lockstep")
         measured = r.get("bytes_per_step_measured")
-        if c is None or r["system"] == "noop" or not measured:
+        if r["system"] in SILENT or not measured or (c is None and lock is None):
             continue
         wire_s = measured / 2 * 8 / r["rate_bps"]  # sent + received: half each way
-        hidden = r.get("hidden_fraction") or 0.0
-        r["compute_step_s"] = c
+        exposed = (1 - (r.get("hidden_fraction") or 0.0)) * wire_s
         r["wire_s"] = wire_s
-        r["ideal_step_s"] = c + (1 - hidden) * wire_s
-        r["achieved_over_ideal"] = r["ideal_step_s"] / r["step_s"]
+        if c is not None:
+            r["compute_step_s"] = c
+            r["ideal_step_s"] = c + exposed
+            r["achieved_over_ideal"] = r["ideal_step_s"] / r["step_s"]
+        if lock is not None:
+            r["lockstep_step_s"] = lock
+            r["ideal_lockstep_step_s"] = lock + exposed
+            r["achieved_over_lockstep_ideal"] = r["ideal_lockstep_step_s"] / r["step_s"]
 
 
 def _bytes_and_trace(out: list[dict[str, Any]]) -> dict[str, Any]:
@@ -237,7 +255,7 @@ def add_time_to_target(rows: list[dict[str, Any]]) -> None:
     from switchml import workloads
     for model in {r["model"] for r in rows}:
         group = [r for r in rows if r["model"] == model]
-        trained = [r for r in group if r["system"] != "noop"] or group
+        trained = [r for r in group if r["system"] not in SILENT] or group
         target = 1.05 * max(_smooth(r["losses"])[-1] for r in trained)
         work = workloads.get(model)
         finals = [r["final_metric"] for r in trained if r.get("final_metric") is not None]

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"{args.model}: {prof.params:,} parameters, batch {prof.batch}, "
                         f"{args.workers} workers, {args.rate_mbit:g} Mbit/s, MTU {args.mtu}; "
                         f"compute {1e3 * prof.compute_s:.0f} ms per step "
-                        f"({len(prof.buckets)} buckets)")
+                        f"(the slowest of {prof.colocated}: x{prof.slowdown:.2f}; "
+                        f"{len(prof.buckets)} buckets)")
     for col in ("system", "step (ms)", "communication (ms)", "exposed (ms)",
                 "share of step", "speedup vs gloo"):
         table.add_column(col, justify="right")

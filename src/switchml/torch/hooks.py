@@ -20,6 +20,10 @@ Hooks (``HookName``):
   does without a hook), for correctness comparisons.
 * ``noop``: no communication at all (each rank keeps its local gradient), for measuring the
   communication-free headroom.
+* ``lockstep``: no gradient moves, but the ranks wait for each other at every bucket (a
+  one-element all-reduce), as a synchronous all-reduce makes them: the step of the slowest
+  rank's compute, the floor under any synchronous system (where ranks share cores, it is
+  above ``noop``'s, whose ranks never wait).
 
 Tuning guide (``SwitchMLHookState``): ``bits`` trades bandwidth for precision (16 is fine with
 error feedback for SGD-like optimisers; use 32 for the first steps of very sensitive models).
@@ -57,7 +61,7 @@ from switchml.torch.backend import (
 )
 from switchml.transport.udp import WorkerClient
 
-__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "noop_hook",
+__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook", "noop_hook",
            "register_hook", "switchml_hook"]
 
 
@@ -205,11 +209,24 @@ def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
     return fut
 
 
+def lockstep_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket
+                  ) -> torch.futures.Future[torch.Tensor]:
+    """No gradient moves, but the ranks wait for each other at every bucket, as any
+    synchronous all-reduce makes them: a one-element all-reduce over ``state`` (the group;
+    None: the default group), then the local bucket. The step it measures is the compute of
+    the slowest rank, the floor under every synchronous system's step."""
+    buffer = bucket.buffer()
+    token = torch.zeros(1, dtype=torch.float32)
+    fut = dist.all_reduce(token, group=state, async_op=True).get_future()
+    return fut.then(lambda _f: buffer)
+
+
 class HookName(Enum):
     SWITCHML = "switchml"
     SWITCHML16 = "switchml16"
     ALLREDUCE = "allreduce"
     NOOP = "noop"
+    LOCKSTEP = "lockstep"
 
 
 def hook_for(name: str | HookName, process_group: dist.ProcessGroup | None = None
@@ -223,6 +240,8 @@ def hook_for(name: str | HookName, process_group: dist.ProcessGroup | None = Non
         raise ValueError(f"unknown hook {name!r}; known: {known}") from None
     if which is HookName.NOOP:
         return None, noop_hook
+    if which is HookName.LOCKSTEP:
+        return process_group, lockstep_hook
     if which is HookName.ALLREDUCE:
         return process_group, allreduce_hook
     return SwitchMLHookState(process_group, bits=16 if which is HookName.SWITCHML16 else 32), \

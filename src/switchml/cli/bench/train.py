@@ -33,7 +33,9 @@ def add_parser(bsub: Subparsers) -> None:
                     "(measured on the links and predicted), the share of communication hidden "
                     "behind backward, the speedup against gloo, and the ideal step time: the "
                     "step with no communication (the noop system) plus the exposed part of the "
-                    "row's wire time at the link rate.",
+                    "row's wire time at the link rate; with the lockstep system, also the "
+                    "lockstep ideal, the same from the step whose ranks wait for the slowest "
+                    "one at every bucket, as a synchronous all-reduce makes them.",
         epilog="Workloads: " + "; ".join(f"{w}: {workloads.get(w).summary}"
                                           for w in workloads.NAMES))
     tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
@@ -47,6 +49,8 @@ def add_parser(bsub: Subparsers) -> None:
                          "steps (default 10; 0: never)")
     tr.add_argument("--systems", default="noop,gloo,switchml",
                     help="comma list of noop (no communication: the compute, for the ideal), "
+                         "lockstep (no gradient moves, but the ranks wait for each other at "
+                         "every bucket: the slowest rank's compute, for the lockstep ideal), "
                          "gloo, switchml (DDP on that backend), switchml16 (DDP with the 16-bit "
                          "switchml hook), hybrid (HybridDataParallel on switchml: per layer, "
                          "aggregation or sufficient-factor broadcasting), hsdp and hsdp-gloo "
@@ -112,9 +116,11 @@ def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) 
     table = Table(title=f"DDP training over the testbed: {cfg.workers} workers, "
                         f"{rate_mbit:g} Mbit/s links, loss {cfg.loss_rate:g}, "
                         f"MTU {cfg.mtu}")
+    lockstep = any("achieved_over_lockstep_ideal" in r for r in rows)
     for col in ("model", "parameters", "system", "step (ms)", "samples/s", "final loss",
                 "metric", "to target (s)", "speedup", "MB/step", "MB/step predicted",
-                "hidden", "ideal (ms)", "of ideal"):
+                "hidden", "ideal (ms)", "of ideal") + (("of lockstep ideal",) if lockstep
+                                                       else ()):
         table.add_column(col, justify="right")
 
     def fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
@@ -131,7 +137,9 @@ def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) 
                       fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
                       fmt(r.get("hidden_fraction"), ".0%"),
                       fmt(r.get("ideal_step_s"), ".0f", 1e3),
-                      fmt(r.get("achieved_over_ideal"), ".2f"))
+                      fmt(r.get("achieved_over_ideal"), ".2f"),
+                      *([fmt(r.get("achieved_over_lockstep_ideal"), ".2f")] if lockstep
+                        else []))
     return table
 
 
@@ -141,6 +149,7 @@ _TRAIN_CSV_KEYS = ["model", "backend", "system", "hook", "workers", "params", "r
                    "target_metric", "time_to_metric_s", "speedup_step", "speedup_vs_switchml",
                    "bytes_per_step_measured", "bytes_per_step_predicted", "hidden_fraction",
                    "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal",
+                   "lockstep_step_s", "ideal_lockstep_step_s", "achieved_over_lockstep_ideal",
                    "replica_allreduce_s"]
 
 
