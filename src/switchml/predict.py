@@ -8,9 +8,10 @@ Method:
    ``F``, backward ``B``, optimizer ``O``, and the buckets in the order they become ready.
    ``colocated`` runs that many profiling processes at once, for jobs whose workers share a
    machine (the testbed's, on this 2-core machine: compute slows as workers share cores).
-   They wait for each other after every step (a barrier), as the ranks of a synchronous job
-   wait at every all-reduce: the step of that lockstep is the slowest rank's compute, which on
-   shared cores is above the mean rank's (``Profile.lockstep_s``, ``Profile.slowdown``).
+   After the profiled steps they run as many again waiting for each other after every step
+   (a barrier), as the ranks of a synchronous job wait at every all-reduce: the step of that
+   lockstep is the slowest rank's, which on shared cores is above the free-running one
+   (``Profile.lockstep_s`` over ``Profile.period_s``: ``Profile.slowdown``).
 2. **Time each bucket's all-reduce** on each system: switchml (32-bit and the 16-bit hook) with
    the simulator's timing mode (``sim.timing``: the protocol's self-clocked window over the
    links at the given rate and MTU); gloo as a ring, ``2 (n - 1) / n`` of the bucket's bytes each
@@ -75,9 +76,12 @@ class Profile:
     """A bucket's division by the world size, in ns per element (measured in profiling)."""
     add_ns: float = 0.0
     """Adding a bucket's rounding residual (the 16-bit hook), in ns per element."""
+    period_s: float | None = None
+    """A profiled step from start to start (the batch's preparation included), the
+    processes running free."""
     lockstep_s: float | None = None
-    """The step of the ``colocated`` processes when they wait for each other after every
-    step: the slowest one's compute (None: not measured)."""
+    """The same when the ``colocated`` processes wait for each other after every step: the
+    slowest one's (None: not measured)."""
 
     @property
     def compute_s(self) -> float:
@@ -85,10 +89,11 @@ class Profile:
 
     @property
     def slowdown(self) -> float:
-        """The slowest rank's compute over the median rank's (at least 1)."""
-        if not self.lockstep_s or not self.compute_s:
+        """The step in lockstep over the free-running one (at least 1): how much the
+        slowest rank's pace stretches a synchronous job's compute."""
+        if not self.lockstep_s or not self.period_s:
             return 1.0
-        return max(1.0, self.lockstep_s / self.compute_s)
+        return max(1.0, self.lockstep_s / self.period_s)
 
 
 @dataclass
@@ -116,8 +121,8 @@ class Prediction:
 
 def _profile_here(model: str, batch: int | None, steps: int, seed: int,
                   barrier: Any = None) -> dict[str, Any]:
-    """Profile in this process (a one-rank gloo group of its own); with a ``barrier``, wait
-    on it after every step (the lockstep of a synchronous job)."""
+    """Profile in this process (a one-rank gloo group of its own); with a ``barrier``, then
+    run steps that wait on it after every step (the lockstep of a synchronous job)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -142,20 +147,28 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             ddp = DDP(task.model)
             ddp.register_comm_hook(None, record)
             opt = work.optimizer(ddp.parameters())
-            samples, passed = [], []
+            if barrier is not None:
+                barrier.wait()  # every process starts once all are ready: they share cores
+            samples, passed, locked = [], [time.perf_counter()], []
             for step in range(steps):
                 calls.clear()
                 _, (t0, t1, t2, t3) = task.timed_step(ddp, opt, step)
                 samples.append((t1 - t0, t2 - t1, t3 - t2,
                                 [(n, t - t1) for n, t in calls]))
-                if barrier is not None:
-                    barrier.wait()
                 passed.append(time.perf_counter())
+            if barrier is not None:
+                barrier.wait()  # the lockstep starts together
+                locked.append(time.perf_counter())
+                for step in range(steps, 2 * steps):
+                    task.timed_step(ddp, opt, step)
+                    barrier.wait()
+                    locked.append(time.perf_counter())
         finally:
             dist.destroy_process_group()
     div_ns, add_ns = _local_work_ns(max(n for n, _ in samples[-1][3]) if samples[-1][3] else 0)
     kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
     periods = [b - a for a, b in zip(passed[-len(kept) - 1:], passed[-len(kept):])]
+    in_lockstep = [b - a for a, b in zip(locked[2:], locked[3:])]  # (after a warm-up)
     layout = kept[-1][3]
     ready = [statistics.median(s[3][i][1] for s in kept if len(s[3]) == len(layout))
              for i in range(len(layout))]
@@ -166,7 +179,8 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             "optimizer_s": statistics.median(s[2] for s in kept),
             "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)],
             "div_ns": div_ns, "add_ns": add_ns,
-            "lockstep_s": statistics.median(periods) if periods else None}
+            "period_s": statistics.median(periods),
+            "lockstep_s": statistics.median(in_lockstep) if in_lockstep else None}
 
 
 def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
@@ -200,7 +214,7 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
     """Profile ``steps`` steps of workload ``model`` (``switchml.workloads``); with
     ``colocated`` > 1, that many processes profile at once and the medians across them are
     kept (compute as it runs when that many workers share this machine), and they wait for
-    each other after every step (``Profile.lockstep_s``)."""
+    each other in as many steps again (``Profile.lockstep_s``)."""
     from switchml import workloads
     workloads.get(model)  # a wrong name fails here, not in a child
     if steps < 2 or colocated < 1:
@@ -236,6 +250,7 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
                    buckets=buckets, colocated=colocated,
                    div_ns=statistics.median(d["div_ns"] for d in docs),
                    add_ns=statistics.median(d["add_ns"] for d in docs),
+                   period_s=statistics.median(d["period_s"] for d in docs),
                    lockstep_s=statistics.median(d["lockstep_s"] for d in docs)
                    if all(d.get("lockstep_s") for d in docs) else None)
 
@@ -352,7 +367,7 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
                     "rate_bps": r["rate_bps"], "measured_step_s": r["step_s"],
                     "predicted_step_s": pred.step_s, "error": pred.step_s / r["step_s"] - 1,
                     "predicted_exposed_s": pred.exposed_s, "compute_s": prof.compute_s,
-                    "lockstep_s": prof.lockstep_s,
+                    "period_s": prof.period_s, "lockstep_s": prof.lockstep_s,
                     "measured_compute_s": r.get("compute_step_s")})
     return out
 
