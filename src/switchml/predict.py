@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -45,7 +46,8 @@ from switchml.protocol.wire import HEADER_SIZE, elements_for_mtu
 
 __all__ = ["Bucket", "Prediction", "Profile", "SYSTEMS", "predict", "profile", "validate"]
 
-SYSTEMS = ("gloo", "switchml", "switchml16")
+SYSTEMS = ("gloo", "switchml", "switchml16", "hybrid")
+HYBRID_BUCKET_BYTES = 25 * 2**20  # HybridDataParallel's default bucket_cap_mb
 TCP_IPV4 = 52  # 20 IP + 20 TCP + 12 timestamp option
 ETHERNET = 14 + 24  # header and FCS, preamble, inter-frame gap: what a frame costs the wire
 GLOO_HOP_S = 100e-6
@@ -58,6 +60,32 @@ class Bucket:
     numel: int
     ready_s: float
     """Seconds after backward started when DDP handed the bucket to communication."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """A trainable parameter, in reverse registration order (the order DDP and
+    HybridDataParallel bucket them)."""
+
+    numel: int
+    ready_s: float
+    """Seconds after backward started when its gradient was accumulated."""
+    layer: int | None = None
+    """The index in ``Profile.layers`` of the ``nn.Linear`` whose weight it is, if any."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """An ``nn.Linear`` that HybridDataParallel may send by sufficient factors."""
+
+    name: str
+    in_features: int
+    out_features: int
+    rows: int
+    """K: rows (samples x positions) it saw per step."""
+    grad_s: float
+    """Seconds after backward started when the gradient of its output was known (its
+    factors' all-gather starts then)."""
 
 
 @dataclass
@@ -82,6 +110,13 @@ class Profile:
     lockstep_s: float | None = None
     """The same when the ``colocated`` processes wait for each other after every step: the
     slowest one's (None: not measured)."""
+    params_ready: list[Param] = field(default_factory=list)
+    layers: list[Layer] = field(default_factory=list)
+    rebuild_out_ns: float = 0.0
+    """Rebuilding a weight gradient from factors (a matrix product): ns per element of the
+    gradient ..."""
+    mac_ns: float = 0.0
+    """... and ns per multiply-add."""
 
     @property
     def compute_s(self) -> float:
@@ -144,6 +179,7 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
                 fut.set_result(bucket.buffer())
                 return fut
 
+            hybrid = _HybridRecorder(task.model)
             ddp = DDP(task.model)
             ddp.register_comm_hook(None, record)
             opt = work.optimizer(ddp.parameters())
@@ -152,10 +188,12 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             samples, passed, locked = [], [time.perf_counter()], []
             for step in range(steps):
                 calls.clear()
+                hybrid.clear()
                 _, (t0, t1, t2, t3) = task.timed_step(ddp, opt, step)
                 samples.append((t1 - t0, t2 - t1, t3 - t2,
-                                [(n, t - t1) for n, t in calls]))
+                                [(n, t - t1) for n, t in calls], hybrid.sample(t1)))
                 passed.append(time.perf_counter())
+            hybrid.remove()
             if barrier is not None:
                 barrier.wait()  # the lockstep starts together
                 locked.append(time.perf_counter())
@@ -178,9 +216,90 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             "backward_s": statistics.median(s[1] for s in kept),
             "optimizer_s": statistics.median(s[2] for s in kept),
             "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)],
-            "div_ns": div_ns, "add_ns": add_ns,
+            "div_ns": div_ns, "add_ns": add_ns, **hybrid.summary([s[4] for s in kept]),
             "period_s": statistics.median(periods),
             "lockstep_s": statistics.median(in_lockstep) if in_lockstep else None}
+
+
+class _HybridRecorder:
+    """What predicting HybridDataParallel needs from a profiled step: each ``nn.Linear``
+    candidate's rows and when its output's gradient was known, each parameter's gradient's
+    ready time, and the cost of rebuilding a gradient from factors."""
+
+    def __init__(self, model: Any) -> None:
+        import time as _time
+
+        from switchml.torch.hybrid import candidate_layers
+        self.layers = candidate_layers(model)
+        weight_of = {id(m.weight): i for i, (_, m) in enumerate(self.layers)}
+        self.params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.layer_of = [weight_of.get(id(p)) for p in self.params]
+        self.rows = [0] * len(self.layers)
+        self.grad_at = [0.0] * len(self.layers)
+        self.ready_at = [0.0] * len(self.params)
+        self.handles: list[Any] = []
+        clock = _time.perf_counter
+        for i, (_, m) in enumerate(self.layers):
+            def on_forward(mod: Any, args: Any, out: Any, i: int = i) -> None:
+                if not getattr(out, "requires_grad", False):
+                    return
+                self.rows[i] = args[0].reshape(-1, mod.in_features).shape[0]
+                out.register_hook(lambda g, i=i: self.grad_at.__setitem__(i, clock()))
+            self.handles.append(m.register_forward_hook(on_forward))
+        for j, p in enumerate(self.params):
+            self.handles.append(p.register_post_accumulate_grad_hook(
+                lambda _p, j=j: self.ready_at.__setitem__(j, clock())))
+
+    def clear(self) -> None:
+        self.rows = [0] * len(self.layers)
+
+    def sample(self, backward_start: float) -> tuple[list[int], list[float], list[float]]:
+        return (list(self.rows), [t - backward_start for t in self.grad_at],
+                [t - backward_start for t in self.ready_at])
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def summary(self, samples: list[tuple[list[int], list[float], list[float]]]
+                ) -> dict[str, Any]:
+        """Medians over ``samples``, and the rebuild's ns per multiply-add."""
+        if not samples:
+            return {}
+        med = statistics.median
+        layers = [{"name": name, "in_features": m.in_features, "out_features": m.out_features,
+                   "rows": max(s[0][i] for s in samples),
+                   "grad_s": med(s[1][i] for s in samples)}
+                  for i, (name, m) in enumerate(self.layers)]
+        params = [{"numel": p.numel(), "ready_s": med(s[2][j] for s in samples),
+                   "layer": self.layer_of[j]} for j, p in enumerate(self.params)]
+        out_ns, mac_ns = self._rebuild_ns(layers)
+        return {"layers": layers, "params_ready": params, "rebuild_out_ns": out_ns,
+                "mac_ns": mac_ns}
+
+    @staticmethod
+    def _rebuild_ns(layers: list[dict[str, Any]], repeats: int = 3) -> tuple[float, float]:
+        """Time ``G^T X`` (as HybridDataParallel rebuilds a gradient) for the largest layer
+        at two depths, K and 8 K rows: ns per output element and per multiply-add."""
+        import torch
+        fed = [d for d in layers if d["rows"] > 0]
+        if not fed:
+            return 0.0, 0.0
+        d = max(fed, key=lambda d: d["in_features"] * d["out_features"])
+        size = d["in_features"] * d["out_features"]
+        took = {}
+        for depth in (d["rows"], 8 * d["rows"]):
+            g = torch.randn(depth, d["out_features"])
+            x = torch.randn(depth, d["in_features"])
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                g.t().mm(x)
+                times.append(time.perf_counter() - t0)
+            took[depth] = statistics.median(times)
+        (d1, t1), (d2, t2) = sorted(took.items())
+        mac = max(0.0, (t2 - t1) / ((d2 - d1) * size))
+        return 1e9 * max(0.0, t1 / size - mac * d1), 1e9 * mac
 
 
 def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
@@ -227,10 +346,23 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
              for i in range(colocated)]
     for p in procs:
         p.start()
-    docs = []
+    docs: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in procs:
-            docs.append(out.get(timeout=timeout_s))
+        while len(docs) < len(procs):
+            try:
+                docs.append(out.get(timeout=0.5))
+                continue
+            except queue.Empty:
+                pass
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:  # a child that died without a word (killed, or failed to start)
+                barrier.abort()
+                raise RuntimeError(f"profiling {model} failed: a profiling process exited "
+                                   f"with code {dead[0]}")
+            if time.monotonic() > deadline:
+                barrier.abort()
+                raise RuntimeError(f"profiling {model} took over {timeout_s:g} s")
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -250,6 +382,14 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
                    buckets=buckets, colocated=colocated,
                    div_ns=statistics.median(d["div_ns"] for d in docs),
                    add_ns=statistics.median(d["add_ns"] for d in docs),
+                   params_ready=[Param(p["numel"], statistics.median(
+                       d["params_ready"][j]["ready_s"] for d in docs), p["layer"])
+                       for j, p in enumerate(first.get("params_ready", []))],
+                   layers=[Layer(x["name"], x["in_features"], x["out_features"], x["rows"],
+                                 statistics.median(d["layers"][i]["grad_s"] for d in docs))
+                           for i, x in enumerate(first.get("layers", []))],
+                   rebuild_out_ns=statistics.median(d.get("rebuild_out_ns", 0.0) for d in docs),
+                   mac_ns=statistics.median(d.get("mac_ns", 0.0) for d in docs),
                    period_s=statistics.median(d["period_s"] for d in docs),
                    lockstep_s=statistics.median(d["lockstep_s"] for d in docs)
                    if all(d.get("lockstep_s") for d in docs) else None)
@@ -316,6 +456,82 @@ def compose(prof: Profile, times: list[float], system: str) -> Prediction:
                       comm_s=sum(times), exposed_s=exposed, buckets_s=times)
 
 
+def gloo_allgather_s(block_bytes: int, *, workers: int, rate_bps: float, mtu: int) -> float:
+    """One ring all-gather of ``block_bytes`` per rank: each link carries the ``n - 1``
+    other blocks each way in TCP segments, plus a latency per ring step."""
+    if workers < 2:
+        return 0.0
+    mss = mtu - TCP_IPV4
+    wire = block_bytes * (workers - 1) * (mss + TCP_IPV4 + ETHERNET) / mss
+    return wire * 8 / rate_bps + (workers - 1) * GLOO_HOP_S
+
+
+def hybrid_plan(prof: Profile, *, workers: int) -> tuple[list[Any], list[tuple[int, float]]]:
+    """HybridDataParallel's plan for ``prof`` on a switchml group of ``workers``: each
+    layer's decision (``switchml.torch.hybrid.choose``), and the aggregated buckets as
+    ``(numel, launch_s)``: parameters in reverse registration order without the weights sent
+    by sufficient factors, cut at 25 MiB, each launched once it and every bucket before it
+    are ready."""
+    from switchml.torch.hybrid import SFB, Transport, choose
+    decisions = [choose(x.name, in_features=x.in_features, out_features=x.out_features,
+                        rows=x.rows, world=workers, transport=Transport("switch", 4))
+                 for x in prof.layers]
+    buckets: list[tuple[int, float]] = []
+    numel, ready = 0, 0.0
+    for p in prof.params_ready:
+        if p.layer is not None and decisions[p.layer].path == SFB:
+            continue
+        if numel and (numel + p.numel) * 4 > HYBRID_BUCKET_BYTES:
+            buckets.append((numel, ready))
+            numel = 0
+        numel += p.numel
+        ready = max(ready, p.ready_s)  # (launched in order: no earlier than the one before)
+    if numel:
+        buckets.append((numel, ready))
+    return decisions, buckets
+
+
+def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) -> Prediction:
+    """HybridDataParallel's step: each sufficient-factor layer's all-gather (gloo, a ring)
+    starts when its output's gradient is known, each bucket's all-reduce (the switch) when it
+    is launched; both share each worker's link, served in the order they start. At the end of
+    backward every factor layer's gradient is rebuilt (``out x in`` elements of
+    ``n K`` multiply-adds each, at the profile's rates) once its gather is in, and the buckets are divided and copied back
+    (two passes, as the profile's ``div_ns``)."""
+    from switchml.torch.hybrid import SFB
+    slow = prof.slowdown
+    decisions, buckets = hybrid_plan(prof, workers=workers)
+    per = prof.div_ns * 1e-9  # the bucket's concatenation on backward's thread, per element
+    transfers = []  # (start, duration, rebuild or finish work after it)
+    delay = 0.0
+    for x, d in zip(prof.layers, decisions):
+        if d.path == SFB:
+            block = x.rows * (x.in_features + x.out_features) * 4
+            size = x.in_features * x.out_features
+            rebuild = 1e-9 * size * (prof.rebuild_out_ns + prof.mac_ns * workers * x.rows)
+            transfers.append((slow * x.grad_s,
+                              gloo_allgather_s(block, workers=workers, rate_bps=rate_bps,
+                                               mtu=mtu), slow * rebuild))
+    for numel, ready in buckets:
+        delay += per * numel
+        t = switchml_allreduce_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu) \
+            if workers > 1 else 0.0
+        transfers.append((slow * ready + delay, t, 2 * per * numel))
+    link = 0.0
+    ends = []
+    for start, took, after in sorted(transfers, key=lambda t: t[0]):
+        link = max(link, start) + took
+        ends.append((link, after))
+    backward = slow * prof.backward_s + delay
+    t = backward
+    for end, after in ends:  # gathers, then buckets, each awaited in turn
+        t = max(t, end) + after
+    exposed = max(0.0, max((e for e, _ in ends), default=0.0) - backward)
+    return Prediction("hybrid", slow * (prof.forward_s + prof.optimizer_s) + t,
+                      comm_s=sum(took for _, took, _ in transfers), exposed_s=exposed,
+                      buckets_s=[took for _, took, _ in transfers])
+
+
 def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
             systems: tuple[str, ...] = SYSTEMS) -> list[Prediction]:
     """The predicted step of ``prof`` on each system, with speedups against gloo."""
@@ -326,6 +542,9 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
         raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     out = []
     for system in systems:
+        if system == "hybrid":
+            out.append(compose_hybrid(prof, workers=workers, rate_bps=rate_bps, mtu=mtu))
+            continue
         if system == "gloo":
             times = [gloo_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps, mtu=mtu)
                      for b in prof.buckets]

@@ -53,7 +53,7 @@ from torch import nn
 from switchml.torch.timeline import COMPUTE, Timeline
 
 __all__ = ["AGGREGATE", "SFB", "HybridDataParallel", "LayerDecision", "Transport",
-           "aggregation_bytes", "choose", "sfb_bytes", "transport_of"]
+           "aggregation_bytes", "candidate_layers", "choose", "sfb_bytes", "transport_of"]
 
 log = logging.getLogger(__name__)
 AGGREGATE = "aggregate"
@@ -144,6 +144,28 @@ def choose(name: str, *, in_features: int, out_features: int, rows: int, world: 
     # A layer no rank fed this step has no factors: aggregating it reports the missing gradient.
     return LayerDecision(name, in_features, out_features, rows, world, agg, sfb,
                          SFB if rows > 0 and sfb < agg else AGGREGATE)
+
+
+def candidate_layers(module: nn.Module, exclude: Iterable[str] = ()
+                     ) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules whose weight gradient may travel by sufficient factors, by
+    name: trainable, not shared with another module, not in ``exclude``.
+
+    Raises:
+        ValueError: ``exclude`` names no module.
+    """
+    exclude = set(exclude)
+    names = {n for n, _ in module.named_modules()}
+    unknown = exclude - names
+    if unknown:
+        raise ValueError(f"exclude names no module: {sorted(unknown)}")
+    owners: dict[int, int] = {}
+    for _, m in module.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and name not in exclude and m.weight.requires_grad
+            and owners[id(m.weight)] == 1]
 
 
 class _Layer:
@@ -252,20 +274,8 @@ class HybridDataParallel(nn.Module):
 
     @staticmethod
     def _find_layers(module: nn.Module, exclude: set[str]) -> list[_Layer]:
-        names = {n for n, _ in module.named_modules()}
-        unknown = exclude - names
-        if unknown:
-            raise ValueError(f"exclude names no module: {sorted(unknown)}")
-        owners: dict[int, int] = {}
-        for _, m in module.named_modules(remove_duplicate=False):
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        layers = []
-        for name, m in module.named_modules():
-            if (isinstance(m, nn.Linear) and name not in exclude and m.weight.requires_grad
-                    and owners[id(m.weight)] == 1):
-                layers.append(_Layer(name, m, len(layers)))
-        return layers
+        return [_Layer(name, m, i) for i, (name, m) in
+                enumerate(candidate_layers(module, exclude))]
 
     @torch.no_grad()
     def _sync_module_states(self) -> None:
