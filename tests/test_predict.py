@@ -59,6 +59,45 @@ def test_the_slowest_ranks_compute_sets_the_pace():
     assert prof.slowdown == 1.0
 
 
+def test_hybrid_sends_factors_on_the_shared_link_and_rebuilds_after_backward(monkeypatch):
+    # One 100 x 100 layer fed K = 2 rows, n = 4: aggregating moves 2 x 10,000 x 4 = 80 kB,
+    # its factors 2 x 3 x 2 x 200 x 4 = 9.6 kB: factors. Its bias (100 elements) is the only
+    # bucket, ready at 5 ms, all-reduced in 4 ms (the simulator, replaced here): on the link
+    # from 5 to 9 ms. The gather starts at 10 ms: 3 blocks of 1,600 bytes in TCP segments at
+    # 1 Mbit/s, 1600 x 3 x 1538 / 1448 x 8 / 1e6 s, plus 3 ring steps of 100 us. Backward
+    # ends at 50 ms; the rebuild (10,000 elements x (10 ns + 4 x 2 x 1 ns)) follows the
+    # gather's end.
+    monkeypatch.setattr(P, "switchml_allreduce_s", lambda numel, **kw: 0.004)
+    prof = _prof([], f=0.01, b=0.05, o=0.01)
+    prof.layers = [P.Layer("fc", 100, 100, 2, 0.01)]
+    prof.params_ready = [P.Param(100, 0.005), P.Param(10_000, 0.02, layer=0)]
+    prof.rebuild_out_ns, prof.mac_ns = 10.0, 1.0
+    decisions, buckets = P.hybrid_plan(prof, workers=4)
+    assert [d.path for d in decisions] == ["sfb"] and buckets == [(100, 0.005)]
+    gather = 1600 * 3 * 1538 / 1448 * 8 / 1e6 + 3 * 100e-6
+    rebuild = 10_000 * (10 + 4 * 2 * 1) * 1e-9
+    p = P.compose_hybrid(prof, workers=4, rate_bps=1e6, mtu=1500)
+    assert p.comm_s == pytest.approx(0.004 + gather)
+    assert p.exposed_s == pytest.approx(0.01 + gather - 0.05)
+    assert p.step_s == pytest.approx(0.01 + (0.01 + gather) + rebuild + 0.01)
+    # at 100 Mbit/s the gather hides behind backward: the step is compute and the rebuild
+    fast = P.compose_hybrid(prof, workers=4, rate_bps=1e8, mtu=1500)
+    assert fast.exposed_s == 0.0 and fast.step_s == pytest.approx(0.07 + rebuild)
+
+
+def test_hybrid_aggregates_layers_whose_factors_cost_more(monkeypatch):
+    # K = 1,000 rows of a 100 x 100 layer: factors 2 x 3 x 1000 x 200 x 4 = 4.8 MB against
+    # 80 kB: aggregated with its bias, one bucket ready when both are (20 ms).
+    monkeypatch.setattr(P, "switchml_allreduce_s", lambda numel, **kw: numel * 1e-6)
+    prof = _prof([], f=0.0, b=0.05, o=0.0)
+    prof.layers = [P.Layer("fc", 100, 100, 1000, 0.01)]
+    prof.params_ready = [P.Param(100, 0.005), P.Param(10_000, 0.02, layer=0)]
+    decisions, buckets = P.hybrid_plan(prof, workers=4)
+    assert [d.path for d in decisions] == ["aggregate"] and buckets == [(10_100, 0.02)]
+    p = P.compose_hybrid(prof, workers=4, rate_bps=1e9, mtu=1500)
+    assert p.comm_s == pytest.approx(0.0101) and p.exposed_s == 0.0
+
+
 def test_gloo_is_a_ring_in_tcp_segments():
     # 1M floats, 4 workers: 2 x 3/4 x 4 MB each way, in 1448-byte segments that cost
     # 1448 + 52 + 38 bytes of wire, at 1 Gbit/s, plus 6 hops of 100 us.
@@ -89,6 +128,13 @@ def test_profile_of_a_real_model_covers_every_parameter():
     # the batch's preparation), within the noise of a few ms-long steps
     assert prof.compute_s < 1.2 * prof.period_s
     assert 0.5 * prof.period_s < prof.lockstep_s < 2 * prof.period_s + 0.05
+    # HybridDataParallel's view: both Linear layers, fed the batch's 16 rows, and every
+    # parameter's gradient
+    assert [(x.in_features, x.out_features, x.rows) for x in prof.layers] == \
+        [(1024, 512, 16), (512, 10, 16)]
+    assert sum(p.numel for p in prof.params_ready) == prof.params
+    assert sorted(p.layer for p in prof.params_ready if p.layer is not None) == [0, 1]
+    assert prof.rebuild_out_ns > 0 or prof.mac_ns > 0
     preds = {p.system: p for p in P.predict(prof, workers=4, rate_bps=1e8)}
     assert set(preds) == set(P.SYSTEMS) and preds["gloo"].speedup == 1.0
     # at 100 Mbit/s, 2 MB of gradient: communication dominates, and switchml's saving shows
@@ -107,7 +153,8 @@ def test_profiling_waits_on_the_barrier_after_every_step():
             time.sleep(0.05)
 
     doc = P._profile_here("cnn", 16, 5, 0, barrier=SlowBarrier())
-    assert SlowBarrier.waits == 2 + 5  # to start each phase together, then after every step
+    # to start each phase together, after every step, and before timing the hooks' work
+    assert SlowBarrier.waits == 2 + 5 + 1
     assert doc["lockstep_s"] >= doc["period_s"] + 0.045
 
 

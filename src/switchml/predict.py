@@ -25,6 +25,13 @@ Method:
    by the world size (every system: DDP's reducer, switchml's hook), and adding the rounding
    residual (the 16-bit hook). Their cost per element is measured while profiling, as the
    compute is (``colocated``).
+4. **Hybrid** (``HybridDataParallel``, Poseidon's per-layer choice on a switchml group): the
+   profile also notes each ``nn.Linear``'s rows K and when its output's gradient is known,
+   and when each parameter's gradient is ready. Each layer's path is ``hybrid.choose``'s;
+   the factors' all-gathers (gloo's ring) and the remaining parameters' buckets (the switch)
+   share each worker's link in the order they start; after backward each factor layer's
+   gradient is rebuilt, at a cost per gradient element and per multiply-add timed at two
+   depths in every profiling process at once.
 
 The prediction assumes the links are the bottleneck's only shared resource besides the
 profiled compute, no loss, and a switch that keeps up (a real one, or the software switch on
@@ -203,8 +210,14 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
                     locked.append(time.perf_counter())
         finally:
             dist.destroy_process_group()
-    div_ns, add_ns = _local_work_ns(max(n for n, _ in samples[-1][3]) if samples[-1][3] else 0)
+    # The hooks' and the rebuild's work per element, timed in every process at once (as the
+    # ranks of a job do it).
     kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
+    hybrid_doc = hybrid.summary([s[4] for s in kept])
+    if barrier is not None:
+        barrier.wait()
+    div_ns, add_ns = _local_work_ns(max(n for n, _ in samples[-1][3]) if samples[-1][3] else 0)
+    hybrid_doc.update(hybrid.rebuild_costs(hybrid_doc.get("layers", [])))
     periods = [b - a for a, b in zip(passed[-len(kept) - 1:], passed[-len(kept):])]
     in_lockstep = [b - a for a, b in zip(locked[2:], locked[3:])]  # (after a warm-up)
     layout = kept[-1][3]
@@ -216,7 +229,7 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             "backward_s": statistics.median(s[1] for s in kept),
             "optimizer_s": statistics.median(s[2] for s in kept),
             "buckets": [{"numel": n, "ready_s": r} for (n, _), r in zip(layout, ready)],
-            "div_ns": div_ns, "add_ns": add_ns, **hybrid.summary([s[4] for s in kept]),
+            "div_ns": div_ns, "add_ns": add_ns, **hybrid_doc,
             "period_s": statistics.median(periods),
             "lockstep_s": statistics.median(in_lockstep) if in_lockstep else None}
 
@@ -263,7 +276,7 @@ class _HybridRecorder:
 
     def summary(self, samples: list[tuple[list[int], list[float], list[float]]]
                 ) -> dict[str, Any]:
-        """Medians over ``samples``, and the rebuild's ns per multiply-add."""
+        """Medians over ``samples``: the layers and the parameters."""
         if not samples:
             return {}
         med = statistics.median
@@ -273,9 +286,11 @@ class _HybridRecorder:
                   for i, (name, m) in enumerate(self.layers)]
         params = [{"numel": p.numel(), "ready_s": med(s[2][j] for s in samples),
                    "layer": self.layer_of[j]} for j, p in enumerate(self.params)]
+        return {"layers": layers, "params_ready": params}
+
+    def rebuild_costs(self, layers: list[dict[str, Any]]) -> dict[str, float]:
         out_ns, mac_ns = self._rebuild_ns(layers)
-        return {"layers": layers, "params_ready": params, "rebuild_out_ns": out_ns,
-                "mac_ns": mac_ns}
+        return {"rebuild_out_ns": out_ns, "mac_ns": mac_ns}
 
     @staticmethod
     def _rebuild_ns(layers: list[dict[str, Any]], repeats: int = 3) -> tuple[float, float]:
@@ -502,31 +517,36 @@ def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) ->
     slow = prof.slowdown
     decisions, buckets = hybrid_plan(prof, workers=workers)
     per = prof.div_ns * 1e-9  # the bucket's concatenation on backward's thread, per element
-    transfers = []  # (start, duration, rebuild or finish work after it)
+    # (start, duration, the work after it: a rebuild, or a bucket's division and copy back);
+    # gathers first, in the order their gradients arrive, then buckets: the order of the
+    # waits at the end of backward
+    gathers, sent = [], []
     delay = 0.0
     for x, d in zip(prof.layers, decisions):
         if d.path == SFB:
             block = x.rows * (x.in_features + x.out_features) * 4
             size = x.in_features * x.out_features
             rebuild = 1e-9 * size * (prof.rebuild_out_ns + prof.mac_ns * workers * x.rows)
-            transfers.append((slow * x.grad_s,
-                              gloo_allgather_s(block, workers=workers, rate_bps=rate_bps,
-                                               mtu=mtu), slow * rebuild))
+            gathers.append((slow * x.grad_s,
+                            gloo_allgather_s(block, workers=workers, rate_bps=rate_bps,
+                                             mtu=mtu), slow * rebuild))
+    gathers.sort(key=lambda g: g[0])
     for numel, ready in buckets:
         delay += per * numel
         t = switchml_allreduce_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu) \
             if workers > 1 else 0.0
-        transfers.append((slow * ready + delay, t, 2 * per * numel))
-    link = 0.0
-    ends = []
-    for start, took, after in sorted(transfers, key=lambda t: t[0]):
-        link = max(link, start) + took
-        ends.append((link, after))
+        sent.append((slow * ready + delay, t, 2 * per * numel))
+    transfers = gathers + sent
+    ends = [0.0] * len(transfers)
+    link = 0.0  # the worker's link, shared, served in the order transfers start
+    for i in sorted(range(len(transfers)), key=lambda i: transfers[i][0]):
+        link = max(link, transfers[i][0]) + transfers[i][1]
+        ends[i] = link
     backward = slow * prof.backward_s + delay
     t = backward
-    for end, after in ends:  # gathers, then buckets, each awaited in turn
+    for end, (_, _, after) in zip(ends, transfers):  # each awaited in turn
         t = max(t, end) + after
-    exposed = max(0.0, max((e for e, _ in ends), default=0.0) - backward)
+    exposed = max(0.0, max(ends, default=0.0) - backward)
     return Prediction("hybrid", slow * (prof.forward_s + prof.optimizer_s) + t,
                       comm_s=sum(took for _, took, _ in transfers), exposed_s=exposed,
                       buckets_s=[took for _, took, _ in transfers])
