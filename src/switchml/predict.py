@@ -200,7 +200,6 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
                 samples.append((t1 - t0, t2 - t1, t3 - t2,
                                 [(n, t - t1) for n, t in calls], hybrid.sample(t1)))
                 passed.append(time.perf_counter())
-            hybrid.remove()
             if barrier is not None:
                 barrier.wait()  # the lockstep starts together
                 locked.append(time.perf_counter())
@@ -208,6 +207,7 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
                     task.timed_step(ddp, opt, step)
                     barrier.wait()
                     locked.append(time.perf_counter())
+            hybrid.remove()
         finally:
             dist.destroy_process_group()
     # The hooks' and the rebuild's work per element, timed in every process at once (as the
@@ -264,7 +264,11 @@ class _HybridRecorder:
                 lambda _p, j=j: self.ready_at.__setitem__(j, clock())))
 
     def clear(self) -> None:
+        """Forget the last step (a hook that does not fire leaves NaN, not a stale time)."""
+        nan = float("nan")
         self.rows = [0] * len(self.layers)
+        self.grad_at = [nan] * len(self.layers)
+        self.ready_at = [nan] * len(self.params)
 
     def sample(self, backward_start: float) -> tuple[list[int], list[float], list[float]]:
         return (list(self.rows), [t - backward_start for t in self.grad_at],
@@ -279,7 +283,10 @@ class _HybridRecorder:
         """Medians over ``samples``: the layers and the parameters."""
         if not samples:
             return {}
-        med = statistics.median
+        def med(xs: Any) -> float:  # over the steps whose hook fired
+            xs = [x for x in xs if x == x]
+            return statistics.median(xs) if xs else 0.0
+
         layers = [{"name": name, "in_features": m.in_features, "out_features": m.out_features,
                    "rows": max(s[0][i] for s in samples),
                    "grad_s": med(s[1][i] for s in samples)}
@@ -336,10 +343,13 @@ def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
     return 1e9 * statistics.median(div) / numel, 1e9 * statistics.median(add) / numel
 
 
-def _profile_child(args: tuple[str, int | None, int, int], barrier: Any, out: Any) -> None:
+def _profile_child(index: int, args: tuple[str, int | None, int, int], barrier: Any,
+                   out: Any) -> None:
     try:
-        out.put(_profile_here(*args, barrier=barrier))
+        out.put({**_profile_here(*args, barrier=barrier), "index": index})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        if barrier is not None:
+            barrier.abort()  # the others may be waiting for this one
         out.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
@@ -355,38 +365,47 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
         raise ValueError(f"steps must be >= 2 and colocated >= 1, got {steps}, {colocated}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    barrier = ctx.Barrier(colocated, timeout=timeout_s)
+    barrier = ctx.Barrier(colocated, timeout=timeout_s) if colocated > 1 else None
     procs = [ctx.Process(target=_profile_child,
-                         args=((model, batch, steps, seed + i), barrier, out), daemon=True)
+                         args=(i, (model, batch, steps, seed + i), barrier, out), daemon=True)
              for i in range(colocated)]
     for p in procs:
         p.start()
     docs: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
+
+    def fail(why: str) -> RuntimeError:
+        if barrier is not None:
+            barrier.abort()  # release the others
+        return RuntimeError(f"profiling {model} failed: {why}")
+
+    quiet = 0  # polls in a row with nothing to read
     try:
         while len(docs) < len(procs):
             try:
-                docs.append(out.get(timeout=0.5))
-                continue
+                doc = out.get(timeout=0.5)
             except queue.Empty:
-                pass
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:  # a child that died without a word (killed, or failed to start)
-                barrier.abort()
-                raise RuntimeError(f"profiling {model} failed: a profiling process exited "
-                                   f"with code {dead[0]}")
-            if time.monotonic() > deadline:
-                barrier.abort()
-                raise RuntimeError(f"profiling {model} took over {timeout_s:g} s")
+                quiet += 1
+                # a child that died without a word (killed, or failed to start); one that
+                # reported and then exited may still have its report in the pipe: wait a
+                # poll more before calling it dead
+                reported = {d["index"] for d in docs}
+                dead = [p.exitcode for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in reported]
+                if dead and quiet > 1:
+                    raise fail(f"a profiling process exited with code {dead[0]}") from None
+                if time.monotonic() > deadline:
+                    raise fail(f"it took over {timeout_s:g} s") from None
+                continue
+            quiet = 0
+            if "error" in doc:
+                raise fail(doc["error"])
+            docs.append(doc)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    errors = [d["error"] for d in docs if "error" in d]
-    if errors:
-        barrier.abort()  # (a child that failed leaves the others waiting)
-        raise RuntimeError(f"profiling {model} failed: {errors[0]}")
     first = docs[0]
     buckets = [Bucket(b["numel"], statistics.median(d["buckets"][i]["ready_s"] for d in docs))
                for i, b in enumerate(first["buckets"])]
@@ -509,40 +528,47 @@ def hybrid_plan(prof: Profile, *, workers: int) -> tuple[list[Any], list[tuple[i
 def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) -> Prediction:
     """HybridDataParallel's step: each sufficient-factor layer's all-gather (gloo, a ring)
     starts when its output's gradient is known, each bucket's all-reduce (the switch) when it
-    is launched; both share each worker's link, served in the order they start. At the end of
-    backward every factor layer's gradient is rebuilt (``out x in`` elements of
-    ``n K`` multiply-adds each, at the profile's rates) once its gather is in, and the buckets are divided and copied back
-    (two passes, as the profile's ``div_ns``)."""
+    is launched; both share each worker's link, served in the order they start (gloo's and
+    the switch's threads run at once; on a bottleneck link they share its rate). At the end
+    of backward every factor layer's gradient is rebuilt once its gather is in (``out x in``
+    elements of ``n K`` multiply-adds each, at the profile's rates, then divided and copied
+    into ``.grad``: two passes), then the buckets are divided and copied back.
+
+    Passes over gradients, against the profile (DDP, which copies every gradient into its
+    bucket during backward and back out at its end, both inside the profiled backward):
+    hybrid's concatenation of a bucket stands for DDP's copy in, its copy back for DDP's copy
+    out, and its division is one pass more; the weights sent by factors skip both of DDP's
+    copies."""
     from switchml.torch.hybrid import SFB
     slow = prof.slowdown
     decisions, buckets = hybrid_plan(prof, workers=workers)
-    per = prof.div_ns * 1e-9  # the bucket's concatenation on backward's thread, per element
-    # (start, duration, the work after it: a rebuild, or a bucket's division and copy back);
-    # gathers first, in the order their gradients arrive, then buckets: the order of the
-    # waits at the end of backward
+    per = prof.div_ns * 1e-9  # one pass over a gradient, per element
+    # (start, duration, the work after it: a rebuild, or a bucket's division); gathers first,
+    # in the order their gradients arrive, then buckets: the order of the waits at the end
+    # of backward
     gathers, sent = [], []
-    delay = 0.0
+    skipped = 0
     for x, d in zip(prof.layers, decisions):
         if d.path == SFB:
             block = x.rows * (x.in_features + x.out_features) * 4
             size = x.in_features * x.out_features
+            skipped += size
             rebuild = 1e-9 * size * (prof.rebuild_out_ns + prof.mac_ns * workers * x.rows)
             gathers.append((slow * x.grad_s,
                             gloo_allgather_s(block, workers=workers, rate_bps=rate_bps,
-                                             mtu=mtu), slow * rebuild))
+                                             mtu=mtu), slow * rebuild + 2 * per * size))
     gathers.sort(key=lambda g: g[0])
     for numel, ready in buckets:
-        delay += per * numel
         t = switchml_allreduce_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu) \
             if workers > 1 else 0.0
-        sent.append((slow * ready + delay, t, 2 * per * numel))
+        sent.append((slow * ready, t, per * numel))
     transfers = gathers + sent
     ends = [0.0] * len(transfers)
     link = 0.0  # the worker's link, shared, served in the order transfers start
     for i in sorted(range(len(transfers)), key=lambda i: transfers[i][0]):
         link = max(link, transfers[i][0]) + transfers[i][1]
         ends[i] = link
-    backward = slow * prof.backward_s + delay
+    backward = max(0.0, slow * prof.backward_s - 2 * per * skipped)
     t = backward
     for end, (_, _, after) in zip(ends, transfers):  # each awaited in turn
         t = max(t, end) + after

@@ -22,8 +22,8 @@ Hooks (``HookName``):
   communication-free headroom.
 * ``lockstep``: no gradient moves, but the ranks wait for each other at every bucket (a
   one-element all-reduce), as a synchronous all-reduce makes them: the step of the slowest
-  rank's compute, the floor under any synchronous system (where ranks share cores, it is
-  above ``noop``'s, whose ranks never wait).
+  rank's compute, a floor under a synchronous system's step (where ranks share cores, it is
+  usually above ``noop``'s, whose ranks never wait).
 
 Tuning guide (``SwitchMLHookState``): ``bits`` trades bandwidth for precision (16 is fine with
 error feedback for SGD-like optimisers; use 32 for the first steps of very sensitive models).
@@ -214,11 +214,17 @@ def lockstep_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket
     """No gradient moves, but the ranks wait for each other at every bucket, as any
     synchronous all-reduce makes them: a one-element all-reduce over ``state`` (the group;
     None: the default group), then the local bucket. The step it measures is the compute of
-    the slowest rank, the floor under every synchronous system's step."""
+    the slowest rank, a floor under a synchronous system's step. A failed all-reduce (a peer
+    gone) fails the future, as the other hooks' do."""
     buffer = bucket.buffer()
-    token = torch.zeros(1, dtype=torch.float32)
+    token = torch.zeros(1, dtype=torch.float32, device=buffer.device)
     fut = dist.all_reduce(token, group=state, async_op=True).get_future()
-    return fut.then(lambda _f: buffer)
+
+    def local(f: torch.futures.Future) -> torch.Tensor:
+        f.value()  # raises the all-reduce's error
+        return buffer
+
+    return fut.then(local)
 
 
 class HookName(Enum):
