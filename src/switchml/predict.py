@@ -54,7 +54,6 @@ from switchml.protocol.wire import HEADER_SIZE, elements_for_mtu
 __all__ = ["Bucket", "Prediction", "Profile", "SYSTEMS", "predict", "profile", "validate"]
 
 SYSTEMS = ("gloo", "switchml", "switchml16", "hybrid")
-HYBRID_BUCKET_BYTES = 25 * 2**20  # HybridDataParallel's default bucket_cap_mb
 TCP_IPV4 = 52  # 20 IP + 20 TCP + 12 timestamp option
 ETHERNET = 14 + 24  # header and FCS, preamble, inter-frame gap: what a frame costs the wire
 GLOO_HOP_S = 100e-6
@@ -240,18 +239,14 @@ class _HybridRecorder:
     ready time, and the cost of rebuilding a gradient from factors."""
 
     def __init__(self, model: Any) -> None:
-        import time as _time
-
         from switchml.torch.hybrid import candidate_layers
         self.layers = candidate_layers(model)
         weight_of = {id(m.weight): i for i, (_, m) in enumerate(self.layers)}
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.layer_of = [weight_of.get(id(p)) for p in self.params]
-        self.rows = [0] * len(self.layers)
-        self.grad_at = [0.0] * len(self.layers)
-        self.ready_at = [0.0] * len(self.params)
+        self.clear()
         self.handles: list[Any] = []
-        clock = _time.perf_counter
+        clock = time.perf_counter
         for i, (_, m) in enumerate(self.layers):
             def on_forward(mod: Any, args: Any, out: Any, i: int = i) -> None:
                 if not getattr(out, "requires_grad", False):
@@ -295,18 +290,14 @@ class _HybridRecorder:
                    "layer": self.layer_of[j]} for j, p in enumerate(self.params)]
         return {"layers": layers, "params_ready": params}
 
-    def rebuild_costs(self, layers: list[dict[str, Any]]) -> dict[str, float]:
-        out_ns, mac_ns = self._rebuild_ns(layers)
-        return {"rebuild_out_ns": out_ns, "mac_ns": mac_ns}
-
     @staticmethod
-    def _rebuild_ns(layers: list[dict[str, Any]], repeats: int = 3) -> tuple[float, float]:
+    def rebuild_costs(layers: list[dict[str, Any]], repeats: int = 3) -> dict[str, float]:
         """Time ``G^T X`` (as HybridDataParallel rebuilds a gradient) for the largest layer
         at two depths, K and 8 K rows: ns per output element and per multiply-add."""
         import torch
         fed = [d for d in layers if d["rows"] > 0]
         if not fed:
-            return 0.0, 0.0
+            return {"rebuild_out_ns": 0.0, "mac_ns": 0.0}
         d = max(fed, key=lambda d: d["in_features"] * d["out_features"])
         size = d["in_features"] * d["out_features"]
         took = {}
@@ -321,7 +312,7 @@ class _HybridRecorder:
             took[depth] = statistics.median(times)
         (d1, t1), (d2, t2) = sorted(took.items())
         mac = max(0.0, (t2 - t1) / ((d2 - d1) * size))
-        return 1e9 * max(0.0, t1 / size - mac * d1), 1e9 * mac
+        return {"rebuild_out_ns": 1e9 * max(0.0, t1 / size - mac * d1), "mac_ns": 1e9 * mac}
 
 
 def _local_work_ns(numel: int, repeats: int = 5) -> tuple[float, float]:
@@ -506,22 +497,24 @@ def hybrid_plan(prof: Profile, *, workers: int) -> tuple[list[Any], list[tuple[i
     ``(numel, launch_s)``: parameters in reverse registration order without the weights sent
     by sufficient factors, cut at 25 MiB, each launched once it and every bucket before it
     are ready."""
-    from switchml.torch.hybrid import SFB, Transport, choose
+    from switchml.torch.hybrid import (
+        DEFAULT_BUCKET_CAP_MB,
+        SFB,
+        Transport,
+        choose,
+        cut_buckets,
+    )
     decisions = [choose(x.name, in_features=x.in_features, out_features=x.out_features,
                         rows=x.rows, world=workers, transport=Transport("switch", 4))
                  for x in prof.layers]
-    buckets: list[tuple[int, float]] = []
-    numel, ready = 0, 0.0
-    for p in prof.params_ready:
-        if p.layer is not None and decisions[p.layer].path == SFB:
-            continue
-        if numel and (numel + p.numel) * 4 > HYBRID_BUCKET_BYTES:
-            buckets.append((numel, ready))
-            numel = 0
-        numel += p.numel
-        ready = max(ready, p.ready_s)  # (launched in order: no earlier than the one before)
-    if numel:
-        buckets.append((numel, ready))
+    kept = [p for p in prof.params_ready
+            if p.layer is None or decisions[p.layer].path != SFB]
+    groups = cut_buckets([(p.numel * 4, None) for p in kept],
+                         int(DEFAULT_BUCKET_CAP_MB * 2**20))
+    buckets, ready = [], 0.0
+    for group in groups:  # launched in order: no earlier than the one before
+        ready = max([ready] + [kept[i].ready_s for i in group])
+        buckets.append((sum(kept[i].numel for i in group), ready))
     return decisions, buckets
 
 

@@ -75,6 +75,15 @@ def test_bad_arguments_raise():
         choose("x", in_features=0, out_features=3, rows=1, world=2, transport=SWITCH)
 
 
+def test_buckets_are_cut_at_the_cap_and_where_the_dtype_changes():
+    from switchml.torch.hybrid import cut_buckets
+    # 10 + 10 fit a cap of 25, the third does not; 30 exceeds it alone; a float16 item
+    # starts a bucket of its own even though it would fit
+    items = [(10, "f32"), (10, "f32"), (10, "f32"), (30, "f32"), (1, "f32"), (1, "f16")]
+    assert cut_buckets(items, 25) == [[0, 1], [2], [3], [4], [5]]
+    assert cut_buckets([], 25) == []
+
+
 def test_transport_of_a_non_switchml_group_is_a_ring():
     class FakeGroup:
         def name(self):

@@ -49,9 +49,10 @@ class TrainBenchConfig:
     DDP with the 16-bit switchml hook; ``hybrid``: HybridDataParallel on switchml (per layer
     aggregation or sufficient-factor broadcasting); ``noop``: DDP with no communication at all
     (the step's compute, for the ideal); ``lockstep``: no gradient moves, but the ranks wait
-    for each other at every bucket (the slowest rank's compute, for the lockstep ideal); ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of
-    (workers / 2) replicas x 2 shards, on switchml (the replicas' all-reduce through the switch)
-    and on gloo; their rows report the replica all-reduce's seconds per step."""
+    for each other at every bucket (the slowest rank's compute, for the lockstep ideal);
+    ``hsdp`` and ``hsdp-gloo``: FSDP2 on a 2-D mesh of (workers / 2) replicas x 2 shards, on
+    switchml (the replicas' all-reduce through the switch) and on gloo; their rows report the
+    replica all-reduce's seconds per step."""
     eval_every: int = 10
     """Evaluate the workload's metric every this many steps (left out of the step times)."""
     trace: bool = False

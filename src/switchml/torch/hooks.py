@@ -61,8 +61,8 @@ from switchml.torch.backend import (
 )
 from switchml.transport.udp import WorkerClient
 
-__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook", "noop_hook",
-           "register_hook", "switchml_hook"]
+__all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook",
+           "noop_hook", "register_hook", "switchml_hook"]
 
 
 class SwitchMLHookState:

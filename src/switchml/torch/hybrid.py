@@ -42,7 +42,7 @@ is overwritten with the rebuilt one). A weight shared by several modules is alwa
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +53,13 @@ from torch import nn
 from switchml.torch.timeline import COMPUTE, Timeline
 
 __all__ = ["AGGREGATE", "SFB", "HybridDataParallel", "LayerDecision", "Transport",
-           "aggregation_bytes", "candidate_layers", "choose", "sfb_bytes", "transport_of"]
+           "aggregation_bytes", "candidate_layers", "choose", "cut_buckets", "sfb_bytes",
+           "transport_of"]
 
 log = logging.getLogger(__name__)
 AGGREGATE = "aggregate"
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""HybridDataParallel's default bucket size (MiB), as DDP's."""
 SFB = "sfb"
 FACTOR_BYTES = 4
 """Sufficient factors travel as float32."""
@@ -168,6 +171,21 @@ def candidate_layers(module: nn.Module, exclude: Iterable[str] = ()
             and owners[id(m.weight)] == 1]
 
 
+def cut_buckets(items: Sequence[tuple[int, Any]], cap_bytes: int) -> list[list[int]]:
+    """Group consecutive ``(nbytes, kind)`` items into buckets of at most ``cap_bytes`` (an
+    item larger than that is a bucket of its own), a new one also where ``kind`` (the dtype)
+    changes: each bucket as its items' indices."""
+    buckets: list[list[int]] = []
+    size, bucket_kind = 0, None
+    for i, (nbytes, kind) in enumerate(items):
+        if not buckets or size + nbytes > cap_bytes or kind != bucket_kind:
+            buckets.append([])
+            size, bucket_kind = 0, kind
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
 class _Layer:
     """Per-``nn.Linear`` state: the captured input of the current forward and its gather."""
 
@@ -229,8 +247,9 @@ class HybridDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, process_group: Any = None, *,
-                 bucket_cap_mb: float = 25.0, sfb: bool = True, exclude: Iterable[str] = (),
-                 broadcast_buffers: bool = True, timeline: Timeline | None = None) -> None:
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, sfb: bool = True,
+                 exclude: Iterable[str] = (), broadcast_buffers: bool = True,
+                 timeline: Timeline | None = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("HybridDataParallel needs torch.distributed initialised "
@@ -363,23 +382,10 @@ class HybridDataParallel(nn.Module):
         self._build_buckets()
 
     def _build_buckets(self) -> None:
-        self._buckets, self._bucket_of = [], {}
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(self._params):
-            if id(p) in self._sfb_weights:
-                continue
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > self._bucket_cap or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self._buckets.append(_Bucket(current))
-        for i, b in enumerate(self._buckets):
-            for p in b.params:
-                self._bucket_of[id(p)] = i
+        params = [p for p in reversed(self._params) if id(p) not in self._sfb_weights]
+        self._buckets = [_Bucket([params[i] for i in group]) for group in cut_buckets(
+            [(p.numel() * p.element_size(), p.dtype) for p in params], self._bucket_cap)]
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
 
     def _on_grad_output(self, layer: _Layer, grad: torch.Tensor, fid: int) -> None:
         self._begin_backward()
