@@ -32,6 +32,8 @@ def test_training_over_the_testbed_matches_gloo():
         assert r["lockstep_step_s"] == by["lockstep"]["step_s"]
         assert [e[0] for e in r["evals"]] == [3, 6] and r["final_metric"] is not None
         assert r["hidden_fraction"] is not None
+        # the whole machine's CPUs over the measured steps: a share of what they can give
+        assert 0 < r["machine_busy"] <= 1.05 and r["machine_cpu_s_per_step"] > 0
 
 
 @pytest.mark.timeout(400)

@@ -206,7 +206,9 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
            recorder: Any) -> dict[str, Any]:
     """The training steps: losses, training time at each step (evaluation excluded), the
     metric every ``eval_every`` steps and at the end, and where the measured second half
-    (after warm-up and bucket rebuilding) starts in time and in link bytes."""
+    (after warm-up and bucket rebuilding) starts in time, in link bytes and in the whole
+    machine's busy CPU-seconds (``busy_half``; ``busy_evals``: the machine's busy seconds while
+    this rank evaluated after it, to be left out as the evaluation's time is)."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
     losses, times, evals = [], [], []
@@ -214,11 +216,12 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     c0 = _cpu()
     paused = 0.0  # seconds spent evaluating, left out of the training time
     half = a["steps"] // 2
-    half_s, bytes_half = t0, 0
+    half_s, bytes_half, busy_half, busy_evals = t0, 0, 0.0, 0.0
     every = a.get("eval_every") or 0
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
+            busy_half = machine_busy_s()
         loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
         losses.append(loss.item())
         times.append(end - t0 - paused)
@@ -227,15 +230,18 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             recorder.backward_done(b0, o0)
             recorder.optimizer(o0, end)
         if every and ((step + 1) % every == 0 or step + 1 == a["steps"]):
-            e0 = time.perf_counter()
+            e0, u0 = time.perf_counter(), machine_busy_s()
             model.eval()
             evals.append((step + 1, times[-1], task.evaluate(model)))
             model.train()
             paused += time.perf_counter() - e0
-    elapsed = time.perf_counter() - t0
+            if step >= half:
+                busy_evals += machine_busy_s() - u0
+    elapsed, busy_end = time.perf_counter() - t0, machine_busy_s()
     return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
-            "bytes_half": bytes_half}
+            "bytes_half": bytes_half,
+            "machine_busy_s": busy_end - busy_half - busy_evals if busy_half else None}
 
 
 def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:
@@ -316,6 +322,8 @@ def train(a: dict[str, Any]) -> None:
     if dev:
         extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
             a["steps"] - run["half"])
+    if run["machine_busy_s"] is not None:  # (the whole machine: every rank sees the same)
+        extra["machine_cpu_s_per_step"] = run["machine_busy_s"] / (a["steps"] - run["half"])
     if recorder is not None:
         summary = recorder.summary(since_s=run["half_s"], rank=rank)
         if not a.get("trace"):

@@ -140,10 +140,21 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
         "times": times, "metric": work.metric, "evals": evals,
         "final_metric": evals[-1][2] if evals else None,
         "cpu_percent": _cpu_percent(out),
+        **_machine_cpu(lead, step_s),
         **_bytes_and_trace(out),
         **({"replica_allreduce_s": sum(o["replica_allreduce_s_per_step"] for o in out)
             / len(out)} if "replica_allreduce_s_per_step" in lead else {}),
     }
+
+
+def _machine_cpu(lead: dict[str, Any], step_s: float) -> dict[str, float]:
+    """The whole machine's busy CPU-seconds per step (``/proc/stat``: the ranks, the switch,
+    the links' softirq) and ``machine_busy``, that over the machine's CPU-seconds per step:
+    near 1, the step is as short as the machine's cores allow, whatever the wire does."""
+    cpu = lead.get("machine_cpu_s_per_step")
+    if cpu is None:
+        return {}
+    return {"machine_cpu_s_per_step": cpu, "machine_busy": cpu / ((os.cpu_count() or 1) * step_s)}
 
 
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:

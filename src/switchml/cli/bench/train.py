@@ -31,7 +31,9 @@ def add_parser(bsub: Subparsers) -> None:
                     "links, on each system. Per row: step time, samples/s, time to the target "
                     "metric (the level every system reached) and loss, bytes per step "
                     "(measured on the links and predicted), the share of communication hidden "
-                    "behind backward, the speedup against gloo, and the ideal step time: the "
+                    "behind backward, how busy the whole machine's CPUs were over the steps "
+                    "(near 100%, the step is as short as the machine's cores allow, whatever "
+                    "the links do), the speedup against gloo, and the ideal step time: the "
                     "step with no communication (the noop system) plus the exposed part of the "
                     "row's wire time at the link rate; with the lockstep system, also the "
                     "lockstep ideal, the same from the step whose ranks wait for the slowest "
@@ -119,8 +121,8 @@ def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) 
     lockstep = any("achieved_over_lockstep_ideal" in r for r in rows)
     for col in ("model", "parameters", "system", "step (ms)", "samples/s", "final loss",
                 "metric", "to target (s)", "speedup", "MB/step", "MB/step predicted",
-                "hidden", "ideal (ms)", "of ideal") + (("of lockstep ideal",) if lockstep
-                                                       else ()):
+                "hidden", "CPU busy", "ideal (ms)", "of ideal") + (
+                    ("of lockstep ideal",) if lockstep else ()):
         table.add_column(col, justify="right")
 
     def fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
@@ -136,6 +138,7 @@ def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) 
                       fmt(r.get("bytes_per_step_measured"), ".2f", 1e-6),
                       fmt(r.get("bytes_per_step_predicted"), ".2f", 1e-6),
                       fmt(r.get("hidden_fraction"), ".0%"),
+                      fmt(r.get("machine_busy"), ".0%"),
                       fmt(r.get("ideal_step_s"), ".0f", 1e3),
                       fmt(r.get("achieved_over_ideal"), ".2f"),
                       *([fmt(r.get("achieved_over_lockstep_ideal"), ".2f")] if lockstep
@@ -148,6 +151,7 @@ _TRAIN_CSV_KEYS = ["model", "backend", "system", "hook", "workers", "params", "r
                    "target_loss", "time_to_target_s", "metric", "final_metric",
                    "target_metric", "time_to_metric_s", "speedup_step", "speedup_vs_switchml",
                    "bytes_per_step_measured", "bytes_per_step_predicted", "hidden_fraction",
+                   "machine_cpu_s_per_step", "machine_busy",
                    "compute_step_s", "wire_s", "ideal_step_s", "achieved_over_ideal",
                    "lockstep_step_s", "ideal_lockstep_step_s", "achieved_over_lockstep_ideal",
                    "replica_allreduce_s"]
