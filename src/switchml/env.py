@@ -14,6 +14,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
+| ``SWITCHML_HALF_BITS`` | torch: wire bits of float16/bfloat16 all-reduces (auto, 16, 32) |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data centre, by index (Gaia: ``switchml.gaia.connect``) |
 | ``SWITCHML_DC_LEADERS`` | the data centres' leaders, ``host:port,...`` in index order (Gaia) |
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from switchml.links import LinkSecurity
 
 __all__ = ["batching", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
-           "flight_signal", "link_security", "mtu", "ps_host", "secret", "stall_log_s",
-           "switch_addresses", "window"]
+           "flight_signal", "half_bits", "link_security", "mtu", "ps_host", "secret",
+           "stall_log_s", "switch_addresses", "window"]
 
 
 def _get(name: str) -> str | None:
@@ -112,6 +113,14 @@ def window() -> int | None:
 def elements_per_packet() -> int | None:
     """``SWITCHML_ELEMENTS_PER_PACKET``."""
     return _int("SWITCHML_ELEMENTS_PER_PACKET")
+
+
+def half_bits() -> int | None:
+    """``SWITCHML_HALF_BITS``: 16 or 32; None for ``auto`` (the default)."""
+    value = (_get("SWITCHML_HALF_BITS") or "auto").lower()
+    if value not in ("auto", "16", "32"):
+        raise ValueError(f"SWITCHML_HALF_BITS must be auto, 16 or 32, got {value!r}")
+    return None if value == "auto" else int(value)
 
 
 def batching() -> bool:

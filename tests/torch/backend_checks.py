@@ -41,8 +41,13 @@ SHAPES = ["scalar", "one", "odd1d", "twod", "transposed", "strided"]
 ALLREDUCE_CASES = [f"{d}-{o}-{s}" for d, o, s in itertools.product(DTYPES, OPS, SHAPES)]
 
 
-def scale_bits(n: int) -> int:
-    return 31 - n.bit_length()
+def scale_bits(n: int, bits: int = 32) -> int:
+    return bits - 1 - n.bit_length()
+
+
+def wire_bits(dtype: str) -> int:
+    """The backend's default: float16 and bfloat16 travel as 16-bit fixed point."""
+    return 16 if dtype in ("float16", "bfloat16") else 32
 
 
 def _torch_dtype(name: str) -> Any:
@@ -101,23 +106,27 @@ def half_ulp(dtype: str, v: Any) -> Any:
     return 0.5 * step
 
 
-def switch_tolerance(dtype: str, xs: list[Any], average: bool) -> Any:
+def switch_tolerance(dtype: str, xs: list[Any], average: bool, bits: int | None = None) -> Any:
     """The documented error bound per element (docs/protocol.md section 4), plus rounding.
 
     Sum: ``n * 0.5 * 2**(emax - P)`` with ``emax`` the block exponent (max over ranks of the
-    ``frexp`` exponent of the block's max magnitude, blocks of K elements in logical order),
-    plus the rounding of the result to the dtype (bfloat16 travels as float32 and is rounded
-    twice: to float32, then to bfloat16). AVG divides the rounded sum and rounds once more.
+    ``frexp`` exponent of the block's max magnitude, blocks of a packet's elements in logical
+    order: K in 32 bits, 2K in 16) and ``P = bits - 1 - bit_length(n)``, plus the rounding of
+    the result to the dtype (bfloat16 is staged as float32 and is rounded twice: to float32,
+    then to bfloat16). AVG divides the rounded sum and rounds once more. ``bits``: on the wire
+    (None: the backend's default for the dtype).
     """
     n = len(xs)
     numel = xs[0].size
+    bits = bits or wire_bits(dtype)
+    k = K * 32 // bits
     bound = np.zeros(numel)
-    for b0 in range(0, max(numel, 1), K):
-        m = max(float(np.max(np.abs(x[b0:b0 + K]))) if numel else 0.0 for x in xs)
+    for b0 in range(0, max(numel, 1), k):
+        m = max(float(np.max(np.abs(x[b0:b0 + k]))) if numel else 0.0 for x in xs)
         if m == 0.0:
             continue
         emax = math.frexp(m)[1]
-        bound[b0:b0 + K] = n * 0.5 * math.ldexp(1.0, emax - scale_bits(n))
+        bound[b0:b0 + k] = n * 0.5 * math.ldexp(1.0, emax - scale_bits(n, bits))
     total = np.abs(np.sum(xs, axis=0)) + bound  # |sum| can be at most this before rounding
     rnd = half_ulp(dtype, total)
     if dtype == "bfloat16":
@@ -270,6 +279,41 @@ def _expect_float_sum(g: Group, case: str, got: Any, xs: list[Any], gloo: Any) -
 
 for _case in ALLREDUCE_CASES:
     CHECKS[f"allreduce[{_case}]"] = functools.partial(allreduce_case, case=_case)
+
+
+@check("half_precision_bytes_and_bits")
+def half_precision_bytes(g: Group) -> None:
+    """float16 and bfloat16 travel in half float32's bytes (16-bit fixed point), as gloo
+    moves them; a group made with ``SWITCHML_HALF_BITS=32`` (on rank 0) sends them in 32
+    bits, float32's bytes, with the 32-bit bound."""
+    import os
+
+    def sent(group: Any, t: Any) -> int:
+        before = stt.stats(group)["worker"].get("payload_bytes_sent", 0)  # (0: not listed)
+        dist.all_reduce(t, group=group)
+        return stt.stats(group)["worker"]["payload_bytes_sent"] - before
+
+    n = 100_000
+    f32 = sent(None, torch.ones(n))
+    for dt in (torch.float16, torch.bfloat16):
+        got = sent(None, torch.ones(n, dtype=dt))
+        _expect(2 * got == f32, f"{dt}: {got} payload bytes, float32 {f32}: not half")
+    os.environ["SWITCHML_HALF_BITS"] = "32"
+    try:
+        wide = dist.new_group(backend="switchml")
+    finally:
+        del os.environ["SWITCHML_HALF_BITS"]
+    try:
+        _expect(sent(wide, torch.ones(n, dtype=torch.float16)) == sent(wide, torch.ones(n)),
+                "SWITCHML_HALF_BITS=32: float16 did not travel as float32's bytes")
+        x, _ = make_input("float16", "odd1d", g.rank)
+        xs = [flat64(make_input("float16", "odd1d", r)[0]) for r in range(g.world)]
+        dist.all_reduce(x, group=wide)
+        tol32 = switch_tolerance("float16", xs, False, bits=32)
+        err = np.abs(flat64(x) - np.sum(xs, axis=0))
+        _expect(bool(np.all(err <= tol32)), "32-bit float16 beyond the 32-bit bound")
+    finally:
+        dist.destroy_process_group(wide)
 
 
 @check("allreduce_bitwise_same_on_all_ranks")

@@ -156,3 +156,41 @@ def test_16_bit_residual_follows_the_buckets_parameters_not_only_its_index():
             assert torch.allclose(out + residual2, grad, atol=1e-7)
         finally:
             state.client.close()
+
+
+def test_lockstep_hook_fails_its_future_when_the_all_reduce_fails(monkeypatch):
+    """A peer gone: the one-element all-reduce's future fails, and so must the bucket's, or
+    DDP would step on a gradient no rank agreed on. A good all-reduce hands back the bucket
+    untouched, its token on the bucket's device."""
+    import torch
+    import torch.distributed as dist
+
+    from switchml.torch.hooks import lockstep_hook
+
+    calls = []
+
+    class _Work:
+        def __init__(self, error):
+            self.fut = torch.futures.Future()
+            if error is None:
+                self.fut.set_result([calls[-1]])
+            else:
+                self.fut.set_exception(error)
+
+        def get_future(self):
+            return self.fut
+
+    error = None
+
+    def all_reduce(tensor, group=None, async_op=False):
+        calls.append(tensor)
+        return _Work(error)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    grad = torch.tensor([1.0, -2.0, 3.0])
+    out = lockstep_hook(None, _Bucket(0, grad, [])).wait()
+    assert out is grad and out.tolist() == [1.0, -2.0, 3.0]
+    assert calls[-1].numel() == 1 and calls[-1].device == grad.device
+    error = RuntimeError("rank 1 is gone")
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        lockstep_hook(None, _Bucket(0, grad, [])).wait()

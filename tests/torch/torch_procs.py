@@ -568,14 +568,17 @@ def stall_body(rank: int, world: int, q: Any) -> dict[str, Any]:
             "sum": float(x[0])}
 
 
-def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int) -> dict[str, Any]:
+def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int,
+              reduce_dtype: str | None = None) -> dict[str, Any]:
     """HSDP: ``fully_shard`` over a 2-D DeviceMesh (replicate x shard) of 2 x 2 ranks, AdamW,
-    ``steps`` steps; returns the full parameters, the losses, and (switchml) how many
-    all-reduces each of this rank's mesh groups sent through the switch."""
+    ``steps`` steps, gradients reduced in ``reduce_dtype`` if given (FSDP2's
+    ``MixedPrecisionPolicy``); returns the full parameters, the losses, and (switchml) how
+    many all-reduces each of this rank's mesh groups sent through the switch and the payload
+    bytes the replicate group's worker sent."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import switchml.torch as stt
 
@@ -584,15 +587,20 @@ def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int) -> dict[s
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 4))
+    policy = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype
+                                  else None)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     losses = _train_sharded(model, rank, steps)
     full = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-    switched = {}
+    switched, sent = {}, None
     if backend == "switchml":
         for dim in ("replicate", "shard"):
             switched[dim] = stt.stats(mesh[dim].get_group())["switch_ops"].get("allreduce", 0)
+        sent = stt.stats(mesh["replicate"].get_group())["worker"]["payload_bytes_sent"]
+    shard_numel = sum(p.to_local().numel() for p in model.parameters())
     dist.destroy_process_group()
-    return {"params": full.tolist(), "losses": losses, "switched": switched}
+    return {"params": full.tolist(), "losses": losses, "switched": switched,
+            "replicate_bytes_sent": sent, "shard_numel": shard_numel}

@@ -135,8 +135,37 @@ def gloo(a: dict[str, Any]) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     init_group("gloo", a["master"], a["port"], a["rank"], a["n"], 300, a.get("store_file"))
-    x = torch.full((a["numel"],), float(a["rank"] + 1))
+    x = torch.full((a["numel"],), float(a["rank"] + 1),
+                   dtype=getattr(torch, a.get("dtype", "float32")))
     r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
+    dist.destroy_process_group()
+    _emit(r)
+
+
+def switchml_torch(a: dict[str, Any]) -> None:
+    """``dist.all_reduce`` of a ``dtype`` tensor on a "switchml" group (the switch from
+    ``SWITCHML_SWITCH``), as a training job issues it: the backend stages the tensor and picks
+    the wire width. Reports the worker's counters and the result's error: every rank starts
+    from rank + 1 and all-reduces in place, as gloo's role does, so after k operations every
+    element is ``n (n + 1) / 2 * n**(k - 1)``, exact in each of the types while it fits."""
+    import torch
+    import torch.distributed as dist
+
+    import switchml.torch as stt
+    torch.set_num_threads(1)
+    init_group("switchml", a["master"], a["port"], a["rank"], a["n"], 300, a.get("store_file"))
+    x = torch.full((a["numel"],), float(a["rank"] + 1), dtype=getattr(torch, a["dtype"]))
+    r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
+    n = a["n"]
+    expect = n * (n + 1) / 2 * n ** (a["warmup"] + a["iters"] - 1)
+    r["max_abs_error"] = float((x.double() - expect).abs().max())
+    group = dist.distributed_c10d._get_default_group()
+    r["wire_bits"] = group.wire_bits(x.dtype)
+    c = stt.stats()["worker"]
+    r["retransmissions"] = c.get("retransmissions", 0)
+    r["payload_bytes_sent"] = c.get("payload_bytes_sent", 0)
+    r["system_calls"] = {k: c.get(k, 0) for k in ("packets_sent", "results_received",
+                                                   "send_calls", "recv_calls")}
     dist.destroy_process_group()
     _emit(r)
 
@@ -198,7 +227,8 @@ def floor(a: dict[str, Any]) -> None:
     _emit(r)
 
 
-ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo, "ps-server": ps_server,
+ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo,
+         "switchml-torch": switchml_torch, "ps-server": ps_server,
          "ps": ps, "floor-hub": floor_hub, "floor": floor}
 
 

@@ -39,6 +39,7 @@ __all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed
 
 SWITCH_PORT = 48864
 SYSTEMS = ("switchml", "gloo", "ps", "floor")
+DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_SYSTEMS = ("switchml", "gloo", "ps")
 """``floor`` (the cost of moving switchml's bytes with no protocol: ``bench/floor.py``) runs
 when asked for."""
@@ -75,6 +76,10 @@ class TestbedBenchConfig:
     jobs: int = 1
     """Jobs the workers are split into, running at once (worker i in job i mod ``jobs``):
     switchml's share the switch, gloo's are separate rings. switchml and gloo only."""
+    dtype: str = "float32"
+    """The all-reduced tensors' type. float16 and bfloat16 (switchml and gloo only): both run
+    through torch.distributed, switchml on its "switchml" backend, whose rule sets the wire
+    width (``torch.backend.wire_bits``), gloo on the same type; elements as float32's."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -85,6 +90,17 @@ class TestbedBenchConfig:
                              f"least 2, got {self.jobs}")
         if self.residual and self.bits != 16:
             raise ValueError("--residual is the 16-bit hook's error feedback: it needs --bits 16")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "float32" and (set(self.systems) - {"switchml", "gloo"} or self.jobs > 1
+                                        or self.bits != 32 or self.residual):
+            raise ValueError(f"with dtype {self.dtype} only the systems switchml and gloo run, "
+                             "one job, and the backend sets the wire width (no --bits, "
+                             "--residual)")
+        n, ops = self.workers, self.warmup + self.iters
+        if self.dtype == "float16" and n * (n + 1) / 2 * n ** (ops - 1) > 65504:
+            raise ValueError(f"float16: {ops} in-place sums of {n} workers' values overflow "
+                             "float16; take fewer --warmup/--iters")
         if self.jobs > 1 and set(self.systems) - {"switchml", "gloo"}:
             raise ValueError("with jobs > 1, only the systems switchml and gloo run, got "
                              f"{', '.join(self.systems)}")
@@ -240,6 +256,12 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
                                           elements_per_packet=cfg.elements_per_packet))
              for _ in range(cfg.jobs)]
     cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
+    if cfg.dtype != "float32":
+        rows = _run_switchml_torch(tb, cfg, common)
+        switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
+        return rows, {"switch_cpu_percent": switch_cpu, "wire_bits": rows[0]["wire_bits"],
+                      "payload_bytes_sent": [r["payload_bytes_sent"] for r in rows],
+                      **_switchml_extra(rows)}
     procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml", {
         **common, "spec": specs[cfg.job_of(i)[0]], "rank": cfg.job_of(i)[1],
         "switch": topo.switch_ip(i), "port": SWITCH_PORT, "offset": 100 * cfg.job_of(i)[0],
@@ -247,6 +269,22 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
     rows = _wait_all(procs, cfg.timeout_s)
     switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
     return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
+
+
+def _run_switchml_torch(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+                        ) -> list[dict[str, Any]]:
+    """switchml's workers through its torch backend (``dist.all_reduce`` of ``cfg.dtype``
+    tensors on a "switchml" group), each at the switch behind its own link."""
+    port, k = 29000 + secrets.randbelow(20000), cfg.elements_per_packet
+    with _store_dir() as store:
+        procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml-torch", {
+            **common, "rank": i, "n": cfg.workers, "master": tb.topology.worker_ip(0),
+            "port": port, "store_file": f"{store}/group"}),
+            lambda i: {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(i),
+                       "SWITCHML_SWITCH": f"{tb.topology.switch_ip(i)}:{SWITCH_PORT}",
+                       "SWITCHML_ELEMENTS_PER_PACKET": str(k),
+                       "SWITCHML_WINDOW": str(cfg.window or default_window(k))})
+        return _wait_all(procs, cfg.timeout_s)
 
 
 def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
@@ -322,7 +360,8 @@ def _run_floor(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
 def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
              switch_pid: int) -> dict[str, Any]:
     """One all-reduce measurement of ``system`` at ``size`` bytes: its result row."""
-    common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters}
+    common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters,
+              "dtype": cfg.dtype}
     extra: dict[str, Any] = {}
     if system == "switchml":
         rows, extra = _run_switchml(tb, cfg, common, switch_pid)
@@ -333,7 +372,7 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
     else:
         rows, extra = _run_ps(tb, cfg, common)
     return {**_ate_row(cfg, system, cfg.workers // cfg.jobs, size, rows, cfg.loss_rate),
-            "jobs": cfg.jobs,
+            "jobs": cfg.jobs, "dtype": cfg.dtype,
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 

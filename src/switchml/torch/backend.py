@@ -13,8 +13,11 @@
   every reduce op but SUM and AVG runs on an internal gloo group over the same store and is
   counted in :meth:`SwitchMLProcessGroup.stats`, so a user sees what did not go through the switch.
 
-All-reduce details: SUM and AVG of float32, float16, float64 (fixed point with block exponents,
-error bound in docs/protocol.md), bfloat16 (summed as float32, rounded back once), int32 (exact),
+All-reduce details: SUM and AVG of float32, float64 (32-bit fixed point with block exponents,
+error bound in docs/protocol.md), float16 and bfloat16 (widened exactly to float32, rounded back
+once; on the wire as 16-bit fixed point, half the bytes, as gloo moves them, where the 16-bit
+sum's bound is within the type's own rounding, else 32-bit: :meth:`SwitchMLProcessGroup.wire_bits`;
+``SWITCHML_HALF_BITS`` on rank 0 says 16 or 32 outright), int32 (exact),
 int64 (exact modulo 2**64 for up to 511 ranks: each value travels as three int32 limbs of
 22/22/20 bits, so int64 costs three times the bytes). AVG divides after the sum (integers:
 truncating division). Tensors are reduced in place, in any shape; non-contiguous and CUDA tensors
@@ -52,6 +55,7 @@ from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.flight import FlightRecorder
@@ -61,7 +65,7 @@ from switchml.transport.udp import AllreduceHandle, WorkerClient
 __all__ = ["StagedTensor", "SwitchMLProcessGroup", "SwitchMLWork", "complete_elsewhere",
            "embedded_switch_pid", "failable_future", "job_spec_for_ranks", "local_mtu", "register",
            "release_embedded_switch", "resolve_switch_over_group", "stats",
-           "stop_embedded_switch"]
+           "stop_embedded_switch", "wire_bits"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -70,6 +74,7 @@ _STORE_JOB_KEY = "switchml/job"
 _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
 _NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
+_HALF = {torch.float16, torch.bfloat16}
 _SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
 _SWITCH_GRACE_S = 2.0
 _SWITCH_START_S = 30.0  # the embedded switch must say where it listens within this
@@ -222,6 +227,19 @@ class StagedTensor:
                 t.copy_(torch.div(t, size, rounding_mode="trunc"))
 
 
+def wire_bits(dtype: torch.dtype, world: int, half_bits: int | None = None) -> int:
+    """Bits per element on the wire for an all-reduce of ``dtype`` over ``world`` ranks.
+    float16 and bfloat16: ``half_bits`` if given, else 16 where the 16-bit sum's error bound
+    (``quantize.error_bound``, relative to a block's scale ``2**emax``) is at most the type's
+    own rounding there (half its epsilon): float16 up to 4 ranks, bfloat16 up to 15; 32
+    beyond. Everything else: 32."""
+    if dtype not in _HALF:
+        return 32
+    if half_bits is not None:
+        return half_bits
+    return 16 if error_bound(0, world, bits=16) <= torch.finfo(dtype).eps / 2 else 32
+
+
 def _to_limbs(x: np.ndarray) -> np.ndarray:
     """Split int64 into three int32 limbs (low 22 bits, next 22, signed top 20)."""
     out = np.empty((3, x.size), dtype=np.int32)
@@ -241,9 +259,14 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     """A process group whose all-reduce goes through a switchml switch."""
 
     def __init__(self, *, rank: int, size: int, client: WorkerClient, gloo: dist.ProcessGroup,
-                 switch: tuple[Address, ...]) -> None:
+                 switch: tuple[Address, ...], half_bits: int | None = None) -> None:
         super().__init__(rank, size)
+        if half_bits not in (None, 16, 32):
+            raise ValueError(f"half_bits must be None (auto), 16 or 32, got {half_bits}")
         self.client = client
+        self.half_bits = half_bits
+        """Bits on the wire of float16 and bfloat16 tensors: 16, 32, or None (``wire_bits``
+        decides); the group's, from rank 0's ``SWITCHML_HALF_BITS``."""
         self.switch = switch
         """The switch's address, or a sharded switch's shards (``as_addresses``)."""
         self._gloo = gloo
@@ -264,6 +287,11 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- the switch path ---------------------------------------------------------------------
+
+    def wire_bits(self, dtype: torch.dtype) -> int:
+        """Bits per element on the wire for a tensor of ``dtype`` in this group
+        (:func:`wire_bits`)."""
+        return wire_bits(dtype, self.size(), self.half_bits)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = opts.reduceOp.op if opts is not None else _RedOp.SUM
@@ -320,7 +348,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
 
         try:
             for plan in plans:
-                handle = self.client.allreduce_async(plan.array, plan.array)
+                handle = self.client.allreduce_async(plan.array, plan.array,
+                                                     bits=self.wire_bits(plan.tensor.dtype))
                 handle.add_done_callback(lambda h, p=plan: on_done(h, p))
         except SwitchMLError as exc:
             raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
@@ -627,12 +656,19 @@ def _create(store: dist.Store, rank: int, size: int,
         key = f"switchml/{_incarnation}/job"
         # Every rank publishes its MTU towards the switch; rank 0 sizes the job's chunks.
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
+        own = str(env.half_bits() or "auto")
         if rank == 0:
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)))
+            store.set(f"{key}/half_bits", own)
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())
+        group_half = store.get(f"{key}/half_bits").decode()
+        if group_half != own:
+            log.warning("switchml rank %d: SWITCHML_HALF_BITS is %s here, but rank 0's (%s) "
+                        "rules the group", rank, own, group_half)
+        half_bits = None if group_half == "auto" else int(group_half)
         gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
@@ -648,7 +684,8 @@ def _create(store: dist.Store, rank: int, size: int,
         if acquired:
             _EMBEDDED.release()
         raise
-    pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch)
+    pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch,
+                              half_bits=half_bits)
     pg.owns_switch = acquired
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:

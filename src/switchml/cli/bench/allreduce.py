@@ -72,6 +72,12 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                      help="split the -n workers into JOBS jobs that run at once (worker i in "
                           "job i mod JOBS), as HSDP's shard groups do: switchml's jobs share "
                           "the switch, gloo's are JOBS rings (default 1)")
+    tbg.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                     help="the all-reduced tensors' type (default float32). float16, bfloat16: "
+                          "switchml runs through its torch backend (dist.all_reduce on a "
+                          "\"switchml\" group, which sets the wire width: 16 bits up to 4 "
+                          "ranks for float16, 15 for bfloat16), gloo all-reduces the same type; "
+                          "switchml and gloo only. Sizes stay float32's element counts")
     tbg.add_argument("--nack-gap", type=int, default=4,
                      help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
                           "the two in one session) (default 4)")
@@ -120,7 +126,7 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
-        jobs=args.jobs, residual=args.residual)
+        jobs=args.jobs, residual=args.residual, dtype=args.dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,9 +212,10 @@ def _testbed_table(cfg: Any, rate_mbit: float, rows: Sequence[dict]) -> Table:
 
     jobs = (f" in {cfg.jobs} jobs of {cfg.workers // cfg.jobs} at once"
             if getattr(cfg, "jobs", 1) > 1 else "")
+    dtype = f", {cfg.dtype} tensors" if getattr(cfg, "dtype", "float32") != "float32" else ""
     table = Table(title=f"all-reduce over the testbed: {cfg.workers} workers{jobs}, {rate_mbit:g} "
-                        f"Mbit/s links, loss {cfg.loss_rate:g}, MTU {cfg.mtu} (ATE/s per "
-                        "worker)",
+                        f"Mbit/s links, loss {cfg.loss_rate:g}, MTU {cfg.mtu}{dtype} (ATE/s "
+                        "per worker)",
                   caption="CPU-s/1e9: CPU-seconds per 10^9 elements aggregated per worker "
                           "(the worker processes summed; the whole machine from /proc/stat, "
                           "switch and softirq included), and the ratio to gloo's")
