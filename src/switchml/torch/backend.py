@@ -62,10 +62,10 @@ from switchml.torch.flight import FlightRecorder
 from switchml.transport.sockets import local_mtu
 from switchml.transport.udp import AllreduceHandle, WorkerClient
 
-__all__ = ["StagedTensor", "SwitchMLProcessGroup", "SwitchMLWork", "complete_elsewhere",
-           "embedded_switch_pid", "failable_future", "job_spec_for_ranks", "local_mtu", "register",
-           "release_embedded_switch", "resolve_switch_over_group", "stats",
-           "stop_embedded_switch", "wire_bits"]
+__all__ = ["StagedTensor", "StagingPool", "SwitchMLProcessGroup", "SwitchMLWork",
+           "complete_elsewhere", "embedded_switch_pid", "failable_future", "job_spec_for_ranks",
+           "local_mtu", "register", "release_embedded_switch", "resolve_switch_over_group",
+           "stats", "stop_embedded_switch", "wire_bits"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -179,24 +179,56 @@ def complete_elsewhere(completer: torch.futures.Future[Any], value: Any) -> None
                      daemon=True).start()
 
 
+class StagingPool:
+    """Host buffers for staged tensors, kept for the next operation of the same type and size.
+
+    A fresh allocation of tens of megabytes comes from the kernel as untouched pages, and
+    faulting them in costs more than the copy that fills them (64 MiB: about 28 against 3 ms
+    here); a training job all-reduces the same sizes every step. Keeps at most ``keep`` free
+    buffers (the oldest go first). Thread-safe: taken in the caller's thread, given back on
+    the I/O thread."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU tensor of ``numel`` elements of ``dtype`` (its contents undefined)."""
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.numel() == numel and t.dtype is dtype:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(t)
+            del self._free[:-self.keep]
+
+
 class StagedTensor:
     """How one tensor travels through the switch: the numpy array sent, and the write-back.
 
     ``array`` is a flat view of the tensor itself where it can be (a contiguous CPU tensor of a
-    type the switch sums), else of a contiguous CPU copy (``staging``): bfloat16 and, with
-    ``dtype``, any other type travels as ``dtype`` (by default float32 for bfloat16); int64
-    travels as three int32 limbs. Used by the backend for every all-reduce and by the DDP hooks
-    (``dtype=torch.float32``) for every bucket.
+    type the switch sums), else of a contiguous CPU copy (``staging``, from ``pool`` if given,
+    back to it after ``finish``): float16 and bfloat16 (widened by torch, exactly) and, with
+    ``dtype``, any other type travel as ``dtype`` (by default float32 for the half types);
+    int64 travels as three int32 limbs. Used by the backend for every all-reduce and by the DDP
+    hooks (``dtype=torch.float32``) for every bucket.
 
     Args:
         tensor: the tensor to reduce in place.
         dtype: send as this type (a copy unless the tensor already is); None: as the backend does.
+        pool: where a staging copy's buffer comes from and goes back to; None: allocated.
     """
 
-    __slots__ = ("tensor", "array", "flat", "staging", "kind")
+    __slots__ = ("tensor", "array", "flat", "staging", "kind", "pool")
 
-    def __init__(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 pool: StagingPool | None = None) -> None:
         self.tensor = tensor
+        self.pool = pool
         t = tensor.detach()
         self.staging: torch.Tensor | None = None
         if t.dtype is torch.int64 and dtype is None:
@@ -205,9 +237,13 @@ class StagedTensor:
             self.flat = torch.from_numpy(self.array)
             return
         self.kind = "plain"
-        want = dtype or (torch.float32 if t.dtype is torch.bfloat16 else t.dtype)
+        want = dtype or (torch.float32 if t.dtype in _HALF else t.dtype)
         if t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
-            self.staging = t.to(device="cpu", dtype=want).contiguous()
+            if pool is not None:
+                self.staging = pool.take(t.numel(), want)
+                self.staging.copy_(t.reshape(-1))
+            else:
+                self.staging = t.to(device="cpu", dtype=want).contiguous()
         src = self.staging if self.staging is not None else t
         self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
         self.array = self.flat.numpy()
@@ -220,11 +256,19 @@ class StagedTensor:
             t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
         elif self.staging is not None:
             t.copy_(self.staging.reshape(t.shape))
+            self.release()
         if average:
             if t.is_floating_point():
                 t.div_(size)
             else:
                 t.copy_(torch.div(t, size, rounding_mode="trunc"))
+
+    def release(self) -> None:
+        """Give the staging buffer back to the pool (after ``finish``, or when the operation
+        failed); idempotent."""
+        if self.pool is not None and self.staging is not None:
+            self.pool.give(self.staging)
+            self.pool = None
 
 
 def wire_bits(dtype: torch.dtype, world: int, half_bits: int | None = None) -> int:
@@ -274,6 +318,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         self.switch_ops: Counter[str] = Counter()
         self.delegated: Counter[str] = Counter()
         self.owns_switch = False
+        self._staging = StagingPool()
         self.flight = FlightRecorder(rank, size)
         self.flight.progress = client.progress
         weakref.finalize(self, client.close)
@@ -311,7 +356,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
         """Queue one switch operation per tensor; the Work completes when all are done."""
         completer, future = failable_future()
-        plans = [StagedTensor(t) for t in tensors]
+        plans = [StagedTensor(t, pool=self._staging) for t in tensors]
         size = self.size()
         with self._stats_lock:
             self.switch_ops["allreduce"] += 1
@@ -330,6 +375,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                     plan.finish(size, average)
                 except Exception as exc:  # surfaced through the future
                     error = exc
+            if error is not None:
+                plan.release()
             with lock:
                 if error is not None and state["error"] is None:
                     state["error"] = error
