@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from switchml.links import LinkSecurity
 
 __all__ = ["batching", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
-           "flight_signal", "half_bits", "link_security", "mtu", "ps_host", "secret",
-           "stall_log_s", "switch_addresses", "window"]
+           "flight_signal", "half_bits", "half_bits_text", "link_security", "mtu", "ps_host",
+           "secret", "stall_log_s", "switch_addresses", "window"]
 
 
 def _get(name: str) -> str | None:
@@ -115,9 +115,14 @@ def elements_per_packet() -> int | None:
     return _int("SWITCHML_ELEMENTS_PER_PACKET")
 
 
+def half_bits_text() -> str:
+    """``SWITCHML_HALF_BITS`` as written (lower case, stripped), unchecked; "" where unset."""
+    return (_get("SWITCHML_HALF_BITS") or "").strip().lower()
+
+
 def half_bits() -> int | None:
     """``SWITCHML_HALF_BITS``: 16 or 32; None for ``auto`` (the default)."""
-    value = (_get("SWITCHML_HALF_BITS") or "auto").lower()
+    value = half_bits_text() or "auto"
     if value not in ("auto", "16", "32"):
         raise ValueError(f"SWITCHML_HALF_BITS must be auto, 16 or 32, got {value!r}")
     return None if value == "auto" else int(value)

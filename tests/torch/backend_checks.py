@@ -45,9 +45,6 @@ def scale_bits(n: int, bits: int = 32) -> int:
     return bits - 1 - n.bit_length()
 
 
-def wire_bits(dtype: str) -> int:
-    """The backend's default: float16 and bfloat16 travel as 16-bit fixed point."""
-    return 16 if dtype in ("float16", "bfloat16") else 32
 
 
 def _torch_dtype(name: str) -> Any:
@@ -114,11 +111,11 @@ def switch_tolerance(dtype: str, xs: list[Any], average: bool, bits: int | None 
     order: K in 32 bits, 2K in 16) and ``P = bits - 1 - bit_length(n)``, plus the rounding of
     the result to the dtype (bfloat16 is staged as float32 and is rounded twice: to float32,
     then to bfloat16). AVG divides the rounded sum and rounds once more. ``bits``: on the wire
-    (None: the backend's default for the dtype).
+    (None: the backend's rule for the dtype and n, ``backend.wire_bits``).
     """
     n = len(xs)
     numel = xs[0].size
-    bits = bits or wire_bits(dtype)
+    bits = bits or stt.backend.wire_bits(_torch_dtype(dtype), n)
     k = K * 32 // bits
     bound = np.zeros(numel)
     for b0 in range(0, max(numel, 1), k):
@@ -284,8 +281,9 @@ for _case in ALLREDUCE_CASES:
 @check("half_precision_bytes_and_bits")
 def half_precision_bytes(g: Group) -> None:
     """float16 and bfloat16 travel in half float32's bytes (16-bit fixed point), as gloo
-    moves them; a group made with ``SWITCHML_HALF_BITS=32`` (on rank 0) sends them in 32
-    bits, float32's bytes, with the 32-bit bound."""
+    moves them; a group made with ``SWITCHML_HALF_BITS=32`` on rank 0 only sends them in 32
+    bits on every rank (rank 0's setting reaches the others through the store), float32's
+    bytes, with the 32-bit bound."""
     import os
 
     def sent(group: Any, t: Any) -> int:
@@ -298,11 +296,12 @@ def half_precision_bytes(g: Group) -> None:
     for dt in (torch.float16, torch.bfloat16):
         got = sent(None, torch.ones(n, dtype=dt))
         _expect(2 * got == f32, f"{dt}: {got} payload bytes, float32 {f32}: not half")
-    os.environ["SWITCHML_HALF_BITS"] = "32"
+    if g.rank == 0:
+        os.environ["SWITCHML_HALF_BITS"] = "32"
     try:
         wide = dist.new_group(backend="switchml")
     finally:
-        del os.environ["SWITCHML_HALF_BITS"]
+        os.environ.pop("SWITCHML_HALF_BITS", None)
     try:
         _expect(sent(wide, torch.ones(n, dtype=torch.float16)) == sent(wide, torch.ones(n)),
                 "SWITCHML_HALF_BITS=32: float16 did not travel as float32's bytes")

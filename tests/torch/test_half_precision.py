@@ -76,3 +76,28 @@ def test_the_pool_keeps_a_bounded_number_of_buffers():
     assert {bufs[1].data_ptr(), bufs[2].data_ptr()} <= ptrs  # the two newest came back
     assert bufs[0].data_ptr() not in ptrs  # the oldest was let go
     assert pool.take(5, torch.float32).numel() == 5  # another size: a new buffer
+
+
+def test_a_pool_that_keeps_nothing_keeps_nothing_and_a_negative_size_is_refused():
+    pool = StagingPool(keep=0)
+    first = pool.take(8, torch.float32)
+    pool.give(first)
+    assert pool.take(8, torch.float32).data_ptr() != first.data_ptr()
+    with pytest.raises(ValueError, match="keep must be >= 0, got -1"):
+        StagingPool(keep=-1)
+
+
+def test_a_strided_half_tensor_is_staged_and_written_back_through_its_view_only():
+    base = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    view = base[:, 1::2]  # non-contiguous
+    staged = StagedTensor(view, pool=StagingPool())
+    assert staged.flat.tolist() == view.float().reshape(-1).tolist()
+    staged.array *= 2
+    staged.finish(2, average=True)  # (x * 2) / 2 in float32, then rounded once
+    assert base.tolist() == torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).tolist()
+    staged = StagedTensor(view, pool=StagingPool())
+    staged.array += 100
+    staged.finish(1, average=False)
+    want = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    want[:, 1::2] += 100
+    assert base.tolist() == want.to(torch.bfloat16).tolist()

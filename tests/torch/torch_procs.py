@@ -604,3 +604,50 @@ def hsdp_body(rank: int, world: int, q: Any, backend: str, steps: int,
     dist.destroy_process_group()
     return {"params": full.tolist(), "losses": losses, "switched": switched,
             "replicate_bytes_sent": sent, "shard_numel": shard_numel}
+
+
+def cuda_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """All-reduces of CUDA tensors on the "switchml" backend (the host-copy path): float32,
+    bfloat16 and a non-contiguous view, SUM and AVG, each left on its device with the sum;
+    then DDP over a CUDA model with the switchml hook. Returns what each check found."""
+    import torch
+    import torch.distributed as dist
+
+    from switchml.torch.hooks import register_hook
+
+    _init("switchml", timeout_s=60)
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    out: dict[str, Any] = {}
+    n = 100_003
+    total = sum(range(1, world + 1))
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        x = torch.full((n,), float(rank + 1), dtype=dtype, device=dev)
+        ptr = x.data_ptr()
+        dist.all_reduce(x)
+        out[name] = (x.device.type, x.dtype == dtype, x.data_ptr() == ptr,
+                     float((x.double() - total).abs().max()))
+    base = torch.arange(3 * n, dtype=torch.float32, device=dev).reshape(3, n) * (rank + 1)
+    view = base[:, ::2]  # non-contiguous
+    dist.all_reduce(view, op=dist.ReduceOp.AVG)
+    want = torch.arange(3 * n, dtype=torch.float64, device=dev).reshape(3, n)[:, ::2] \
+        * total / world
+    untouched = base[:, 1::2] == torch.arange(3 * n, dtype=torch.float32, device=dev).reshape(
+        3, n)[:, 1::2] * (rank + 1)
+    out["view"] = (float((view.double() - want).abs().max() / want.abs().max()),
+                   bool(untouched.all()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev])
+    register_hook(ddp, "switchml")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 16, generator=g).to(dev)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    out["params"] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]).tolist()
+    dist.destroy_process_group()
+    return out

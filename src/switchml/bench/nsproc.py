@@ -236,9 +236,10 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
            recorder: Any) -> dict[str, Any]:
     """The training steps: losses, training time at each step (evaluation excluded), the
     metric every ``eval_every`` steps and at the end, and where the measured second half
-    (after warm-up and bucket rebuilding) starts in time, in link bytes and in the whole
-    machine's busy CPU-seconds (``busy_half``; ``busy_evals``: the machine's busy seconds while
-    this rank evaluated after it, to be left out as the evaluation's time is)."""
+    (after warm-up and bucket rebuilding) starts in time and in link bytes, and the whole
+    machine's busy CPU-seconds over that half (``machine_busy_s``; None without /proc/stat),
+    less what the machine spent while this rank evaluated (the ranks evaluate at the same
+    steps; time another rank spent evaluating outside this rank's window stays counted)."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
     losses, times, evals = [], [], []
@@ -246,12 +247,13 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     c0 = _cpu()
     paused = 0.0  # seconds spent evaluating, left out of the training time
     half = a["steps"] // 2
-    half_s, bytes_half, busy_half, busy_evals = t0, 0, 0.0, 0.0
+    half_s, bytes_half, busy_evals = t0, 0, 0.0
+    busy_half: float | None = None
     every = a.get("eval_every") or 0
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
-            busy_half = machine_busy_s()
+            busy_half = machine_busy_s() or None  # (0.0: no /proc/stat)
         loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
         losses.append(loss.item())
         times.append(end - t0 - paused)
@@ -271,7 +273,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
             "bytes_half": bytes_half,
-            "machine_busy_s": busy_end - busy_half - busy_evals if busy_half else None}
+            "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
 
 
 def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:

@@ -261,6 +261,7 @@ class WorkerEndpoint(WorkerControl):
             return  # the one exception to the table: close is idempotent
         if self._op is not None:
             self._abort(f"operation {self._op.seq} aborted: endpoint closed locally")
+        self._kept = np.empty(0, np.uint8)  # the last in-place input's copy: no longer needed
         self._move(WorkerInput.CLOSE)
         if self.state is WorkerState.CLOSED:  # never joined: nothing to leave
             self._events.append(Left())

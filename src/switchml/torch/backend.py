@@ -16,8 +16,8 @@
 All-reduce details: SUM and AVG of float32, float64 (32-bit fixed point with block exponents,
 error bound in docs/protocol.md), float16 and bfloat16 (widened exactly to float32, rounded back
 once; on the wire as 16-bit fixed point, half the bytes, as gloo moves them, where the 16-bit
-sum's bound is within the type's own rounding, else 32-bit: :meth:`SwitchMLProcessGroup.wire_bits`;
-``SWITCHML_HALF_BITS`` on rank 0 says 16 or 32 outright), int32 (exact),
+sum's bound is within half an ulp of the type at a block's scale, else 32-bit:
+:func:`wire_bits`; ``SWITCHML_HALF_BITS`` on rank 0 says 16 or 32 outright), int32 (exact),
 int64 (exact modulo 2**64 for up to 511 ranks: each value travels as three int32 limbs of
 22/22/20 bits, so int64 costs three times the bytes). AVG divides after the sum (integers:
 truncating division). Tensors are reduced in place, in any shape; non-contiguous and CUDA tensors
@@ -73,9 +73,8 @@ _STORE_SWITCH_KEY = "switchml/switch"
 _STORE_JOB_KEY = "switchml/job"
 _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
-_NATIVE = {torch.float32, torch.float16, torch.float64, torch.int32}
 _HALF = {torch.float16, torch.bfloat16}
-_SUPPORTED = _NATIVE | {torch.bfloat16, torch.int64}
+_SUPPORTED = {torch.float32, torch.float64, torch.int32, torch.int64} | _HALF
 _SWITCH_GRACE_S = 2.0
 _SWITCH_START_S = 30.0  # the embedded switch must say where it listens within this
 
@@ -189,22 +188,25 @@ class StagingPool:
     the I/O thread."""
 
     def __init__(self, keep: int = 4) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
         self.keep = keep
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat CPU tensor of ``numel`` elements of ``dtype`` (its contents undefined)."""
+    def take(self, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+        """A flat CPU tensor of ``numel`` elements of ``dtype`` (its contents undefined);
+        ``pinned``: page-locked, for copies from and to a CUDA device."""
         with self._lock:
             for i, t in enumerate(self._free):
-                if t.numel() == numel and t.dtype is dtype:
+                if t.numel() == numel and t.dtype is dtype and t.is_pinned() == pinned:
                     return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 
     def give(self, t: torch.Tensor) -> None:
         with self._lock:
             self._free.append(t)
-            del self._free[:-self.keep]
+            del self._free[:max(0, len(self._free) - self.keep)]
 
 
 class StagedTensor:
@@ -240,8 +242,8 @@ class StagedTensor:
         want = dtype or (torch.float32 if t.dtype in _HALF else t.dtype)
         if t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
             if pool is not None:
-                self.staging = pool.take(t.numel(), want)
-                self.staging.copy_(t.reshape(-1))
+                self.staging = pool.take(t.numel(), want, pinned=t.device.type == "cuda")
+                self.staging.view(t.shape).copy_(t)  # (no contiguous temporary of ``t``)
             else:
                 self.staging = t.to(device="cpu", dtype=want).contiguous()
         src = self.staging if self.staging is not None else t
@@ -255,6 +257,9 @@ class StagedTensor:
         if self.kind == "limbs":
             t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
         elif self.staging is not None:
+            if average and self.staging.is_floating_point():
+                self.staging.div_(size)  # in the wider type: the result is rounded once more,
+                average = False          # not twice (sum, then quotient) in a half type
             t.copy_(self.staging.reshape(t.shape))
             self.release()
         if average:
@@ -274,9 +279,12 @@ class StagedTensor:
 def wire_bits(dtype: torch.dtype, world: int, half_bits: int | None = None) -> int:
     """Bits per element on the wire for an all-reduce of ``dtype`` over ``world`` ranks.
     float16 and bfloat16: ``half_bits`` if given, else 16 where the 16-bit sum's error bound
-    (``quantize.error_bound``, relative to a block's scale ``2**emax``) is at most the type's
-    own rounding there (half its epsilon): float16 up to 4 ranks, bfloat16 up to 15; 32
-    beyond. Everything else: 32."""
+    (``quantize.error_bound``) is at most half an ulp of the type at a block's scale
+    ``2**emax`` (``eps / 2`` of it; the block's largest element lies in ``[2**(emax-1),
+    2**emax)``): float16 up to 4 ranks, bfloat16 up to 15; 32 beyond. The bound is absolute:
+    elements far below their block's largest keep fewer bits than the type has (those under
+    about ``2**-(16 - bit_length(n))`` of it become 0), as in every fixed-point block, and a
+    plain all-reduce has no error feedback (the 16-bit DDP hook does). Everything else: 32."""
     if dtype not in _HALF:
         return 32
     if half_bits is not None:
@@ -703,18 +711,17 @@ def _create(store: dist.Store, rank: int, size: int,
         key = f"switchml/{_incarnation}/job"
         # Every rank publishes its MTU towards the switch; rank 0 sizes the job's chunks.
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
-        own = str(env.half_bits() or "auto")
-        if rank == 0:
+        if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
+            store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)))
-            store.set(f"{key}/half_bits", own)
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())
         group_half = store.get(f"{key}/half_bits").decode()
-        if group_half != own:
-            log.warning("switchml rank %d: SWITCHML_HALF_BITS is %s here, but rank 0's (%s) "
-                        "rules the group", rank, own, group_half)
+        if rank and env.half_bits_text() not in ("", group_half):
+            log.warning("switchml rank %d: SWITCHML_HALF_BITS is %r here, but rank 0's (%s) "
+                        "rules the group", rank, env.half_bits_text(), group_half)
         half_bits = None if group_half == "auto" else int(group_half)
         gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         seconds = max(timeout.total_seconds(), 2.0)
