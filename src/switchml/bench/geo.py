@@ -492,6 +492,9 @@ def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int
             raise
         log.warning("%s: a worker aborted while its process group formed (%s); running the "
                     "mode again", mode, str(exc).splitlines()[-1])
+        # The failed try's last packets may still be in the delay line: the retry's counters
+        # start once they are out, or it would count one given back that it never gave.
+        time.sleep(2 * tb.geo.wan_rtt_s)
         return _run_mode(tb, cfg, mode, seed)
 
 
