@@ -104,3 +104,52 @@ def test_a_switch_gone_mid_operation_is_reported_as_icmp_errors_from_the_loop():
         with pytest.raises(OperationFailed, match="ICMP port-unreachable"):
             handle.wait(timeout=20)
         assert w.counters["icmp_errors"] > 0
+
+
+
+def test_a_first_window_the_compiled_send_leaves_is_sent_by_python(monkeypatch):
+    """An operation's first window goes out through the compiled sender as it starts. When
+    its ``sendmsg`` fails (here: the first of each operation, EAGAIN, nothing sent; a full
+    socket buffer on a real link) the lanes stay queued and go through Python's sender at
+    once: the operations complete exactly (int32), with no re-send, and the failure is
+    counted as a blocked send."""
+    import errno
+
+    from switchml.transport.fastpath import ST, FastPath
+    real, failed = FastPath.send, set()
+
+    def failing_first(self, op):  # type: ignore[no-untyped-def]
+        if (id(self), op.seq) not in failed:  # each rank's first send of each operation
+            failed.add((id(self), op.seq))
+            self.stats[ST.ERRNO] = errno.EAGAIN
+            return False
+        return real(self, op)
+
+    monkeypatch.setattr(FastPath, "send", failing_first)
+    n, numel = 2, 100_000
+    spec = new_job_spec(n, window=128, elements_per_packet=358)
+    xs = [np.arange(numel, dtype=np.int32) * (r + 1) for r in range(n)]
+    outs: dict[int, list[np.ndarray]] = {}
+    counters: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    with SwitchServer(host="127.0.0.1", port=0) as server:
+        def rank(r: int) -> None:
+            try:
+                with WorkerClient(server.address, spec, r, WorkerConfig(op_timeout_s=30)) as w:
+                    assert w._fast is not None
+                    outs[r] = [w.allreduce(xs[r]) for _ in range(3)]
+                    counters[r] = w.counters
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    for r in range(n):
+        for out in outs[r]:
+            np.testing.assert_array_equal(out, xs[0] * 3)
+    assert len(failed) == n * 3  # (the fake failed each operation's first send)
+    assert all(c["send_blocked"] >= 3 for c in counters.values())
+    assert sum(c.get("retransmissions", 0) for c in counters.values()) == 0

@@ -273,6 +273,10 @@ class WorkerSession:
         """The worker's ``runs_to_send`` (datagrams, and GSO runs)."""
         return self.endpoint.runs_to_send(now, max_segments=max_segments, max_bytes=max_bytes)
 
+    def control_to_send(self) -> list[Any]:
+        """The worker's ``control_to_send``."""
+        return self.endpoint.control_to_send()
+
     def get_timer(self) -> float | None:
         return self.endpoint.get_timer()
 

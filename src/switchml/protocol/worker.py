@@ -320,6 +320,15 @@ class WorkerEndpoint(WorkerControl):
             self._out = []
         return out
 
+    def control_to_send(self) -> list[tuple[_Data, Address]]:
+        """Return and forget the datagrams queued out of the way (control messages, lanes
+        spilled from a full queue), but not the operation's queued requests: for a transport
+        whose compiled loop sends those (``transport/fastpath.py``), after these."""
+        out = self._out
+        if out:
+            self._out = []
+        return out
+
     def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
                      ) -> tuple[list[tuple[_Data, Address]], list[_Run]]:
         """:meth:`datagrams_to_send` for a transport with UDP GSO: ``(datagrams, runs)``.
@@ -333,9 +342,7 @@ class WorkerEndpoint(WorkerControl):
         datagram. Views of the endpoint's buffers, valid until its next receive call."""
         op = self._op
         runs: list[_Run] = []
-        out = self._out
-        if out:
-            self._out = []
+        out = self.control_to_send()
         if op is None:
             return out, runs
         nq = int(op.opv[K.OP.NQ])
@@ -352,8 +359,7 @@ class WorkerEndpoint(WorkerControl):
                 end = start + (count - 1) * stride + int(sendlen[sendq[order[first + count - 1]]])
                 bufs: list[_Data] = [op.txflat[start:end]]
             else:
-                views = op.views
-                bufs = [views[i][:sendlen[i]] for i in sendq[order[first:first + count]].tolist()]
+                bufs = [op.datagram(i) for i in sendq[order[first:first + count]].tolist()]
             runs.append((bufs, size, shards[shard]))
         return out, runs
 
@@ -626,5 +632,5 @@ class WorkerEndpoint(WorkerControl):
         op.opv[K.OP.NQ] = 0
         shards = self.switch_addresses
         for i in op.sendq[:q].tolist():
-            self._out.append((op.views[i][:op.sendlen[i]], shards[i % len(shards)]))
+            self._out.append((op.datagram(i), shards[i % len(shards)]))
 

@@ -266,6 +266,15 @@ class FastPath:
                     float(op_timeout_s),  # (an int would compile a second pump)
                     self.ts, self.stats)
 
+    def send(self, op: Any) -> bool:
+        """Send ``op``'s queued requests as :func:`pump` does (``plan_runs``, one ``sendmsg``
+        per GSO run), without the interpreter per run: an operation's first window, queued
+        by Python as it starts. False at a failed ``sendmsg`` (``stats[ERRNO]``; the unsent
+        lanes stay queued, in order, for Python's sender)."""
+        return bool(_send_queued(self.fd, op.opv, op.sendq, op.sendlen, op.stride, op.tx8,
+                                 op.run_order, op.runs, self.hdr, self.iov, self.cmsg,
+                                 self.max_segments, self.max_bytes, self.stats))
+
 
 def warm_up() -> None:
     """Compile (or load from the cache) :func:`pump` for every operation kind, on an idle
@@ -309,6 +318,7 @@ def warm_up() -> None:
             state = w.fast_path_state()
             if state is not None:
                 fast.run(*state)
+                fast.send(state[0])  # (its first window, to the socket itself)
             w.close(0.0)  # (aborts the operation: the next one needs a fresh endpoint)
             w = WorkerEndpoint(spec=w.spec, rank=0, switch_address=sw_addr)
             w.join(0.0)

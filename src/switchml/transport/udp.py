@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from switchml import env
+from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_address, format_addresses
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import Batch, Endpoint
@@ -530,19 +531,10 @@ class WorkerClient:
         the rest of a batch (``receive_many`` from where the kernel stopped), requests a
         failed ``sendmsg`` left queued, a failed ``recvmmsg`` (repeated in Python, which reads
         its error). Returns (why it returned, took datagrams)."""
-        fast, rx, sender = self._fast, self._rx, self._sender
+        fast, rx = self._fast, self._rx
         why, at, nseg, code = fast.run(*state)
-        st = fast.stats
-        took = bool(st[ST.RECV_CALLS])
-        self.recv_calls += int(st[ST.RECV_CALLS])
-        sender.calls += int(st[ST.SEND_CALLS])
-        sender.datagrams += int(st[ST.DATAGRAMS_SENT])
-        err = int(st[ST.ERRNO])
-        st[:] = 0
-        if err == errno.ECONNREFUSED:  # ICMP port unreachable, reported (once) to the loop
-            self._icmp_refused(1)
-        elif err == errno.EAGAIN and why == FP.SEND_FAILED:
-            self.send_blocked += 1  # a full socket buffer: a loss, recovered as one
+        took = bool(fast.stats[ST.RECV_CALLS])
+        self._take_fast_stats(send_failed=why == FP.SEND_FAILED)
         if why == FP.STOPPED:
             now = time.monotonic()
             self.session.after_results_kernel(state[0], code, now)
@@ -555,9 +547,33 @@ class WorkerClient:
             self._transmit()  # the rest, through the sender (it reads the error)
         return why, took
 
+    def _take_fast_stats(self, *, send_failed: bool) -> None:
+        """Add what the compiled loop counted to this client's counters; say what failed."""
+        st, sender = self._fast.stats, self._sender
+        self.recv_calls += int(st[ST.RECV_CALLS])
+        sender.calls += int(st[ST.SEND_CALLS])
+        sender.datagrams += int(st[ST.DATAGRAMS_SENT])
+        err = int(st[ST.ERRNO])
+        st[:] = 0
+        if err == errno.ECONNREFUSED:  # ICMP port unreachable, reported (once) to the loop
+            self._icmp_refused(1)
+        elif err == errno.EAGAIN and send_failed:
+            self.send_blocked += 1  # a full socket buffer: a loss, recovered as one
+
     def _transmit(self) -> None:
-        """Send the session's datagrams; log what it reports."""
+        """Send the session's datagrams; log what it reports. With the compiled loop, the
+        operation's queued requests (its first window, as it starts) go out as the loop
+        sends them, after the datagrams queued before them; what a failed ``sendmsg`` left
+        queued goes through the sender below, which reads the error."""
         sender = self._sender
+        state = (self.endpoint.fast_path_state()
+                 if self._fast is not None and self._driven is self.session else None)
+        if state is not None and state[0].opv[K.OP.NQ]:
+            for data, addr in self.session.control_to_send():
+                sender.add(data, addr)
+            sender.flush()
+            sent = self._fast.send(state[0])
+            self._take_fast_stats(send_failed=not sent)
         out, runs = self._driven.runs_to_send(time.monotonic(), max_segments=MAX_SEGMENTS,
                                               max_bytes=MAX_GSO_BYTES)
         for data, addr in out:
