@@ -146,7 +146,7 @@ class Operation:
     def datagram(self, lane: int) -> memoryview:
         """Lane ``lane``'s datagram: a view of its row of ``txbuf`` (no copy). Made when
         asked, not one per lane per operation: a list of ``E`` views cost about 60 us per
-        operation, a third of starting one (measured at E = 128)."""
+        operation at E = 128, a quarter of starting one."""
         start = lane * self.stride
         return self.txflat[start:start + int(self.sendlen[lane])]
 
