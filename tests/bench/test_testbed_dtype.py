@@ -19,6 +19,19 @@ def test_half_types_are_checked_before_the_testbed_is_built():
         TestbedBenchConfig(dtype="float16", systems=("gloo",), workers=4, warmup=1, iters=7)
 
 
+def test_the_command_offers_the_types_the_benchmark_takes():
+    """``--dtype``'s choices are written in the CLI (it imports the benchmark only when it
+    runs): they must be the benchmark's."""
+    from switchml.bench.testbed import DTYPES
+    from switchml.cli import build_parser
+    parser = build_parser()
+    for dtype in DTYPES:
+        args = parser.parse_args(["bench", "allreduce", "--testbed", "--dtype", dtype])
+        assert args.dtype == dtype
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "allreduce", "--testbed", "--dtype", "int8"])
+
+
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.timeout(300)
