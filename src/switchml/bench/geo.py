@@ -147,7 +147,8 @@ def _join_group(a: dict[str, Any]) -> None:
     if backend == "switchml":
         import switchml.torch  # noqa: F401  # registers the backend
     # Rendezvous through a file every namespace sees (the hosts share a file system): torch's
-    # TCP store aborted now and then in these DNS-less namespaces (``C10D_ABORT``).
+    # TCP store aborted now and then in these DNS-less namespaces
+    # (``bench.testbed.C10D_ABORT``).
     store = a.get("store_dir")
     if mode in LOCAL_MODES:  # the data centre's own process group
         init_group(backend, a["dc_master"], a["port"], a["local_rank"], a["dc_size"],
@@ -473,29 +474,14 @@ def _final(accs: list[float]) -> float:
     return sum(tail) / len(tail)
 
 
-C10D_ABORT = "terminate called without an active exception"
-"""What torch's C++ prints when a process aborts while its process group forms: seen in
-about one run in seven on the testbed with a TCP store (torch 2.13, c10d's store in a
-namespace without DNS: it warns that the client's host name cannot be retrieved, then aborts;
-the geo benchmark now rendezvouses through files). Nothing of the training ran yet, so the
-mode is run again, once."""
-
-
 def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int
                        ) -> dict[str, Any]:
-    """:func:`_run_mode`, again once if torch aborted while the process group formed."""
-    from switchml.testbed import TestbedError
-    try:
-        return _run_mode(tb, cfg, mode, seed)
-    except TestbedError as exc:
-        if C10D_ABORT not in str(exc):
-            raise
-        log.warning("%s: a worker aborted while its process group formed (%s); running the "
-                    "mode again", mode, str(exc).splitlines()[-1])
-        # The failed try's last packets may still be in the delay line: the retry's counters
-        # start once they are out, or it would count one given back that it never gave.
-        time.sleep(2 * tb.geo.wan_rtt_s)
-        return _run_mode(tb, cfg, mode, seed)
+    """:func:`_run_mode`, again once if torch aborted (``bench.testbed.C10D_ABORT``)."""
+    from switchml.bench.testbed import once_more_if_torch_aborted
+    # The failed try's last packets may still be in the delay line: the retry's counters
+    # start once they are out, or it would count one given back that it never gave.
+    return once_more_if_torch_aborted(lambda: _run_mode(tb, cfg, mode, seed), mode,
+                                      lambda: time.sleep(2 * tb.geo.wan_rtt_s))
 
 
 def time_to_target(row: dict[str, Any], target: float) -> float | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import select
@@ -27,13 +28,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from switchml.bench.cpu import cpu_per_gelem, proc_cpu_s
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import RECOVERY_COUNTERS
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]
 
@@ -287,17 +290,39 @@ def _run_switchml_torch(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, 
         return _wait_all(procs, cfg.timeout_s)
 
 
-def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
-              ) -> list[dict[str, Any]]:
-    """gloo's ring all-reduce over the workers' links: their rows (run again, once, if torch
-    aborted while the process group formed: ``geo.C10D_ABORT``)."""
-    from switchml.bench.geo import C10D_ABORT
+C10D_ABORT = "terminate called without an active exception"
+"""What torch's C++ prints when a process aborts (``std::terminate``: a thread of its process
+group destroyed while joinable). Seen on the testbed in about one run in seven while a TCP
+store formed the group (torch 2.13, in a namespace without DNS: it warns that the client's host
+name cannot be retrieved, then aborts; the benchmarks now rendezvous through files), and since
+then, rarer, with a file store (one training row in about thirty, 2026-12-02; where in the
+process's life is not known: it printed nothing else). A process that aborts reports no row,
+so the run is not half-counted: it is run again, once."""
+
+_T = TypeVar("_T")
+
+
+def once_more_if_torch_aborted(run: Callable[[], _T], what: str,
+                               before_retry: Callable[[], None] | None = None) -> _T:
+    """``run()``; if one of its processes aborted in torch's C++ (``C10D_ABORT``), say so and
+    run it once more (``before_retry`` first). Any other failure, or a second abort, raises."""
     try:
-        return _run_gloo_once(tb, cfg, common)
+        return run()
     except TestbedError as exc:
         if C10D_ABORT not in str(exc):
             raise
-        return _run_gloo_once(tb, cfg, common)
+        log.warning("%s: a process aborted in torch's C++ (%s); running it again", what,
+                    str(exc).splitlines()[-1])
+    if before_retry is not None:
+        before_retry()
+    return run()
+
+
+def _run_gloo(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
+              ) -> list[dict[str, Any]]:
+    """gloo's ring all-reduce over the workers' links: their rows."""
+    return once_more_if_torch_aborted(lambda: _run_gloo_once(tb, cfg, common),
+                                      "gloo's all-reduce")
 
 
 def _run_gloo_once(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]

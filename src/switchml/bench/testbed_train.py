@@ -8,6 +8,7 @@ The testbed, its switch and the worker processes are those of the all-reduce ben
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from switchml.bench.testbed import (
     _store_dir,
     _topology,
     _wait_all,
+    once_more_if_torch_aborted,
 )
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
@@ -168,7 +170,9 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
             for system in cfg.systems:
                 if progress is not None:
                     progress(f"training {model} on {system}, n={cfg.workers}")
-                rows.append(_train_once(tb, cfg, model, system))
+                rows.append(once_more_if_torch_aborted(
+                    functools.partial(_train_once, tb, cfg, model, system),
+                    f"training {model} on {system}"))
         assert switch.stdin is not None
         switch.stdin.close()
     add_time_to_target(rows)
