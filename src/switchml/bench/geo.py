@@ -25,7 +25,6 @@ Run as root. Worker processes run ``python -m switchml.bench.geo worker JSON``.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -42,8 +41,6 @@ LOCAL_MODES = ("gaia", "diloco")
 """Modes whose process groups are a data centre's, not every worker's."""
 GAIA_PORT = 47100
 
-
-log = logging.getLogger(__name__)
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     # Gaia's kind of workload (matrix factorisation, plain SGD): a step changes only its

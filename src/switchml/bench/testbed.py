@@ -38,7 +38,8 @@ from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu", "run_testbed_allreduce"]
+__all__ = ["C10D_ABORT", "DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu",
+           "once_more_if_torch_aborted", "run_testbed_allreduce"]
 
 SWITCH_PORT = 48864
 SYSTEMS = ("switchml", "gloo", "ps", "floor")

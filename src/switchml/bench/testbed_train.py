@@ -170,9 +170,13 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
             for system in cfg.systems:
                 if progress is not None:
                     progress(f"training {model} on {system}, n={cfg.workers}")
-                rows.append(once_more_if_torch_aborted(
+                retried: list[bool] = []
+                row = once_more_if_torch_aborted(
                     functools.partial(_train_once, tb, cfg, model, system),
-                    f"training {model} on {system}"))
+                    f"training {model} on {system}", functools.partial(retried.append, True))
+                if retried:  # (the row says so, not only the log)
+                    row["retried"] = "a process aborted in torch's C++ on the first try"
+                rows.append(row)
         assert switch.stdin is not None
         switch.stdin.close()
     add_time_to_target(rows)

@@ -315,10 +315,7 @@ class WorkerEndpoint(WorkerControl):
         transmit buffers, valid until the next receive call."""
         if self._op is not None and self._op.opv[K.OP.NQ]:
             self._spill(self._op)
-        out = self._out
-        if out:
-            self._out = []
-        return out
+        return self.control_to_send()
 
     def control_to_send(self) -> list[tuple[_Data, Address]]:
         """Return and forget the datagrams queued out of the way (control messages, lanes

@@ -268,9 +268,10 @@ class FastPath:
 
     def send(self, op: Any) -> bool:
         """Send ``op``'s queued requests as :func:`pump` does (``plan_runs``, one ``sendmsg``
-        per GSO run), without the interpreter per run: an operation's first window, queued
-        by Python as it starts. False at a failed ``sendmsg`` (``stats[ERRNO]``; the unsent
-        lanes stay queued, in order, for Python's sender)."""
+        per GSO run), without the interpreter per run: what Python queued (an operation's
+        first window as it starts, what its receive or timers released). False at a failed
+        ``sendmsg`` (``stats[ERRNO]``; the unsent lanes stay queued, in order, for Python's
+        sender)."""
         return bool(_send_queued(self.fd, op.opv, op.sendq, op.sendlen, op.stride, op.tx8,
                                  op.run_order, op.runs, self.hdr, self.iov, self.cmsg,
                                  self.max_segments, self.max_bytes, self.stats))
@@ -278,8 +279,10 @@ class FastPath:
 
 def warm_up() -> None:
     """Compile (or load from the cache) :func:`pump` for every operation kind, on an idle
-    loopback socket (it returns at once: nothing to receive). Its cache is cleared first
-    when its source or any kernel it calls changed (numba would not notice the latter)."""
+    loopback socket (it returns at once: nothing to receive), and :meth:`FastPath.send`'s
+    kernel once (its arguments' types are the same for every kind: the last kind's first
+    window goes to the socket itself, after the last pump). Its cache is cleared first when
+    its source or any kernel it calls changed (numba would not notice the latter)."""
     import os
     from pathlib import Path
 
@@ -318,7 +321,8 @@ def warm_up() -> None:
             state = w.fast_path_state()
             if state is not None:
                 fast.run(*state)
-                fast.send(state[0])  # (its first window, to the socket itself)
+                if (dtype, bits, residual) == KINDS[-1]:
+                    fast.send(state[0])
             w.close(0.0)  # (aborts the operation: the next one needs a fresh endpoint)
             w = WorkerEndpoint(spec=w.spec, rank=0, switch_address=sw_addr)
             w.join(0.0)

@@ -534,21 +534,22 @@ class WorkerClient:
         fast, rx = self._fast, self._rx
         why, at, nseg, code = fast.run(*state)
         took = bool(fast.stats[ST.RECV_CALLS])
-        self._take_fast_stats(send_failed=why == FP.SEND_FAILED)
+        err = self._take_fast_stats(send_failed=why == FP.SEND_FAILED)
         if why == FP.STOPPED:
             now = time.monotonic()
             self.session.after_results_kernel(state[0], code, now)
             if at < nseg:
                 self._driven.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, nseg,
                                                 rx.address_of).slice(at, nseg), now)
-            self._transmit()
+            self._transmit(compiled=not err)  # (after a failed sendmsg: the sender reads it)
             return why, True
         if why == FP.SEND_FAILED:
-            self._transmit()  # the rest, through the sender (it reads the error)
+            self._transmit(compiled=False)  # the rest, through the sender (it reads the error)
         return why, took
 
-    def _take_fast_stats(self, *, send_failed: bool) -> None:
-        """Add what the compiled loop counted to this client's counters; say what failed."""
+    def _take_fast_stats(self, *, send_failed: bool) -> int:
+        """Add what the compiled loop counted to this client's counters; say what failed.
+        Returns the errno of the system call that failed (0: none)."""
         st, sender = self._fast.stats, self._sender
         self.recv_calls += int(st[ST.RECV_CALLS])
         sender.calls += int(st[ST.SEND_CALLS])
@@ -559,15 +560,19 @@ class WorkerClient:
             self._icmp_refused(1)
         elif err == errno.EAGAIN and send_failed:
             self.send_blocked += 1  # a full socket buffer: a loss, recovered as one
+        return err
 
-    def _transmit(self) -> None:
-        """Send the session's datagrams; log what it reports. With the compiled loop, the
-        operation's queued requests (its first window, as it starts) go out as the loop
-        sends them, after the datagrams queued before them; what a failed ``sendmsg`` left
-        queued goes through the sender below, which reads the error."""
+    def _transmit(self, *, compiled: bool = True) -> None:
+        """Send the session's datagrams; log what it reports. With the compiled loop (and
+        ``compiled``), the operation's queued requests (its first window as it starts, what
+        Python's receive or timers released) go out as the loop sends them, after the
+        datagrams queued before them; what a failed ``sendmsg`` left queued goes through the
+        sender below, which reads the error. ``compiled=False``: the compiled send just
+        failed, the sender takes it all."""
         sender = self._sender
         state = (self.endpoint.fast_path_state()
-                 if self._fast is not None and self._driven is self.session else None)
+                 if compiled and self._fast is not None and self._driven is self.session
+                 and sender.gso else None)
         if state is not None and state[0].opv[K.OP.NQ]:
             for data, addr in self.session.control_to_send():
                 sender.add(data, addr)
