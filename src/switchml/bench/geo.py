@@ -422,8 +422,7 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     row["wan_rtt_s"] = geo.wan_rtt_s
     if geo.wan_rtt_s > 0:  # what the emulation itself cost (CPU of the shared machine)
         row["delay_line_cpu_s"] = tb.delay_line_cpu_s() - cpu0
-        time.sleep(2 * geo.wan_rtt_s)  # the last packets out of the line
-        packets = tb.delay_line_packets()
+        packets = _settled_delay_line(tb)
         row["delay_line_packets"] = packets["given_back"] - packets0["given_back"]
         row["delay_line_lost"] = (packets["taken"] - packets0["taken"]
                                   - row["delay_line_packets"]
@@ -478,7 +477,23 @@ def _run_mode_retrying(tb: Any, cfg: GeoBenchConfig, mode: str, seed: int
     # The failed try's last packets may still be in the delay line: the retry's counters
     # start once they are out, or it would count one given back that it never gave.
     return once_more_if_torch_aborted(lambda: _run_mode(tb, cfg, mode, seed), mode,
-                                      lambda: time.sleep(2 * tb.geo.wan_rtt_s))
+                                      lambda: _settled_delay_line(tb))
+
+
+def _settled_delay_line(tb: Any, limit_s: float = 5.0) -> dict[str, int]:
+    """The delay line's counters once the packets in it are out: read every round trip
+    (10 ms at least) until two reads agree, ``limit_s`` at most. A fixed wait of two round
+    trips was not always enough on a busy machine (the line is a process sharing the cores
+    with the workers), and a count read with a packet still in the line calls it lost."""
+    step = max(2 * tb.geo.wan_rtt_s, 0.01)
+    deadline = time.monotonic() + limit_s
+    last = tb.delay_line_packets()
+    while True:
+        time.sleep(step)
+        now = tb.delay_line_packets()
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def time_to_target(row: dict[str, Any], target: float) -> float | None:
