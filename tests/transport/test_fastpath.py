@@ -38,24 +38,32 @@ def _run(monkeypatch, *, fast: bool, loss: float, dtype, bits: int, n: int = 3,
     xs = _inputs(n, numel, dtype, seed=1)
     outs: dict[int, list[np.ndarray]] = {}
     counters: dict[int, dict] = {}
-    errors: list[BaseException] = []
     with SwitchServer(host="127.0.0.1", port=0, dataplane=dp) as server:
         def rank(r: int) -> None:
-            try:
-                cfg = WorkerConfig(op_timeout_s=30, min_rto_s=0.005)
-                with WorkerClient(server.address, spec, r, cfg) as w:
-                    outs[r] = [w.allreduce(xs[r], bits=bits) for _ in range(ops)]
-                    counters[r] = w.counters
-                    assert (w._fast is not None) == fast
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    assert not errors, errors
+            cfg = WorkerConfig(op_timeout_s=30, min_rto_s=0.005)
+            with WorkerClient(server.address, spec, r, cfg) as w:
+                outs[r] = [w.allreduce(xs[r], bits=bits) for _ in range(ops)]
+                counters[r] = w.counters
+                assert (w._fast is not None) == fast
+        _each_rank(n, rank)
     return xs, outs, counters
+
+
+def _each_rank(n: int, rank) -> None:  # type: ignore[no-untyped-def]
+    """Run ``rank(r)`` for r < n, each in a thread; raise what any of them raised."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            rank(r)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
 
 
 @pytest.mark.parametrize("dtype,bits", [(np.float32, 32), (np.int32, 32), (np.float64, 16)])
@@ -130,22 +138,13 @@ def test_a_first_window_the_compiled_send_leaves_is_sent_by_python(monkeypatch):
     xs = [np.arange(numel, dtype=np.int32) * (r + 1) for r in range(n)]
     outs: dict[int, list[np.ndarray]] = {}
     counters: dict[int, dict] = {}
-    errors: list[BaseException] = []
     with SwitchServer(host="127.0.0.1", port=0) as server:
         def rank(r: int) -> None:
-            try:
-                with WorkerClient(server.address, spec, r, WorkerConfig(op_timeout_s=30)) as w:
-                    assert w._fast is not None
-                    outs[r] = [w.allreduce(xs[r]) for _ in range(3)]
-                    counters[r] = {**w.counters, "datagrams": w._sender.datagrams}
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    assert not errors, errors
+            with WorkerClient(server.address, spec, r, WorkerConfig(op_timeout_s=30)) as w:
+                assert w._fast is not None
+                outs[r] = [w.allreduce(xs[r]) for _ in range(3)]
+                counters[r] = {**w.counters, "datagrams": w._sender.datagrams}
+        _each_rank(n, rank)
     for r in range(n):
         for out in outs[r]:
             np.testing.assert_array_equal(out, xs[0] * 3)
