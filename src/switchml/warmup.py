@@ -1,36 +1,43 @@
-"""Compile (or load from numba's cache) every compiled kernel switchml runs: the protocol's
-(``protocol/warmup.py``), the UDP worker's compiled loop (``transport/fastpath.py``) and the
-signatures that only the transports reach (retransmission, the generic receive path, a
-sharded switch, a rack under a spine), by running small jobs over loopback.
+"""``python -m switchml.warmup``: compile every per-packet kernel for this machine ahead, into
+numba's cache, in parallel processes (one per core), then run every transport once.
 
-Run ``python -m switchml.warmup`` once after installing (``.ci/run`` and the README's set-up
-do; the test suite does it first), so that no operation waits for the compiler: on a 2-core
-machine one kernel compiled inside an operation takes long enough for the switch to expire the
-job's lease. ``tests/test_warmup.py`` checks that nothing the transports run is left out.
+Nothing needs it to be run: a switch and a worker compile what they need before they answer
+or join (``transport/compiled.py``). It saves that wait later, and ``.ci/run`` and the test
+suite run it first so that no test's time limit pays for the compiler.
 """
 
 from __future__ import annotations
 
-__all__ = ["warm_up"]
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from switchml.transport.compiled import clear_stale_caches, ensure_tree, ensure_worker
+
+__all__ = ["main", "warm_up"]
 
 
-def warm_up() -> None:
-    """Every kernel, for every operation kind."""
-    from switchml.protocol.warmup import warm_up as warm_protocol
-    from switchml.transport.fastpath import warm_up as warm_fast_path
-    from switchml.transport.switchpath import warm_up as warm_switch_path
-    warm_protocol()
-    warm_fast_path()
-    warm_switch_path()
-    _warm_transports()
+# -- everything, ahead -------------------------------------------------------------------------
+
+def _part(index: int, parts: int) -> None:
+    """Part ``index`` of ``parts`` of the kernels: its share of the kinds (the first part also
+    the switch's and the rack's)."""
+    from switchml.protocol.warmup import KINDS
+    if index == 0:
+        ensure_tree()
+    for kind in KINDS[index::parts]:
+        ensure_worker(*kind)
 
 
 def _warm_transports() -> None:
     """One single-rank job of every operation kind over loopback UDP: on the fast path, on
     the generic path with loss (retransmissions, fast retransmit), through a sharded switch and
-    through a rack under a spine."""
-    import numpy as np
-
+    through a rack under a spine: the signatures only the transports reach."""
     from switchml.control import new_job_spec
     from switchml.protocol.config import SwitchConfig, WorkerConfig
     from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
@@ -76,6 +83,54 @@ def _warm_transports() -> None:
             server.stop()
 
 
+def warm_up(processes: int | None = None,
+            progress: Callable[[str], None] | None = None) -> float:
+    """Every kernel, for every kind of operation: ``processes`` child processes (default: one
+    per core) each compile their share into the cache, then this process loads them all and
+    runs every transport once (which compiles anything the parts missed). Returns the
+    seconds it took. ``progress``: called with a line as each part finishes."""
+    say = progress or (lambda line: None)
+    t0 = time.monotonic()
+    parts = max(1, min(processes or os.cpu_count() or 1, 4))
+    if parts > 1:
+        clear_stale_caches()  # once, before the children look at the cache
+        children = [subprocess.Popen([sys.executable, "-m", "switchml.warmup", "--part",
+                                      f"{i}/{parts}"]) for i in range(parts)]
+        for i, child in enumerate(children):
+            if child.wait() != 0:
+                say(f"  part {i + 1}/{parts} failed (status {child.returncode}): compiling "
+                    f"its kernels here instead")
+            else:
+                say(f"  part {i + 1}/{parts} compiled ({time.monotonic() - t0:.0f} s)")
+    _part(0, 1)
+    _warm_transports()
+    return time.monotonic() - t0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m switchml.warmup",
+        description="Compile switchml's per-packet kernels for this machine into numba's cache "
+                    "(next to the sources), so that no switch or worker waits for the compiler "
+                    "later. Once per machine and after an edit to a kernel; a cached kernel "
+                    "loads in well under a second.")
+    ap.add_argument("--processes", "-j", type=int, default=None,
+                    help="compile in this many processes at once (default: one per core, "
+                         "at most 4)")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # "i/n": a child's share
+    args = ap.parse_args(argv)
+    if args.processes is not None and args.processes < 1:
+        ap.error(f"--processes must be >= 1, got {args.processes}")
+    if args.part is not None:
+        index, parts = (int(v) for v in args.part.split("/"))
+        _part(index, parts)
+        return 0
+    print("switchml: compiling the per-packet kernels for this machine (cached after; "
+          "about a minute on 2 cores when nothing is cached)", flush=True)
+    took = warm_up(args.processes, progress=lambda line: print(line, flush=True))
+    print(f"switchml kernels compiled and cached ({took:.0f} s)", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    warm_up()
-    print("switchml kernels compiled and cached")
+    sys.exit(main())

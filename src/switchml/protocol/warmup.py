@@ -1,85 +1,63 @@
-"""Compile (or load from numba's cache) every kernel for the types switchml uses.
+"""Run every compiled kernel once, in memory, so that numba compiles it (or loads it from its
+cache) before an operation needs it: the switch's kernels alone (:func:`warm_switch`), a
+worker's for chosen kinds of operation (:func:`warm_kinds`), a rack's (:func:`warm_tree`).
 
-The first process on a fresh install compiles the kernels (about half a minute on a 2-core
-machine) and caches them next to the source; every later process loads them in well under a
-second. Run ``python -m switchml.protocol.warmup`` once after installing (``.ci/run`` and the
-README's set-up do), so that no operation waits for the compiler.
-
-Numba's cache is keyed on each kernel's own source file, not on the kernels it calls in the
-package's other files: a change to ``kernels/frames.py`` would leave ``kernels/aggregate.py``'s
-cached code stale. :func:`clear_stale_cache` keeps a digest of every kernel source next to the
-cache and removes the package's cached kernels when it differs; :func:`warm_up` calls it first.
+Sans-I/O like the rest of ``protocol/``: crafted datagrams between endpoints in memory, no
+sockets and no files. When to call these, and numba's cache on disk, are
+``switchml/warmup.py``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 
 from switchml.protocol.config import JobSpec
-from switchml.protocol.endpoint import exchange
+from switchml.protocol.endpoint import Batch, exchange
 from switchml.protocol.events import OperationCompleted
 from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.wire import (
+    ElementType,
+    Flags,
+    Header,
+    MessageType,
+    operation_digest,
+    pack_header,
+)
 from switchml.protocol.worker import WorkerEndpoint
 
-__all__ = ["KERNEL_SOURCES", "KINDS", "clear_stale", "clear_stale_cache", "warm_up"]
+__all__ = ["KINDS", "Kind", "kind_of", "warm_kinds", "warm_switch", "warm_tree", "warm_up"]
 
-_KERNELS = Path(__file__).resolve().parent / "kernels"
+Kind = tuple[type, int, bool]
+"""A kind of operation: (element type, bits on the wire, with a residual). Each kind is a
+compiled specialisation of the worker's kernels."""
 
-
-KERNEL_SOURCES = sorted(_KERNELS.glob("*.py"))
-"""The kernels' sources: a kernel elsewhere that calls them (``transport/fastpath.py``) is
-stale when any of them changed."""
-
-
-KINDS: tuple[tuple[type, int, bool], ...] = (
+KINDS: tuple[Kind, ...] = (
     (np.float32, 32, False), (np.float64, 32, False), (np.int32, 32, False),
     (np.float16, 32, False), (np.float32, 16, True), (np.float64, 16, True),
     (np.float32, 16, False))
-"""Every kind of operation a worker runs: (element type, bits on the wire, with a residual)."""
+"""Every kind of operation a worker runs."""
 
 
-def clear_stale(sources: list[Path], cache: Path, prefix: str = "", stamp_name: str = "") -> bool:
-    """Remove the numba cache files ``cache/<prefix>*.nbi|nbc`` if any of ``sources`` changed
-    since they were written (returns whether it did). Only the cache next to the sources
-    (numba's default) is looked at; nothing happens where that folder is not writable."""
-    digest = hashlib.sha256()
-    for src in sources:
-        digest.update(src.name.encode() + b"\0" + src.read_bytes())
-    stamp = cache / (stamp_name or "kernel-sources.sha256")
-    try:
-        if stamp.exists() and stamp.read_text() == digest.hexdigest():
-            return False
-        cleared = False
-        for f in [*cache.glob(f"{prefix}*.nbi"), *cache.glob(f"{prefix}*.nbc")]:
-            f.unlink()
-            cleared = True
-        cache.mkdir(exist_ok=True)
-        stamp.write_text(digest.hexdigest())
-        return cleared
-    except OSError:
-        return False
+def kind_of(dtype: np.dtype | type, bits: int = 32, residual: bool = False) -> Kind:
+    """The kind an operation on ``dtype`` compiles as (a residual only with 16 bits)."""
+    return (np.dtype(dtype).type, int(bits), bool(residual))
 
 
-def clear_stale_cache() -> bool:
-    """Remove the kernels' numba cache if any kernel source changed since it was written."""
-    return clear_stale(KERNEL_SOURCES, _KERNELS / "__pycache__")
-
-
-def warm_up() -> None:
-    """Run one tiny operation of every kind through a switch and a worker, in memory (after
-    clearing a stale cache)."""
-    clear_stale_cache()
+def _joined_pair(spec: JobSpec) -> tuple[WorkerEndpoint, dict]:
     addr, sw_addr = ("127.0.0.1", 1), ("127.0.0.1", 2)
     sw = SwitchDataplane()
-    spec = JobSpec(job_id=1, token=2, num_workers=1, window=2, elements_per_packet=4)
     w = WorkerEndpoint(spec=spec, rank=0, switch_address=sw_addr)
     eps = {addr: w, sw_addr: sw}
     w.join(0.0)
     exchange(eps, 0.0)
-    for dtype, bits, residual in KINDS:
+    return w, eps
+
+
+def warm_kinds(kinds: tuple[Kind, ...] = KINDS) -> None:
+    """One tiny operation of each kind through a worker and a switch, in memory."""
+    w, eps = _joined_pair(JobSpec(job_id=1, token=2, num_workers=1, window=2,
+                                  elements_per_packet=4))
+    for dtype, bits, residual in kinds:
         x = np.arange(10, dtype=dtype)
         out = np.empty_like(x)
         res = np.empty(x.size, dtype) if residual else None
@@ -88,10 +66,35 @@ def warm_up() -> None:
         while (ev := w.next_event()) is not None:
             if isinstance(ev, OperationCompleted):
                 break
-    _warm_tree()
 
 
-def _warm_tree() -> None:
+def request_for(w: WorkerEndpoint, k: int) -> bytes:
+    """The first REQUEST of an int32 operation of ``k`` elements by joined worker ``w``,
+    written by the wire module's packer (so that the switch's kernels run without compiling
+    the worker's)."""
+    spec = w.spec
+    header = Header(type=MessageType.REQUEST, job=spec.job_id, rank=w.rank, token=spec.token,
+                    seq=0, chunk=0, slot=w.slot_bases[0], set_bit=0, count=k,
+                    elem=ElementType.INT32, flags=int(Flags.HAS_DATA),
+                    digest=operation_digest(k, False, 32))
+    return pack_header(header) + np.arange(k, dtype="<i4").tobytes()
+
+
+def warm_switch() -> tuple[SwitchDataplane, WorkerEndpoint, bytes]:
+    """The switch's kernels: a worker joins (control is Python), then one crafted request
+    completes a round. Returns the switch, the worker and the request (the transports' own
+    warm-up goes on with them)."""
+    w, eps = _joined_pair(JobSpec(job_id=1, token=2, num_workers=1, window=2,
+                                  elements_per_packet=4))
+    sw = eps[("127.0.0.1", 2)]
+    request = request_for(w, 4)
+    sw.receive_many(Batch.of_datagram(request, ("127.0.0.1", 1))._replace(stable_senders=True),
+                    0.0)
+    sw.datagrams_to_send(0.0)
+    return sw, w, request
+
+
+def warm_tree() -> None:
     """One operation through a rack switch under a spine (the relay kernels)."""
     from switchml.protocol.tree import RackAggregator, tree_specs
     spine_addr, rack_addr, w_addr = ("127.0.0.1", 3), ("127.0.0.1", 4), ("127.0.0.1", 5)
@@ -119,6 +122,8 @@ def _warm_tree() -> None:
             return
 
 
-if __name__ == "__main__":
-    warm_up()
-    print("switchml kernels compiled and cached")
+def warm_up() -> None:
+    """Every kernel of the protocol, for every kind of operation."""
+    warm_switch()
+    warm_kinds(KINDS)
+    warm_tree()

@@ -146,7 +146,7 @@ FIRED = -2
 NOTHING_DUE = -1
 
 
-@njit(**INLINE)
+@njit(**NO_RC)
 def _timers(fd, now, op_timeout_s, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
             tx8, tx16, tx32, cnt, sendq, sendlen, picked, stride, order, runs, hdr, iov, cmsg,
             max_segments, max_bytes, stats):
@@ -277,26 +277,23 @@ class FastPath:
                                  self.max_segments, self.max_bytes, self.stats))
 
 
-def warm_up() -> None:
-    """Compile (or load from the cache) :func:`pump` for every operation kind, on an idle
-    loopback socket (it returns at once: nothing to receive), and :meth:`FastPath.send`'s
-    kernel once (its arguments' types are the same for every kind: the last kind's first
-    window goes to the socket itself, after the last pump). Its cache is cleared first when
-    its source or any kernel it calls changed (numba would not notice the latter)."""
+def warm_up(kinds: tuple | None = None) -> None:
+    """Compile (or load from the cache) :func:`pump` for each kind of operation (default: all,
+    ``protocol.warmup.KINDS``), on an idle loopback socket (it returns at once: nothing to
+    receive), and :meth:`FastPath.send`'s kernel once (its arguments' types are the same for
+    every kind: the last kind's first window goes to the socket itself, after the last
+    pump)."""
     import os
-    from pathlib import Path
 
     from switchml.protocol.config import JobSpec
     from switchml.protocol.endpoint import exchange
     from switchml.protocol.switch import SwitchDataplane
-    from switchml.protocol.warmup import KERNEL_SOURCES, KINDS, clear_stale
+    from switchml.protocol.warmup import KINDS
     from switchml.protocol.worker import WorkerEndpoint
     from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
 
-    here = Path(__file__).resolve()
-    clear_stale([*KERNEL_SOURCES, here], here.parent / "__pycache__", "fastpath.",
-                "fastpath-sources.sha256")
-    if not available():
+    kinds = KINDS if kinds is None else tuple(kinds)
+    if not available() or not kinds:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -314,14 +311,14 @@ def warm_up() -> None:
                                         elements_per_packet=4), rank=0, switch_address=sw_addr)
         w.join(0.0)
         exchange({w_addr: w, sw_addr: sw}, 0.0)
-        for dtype, bits, residual in KINDS:
+        for dtype, bits, residual in kinds:
             x = np.arange(10, dtype=dtype)
             w.start_allreduce(x, np.empty_like(x), 0.0, bits=bits,
                               residual=np.empty(x.size, dtype) if residual else None)
             state = w.fast_path_state()
             if state is not None:
                 fast.run(*state)
-                if (dtype, bits, residual) == KINDS[-1]:
+                if (dtype, bits, residual) == kinds[-1]:
                     fast.send(state[0])
             w.close(0.0)  # (aborts the operation: the next one needs a fresh endpoint)
             w = WorkerEndpoint(spec=w.spec, rank=0, switch_address=sw_addr)

@@ -309,22 +309,14 @@ class SwitchFastPath:
 
 def warm_up() -> None:
     """Compile (or load from the cache) :func:`switch_pump` and :func:`send_results`, on an
-    idle loopback socket (the pump returns at once: its wake-up pipe is readable). The cache
-    is cleared first when this file or any kernel it calls changed."""
+    idle loopback socket (the pump returns at once: its wake-up pipe is readable). Only the
+    switch's kernels: the request is crafted (``protocol.warmup.warm_switch``)."""
     import os
-    from pathlib import Path
 
-    from switchml.protocol.config import JobSpec
-    from switchml.protocol.endpoint import Batch, exchange
-    from switchml.protocol.switch import SwitchDataplane
-    from switchml.protocol.warmup import KERNEL_SOURCES, clear_stale
-    from switchml.protocol.worker import WorkerEndpoint
+    from switchml.protocol.warmup import warm_switch
     from switchml.transport import fastpath
     from switchml.transport.batching import MAX_GSO_BYTES, MAX_SEGMENTS, MultiReceiver
 
-    here = Path(__file__).resolve()
-    clear_stale([*KERNEL_SOURCES, here, Path(fastpath.__file__).resolve()],
-                here.parent / "__pycache__", "switchpath.", "switchpath-sources.sha256")
     if not fastpath.available():
         return
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -339,18 +331,7 @@ def warm_up() -> None:
         os.write(wake_w, b"x")  # (the loop returns at once)
         try:
             fast = SwitchFastPath(rx, sender, wake_fd=wake_r)
-            sw, w_addr = SwitchDataplane(), ("127.0.0.1", 1)
-            w = WorkerEndpoint(spec=JobSpec(job_id=1, token=2, num_workers=1, window=2,
-                                            elements_per_packet=4), rank=0,
-                               switch_address=("127.0.0.1", 2))
-            w.join(0.0)
-            exchange({w_addr: w, ("127.0.0.1", 2): sw}, 0.0)
-            x = np.arange(10, dtype=np.float32)
-            w.start_allreduce(x, np.empty_like(x), 0.0)
-            request = bytes(w.datagrams_to_send(0.0)[0][0])
-            sw.receive_many(Batch.of_datagram(request, w_addr)._replace(stable_senders=True),
-                            0.0)
-            sw.datagrams_to_send(0.0)
+            sw, _, _ = warm_switch()
             state = sw.fast_path_state()
             if state is not None:
                 fast.run(*state)

@@ -50,6 +50,7 @@ from switchml.transport.batching import (
     gso_supported,
     open_receiver,
 )
+from switchml.transport.compiled import ensure_switch, ensure_tree, ensure_worker
 from switchml.transport.eventlog import SwitchEventLog
 from switchml.transport.fastpath import FP, ST, FastPath
 from switchml.transport.fastpath import available as fastpath_available
@@ -89,6 +90,11 @@ class SwitchServer:
                  config: SwitchConfig | None = None,
                  rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True,
                  dataplane: Any = None) -> None:
+        # Compiled (or loaded) before the socket exists: a switch that listens answers at once.
+        if dataplane is None or type(dataplane) is SwitchDataplane:
+            ensure_switch()
+        else:
+            ensure_tree()
         self.dataplane = dataplane if dataplane is not None else SwitchDataplane(config)
         self._switch_config = getattr(self.dataplane, "switch", self.dataplane).config
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -341,6 +347,9 @@ class WorkerClient:
         self.switch = self.switches[0]
         sharded = len(self.switches) > 1
         self.spec, self.rank = spec, rank
+        # The common kind's kernels before the JOIN (the others before their first operation,
+        # in the caller's thread): an operation never waits for the compiler.
+        ensure_worker(np.float32)
         self.session = WorkerSession(
             WorkerEndpoint(spec=spec, rank=rank, config=config, switch_address=self.switches),
             handle_type=AllreduceHandle, explain=self._icmp_note)
@@ -390,6 +399,7 @@ class WorkerClient:
         """
         sub = prepare_submission(data, out, bits=bits, residual=residual,
                                  handle_type=AllreduceHandle)
+        ensure_worker(sub.data.dtype, bits, residual is not None)
 
         def healthy() -> None:
             if self.session.error is not None:

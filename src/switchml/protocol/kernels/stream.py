@@ -279,6 +279,16 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     return i
 
 
+@njit(**NO_RC)
+def resend_chunk(p, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
+                 tx16, tx32, cnt, sendlen):
+    """:func:`send_chunk` for a re-send (timeouts, probes, NACKs): rare, so compiled once and
+    called, where the first transmission's path has it inlined (each inlined copy of the
+    request builder costs seconds of compilation per element type)."""
+    return send_chunk(p, True, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+                      res, tx8, tx16, tx32, cnt, sendlen)
+
+
 @njit(**INLINE)
 def queue_lane(i, opv, sendq):
     """Queue lane ``i``'s datagram to send; False if the queue is full (nothing queued)."""
@@ -340,7 +350,7 @@ def _is_nack(d, o, ln, opv):
             and u32(d, o + H_SEQ) == opv[OP.SEQ] and opv[OP.PY_NACKS] == 0)
 
 
-@njit(**INLINE)
+@njit(**NO_RC)
 def take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt):
     """The switch lacks ``chunk`` (on ``slot``) of this operation although later chunks of
     this rank arrived: the chunk to re-send now on its lane (the chunk itself, or the one
@@ -365,7 +375,7 @@ def take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt):
     return p
 
 
-@njit(**INLINE)
+@njit(**NO_RC)
 def mark_nack_resend(i, p, chunk, opv, lane, tx8):
     """Lane ``i`` re-sent ``p`` for a NACK of ``chunk``. The switch thinks that request was
     lost: the chunk's first re-send carries ``RESENT``, so that the switch can tell when it
@@ -421,19 +431,27 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
             dequantize_into(d16, po // 2, exp_data, opv[OP.P], nonfinite, out, lo, count,
                             opv[OP.N], edge, rtt[R.FMAX])
         else:  # a payload at an odd offset (an in-memory batch of mixed sizes): aligned first
-            for j in range(count * isz):
-                scratch[j] = d[po + j]
-            if isz == 4:
-                dequantize_into(scratch.view(np.int32), 0, exp_data, opv[OP.P], nonfinite, out,
-                                lo, count, opv[OP.N], edge, rtt[R.FMAX])
-            else:
-                dequantize_into(scratch.view(np.int16), 0, exp_data, opv[OP.P], nonfinite, out,
-                                lo, count, opv[OP.N], edge, rtt[R.FMAX])
+            _store_unaligned(d, po, isz, count, exp_data, nonfinite, edge, lo, opv, rtt, out,
+                             scratch)
     elif count:
         return False
     if p < opv[OP.L]:
         lane[LN.EMAX, i] = i16(d, o + H_EXP_NEXT)
     return True
+
+
+@njit(**NO_RC)
+def _store_unaligned(d, po, isz, count, exp_data, nonfinite, edge, lo, opv, rtt, out, scratch):
+    """:func:`_store_float` for a payload at an odd offset (rare: an in-memory batch of mixed
+    sizes): copied into the aligned ``scratch`` first. Called, not inlined."""
+    for j in range(count * isz):
+        scratch[j] = d[po + j]
+    if isz == 4:
+        dequantize_into(scratch.view(np.int32), 0, exp_data, opv[OP.P], nonfinite, out, lo,
+                        count, opv[OP.N], edge, rtt[R.FMAX])
+    else:
+        dequantize_into(scratch.view(np.int16), 0, exp_data, opv[OP.P], nonfinite, out, lo,
+                        count, opv[OP.N], edge, rtt[R.FMAX])
 
 
 @njit(**INLINE)
@@ -478,7 +496,7 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     rtt[R.LAST_HEARD] = now
 
 
-@njit(**INLINE)
+@njit(**NO_RC)
 def _rearm(lane, lanef, rtt):
     """The first round trip measured: the deadlines of chunks sent under the initial timeout
     (``initial_rto_s``, 0.2 s, before anything was measured) come down to the measured one,
@@ -493,7 +511,7 @@ def _rearm(lane, lanef, rtt):
                 lanef[LF.DEADLINE, j] = due
 
 
-@njit(**INLINE)
+@njit(**NO_RC)
 def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     """Tail-loss probe (RFC 8985 section 7): a lane's last chunk has no later chunk on its lane
     to show the switch it is missing (NACKs). Every rank releases chunks in the order the
@@ -544,12 +562,12 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
             if not _is_nack(d, o, lens[i], opv):
                 return i, WS.OTHER.value
             i += 1  # a NACK of this operation: answered here, without leaving the loop
-            p = take_nack(u32(d, o + H_CHUNK), u32(d, o + H_SLOT), now, opv, lane, lanef, rtt,
-                          cnt)
+            chunk = u32(d, o + H_CHUNK)
+            p = take_nack(chunk, u32(d, o + H_SLOT), now, opv, lane, lanef, rtt, cnt)
             if p >= 0:
-                ln_i = send_chunk(p, True, True, now, opv, lane, lanef, rtt, next_set, exps,
-                                  nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
-                mark_nack_resend(ln_i, p, u32(d, o + H_CHUNK), opv, lane, tx8)
+                ln_i = resend_chunk(p, True, now, opv, lane, lanef, rtt, next_set, exps, nonf,
+                                    x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                mark_nack_resend(ln_i, p, chunk, opv, lane, tx8)
                 queue_lane(ln_i, opv, sendq)
             continue
         i += 1

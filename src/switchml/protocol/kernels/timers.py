@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from switchml.protocol.kernels.frames import NO_RC, njit
-from switchml.protocol.kernels.stream import LF, LN, OP, WC, R, queue_lane, send_chunk
+from switchml.protocol.kernels.stream import LF, LN, OP, WC, R, queue_lane, resend_chunk
 
 __all__ = ["PROBE_LANES", "fire_timers", "next_deadline", "probe_time"]
 
@@ -64,8 +64,8 @@ def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
     for i in range(lane.shape[1]):
         if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] <= now:
             cnt[WC.TIMER_RESENDS] += 1
-            send_chunk(lane[LN.CHUNK, i], True, False, now, opv, lane, lanef, rtt, next_set,
-                       exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+            resend_chunk(lane[LN.CHUNK, i], False, now, opv, lane, lanef, rtt, next_set,
+                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
             queue_lane(i, opv, sendq)
     if now < probe_time(rtt):
         return True
@@ -92,8 +92,8 @@ def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
         i = picked[m]
         if now - lanef[LF.XMIT_AT, i] >= rtt[R.SRTT]:
             cnt[WC.IDLE_PROBES] += 1
-            send_chunk(lane[LN.CHUNK, i], True, True, now, opv, lane, lanef, rtt, next_set,
-                       exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+            resend_chunk(lane[LN.CHUNK, i], True, now, opv, lane, lanef, rtt, next_set,
+                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
             queue_lane(i, opv, sendq)
     return True
 
