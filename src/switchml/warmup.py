@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from switchml.protocol.warmup import KINDS, Kind
 from switchml.transport.compiled import clear_stale_caches, ensure_tree, ensure_worker
 
 __all__ = ["main", "warm_up"]
@@ -24,14 +25,19 @@ __all__ = ["main", "warm_up"]
 
 # -- everything, ahead -------------------------------------------------------------------------
 
-def _part(index: int, parts: int) -> None:
-    """Part ``index`` of ``parts`` of the kernels: its share of the kinds (the first part also
-    the switch's and the rack's)."""
-    from switchml.protocol.warmup import KINDS
-    if index == 0:
+def _tasks(kinds: Sequence[Kind], switch: bool) -> list[str]:
+    """The compile tasks, as ``--task`` arguments: ``tree`` (the switch's and a rack's
+    kernels) and one per kind (``float32/32/0``)."""
+    return (["tree"] if switch else []) + [
+        f"{np.dtype(d).name}/{bits}/{int(res)}" for d, bits, res in kinds]
+
+
+def _run_task(task: str) -> None:
+    if task == "tree":
         ensure_tree()
-    for kind in KINDS[index::parts]:
-        ensure_worker(*kind)
+        return
+    name, bits, residual = task.split("/")
+    ensure_worker(np.dtype(name), int(bits), residual == "1")
 
 
 def _warm_transports() -> None:
@@ -41,7 +47,6 @@ def _warm_transports() -> None:
     from switchml.control import new_job_spec
     from switchml.protocol.config import SwitchConfig, WorkerConfig
     from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
-    from switchml.protocol.warmup import KINDS
     from switchml.transport.faults import LossyEndpoint
     from switchml.transport.udp import SwitchServer, WorkerClient
 
@@ -83,27 +88,34 @@ def _warm_transports() -> None:
             server.stop()
 
 
-def warm_up(processes: int | None = None,
-            progress: Callable[[str], None] | None = None) -> float:
-    """Every kernel, for every kind of operation: ``processes`` child processes (default: one
-    per core) each compile their share into the cache, then this process loads them all and
-    runs every transport once (which compiles anything the parts missed). Returns the
-    seconds it took. ``progress``: called with a line as each part finishes."""
+def warm_up(processes: int | None = None, progress: Callable[[str], None] | None = None, *,
+            kinds: Sequence[Kind] = KINDS, switch: bool = True,
+            transports: bool = True) -> float:
+    """Compile (or load) the kernels of the switch (``switch``) and of a worker for each of
+    ``kinds`` (default: every kind there is): ``processes`` child processes (default: one per
+    core, at most 4) each compile a share into the cache, then this process loads them all
+    and, with ``transports``, runs every transport once (which compiles whatever the shares
+    missed). Returns the seconds it took. ``progress``: called with a line as each share
+    finishes."""
     say = progress or (lambda line: None)
     t0 = time.monotonic()
-    parts = max(1, min(processes or os.cpu_count() or 1, 4))
+    tasks = _tasks(kinds, switch)
+    parts = max(1, min(processes or os.cpu_count() or 1, 4, len(tasks)))
     if parts > 1:
         clear_stale_caches()  # once, before the children look at the cache
-        children = [subprocess.Popen([sys.executable, "-m", "switchml.warmup", "--part",
-                                      f"{i}/{parts}"]) for i in range(parts)]
+        children = [subprocess.Popen([sys.executable, "-m", "switchml.warmup",
+                                      *(f"--task={t}" for t in tasks[i::parts])])
+                    for i in range(parts)]
         for i, child in enumerate(children):
             if child.wait() != 0:
-                say(f"  part {i + 1}/{parts} failed (status {child.returncode}): compiling "
+                say(f"  share {i + 1}/{parts} failed (status {child.returncode}): compiling "
                     f"its kernels here instead")
             else:
-                say(f"  part {i + 1}/{parts} compiled ({time.monotonic() - t0:.0f} s)")
-    _part(0, 1)
-    _warm_transports()
+                say(f"  share {i + 1}/{parts} compiled ({time.monotonic() - t0:.0f} s)")
+    for task in tasks:
+        _run_task(task)
+    if transports:
+        _warm_transports()
     return time.monotonic() - t0
 
 
@@ -117,13 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--processes", "-j", type=int, default=None,
                     help="compile in this many processes at once (default: one per core, "
                          "at most 4)")
-    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # "i/n": a child's share
+    ap.add_argument("--task", action="append", default=[],
+                    help=argparse.SUPPRESS)  # a child's share: "tree", "float32/32/0", ...
     args = ap.parse_args(argv)
     if args.processes is not None and args.processes < 1:
         ap.error(f"--processes must be >= 1, got {args.processes}")
-    if args.part is not None:
-        index, parts = (int(v) for v in args.part.split("/"))
-        _part(index, parts)
+    if args.task:
+        for task in args.task:
+            _run_task(task)
         return 0
     print("switchml: compiling the per-packet kernels for this machine (cached after; "
           "about a minute on 2 cores when nothing is cached)", flush=True)
