@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -103,14 +104,33 @@ def test_misbehaving_job_never_changes_another_jobs_results(server, run_threads)
         st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)),
 ))
 def test_udp_fuzz_never_crashes_or_grows_the_switch(server, data):
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.sendto(data, server.address)
+    _send_and_wait_handled(server, [data])
     st_ = server.stats()
     assert st_["internal_errors"] == 0
     assert st_["memory_bytes"] <= 64 * 2 * (40 + 4 * 16366)  # bounded by the pool
 
 
+def _send_and_wait_handled(server, datagrams: list[bytes], timeout_s: float = 5.0) -> None:
+    """Send ``datagrams`` to the switch and return once its I/O thread has taken them all
+    (its ``packets_in`` counts every datagram, an empty one included)."""
+    before = server.stats()["packets_in"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for d in datagrams:
+            s.sendto(d, server.address)
+    deadline = time.monotonic() + timeout_s
+    while server.stats()["packets_in"] < before + len(datagrams):
+        assert time.monotonic() < deadline, "the switch did not take the datagrams in time"
+        time.sleep(0.005)
+
+
 def test_switch_still_serves_after_the_fuzzing(server, run_threads):
+    """On its own too: a seeded batch of the fuzz's shapes first, whichever tests ran before."""
+    rng = np.random.default_rng(7)
+    junk = [rng.bytes(int(n)) for n in rng.integers(0, 2000, 100)]
+    junk += [HEADER.pack(0x4D53, 1, int(t) % 256, 0, 0, int(r), int(j), 0, 0, 0, 0, 16, 1, 0, 0, 0)
+             + rng.bytes(64) for t, r, j in rng.integers(0, 2**16, (100, 3))]
+    _send_and_wait_handled(server, junk)
+    assert server.stats()["internal_errors"] == 0
     spec = new_job_spec(2, window=4, elements_per_packet=1024)
     results: dict = {}
     mains = _rank_mains(server, spec, 3, results, "after")
