@@ -114,6 +114,8 @@ class WorkerEndpoint(WorkerControl):
             raise LocalProtocolError(f"switch_address: {exc}") from None
         self.switch_addresses: tuple[Address, ...] = shards
         self.switch_address: Address = shards[0]
+        self._switch_set = frozenset(shards)  # who may send this endpoint anything
+        self._switch_senders: dict[int, bool] = {}  # stable sender numbers checked
         self._switch_text = format_addresses(shards)
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
@@ -272,7 +274,12 @@ class WorkerEndpoint(WorkerControl):
     # -- Endpoint contract -------------------------------------------------------------------
 
     def receive_datagram(self, data: _Data, addr: Address, now: float) -> None:
-        """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards."""
+        """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards.
+        Anything from another address is dropped (counted ``foreign_sender``): a result that
+        carries the job's token is still only the switch's to give."""
+        if addr not in self._switch_set:
+            self._drops["foreign_sender"] += 1
+            return
         if self._op is None or not len(data):
             self._receive_other(data, now)
             return
@@ -282,10 +289,41 @@ class WorkerEndpoint(WorkerControl):
 
     def receive_many(self, batch: Batch, now: float) -> None:
         """Process a batch of datagrams (``endpoint.Batch``; ``recvmmsg``, a GRO buffer) from
-        the switch (or its shards), in order. The senders do not matter: a result is checked
-        against the job's token and the lane's slot and set. Call ``datagrams_to_send``
-        afterwards."""
-        self._receive(batch.buf, batch.starts, batch.lens, batch.count, now)
+        the switch (or its shards), in order. Datagrams from any other address are dropped
+        (counted ``foreign_sender``): the job's token travels in every datagram, so it proves
+        nothing about who sent one. Call ``datagrams_to_send`` afterwards."""
+        count = batch.count
+        senders = batch.senders[:count]
+        first = int(senders[0]) if count else 0
+        if count and (senders == first).all():  # one sender (a GRO buffer, most batches)
+            if self._from_switch(batch, first):
+                self._receive(batch.buf, batch.starts, batch.lens, count, now)
+            else:
+                self._drops["foreign_sender"] += count
+            return
+        i = 0
+        while i < count:  # runs of datagrams from the switch, in order; the rest dropped
+            j = i
+            while j < count and self._from_switch(batch, int(senders[j])):
+                j += 1
+            if j > i:
+                self._receive(batch.buf, batch.starts[i:j], batch.lens[i:j], j - i, now)
+            if j < count:
+                self._drops["foreign_sender"] += 1
+                j += 1
+            i = j
+
+    def _from_switch(self, batch: Batch, sender: int) -> bool:
+        """Whether sender number ``sender`` of ``batch`` is the switch (or one of its shards);
+        remembered per number where the numbers are stable (``recvmmsg``)."""
+        if batch.stable_senders:
+            known = self._switch_senders.get(sender)
+            if known is None:
+                known = self._switch_senders[sender] = batch.address_of(sender) in self._switch_set
+                if len(self._switch_senders) > 64:  # strangers: forget, never grow
+                    self._switch_senders.clear()
+            return known
+        return batch.address_of(sender) in self._switch_set
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (retransmissions, control retries, failure). Drain afterwards."""
