@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,16 @@ from typing import Any
 import numpy as np
 
 from switchml.bench.switchproc import SwitchProcess
+from switchml.protocol.wire import (
+    HEADER_SIZE,
+    ControlInfo,
+    ElementType,
+    Flags,
+    Header,
+    MessageType,
+    pack_control_info,
+    pack_header,
+)
 
 __all__ = ["FuzzConfig", "SoakConfig", "run_fuzz", "run_soak"]
 
@@ -225,7 +234,15 @@ def _drain(results: Any, report: SoakReport, timeout: float) -> None:
 
 # -- fuzz ---------------------------------------------------------------------------------------
 
-_HEADER = struct.Struct("<HBBBBHIQIIIHBBhh")
+_T = MessageType
+_TYPES = [_T.REQUEST, _T.RESULT, _T.WAITING, _T.UNKNOWN_JOB, _T.JOIN, _T.LEAVE, _T.KEEPALIVE,
+          _T.REFUSED]
+
+
+def _header(**fields: int) -> bytes:
+    """A header from ``wire``'s table (fields as ``wire.Header`` names them; the type may be
+    any byte, known or not)."""
+    return pack_header(Header(**{"type": _T.REQUEST, "elem": ElementType.INT32, **fields}))
 
 
 def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
@@ -236,35 +253,38 @@ def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
     t0 = time.monotonic()
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
     kinds = 0
+    data_flag = int(Flags.HAS_DATA)
     for i in range(count):
         kind = i % 7
         if kind == 0:  # random bytes
             data = rng.randbytes(rng.randrange(0, 1500))
         elif kind == 1:  # truncated header
-            data = _HEADER.pack(0x4D53, 1, 1, 0, 0, 0, live_job, 0, 0, 0, 0, 0, 1, 0, 0, 0)[
-                :rng.randrange(40)]
+            data = _header(job=live_job)[:rng.randrange(HEADER_SIZE)]
         elif kind == 2:  # oversized / length mismatch
-            data = _HEADER.pack(0x4D53, 1, 1, 2, 0, 0, live_job, 0, 0, 0, 0, 10, 1, 0, 0, 0) \
-                + bytes(rng.randrange(41, 60000))
+            data = (_header(flags=data_flag, job=live_job, count=10)
+                    + bytes(rng.randrange(HEADER_SIZE + 1, 60000)))
         elif kind == 3:  # valid header, random fields (types, jobs, ranks, slots, sets)
             count_ = rng.randrange(0, 64)
-            data = _HEADER.pack(0x4D53, 1, rng.choice([1, 2, 3, 4, 18, 20, 22, 31]),
-                                rng.randrange(16), rng.randrange(2), rng.randrange(70000 % 65536),
-                                rng.choice([live_job, rng.getrandbits(32)]), rng.getrandbits(64),
-                                rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(32),
-                                count_, 1, 0, rng.randrange(-2000, 2000), 0) \
-                + bytes(4 * count_)
+            data = _header(type=rng.choice(_TYPES), flags=rng.randrange(16),
+                           set_bit=rng.randrange(2), rank=rng.randrange(65536),
+                           job=rng.choice([live_job, rng.getrandbits(32)]),
+                           token=rng.getrandbits(64), seq=rng.getrandbits(32),
+                           chunk=rng.getrandbits(32), slot=rng.getrandbits(32), count=count_,
+                           exp_data=rng.randrange(-2000, 2000)) + bytes(4 * count_)
         elif kind == 4:  # JOIN floods for new jobs (each would take slots if accepted)
-            data = _HEADER.pack(0x4D53, 1, 18, 0, 0, 0, rng.getrandbits(32), rng.getrandbits(64),
-                                0, 0, 0, 16, 0, 0, 0, 0) + struct.pack(
-                "<IIII", rng.randrange(1, 5000), rng.randrange(1, 100000), 16000, 0)
+            data = _header(type=_T.JOIN, job=rng.getrandbits(32), token=rng.getrandbits(64),
+                           count=16, elem=ElementType.BYTES) + pack_control_info(ControlInfo(
+                               num_workers=rng.randrange(1, 5000),
+                               window=rng.randrange(1, 100000), elements_per_packet=16000,
+                               slot_base=0))
         elif kind == 5:  # forged requests for the live job (wrong token, wrong source)
-            data = _HEADER.pack(0x4D53, 1, 1, 2, rng.randrange(2), rng.randrange(4), live_job,
-                                rng.getrandbits(64), rng.randrange(100), rng.randrange(100),
-                                rng.randrange(64), 256, 1, 0, 0, 0) + bytes(1024)
+            data = _header(flags=data_flag, set_bit=rng.randrange(2), rank=rng.randrange(4),
+                           job=live_job, token=rng.getrandbits(64), seq=rng.randrange(100),
+                           chunk=rng.randrange(100), slot=rng.randrange(64),
+                           count=256) + bytes(1024)
         else:  # keep-alives and leaves with wrong tokens
-            data = _HEADER.pack(0x4D53, 1, rng.choice([20, 22]), 0, 0, rng.randrange(4),
-                                live_job, rng.getrandbits(64), 0, 0, 0, 0, 0, 0, 0, 0)
+            data = _header(type=rng.choice([_T.LEAVE, _T.KEEPALIVE]), rank=rng.randrange(4),
+                           job=live_job, token=rng.getrandbits(64), elem=ElementType.BYTES)
         try:
             socks[i % 4].sendto(data, address)
         except OSError:

@@ -33,6 +33,7 @@ from switchml.protocol.wire import (
     unpack_header,
     unpack_joined,
 )
+from switchml.protocol.wire import Field as F
 from switchml.transport.batching import (
     MAX_GSO_BYTES,
     MAX_SEGMENTS,
@@ -372,17 +373,17 @@ class _Generator:
             self._other(view)
             return
         f = HEADER.unpack_from(view)
-        i, inside = self._index(j, f[10])
+        i, inside = self._index(j, f[F.SLOT])
         req = self.req[j]
-        if not (f[2] == _RESULT and inside and f[6] == self.job_id
+        if not (f[F.TYPE] == _RESULT and inside and f[F.JOB] == self.job_id
                 and self.outstanding[j][i]):
             self.unexpected["unmatched_result"] = self.unexpected.get("unmatched_result", 0) + 1
             return
         rec = req[i]
-        if f[8] != rec["seq"] or f[9] != rec["chunk"] or f[4] != rec["set"]:
+        if f[F.SEQ] != rec["seq"] or f[F.CHUNK] != rec["chunk"] or f[F.SET] != rec["set"]:
             self.unexpected["unmatched_result"] = self.unexpected.get("unmatched_result", 0) + 1
             return
-        if f[11] != self.k or bytes(view[HEADER_SIZE:]) != self.expected_bytes:
+        if f[F.COUNT] != self.k or bytes(view[HEADER_SIZE:]) != self.expected_bytes:
             self.wrong += 1
         self.results += 1
         if self.target is not None and self.rounds[j][i] >= self.target[j][i]:
