@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from switchml.bench.soak import SoakConfig, run_soak
+from switchml.bench.soak import FuzzConfig, SoakConfig, run_fuzz, run_soak
 
 
 @pytest.mark.slow
@@ -22,3 +22,20 @@ def test_short_soak_has_no_wrong_results_and_returns_every_slot():
     assert report.workers_killed >= 1
     assert report.switch_stats["jobs"] == 0 and report.switch_stats["slots_in_use"] == 0
     assert report.switch_stats["internal_errors"] == 0
+
+
+@pytest.mark.slow
+def test_fuzz_run_drops_every_hostile_kind_and_the_job_stays_exact():
+    """``switchml bench fuzz``'s library, small: each of the seven hostile kinds 1,000 times
+    (the kind is the datagram's index mod 7) at a switch with a secret while a job runs."""
+    r = run_fuzz(FuzzConfig(datagrams=7000, senders=1, rate_per_sender=5000.0, seed=3))
+    assert r["datagrams_sent"] == 7000
+    assert r["internal_errors"] == 0
+    assert r["legit_operations"] > 0 and r["legit_wrong_results"] == 0
+    drops = r["drops"]
+    for reason in ("short", "bad_magic", "length_mismatch", "bad_token", "bad_keepalive"):
+        assert drops.get(reason, 0) > 0, (reason, drops)
+    assert sum(drops.values()) >= 5000  # nearly everything hostile is dropped and counted
+    assert r["jobs_at_end"] == 0  # the JOIN flood created no job (the switch has a secret)
+    rss = [m[1] for m in r["memory"]]
+    assert max(rss) - rss[0] < 64 * 2**20, rss
