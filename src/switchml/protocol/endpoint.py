@@ -45,7 +45,10 @@ class Batch(NamedTuple):
     receive). The compiled kernels take these arrays as they are. ``stable_senders``: a sender
     number means the same address in every batch of this receiver (``recvmmsg``'s IPv4
     ``address << 16 | port``), so an endpoint may remember what it checked about a number
-    across calls; otherwise numbers hold within this batch only.
+    across calls; otherwise numbers hold within this batch only. ``sender``: where every
+    datagram of the batch is known to come from one address (a GRO buffer; a socket connected
+    to it, whose kernel drops anything else), that address; an endpoint then checks it once
+    instead of each datagram's.
 
     A NamedTuple, not a frozen dataclass: one is built per receive call on the hot path, and a
     tuple is built in a third of the time (about 0.25 us against 0.75 us) and unpacked at once.
@@ -62,6 +65,7 @@ class Batch(NamedTuple):
     count: int
     address_of: Callable[[int], Address]
     stable_senders: bool = False
+    sender: Address | None = None
 
     @classmethod
     def of_datagram(cls, data: Datagram | np.ndarray, addr: Address) -> Batch:
@@ -70,7 +74,7 @@ class Batch(NamedTuple):
         if not buf.flags.writeable:
             buf = buf.copy()
         return cls(buf, np.zeros(1, np.int64), np.full(1, len(buf), np.int64),
-                   np.zeros(1, np.int64), 1, _constant(addr))
+                   np.zeros(1, np.int64), 1, _constant(addr), sender=addr)
 
     @classmethod
     def of_segments(cls, buf: np.ndarray, nbytes: int, seg: int, addr: Address) -> Batch:
@@ -83,7 +87,7 @@ class Batch(NamedTuple):
             starts = np.arange(0, nbytes, seg, dtype=np.int64)
             lens = np.minimum(seg, nbytes - starts)
         return cls(buf, starts, lens, np.zeros(len(starts), np.int64), len(starts),
-                   _constant(addr))
+                   _constant(addr), sender=addr)
 
     @classmethod
     def of_pairs(cls, pairs: Sequence[tuple[Address, Datagram]]) -> Batch:
@@ -107,7 +111,7 @@ class Batch(NamedTuple):
     def slice(self, i: int, j: int) -> Batch:
         """Datagrams ``i`` to ``j - 1`` of this batch (views of the same arrays)."""
         return Batch(self.buf, self.starts[i:j], self.lens[i:j], self.senders[i:j], j - i,
-                     self.address_of, self.stable_senders)
+                     self.address_of, self.stable_senders, self.sender)
 
 
 def _constant(addr: Address) -> Callable[[int], Address]:

@@ -172,7 +172,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         order, as the same datagrams one by one. Call ``datagrams_to_send`` afterwards. More
         than ``kernels.MAX_BATCH`` datagrams is malformed input (a real GRO buffer or
         ``recvmmsg`` holds at most 64): the excess is dropped and counted."""
-        buf, starts, lens, senders, count, address_of, stable = batch
+        buf, starts, lens, senders, count, address_of, stable, _ = batch
         self._now = now
         if count > K.MAX_BATCH:
             self.packets_in += count - K.MAX_BATCH
@@ -322,7 +322,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         replies sent): answer the stop as ``receive_many`` would, then take the rest. Call
         ``datagrams_to_send`` (or ``results_to_send``) afterwards."""
         self._now = now
-        buf, starts, lens, senders, count, address_of, stable = batch
+        buf, starts, lens, senders, count, address_of, stable, _ = batch
         i = at
         if code not in (K.SS.DONE, K.SS.OTHER):
             self.packets_in += 1 if self._answers.get(code) is not None else 0

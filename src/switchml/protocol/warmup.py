@@ -57,6 +57,7 @@ def warm_kinds(kinds: tuple[Kind, ...] = KINDS) -> None:
     """One tiny operation of each kind through a worker and a switch, in memory."""
     w, eps = _joined_pair(JobSpec(job_id=1, token=2, num_workers=1, window=2,
                                   elements_per_packet=4))
+    w.receive_many(Batch.of_datagram(b"", ("127.0.0.1", 2)), 0.0)  # (the senders' check)
     for dtype, bits, residual in kinds:
         x = np.arange(10, dtype=dtype)
         out = np.empty_like(x)

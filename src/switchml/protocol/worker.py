@@ -115,7 +115,9 @@ class WorkerEndpoint(WorkerControl):
         self.switch_addresses: tuple[Address, ...] = shards
         self.switch_address: Address = shards[0]
         self._switch_set = frozenset(shards)  # who may send this endpoint anything
-        self._switch_senders: dict[int, bool] = {}  # stable sender numbers checked
+        # Their numbers in batches whose numbers are stable (recvmmsg's), as they are seen.
+        self._allowed = np.zeros(len(shards), np.int64)
+        self._nallowed = 0
         self._switch_text = format_addresses(shards)
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
@@ -293,37 +295,40 @@ class WorkerEndpoint(WorkerControl):
         (counted ``foreign_sender``): the job's token travels in every datagram, so it proves
         nothing about who sent one. Call ``datagrams_to_send`` afterwards."""
         count = batch.count
-        senders = batch.senders[:count]
-        first = int(senders[0]) if count else 0
-        if count and (senders == first).all():  # one sender (a GRO buffer, most batches)
-            if self._from_switch(batch, first):
+        if batch.sender is not None:  # one sender for the whole batch: checked once
+            if batch.sender in self._switch_set:
                 self._receive(batch.buf, batch.starts, batch.lens, count, now)
             else:
                 self._drops["foreign_sender"] += count
             return
+        senders = batch.senders
+        if batch.stable_senders:  # numbers mean the same address in every batch: remembered
+            allowed, nallowed = self._allowed, self._nallowed
+        else:
+            allowed, nallowed = np.empty(len(self._switch_set), np.int64), 0
         i = 0
-        while i < count:  # runs of datagrams from the switch, in order; the rest dropped
-            j = i
-            while j < count and self._from_switch(batch, int(senders[j])):
-                j += 1
-            if j > i:
-                self._receive(batch.buf, batch.starts[i:j], batch.lens[i:j], j - i, now)
-            if j < count:
+        while i < count:
+            j = int(K.first_foreign(senders, i, count, allowed, nallowed))
+            if j > i:  # datagrams i .. j-1 come from the switch: in order, many per call
+                if i == 0 and j == count:
+                    self._receive(batch.buf, batch.starts, batch.lens, count, now)
+                else:
+                    self._receive(batch.buf, batch.starts[i:j], batch.lens[i:j], j - i, now)
+            if j == count:
+                break
+            sender = int(senders[j])
+            if batch.address_of(sender) not in self._switch_set:
                 self._drops["foreign_sender"] += 1
-                j += 1
-            i = j
-
-    def _from_switch(self, batch: Batch, sender: int) -> bool:
-        """Whether sender number ``sender`` of ``batch`` is the switch (or one of its shards);
-        remembered per number where the numbers are stable (``recvmmsg``)."""
+                i = j + 1
+            elif nallowed < allowed.size:  # one of the switch's addresses, seen first now
+                allowed[nallowed] = sender
+                nallowed += 1
+                i = j
+            else:  # (numbers not stable and more of them than addresses: one at a time)
+                self._receive(batch.buf, batch.starts[j:j + 1], batch.lens[j:j + 1], 1, now)
+                i = j + 1
         if batch.stable_senders:
-            known = self._switch_senders.get(sender)
-            if known is None:
-                known = self._switch_senders[sender] = batch.address_of(sender) in self._switch_set
-                if len(self._switch_senders) > 64:  # strangers: forget, never grow
-                    self._switch_senders.clear()
-            return known
-        return batch.address_of(sender) in self._switch_set
+            self._nallowed = nallowed
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (retransmissions, control retries, failure). Drain afterwards."""

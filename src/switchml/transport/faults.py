@@ -55,7 +55,7 @@ class LossyEndpoint:
             self.inner.receive_many(Batch(batch.buf, batch.starts[:count][keep],
                                           batch.lens[:count][keep], batch.senders[:count][keep],
                                           int(keep.sum()), batch.address_of,
-                                          batch.stable_senders), now)
+                                          batch.stable_senders, batch.sender), now)
 
     def handle_timer(self, now: float) -> None:
         self.inner.handle_timer(now)

@@ -360,6 +360,9 @@ class WorkerClient:
         self.gro = self._rx.gro
         self._sender = BatchSender(self.sock, gso=batching and gso_supported(self.sock),
                                    connected=not sharded, raise_errors=True)
+        # One switch: the socket is connected to it, so the kernel drops datagrams from anyone
+        # else; a sharded switch's socket is not, and the core checks every sender.
+        self._peer = None if sharded else self.switch
         # The compiled receive-and-send loop: one switch (a connected socket), recvmmsg, GSO.
         self._inbox = Inbox()
         self._fast = (FastPath(self.sock, self._rx, self._inbox.fileno(),
@@ -530,7 +533,7 @@ class WorkerClient:
                 return got
             self.recv_calls += 1
             self._driven.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, n,
-                                            rx.address_of), time.monotonic())
+                                            rx.address_of, sender=self._peer), time.monotonic())
             got = True
             self._transmit()
             if rx.drained:
@@ -550,7 +553,8 @@ class WorkerClient:
             self.session.after_results_kernel(state[0], code, now)
             if at < nseg:
                 self._driven.receive_many(Batch(rx.buf, rx.starts, rx.lens, rx.senders, nseg,
-                                                rx.address_of).slice(at, nseg), now)
+                                                rx.address_of, sender=self._peer
+                                                ).slice(at, nseg), now)
             self._transmit(compiled=not err)  # (after a failed sendmsg: the sender reads it)
             return why, True
         if why == FP.SEND_FAILED:

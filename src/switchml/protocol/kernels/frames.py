@@ -244,3 +244,20 @@ def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, g
             for b in range(8):
                 msgs[i, controllen_at + b] = (full >> (8 * b)) & 0xFF
     return m
+
+
+@njit(**NO_RC)
+def first_foreign(senders, start, count, allowed, nallowed):
+    """The first ``i`` in ``start .. count-1`` whose ``senders[i]`` is none of
+    ``allowed[:nallowed]``, or ``count``: the datagrams of a batch up to there come from
+    senders already checked (a worker takes datagrams from its switch's addresses only)."""
+    for i in range(start, count):
+        s = senders[i]
+        ok = False
+        for j in range(nallowed):
+            if allowed[j] == s:
+                ok = True
+                break
+        if not ok:
+            return i
+    return count
