@@ -136,6 +136,8 @@ def test_every_rule_breach_is_refused_with_a_reason_and_changes_nothing():
             ("float32 values expected", [(MessageType.HELLO, dict(worker=1)),
                                          (MessageType.INIT, dict(shard=3, payload=b"abc"))]),
             ("must be a JSON object", [(MessageType.HELLO, dict(worker=1, payload=b"[1]"))]),
+            ("not valid JSON: RecursionError",  # once an uncaught RecursionError, no reply
+             [(MessageType.HELLO, dict(worker=1, payload=b"[" * 4000))]),
         ]
         for reason, msgs in cases:
             s = _raw(server)
@@ -177,6 +179,26 @@ def test_every_rule_breach_is_refused_with_a_reason_and_changes_nothing():
             c.pull(shards, 1, buf)
             assert buf[0].tolist() == [3.0] * 6
             c.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_nothing_is_allocated_for_a_message_before_a_hello():
+    """A 24-byte INIT header announcing 1 GiB, before any HELLO, once made the server zero-fill
+    1 GiB per connection. Now it is refused from its header; nothing is read."""
+    with _sum_server() as server:
+        before = _rss()
+        for _ in range(3):
+            s = _raw(server)
+            s.sendall(HEADER.pack(MAGIC, int(MessageType.INIT), 0, 0, 0, 0, 1 << 30))
+            t, text = _answer(s)
+            assert t is MessageType.ERROR and "INIT before HELLO" in text, (t, text)
+            s.close()
+        assert _rss() - before < 64 * 2**20
+        assert server.stats()["shards"] == 0
 
 
 _TYPES = st.sampled_from([int(t) for t in MessageType] + [0, 11, 200])

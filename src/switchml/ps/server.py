@@ -289,7 +289,10 @@ class ParameterServer:
                     return
             while True:
                 h = recv_header(conn)
-                payload = recv_payload(conn, h, limit=self._limit(h.type, h.shard))
+                if worker < 0 and h.type != MessageType.HELLO:  # refused from its header:
+                    raise PSError(f"{h.type.name} before HELLO")  # nothing read or allocated
+                payload = recv_payload(conn, h, limit=self._limit(h.type, h.shard)
+                                       if worker >= 0 else CONTROL_PAYLOAD_BYTES)
                 self.counters["bytes_in"] += 24 + h.nbytes
                 if h.type == MessageType.HELLO:
                     if worker >= 0:
@@ -333,7 +336,10 @@ class ParameterServer:
 
     def _handle_hello(self, conn: socket.socket, worker: int, payload: bytes,
                       peer: str) -> int:
-        opts = json.loads(payload or b"{}")
+        try:
+            opts = json.loads(payload or b"{}")
+        except (ValueError, RecursionError) as exc:  # (RecursionError: JSON nested too deep)
+            raise PSError(f"HELLO options are not valid JSON: {type(exc).__name__}") from None
         if not isinstance(opts, dict):
             raise PSError("HELLO options must be a JSON object")
         if opts.get("workers", self.config.workers) != self.config.workers:
