@@ -98,20 +98,11 @@ def switch_secret(spec: SwitchSpec) -> bytes | None:
             secret = f.read().strip()
     else:
         secret = env.secret()
-    if secret is None and not _is_loopback(spec.host) and not spec.insecure:
+    from switchml.transport.sockets import resolves_to_loopback
+    if secret is None and not resolves_to_loopback(spec.host) and not spec.insecure:
         raise ValueError(f"listening on {spec.host} exposes job creation to the network: give "
                          "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
     return secret
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether ``host`` resolves to a loopback address."""
-    import ipaddress
-    import socket
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def shard_count(spec: SwitchSpec) -> int:
@@ -172,7 +163,7 @@ def build_server(spec: SwitchSpec, secret: bytes | None,
         extra["max_elements_per_packet"] = elements_for_mtu(spec.mtu)
     return SwitchServer(host=spec.host, port=spec.port,
                         config=_switch_config(spec, secret, **extra),
-                        batching=spec.batching, dataplane=rack)
+                        batching=spec.batching, dataplane=rack, insecure=spec.insecure)
 
 
 def _start_metrics(server: SwitchServer, pool_slots: int, port: int) -> None:

@@ -239,6 +239,20 @@ def test_switch_command_refuses_exposure_without_a_secret(run_switchml):
     assert "--secret-file" in res.stderr
 
 
+def test_a_switch_built_as_a_library_refuses_exposure_without_a_secret():
+    """The same rule as the command's, for ``SwitchServer`` used directly (it once skipped
+    it)."""
+    from switchml.protocol.config import SwitchConfig
+    from switchml.protocol.errors import TransportError
+    with pytest.raises(TransportError, match=r"0\.0\.0\.0 without a secret.*insecure=True"):
+        SwitchServer(host="0.0.0.0", port=0)
+    for ok in (dict(config=SwitchConfig(secret=b"s" * 32)), dict(insecure=True)):
+        with SwitchServer(host="0.0.0.0", port=0, **ok) as srv:
+            assert srv.address[0] == "0.0.0.0"
+    with SwitchServer(host="localhost", port=0):
+        pass
+
+
 def test_stats_without_a_switch_says_so(free_port, run_switchml):
     port = free_port()
     res = run_switchml("stats", "--once", "--url", f"http://127.0.0.1:{port}/metrics",

@@ -20,6 +20,15 @@ SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_MTU = getattr(socket, "IP_MTU", 14)  # linux/in.h
 
 
+def resolves_to_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) resolves to a loopback address."""
+    import ipaddress
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 def path_mtu(address: Address | Sequence[Address]) -> int | None:
     """The MTU of the route towards ``address`` (``IP_MTU`` of a connected UDP socket), or
     None where the platform does not say. Loopback: 65536; an Ethernet path: 1500 (or 9000).

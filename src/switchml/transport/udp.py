@@ -62,6 +62,7 @@ from switchml.transport.sockets import (
     elements_per_packet_for,
     open_worker_socket,
     path_mtu,
+    resolves_to_loopback,
     size_buffers,
 )
 from switchml.transport.switchpath import SC as RSC
@@ -89,7 +90,15 @@ class SwitchServer:
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  config: SwitchConfig | None = None,
                  rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True,
-                 dataplane: Any = None) -> None:
+                 dataplane: Any = None, insecure: bool = False) -> None:
+        # Job creation is open to whoever can reach the socket unless the switch has a secret.
+        plane_config = (getattr(dataplane, "switch", dataplane).config if dataplane is not None
+                        else config)
+        if (not insecure and not (plane_config and plane_config.secret)
+                and not resolves_to_loopback(host)):
+            raise TransportError(
+                f"a switch on {host} without a secret exposes job creation to the network: "
+                "give SwitchConfig(secret=...), listen on 127.0.0.1, or pass insecure=True")
         # Compiled (or loaded) before the socket exists: a switch that listens answers at once.
         if dataplane is None or type(dataplane) is SwitchDataplane:
             ensure_switch()
