@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run_task(task)
         return 0
     print("switchml: compiling the per-packet kernels for this machine (cached after; "
-          "about a minute on 2 cores when nothing is cached)", flush=True)
+          "about 2 min on 2 cores when nothing is cached)", flush=True)
     took = warm_up(args.processes, progress=lambda line: print(line, flush=True))
     print(f"switchml kernels compiled and cached ({took:.0f} s)", flush=True)
     return 0

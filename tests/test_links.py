@@ -1,0 +1,59 @@
+"""The TCP links' helpers (``switchml.links``): the flood guard on refusal warnings, the
+loopback test behind every exposure check, and the credential files' modes."""
+
+from __future__ import annotations
+
+import logging
+import stat
+
+import pytest
+
+from switchml import links
+from switchml.protocol.errors import ConfigError
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_warning_budget_logs_a_burst_then_counts_the_rest(monkeypatch, caplog) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(links.time, "monotonic", clock)
+    log = logging.getLogger("test.budget")
+    budget = links.WarningBudget(log, burst=3, window_s=10.0)
+    with caplog.at_level(logging.WARNING, logger="test.budget"):
+        for i in range(7):
+            budget.warn("refused %d", i)
+        assert [r.getMessage() for r in caplog.records] == [
+            "refused 0", "refused 1", "refused 2"]
+        clock.t += 9.9  # still the same window
+        budget.warn("refused %d", 7)
+        assert len(caplog.records) == 3
+        clock.t += 0.2  # a new window: the count of the ones suppressed, then the new one
+        budget.warn("refused %d", 8)
+        assert [r.getMessage() for r in caplog.records[3:]] == [
+            "... and 5 more refusals in 10 s (suppressed)", "refused 8"]
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("localhost", True), ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+    ("0.0.0.0", False), ("10.0.0.1", False), ("::", False), ("example.invalid", False)])
+def test_is_loopback(host, loopback) -> None:
+    assert links.is_loopback(host) is loopback
+
+
+def test_credentials_are_private_and_never_overwritten(tmp_path) -> None:
+    pytest.importorskip("cryptography", reason="making credentials needs cryptography")
+    d = tmp_path / "creds"
+    links.make_credentials(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+    assert modes == {"ca.pem": 0o644, "ca.key": 0o600, "peer.pem": 0o644, "peer.key": 0o600}
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(ConfigError, match="already holds TLS credentials; not overwriting"):
+        links.make_credentials(d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
