@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from switchml import predict as library
@@ -35,3 +36,33 @@ def test_little_to_gain_is_said_too(record, capsys):
     record(library, "predict", [_prediction("gloo", 1.0), _prediction("switchml", 1.01)])
     assert main(["predict"]) == 0
     assert "little to gain: communication is only 50% of gloo's step" in capsys.readouterr().out
+
+
+def test_json_holds_the_profile_and_every_prediction(record, tmp_path):
+    record(library, "profile", SimpleNamespace(params=1000, batch=8, compute_s=0.05,
+                                               buckets=[1], colocated=1, slowdown=1.0))
+    record(library, "predict", [_prediction("gloo", 1.0), _prediction("switchml", 1.5)])
+    record(library, "profile_dict", {"params": 1000})
+    path = tmp_path / "predict.json"
+    assert main(["predict", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["profile"] == {"params": 1000}
+    assert [(p["system"], p["speedup"], p["comm_share"]) for p in data["predictions"]] == [
+        ("gloo", 1.0, 0.5), ("switchml", 1.5, 0.5)]
+
+
+def test_against_predicts_every_row_of_a_run_beside_its_measurement(record, tmp_path, capsys):
+    rows = [{"model": "ncf", "system": "switchml", "workers": 4, "rate_bps": 1e9,
+             "step_s": 0.1}]
+    run = tmp_path / "train.json"
+    run.write_text(json.dumps({"results": rows}))
+    checked = [{"model": "ncf", "system": "switchml", "workers": 4, "rate_bps": 1e9,
+                "measured_step_s": 0.1, "predicted_step_s": 0.11, "error": 0.1}]
+    validate = record(library, "validate", checked)
+    path = tmp_path / "against.json"
+    assert main(["predict", "--against", str(run), "--json", str(path)]) == 0
+    assert validate.args == (rows,)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "ncf" in ln)
+    cells = [c.strip() for c in line.strip("│ ").split("│")]
+    assert cells == ["ncf", "switchml", "4", "1000", "100", "110", "+10%"]
+    assert json.loads(path.read_text()) == {"against": str(run), "rows": checked}
