@@ -4,7 +4,7 @@ worker's for chosen kinds of operation (:func:`warm_kinds`), a rack's (:func:`wa
 
 Sans-I/O like the rest of ``protocol/``: crafted datagrams between endpoints in memory, no
 sockets and no files. When to call these, and numba's cache on disk, are
-``switchml/warmup.py``'s.
+``transport/compiled.py``'s and ``switchml/warmup.py``'s.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ exists once. With ``NUMBA_DISABLE_JIT=1`` the kernels run as plain Python (for d
 coverage; very slow); without numba installed they do too, with a warning.
 
 Numba's cache notices changes to a kernel's own file only, not to the kernels it calls in
-another file of this package: ``warmup.py`` clears the package's cache when any of its
-sources changed (the test suite and ``.ci/run`` call it first).
+another file of this package: ``transport/compiled.py`` clears a module's cache when it or
+anything it imports changed (before any kernel is loaded in a process).
 """
 
 from switchml.protocol.kernels.aggregate import (
