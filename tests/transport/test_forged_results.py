@@ -1,0 +1,104 @@
+"""Forged switch-to-worker traffic over real sockets: a stranger who knows a job's token sends
+RESULTs that match every (chunk, slot, set) of the job, and the control replies that fail or
+redirect an operation (UNKNOWN_JOB, WAITING naming gone ranks, MISMATCH, REFUSED), to the
+workers' ports while they all-reduce through a sharded switch (whose workers' socket is not
+connected) and through one switch. Once, a forged RESULT made a rank of a sharded job return
+666 where its peer returned the true sum.
+
+Not covered here (docs/operations.md): a forger who spoofs the switch's own source address.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from switchml.control import new_job_spec
+from switchml.protocol.config import SwitchConfig, WorkerConfig
+from switchml.protocol.wire import ElementType, Header, MessageType, pack_header
+from switchml.transport.udp import SwitchServer, WorkerClient
+
+N, K, W, SIZE, OPS = 2, 256, 8, 256 * 200, 4
+
+
+def _forgeries(job: int, token: int, seq_range: range) -> list[bytes]:
+    """RESULTs of 666 for every chunk, slot and set an operation of the job can use, and one
+    of each control reply that ends or redirects an operation, every ``seq``."""
+    out = []
+    for seq in seq_range:
+        for chunk in range(SIZE // K):
+            for set_bit in (0, 1):
+                h = Header(MessageType.RESULT, job, rank=0, token=token, seq=seq, chunk=chunk,
+                           slot=chunk % W, set_bit=set_bit, count=K, elem=ElementType.INT32)
+                out.append(pack_header(h) + np.full(K, 666, "<i4").tobytes())
+        gone = (1).to_bytes(1, "little")
+        for mtype, payload in ((MessageType.UNKNOWN_JOB, b""),
+                               (MessageType.WAITING, gone + gone),
+                               (MessageType.MISMATCH, bytes(32)),
+                               (MessageType.REFUSED, b"forged")):
+            h = Header(mtype, job, rank=0, token=token, seq=seq, count=len(payload),
+                       elem=ElementType.BYTES)
+            out.append(pack_header(h) + payload)
+    return out
+
+
+@pytest.mark.parametrize("shards", [2, 1])
+def test_forged_results_and_control_from_a_stranger_change_nothing(shards) -> None:
+    servers = [SwitchServer(port=0, config=SwitchConfig(shard_index=i, shard_count=shards))
+               .start() for i in range(shards)]
+    try:
+        addrs = [s.address for s in servers]
+        spec = new_job_spec(N, window=W, elements_per_packet=K)
+        clients = [None] * N
+        outs: dict[int, list] = {r: [] for r in range(N)}
+        errors: list = []
+        started = threading.Barrier(N + 1)
+        stop = threading.Event()
+
+        def rank(r: int) -> None:
+            try:
+                with WorkerClient(addrs if shards > 1 else addrs[0], spec, r,
+                                  WorkerConfig(op_timeout_s=20)) as w:
+                    clients[r] = w
+                    started.wait(30)
+                    for op in range(OPS):
+                        x = np.full(SIZE, (r + 1) * (op + 1), np.int32)
+                        outs[r].append(w.allreduce(x))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(f"rank {r}: {exc!r}")
+                started.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(N)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        forged = _forgeries(spec.job_id, spec.token, range(OPS + 1))
+        ports = [c.sock.getsockname() for c in clients]
+
+        def forge() -> None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                while not stop.is_set():
+                    for d in forged:
+                        for p in ports:
+                            s.sendto(d, ("127.0.0.1", p[1]))
+                        if stop.is_set():
+                            return
+
+        forger = threading.Thread(target=forge)
+        forger.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        forger.join(10)
+        assert not errors, errors
+        for r in range(N):
+            for op, out in enumerate(outs[r]):
+                np.testing.assert_array_equal(out, np.full(SIZE, 3 * (op + 1), np.int32))
+        if shards > 1:  # (one switch: the connected socket's kernel drops them unseen)
+            assert sum(c.endpoint.drops["foreign_sender"] for c in clients) > 0
+    finally:
+        for s in servers:
+            s.stop()
