@@ -84,6 +84,14 @@ class TestbedBenchConfig:
     """The all-reduced tensors' type. float16 and bfloat16 (switchml and gloo only): both run
     through torch.distributed, switchml on its "switchml" backend, whose rule sets the wire
     width (``torch.backend.wire_bits``), gloo on the same type; elements as float32's."""
+    torch: bool = False
+    """switchml through its torch backend whatever the type (float32 too): what a
+    ``dist.all_reduce`` costs beside the worker library's own rows."""
+
+    @property
+    def through_torch(self) -> bool:
+        """Whether switchml runs through its torch backend (``torch``, or a half type)."""
+        return self.torch or self.dtype != "float32"
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -96,11 +104,11 @@ class TestbedBenchConfig:
             raise ValueError("--residual is the 16-bit hook's error feedback: it needs --bits 16")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dtype != "float32" and (set(self.systems) - {"switchml", "gloo"} or self.jobs > 1
-                                        or self.bits != 32 or self.residual):
-            raise ValueError(f"with dtype {self.dtype} only the systems switchml and gloo run, "
-                             "one job, and the backend sets the wire width (no --bits, "
-                             "--residual)")
+        if self.through_torch and (set(self.systems) - {"switchml", "gloo"} or self.jobs > 1
+                                   or self.bits != 32 or self.residual):
+            raise ValueError(f"through torch (dtype {self.dtype}) only the systems switchml and "
+                             "gloo run, one job, and the backend sets the wire width (no "
+                             "--bits, --residual)")
         n, ops = self.workers, self.warmup + self.iters
         if self.dtype == "float16" and n * (n + 1) / 2 * n ** (ops - 1) > 65504:
             raise ValueError(f"float16: {ops} in-place sums of {n} workers' values overflow "
@@ -260,7 +268,7 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
                                           elements_per_packet=cfg.elements_per_packet))
              for _ in range(cfg.jobs)]
     cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
-    if cfg.dtype != "float32":
+    if cfg.through_torch:
         rows = _run_switchml_torch(tb, cfg, common)
         switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
         return rows, {"switch_cpu_percent": switch_cpu, "wire_bits": rows[0]["wire_bits"],
@@ -398,7 +406,7 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
     else:
         rows, extra = _run_ps(tb, cfg, common)
     return {**_ate_row(cfg, system, cfg.workers // cfg.jobs, size, rows, cfg.loss_rate),
-            "jobs": cfg.jobs, "dtype": cfg.dtype,
+            "jobs": cfg.jobs, "dtype": cfg.dtype, "through_torch": cfg.through_torch,
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 

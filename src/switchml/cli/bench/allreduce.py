@@ -78,6 +78,9 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                           "\"switchml\" group, which sets the wire width: 16 bits up to 4 "
                           "ranks for float16, 15 for bfloat16), gloo all-reduces the same type; "
                           "switchml and gloo only. Sizes stay float32's element counts")
+    tbg.add_argument("--torch", action="store_true",
+                     help="switchml through its torch backend for float32 too (dist.all_reduce "
+                          "on a \"switchml\" group), beside the worker library's rows")
     tbg.add_argument("--nack-gap", type=int, default=4,
                      help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
                           "the two in one session) (default 4)")
@@ -126,7 +129,8 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         systems=tuple(x.strip() for x in args.systems.split(",") if x),
         window=args.window, timeout_s=args.timeout_s,
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
-        jobs=args.jobs, residual=args.residual, dtype=args.dtype)
+        jobs=args.jobs, residual=args.residual, dtype=args.dtype,
+        torch=args.torch)
 
 
 def run(args: argparse.Namespace) -> int:
