@@ -177,7 +177,7 @@ def run_demo(cfg: DemoConfig, on_progress: Any = None) -> list[RunResult]:
         import numpy as np
 
         from switchml.warmup import warm_up
-        warm_up(kinds=((np.float32, 32, False),), transports=False)
+        warm_up(kinds=((np.float32, 32, False),), tree=False, transports=False)
     results = [_run_backend(cfg, b, progress) for b in cfg.backends]
     with open(os.path.join(cfg.out_dir, "demo.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": [asdict(r) for r in results]}, f, indent=2)

@@ -18,23 +18,31 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from switchml.protocol.warmup import KINDS, Kind
-from switchml.transport.compiled import clear_stale_caches, ensure_tree, ensure_worker
+from switchml.transport.compiled import (
+    clear_stale_caches,
+    ensure_switch,
+    ensure_tree,
+    ensure_worker,
+)
 
 __all__ = ["main", "warm_up"]
 
 
 # -- everything, ahead -------------------------------------------------------------------------
 
-def _tasks(kinds: Sequence[Kind], switch: bool) -> list[str]:
-    """The compile tasks, as ``--task`` arguments: ``tree`` (the switch's and a rack's
-    kernels) and one per kind (``float32/32/0``)."""
-    return (["tree"] if switch else []) + [
+def _tasks(kinds: Sequence[Kind], switch: bool, tree: bool) -> list[str]:
+    """The compile tasks, as ``--task`` arguments: ``tree`` (a rack's kernels and the
+    switch's), ``switch`` (the switch's alone), and one per kind (``float32/32/0``)."""
+    return (["tree"] if tree else ["switch"] if switch else []) + [
         f"{np.dtype(d).name}/{bits}/{int(res)}" for d, bits, res in kinds]
 
 
 def _run_task(task: str) -> None:
     if task == "tree":
         ensure_tree()
+        return
+    if task == "switch":
+        ensure_switch()
         return
     name, bits, residual = task.split("/")
     ensure_worker(np.dtype(name), int(bits), residual == "1")
@@ -89,17 +97,17 @@ def _warm_transports() -> None:
 
 
 def warm_up(processes: int | None = None, progress: Callable[[str], None] | None = None, *,
-            kinds: Sequence[Kind] = KINDS, switch: bool = True,
+            kinds: Sequence[Kind] = KINDS, switch: bool = True, tree: bool = True,
             transports: bool = True) -> float:
-    """Compile (or load) the kernels of the switch (``switch``) and of a worker for each of
-    ``kinds`` (default: every kind there is): ``processes`` child processes (default: one per
-    core, at most 4) each compile a share into the cache, then this process loads them all
-    and, with ``transports``, runs every transport once (which compiles whatever the shares
-    missed). Returns the seconds it took. ``progress``: called with a line as each share
-    finishes."""
+    """Compile (or load) the kernels of the switch (``switch``), of a rack switch (``tree``)
+    and of a worker for each of ``kinds`` (default: every kind there is): ``processes``
+    child processes (default: one per core, at most 4) each compile a share into the cache,
+    then this process loads them all and, with ``transports``, runs every transport once
+    (which compiles whatever the shares missed). Returns the seconds it took. ``progress``:
+    called with a line as each share finishes."""
     say = progress or (lambda line: None)
     t0 = time.monotonic()
-    tasks = _tasks(kinds, switch)
+    tasks = _tasks(kinds, switch, tree)
     parts = max(1, min(processes or os.cpu_count() or 1, 4, len(tasks)))
     if parts > 1:
         clear_stale_caches()  # once, before the children look at the cache
