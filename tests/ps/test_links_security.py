@@ -381,3 +381,47 @@ def test_garbage_before_a_hello_changes_nothing(free_ports):
     finally:
         m0.close()
         m1.close()
+
+
+def _hostile_server(answers) -> tuple[socket.socket, threading.Thread]:
+    """A fake parameter server on loopback: reads each request header (and its payload), then
+    sends the next raw answer of ``answers``; keeps the connection open until the test ends."""
+    ls = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = ls.accept()
+        with conn:
+            for answer in answers:
+                try:
+                    recv_message(conn)
+                    conn.sendall(answer)
+                except (OSError, PSError):
+                    return
+            try:
+                conn.recv(1)  # (until the client goes)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return ls, t
+
+
+def test_a_client_reads_no_more_than_an_answer_can_hold():
+    """A server that announces 2 GiB in its HELLO once made the client allocate them (up to
+    16 GiB). The client refuses from the header, before reading or allocating anything."""
+    before = _rss()
+    ls, _ = _hostile_server([HEADER.pack(MAGIC, int(MessageType.HELLO), 0, 0, 0, 0, 1 << 31)])
+    with ls, pytest.raises(PSError, match="HELLO of 2147483648 bytes announced; at most 4096"):
+        PSClient([ls.getsockname()], worker=0, workers=1, timeout_s=5)
+    # A pull's answer is bounded by the shard it fills.
+    hello = HEADER.pack(MAGIC, int(MessageType.HELLO), 0, 0, 0, 0, 2) + b"{}"
+    params = HEADER.pack(MAGIC, int(MessageType.PARAMS), 0, 0, 0, 1, 1 << 30)
+    ls, _ = _hostile_server([hello, params])
+    with ls:
+        c = PSClient([ls.getsockname()], worker=0, workers=1, timeout_s=5)
+        shards = place([("x", 6)], 1, max_shard_elements=6)
+        with pytest.raises(PSError, match="at most 4096 expected"):
+            c.pull(shards, 1, {0: np.empty(6, np.float32)})
+        c.close(bye=False)
+    assert _rss() - before < 64 * 2**20

@@ -18,10 +18,20 @@ import numpy as np
 from switchml.links import LinkSecurity
 from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
-from switchml.ps.wire import MessageType, PSError, recv_message, send_message
+from switchml.ps.wire import (
+    CONTROL_PAYLOAD_BYTES,
+    MessageType,
+    PSError,
+    recv_message,
+    send_message,
+)
 
 __all__ = ["PSClient"]
 
+
+
+STATS_BYTES = 1 << 20
+"""The most a server's STATS answer may carry (its counters as JSON)."""
 
 
 class PSClient:
@@ -80,9 +90,12 @@ class PSClient:
         return sock
 
     def _expect(self, i: int, sock: socket.socket, mtype: MessageType, what: str,
-                into: memoryview | None = None) -> tuple[Any, memoryview]:
+                into: memoryview | None = None, limit: int = CONTROL_PAYLOAD_BYTES
+                ) -> tuple[Any, memoryview]:
+        """The server's answer, of at most ``limit`` bytes (what this answer can hold: a
+        server that announces more is refused before anything is read or allocated)."""
         try:
-            h, payload = recv_message(sock, into)
+            h, payload = recv_message(sock, into, limit=limit)
         except TimeoutError as exc:
             raise PSError(f"parameter server {self._name(i)} did not answer {what} within "
                           f"{sock.gettimeout():g} s") from exc
@@ -132,7 +145,8 @@ class PSClient:
             buf = out[s.shard_id]
             h, payload = self._expect(s.server, self._socks[s.server], MessageType.PARAMS,
                                       f"pull of shard {s.shard_id} version {version}",
-                                      memoryview(buf).cast("B"))
+                                      memoryview(buf).cast("B"),
+                                      limit=max(buf.nbytes, CONTROL_PAYLOAD_BYTES))
             if h.nbytes != buf.nbytes:
                 raise PSError(f"parameter server {self._name(s.server)} sent {h.nbytes} bytes "
                               f"for shard {s.shard_id} of {buf.nbytes}")
@@ -143,7 +157,7 @@ class PSClient:
         out = []
         for i, sock in enumerate(self._socks):
             self._send(i, MessageType.STATS, "stats")
-            _, payload = self._expect(i, sock, MessageType.STATS, "stats")
+            _, payload = self._expect(i, sock, MessageType.STATS, "stats", limit=STATS_BYTES)
             out.append(json.loads(bytes(payload)))
         return out
 
