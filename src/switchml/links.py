@@ -100,11 +100,12 @@ class LinkSecurity:
         ctx.check_hostname = False
         return ctx
 
-    def accept(self, conn: socket.socket, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+    def accept(self, conn: socket.socket, ctx: ssl.SSLContext,
+               timeout_s: float | None = None) -> ssl.SSLSocket:
         """Run the server side of the handshake on an accepted connection, bounded by
-        ``handshake_timeout_s``. Raises ssl.SSLError or OSError (a stranger, or a peer
-        without the cluster's certificate)."""
-        conn.settimeout(self.handshake_timeout_s)
+        ``handshake_timeout_s`` (or ``timeout_s``, if shorter). Raises ssl.SSLError or OSError
+        (a stranger, or a peer without the cluster's certificate)."""
+        conn.settimeout(min(self.handshake_timeout_s, timeout_s or self.handshake_timeout_s))
         tls = ctx.wrap_socket(conn, server_side=True)
         tls.settimeout(None)
         return tls

@@ -425,3 +425,40 @@ def test_a_client_reads_no_more_than_an_answer_can_hold():
             c.pull(shards, 1, {0: np.empty(6, np.float32)})
         c.close(bye=False)
     assert _rss() - before < 64 * 2**20
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_hundred_idle_strangers_delay_a_worker_by_at_most_a_moment(tls, creds):
+    """100 connections that never send a byte (stuck before their TLS ClientHello, or before
+    their HELLO) once kept a worker with the right certificate out until they closed. Now
+    pending connections are limited apart from workers', the oldest goes when they are all
+    taken, and each has ``hello_timeout_s`` to say HELLO."""
+    security = creds if tls else None
+    cfg = ServerConfig(workers=2, optimizer="sum", timeout_s=10, hello_timeout_s=2.0)
+    with ParameterServer(0, cfg, security=security) as server:
+        strangers = [socket.create_connection(server.address, timeout=5) for _ in range(100)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        clients = [PSClient([server.address], worker=w, workers=2, timeout_s=10,
+                            security=security) for w in range(2)]
+        assert time.monotonic() - t0 < 1.0
+        shards = place([("x", 6)], 1, max_shard_elements=6)
+        clients[0].init(shards, {0: np.zeros(6, np.float32)})
+        for w, c in enumerate(clients):
+            c.push(shards, 0, {0: np.full(6, w + 1.0, np.float32)})
+        for c in clients:
+            buf = {0: np.empty(6, np.float32)}
+            c.pull(shards, 1, buf)
+            assert buf[0].tolist() == [3.0] * 6
+        # Every stranger is closed: evicted, or after hello_timeout_s.
+        for s in strangers:
+            s.settimeout(cfg.hello_timeout_s + 3.0)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            s.close()
+        st = server.stats()
+        assert st["pending_evicted"] + st["hello_timeouts"] + st["refused_connections"] >= 100
+        for c in clients:
+            c.close()

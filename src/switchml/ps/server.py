@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -64,8 +65,14 @@ class ServerConfig:
     """The largest shard an INIT may bring; a PUSH must match its shard's size exactly.
     Anything announcing more is refused before a byte of it is read. Default 1 GiB."""
     max_connections: int | None = None
-    """Connections served at once (a thread each); more are closed at once and counted.
-    Default ``2 * workers + 8``: every worker, a reconnecting one, and some slack."""
+    """Workers' connections served at once (a thread each), counted from their HELLO; more
+    are closed at once and counted. Default ``2 * workers + 8``: every worker, a
+    reconnecting one, and some slack. Connections that have not said HELLO yet (or are in
+    their TLS handshake) are limited apart, to as many: when they are all taken, a new one
+    closes the oldest, so strangers can delay a worker by at most ``hello_timeout_s``, never
+    keep it out."""
+    hello_timeout_s: float = 5.0
+    """How long a connection may take to finish its TLS handshake and say HELLO."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -78,8 +85,8 @@ class ServerConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; known: "
                               f"{', '.join(OPTIMIZERS)}")
-        if self.lr <= 0 or self.timeout_s <= 0:
-            raise ConfigError("lr and timeout_s must be > 0")
+        if self.lr <= 0 or self.timeout_s <= 0 or self.hello_timeout_s <= 0:
+            raise ConfigError("lr, timeout_s and hello_timeout_s must be > 0")
         if self.max_shard_bytes < 4:
             raise ConfigError(f"max_shard_bytes must be >= 4, got {self.max_shard_bytes}")
         if self.max_connections is not None and self.max_connections < self.workers:
@@ -147,13 +154,16 @@ class ParameterServer:
         self._finished: set[int] = set()
         self._stopping = False
         self._conns: list[tuple[socket.socket, threading.Thread]] = []
+        # Connections before their HELLO, oldest first: their threads and file descriptors (a
+        # TLS handshake detaches the socket object from its descriptor, not the descriptor).
+        self._pending: dict[threading.Thread, int] = {}
         self._threads: list[threading.Thread] = []
         self._live: dict[int, str] = {}  # worker id -> the peer its connection comes from
         self._warn = WarningBudget(log)
         self._max_conns = config.max_connections or 2 * config.workers + 8
         self.counters = {"pushes": 0, "dropped_late": 0, "steps_applied": 0, "pulls": 0,
                          "bytes_in": 0, "bytes_out": 0, "refused_connections": 0,
-                         "protocol_errors": 0}
+                         "protocol_errors": 0, "pending_evicted": 0, "hello_timeouts": 0}
 
     def __repr__(self) -> str:
         return f"ps{self.index}@{format_address(self.address)}"
@@ -240,11 +250,15 @@ class ParameterServer:
                                  daemon=True)
             with self._cond:  # stop() joins what it finds here: started, then
                 self._conns = [(c, th) for c, th in self._conns if th.is_alive()]
-                full = len(self._conns) >= self._max_conns
+                full = len(self._conns) - len(self._pending) >= self._max_conns
                 if full:
                     self.counters["refused_connections"] += 1
                 else:
+                    if len(self._pending) >= self._max_conns:  # strangers: the oldest goes
+                        _shutdown_fd(self._pending.pop(next(iter(self._pending))))
+                        self.counters["pending_evicted"] += 1
                     self._conns.append((conn, t))
+                    self._pending[t] = conn.fileno()
                     t.start()
             if full:
                 self._warn.warn("ps%d: refused a connection from %s: %d connections open "
@@ -278,7 +292,7 @@ class ParameterServer:
             if self._tls is not None and self.security is not None:
                 raw = conn
                 try:
-                    conn = self.security.accept(raw, self._tls)
+                    conn = self.security.accept(raw, self._tls, self.config.hello_timeout_s)
                     with self._cond:  # stop() shuts the TLS socket down (raw is detached)
                         self._conns = [(conn if c is raw else c, t) for c, t in self._conns]
                 except (OSError, ValueError) as exc:
@@ -287,8 +301,18 @@ class ParameterServer:
                     self._warn.warn("ps%d: refused a connection from %s: TLS handshake "
                                     "failed: %s", self.index, peer, exc)
                     return
+            conn.settimeout(self.config.hello_timeout_s)  # until its HELLO
             while True:
-                h = recv_header(conn)
+                try:
+                    h = recv_header(conn)
+                except TimeoutError:
+                    if worker >= 0:
+                        raise
+                    with self._cond:
+                        self.counters["hello_timeouts"] += 1
+                    self._warn.warn("ps%d: closed a connection from %s: no HELLO within "
+                                    "%g s", self.index, peer, self.config.hello_timeout_s)
+                    return
                 if worker < 0 and h.type != MessageType.HELLO:  # refused from its header:
                     raise PSError(f"{h.type.name} before HELLO")  # nothing read or allocated
                 payload = recv_payload(conn, h, limit=self._limit(h.type, h.shard)
@@ -298,6 +322,9 @@ class ParameterServer:
                     if worker >= 0:
                         raise PSError(f"a second HELLO (as worker {h.worker})")
                     worker = self._handle_hello(conn, h.worker, bytes(payload), peer)
+                    conn.settimeout(None)  # a worker may be idle between steps
+                    with self._cond:
+                        self._pending.pop(threading.current_thread(), None)
                 elif worker < 0:
                     raise PSError(f"{h.type.name} before HELLO")
                 elif h.type == MessageType.INIT:
@@ -330,6 +357,7 @@ class ParameterServer:
                 pass
         finally:
             with self._cond:
+                self._pending.pop(threading.current_thread(), None)
                 if worker >= 0 and self._live.get(worker) == peer:
                     del self._live[worker]
             conn.close()
@@ -432,3 +460,20 @@ class ParameterServer:
             self.counters["pulls"] += 1
         self.counters["bytes_out"] += send_message(conn, MessageType.PARAMS, shard=shard,
                                                    step=current, payload=values)
+
+
+def _shutdown_fd(fd: int) -> None:
+    """Shut down the connection on descriptor ``fd`` (its thread's blocking call then fails
+    and the thread closes it). Called under the server's lock while ``fd`` is still in its
+    pending table, so the descriptor cannot have been closed and reused meanwhile: a thread
+    takes its entry out, under the same lock, before it closes its socket."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()
