@@ -34,7 +34,8 @@ from typing import Any
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSecurity", "WarningBudget", "check_exposure", "is_loopback", "make_credentials"]
+__all__ = ["LinkSecurity", "WarningBudget", "check_exposure", "is_loopback", "make_credentials",
+           "shutdown_descriptor"]
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
 CA_KEY_FILE = "ca.key"
@@ -220,3 +221,21 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def shutdown_descriptor(fd: int) -> None:
+    """Shut down the connection on file descriptor ``fd``, whichever socket object holds it
+    (a TLS handshake detaches the plain one): the thread blocked on it gets an error and
+    closes it. The caller makes sure ``fd`` is still that connection's (the servers call it
+    under the lock that a connection's thread takes to leave their table, before it closes
+    its socket)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()

@@ -462,3 +462,36 @@ def test_a_hundred_idle_strangers_delay_a_worker_by_at_most_a_moment(tls, creds)
         assert st["pending_evicted"] + st["hello_timeouts"] + st["refused_connections"] >= 100
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_hundred_idle_strangers_never_keep_gaia_leaders_apart(free_ports, creds, tls):
+    """8 idle connections once made a Gaia leader's peer fail to link at once (its links
+    were all taken). Now strangers only wait their turn: the leaders link and exchange."""
+    security = creds if tls else None
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=10, security=security).listen()
+    strangers = [socket.create_connection(leaders[1], timeout=5) for _ in range(100)]
+    try:
+        t = threading.Thread(target=m1.start)
+        t.start()
+        t0 = time.monotonic()
+        m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=10,
+                    security=security).start()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - t0 < 5.0
+        for m in (m0, m1):
+            m.expect_entries(10)
+        got = []
+        m0.clock.finish()
+        m0.publish(1, np.array([3], np.int32), np.array([1.5], np.float32))
+        m1.clock.finish()
+        m1.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        m1.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
+        assert got == [([3], [1.5])]
+        assert m1.pending_evicted > 0
+        m0.close()
+        m1.close()
+    finally:
+        for s in strangers:
+            s.close()

@@ -49,7 +49,7 @@ from switchml.gaia.rules import (
     layout_offsets,
     tensor_of,
 )
-from switchml.links import LinkSecurity, WarningBudget, check_exposure
+from switchml.links import LinkSecurity, WarningBudget, check_exposure, shutdown_descriptor
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
 from switchml.ps.wire import (
@@ -66,6 +66,9 @@ __all__ = ["GaiaError", "Mirror"]
 log = logging.getLogger(__name__)
 _DONE = 1 << 30  # a data centre that said goodbye holds nobody back
 
+
+HELLO_TIMEOUT_S = 5.0
+"""How long a link may take to finish its TLS handshake and say HELLO."""
 
 class GaiaError(SwitchMLError):
     """A data centre died, timed out or broke the protocol; the message names it."""
@@ -99,12 +102,17 @@ class Mirror:
         (``expect_layout``)."""
         self._layout = threading.Event()
         self.refused_links = 0
+        self.pending_evicted = 0  # links closed before their HELLO to make room
         self.protocol_errors = 0
         self._linked: set[int] = set()  # data centres whose incoming link said HELLO
         self._listening = False
         self._warn = WarningBudget(log)
         self._receivers: list[threading.Thread] = []
-        self._max_links = 2 * len(leaders) + 4  # links served at once
+        self._max_links = 2 * len(leaders) + 4  # links served at once, from their HELLO
+        # Links before their HELLO (or in their TLS handshake), oldest first: their threads
+        # and descriptors, limited apart (when all are taken, a new one closes the oldest),
+        # each with HELLO_TIMEOUT_S to say HELLO: strangers delay a leader, never keep it out.
+        self._pending: dict[threading.Thread, int] = {}
         self.leaders = [tuple(a) for a in leaders]
         self.timeout_s = timeout_s
         self.clock = MirrorClock(len(leaders), dc, staleness=staleness)
@@ -187,15 +195,23 @@ class Mirror:
                 conn, _ = self._lsock.accept()
             except OSError:
                 return
-            self._receivers = [t for t in self._receivers if t.is_alive()]
-            if len(self._receivers) >= self._max_links:
-                with self._cond:
+            t = threading.Thread(target=self._receiver, args=(conn,), daemon=True)
+            with self._cond:
+                self._receivers = [r for r in self._receivers if r.is_alive()]
+                full = len(self._receivers) - len(self._pending) >= self._max_links
+                if full:
                     self.refused_links += 1
+                else:
+                    if len(self._pending) >= self._max_links:  # strangers: the oldest goes
+                        shutdown_descriptor(self._pending.pop(next(iter(self._pending))))
+                        self.pending_evicted += 1
+                    self._pending[t] = conn.fileno()
+                    self._receivers.append(t)
+                    t.start()
+            if full:
                 self._warn.warn("Gaia leader %d refused a connection: %d links open",
                                 self.dc, self._max_links)
                 conn.close()
-                continue
-            self._receivers.append(self._spawn(self._receiver, conn))
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -259,18 +275,22 @@ class Mirror:
     def _receiver(self, conn: socket.socket) -> None:
         j = -1
         try:
+            conn.settimeout(HELLO_TIMEOUT_S)
             if self.security is not None and self._server_tls is not None:
                 try:
-                    conn = self.security.accept(conn, self._server_tls)
+                    conn = self.security.accept(conn, self._server_tls, HELLO_TIMEOUT_S)
                 except (OSError, ValueError) as exc:
                     with self._cond:
                         self.refused_links += 1
                     self._warn.warn("Gaia leader %d refused a connection: TLS handshake "
                                     "failed: %s", self.dc, exc)
                     return
-            conn.settimeout(None)
+            conn.settimeout(HELLO_TIMEOUT_S)
             h = recv_header(conn)
             recv_payload(conn, h, limit=CONTROL_PAYLOAD_BYTES)
+            conn.settimeout(None)
+            with self._cond:
+                self._pending.pop(threading.current_thread(), None)
             if h.type != MessageType.HELLO or not 0 <= h.worker < len(self.leaders):
                 raise GaiaError(f"{h.type.name} (worker field {h.worker}) instead of a HELLO")
             with self._cond:
@@ -290,6 +310,8 @@ class Mirror:
             self._warn.warn("Gaia leader %d: link from %s: %s", self.dc,
                             self._name(j) if j >= 0 else "an unidentified peer", exc)
         finally:
+            with self._cond:
+                self._pending.pop(threading.current_thread(), None)
             conn.close()
 
     def _receive_from(self, conn: socket.socket, j: int) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from switchml.links import LinkSecurity, WarningBudget, check_exposure
+from switchml.links import LinkSecurity, WarningBudget, check_exposure, shutdown_descriptor
 from switchml.protocol.address import format_address
 from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
@@ -255,7 +254,7 @@ class ParameterServer:
                     self.counters["refused_connections"] += 1
                 else:
                     if len(self._pending) >= self._max_conns:  # strangers: the oldest goes
-                        _shutdown_fd(self._pending.pop(next(iter(self._pending))))
+                        shutdown_descriptor(self._pending.pop(next(iter(self._pending))))
                         self.counters["pending_evicted"] += 1
                     self._conns.append((conn, t))
                     self._pending[t] = conn.fileno()
@@ -460,20 +459,3 @@ class ParameterServer:
             self.counters["pulls"] += 1
         self.counters["bytes_out"] += send_message(conn, MessageType.PARAMS, shard=shard,
                                                    step=current, payload=values)
-
-
-def _shutdown_fd(fd: int) -> None:
-    """Shut down the connection on descriptor ``fd`` (its thread's blocking call then fails
-    and the thread closes it). Called under the server's lock while ``fd`` is still in its
-    pending table, so the descriptor cannot have been closed and reused meanwhile: a thread
-    takes its entry out, under the same lock, before it closes its socket."""
-    try:
-        dup = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return
-    try:
-        dup.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        dup.close()
