@@ -1,7 +1,7 @@
 """Shared test set-up and helpers.
 
 - The per-packet kernels are compiled once, before any test runs: a fresh checkout compiles
-  them into numba's cache (about 40 s on 2 cores); tests that start worker and switch
+  them into numba's cache (about 2 min on 2 cores, in parallel); tests that start worker and switch
   processes then load them from the cache instead of each compiling them under its own time
   limit.
 - ``@pytest.mark.root`` (tests that build network namespaces): skipped, saying why, without
