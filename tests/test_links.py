@@ -50,10 +50,16 @@ def test_credentials_are_private_and_never_overwritten(tmp_path) -> None:
     pytest.importorskip("cryptography", reason="making credentials needs cryptography")
     d = tmp_path / "creds"
     links.make_credentials(d)
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    kd = tmp_path / "creds-ca"  # the CA's key: never in the directory the peers load
+    assert stat.S_IMODE(d.stat().st_mode) == stat.S_IMODE(kd.stat().st_mode) == 0o700
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
-    assert modes == {"ca.pem": 0o644, "ca.key": 0o600, "peer.pem": 0o644, "peer.key": 0o600}
-    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    assert modes == {"ca.pem": 0o644, "peer.pem": 0o644, "peer.key": 0o600}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in kd.iterdir()} == {"ca.key": 0o600}
+    before = {p: p.read_bytes() for p in [*d.iterdir(), *kd.iterdir()]}
     with pytest.raises(ConfigError, match="already holds TLS credentials; not overwriting"):
         links.make_credentials(d)
-    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    (d / "ca.pem").unlink()  # the CA's key alone is not overwritten either
+    (d / "peer.key").unlink()
+    with pytest.raises(ConfigError, match="already holds TLS credentials; not overwriting"):
+        links.make_credentials(d)
+    assert (kd / "ca.key").read_bytes() == before[kd / "ca.key"]

@@ -34,8 +34,8 @@ from typing import Any
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSecurity", "WarningBudget", "check_exposure", "is_loopback", "make_credentials",
-           "shutdown_descriptor"]
+__all__ = ["LinkSecurity", "WarningBudget", "ca_key_dir", "check_exposure", "is_loopback",
+           "make_credentials", "shutdown_descriptor"]
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
 CA_KEY_FILE = "ca.key"
@@ -155,14 +155,23 @@ def check_exposure(host: str, security: LinkSecurity | None, *, insecure: bool =
             "switchml tls init DIR makes them), listen on 127.0.0.1, or pass --insecure")
 
 
+def ca_key_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where :func:`make_credentials` keeps the CA's private key for the peers' ``directory``:
+    a directory of its own beside it (``DIR-ca``), never one that peers load."""
+    d = Path(directory)
+    return d.parent / f"{d.name}-ca"
+
+
 def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
                      name: str = "switchml") -> LinkSecurity:
-    """Make a CA and one peer certificate signed by it in ``directory`` (created, mode 0700;
-    keys 0600): ``ca.pem``, ``ca.key``, ``peer.pem``, ``peer.key``. Give every process of the
-    job the directory without ``ca.key``. Needs the ``cryptography`` package.
+    """Make a CA and one peer certificate signed by it: ``ca.pem``, ``peer.pem`` and
+    ``peer.key`` in ``directory``, what every process of the job loads, and the CA's key,
+    ``ca.key``, in a directory of its own beside it (:func:`ca_key_dir`; both created mode
+    0700, keys 0600). Needs the ``cryptography`` package.
 
     Raises:
-        ConfigError: the directory already holds credentials, or ``cryptography`` is missing.
+        ConfigError: either directory already holds credentials, or ``cryptography`` is
+            missing.
     """
     try:
         from cryptography import x509
@@ -173,9 +182,11 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
         raise ConfigError("making TLS credentials needs the cryptography package "
                           "(pip install 'switchml[tls]'), or make them with openssl") from exc
     d = Path(directory)
-    if (d / CA_FILE).exists() or (d / KEY_FILE).exists():
-        raise ConfigError(f"{d} already holds TLS credentials; not overwriting them")
+    kd = ca_key_dir(d)
+    if (d / CA_FILE).exists() or (d / KEY_FILE).exists() or (kd / CA_KEY_FILE).exists():
+        raise ConfigError(f"{d} (or {kd}) already holds TLS credentials; not overwriting them")
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    kd.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
@@ -199,7 +210,7 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
     private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
                    encryption_algorithm=serialization.NoEncryption())
     _write_new(d / CA_FILE, ca.public_bytes(pem), 0o644)
-    _write_new(d / CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
+    _write_new(kd / CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
     _write_new(d / CERT_FILE, cert.public_bytes(pem), 0o644)
     _write_new(d / KEY_FILE, key.private_bytes(**private), 0o600)
     return LinkSecurity.from_dir(d)

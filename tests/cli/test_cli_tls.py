@@ -16,7 +16,8 @@ def test_init_makes_credentials_in_the_directory(record, parse, capsys):
                   SimpleNamespace(ca="d/ca.pem", cert="d/peer.pem", key="d/peer.key"))
     assert main(["tls", "init", "d", "--days", "7"]) == 0
     assert made.args == ("d",) and made.kwargs == {"days": 7}
-    assert "made d/ca.pem, d/peer.pem and d/peer.key (and ca.key" in capsys.readouterr().out
+    assert ("made d/ca.pem, d/peer.pem and d/peer.key; the CA's key is in d-ca/ca.key: keep "
+            "it off the peers") in capsys.readouterr().out
 
 
 def test_init_needs_a_directory(parse, capsys):

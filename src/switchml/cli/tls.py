@@ -16,10 +16,12 @@ def add_parser(sub: Subparsers) -> None:
                                      "(docs/operations.md).")
     tsub = tls.add_subparsers(dest="tls_command", required=True, metavar="SUBCOMMAND")
     init = tsub.add_parser("init", help="make a CA and a peer certificate in DIR",
-                           description="Make a CA (ca.pem, ca.key) and one peer certificate "
-                                       "signed by it (peer.pem, peer.key) in DIR. Give every "
-                                       "server, worker and data-centre leader of the job DIR "
-                                       "without ca.key (--tls-dir or SWITCHML_TLS_DIR).")
+                           description="Make a CA and one peer certificate signed by it: "
+                                       "ca.pem, peer.pem and peer.key in DIR, which every "
+                                       "server, worker and data-centre leader of the job "
+                                       "loads (--tls-dir or SWITCHML_TLS_DIR), and the CA's "
+                                       "key in DIR-ca/ca.key, a directory of its own: keep it "
+                                       "off the peers.")
     init.add_argument("dir", help="directory to create (mode 0700)")
     init.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
     init.set_defaults(func=run_init)
@@ -27,8 +29,9 @@ def add_parser(sub: Subparsers) -> None:
 
 def run_init(args: argparse.Namespace) -> int:
     """``switchml tls init``: a CA and a peer certificate in DIR."""
-    from switchml.links import make_credentials
+    from switchml.links import ca_key_dir, make_credentials
 
     sec = make_credentials(args.dir, days=args.days)
-    print(f"made {sec.ca}, {sec.cert} and {sec.key} (and ca.key: keep it off the peers)")
+    print(f"made {sec.ca}, {sec.cert} and {sec.key}; the CA's key is in "
+          f"{ca_key_dir(args.dir) / 'ca.key'}: keep it off the peers")
     return 0
