@@ -115,9 +115,6 @@ class WorkerEndpoint(WorkerControl):
         self.switch_addresses: tuple[Address, ...] = shards
         self.switch_address: Address = shards[0]
         self._switch_set = frozenset(shards)  # who may send this endpoint anything
-        # Their numbers in batches whose numbers are stable (recvmmsg's), as they are seen.
-        self._allowed = np.zeros(len(shards), np.int64)
-        self._nallowed = 0
         self._switch_text = format_addresses(shards)
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
@@ -302,10 +299,7 @@ class WorkerEndpoint(WorkerControl):
                 self._drops["foreign_sender"] += count
             return
         senders = batch.senders
-        if batch.stable_senders:  # numbers mean the same address in every batch: remembered
-            allowed, nallowed = self._allowed, self._nallowed
-        else:
-            allowed, nallowed = np.empty(len(self._switch_set), np.int64), 0
+        allowed, nallowed = np.empty(len(self._switch_set), np.int64), 0  # numbers checked
         i = 0
         while i < count:
             j = int(K.first_foreign(senders, i, count, allowed, nallowed))
@@ -324,11 +318,9 @@ class WorkerEndpoint(WorkerControl):
                 allowed[nallowed] = sender
                 nallowed += 1
                 i = j
-            else:  # (numbers not stable and more of them than addresses: one at a time)
+            else:  # (more numbers than addresses: one address, many numbers; one at a time)
                 self._receive(batch.buf, batch.starts[j:j + 1], batch.lens[j:j + 1], 1, now)
                 i = j + 1
-        if batch.stable_senders:
-            self._nallowed = nallowed
 
     def handle_timer(self, now: float) -> None:
         """Fire due deadlines (retransmissions, control retries, failure). Drain afterwards."""

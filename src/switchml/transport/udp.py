@@ -91,21 +91,18 @@ class SwitchServer:
                  config: SwitchConfig | None = None,
                  rcvbuf_bytes: int = SOCKET_BUFFER_BYTES, *, batching: bool = True,
                  dataplane: Any = None, insecure: bool = False) -> None:
+        self.dataplane = dataplane if dataplane is not None else SwitchDataplane(config)
+        self._switch_config = getattr(self.dataplane, "switch", self.dataplane).config
         # Job creation is open to whoever can reach the socket unless the switch has a secret.
-        plane_config = (getattr(dataplane, "switch", dataplane).config if dataplane is not None
-                        else config)
-        if (not insecure and not (plane_config and plane_config.secret)
-                and not resolves_to_loopback(host)):
+        if not (insecure or self._switch_config.secret or resolves_to_loopback(host)):
             raise TransportError(
                 f"a switch on {host} without a secret exposes job creation to the network: "
                 "give SwitchConfig(secret=...), listen on 127.0.0.1, or pass insecure=True")
         # Compiled (or loaded) before the socket exists: a switch that listens answers at once.
-        if dataplane is None or type(dataplane) is SwitchDataplane:
+        if type(self.dataplane) is SwitchDataplane:
             ensure_switch()
         else:
             ensure_tree()
-        self.dataplane = dataplane if dataplane is not None else SwitchDataplane(config)
-        self._switch_config = getattr(self.dataplane, "switch", self.dataplane).config
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.bind((host, port))
