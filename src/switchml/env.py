@@ -14,6 +14,8 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
+| ``SWITCHML_THREADS`` | torch: I/O threads per rank (default: from the link's rate) |
+| ``LOCAL_WORLD_SIZE`` | torch (set by torchrun): ranks on this machine, which share its cores |
 | ``SWITCHML_HALF_BITS`` | torch: wire bits of float16/bfloat16 all-reduces (auto, 16, 32) |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data centre, by index (Gaia: ``switchml.gaia.connect``) |
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["batching", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
            "flight_signal", "half_bits", "half_bits_text", "link_security", "mtu", "ps_host",
-           "secret", "stall_log_s", "switch_addresses", "window"]
+           "local_world_size", "secret", "stall_log_s", "switch_addresses", "threads", "window"]
 
 
 def _get(name: str) -> str | None:
@@ -152,3 +154,13 @@ def dc_leaders() -> list[str]:
 def ps_host() -> str | None:
     """``SWITCHML_PS_HOST``."""
     return _get("SWITCHML_PS_HOST")
+
+
+def threads() -> int | None:
+    """``SWITCHML_THREADS``: I/O threads per rank (``transport/parallel.py``), or None."""
+    return _int("SWITCHML_THREADS")
+
+
+def local_world_size() -> int | None:
+    """``LOCAL_WORLD_SIZE`` (torchrun's): the ranks on this machine, or None."""
+    return _int("LOCAL_WORLD_SIZE")

@@ -66,12 +66,16 @@ class BenchConfig:
     batching: bool = True  # UDP GSO/GRO in the switch and the workers
     secret: bytes | None = None
     """The secret of an external switch (``switch``) that has one: creating the job needs it."""
+    threads: int = 1
+    """I/O threads per switchml worker (``transport/parallel.py``)."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.bits not in (32, 16):
             raise ValueError(f"--bits must be 32 or 16, got {self.bits}")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"--threads must be in 1..64, got {self.threads}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         unknown = set(self.baselines) - {"gloo"}
@@ -109,11 +113,11 @@ def _cpu_s() -> float:
 
 def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
                      warmup: int, iters: int, barrier: Any, results: Any,
-                     batching: bool = True, bits: int = 32, secret: bytes | None = None
-                     ) -> None:
+                     batching: bool = True, bits: int = 32, secret: bytes | None = None,
+                     threads: int = 1) -> None:
     from switchml.control import decode_job_spec
     from switchml.protocol.config import WorkerConfig
-    from switchml.transport.udp import WorkerClient
+    from switchml.transport.parallel import open_worker
     try:
         spec = decode_job_spec(spec_text)
         n = spec.num_workers
@@ -121,8 +125,8 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
         x = base * np.float32(rank + 1)
         expected = base.astype(np.float64) * (n * (n + 1) / 2)
         out = np.empty_like(x)
-        with WorkerClient(switch, spec, rank, WorkerConfig(secret=secret),
-                          batching=batching) as w:
+        with open_worker(switch, spec, rank, WorkerConfig(secret=secret), threads=threads,
+                         batching=batching) as w:
             for _ in range(warmup):
                 w.allreduce(x, out, bits=bits)
             barrier.wait()
@@ -199,7 +203,7 @@ def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] |
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
                                                             cfg.iters, barrier, results,
                                                             cfg.batching, cfg.bits,
-                                                            cfg.secret))
+                                                            cfg.secret, cfg.threads))
                  for r in range(n)]
     else:
         port = _free_port()

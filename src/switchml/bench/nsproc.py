@@ -103,15 +103,15 @@ def switchml(a: dict[str, Any]) -> None:
     from switchml.control import decode_job_spec
     from switchml.protocol.config import WorkerConfig
     from switchml.protocol.worker import RECOVERY_COUNTERS
-    from switchml.transport.udp import WorkerClient
+    from switchml.transport.parallel import open_worker
     spec = decode_job_spec(a["spec"])
     offset = a.get("offset", 0)  # per job, where jobs share the switch: a mix-up shows
     x = np.full(a["numel"], a["rank"] + 1.0 + offset, dtype=np.float32)
     out = np.empty_like(x)
     cfg = WorkerConfig(op_timeout_s=60.0,
                        fast_retransmit=a.get("fast_retransmit", False))
-    with WorkerClient((a["switch"], a["port"]), spec, a["rank"], cfg,
-                      batching=env.batching()) as w:
+    with open_worker((a["switch"], a["port"]), spec, a["rank"], cfg,
+                     threads=a.get("threads", 1), batching=env.batching()) as w:
         bits = a.get("bits", 32)
         # the 16-bit DDP hook's error feedback: a float32 residual per bucket
         res = np.zeros(x.size, np.float32) if a.get("residual") else None

@@ -75,6 +75,8 @@ class TestbedBenchConfig:
     """Wire width of switchml's floats: 32, or 16 (half the bytes on the wire)."""
     residual: bool = False
     """With 16 bits: each worker keeps a float32 rounding residual, as the DDP hook does."""
+    threads: int = 1
+    """I/O threads per switchml worker (``transport/parallel.py``)."""
     nack_gap: int = 4
     """The switch's NACK gap (``SwitchConfig.nack_gap``); 0: recovery by timeouts only."""
     jobs: int = 1
@@ -100,6 +102,8 @@ class TestbedBenchConfig:
         if self.jobs < 1 or self.workers % self.jobs or self.workers // self.jobs < 2:
             raise ValueError(f"jobs must divide the {self.workers} workers into jobs of at "
                              f"least 2, got {self.jobs}")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"--threads must be in 1..64, got {self.threads}")
         if self.residual and self.bits != 16:
             raise ValueError("--residual is the 16-bit hook's error feedback: it needs --bits 16")
         if self.dtype not in DTYPES:
@@ -277,7 +281,8 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
     procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml", {
         **common, "spec": specs[cfg.job_of(i)[0]], "rank": cfg.job_of(i)[1],
         "switch": topo.switch_ip(i), "port": SWITCH_PORT, "offset": 100 * cfg.job_of(i)[0],
-        "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits, "residual": cfg.residual}))
+        "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits, "residual": cfg.residual,
+        "threads": cfg.threads}))
     rows = _wait_all(procs, cfg.timeout_s)
     switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
     return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}

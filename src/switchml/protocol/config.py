@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from switchml.protocol.errors import ConfigError
 from switchml.protocol.wire import MAX_ELEMENTS_PER_PACKET
 
-__all__ = ["JobSpec", "SwitchConfig", "WorkerConfig", "default_window"]
+__all__ = ["MAX_THREADS", "JobSpec", "SwitchConfig", "WorkerConfig", "default_window"]
 
 
 
@@ -94,6 +94,8 @@ class SwitchConfig:
         _check(self.max_window >= 1, f"max_window must be >= 1, got {self.max_window}")
 
 
+MAX_THREADS = 64
+"""The most I/O threads (job parts, ``protocol/parts.py``) one rank may use."""
 WINDOW_BYTES = 256 * 1024
 """Bytes a worker keeps in flight by default (``default_window``)."""
 
@@ -216,6 +218,11 @@ class WorkerConfig:
     leave_timeout_s: float = 1.0
     """``close`` gives up waiting for LEFT after this long (the switch's lease frees the slots
     anyway). Default 1 s."""
+    threads: int | None = None
+    """I/O threads a rank drives its job with (``transport/parallel.py``; each a part of the job,
+    ``protocol/parts.py``); every rank of a job must use the same. None: chosen from the link's
+    rate (one on loopback and virtual links). ``SWITCHML_THREADS`` overrides it in the torch
+    backend."""
 
     def __post_init__(self) -> None:
         _check(self.min_reorder_window_s >= 0,
@@ -236,5 +243,8 @@ class WorkerConfig:
         _check(0 < self.control_retry_s <= self.control_retry_max_s,
                "expected 0 < control_retry_s <= control_retry_max_s, got "
                f"{self.control_retry_s}, {self.control_retry_max_s}")
+        _check(self.threads is None
+               or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
+               f"threads must be None or an integer in 1..{MAX_THREADS}, got {self.threads!r}")
         _check(self.leave_timeout_s > 0, f"leave_timeout_s must be > 0, got "
                f"{self.leave_timeout_s}")

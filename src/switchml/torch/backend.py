@@ -59,6 +59,7 @@ from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.flight import FlightRecorder
+from switchml.transport.parallel import ParallelClient, choose_threads, open_worker
 from switchml.transport.sockets import local_mtu
 from switchml.transport.udp import AllreduceHandle, WorkerClient
 
@@ -310,8 +311,9 @@ def _from_limbs(limbs: np.ndarray) -> np.ndarray:
 class SwitchMLProcessGroup(dist.ProcessGroup):
     """A process group whose all-reduce goes through a switchml switch."""
 
-    def __init__(self, *, rank: int, size: int, client: WorkerClient, gloo: dist.ProcessGroup,
-                 switch: tuple[Address, ...], half_bits: int | None = None) -> None:
+    def __init__(self, *, rank: int, size: int, client: WorkerClient | ParallelClient,
+                 gloo: dist.ProcessGroup, switch: tuple[Address, ...],
+                 half_bits: int | None = None) -> None:
         super().__init__(rank, size)
         if half_bits not in (None, 16, 32):
             raise ValueError(f"half_bits must be None (auto), 16 or 32, got {half_bits}")
@@ -699,6 +701,12 @@ def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = N
                         elements_per_packet=k)
 
 
+def _local_ranks(size: int) -> int:
+    """The ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; else all of them, the
+    cautious guess): the cores are shared among them."""
+    return max(1, env.local_world_size() or size)
+
+
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""
@@ -711,6 +719,10 @@ def _create(store: dist.Store, rank: int, size: int,
         key = f"switchml/{_incarnation}/job"
         # Every rank publishes its MTU towards the switch; rank 0 sizes the job's chunks.
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
+        # ... and the I/O threads it would use; the group uses the fewest any rank asked for
+        # (every rank must split its job into the same parts).
+        store.set(f"switchml/{_incarnation}/threads/{rank}", str(choose_threads(
+            switch, requested=env.threads(), local_ranks=_local_ranks(size))))
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             spec = job_spec_for_ranks(size, (
@@ -727,7 +739,10 @@ def _create(store: dist.Store, rank: int, size: int,
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
                               join_timeout_s=seconds, secret=secret)
-        client = WorkerClient(switch, spec, rank, config, batching=env.batching())
+        threads = min(int(store.get(f"switchml/{_incarnation}/threads/{r}").decode())
+                      for r in range(size))
+        client = open_worker(switch, spec, rank, config, threads=threads,
+                             batching=env.batching())
     except BaseException:
         # Nothing set up for a group that failed to form may outlive it.
         if gloo is not None:

@@ -59,7 +59,7 @@ from switchml.torch.backend import (
     release_embedded_switch,
     resolve_switch_over_group,
 )
-from switchml.transport.udp import WorkerClient
+from switchml.transport.parallel import choose_threads, open_worker
 
 __all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook",
            "noop_hook", "register_hook", "switchml_hook"]
@@ -120,9 +120,14 @@ class SwitchMLHookState:
                 self.world_size, mtus, window=window, elements_per_packet=elements_per_packet))
                 if rank == 0 else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-            self.client = WorkerClient(switch, decode_job_spec(box[0]), rank, WorkerConfig(
+            # The I/O threads: the fewest any rank asks for (all split the job alike).
+            wants: list[Any] = [None] * self.world_size
+            dist.all_gather_object(wants, choose_threads(
+                switch, requested=env.threads(),
+                local_ranks=env.local_world_size() or self.world_size), group=pg)
+            self.client = open_worker(switch, decode_job_spec(box[0]), rank, WorkerConfig(
                 op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
-                batching=env.batching())
+                threads=min(wants), batching=env.batching())
         except BaseException:
             self.close()  # the embedded switch, if this rank acquired it
             raise

@@ -46,6 +46,10 @@ def add_parser(bsub: Subparsers) -> None:
     ar.add_argument("--residual", action="store_true",
                     help="with --testbed --bits 16: each worker keeps a float32 rounding "
                          "residual (error feedback), as the 16-bit DDP hook does")
+    ar.add_argument("--threads", type=int, default=1,
+                    help="I/O threads per switchml worker, each with its own socket and share "
+                         "of the window (one core carries about 4 Gbit/s; results are "
+                         "bit-identical for any count) (default 1)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     ar.add_argument("--no-batching", action="store_true",
                     help="switch and workers make one system call per datagram (no UDP "
@@ -115,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         elements_per_packet=args.elements_per_packet or elements_per_packet_for(
             args.switch or ("127.0.0.1", 1), args.mtu), bits=args.bits,
         baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
-        batching=not args.no_batching)
+        batching=not args.no_batching, threads=args.threads)
 
 
 def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
@@ -130,7 +134,7 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         window=args.window, timeout_s=args.timeout_s,
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
         jobs=args.jobs, residual=args.residual, dtype=args.dtype,
-        torch=args.torch)
+        torch=args.torch, threads=args.threads)
 
 
 def run(args: argparse.Namespace) -> int:
