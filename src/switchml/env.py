@@ -15,6 +15,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
 | ``SWITCHML_THREADS`` | torch: I/O threads per rank (default: from the link's rate) |
+| ``XDG_CACHE_HOME`` | where ``switchml calibrate`` keeps this machine's costs (``~/.cache``) |
 | ``LOCAL_WORLD_SIZE`` | torch (set by torchrun): ranks on this machine, which share its cores |
 | ``SWITCHML_HALF_BITS`` | torch: wire bits of float16/bfloat16 all-reduces (auto, 16, 32) |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
@@ -36,7 +37,7 @@ from switchml.protocol.address import Address, parse_addresses
 if TYPE_CHECKING:
     from switchml.links import LinkSecurity
 
-__all__ = ["batching", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
+__all__ = ["batching", "cache_dir", "dc_index", "dc_leaders", "elements_per_packet", "flag_default",
            "flight_signal", "half_bits", "half_bits_text", "link_security", "mtu", "ps_host",
            "local_world_size", "secret", "stall_log_s", "switch_addresses", "threads", "window"]
 
@@ -164,3 +165,8 @@ def threads() -> int | None:
 def local_world_size() -> int | None:
     """``LOCAL_WORLD_SIZE`` (torchrun's): the ranks on this machine, or None."""
     return _int("LOCAL_WORLD_SIZE")
+
+
+def cache_dir() -> str:
+    """``XDG_CACHE_HOME``, else ``~/.cache``: where switchml keeps machine-local files."""
+    return _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -14,8 +14,13 @@ Method:
    (``Profile.lockstep_s`` over ``Profile.period_s``: ``Profile.slowdown``).
 2. **Time each bucket's all-reduce** on each system: switchml (32-bit and the 16-bit hook) with
    the simulator's timing mode (``sim.timing``: the protocol's self-clocked window over the
-   links at the given rate and MTU); gloo as a ring, ``2 (n - 1) / n`` of the bucket's bytes each
-   way, in TCP segments of the MTU, plus a per-hop latency.
+   links at the given rate and MTU, each worker's CPU over its I/O threads and the switch's
+   over its shards charged per datagram and per element); gloo as a ring, ``2 (n - 1) / n``
+   of the bucket's bytes each way, in TCP segments of the MTU, or its CPU per element if
+   that is slower, plus a per-hop latency. The CPU costs are this machine's, measured by
+   ``switchml calibrate`` (``costs.py``; the reference machine's where it was never run).
+   Each prediction names the resource that binds its all-reduces: the wire, a worker's CPU
+   or the switch's.
 3. **Compose** as DDP does: buckets all-reduce one after another, each once it is ready, while
    backward goes on. The step is ``F + max(B, end of the last all-reduce) + O``; the exposed
    communication is what ends after backward. Forward, backward, the buckets' ready times
@@ -49,9 +54,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from switchml.costs import Costs
+from switchml.costs import load as load_costs
 from switchml.protocol.wire import HEADER_SIZE, elements_for_mtu
 
-__all__ = ["Bucket", "Prediction", "Profile", "SYSTEMS", "predict", "profile", "validate"]
+__all__ = ["Bucket", "Prediction", "Profile", "Resources", "SYSTEMS", "predict", "profile",
+           "validate"]
 
 SYSTEMS = ("gloo", "switchml", "switchml16", "hybrid")
 TCP_IPV4 = 52  # 20 IP + 20 TCP + 12 timestamp option
@@ -148,6 +156,15 @@ class Prediction:
     speedup: float | None = None
     """gloo's predicted step / this one."""
     buckets_s: list[float] = field(default_factory=list)
+    resources_s: dict[str, float] = field(default_factory=dict)
+    """Each resource's busy time over the step's all-reduces, as if it alone limited them
+    (``wire``, ``worker CPU``, ``switch CPU``; gloo: ``wire``, ``worker CPU``)."""
+
+    @property
+    def bound_by(self) -> str | None:
+        """The resource that binds the all-reduces: the one busiest over them."""
+        return max(self.resources_s, key=self.resources_s.__getitem__) if self.resources_s \
+            else None
 
     @property
     def comm_share(self) -> float:
@@ -422,31 +439,73 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
 
 # -- 2. each bucket's all-reduce ----------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Resources:
+    """What the switchml side runs on: the CPU costs (``costs.Costs``), each worker's I/O
+    threads and the switch's shards."""
+
+    costs: Costs = field(default_factory=lambda: load_costs())
+    threads: int = 1
+    shards: int = 1
+
+
 def switchml_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
-                         bits: int = 32, _cache: dict[tuple, float] = {}) -> float:  # noqa: B006
+                         bits: int = 32, res: Resources | None = None,
+                         _cache: dict[tuple, float] = {}) -> float:  # noqa: B006
     """One all-reduce of ``numel`` elements through the switch, by the timing simulator
-    (16 bits: as many elements in half the bytes)."""
+    (16 bits: as many elements in half the bytes), each worker and the switch charged their
+    CPU (``res``)."""
     from switchml.sim.config import SimConfig, SimLink
     from switchml.sim.timing import run_timing
+    res = res or Resources()
+    c = res.costs
     size = -(-numel * bits // 32) * 4  # (the simulator takes whole float32s)
-    key = (size, workers, rate_bps, mtu)
+    key = (size, workers, rate_bps, mtu, res)
     if key not in _cache:
-        report = run_timing(SimConfig(workers=workers, size_bytes=max(size, 4),
-                                      access=SimLink(rate_bps=rate_bps), mtu=mtu))
+        report = run_timing(SimConfig(
+            workers=workers, size_bytes=max(size, 4), access=SimLink(rate_bps=rate_bps),
+            mtu=mtu, host_cost_s=c.worker_datagram_s, host_element_cost_s=c.worker_element_s,
+            threads=res.threads, switch_request_cost_s=c.switch_request_s,
+            switch_element_cost_s=c.switch_element_s, shards=res.shards))
         if not report.ok:
             raise RuntimeError(f"the timing simulator failed: {report.error}")
         _cache[key] = report.elapsed_s
     return _cache[key]
 
 
-def gloo_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int) -> float:
-    """One ring all-reduce of ``numel`` float32: each link carries ``2 (n - 1) / n`` of the
-    bytes each way in TCP segments, plus a latency per ring step."""
+def switchml_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
+                         bits: int = 32, res: Resources | None = None) -> dict[str, float]:
+    """Each resource's busy time for one all-reduce through the switch, alone: the wire (a
+    worker's link, one way), a worker's CPU (over its threads), the switch's (over its
+    shards)."""
+    res = res or Resources()
+    k = elements_for_mtu(mtu) * (32 // bits)
+    datagrams = -(-numel // k)
+    return {"wire": switchml_wire_bytes(numel, mtu=mtu, bits=bits) * 8 / rate_bps,
+            "worker CPU": res.costs.worker_s(datagrams, numel, res.threads),
+            "switch CPU": res.costs.switch_s(workers * datagrams, workers * numel, res.shards)}
+
+
+def gloo_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
+                     costs: Costs | None = None) -> dict[str, float]:
+    """A ring all-reduce's busy times: the wire (``2 (n - 1) / n`` of the bytes each way in
+    TCP segments) and a rank's CPU (``costs.gloo_s``)."""
     if workers < 2:
-        return 0.0
+        return {"wire": 0.0, "worker CPU": 0.0}
     mss = mtu - TCP_IPV4
     wire = numel * 4 * 2 * (workers - 1) / workers * (mss + TCP_IPV4 + ETHERNET) / mss
-    return wire * 8 / rate_bps + 2 * (workers - 1) * GLOO_HOP_S
+    return {"wire": wire * 8 / rate_bps,
+            "worker CPU": (costs or load_costs()).gloo_s(numel, workers)}
+
+
+def gloo_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
+                     costs: Costs | None = None) -> float:
+    """One ring all-reduce of ``numel`` float32: the wire or a rank's CPU, whichever is
+    slower (TCP and the reduction pipeline with the transfer), plus a latency per ring step."""
+    if workers < 2:
+        return 0.0
+    busy = gloo_resources_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu, costs=costs)
+    return max(busy.values()) + 2 * (workers - 1) * GLOO_HOP_S
 
 
 def switchml_wire_bytes(numel: int, *, mtu: int, bits: int = 32) -> float:
@@ -518,7 +577,8 @@ def hybrid_plan(prof: Profile, *, workers: int) -> tuple[list[Any], list[tuple[i
     return decisions, buckets
 
 
-def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) -> Prediction:
+def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int,
+                   res: Resources | None = None) -> Prediction:
     """HybridDataParallel's step: each sufficient-factor layer's all-gather (gloo, a ring)
     starts when its output's gradient is known, each bucket's all-reduce (the switch) when it
     is launched; both share each worker's link, served in the order they start (gloo's and
@@ -552,8 +612,8 @@ def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) ->
                                              mtu=mtu), slow * rebuild + 2 * per * size))
     gathers.sort(key=lambda g: g[0])
     for numel, ready in buckets:
-        t = switchml_allreduce_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu) \
-            if workers > 1 else 0.0
+        t = switchml_allreduce_s(numel, workers=workers, rate_bps=rate_bps, mtu=mtu,
+                                 res=res) if workers > 1 else 0.0
         sent.append((slow * ready, t, per * numel))
     transfers = gathers + sent
     ends = [0.0] * len(transfers)
@@ -571,32 +631,53 @@ def compose_hybrid(prof: Profile, *, workers: int, rate_bps: float, mtu: int) ->
                       buckets_s=[took for _, took, _ in transfers])
 
 
+def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
 def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
-            systems: tuple[str, ...] = SYSTEMS) -> list[Prediction]:
-    """The predicted step of ``prof`` on each system, with speedups against gloo."""
+            systems: tuple[str, ...] = SYSTEMS, res: Resources | None = None
+            ) -> list[Prediction]:
+    """The predicted step of ``prof`` on each system, with speedups against gloo; switchml
+    on ``res`` (default: this machine's calibration, one thread, one shard)."""
     if workers < 1 or rate_bps <= 0:
         raise ValueError(f"workers must be >= 1 and rate_bps > 0, got {workers}, {rate_bps}")
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    res = res or Resources()
+    link = dict(workers=workers, rate_bps=rate_bps, mtu=mtu)
     out = []
+
+    def gloo_prediction() -> Prediction:
+        p = compose(prof, [gloo_allreduce_s(b.numel, costs=res.costs, **link)
+                           for b in prof.buckets], "gloo")
+        p.resources_s = _summed([gloo_resources_s(b.numel, costs=res.costs, **link)
+                                 for b in prof.buckets])
+        return p
+
     for system in systems:
         if system == "hybrid":
-            out.append(compose_hybrid(prof, workers=workers, rate_bps=rate_bps, mtu=mtu))
+            out.append(compose_hybrid(prof, res=res, **link))
             continue
         if system == "gloo":
-            times = [gloo_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps, mtu=mtu)
-                     for b in prof.buckets]
-        else:
-            bits = 16 if system == "switchml16" else 32
-            times = [switchml_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps,
-                                          mtu=mtu, bits=bits) if workers > 1 else 0.0
-                     for b in prof.buckets]
-        out.append(compose(prof, times, system))
+            out.append(gloo_prediction())
+            continue
+        bits = 16 if system == "switchml16" else 32
+        times = [switchml_allreduce_s(b.numel, bits=bits, res=res, **link)
+                 if workers > 1 else 0.0 for b in prof.buckets]
+        p = compose(prof, times, system)
+        if workers > 1:
+            p.resources_s = _summed([switchml_resources_s(b.numel, bits=bits, res=res, **link)
+                                     for b in prof.buckets])
+        out.append(p)
     gloo = next((p for p in out if p.system == "gloo"), None)
     if gloo is None:
-        gloo = compose(prof, [gloo_allreduce_s(b.numel, workers=workers, rate_bps=rate_bps,
-                                               mtu=mtu) for b in prof.buckets], "gloo")
+        gloo = gloo_prediction()
     for p in out:
         p.speedup = gloo.step_s / p.step_s
     return out

@@ -11,7 +11,8 @@ from switchml.cli import main, predict
 
 def _prediction(system: str, speedup: float) -> SimpleNamespace:
     return SimpleNamespace(system=system, step_s=0.1 / speedup, comm_s=0.05, exposed_s=0.02,
-                           comm_share=0.5, speedup=speedup)
+                           comm_share=0.5, speedup=speedup,
+                           bound_by="switch CPU" if system == "switchml" else "wire")
 
 
 def test_profile_and_predict_get_the_flags(record, parse, capsys):
@@ -22,12 +23,17 @@ def test_profile_and_predict_get_the_flags(record, parse, capsys):
     preds = record(library, "predict", [_prediction("gloo", 1.0),
                                         _prediction("switchml", 1.5)])
     assert main(["predict", "--model", "cnn", "--batch", "8", "-n", "8", "--rate-mbit", "100",
-                 "--mtu", "9000", "--colocated", "2", "--steps", "3"]) == 0
+                 "--mtu", "9000", "--colocated", "2", "--steps", "3", "--threads", "2",
+                 "--shards", "3"]) == 0
     assert profile.args == ("cnn", 8) and profile.kwargs == {"steps": 3, "colocated": 2}
+    res = preds.kwargs.pop("res")
     assert preds.args == (prof,) and preds.kwargs == {"workers": 8, "rate_bps": 100e6,
                                                       "mtu": 9000}
+    assert (res.threads, res.shards) == (2, 3)
     out = capsys.readouterr().out
     assert "switchml helps: switchml 1.50x gloo's step" in out
+    row = next(ln for ln in out.splitlines() if "│ switchml" in ln or "switchml │" in ln)
+    assert row.rstrip(" │").endswith("switch CPU")  # the resource that binds each row
 
 
 def test_little_to_gain_is_said_too(record, capsys):

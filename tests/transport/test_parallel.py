@@ -147,10 +147,13 @@ def test_thread_count_choice():
     assert choose_threads(loop, WorkerConfig(threads=2)) == 2
     assert choose_threads(loop, WorkerConfig(threads=2), requested=4) == 4
     # 10 Gbit/s = 312.5 M elements/s at 7.4 ns each = 2.3 cores, at 80% each: 3 threads
-    assert choose_threads(loop, rate_bps=10e9, cores=16) == 3
-    assert choose_threads(loop, rate_bps=100e9, cores=16) == 16  # capped by the cores
-    assert choose_threads(loop, rate_bps=100e9, cores=16, local_ranks=8) == 2
-    assert choose_threads(loop, rate_bps=1e9, cores=16) == 1
+    cost = {"ns_per_element": 7.4}
+    assert choose_threads(loop, rate_bps=10e9, cores=16, **cost) == 3
+    assert choose_threads(loop, rate_bps=100e9, cores=16, **cost) == 16  # capped by the cores
+    assert choose_threads(loop, rate_bps=100e9, cores=16, local_ranks=8, **cost) == 2
+    assert choose_threads(loop, rate_bps=1e9, cores=16, **cost) == 1
+    # by default, this machine's calibrated cost: some thread count, within the cores
+    assert 1 <= choose_threads(loop, rate_bps=100e9, cores=4) <= 4
     with pytest.raises(ConfigError, match="threads must be an integer in 1..64"):
         choose_threads(loop, requested=0)
     with pytest.raises(ConfigError, match="threads must be None or an integer"):

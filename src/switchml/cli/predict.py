@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from switchml.cli.common import Subparsers, stdout_console, write_json
 
@@ -37,6 +38,14 @@ def add_parser(sub: Subparsers) -> None:
     pr.add_argument("--rate-mbit", type=float, default=1000.0,
                     help="link rate in Mbit/s (default 1000)")
     pr.add_argument("--mtu", type=int, default=1500, help="path MTU (default 1500)")
+    pr.add_argument("--threads", type=int, default=1,
+                    help="switchml I/O threads per worker (default 1; `switchml plan` says how "
+                         "many a rate needs)")
+    pr.add_argument("--shards", type=int, default=1,
+                    help="switch shards, a core each (default 1)")
+    pr.add_argument("--calibration", type=Path, default=None, metavar="JSON",
+                    help="CPU costs (default: the file `switchml calibrate` wrote, else the "
+                         "reference machine's)")
     pr.add_argument("--colocated", type=int, default=1, metavar="K",
                     help="profile K processes at once: the workers share this machine's cores "
                          "(as on the testbed), default 1 (each worker has a host of its own)")
@@ -76,20 +85,25 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with console.status(f"profiling {args.model} ({args.colocated} at once)"):
         prof = P.profile(args.model, args.batch, steps=args.steps, colocated=args.colocated)
+    from switchml.costs import load
+    res = P.Resources(load(args.calibration), args.threads, args.shards)
     with console.status("simulating the all-reduces"):
         preds = P.predict(prof, workers=args.workers, rate_bps=args.rate_mbit * 1e6,
-                          mtu=args.mtu)
+                          mtu=args.mtu, res=res)
     table = Table(title=f"{args.model}: {prof.params:,} parameters, batch {prof.batch}, "
                         f"{args.workers} workers, {args.rate_mbit:g} Mbit/s, MTU {args.mtu}; "
                         f"compute {1e3 * prof.compute_s:.0f} ms per step "
                         f"(the slowest of {prof.colocated}: x{prof.slowdown:.2f}; "
-                        f"{len(prof.buckets)} buckets)")
+                        f"{len(prof.buckets)} buckets); switchml on {args.threads} "
+                        f"thread(s) per worker and {args.shards} switch shard(s)",
+                  caption=f"CPU costs: {res.costs.source}")
     for col in ("system", "step (ms)", "communication (ms)", "exposed (ms)",
-                "share of step", "speedup vs gloo"):
+                "share of step", "speedup vs gloo", "bound by"):
         table.add_column(col, justify="right")
     for p in preds:
         table.add_row(p.system, f"{1e3 * p.step_s:.0f}", f"{1e3 * p.comm_s:.0f}",
-                      f"{1e3 * p.exposed_s:.0f}", f"{p.comm_share:.0%}", f"{p.speedup:.2f}x")
+                      f"{1e3 * p.exposed_s:.0f}", f"{p.comm_share:.0%}", f"{p.speedup:.2f}x",
+                      p.bound_by or "-")
     stdout_console().print(table)
     best = max(preds, key=lambda p: p.speedup or 0)
     gloo = next(p for p in preds if p.system == "gloo")
@@ -100,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     print(verdict)
     if args.json:
         write_json(args.json, {"profile": P.profile_dict(prof),
-                                "predictions": [dict(vars(p), comm_share=p.comm_share)
-                                                for p in preds]})
+                                "resources": {"threads": args.threads, "shards": args.shards,
+                                              "costs": res.costs.to_dict()},
+                                "predictions": [dict(vars(p), comm_share=p.comm_share,
+                                                     bound_by=p.bound_by) for p in preds]})
     return 0

@@ -22,6 +22,8 @@ COMMANDS: Mapping[str, str] = {
     "testbed": "switchml.cli.testbed",
     "bench": "switchml.cli.bench",
     "predict": "switchml.cli.predict",
+    "plan": "switchml.cli.plan",
+    "calibrate": "switchml.cli.calibrate",
     "ps": "switchml.cli.ps",
     "sim": "switchml.cli.sim",
     "tls": "switchml.cli.tls",

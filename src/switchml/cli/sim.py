@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from switchml.cli.common import Subparsers, size
@@ -80,6 +81,17 @@ def _add_scenario_args(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--host-cost-us", type=float, default=None,
                      help="worker CPU per datagram received or sent, in microseconds (default "
                           "6.6, calibrated on the testbed; 0: hosts are never the bottleneck)")
+    sim.add_argument("--calibrated", action="store_true",
+                     help="charge each worker and the switch the CPU costs `switchml "
+                          "calibrate` measured (per datagram and per element; the reference "
+                          "machine's where it never ran) instead of --host-cost-us")
+    sim.add_argument("--calibration", metavar="JSON", type=Path, default=None,
+                     help="with --calibrated: this calibration file (default: the one "
+                          "`switchml calibrate` wrote)")
+    sim.add_argument("--threads", type=int, default=1,
+                     help="with --calibrated: I/O threads per worker (default 1)")
+    sim.add_argument("--shards", type=int, default=1,
+                     help="with --calibrated: switch shards, a core each (default 1)")
     sim.add_argument("--nack-gap", type=int, default=4,
                      help="switch-driven loss recovery: NACK a rank whose chunk released this "
                           "many completions earlier is missing (0: off, loss waits for a "
@@ -116,12 +128,25 @@ def run(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace) -> Callable[[int, float], SimConfig]:
     """Check the simulator's options; the :class:`SimConfig` of n workers and a loss rate."""
+    from switchml.costs import load as load_costs
     from switchml.sim.config import HOST_COST_S, SimConfig, Stragglers
     from switchml.sim.run import access_link, parse_failure
 
     host_cost = HOST_COST_S if args.host_cost_us is None else args.host_cost_us * 1e-6
     if host_cost < 0 or args.queue_ms <= 0 or args.delay_us < 0:
         raise ConfigError("--host-cost-us and --delay-us must be >= 0, --queue-ms > 0")
+    cpu: dict[str, float | int] = {}
+    if args.calibrated:
+        if args.host_cost_us is not None:
+            raise ConfigError("--calibrated charges the calibrated costs: drop --host-cost-us")
+        costs = load_costs(args.calibration)
+        cpu = dict(host_cost_s=costs.worker_datagram_s,
+                   host_element_cost_s=costs.worker_element_s,
+                   switch_request_cost_s=costs.switch_request_s,
+                   switch_element_cost_s=costs.switch_element_s,
+                   threads=args.threads, shards=args.shards)
+    elif args.threads != 1 or args.shards != 1 or args.calibration is not None:
+        raise ConfigError("--threads, --shards and --calibration need --calibrated")
     failures = tuple(parse_failure(t) for t in args.fail_link)
 
     def config(n: int, loss: float) -> SimConfig:
@@ -137,7 +162,8 @@ def config_from_args(args: argparse.Namespace) -> Callable[[int, float], SimConf
             spine = access_link(args.spine_rate_mbit, delay_us=args.delay_us,
                                 queue_ms=args.queue_ms, loss=loss)
         return SimConfig(workers=n, size_bytes=args.size, access=access, spine=spine,
-                         racks=racks, mtu=args.mtu, window=args.window, host_cost_s=host_cost,
+                         racks=racks, mtu=args.mtu, window=args.window,
+                         **({"host_cost_s": host_cost} | cpu),  # type: ignore[arg-type]
                          switch_delay_s=args.switch_delay_us * 1e-6,
                          stragglers=Stragglers(args.stragglers, args.straggler_slowdown,
                                                args.straggler_delay_ms * 1e-3),

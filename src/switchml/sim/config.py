@@ -116,8 +116,20 @@ class SimConfig:
     """Slots per job (W); default ``default_window`` for the chunk size (128 at MTU 1500)."""
     host_cost_s: float = HOST_COST_S
     """CPU seconds per datagram received or sent at a worker (see ``HOST_COST_S``)."""
+    host_element_cost_s: float = 0.0
+    """CPU seconds per element a worker sends or receives, on top of ``host_cost_s`` per
+    datagram (``costs.Costs.worker_element_s``, from ``switchml calibrate``)."""
+    threads: int = 1
+    """I/O threads per worker (``transport/parallel.py``): its CPU costs are shared by them."""
+    switch_request_cost_s: float = 0.0
+    """CPU seconds a switch core spends per request (its results included); 0: a switch at
+    line rate. Only for a star (``racks = 1``)."""
+    switch_element_cost_s: float = 0.0
+    """CPU seconds a switch core spends per element of a request."""
+    shards: int = 1
+    """Switch shards, each on a core of its own, sharing the requests."""
     switch_delay_s: float = 0.0
-    """Fixed processing delay at each switch (switches run at line rate: no CPU queue)."""
+    """Fixed processing delay at each switch, besides its CPU (above)."""
     nack_gap: int = 4
     """Switch-driven loss recovery (``SwitchConfig.nack_gap``): the switch NACKs a rank whose
     chunk released ``nack_gap`` completions before the arriving one is missing. 0: off (loss
@@ -147,6 +159,10 @@ class SimConfig:
         _check(self.window is None or 1 <= self.window <= 65536,
                f"window must be in 1..65536, got {self.window}")
         _check(self.host_cost_s >= 0, f"host_cost_s must be >= 0, got {self.host_cost_s}")
+        for name in ("host_element_cost_s", "switch_request_cost_s", "switch_element_cost_s"):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _check(1 <= self.threads <= 64, f"threads must be in 1..64, got {self.threads}")
+        _check(self.shards >= 1, f"shards must be >= 1, got {self.shards}")
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
         _check(self.min_rto_srtts >= 1.0,
                f"min_rto_srtts must be >= 1 (round trips), got {self.min_rto_srtts}")

@@ -18,16 +18,19 @@ what decides *when* things happen and drops the data:
 * Links are FIFO queues drained at their rate, then a propagation delay; a frame that does
   not fit the queue is dropped, one that leaves is lost with the link's probability; a failed
   link drops everything.
-* A host is one CPU that spends ``host_cost_s`` per datagram received or sent (calibrated
-  against the testbed, docs/simulator.md); a released packet leaves after its result's and
-  its own cost. Switches forward at line rate plus ``switch_delay_s``.
+* A host is one CPU that spends ``host_cost_s`` per datagram and ``host_element_cost_s`` per
+  element received or sent, shared by its ``threads`` (docs/simulator.md); a released packet
+  leaves after its result's and its own cost. A star's switch is a CPU that spends
+  ``switch_request_cost_s`` per request and ``switch_element_cost_s`` per element of it,
+  shared by its ``shards``, serving requests in the order the model handles them (0: line
+  rate); a tree's switches forward at line rate. Every switch adds ``switch_delay_s``.
 
 Every event carries the packet number and a *vector* of workers (or racks) with their own
 times, so a round costs a handful of numpy calls however many workers take part; workers whose
 times drift apart (a loss, a straggler) split off into events of their own, so each link still
 serves its frames in time order (to within one frame time). Not modelled: spurious timeouts
 (a timer only fires for a datagram that was really lost), reordering, duplication, WAITING
-replies, and the switch's CPU. ``tests/sim/test_sim.py`` checks this model against the real
+replies, and a tree's switches' CPU. ``tests/sim/test_sim.py`` checks this model against the real
 endpoints on the same links (``sim.exact``).
 """
 
@@ -113,7 +116,10 @@ class SimReport:
             "spine_rate_bps": c.spine_link.rate_bps, "mtu": c.mtu,
             "elements_per_packet": c.elements_per_packet, "window": c.slots,
             "loss_rate": c.access.loss_rate, "delay_s": c.access.delay_s,
-            "host_cost_s": c.host_cost_s, "stragglers": {
+            "host_cost_s": c.host_cost_s, "host_element_cost_s": c.host_element_cost_s,
+            "threads": c.threads, "switch_request_cost_s": c.switch_request_cost_s,
+            "switch_element_cost_s": c.switch_element_cost_s, "shards": c.shards,
+            "stragglers": {
                 "count": c.stragglers.count, "slowdown": c.stragglers.slowdown,
                 "delay_s": c.stragglers.delay_s},
             "failures": [{"kind": f.kind, "index": f.index, "at_s": f.at_s}
@@ -238,7 +244,8 @@ class TimingModel:
         slow = np.zeros(n, bool)
         if s.count:
             slow[n - s.count:] = True
-        self.cost = np.where(slow, c.host_cost_s * s.slowdown, c.host_cost_s)
+        self.cost = np.where(slow, s.slowdown, 1.0) / c.threads  # x the packet's cost
+        self.switch_free = 0.0  # when the star's switch CPU is next free
         self.start = np.where(slow, s.delay_s, 0.0)
         self.cpu_free = self.start.copy()
         self.srtt = np.full(n, np.nan)
@@ -271,13 +278,28 @@ class TimingModel:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def count(self, p: int) -> int:
+        """Elements packet ``p`` carries: none (an exponent, ``p < E``) or block ``p - E``'s."""
+        if p < self.E:
+            return 0
+        return self.last_count if p - self.E == self.L - 1 else self.k
+
     def ip_bytes(self, p: int) -> int:
         """IP bytes of packet ``p``: exponent only (``p < E``) or block ``p - E``'s data."""
-        if p < self.E:
-            count = 0
-        else:
-            count = self.last_count if p - self.E == self.L - 1 else self.k
-        return IP_UDP_BYTES + HEADER_SIZE + 4 * count
+        return IP_UDP_BYTES + HEADER_SIZE + 4 * self.count(p)
+
+    def _switch_cpu(self, arrive: np.ndarray, cost: float) -> np.ndarray:
+        """When the switch's CPU is done with requests arriving at ``arrive``, ``cost`` each,
+        served one after another in arrival order after those before them:
+        ``f_i = max(f_(i-1), a_i) + cost``, in closed form."""
+        order = np.argsort(arrive, kind="stable")
+        a = arrive[order]
+        i = np.arange(len(a))
+        f = cost * (i + 1) + np.maximum(self.switch_free, np.maximum.accumulate(a - cost * i))
+        self.switch_free = float(f[-1])
+        out = np.empty_like(f)
+        out[order] = f
+        return out
 
     def result_bytes(self, p: int) -> int:
         return self.ip_bytes(p)
@@ -319,13 +341,19 @@ class TimingModel:
         first = np.isnan(rd.sent0[ws])
         # CPU: a released packet costs its result's receive and its own send.
         mult = np.where(first & (p >= self.E), 2.0, 1.0)
-        s = np.maximum(t, self.cpu_free[ws]) + self.cost[ws] * mult
+        c = self.config
+        count = self.count(p)
+        s = (np.maximum(t, self.cpu_free[ws])
+             + self.cost[ws] * mult * (c.host_cost_s + count * c.host_element_cost_s))
         self.cpu_free[ws] = s
         rd.sent0[ws] = np.where(first, s, rd.sent0[ws])
         rd.last_send[ws] = s
         self.retransmissions += int((~first).sum())
         arr, ok = self.up.send(ws, s, self.ip_bytes(p))
-        arr += self.config.switch_delay_s
+        arr += c.switch_delay_s
+        if not self.tree and (c.switch_request_cost_s or c.switch_element_cost_s) and ok.any():
+            arr[ok] = self._switch_cpu(arr[ok], (c.switch_request_cost_s
+                                                 + count * c.switch_element_cost_s) / c.shards)
         lost = ~ok
         if lost.any():
             lw = ws[lost]

@@ -26,24 +26,22 @@ from typing import Any
 
 import numpy as np
 
+from switchml.costs import load as load_costs
 from switchml.protocol.address import Address, as_addresses
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.parts import MAX_THREADS, part_specs, split
 from switchml.protocol.session import prepare_submission
+from switchml.protocol.wire import elements_for_mtu
 from switchml.transport.compiled import ensure_worker
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.udp import WorkerClient
 
-__all__ = ["WORKER_NS_PER_ELEMENT", "ParallelClient", "choose_threads", "link_speed_bps",
+__all__ = ["ParallelClient", "choose_threads", "link_speed_bps",
            "open_worker"]
 
 log = logging.getLogger(__name__)
 
-WORKER_NS_PER_ELEMENT = 7.4
-"""CPU nanoseconds one worker thread spends per aggregated element, sent and received (the
-compiled data plane at MTU 1500, docs/benchmarks.md); ``switchml calibrate`` measures it on
-the machine at hand. One core thus carries about 135 M elements/s, 4.3 Gbit/s of int32."""
 BUSY_SHARE = 0.8
 """The share of a core the automatic choice plans a worker thread to use."""
 _SIOCGIFADDR = 0x8915
@@ -88,16 +86,18 @@ def link_speed_bps(address: Address, sys_class_net: Path = Path("/sys/class/net"
 
 def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | None = None,
                    *, requested: int | None = None, local_ranks: int = 1,
-                   ns_per_element: float = WORKER_NS_PER_ELEMENT,
+                   ns_per_element: float | None = None,
                    rate_bps: float | None = None, cores: int | None = None) -> int:
     """How many I/O threads a rank drives its job with.
 
     ``requested`` (``SWITCHML_THREADS``, a backend option), else ``config.threads``, else
     chosen: enough threads that each is busy at most ``BUSY_SHARE`` of a core when the link
     towards the switch (:func:`link_speed_bps`) runs at line rate, at ``ns_per_element`` per
-    element, and no more than this machine's ``cores`` (default: those this process may run
-    on) shared over its ``local_ranks``. Loopback, virtual interfaces and unknown rates get
-    one thread. ``rate_bps`` gives the link's rate instead of asking the interface.
+    element sent and received (default: this machine's calibration, ``costs.load``, with
+    1500-byte datagrams), and no more than this machine's ``cores`` (default: those this
+    process may run on) shared over its ``local_ranks``. Loopback, virtual interfaces and
+    unknown rates get one thread. ``rate_bps`` gives the link's rate instead of asking the
+    interface.
 
     Raises:
         ConfigError: a requested count outside 1..MAX_THREADS.
@@ -113,6 +113,8 @@ def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | N
         rate_bps = max(rates) if rates else None
     if not rate_bps:
         return 1
+    if ns_per_element is None:
+        ns_per_element = load_costs().worker_s(1 / elements_for_mtu(1500), 1) * 1e9
     need = math.ceil(rate_bps / 32 * ns_per_element * 1e-9 / BUSY_SHARE)
     if cores is None:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

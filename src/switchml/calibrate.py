@@ -1,0 +1,144 @@
+"""``switchml calibrate``: measure what a unit of work costs this machine's CPU (``costs.py``).
+
+Three measurements on loopback, each a few seconds:
+
+1. **A switchml worker and the switch.** One worker (a job of one rank, so the switch answers
+   each request at once) all-reduces a float32 tensor through a switch in a process of its
+   own, at two chunk sizes (an MTU of 1500 and of 9000: six times fewer datagrams for the
+   same elements). The worker's process CPU and the switch's over the timed operations, with
+   the datagrams and elements each way, give two equations per side; their solution is the
+   cost per datagram (request) and per element.
+2. **gloo.** Two ranks all-reduce the same tensor with ``torch.distributed`` (gloo, TCP on
+   loopback); a rank's CPU over the elements it moves is the cost per element.
+
+On loopback a sender's system call also delivers the datagram to the receiving socket, so
+each side's figure holds some of the other's kernel work, as on one machine it does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import resource
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from switchml.costs import REFERENCE, Costs
+
+__all__ = ["calibrate"]
+
+_MTUS = (1500, 9000)
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _worker_run(switch: Any, mtu: int, numel: int, ops: int) -> tuple[float, float, float]:
+    """(worker CPU s, switch CPU s, datagrams each way) over ``ops`` all-reduces."""
+    from switchml.control import new_job_spec
+    from switchml.protocol.config import default_window
+    from switchml.protocol.wire import elements_for_mtu
+    from switchml.transport.udp import WorkerClient
+
+    k = elements_for_mtu(mtu)
+    window = default_window(k)
+    spec = new_job_spec(1, window=window, elements_per_packet=k)
+    x = np.linspace(-1.0, 1.0, numel, dtype=np.float32)
+    out = np.empty_like(x)
+    with WorkerClient(switch.address, spec, 0) as w:
+        w.allreduce(x, out)
+        c0, s0 = _cpu_s(), switch.cpu_s()
+        for _ in range(ops):
+            w.allreduce(x, out)
+        cpu, scpu = _cpu_s() - c0, switch.cpu_s() - s0
+    if not np.allclose(out, x, rtol=0, atol=1e-6):
+        raise RuntimeError("calibration: a one-rank all-reduce did not return its input")
+    blocks = -(-numel // k)
+    return cpu, scpu, ops * (blocks + min(window, blocks))  # look-ahead exponents included
+
+
+def _gloo_rank(rank: int, port: int, numel: int, ops: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    x = torch.ones(numel)
+    dist.all_reduce(x)
+    dist.barrier()
+    c0 = _cpu_s()
+    for _ in range(ops):
+        dist.all_reduce(x)
+    q.put(_cpu_s() - c0)
+    dist.destroy_process_group()
+
+
+def _gloo_element_s(numel: int, ops: int) -> float:
+    import socket
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, numel, ops, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        cpus = [q.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return float(np.mean(cpus)) / (ops * numel)  # n = 2: a rank moves N elements each way
+
+
+def _solve(d: list[float], e: list[float], cpu: list[float]) -> tuple[float, float]:
+    """Per-datagram and per-element cost from ``cpu_i = d_i a + e_i b`` (least squares,
+    clamped at 0)."""
+    a, b = np.linalg.lstsq(np.array([d, e], float).T, np.array(cpu, float), rcond=None)[0]
+    if a < 0:  # noise: all of it per element
+        a, b = 0.0, float(np.dot(e, cpu) / np.dot(e, e))
+    if b < 0:
+        a, b = float(np.dot(d, cpu) / np.dot(d, d)), 0.0
+    return float(a), float(b)
+
+
+def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
+              progress: Callable[[str], None] | None = None) -> Costs:
+    """Measure this machine's :class:`~switchml.costs.Costs` (takes a few seconds per
+    measurement; the machine should be idle)."""
+    from switchml.bench.switchproc import SwitchProcess
+
+    say = progress or (lambda _msg: None)
+    switch = SwitchProcess(mp.get_context("spawn"))
+    d: list[float] = []
+    e: list[float] = []
+    wcpu: list[float] = []
+    scpu: list[float] = []
+    try:
+        for mtu in _MTUS:
+            say(f"a worker and the switch at MTU {mtu}")
+            cpu, sw, datagrams = _worker_run(switch, mtu, numel, ops)
+            d.append(datagrams)
+            e.append(float(ops * numel))
+            wcpu.append(cpu / 2)  # each way: the model charges sending and receiving alike
+            scpu.append(sw)
+    finally:
+        switch.stop()
+    wd, we = _solve(d, e, wcpu)
+    sd, se = _solve(d, e, scpu)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = f"measured {stamp} on {os.uname().nodename}"
+    if gloo:
+        say("gloo, two ranks")
+        ge = _gloo_element_s(numel, ops)
+    else:
+        ge, source = REFERENCE.gloo_element_s, f"{source} (gloo: the reference machine's)"
+    return Costs(worker_datagram_s=wd, worker_element_s=we, switch_request_s=sd,
+                 switch_element_s=se, gloo_element_s=ge, source=source)
