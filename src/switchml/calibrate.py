@@ -2,13 +2,17 @@
 
 Three measurements on loopback, each a few seconds:
 
-1. **A switchml worker and the switch.** One worker (a job of one rank, so the switch answers
-   each request at once) all-reduces a float32 tensor through a switch in a process of its
-   own, at two chunk sizes (an MTU of 1500 and of 9000: six times fewer datagrams for the
-   same elements). The worker's process CPU and the switch's over the timed operations, with
-   the datagrams and elements each way, give two equations per side; their solution is the
-   cost per datagram (request) and per element.
-2. **gloo.** Two ranks all-reduce the same tensor with ``torch.distributed`` (gloo, TCP on
+1. **A switchml worker.** One worker (a job of one rank, so the switch answers each request
+   at once) all-reduces a float32 tensor through a switch in a process of its own, at two
+   chunk sizes (an MTU of 1500 and of 9000: six times fewer datagrams for the same
+   elements). The worker's process CPU over the timed operations, with the datagrams and
+   elements each way, gives two equations; their solution is the cost per datagram and per
+   element.
+2. **The switch.** ``bench.switchcap`` (``switchml bench switch``): a generator replays valid
+   requests of 4 ranks, each on a socket of its own, as fast as the switch answers, at the
+   same two chunk sizes; the switch's CPU per request at each gives its cost per request and
+   per element.
+3. **gloo.** Two ranks all-reduce the same tensor with ``torch.distributed`` (gloo, TCP on
    loopback); a rank's CPU over the elements it moves is the cost per element.
 
 On loopback a sender's system call also delivers the datagram to the receiving socket, so
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from switchml.costs import REFERENCE, Costs
+from switchml.protocol.wire import elements_for_mtu
 
 __all__ = ["calibrate"]
 
@@ -38,8 +43,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _worker_run(switch: Any, mtu: int, numel: int, ops: int) -> tuple[float, float, float]:
-    """(worker CPU s, switch CPU s, datagrams each way) over ``ops`` all-reduces."""
+def _worker_run(switch: Any, mtu: int, numel: int, ops: int) -> tuple[float, float]:
+    """(worker CPU s, datagrams each way) over ``ops`` all-reduces."""
     from switchml.control import new_job_spec
     from switchml.protocol.config import default_window
     from switchml.protocol.wire import elements_for_mtu
@@ -52,14 +57,26 @@ def _worker_run(switch: Any, mtu: int, numel: int, ops: int) -> tuple[float, flo
     out = np.empty_like(x)
     with WorkerClient(switch.address, spec, 0) as w:
         w.allreduce(x, out)
-        c0, s0 = _cpu_s(), switch.cpu_s()
+        c0 = _cpu_s()
         for _ in range(ops):
             w.allreduce(x, out)
-        cpu, scpu = _cpu_s() - c0, switch.cpu_s() - s0
+        cpu = _cpu_s() - c0
     if not np.allclose(out, x, rtol=0, atol=1e-6):
         raise RuntimeError("calibration: a one-rank all-reduce did not return its input")
     blocks = -(-numel // k)
-    return cpu, scpu, ops * (blocks + min(window, blocks))  # look-ahead exponents included
+    return cpu, ops * (blocks + min(window, blocks))  # look-ahead exponents included
+
+
+def _switch_request_s(mtu: int, seconds: float) -> float:
+    """The switch's CPU per request of ``elements_for_mtu(mtu)`` elements, 4 ranks."""
+    from switchml.bench.switchcap import SwitchCapConfig, run_switchcap
+    from switchml.protocol.wire import elements_for_mtu
+    result = run_switchcap(SwitchCapConfig(workers=4, elements_per_packet=elements_for_mtu(mtu),
+                                           window=64, seconds=seconds))
+    if sum(result.drops.values()) or sum(result.switch_errors.values()):
+        raise RuntimeError(f"calibration: the switch dropped requests ({result.drops}) or "
+                           f"failed ({result.switch_errors})")
+    return result.switch_cpu_us_per_datagram * 1e-6
 
 
 def _gloo_rank(rank: int, port: int, numel: int, ops: int, q: Any) -> None:
@@ -110,6 +127,7 @@ def _solve(d: list[float], e: list[float], cpu: list[float]) -> tuple[float, flo
 
 
 def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
+              switch_seconds: float = 2.0,
               progress: Callable[[str], None] | None = None) -> Costs:
     """Measure this machine's :class:`~switchml.costs.Costs` (takes a few seconds per
     measurement; the machine should be idle)."""
@@ -120,19 +138,22 @@ def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
     d: list[float] = []
     e: list[float] = []
     wcpu: list[float] = []
-    scpu: list[float] = []
     try:
         for mtu in _MTUS:
-            say(f"a worker and the switch at MTU {mtu}")
-            cpu, sw, datagrams = _worker_run(switch, mtu, numel, ops)
+            say(f"a worker at MTU {mtu}")
+            cpu, datagrams = _worker_run(switch, mtu, numel, ops)
             d.append(datagrams)
             e.append(float(ops * numel))
             wcpu.append(cpu / 2)  # each way: the model charges sending and receiving alike
-            scpu.append(sw)
     finally:
         switch.stop()
     wd, we = _solve(d, e, wcpu)
-    sd, se = _solve(d, e, scpu)
+    per_request = []
+    for mtu in _MTUS:
+        say(f"the switch at MTU {mtu}")
+        per_request.append(_switch_request_s(mtu, switch_seconds))
+    ks = [float(elements_for_mtu(m)) for m in _MTUS]
+    sd, se = _solve([1.0, 1.0], ks, per_request)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = f"measured {stamp} on {os.uname().nodename}"
     if gloo:

@@ -62,6 +62,14 @@ class Costs:
             return 0.0
         return numel * 2 * (workers - 1) / workers * self.gloo_element_s
 
+    def slowed(self, factor: float) -> Costs:
+        """Every cost ``factor`` times as high (a process that gets ``1 / factor`` of a
+        core)."""
+        if factor == 1:
+            return self
+        return Costs(**{f.name: getattr(self, f.name) * factor for f in fields(self)
+                        if f.name != "source"}, source=self.source)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -71,8 +79,8 @@ class Costs:
 
 
 REFERENCE = Costs(
-    worker_datagram_s=1.0e-8, worker_element_s=1.38e-9, switch_request_s=1.36e-7,
-    switch_element_s=1.16e-9, gloo_element_s=2.55e-9,
+    worker_datagram_s=3e-8, worker_element_s=1.35e-9, switch_request_s=1.9e-7,
+    switch_element_s=1.44e-9, gloo_element_s=2.45e-9,
     source="the reference machine's calibration (docs/benchmarks.md); run `switchml "
            "calibrate` for this machine's")
 """``switchml calibrate`` on the project's 2-core machine (two runs, 2026-12-03, rounded)."""

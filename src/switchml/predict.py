@@ -447,6 +447,23 @@ class Resources:
     costs: Costs = field(default_factory=lambda: load_costs())
     threads: int = 1
     shards: int = 1
+    cores: int | None = None
+    """The cores every process of the job shares (the testbed's: workers, switch shards and
+    gloo ranks on one machine); None: each has cores of its own. Busy processes share them
+    evenly: each gets ``min(1, cores / processes)`` of a core."""
+
+    def for_switchml(self, workers: int) -> Costs:
+        """The costs a switchml process pays, its workers' threads and the shards sharing the
+        cores."""
+        if self.cores is None:
+            return self.costs
+        return self.costs.slowed(max(1.0, (workers * self.threads + self.shards) / self.cores))
+
+    def for_gloo(self, workers: int) -> Costs:
+        """The costs a gloo rank pays, the ranks sharing the cores."""
+        if self.cores is None:
+            return self.costs
+        return self.costs.slowed(max(1.0, workers / self.cores))
 
 
 def switchml_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
@@ -458,7 +475,7 @@ def switchml_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
     from switchml.sim.config import SimConfig, SimLink
     from switchml.sim.timing import run_timing
     res = res or Resources()
-    c = res.costs
+    c = res.for_switchml(workers)
     size = -(-numel * bits // 32) * 4  # (the simulator takes whole float32s)
     key = (size, workers, rate_bps, mtu, res)
     if key not in _cache:
@@ -479,11 +496,12 @@ def switchml_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
     worker's link, one way), a worker's CPU (over its threads), the switch's (over its
     shards)."""
     res = res or Resources()
+    c = res.for_switchml(workers)
     k = elements_for_mtu(mtu) * (32 // bits)
     datagrams = -(-numel // k)
     return {"wire": switchml_wire_bytes(numel, mtu=mtu, bits=bits) * 8 / rate_bps,
-            "worker CPU": res.costs.worker_s(datagrams, numel, res.threads),
-            "switch CPU": res.costs.switch_s(workers * datagrams, workers * numel, res.shards)}
+            "worker CPU": c.worker_s(datagrams, numel, res.threads),
+            "switch CPU": c.switch_s(workers * datagrams, workers * numel, res.shards)}
 
 
 def gloo_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
@@ -654,9 +672,10 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
     out = []
 
     def gloo_prediction() -> Prediction:
-        p = compose(prof, [gloo_allreduce_s(b.numel, costs=res.costs, **link)
+        costs = res.for_gloo(workers)
+        p = compose(prof, [gloo_allreduce_s(b.numel, costs=costs, **link)
                            for b in prof.buckets], "gloo")
-        p.resources_s = _summed([gloo_resources_s(b.numel, costs=res.costs, **link)
+        p.resources_s = _summed([gloo_resources_s(b.numel, costs=costs, **link)
                                  for b in prof.buckets])
         return p
 
@@ -684,11 +703,13 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
 
 
 def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
-             progress: Any = None) -> list[dict[str, Any]]:
+             progress: Any = None, costs: Costs | None = None) -> list[dict[str, Any]]:
     """Predict every row of a ``switchml bench train`` run (its workload, batch, workers,
     rate, MTU) and set the prediction against the measured step: one dict per row, with the
-    relative error. ``colocated``: profile with as many processes as the run had workers
-    (they shared this machine)."""
+    relative error. ``colocated``: profile with as many processes as the run had workers,
+    and charge their CPU on this machine's cores, which they and the switch shared."""
+    costs = costs or load_costs()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     profiles: dict[tuple, Profile] = {}
     out = []
     for r in rows:
@@ -701,7 +722,8 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
             profiles[key] = profile(r["model"], r["batch"], colocated=key[2])
         prof = profiles[key]
         pred = predict(prof, workers=r["workers"], rate_bps=r["rate_bps"],
-                       mtu=r.get("mtu", 1500), systems=(r["system"],))[0]
+                       mtu=r.get("mtu", 1500), systems=(r["system"],),
+                       res=Resources(costs, cores=cores if colocated else None))[0]
         out.append({"model": r["model"], "system": r["system"], "workers": r["workers"],
                     "rate_bps": r["rate_bps"], "measured_step_s": r["step_s"],
                     "predicted_step_s": pred.step_s, "error": pred.step_s / r["step_s"] - 1,
