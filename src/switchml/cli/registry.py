@@ -19,6 +19,7 @@ COMMANDS: Mapping[str, str] = {
     "switch": "switchml.cli.switch",
     "demo": "switchml.cli.demo",
     "stats": "switchml.cli.stats",
+    "top": "switchml.cli.top",
     "testbed": "switchml.cli.testbed",
     "bench": "switchml.cli.bench",
     "predict": "switchml.cli.predict",

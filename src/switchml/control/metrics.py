@@ -15,6 +15,9 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_elements_aggregated_total`` | counter | ``job`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
 | ``switchml_memory_bytes`` (slot memory held by jobs) | gauge | |
+| ``switchml_job_ranks``, ``switchml_job_members``, ``switchml_job_open_rounds`` | gauge | ``job`` |
+| ``switchml_job_rank_missing_rounds`` (open rounds lacking it) | gauge | ``job``, ``rank`` |
+| ``switchml_job_rank_silent_seconds`` (-1: never heard) | gauge | ``job``, ``rank`` |
 """
 
 from __future__ import annotations
@@ -66,6 +69,34 @@ class SwitchCollector:
                                 value=self._pool_slots)
         yield GaugeMetricFamily("switchml_memory_bytes", "Slot memory held by jobs",
                                 value=s["memory_bytes"])
+        yield from _job_families(s.get("job_states", []))
+
+
+def _job_families(states: list[dict[str, Any]]) -> Iterator[Any]:
+    """Per job: its ranks, joined members and open rounds; per rank it waits for: the rounds
+    it is missing from and how long it has been silent."""
+    from prometheus_client.core import GaugeMetricFamily
+    per_job = {name: GaugeMetricFamily(f"switchml_job_{name}", doc, labels=["job"])
+               for name, doc in (("ranks", "Ranks of the job"),
+                                 ("members", "Ranks joined"),
+                                 ("open_rounds", "Slot rounds waiting for contributions"))}
+    missing = GaugeMetricFamily("switchml_job_rank_missing_rounds",
+                                "Open rounds this rank has not contributed to",
+                                labels=["job", "rank"])
+    silent = GaugeMetricFamily("switchml_job_rank_silent_seconds",
+                               "Seconds since this rank last sent anything (-1: never)",
+                               labels=["job", "rank"])
+    for st in states:
+        job = str(st["job"])
+        for name, family in per_job.items():
+            family.add_metric([job], st[name])
+        for rank, rounds in st["waiting_for"].items():
+            missing.add_metric([job, str(rank)], rounds)
+            quiet = st["silent_s"].get(rank)
+            silent.add_metric([job, str(rank)], -1.0 if quiet is None else quiet)
+    yield from per_job.values()
+    yield missing
+    yield silent
 
 
 def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: str,
@@ -79,7 +110,8 @@ def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: s
 
 
 def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Scrape a switch's metrics endpoint into ``{name: value | {label: value}}``."""
+    """Scrape a switch's metrics endpoint into ``{name: value | {label: value}}`` (a sample
+    with several labels under their values joined by commas, e.g. ``"7,2"``)."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - user's URL
         text = resp.read().decode()
@@ -88,8 +120,8 @@ def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
-            if sample.labels:
-                label = next(iter(sample.labels.values()))
+            if sample.labels:  # one label: its value; several: their values, "a,b"
+                label = ",".join(sample.labels.values())
                 out.setdefault(sample.name, {})[label] = sample.value
             else:
                 out[sample.name] = sample.value

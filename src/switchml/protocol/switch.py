@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import Batch, flatten_runs
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobRemoved
-from switchml.protocol.jobs import Job, SlotAllocator
+from switchml.protocol.jobs import Job, SlotAllocator, bitmap
 from switchml.protocol.slots import action_table
 from switchml.protocol.switch_control import SwitchControl
 from switchml.protocol.switch_replies import SwitchReplies
@@ -579,6 +580,27 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             "nack_gaps": {j.job_id: int(j.jobv[K.J.NACK_GAP]) for j in self._jobs.values()},
             "memory_bytes": sum(j.memory_bytes() for j in self._jobs.values()),
         }
+
+    def job_states(self, now: float) -> list[dict[str, Any]]:
+        """What each live job is doing, for ``switchml top`` and the metrics: its ranks and
+        joined members, its open rounds (slot sets holding some contributions and waiting for
+        others), and per rank missing from any of them how many it is missing from and how
+        long ago it last sent anything (``None``: never)."""
+        out = []
+        for job in self._jobs.values():
+            open_ = (job.st[K.S.SEQ] >= 0) & (job.st[K.S.MISSING] > 0)
+            missing: Counter[int] = Counter()
+            for v, s in zip(*np.nonzero(open_)):
+                absent = job.all_ranks & ~bitmap(job.seen[v, s])
+                missing.update(r for r in range(job.num_workers) if absent >> r & 1)
+            silent = {r: (None if not np.isfinite(job.heard[r]) else
+                          max(0.0, now - float(job.heard[r]))) for r in sorted(missing)}
+            out.append({"job": job.job_id, "ranks": job.num_workers,
+                        "members": sum(m is not None for m in job.members),
+                        "window": job.window, "open_rounds": int(open_.sum()),
+                        "elements_aggregated": job.elements_aggregated,
+                        "waiting_for": dict(sorted(missing.items())), "silent_s": silent})
+        return out
 
     def job_buffers(self, job_id: int) -> np.ndarray | None:
         """The result buffers ``[set, slot, byte]`` of a live job (a relay reads them)."""

@@ -281,6 +281,9 @@ class SwitchServer:
         """The dataplane's counters plus the pump's."""
         with self._locked():
             s = self.dataplane.stats()
+            states = getattr(self.dataplane, "job_states", None)
+            if states is not None:
+                s["job_states"] = states(time.monotonic())
         s.update(internal_errors=self.internal_errors, truncated=self._rx.truncated,
                  send_errors=self._sender.errors + self._sender.blocked,
                  send_calls=self._sender.calls, recv_calls=self.recv_calls,
