@@ -27,6 +27,7 @@ import numpy as np
 
 from switchml.bench.cpu import cpu_per_gelem, machine_busy_s
 from switchml.bench.switchproc import SwitchProcess
+from switchml.protocol.parts import check_threads
 
 __all__ = ["BenchConfig", "Measurement", "parse_size", "run_benchmark"]
 
@@ -74,8 +75,7 @@ class BenchConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.bits not in (32, 16):
             raise ValueError(f"--bits must be 32 or 16, got {self.bits}")
-        if not 1 <= self.threads <= 64:
-            raise ValueError(f"--threads must be in 1..64, got {self.threads}")
+        check_threads(self.threads)
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         unknown = set(self.baselines) - {"gloo"}

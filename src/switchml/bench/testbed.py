@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from switchml.bench.cpu import cpu_per_gelem, proc_cpu_s
 from switchml.protocol.config import default_window
+from switchml.protocol.parts import check_threads
 from switchml.protocol.wire import elements_for_mtu
 from switchml.protocol.worker import RECOVERY_COUNTERS
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
@@ -102,8 +103,7 @@ class TestbedBenchConfig:
         if self.jobs < 1 or self.workers % self.jobs or self.workers // self.jobs < 2:
             raise ValueError(f"jobs must divide the {self.workers} workers into jobs of at "
                              f"least 2, got {self.jobs}")
-        if not 1 <= self.threads <= 64:
-            raise ValueError(f"--threads must be in 1..64, got {self.threads}")
+        check_threads(self.threads)
         if self.residual and self.bits != 16:
             raise ValueError("--residual is the 16-bit hook's error feedback: it needs --bits 16")
         if self.dtype not in DTYPES:

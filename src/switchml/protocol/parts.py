@@ -28,16 +28,17 @@ from dataclasses import replace
 from switchml.protocol.config import MAX_THREADS, JobSpec
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["MAX_THREADS", "block_elements", "part_specs", "split"]
+__all__ = ["MAX_THREADS", "block_elements", "check_threads", "part_specs", "split"]
 
-def _check_threads(threads: int) -> None:
+def check_threads(threads: object) -> None:
+    """Raise ConfigError unless ``threads`` is an integer in 1..MAX_THREADS."""
     if not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
 
 
 def part_window(spec: JobSpec, threads: int) -> int:
     """Slots of each part: the job's window shared out (at least 1 each)."""
-    _check_threads(threads)
+    check_threads(threads)
     return max(1, spec.window // threads)
 
 
@@ -50,7 +51,7 @@ def part_specs(spec: JobSpec, threads: int) -> list[JobSpec]:
     Raises:
         ConfigError: ``threads`` outside 1..MAX_THREADS.
     """
-    _check_threads(threads)
+    check_threads(threads)
     if threads == 1:
         return [spec]
     window = part_window(spec, threads)
@@ -79,7 +80,7 @@ def split(size: int, spec: JobSpec, threads: int, bits: int = 32) -> list[tuple[
     ``u = min(T, max(1, L // w))`` parts are used, for ``L`` blocks and a part window of
     ``w``; each takes ``ceil(L / u)`` blocks, the last what remains.
     """
-    _check_threads(threads)
+    check_threads(threads)
     if size < 0:
         raise ConfigError(f"size must be >= 0, got {size}")
     k = block_elements(spec, bits)

@@ -29,8 +29,8 @@ import numpy as np
 from switchml.costs import load as load_costs
 from switchml.protocol.address import Address, as_addresses
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.errors import ConfigError, LocalProtocolError
-from switchml.protocol.parts import MAX_THREADS, part_specs, split
+from switchml.protocol.errors import LocalProtocolError
+from switchml.protocol.parts import MAX_THREADS, check_threads, part_specs, split
 from switchml.protocol.session import prepare_submission
 from switchml.protocol.wire import elements_for_mtu
 from switchml.transport.compiled import ensure_worker
@@ -104,9 +104,7 @@ def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | N
     """
     for chosen in (requested, config.threads if config is not None else None):
         if chosen is not None:
-            if not isinstance(chosen, int) or not 1 <= chosen <= MAX_THREADS:
-                raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got "
-                                  f"{chosen!r}")
+            check_threads(chosen)
             return chosen
     if rate_bps is None:
         rates = [r for r in (link_speed_bps(a) for a in as_addresses(switch)) if r]
