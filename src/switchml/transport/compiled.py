@@ -1,14 +1,14 @@
 """The compiled kernels, ready before anything needs them.
 
-switchml's per-packet kernels are numba functions, compiled on a machine's first use and
-cached next to their source (``__pycache__``); a later process loads them in about a second.
-This module decides when that happens in a process, so that no operation waits for the
-compiler:
+The worker's data plane is C, compiled when the package is built (``switchml._worker``): a
+worker has nothing to compile. The switch's and a rack switch's kernels are still numba
+functions, compiled on a machine's first use and cached next to their source
+(``__pycache__``); a later process loads them in about a second. This module decides when
+that happens in a process, so that no operation waits for the compiler:
 
 * :func:`ensure_switch`: ``SwitchServer`` calls it before it binds its socket (a switch says
   it listens only once it can answer at once); :func:`ensure_tree` for a rack switch.
-* :func:`ensure_worker` for a kind of operation: ``WorkerClient`` calls it for float32 before
-  it joins, and for any other kind in the caller's thread before the operation is queued.
+* :func:`ensure_worker`: nothing (the worker's kernels are built with the package).
 
 Each runs once per process; where it takes longer than a moment (a compile) the log says so,
 and how long it took. ``python -m switchml.warmup`` compiles everything ahead, in parallel.
@@ -45,10 +45,11 @@ _SLOW_S = 2.0
 # -- numba's cache on disk -----------------------------------------------------------------------
 
 def compiled_modules() -> list[Path]:
-    """The source files that hold compiled kernels (their caches are cleared when stale)."""
-    kernels = sorted((_PACKAGE / "protocol" / "kernels").glob("*.py"))
-    return [p for p in kernels if p.name != "__init__.py"] + [
-        _PACKAGE / "transport" / "fastpath.py", _PACKAGE / "transport" / "switchpath.py"]
+    """The source files that hold numba kernels (their caches are cleared when stale): the
+    switch's and a rack's (the worker's are C, built with the package)."""
+    kernels = _PACKAGE / "protocol" / "kernels"
+    return [kernels / "aggregate.py", kernels / "frames.py", kernels / "relay.py",
+            _PACKAGE / "transport" / "switchpath.py"]
 
 
 def _module_file(name: str) -> Path | None:
@@ -173,13 +174,7 @@ def ensure_tree() -> None:
 
 def ensure_worker(dtype: np.dtype | type = np.float32, bits: int = 32,
                   residual: bool = False) -> None:
-    """A worker's kernels for one kind of operation, compiled or loaded."""
-    from switchml.protocol.warmup import kind_of, warm_kinds
-    from switchml.transport.fastpath import warm_up as warm_fast_path
-    kind = kind_of(dtype, bits, residual)
-
-    def run() -> None:
-        warm_kinds((kind,))
-        warm_fast_path((kind,))
-    name = f"worker's {np.dtype(kind[0]).name}{'' if bits == 32 else f'/{bits}-bit'}"
-    _once(("worker", kind), name, run)
+    """A worker's kernels for one kind of operation: nothing to do. They are C, compiled when
+    the package is built (``switchml._worker``, from ``src/switchml/csrc/worker.c``), and
+    loaded with it; kept so that callers need not know which data plane is compiled when."""
+    del dtype, bits, residual

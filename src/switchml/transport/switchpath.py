@@ -23,23 +23,56 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
+from numba import types
 
 from switchml.protocol import kernels as K
 from switchml.protocol.jobs import Job
-from switchml.protocol.kernels.frames import H_JOB, HDR, INLINE, NO_RC, njit, u32
-from switchml.protocol.switch import HOT_JOBS
-from switchml.transport.fastpath import (
-    EAGAIN,
-    FP,
-    MSG_DONTWAIT,
-    POLLIN,
-    _errno,
-    _now,
-    _poll,
-    _recvmmsg,
-    _sendmsg,
-    _set_run,
+from switchml.protocol.kernels.frames import (  # (numba's: this loop is compiled by numba)
+    H_JOB,
+    HDR,
+    INLINE,
+    NO_RC,
+    njit,
+    split_mmsg,
+    u32,
 )
+from switchml.protocol.kernels.layout import FP
+from switchml.protocol.switch import HOT_JOBS
+
+MSG_DONTWAIT = 0x40
+CLOCK_MONOTONIC = 1
+EAGAIN = 11
+POLLIN = 1
+# libc's calls, declared to numba as external symbols (resolved in the process, like any C
+# function the JIT links; cacheable, unlike ctypes function objects, whose typing per call
+# cost more than the loop saved). Pointers travel as integers (the same registers).
+_recvmmsg = types.ExternalFunction("recvmmsg", types.int32(
+    types.int32, types.intp, types.uint32, types.int32, types.intp))
+_sendmsg = types.ExternalFunction("sendmsg", types.intp(types.int32, types.intp, types.int32))
+_clock_gettime = types.ExternalFunction("clock_gettime", types.int32(types.int32, types.intp))
+_poll = types.ExternalFunction("poll", types.int32(types.intp, types.uint64, types.int32))
+_errno = types.ExternalFunction("__errno_location", types.CPointer(types.int32)())
+
+
+@njit(**NO_RC)
+def _now(ts):
+    _clock_gettime(CLOCK_MONOTONIC, ts.ctypes.data)
+    return np.float64(ts[0]) + np.float64(ts[1]) * 1e-9
+
+
+@njit(**INLINE)
+def _set_run(hdr, iov, niov, cmsg, count, size):
+    """Point the ``struct msghdr`` at ``niov`` iovecs and, for more than one datagram, at the
+    UDP_SEGMENT control message that has the kernel cut them into datagrams of ``size``."""
+    hdr[2] = iov.ctypes.data
+    hdr[3] = niov
+    if count > 1:
+        cmsg[2] = size
+        hdr[4] = cmsg.ctypes.data
+        hdr[5] = 24  # CMSG_SPACE(2)
+    else:
+        hdr[4] = 0
+        hdr[5] = 0
 
 __all__ = ["SC", "SP", "ResultSender", "SwitchFastPath", "send_results", "switch_pump",
            "warm_up"]
@@ -178,7 +211,7 @@ def switch_pump(fd, wake_fd, pfd, msgs_addr, count, raw, msg_len_at, controllen_
                 return FP.WAKE.value, 0, 0, 0, 0
             continue
         stats[SP.RECV_CALLS] += 1
-        nseg = K.split_mmsg(raw, msg_len_at, controllen_at, rx_names, control, n, slot_bytes,
+        nseg = split_mmsg(raw, msg_len_at, controllen_at, rx_names, control, n, slot_bytes,
                             gro, sol_udp, udp_gro, starts, lens, senders)
         now = _now(ts)
         idle_since = now

@@ -63,47 +63,69 @@ from switchml.protocol.kernels.frames import (
     VERSION,
     as_buffer,
     counter_snapshot,
-    first_foreign,
-    gro_segments,
     i16,
     i64,
     request_framing,
     split_gro,
-    split_mmsg,
     u16,
     u32,
     write_header,
 )
-from switchml.protocol.kernels.numerics import (
-    block_exponents,
-    dequantize_block,
-    dequantize_into,
-    exponent_of_bits,
-    quantize_block,
-    quantize_into,
-    residual_block,
-    residual_into,
-)
-from switchml.protocol.kernels.stream import (
+from switchml.protocol.kernels.layout import (
     LF,
     LN,
     LN_FIELDS,
     LNF_FIELDS,
     O_FIELDS,
     OP,
+    PROBE_LANES,
     R_FIELDS,
     WC,
     WS,
     R,
-    build_request,
-    mark_nack_resend,
-    plan_runs,
-    send_chunk,
-    send_first,
-    take_nack,
-    worker_results,
 )
-from switchml.protocol.kernels.timers import PROBE_LANES, fire_timers, next_deadline, probe_time
+from switchml.protocol.wire import AT
+
+
+def _load_worker():
+    """The worker's compiled data plane (``switchml._worker``), checked against this
+    package's layout; a clear ImportError where it was not built or was built from another
+    layout."""
+    try:
+        from switchml import _worker
+    except ImportError as exc:
+        raise ImportError(
+            "switchml's compiled data plane (switchml._worker, from src/switchml/csrc/worker.c) "
+            "is not built: install the package with `pip install -e .` (or, after editing the "
+            "C source, `python setup.py build_ext --inplace`); it needs a C compiler") from exc
+    want = {"O_FIELDS": O_FIELDS, "R_FIELDS": R_FIELDS, "LN_FIELDS": LN_FIELDS,
+            "LNF_FIELDS": LNF_FIELDS, "WC_N": int(WC.N), "HDR": HDR,
+            "H_EXP_NEXT": AT["exp_next"], "PROBE_LANES": PROBE_LANES}
+    have = {k: getattr(_worker, k, None) for k in want}
+    if have != want:
+        raise ImportError(f"switchml._worker was built from another layout ({have}; this "
+                          f"source has {want}): rebuild it with `pip install -e .`")
+    return _worker
+
+
+_w = _load_worker()
+block_exponents = _w.block_exponents
+dequantize_block = _w.dequantize_block
+fire_timers = _w.fire_timers
+first_foreign = _w.first_foreign
+gro_segments = _w.gro_segments
+split_mmsg = _w.split_mmsg
+mark_nack_resend = _w.mark_nack_resend
+next_deadline = _w.next_deadline
+plan_runs = _w.plan_runs
+probe_time = _w.probe_time
+quantize_block = _w.quantize_block
+residual_block = _w.residual_block
+send_chunk = _w.send_chunk
+send_first = _w.send_first
+take_nack = _w.take_nack
+worker_results = _w.worker_results
+del _w
 
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",
@@ -111,11 +133,11 @@ __all__ = [
     "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "R", "REPLIES_PER_CALL", "R_FIELDS",
     "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING", "VERSION", "WC",
     "WS", "as_buffer",
-    "block_exponents", "build_request", "counter_snapshot", "dequantize_block", "dequantize_into",
-    "exponent_of_bits", "fire_timers", "first_foreign", "gro_segments", "i16", "i64",
+    "block_exponents", "counter_snapshot", "dequantize_block",
+    "fire_timers", "first_foreign", "gro_segments", "i16", "i64",
     "log_releases",
     "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs", "probe_time",
-    "quantize_block", "quantize_into", "reply_row_bytes", "request_framing", "residual_block",
-    "residual_into", "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests",
+    "quantize_block", "reply_row_bytes", "request_framing", "residual_block",
+    "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests",
     "take_nack", "u16", "u32", "worker_results", "write_header",
 ]

@@ -1,4 +1,5 @@
-"""The numerics, compiled: block exponents, quantization, dequantization, residuals
+"""The numerics in plain Python (the reference of ``src/switchml/csrc/worker.c``'s, which
+production runs: ``switchml._worker``): block exponents, quantization, dequantization, residuals
 (``quantize.py`` explains them and is their public face).
 
 Each rule is written once, as a helper over ``(array, offset, count)``: the worker's kernels
@@ -16,22 +17,19 @@ import math
 
 import numpy as np
 
-from switchml.protocol.kernels.frames import EXP_ZERO, INLINE, KW, njit
+from switchml.protocol.kernels.frames import EXP_ZERO
 
 
-@njit(**INLINE)
 def _exponent(m):
     """e with m < 2**e (m > 0, finite): frexp's exponent."""
     return math.frexp(m)[1]
 
 
-@njit(**INLINE)
 def _ix(j):
     """An index the compiler knows is not negative (no wrap-around: see the module doc)."""
     return np.uint64(j)
 
 
-@njit(**KW)
 def _scan_exponent(x, lo, hi, b, exps, nonfinite):
     """:func:`exponent_of_bits` for a block with a NaN or Inf: an element at a time."""
     m = 0.0
@@ -49,7 +47,6 @@ def _scan_exponent(x, lo, hi, b, exps, nonfinite):
     nonfinite[b] = bad
 
 
-@njit(**INLINE)
 def exponent_of_bits(xbits, x, lo, hi, b, exps, nonfinite):
     """Block ``b`` = ``x[lo:hi]``: ``max|x| < 2**e`` over finite elements (EXP_ZERO for an
     all-zero block) into ``exps[b]``, and whether it holds a NaN or Inf into ``nonfinite[b]``.
@@ -87,7 +84,6 @@ def exponent_of_bits(xbits, x, lo, hi, b, exps, nonfinite):
         exps[b] = _exponent(np.float64(mb) * tiny)
 
 
-@njit(**KW)
 def block_exponents(x, k, exps, nonfinite):
     """Every block's exponent and non-finite flag (blocks of ``k`` elements), one pass."""
     if x.itemsize == 4:
@@ -100,7 +96,6 @@ def block_exponents(x, k, exps, nonfinite):
             exponent_of_bits(x64, x, b * k, min(b * k + k, x.size), b, exps, nonfinite)
 
 
-@njit(**INLINE)
 def quantize_into(x, lo, count, emax, n_bits, nonfinite, q, qo):
     """``q[qo + j] = rint(x[lo + j] * 2**(P - emax))`` for ``j < count`` (P = ``n_bits``),
     non-finite elements as 0. Exact scaling (a power of two) in float64; ``q`` is int32 or
@@ -127,13 +122,11 @@ def quantize_into(x, lo, count, emax, n_bits, nonfinite, q, qo):
             q[_ix(qo + j)] = np.rint(y)
 
 
-@njit(**KW)
 def quantize_block(x, emax, n_bits, nonfinite, out):
     """:func:`quantize_into` over whole arrays: ``out = rint(x * 2**(P - emax))``."""
     quantize_into(x, 0, x.size, emax, n_bits, nonfinite, out, 0)
 
 
-@njit(**INLINE)
 def dequantize_into(q, qo, emax, n_bits, nonfinite, out, lo, count, num_workers, edge, fmax):
     """``out[lo + j] = q[qo + j] * 2**(emax - P)`` for ``j < count``, rounded once to
     ``out``'s dtype; NaN if ``nonfinite``.
@@ -171,13 +164,11 @@ def dequantize_into(q, qo, emax, n_bits, nonfinite, out, lo, count, num_workers,
             out[_ix(lo + j)] = math.ldexp(np.float64(q[_ix(qo + j)]), shift)
 
 
-@njit(**KW)
 def dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax):
     """:func:`dequantize_into` over whole arrays: ``out = q * 2**(emax - P)``."""
     dequantize_into(q, 0, emax, n_bits, nonfinite, out, 0, out.size, num_workers, edge, fmax)
 
 
-@njit(**INLINE)
 def residual_into(x, lo, count, q, qo, emax, n_bits, r):
     """``r[lo + j] = x[lo + j] - q[qo + j] * 2**(emax - P)``: this rank's own rounding error
     (error feedback); 0 where it is not finite. An unsent block (EXP_ZERO) keeps what is
@@ -202,7 +193,6 @@ def residual_into(x, lo, count, q, qo, emax, n_bits, r):
         r[_ix(lo + j)] = v if math.isfinite(v) else 0.0
 
 
-@njit(**KW)
 def residual_block(x, q, emax, n_bits, r):
     """:func:`residual_into` over whole arrays: ``r = x - q * 2**(emax - P)``."""
     residual_into(x, 0, x.size, q, 0, emax, n_bits, r)

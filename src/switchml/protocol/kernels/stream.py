@@ -1,4 +1,7 @@
-"""The worker's per-datagram rules, compiled: build (and rebuild) requests into the lanes'
+"""The worker's per-datagram rules in plain Python: the reference the compiled data plane
+(``src/switchml/csrc/worker.c``, the one production implementation, imported as
+``switchml._worker``) is tested against, rule for rule, on crafted and random batches
+(``tests/protocol/test_worker_kernels.py``). Build (and rebuild) requests into the lanes'
 transmit buffers, take results (dequantize into the output, time the round trip, release the
 lane's next chunk).
 
@@ -7,8 +10,6 @@ lane's next chunk).
 """
 
 from __future__ import annotations
-
-from enum import IntEnum
 
 import numpy as np
 
@@ -35,20 +36,30 @@ from switchml.protocol.kernels.frames import (
     H_TYPE,
     H_VERSION,
     HDR,
-    INLINE,
     KNOWN_FLAGS,
     MAGIC,
-    NO_RC,
     T_NACK,
     T_REQUEST,
     T_RESULT,
     VERSION,
     i16,
     i64,
-    njit,
+    py_func,
     u16,
     u32,
     write_header,
+)
+from switchml.protocol.kernels.layout import (  # noqa: F401  (re-exported)
+    LF,
+    LN,
+    LN_FIELDS,
+    LNF_FIELDS,
+    O_FIELDS,
+    OP,
+    R_FIELDS,
+    WC,
+    WS,
+    R,
 )
 from switchml.protocol.kernels.numerics import (
     dequantize_into,
@@ -57,125 +68,16 @@ from switchml.protocol.kernels.numerics import (
     residual_into,
 )
 
-
-class OP(IntEnum):
-    """Indexes of a worker operation's scalar fields (``opv``, int64)."""
-
-    SEQ = 0
-    L = 1  # blocks
-    E = 2  # lanes
-    T = 3  # packets
-    K = 4  # elements per block
-    DONE = 5
-    JOB = 6
-    TOKEN = 7
-    RANK = 8
-    SLOT_BASE = 9
-    ELEM = 10
-    ITEMSIZE = 11
-    DIGEST = 12
-    P = 13  # scale bits
-    N = 14  # workers
-    IS_FLOAT = 15
-    EDGE_EXP = 16  # emax >= this: dequantize near the dtype's range edge
-    TAIL_HEAD = 17  # the queue LN.TAIL_ORDER[TAIL_HEAD:TAIL_END] (tail-loss probes)
-    TAIL_END = 18
-    NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
-    PY_NACKS = 20  # 1: NACKs go to Python (RACK keeps its transmission log there)
+# frames.py compiles these for the switch; the reference calls them as Python.
+u16, u32, i16, i64, write_header = (py_func(f) for f in (u16, u32, i16, i64, write_header))
 
 
-O_FIELDS = 21
-
-
-class R(IntEnum):
-    """Indexes of the round-trip estimator and times (``rtt``, float64)."""
-
-    SRTT = 0  # < 0: no sample yet
-    RTTVAR = 1
-    RTO = 2
-    MIN_RTT = 3  # < 0: no sample yet
-    MIN_RTO = 4
-    MAX_RTO = 5
-    LAST_PROGRESS = 6
-    LAST_HEARD = 7
-    REO_SCALE = 8  # RACK's reorder window, in units of the base window
-    DELIVERED_XMIT = 9  # (out) the transmission the last result answered (RACK)
-    FMAX = 10  # largest finite value of the output dtype
-    MAX_REO_SCALE = 11  # cap of REO_SCALE (WorkerConfig.max_reorder_scale)
-    MIN_REO_WINDOW = 12  # WorkerConfig.min_reorder_window_s
-    RTO_SRTTS = 13  # WorkerConfig.min_rto_srtts: the timeout is at least this many srtt
-    PROBED_AT = 14  # the last idle probe; inf before the operation's last window
-    PROBES = 15  # idle probes since the last result (backoff); inf until they are armed
-
-
-R_FIELDS = 16
-
-
-class LN(IntEnum):
-    """Lane fields (``lane[field, i]``, int64)."""
-
-    CHUNK = 0  # -1: idle
-    SET = 1
-    XMITS = 2  # transmissions of the current chunk after the first
-    TRIES = 3  # timeouts of the current chunk (backoff)
-    EMAX = 4  # agreed exponent of the block this lane sends data of next
-    FAST = 5  # the current chunk was re-sent by RACK
-    SLOT = 6  # the lane's slot on its switch (shard): that shard's slot base + lane
-    TAIL_ORDER = 7  # not a lane's field: the lanes in the order they sent their last chunk
-
-
-class LF(IntEnum):
-    """Lane time fields (``lanef[field, i]``, float64)."""
-
-    SENT_AT = 0  # first transmission (RTT samples, Karn's rule)
-    XMIT_AT = 1  # latest transmission
-    DEADLINE = 2
-
-
-LN_FIELDS = 8
-LNF_FIELDS = 3
-
-
-class WC(IntEnum):
-    """Worker counters (``cnt``, int64)."""
-
-    RESULTS = 0
-    PACKETS_SENT = 1
-    PAYLOAD_BYTES = 2  # of first transmissions: each chunk's payload once
-    RETRANSMISSIONS = 3
-    STALE_RESULT = 4
-    DUPLICATE_RESULT = 5
-    BAD_SLOT = 6
-    BAD_COUNT = 7
-    SPURIOUS = 8
-    PAYLOAD_RESENT = 9  # payload bytes of re-sends (timeouts, probes, NACKs, RACK)
-    TAIL_PROBES = 10  # lanes' last chunks whose deadline a tail-loss probe brought forward
-    NACK_RESENDS = 11  # chunks re-sent because the switch NACKed their lane
-    NACKS_IGNORED = 12  # NACKs answered meanwhile, or for a chunk re-sent under a round trip
-    TIMER_RESENDS = 13  # chunks re-sent because their lane's deadline passed
-    IDLE_PROBES = 14  # chunks re-sent by the idle probe (``fire_timers``)
-    N = 15
-
-
-
-class WS(IntEnum):
-    """Why :func:`worker_results` stopped."""
-
-    DONE = 0  # every datagram taken
-    OTHER = 1  # not a RESULT of this job: Python's path
-    OP_COMPLETE = 2  # the operation's last result: Python completes it
-    ONE = 3  # took one result (``limit`` reached): RACK runs, then call again
-    FULL = 4  # the send queue is full: the endpoint spills it, then calls again
-
-
-@njit(**INLINE)
 def lane_row(i, opv):
     """Where lane ``i``'s datagram starts in the transmit buffer: each lane has a row of one
     full datagram (header and ``K`` elements)."""
     return i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
 
 
-@njit(**INLINE)
 def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                   residual):
     """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
@@ -235,7 +137,6 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
     return HDR + count * itemsize
 
 
-@njit(**INLINE)
 def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
                res, tx8, tx16, tx32, cnt, sendlen):
     """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
@@ -279,7 +180,6 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     return i
 
 
-@njit(**NO_RC)
 def resend_chunk(p, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
                  tx16, tx32, cnt, sendlen):
     """:func:`send_chunk` for a re-send (timeouts, probes, NACKs): rare, so compiled once and
@@ -289,7 +189,6 @@ def resend_chunk(p, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, x
                       res, tx8, tx16, tx32, cnt, sendlen)
 
 
-@njit(**INLINE)
 def queue_lane(i, opv, sendq):
     """Queue lane ``i``'s datagram to send; False if the queue is full (nothing queued)."""
     q = opv[OP.NQ]
@@ -300,7 +199,6 @@ def queue_lane(i, opv, sendq):
     return True
 
 
-@njit(**INLINE)
 def _update_rtt(rtt, sample):
     """RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, at least RTO_SRTTS x srtt,
     clamped."""
@@ -316,7 +214,6 @@ def _update_rtt(rtt, sample):
     rtt[R.RTO] = min(max(rto, rtt[R.MIN_RTO]), rtt[R.MAX_RTO])
 
 
-@njit(**INLINE)
 def _result_length(d, o, ln, opv):
     """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one."""
     if (ln < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
@@ -338,7 +235,6 @@ def _result_length(d, o, ln, opv):
     return isz
 
 
-@njit(**INLINE)
 def _is_nack(d, o, ln, opv):
     """Whether ``d[o:o+ln]`` is a NACK of the operation in flight, as the switch sends them
     (header only, no flags, this job's token and sequence number). Anything else that claims to
@@ -350,7 +246,6 @@ def _is_nack(d, o, ln, opv):
             and u32(d, o + H_SEQ) == opv[OP.SEQ] and opv[OP.PY_NACKS] == 0)
 
 
-@njit(**NO_RC)
 def take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt):
     """The switch lacks ``chunk`` (on ``slot``) of this operation although later chunks of
     this rank arrived: the chunk to re-send now on its lane (the chunk itself, or the one
@@ -375,7 +270,6 @@ def take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt):
     return p
 
 
-@njit(**NO_RC)
 def mark_nack_resend(i, p, chunk, opv, lane, tx8):
     """Lane ``i`` re-sent ``p`` for a NACK of ``chunk``. The switch thinks that request was
     lost: the chunk's first re-send carries ``RESENT``, so that the switch can tell when it
@@ -387,7 +281,6 @@ def mark_nack_resend(i, p, chunk, opv, lane, tx8):
         tx8[lane_row(i, opv) + H_FLAGS] |= F_RESENT
 
 
-@njit(**INLINE)
 def _lane_of(d, o, opv, lane, cnt):
     """The lane whose chunk this result answers, or -1 (a stale, repeated or foreign result,
     counted)."""
@@ -409,7 +302,6 @@ def _lane_of(d, o, opv, lane, cnt):
     return i
 
 
-@njit(**INLINE)
 def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
     """Dequantize a float result's data (of block ``p - E``) into ``out``; take its look-ahead
     exponent for the lane. False if its size is wrong. ``scratch``: an aligned buffer of a
@@ -440,7 +332,6 @@ def _store_float(d, d16, d32, o, isz, p, i, opv, lane, rtt, out, scratch):
     return True
 
 
-@njit(**NO_RC)
 def _store_unaligned(d, po, isz, count, exp_data, nonfinite, edge, lo, opv, rtt, out, scratch):
     """:func:`_store_float` for a payload at an odd offset (rare: an in-memory batch of mixed
     sizes): copied into the aligned ``scratch`` first. Called, not inlined."""
@@ -454,7 +345,6 @@ def _store_unaligned(d, po, isz, count, exp_data, nonfinite, edge, lo, opv, rtt,
                         count, opv[OP.N], edge, rtt[R.FMAX])
 
 
-@njit(**INLINE)
 def _store_int(d, d32, o, p, opv, out):
     """Copy an integer result (block ``p``) into ``out``. False if its size is wrong."""
     lo = p * opv[OP.K]
@@ -472,7 +362,6 @@ def _store_int(d, d32, o, p, opv, out):
     return True
 
 
-@njit(**INLINE)
 def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     """Karn's rule: an RTT sample only from a chunk sent once. Records which transmission the
     result answers (RACK); a result too soon to answer a re-send answers the first one, and
@@ -496,7 +385,6 @@ def _time_round_trip(i, now, lane, lanef, rtt, cnt):
     rtt[R.LAST_HEARD] = now
 
 
-@njit(**NO_RC)
 def _rearm(lane, lanef, rtt):
     """The first round trip measured: the deadlines of chunks sent under the initial timeout
     (``initial_rto_s``, 0.2 s, before anything was measured) come down to the measured one,
@@ -511,7 +399,6 @@ def _rearm(lane, lanef, rtt):
                 lanef[LF.DEADLINE, j] = due
 
 
-@njit(**NO_RC)
 def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     """Tail-loss probe (RFC 8985 section 7): a lane's last chunk has no later chunk on its lane
     to show the switch it is missing (NACKs). Every rank releases chunks in the order the
@@ -537,7 +424,6 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     opv[OP.TAIL_HEAD] = h
 
 
-@njit(**NO_RC)
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
                    exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
                    scratch):
@@ -600,7 +486,6 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
     return i, WS.DONE.value
 
 
-@njit(**NO_RC)
 def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
                tx32, cnt, sendq, sendlen):
     """Start packets ``0 .. count-1`` (the first window) and queue them (the queue is empty
@@ -611,7 +496,6 @@ def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits
         queue_lane(p, opv, sendq)
 
 
-@njit(**NO_RC)
 def plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs):
     """Cut the queued lanes ``sendq[:nq]`` into UDP GSO runs; return how many.
 

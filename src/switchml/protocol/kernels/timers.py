@@ -1,4 +1,5 @@
-"""The worker's timers, compiled: when the idle probe is due, the next deadline, and the
+"""The worker's timers in plain Python (the reference of ``src/switchml/csrc/worker.c``'s,
+which production runs: ``switchml._worker``): when the idle probe is due, the next deadline, and the
 re-sends that the timers call for (timeouts and the idle probe).
 
 ``recovery.py`` explains the loss recovery these belong to; ``stream.py`` holds the lanes'
@@ -11,16 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from switchml.protocol.kernels.frames import NO_RC, njit
 from switchml.protocol.kernels.stream import LF, LN, OP, WC, R, queue_lane, resend_chunk
 
 __all__ = ["PROBE_LANES", "fire_timers", "next_deadline", "probe_time"]
 
-PROBE_LANES = 8
-"""Chunks an idle probe re-sends at most: the outstanding ones transmitted longest ago."""
+from switchml.protocol.kernels.layout import PROBE_LANES
 
 
-@njit(**NO_RC)
 def probe_time(rtt):
     """When the operation's idle probe is due (inf before a round trip was measured).
 
@@ -44,7 +42,6 @@ def probe_time(rtt):
     return rtt[R.PROBED_AT] + pto * 2.0 ** rtt[R.PROBES]
 
 
-@njit(**NO_RC)
 def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16, tx32,
                 cnt, sendq, sendlen, picked):
     """Re-send what is due at ``now`` and queue it: every busy lane whose deadline passed (a
@@ -98,7 +95,6 @@ def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
     return True
 
 
-@njit(**NO_RC)
 def next_deadline(lane, lanef, rtt):
     """The earliest retransmission deadline of a busy lane, or the idle probe's
     (:func:`probe_time`) if sooner; inf when no lane is busy."""

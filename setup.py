@@ -1,0 +1,21 @@
+"""The compiled part of switchml: the worker's data plane (src/switchml/csrc/worker.c), a
+plain C extension built by pip with the system's C compiler (``pip install -e .`` builds it in
+a few seconds; after an edit to the C source, ``python setup.py build_ext --inplace`` rebuilds
+it alone). Everything else is in pyproject.toml.
+
+``SWITCHML_PORTABLE=1`` builds for any CPU of the architecture (a wheel to ship); by default
+the build uses this machine's instruction set (``-march=native``: the quantize and dequantize
+loops vectorize with it), as a local install should."""
+
+import os
+
+from setuptools import Extension, setup
+
+flags = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wno-unused-function"]
+if os.environ.get("SWITCHML_PORTABLE", "") not in ("1", "true", "yes"):
+    flags.append("-march=native")
+
+setup(ext_modules=[Extension(
+    "switchml._worker", sources=["src/switchml/csrc/worker.c"],
+    depends=["src/switchml/csrc/layout.h"], include_dirs=["src/switchml/csrc"],
+    extra_compile_args=flags)])

@@ -1,0 +1,1945 @@
+/* switchml._worker: the worker's per-datagram rules, compiled when the package is built.
+ *
+ * The one production implementation of the worker's data plane: build (and rebuild) requests
+ * into the lanes' transmit buffers, take results (dequantize into the output, time the round
+ * trip, release the lane's next chunk), answer NACKs, fire the timers (timeouts, the idle
+ * probe), cut queued requests into UDP GSO runs, and the compiled receive-and-send loop
+ * (`pump`) that runs all of that without Python while an operation is in flight.
+ *
+ * protocol/worker.py explains the protocol; protocol/kernels/layout.py is the table of the
+ * state's fields (csrc/layout.h is generated from it and from wire.py). The plain-Python
+ * reference of every rule here is protocol/kernels/stream.py, numerics.py and timers.py: the
+ * tests run both on crafted and random batches and compare every array
+ * (tests/protocol/test_worker_kernels.py). Each entry point takes the same arguments as its
+ * Python reference, numpy arrays through the buffer protocol, and releases the GIL while it
+ * works.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#include "layout.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "switchml's data plane assumes a little-endian host (the wire is little-endian)"
+#endif
+
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+
+/* Element kinds of the arrays the kernels take. */
+enum { K_OTHER = 0, K_F32, K_F64, K_I32, K_I16, K_I64, K_U8 };
+
+typedef int32_t ui32 __attribute__((aligned(1))); /* a payload at any offset of a batch */
+typedef int16_t ui16 __attribute__((aligned(1)));
+
+/* ---- one operation's state: pointers into the arrays operation.py builds ---------------- */
+
+typedef struct {
+    int64_t *opv, *lane, *next_set, *exps, *cnt, *sendq, *sendlen, *picked;
+    double *lanef, *rtt;
+    uint8_t *nonf, *tx8;
+    const void *x; int xk; int64_t xn;
+    void *out; int ok; int64_t on;
+    void *res; int rk; int64_t rn;
+    int64_t nl;     /* lanes (lane.shape[1]) */
+    int64_t nsendq; /* sendq.size */
+} op_t;
+
+#define OPV(o, f) ((o)->opv[f])
+#define LANE(o, f, i) ((o)->lane[(int64_t)(f) * (o)->nl + (i)])
+#define LANEF(o, f, i) ((o)->lanef[(int64_t)(f) * (o)->nl + (i)])
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline double dmin(double a, double b) { return a < b ? a : b; }
+static inline double dmax(double a, double b) { return a > b ? a : b; }
+
+/* ---- framing --------------------------------------------------------------------------- */
+
+static inline int64_t rd_u16(const uint8_t *d, int64_t o)
+{
+    return (int64_t)d[o] | ((int64_t)d[o + 1] << 8);
+}
+
+static inline int64_t rd_u32(const uint8_t *d, int64_t o)
+{
+    return (int64_t)d[o] | ((int64_t)d[o + 1] << 8) | ((int64_t)d[o + 2] << 16)
+           | ((int64_t)d[o + 3] << 24);
+}
+
+static inline int64_t rd_i16(const uint8_t *d, int64_t o)
+{
+    int64_t v = rd_u16(d, o);
+    return v >= 32768 ? v - 65536 : v;
+}
+
+static inline int64_t rd_i64(const uint8_t *d, int64_t o)
+{
+    uint64_t lo = (uint64_t)rd_u32(d, o), hi = (uint64_t)rd_u32(d, o + 4);
+    return (int64_t)(lo | (hi << 32));
+}
+
+static inline void put16(uint8_t *d, int64_t o, int64_t v)
+{
+    d[o] = v & 0xFF;
+    d[o + 1] = (v >> 8) & 0xFF;
+}
+
+static inline void put32(uint8_t *d, int64_t o, int64_t v)
+{
+    d[o] = v & 0xFF;
+    d[o + 1] = (v >> 8) & 0xFF;
+    d[o + 2] = (v >> 16) & 0xFF;
+    d[o + 3] = (v >> 24) & 0xFF;
+}
+
+static inline void put64(uint8_t *d, int64_t o, int64_t v)
+{
+    uint64_t u = (uint64_t)v;
+    put32(d, o, (int64_t)(u & 0xFFFFFFFFu));
+    put32(d, o + 4, (int64_t)(u >> 32));
+}
+
+static inline void write_header(uint8_t *d, int64_t o, int64_t mtype, int64_t flags,
+                                int64_t set_bit, int64_t rank, int64_t job, int64_t token,
+                                int64_t seq, int64_t chunk, int64_t slot, int64_t count,
+                                int64_t elem, int64_t digest, int64_t exp_data, int64_t exp_next)
+{
+    put16(d, o + H_MAGIC, MAGIC);
+    d[o + H_VERSION] = VERSION;
+    d[o + H_TYPE] = (uint8_t)mtype;
+    d[o + H_FLAGS] = (uint8_t)flags;
+    d[o + H_SET] = (uint8_t)set_bit;
+    put16(d, o + H_RANK, rank);
+    put32(d, o + H_JOB, job);
+    put64(d, o + H_TOKEN, token);
+    put32(d, o + H_SEQ, seq);
+    put32(d, o + H_CHUNK, chunk);
+    put32(d, o + H_SLOT, slot);
+    put16(d, o + H_COUNT, count);
+    d[o + H_ELEM] = (uint8_t)elem;
+    d[o + H_DIGEST] = (uint8_t)digest;
+    put16(d, o + H_EXP_DATA, exp_data & 0xFFFF);
+    put16(d, o + H_EXP_NEXT, exp_next & 0xFFFF);
+}
+
+/* ---- numerics (quantize.py explains them) ---------------------------------------------- */
+
+static inline int64_t frexp_exp(double m)
+{
+    int e;
+    frexp(m, &e);
+    return e;
+}
+
+static inline double load_x(const void *x, int xk, int64_t j)
+{
+    return xk == K_F32 ? (double)((const float *)x)[j] : ((const double *)x)[j];
+}
+
+/* exponent_of_bits for a block with a NaN or Inf: an element at a time. */
+static void scan_exponent(const void *x, int xk, int64_t lo, int64_t hi, int64_t b,
+                          int64_t *exps, uint8_t *nonf)
+{
+    double m = 0.0;
+    int bad = 0;
+    for (int64_t j = lo; j < hi; j++) {
+        double a = fabs(load_x(x, xk, j));
+        if (a > m) {
+            if (a == INFINITY)
+                bad = 1;
+            else
+                m = a;
+        } else if (a != a) {
+            bad = 1;
+        }
+    }
+    exps[b] = m == 0.0 ? EXP_ZERO : frexp_exp(m);
+    nonf[b] = (uint8_t)bad;
+}
+
+/* Block b = x[lo:hi]: max|x| < 2**e over finite elements (EXP_ZERO for an all-zero block)
+   into exps[b], and whether it holds a NaN or Inf into nonf[b]: the integer max of the bits
+   with the sign cleared (numerics.py's exponent_of_bits says why). */
+static inline void exponent_of_bits(const void *x, int xk, int64_t lo, int64_t hi, int64_t b,
+                                    int64_t *exps, uint8_t *nonf)
+{
+    uint64_t mb, top;
+    int mant_bits, bias;
+    double tiny;
+    if (xk == K_F32) {
+        const uint32_t *xb = (const uint32_t *)x;
+        uint32_t m = 0;
+        for (int64_t j = lo; j < hi; j++) {
+            uint32_t v = xb[j] & 0x7FFFFFFFu;
+            m = v > m ? v : m;
+        }
+        mb = m;
+        top = 0x7F800000u;
+        mant_bits = 23;
+        bias = 126;
+        tiny = 0x1p-149;
+    } else {
+        const uint64_t *xb = (const uint64_t *)x;
+        uint64_t m = 0;
+        for (int64_t j = lo; j < hi; j++) {
+            uint64_t v = xb[j] & 0x7FFFFFFFFFFFFFFFull;
+            m = v > m ? v : m;
+        }
+        mb = m;
+        top = 0x7FF0000000000000ull;
+        mant_bits = 52;
+        bias = 1022;
+        tiny = 0x1p-1074;
+    }
+    if (mb >= top) {
+        scan_exponent(x, xk, lo, hi, b, exps, nonf);
+        return;
+    }
+    nonf[b] = 0;
+    int64_t field = (int64_t)(mb >> mant_bits);
+    if (mb == 0)
+        exps[b] = EXP_ZERO;
+    else if (field > 0)
+        exps[b] = field - bias;
+    else
+        exps[b] = frexp_exp((double)mb * tiny);
+}
+
+/* q[qo + j] = rint(x[lo + j] * 2**(P - emax)) for j < count (P = n_bits); non-finite elements
+   as 0 when the block holds any. Exact scaling (a power of two) in double. */
+#define QUANT_LOOPS(XT, QT)                                                                   \
+    do {                                                                                      \
+        const XT *xs = (const XT *)x + lo;                                                    \
+        QT *qs = (QT *)q + qo;                                                                \
+        if (-1000 < shift && shift < 1000) {                                                  \
+            double f = ldexp(1.0, (int)shift);                                                \
+            if (nonfinite) {                                                                  \
+                for (int64_t j = 0; j < count; j++) {                                         \
+                    double y = (double)xs[j] * f;                                             \
+                    qs[j] = isfinite(y) ? (QT)rint(y) : 0;                                    \
+                }                                                                             \
+            } else {                                                                          \
+                for (int64_t j = 0; j < count; j++)                                           \
+                    qs[j] = (QT)rint((double)xs[j] * f);                                      \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int64_t j = 0; j < count; j++) {                                             \
+                double y = ldexp((double)xs[j], (int)shift);                                  \
+                if (nonfinite && !isfinite(y))                                                \
+                    y = 0.0;                                                                  \
+                qs[j] = (QT)rint(y);                                                          \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+static void quantize_into(const void *x, int xk, int64_t lo, int64_t count, int64_t emax,
+                          int64_t n_bits, int nonfinite, void *q, int qk, int64_t qo)
+{
+    if (emax == EXP_ZERO) {
+        if (qk == K_I32)
+            memset((int32_t *)q + qo, 0, (size_t)count * 4);
+        else
+            memset((int16_t *)q + qo, 0, (size_t)count * 2);
+        return;
+    }
+    int64_t shift = n_bits - emax;
+    if (xk == K_F32 && qk == K_I32)
+        QUANT_LOOPS(float, int32_t);
+    else if (xk == K_F32)
+        QUANT_LOOPS(float, int16_t);
+    else if (qk == K_I32)
+        QUANT_LOOPS(double, int32_t);
+    else
+        QUANT_LOOPS(double, int16_t);
+}
+
+/* out[lo + j] = q[qo + j] * 2**(emax - P), rounded once to out's type; NaN if nonfinite.
+   edge: a sum within the quantization error past the type's largest finite value fmax is
+   clamped to it; further out it is a genuine overflow (inf). q may sit at any offset. */
+#define DEQUANT_LOOPS(QT, OT)                                                                 \
+    do {                                                                                      \
+        const QT *qs = (const QT *)q + qo;                                                    \
+        OT *os = (OT *)out + lo;                                                              \
+        if (edge) {                                                                           \
+            double max_in_quanta = ldexp(fmax, (int)-shift);                                  \
+            for (int64_t j = 0; j < count; j++) {                                             \
+                double qj = (double)qs[j];                                                    \
+                double v = ldexp(qj, (int)shift);                                             \
+                if (fabs(qj) <= max_in_quanta + 0.5 * (double)num_workers) {                  \
+                    if (v > fmax)                                                             \
+                        v = fmax;                                                             \
+                    else if (v < -fmax)                                                       \
+                        v = -fmax;                                                            \
+                }                                                                             \
+                os[j] = (OT)v;                                                                \
+            }                                                                                 \
+        } else if (-1000 < shift && shift < 1000) {                                           \
+            double f = ldexp(1.0, (int)shift);                                                \
+            for (int64_t j = 0; j < count; j++)                                               \
+                os[j] = (OT)((double)qs[j] * f);                                              \
+        } else {                                                                              \
+            for (int64_t j = 0; j < count; j++)                                               \
+                os[j] = (OT)ldexp((double)qs[j], (int)shift);                                 \
+        }                                                                                     \
+    } while (0)
+
+static void dequantize_into(const void *q, int qk, int64_t qo, int64_t emax, int64_t n_bits,
+                            int nonfinite, void *out, int ok, int64_t lo, int64_t count,
+                            int64_t num_workers, int edge, double fmax)
+{
+    if (nonfinite || emax == EXP_ZERO) {
+        double v = nonfinite ? NAN : 0.0;
+        for (int64_t j = 0; j < count; j++) {
+            if (ok == K_F32)
+                ((float *)out)[lo + j] = (float)v;
+            else
+                ((double *)out)[lo + j] = v;
+        }
+        return;
+    }
+    int64_t shift = emax - n_bits;
+    if (qk == K_I32 && ok == K_F32)
+        DEQUANT_LOOPS(ui32, float);
+    else if (qk == K_I32)
+        DEQUANT_LOOPS(ui32, double);
+    else if (ok == K_F32)
+        DEQUANT_LOOPS(ui16, float);
+    else
+        DEQUANT_LOOPS(ui16, double);
+}
+
+/* r[lo + j] = x[lo + j] - q[qo + j] * 2**(emax - P): this rank's own rounding error (error
+   feedback); 0 where it is not finite. An unsent block (EXP_ZERO) keeps what is finite of x. */
+#define RESID_LOOPS(XT, QT, RT)                                                               \
+    do {                                                                                      \
+        const XT *xs = (const XT *)x + lo;                                                    \
+        const QT *qs = (const QT *)q + qo;                                                    \
+        RT *rs = (RT *)r + lo;                                                                \
+        if (emax == EXP_ZERO) {                                                               \
+            for (int64_t j = 0; j < count; j++) {                                             \
+                double v = (double)xs[j];                                                     \
+                rs[j] = (RT)(isfinite(v) ? v : 0.0);                                          \
+            }                                                                                 \
+        } else if (-1000 < shift && shift < 1000) {                                           \
+            double f = ldexp(1.0, (int)shift);                                                \
+            for (int64_t j = 0; j < count; j++) {                                             \
+                double v = (double)xs[j] - (double)qs[j] * f;                                 \
+                rs[j] = (RT)(isfinite(v) ? v : 0.0);                                          \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int64_t j = 0; j < count; j++) {                                             \
+                double v = (double)xs[j] - ldexp((double)qs[j], (int)shift);                  \
+                rs[j] = (RT)(isfinite(v) ? v : 0.0);                                          \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+static void residual_into(const void *x, int xk, int64_t lo, int64_t count, const void *q,
+                          int qk, int64_t qo, int64_t emax, int64_t n_bits, void *r, int rk)
+{
+    int64_t shift = emax - n_bits;
+    if (xk == K_F32) {
+        if (qk == K_I32) {
+            if (rk == K_F32) RESID_LOOPS(float, int32_t, float);
+            else RESID_LOOPS(float, int32_t, double);
+        } else {
+            if (rk == K_F32) RESID_LOOPS(float, int16_t, float);
+            else RESID_LOOPS(float, int16_t, double);
+        }
+    } else {
+        if (qk == K_I32) {
+            if (rk == K_F32) RESID_LOOPS(double, int32_t, float);
+            else RESID_LOOPS(double, int32_t, double);
+        } else {
+            if (rk == K_F32) RESID_LOOPS(double, int16_t, float);
+            else RESID_LOOPS(double, int16_t, double);
+        }
+    }
+}
+
+/* ---- requests (stream.py) -------------------------------------------------------------- */
+
+static inline int64_t lane_row(const op_t *o, int64_t i)
+{
+    return i * (HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE));
+}
+
+/* Write packet p (lane i) into the lane's row of the transmit buffer from the input; return
+   its length. Float: the exponent of block p (p < L) and the data of block p - E (p >= E),
+   scaled with the lane's agreed exponent. Integers: block p. */
+static int64_t build_request(op_t *o, int64_t p, int64_t i, int64_t set_bit, int residual)
+{
+    int64_t L = OPV(o, OP_L), E = OPV(o, OP_E), k = OPV(o, OP_K);
+    int64_t itemsize = OPV(o, OP_ITEMSIZE);
+    int64_t base = lane_row(o, i);
+    int64_t flags = 0, exp_data = EXP_ZERO, exp_next = EXP_ZERO, count = 0;
+    if (OPV(o, OP_IS_FLOAT)) {
+        if (p < L) {
+            exponent_of_bits(o->x, o->xk, p * k, min64(p * k + k, o->xn), p, o->exps, o->nonf);
+            exp_next = o->exps[p];
+            flags |= F_HAS_EXP;
+        }
+        if (p >= E) {
+            int64_t blk = p - E, lo = blk * k;
+            count = min64(lo + k, o->xn) - lo;
+            exp_data = LANE(o, LN_EMAX, i);
+            int bad = o->nonf[blk] != 0;
+            int qk = itemsize == 4 ? K_I32 : K_I16;
+            int64_t qo = (base + HDR) / itemsize;
+            quantize_into(o->x, o->xk, lo, count, exp_data, OPV(o, OP_P), bad, o->tx8, qk, qo);
+            if (residual)
+                residual_into(o->x, o->xk, lo, count, o->tx8, qk, qo, exp_data, OPV(o, OP_P),
+                              o->res, o->rk);
+            flags |= F_HAS_DATA | (bad ? F_NONFINITE : 0);
+        }
+    } else {
+        int64_t lo = p * k;
+        count = min64(lo + k, o->xn) - lo;
+        memcpy(o->tx8 + base + HDR, (const int32_t *)o->x + lo, (size_t)count * 4);
+        flags |= F_HAS_DATA;
+    }
+    write_header(o->tx8, base, T_REQUEST, flags, set_bit, OPV(o, OP_RANK), OPV(o, OP_JOB),
+                 OPV(o, OP_TOKEN), OPV(o, OP_SEQ), p, LANE(o, LN_SLOT, i), count,
+                 OPV(o, OP_ELEM), OPV(o, OP_DIGEST), exp_data, exp_next);
+    o->cnt[WC_PACKETS_SENT] += 1;
+    return HDR + count * itemsize;
+}
+
+/* Start (or re-send) packet p on its lane (i = p mod E): lane bookkeeping, build, deadline.
+   fast: a NACK or RACK re-send (no timeout backoff). Returns the lane; the caller queues it. */
+static int64_t send_chunk(op_t *o, int64_t p, int retransmit, int fast, double now)
+{
+    int64_t i = p % OPV(o, OP_E), set_bit;
+    if (retransmit) {
+        set_bit = LANE(o, LN_SET, i);
+        if (fast)
+            LANE(o, LN_FAST, i) = 1;
+        else
+            LANE(o, LN_TRIES, i) += 1;
+        LANE(o, LN_XMITS, i) += 1;
+        o->cnt[WC_RETRANSMISSIONS] += 1;
+    } else {
+        set_bit = o->next_set[i];
+        o->next_set[i] = set_bit ^ 1;
+        LANE(o, LN_SET, i) = set_bit;
+        LANE(o, LN_CHUNK, i) = p;
+        LANE(o, LN_TRIES, i) = 0;
+        LANE(o, LN_XMITS, i) = 0;
+        LANE(o, LN_FAST, i) = 0;
+        LANEF(o, LF_SENT_AT, i) = now;
+        if (p + OPV(o, OP_E) >= OPV(o, OP_T)) { /* the lane's last chunk: a tail probe candidate */
+            if (OPV(o, OP_TAIL_END) == 0) /* the operation's last window: idle probes from */
+                o->rtt[R_PROBED_AT] = o->rtt[R_LAST_PROGRESS]; /* the next result on */
+            LANE(o, LN_TAIL_ORDER, OPV(o, OP_TAIL_END)) = i;
+            OPV(o, OP_TAIL_END) += 1;
+        }
+    }
+    int64_t n = build_request(o, p, i, set_bit, o->rn > 0 && !retransmit);
+    o->sendlen[i] = n;
+    if (retransmit)
+        o->cnt[WC_PAYLOAD_RESENT] += n - HDR;
+    else
+        o->cnt[WC_PAYLOAD_BYTES] += n - HDR;
+    double rto = dmin(o->rtt[R_RTO] * ldexp(1.0, (int)LANE(o, LN_TRIES, i)), o->rtt[R_MAX_RTO]);
+    LANEF(o, LF_DEADLINE, i) = now + rto;
+    LANEF(o, LF_XMIT_AT, i) = now;
+    return i;
+}
+
+/* Queue lane i's datagram to send; 0 if the queue is full (nothing queued). */
+static inline int queue_lane(op_t *o, int64_t i)
+{
+    int64_t q = OPV(o, OP_NQ);
+    if (q >= o->nsendq)
+        return 0;
+    o->sendq[q] = i;
+    OPV(o, OP_NQ) = q + 1;
+    return 1;
+}
+
+/* ---- results (stream.py) --------------------------------------------------------------- */
+
+/* RFC 6298: srtt/rttvar smoothing; rto = srtt + 4 rttvar, at least RTO_SRTTS x srtt, clamped. */
+static inline void update_rtt(double *rtt, double sample)
+{
+    if (rtt[R_MIN_RTT] < 0 || sample < rtt[R_MIN_RTT])
+        rtt[R_MIN_RTT] = sample;
+    if (rtt[R_SRTT] < 0) {
+        rtt[R_SRTT] = sample;
+        rtt[R_RTTVAR] = sample / 2;
+    } else {
+        rtt[R_RTTVAR] = 0.75 * rtt[R_RTTVAR] + 0.25 * fabs(rtt[R_SRTT] - sample);
+        rtt[R_SRTT] = 0.875 * rtt[R_SRTT] + 0.125 * sample;
+    }
+    double rto = dmax(rtt[R_SRTT] + 4 * rtt[R_RTTVAR], rtt[R_RTO_SRTTS] * rtt[R_SRTT]);
+    rtt[R_RTO] = dmin(dmax(rto, rtt[R_MIN_RTO]), rtt[R_MAX_RTO]);
+}
+
+/* The item size of the RESULT of this job at d[o:o+ln], or 0 if it is not one. */
+static inline int64_t result_length(const uint8_t *d, int64_t o, int64_t ln, const op_t *op)
+{
+    if (ln < HDR || rd_u16(d, o + H_MAGIC) != MAGIC || d[o + H_VERSION] != VERSION
+        || d[o + H_TYPE] != T_RESULT)
+        return 0;
+    if (d[o + H_SET] > 1 || ((int64_t)d[o + H_FLAGS] & ~(int64_t)KNOWN_FLAGS) != 0)
+        return 0;
+    int64_t elem = d[o + H_ELEM], isz;
+    if (elem == E_INT32)
+        isz = 4;
+    else if (elem == E_INT16)
+        isz = 2;
+    else
+        return 0;
+    if (ln != HDR + isz * rd_u16(d, o + H_COUNT))
+        return 0;
+    if (rd_u32(d, o + H_JOB) != OPV(op, OP_JOB) || rd_i64(d, o + H_TOKEN) != OPV(op, OP_TOKEN))
+        return 0;
+    return isz;
+}
+
+/* Whether d[o:o+ln] is a NACK of the operation in flight, as the switch sends them. */
+static inline int is_nack(const uint8_t *d, int64_t o, int64_t ln, const op_t *op)
+{
+    return ln == HDR && rd_u16(d, o + H_MAGIC) == MAGIC && d[o + H_VERSION] == VERSION
+           && d[o + H_TYPE] == T_NACK && d[o + H_FLAGS] == 0 && d[o + H_SET] <= 1
+           && rd_u16(d, o + H_COUNT) == 0 && d[o + H_ELEM] <= E_INT16
+           && rd_u32(d, o + H_JOB) == OPV(op, OP_JOB) && rd_i64(d, o + H_TOKEN) == OPV(op, OP_TOKEN)
+           && rd_u32(d, o + H_SEQ) == OPV(op, OP_SEQ) && OPV(op, OP_PY_NACKS) == 0;
+}
+
+/* The chunk to re-send for a NACK of `chunk` on `slot`, or -1 (stream.py's take_nack). */
+static int64_t take_nack(op_t *o, int64_t chunk, int64_t slot, double now)
+{
+    o->rtt[R_LAST_HEARD] = now;
+    int64_t i = chunk % OPV(o, OP_E);
+    if (chunk >= OPV(o, OP_T) || slot != LANE(o, LN_SLOT, i)) {
+        o->cnt[WC_BAD_SLOT] += 1;
+        return -1;
+    }
+    int64_t p = LANE(o, LN_CHUNK, i);
+    if (p < 0 || p > chunk
+        || (LANE(o, LN_XMITS, i) > 0 && now - LANEF(o, LF_XMIT_AT, i) < o->rtt[R_MIN_RTT])) {
+        o->cnt[WC_NACKS_IGNORED] += 1;
+        return -1;
+    }
+    o->cnt[WC_NACK_RESENDS] += 1;
+    return p;
+}
+
+/* Lane i re-sent p for a NACK of chunk: its first re-send carries RESENT. */
+static inline void mark_nack_resend(op_t *o, int64_t i, int64_t p, int64_t chunk)
+{
+    if (p == chunk && LANE(o, LN_XMITS, i) == 1)
+        o->tx8[lane_row(o, i) + H_FLAGS] |= F_RESENT;
+}
+
+/* The lane whose chunk this result answers, or -1 (stale, repeated or foreign: counted). */
+static inline int64_t lane_of(const uint8_t *d, int64_t off, op_t *o)
+{
+    int64_t p = rd_u32(d, off + H_CHUNK);
+    if (rd_u32(d, off + H_SEQ) != OPV(o, OP_SEQ)) {
+        o->cnt[WC_STALE_RESULT] += 1;
+        return -1;
+    }
+    int64_t i = p % OPV(o, OP_E);
+    if (p >= OPV(o, OP_T) || LANE(o, LN_CHUNK, i) != p) {
+        o->cnt[WC_DUPLICATE_RESULT] += 1;
+        return -1;
+    }
+    if (rd_u32(d, off + H_SLOT) != LANE(o, LN_SLOT, i) || (int64_t)d[off + H_SET] != LANE(o, LN_SET, i)) {
+        o->cnt[WC_BAD_SLOT] += 1;
+        return -1;
+    }
+    int64_t count = rd_u16(d, off + H_COUNT);
+    if (count && (int64_t)d[off + H_ELEM] != OPV(o, OP_ELEM)) {
+        o->cnt[WC_BAD_COUNT] += 1;
+        return -1;
+    }
+    return i;
+}
+
+/* Dequantize a float result's data (block p - E) into out; take its look-ahead exponent for
+   the lane. 0 if its size is wrong. */
+static inline int store_float(const uint8_t *d, int64_t off, int64_t isz, int64_t p, int64_t i,
+                              op_t *o)
+{
+    int64_t E = OPV(o, OP_E), k = OPV(o, OP_K);
+    int64_t count = rd_u16(d, off + H_COUNT);
+    if (p >= E) {
+        int64_t lo = (p - E) * k;
+        if (count != min64(lo + k, o->on) - lo)
+            return 0;
+        int64_t exp_data = rd_i16(d, off + H_EXP_DATA);
+        int nonfinite = (d[off + H_FLAGS] & F_NONFINITE) != 0;
+        int edge = exp_data >= OPV(o, OP_EDGE_EXP);
+        dequantize_into(d + off + HDR, isz == 4 ? K_I32 : K_I16, 0, exp_data, OPV(o, OP_P),
+                        nonfinite, o->out, o->ok, lo, count, OPV(o, OP_N), edge, o->rtt[R_FMAX]);
+    } else if (count) {
+        return 0;
+    }
+    if (p < OPV(o, OP_L))
+        LANE(o, LN_EMAX, i) = rd_i16(d, off + H_EXP_NEXT);
+    return 1;
+}
+
+/* Copy an integer result (block p) into out. 0 if its size is wrong. */
+static inline int store_int(const uint8_t *d, int64_t off, int64_t p, op_t *o)
+{
+    int64_t lo = p * OPV(o, OP_K);
+    int64_t count = rd_u16(d, off + H_COUNT);
+    if (count != min64(lo + OPV(o, OP_K), o->on) - lo)
+        return 0;
+    memcpy((int32_t *)o->out + lo, d + off + HDR, (size_t)count * 4);
+    return 1;
+}
+
+/* The first round trip measured: deadlines set under the initial timeout come down to it. */
+static void rearm(op_t *o)
+{
+    for (int64_t j = 0; j < o->nl; j++) {
+        if (LANE(o, LN_CHUNK, j) >= 0) {
+            double due = LANEF(o, LF_XMIT_AT, j)
+                         + dmin(o->rtt[R_RTO] * ldexp(1.0, (int)LANE(o, LN_TRIES, j)),
+                                o->rtt[R_MAX_RTO]);
+            if (due < LANEF(o, LF_DEADLINE, j))
+                LANEF(o, LF_DEADLINE, j) = due;
+        }
+    }
+}
+
+/* Karn's rule, and which transmission the result answers (RACK). */
+static inline void time_round_trip(op_t *o, int64_t i, double now)
+{
+    double *rtt = o->rtt;
+    double delivered = LANEF(o, LF_XMIT_AT, i);
+    if (LANE(o, LN_XMITS, i) == 0) {
+        int first = rtt[R_SRTT] < 0;
+        update_rtt(rtt, now - LANEF(o, LF_SENT_AT, i));
+        if (first)
+            rearm(o);
+    } else if (rtt[R_MIN_RTT] >= 0 && now - delivered < rtt[R_MIN_RTT]) {
+        delivered = LANEF(o, LF_SENT_AT, i);
+        if (LANE(o, LN_FAST, i)) {
+            LANE(o, LN_FAST, i) = 0;
+            o->cnt[WC_SPURIOUS] += 1;
+            rtt[R_REO_SCALE] = dmin(rtt[R_REO_SCALE] * 2, rtt[R_MAX_REO_SCALE]);
+        }
+    }
+    rtt[R_DELIVERED_XMIT] = delivered;
+    rtt[R_LAST_PROGRESS] = now;
+    rtt[R_LAST_HEARD] = now;
+}
+
+/* Tail-loss probe (RFC 8985 section 7; stream.py's _probe_tail explains). */
+static void probe_tail(op_t *o, double now)
+{
+    int64_t h = OPV(o, OP_TAIL_HEAD), e = OPV(o, OP_TAIL_END);
+    double t = o->rtt[R_DELIVERED_XMIT];
+    double window = dmax(o->rtt[R_MIN_RTT] / 4, o->rtt[R_MIN_REO_WINDOW]);
+    while (h < e) {
+        int64_t j = LANE(o, LN_TAIL_ORDER, h);
+        if (LANE(o, LN_CHUNK, j) >= 0) {
+            double sent = LANEF(o, LF_XMIT_AT, j);
+            if (sent >= t || now - sent < o->rtt[R_MIN_RTT])
+                break;
+            if (now + window < LANEF(o, LF_DEADLINE, j)) {
+                LANEF(o, LF_DEADLINE, j) = now + window;
+                o->cnt[WC_TAIL_PROBES] += 1;
+            }
+        }
+        h += 1;
+    }
+    OPV(o, OP_TAIL_HEAD) = h;
+}
+
+/* Take the RESULTs of a batch from datagram `start` on (stream.py's worker_results). */
+static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64_t *starts,
+                              const int64_t *lens, int64_t nseg, int64_t start, int64_t limit,
+                              double now, int64_t *code)
+{
+    int64_t taken = 0, i = start;
+    while (i < nseg) {
+        if (OPV(o, OP_NQ) >= o->nsendq) {
+            *code = WS_FULL;
+            return i;
+        }
+        int64_t off = starts[i], ln = lens[i];
+        if (off < 0 || ln < 0 || off + ln > dn) { /* not within the batch: Python's check */
+            *code = WS_OTHER;
+            return i;
+        }
+        int64_t isz = result_length(d, off, ln, o);
+        if (isz == 0) {
+            if (!is_nack(d, off, ln, o)) {
+                *code = WS_OTHER;
+                return i;
+            }
+            i += 1; /* a NACK of this operation: answered here */
+            int64_t chunk = rd_u32(d, off + H_CHUNK);
+            int64_t p = take_nack(o, chunk, rd_u32(d, off + H_SLOT), now);
+            if (p >= 0) {
+                int64_t li = send_chunk(o, p, 1, 1, now);
+                mark_nack_resend(o, li, p, chunk);
+                queue_lane(o, li);
+            }
+            continue;
+        }
+        i += 1;
+        int64_t li = lane_of(d, off, o);
+        if (li < 0)
+            continue;
+        int64_t p = LANE(o, LN_CHUNK, li);
+        int stored = OPV(o, OP_IS_FLOAT) ? store_float(d, off, isz, p, li, o)
+                                         : store_int(d, off, p, o);
+        if (!stored) {
+            o->cnt[WC_BAD_COUNT] += 1;
+            continue;
+        }
+        o->cnt[WC_RESULTS] += 1;
+        time_round_trip(o, li, now);
+        if (OPV(o, OP_TAIL_END) > OPV(o, OP_TAIL_HEAD))
+            probe_tail(o, now);
+        OPV(o, OP_DONE) += 1;
+        int64_t nxt = p + OPV(o, OP_E);
+        if (nxt < OPV(o, OP_T)) {
+            send_chunk(o, nxt, 0, 0, now);
+            queue_lane(o, li);
+        } else {
+            LANE(o, LN_CHUNK, li) = -1;
+        }
+        if (OPV(o, OP_DONE) == OPV(o, OP_T)) {
+            *code = WS_OP_COMPLETE;
+            return i;
+        }
+        taken += 1;
+        if (taken >= limit) {
+            *code = WS_ONE;
+            return i;
+        }
+    }
+    *code = WS_DONE;
+    return i;
+}
+
+/* Cut the queued lanes sendq[:nq] into UDP GSO runs (stream.py's plan_runs); runs[r] =
+   (first, count, size, contiguous, shard). */
+static int64_t plan_runs(const int64_t *sendq, int64_t nq, const int64_t *sendlen, int64_t stride,
+                         int64_t shards, int64_t max_segments, int64_t max_bytes, int64_t *order,
+                         int64_t *runs)
+{
+    int64_t no = 0, nr = 0;
+#define EMIT_RUN()                                                                            \
+    do {                                                                                      \
+        runs[nr * 5 + 0] = r_first;                                                           \
+        runs[nr * 5 + 1] = r_count;                                                           \
+        runs[nr * 5 + 2] = r_size;                                                            \
+        runs[nr * 5 + 3] = r_contig;                                                          \
+        runs[nr * 5 + 4] = s;                                                                 \
+        nr += 1;                                                                              \
+    } while (0)
+    for (int64_t s = 0; s < shards; s++) {
+        int64_t r_first = -1, r_count = 0, r_size = 0, r_contig = 0, prev = -1;
+        for (int64_t q = 0; q < nq; q++) {
+            int64_t i = sendq[q];
+            if (i % shards != s)
+                continue;
+            int64_t ln = sendlen[i];
+            if (r_count > 0) {
+                int fits = r_count < max_segments && (r_count + 1) * r_size <= max_bytes
+                           && ln <= r_size;
+                if (fits) {
+                    if (i != prev + 1)
+                        r_contig = 0;
+                    order[no++] = q;
+                    r_count += 1;
+                    prev = i;
+                    if (ln < r_size) { /* a short segment ends the run */
+                        EMIT_RUN();
+                        r_count = 0;
+                    }
+                    continue;
+                }
+                EMIT_RUN();
+                r_count = 0;
+            }
+            r_first = no;
+            order[no++] = q;
+            r_count = 1;
+            r_size = ln;
+            r_contig = shards == 1 && ln == stride;
+            prev = i;
+        }
+        if (r_count > 0)
+            EMIT_RUN();
+    }
+#undef EMIT_RUN
+    return nr;
+}
+
+/* ---- timers (timers.py) ---------------------------------------------------------------- */
+
+static double probe_time(const double *rtt)
+{
+    double srtt = rtt[R_SRTT];
+    if (srtt < 0)
+        return INFINITY;
+    double pto = dmax(2.0 * srtt, rtt[R_MIN_REO_WINDOW]);
+    if (rtt[R_LAST_PROGRESS] > rtt[R_PROBED_AT])
+        return rtt[R_LAST_PROGRESS] + pto;
+    return rtt[R_PROBED_AT] + pto * pow(2.0, rtt[R_PROBES]);
+}
+
+static double next_deadline(const op_t *o)
+{
+    double best = INFINITY;
+    for (int64_t i = 0; i < o->nl; i++)
+        if (LANE(o, LN_CHUNK, i) >= 0 && LANEF(o, LF_DEADLINE, i) < best)
+            best = LANEF(o, LF_DEADLINE, i);
+    if (best < INFINITY)
+        best = dmin(best, probe_time(o->rtt));
+    return best;
+}
+
+/* Re-send what is due at now and queue it (timers.py's fire_timers); 0, having done
+   nothing, when the send queue lacks room for every busy lane. */
+static int fire_timers(op_t *o, double now)
+{
+    int64_t busy = 0;
+    for (int64_t i = 0; i < o->nl; i++)
+        if (LANE(o, LN_CHUNK, i) >= 0)
+            busy += 1;
+    if (OPV(o, OP_NQ) > 0 && OPV(o, OP_NQ) + busy > o->nsendq)
+        return 0;
+    for (int64_t i = 0; i < o->nl; i++) {
+        if (LANE(o, LN_CHUNK, i) >= 0 && LANEF(o, LF_DEADLINE, i) <= now) {
+            o->cnt[WC_TIMER_RESENDS] += 1;
+            send_chunk(o, LANE(o, LN_CHUNK, i), 1, 0, now);
+            queue_lane(o, i);
+        }
+    }
+    if (now < probe_time(o->rtt))
+        return 1;
+    double *rtt = o->rtt;
+    if (rtt[R_LAST_PROGRESS] > rtt[R_PROBED_AT])
+        rtt[R_PROBES] = 0;
+    rtt[R_PROBED_AT] = now;
+    rtt[R_PROBES] += 1;
+    int64_t n = 0;
+    for (int k = 0; k < PROBE_LANES; k++) { /* the busy lanes transmitted longest ago */
+        int64_t best = -1;
+        for (int64_t i = 0; i < o->nl; i++) {
+            if (LANE(o, LN_CHUNK, i) < 0)
+                continue;
+            int taken = 0;
+            for (int64_t m = 0; m < n; m++)
+                taken = taken || o->picked[m] == i;
+            if (!taken && (best < 0 || LANEF(o, LF_XMIT_AT, i) < LANEF(o, LF_XMIT_AT, best)))
+                best = i;
+        }
+        if (best < 0)
+            break;
+        o->picked[n++] = best;
+    }
+    for (int64_t m = 0; m < n; m++) {
+        int64_t i = o->picked[m];
+        if (now - LANEF(o, LF_XMIT_AT, i) >= rtt[R_SRTT]) {
+            o->cnt[WC_IDLE_PROBES] += 1;
+            send_chunk(o, LANE(o, LN_CHUNK, i), 1, 1, now);
+            queue_lane(o, i);
+        }
+    }
+    return 1;
+}
+
+/* ---- the compiled loop (transport/fastpath.py) ---------------------------------------- */
+
+#define MAX_IOV 128
+
+typedef struct {
+    int fd;
+    int64_t stride, max_segments, max_bytes;
+    int64_t *order, *runs, *stats;
+    struct iovec iov[MAX_IOV];
+} sender_t;
+
+/* Send the queued lanes as GSO runs on the connected socket; 0 (and the unsent lanes left
+   queued, in order) at the first failed sendmsg. */
+static int send_queued(op_t *o, sender_t *s)
+{
+    int64_t nq = OPV(o, OP_NQ);
+    if (nq == 0)
+        return 1;
+    int64_t nr = plan_runs(o->sendq, nq, o->sendlen, s->stride, 1, s->max_segments,
+                           s->max_bytes, s->order, s->runs);
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } ctl;
+    for (int64_t r = 0; r < nr; r++) {
+        int64_t first = s->runs[r * 5], count = s->runs[r * 5 + 1];
+        int64_t size = s->runs[r * 5 + 2], contiguous = s->runs[r * 5 + 3];
+        size_t niov;
+        if (contiguous) {
+            int64_t lane0 = o->sendq[s->order[first]];
+            int64_t last = o->sendq[s->order[first + count - 1]];
+            s->iov[0].iov_base = o->tx8 + lane0 * s->stride;
+            s->iov[0].iov_len = (size_t)((count - 1) * s->stride + o->sendlen[last]);
+            niov = 1;
+        } else {
+            for (int64_t j = 0; j < count; j++) {
+                int64_t ln = o->sendq[s->order[first + j]];
+                s->iov[j].iov_base = o->tx8 + ln * s->stride;
+                s->iov[j].iov_len = (size_t)o->sendlen[ln];
+            }
+            niov = (size_t)count;
+        }
+        struct msghdr h;
+        memset(&h, 0, sizeof h);
+        h.msg_iov = s->iov;
+        h.msg_iovlen = niov;
+        if (count > 1) {
+            memset(&ctl, 0, sizeof ctl);
+            h.msg_control = ctl.buf;
+            h.msg_controllen = sizeof ctl.buf;
+            struct cmsghdr *c = CMSG_FIRSTHDR(&h);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t seg = (uint16_t)size;
+            memcpy(CMSG_DATA(c), &seg, sizeof seg);
+        }
+        if (sendmsg(s->fd, &h, 0) < 0) {
+            s->stats[ST_ERRNO] = errno;
+            int64_t keep = 0; /* keep what is unsent, in queue order, for Python to send */
+            for (int64_t q = first; q < nq; q++)
+                o->sendq[keep++] = o->sendq[s->order[q]];
+            OPV(o, OP_NQ) = keep;
+            return 0;
+        }
+        s->stats[ST_SEND_CALLS] += 1;
+        s->stats[ST_DATAGRAMS_SENT] += count;
+    }
+    OPV(o, OP_NQ) = 0;
+    return 1;
+}
+
+#define FIRED (-2)
+#define NOTHING_DUE (-1)
+#define MAX_WAIT_S 1.0
+
+/* What the timers ask at now: NOTHING_DUE; FP_DUE (the operation timed out); or the
+   re-sends they call for, sent: FIRED, or FP_SEND_FAILED. */
+static int pump_timers(op_t *o, sender_t *s, double now, double op_timeout_s)
+{
+    if (now >= o->rtt[R_LAST_PROGRESS] + op_timeout_s)
+        return FP_DUE;
+    if (now < next_deadline(o))
+        return NOTHING_DUE;
+    if (!fire_timers(o, now)) {
+        if (!send_queued(o, s))
+            return FP_SEND_FAILED;
+        fire_timers(o, now);
+    }
+    if (!send_queued(o, s))
+        return FP_SEND_FAILED;
+    return FIRED;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    int fd, wake_fd;
+    struct mmsghdr *msgs;
+    int64_t count, slot_bytes, gro, sol_udp, udp_gro, msg_len_at, controllen_at;
+    uint8_t *raw; int64_t raw_rows, raw_cols;
+    const uint8_t *names; int64_t names_cols;
+    const uint8_t *control; int64_t control_cols;
+    const uint8_t *buf; int64_t buf_n;
+    int64_t *starts, *lens, *senders; int64_t nstarts;
+} receiver_t;
+
+/* Cut what one recvmmsg returned into datagrams (frames.py's split_mmsg); their number. */
+static int64_t split_mmsg(receiver_t *rx, int64_t n)
+{
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = rx->raw + i * rx->raw_cols;
+        int64_t length = rd_u32(row, rx->msg_len_at);
+        const uint8_t *nm = rx->names + i * rx->names_cols;
+        int64_t sender = ((int64_t)nm[4] << 40) | ((int64_t)nm[5] << 32) | ((int64_t)nm[6] << 24)
+                         | ((int64_t)nm[7] << 16) | ((int64_t)nm[2] << 8) | (int64_t)nm[3];
+        int64_t seg = length;
+        if (rx->gro) {
+            int64_t used = rd_u16(row, rx->controllen_at);
+            const uint8_t *c = rx->control + i * rx->control_cols;
+            if (used >= 20 && rd_u32(c, 8) == rx->sol_udp && rd_u32(c, 12) == rx->udp_gro) {
+                int64_t g = rd_u32(c, 16);
+                if (0 < g && g < length)
+                    seg = g;
+            }
+        }
+        int64_t o = i * rx->slot_bytes, end = o + length;
+        while (1) {
+            if (m >= rx->nstarts)
+                return m;
+            rx->starts[m] = o;
+            rx->lens[m] = min64(seg, end - o);
+            rx->senders[m] = sender;
+            m += 1;
+            o += seg;
+            if (o >= end)
+                break;
+        }
+    }
+    if (rx->gro) {
+        int64_t full = rx->control_cols;
+        for (int64_t i = 0; i < rx->raw_rows; i++)
+            for (int b = 0; b < 8; b++)
+                rx->raw[i * rx->raw_cols + rx->controllen_at + b] = (full >> (8 * b)) & 0xFF;
+    }
+    return m;
+}
+
+/* Receive, take results and send, fire the timers, and wait in poll (on the socket and the
+   inbox's wake_fd) until something needs Python (FP_*): fastpath.py's pump. */
+static int pump(op_t *o, sender_t *s, receiver_t *rx, double op_timeout_s, int64_t *at,
+                int64_t *nseg_out, int64_t *code_out)
+{
+    double idle_since = now_s();
+    *at = *nseg_out = *code_out = 0;
+    while (1) {
+        int n = recvmmsg(rx->fd, rx->msgs, (unsigned)rx->count, MSG_DONTWAIT, NULL);
+        if (n <= 0) {
+            if (n < 0 && errno != EAGAIN) {
+                s->stats[ST_ERRNO] = errno;
+                return FP_RECV_FAILED;
+            }
+            double now = now_s();
+            int t = pump_timers(o, s, now, op_timeout_s);
+            if (t != NOTHING_DUE) {
+                if (t == FIRED)
+                    continue;
+                return t;
+            }
+            double due = dmin(next_deadline(o), o->rtt[R_LAST_PROGRESS] + op_timeout_s);
+            if (now - idle_since >= MAX_WAIT_S)
+                return FP_WAKE;
+            struct pollfd pfd[2] = {{rx->fd, POLLIN, 0}, {rx->wake_fd, POLLIN, 0}};
+            int wait_ms = (int)((dmin(due, idle_since + MAX_WAIT_S) - now) * 1e3) + 1;
+            int r = poll(pfd, 2, wait_ms);
+            if (r < 0) {
+                s->stats[ST_ERRNO] = errno;
+                return FP_RECV_FAILED; /* (EINTR: Python's turn) */
+            }
+            if (pfd[1].revents & POLLIN)
+                return FP_WAKE;
+            continue;
+        }
+        s->stats[ST_RECV_CALLS] += 1;
+        int64_t nseg = split_mmsg(rx, n);
+        double now = now_s();
+        idle_since = now;
+        int64_t code;
+        int64_t i = worker_results(o, rx->buf, rx->buf_n, rx->starts, rx->lens, nseg, 0,
+                                   nseg + 1, now, &code);
+        if (!send_queued(o, s)) {
+            if (code != WS_DONE) {
+                *at = i, *nseg_out = nseg, *code_out = code;
+                return FP_STOPPED;
+            }
+            return FP_SEND_FAILED;
+        }
+        if (code != WS_DONE) {
+            *at = i, *nseg_out = nseg, *code_out = code;
+            return FP_STOPPED;
+        }
+        int t = pump_timers(o, s, now, op_timeout_s);
+        if (t >= 0)
+            return t;
+    }
+}
+
+/* ---- Python's side: arguments through the buffer protocol ------------------------------ */
+
+#define MAX_BUFS 32
+
+typedef struct {
+    Py_buffer v[MAX_BUFS];
+    int n;
+} bufs_t;
+
+static void release(bufs_t *b)
+{
+    for (int i = 0; i < b->n; i++)
+        PyBuffer_Release(&b->v[i]);
+    b->n = 0;
+}
+
+static int kind_of(const Py_buffer *v)
+{
+    const char *f = v->format ? v->format : "B";
+    while (*f == '<' || *f == '=' || *f == '@' || *f == '|')
+        f++;
+    char c = *f;
+    if (!c)
+        return K_OTHER;
+    if (c == 'f' && v->itemsize == 4) return K_F32;
+    if (c == 'd' && v->itemsize == 8) return K_F64;
+    if (strchr("bBc?", c) && v->itemsize == 1) return K_U8;
+    if (strchr("hH", c) && v->itemsize == 2) return K_I16;
+    if (strchr("iIlL", c) && v->itemsize == 4) return K_I32;
+    if (strchr("lLqQnN", c) && v->itemsize == 8) return K_I64;
+    return K_OTHER;
+}
+
+static const char *kind_name[] = {"other", "float32", "float64", "int32", "int16", "int64",
+                                  "uint8"};
+
+/* A C-contiguous buffer of arg `name`, of one of the kinds in `kinds` (a bit per kind);
+   NULL with a TypeError/ValueError saying what was wrong. */
+static Py_buffer *getbuf(bufs_t *b, PyObject *obj, const char *name, unsigned kinds,
+                         int writable)
+{
+    if (b->n >= MAX_BUFS) {
+        PyErr_SetString(PyExc_RuntimeError, "switchml._worker: too many array arguments");
+        return NULL;
+    }
+    Py_buffer *v = &b->v[b->n];
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, v, flags) < 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "switchml._worker: %s must be a C-contiguous%s numpy array", name,
+                     writable ? ", writeable" : "");
+        return NULL;
+    }
+    b->n++;
+    int k = kind_of(v);
+    if (!(kinds & (1u << k))) {
+        PyErr_Format(PyExc_TypeError, "switchml._worker: %s has elements of %s, not one of "
+                     "the types it takes", name, kind_name[k]);
+        return NULL;
+    }
+    return v;
+}
+
+#define B(k) (1u << (k))
+#define NEED(n)                                                                               \
+    if (nargs != (n)) {                                                                       \
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", __func__ + 3, (n), \
+                     nargs);                                                                  \
+        return NULL;                                                                          \
+    }
+
+static int arg_i64(PyObject *o, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int arg_f64(PyObject *o, double *out)
+{
+    double v = PyFloat_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+#define I64(dst, k) if (arg_i64(args[k], &(dst)) < 0) goto fail
+#define F64(dst, k) if (arg_f64(args[k], &(dst)) < 0) goto fail
+#define BOOL(dst, k) if (((dst) = PyObject_IsTrue(args[k])) < 0) goto fail
+#define ARR(v, k, name, kinds, w) if (!((v) = getbuf(&b, args[k], name, kinds, w))) goto fail
+
+/* The operation's arrays, in the order of the Python kernels' arguments, from args[at]:
+   opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, [out,] res, tx8, tx16, tx32, cnt,
+   [sendq,] sendlen (with_out: out after xbits; with_q: sendq before sendlen). */
+static int get_op(bufs_t *b, PyObject *const *args, int at, int with_out, int with_q, op_t *o)
+{
+    Py_buffer *v;
+    memset(o, 0, sizeof *o);
+#define GET(name, kinds, w) if (!(v = getbuf(b, args[at++], name, kinds, w))) return -1
+    GET("opv", B(K_I64), 1); o->opv = v->buf;
+    if (v->len / 8 < O_FIELDS) { PyErr_SetString(PyExc_ValueError, "opv is too short"); return -1; }
+    GET("lane", B(K_I64), 1); o->lane = v->buf;
+    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
+        return -1;
+    }
+    o->nl = v->shape[1];
+    GET("lanef", B(K_F64), 1); o->lanef = v->buf;
+    if (v->ndim != 2 || v->shape[0] != LNF_FIELDS || v->shape[1] != o->nl) {
+        PyErr_SetString(PyExc_ValueError, "lanef must be a float64 array of (LNF_FIELDS, lanes)");
+        return -1;
+    }
+    GET("rtt", B(K_F64), 1); o->rtt = v->buf;
+    if (v->len / 8 < R_FIELDS) { PyErr_SetString(PyExc_ValueError, "rtt is too short"); return -1; }
+    GET("next_set", B(K_I64), 1); o->next_set = v->buf;
+    if (v->len / 8 < o->nl) { PyErr_SetString(PyExc_ValueError, "next_set is shorter than the lanes"); return -1; }
+    GET("exps", B(K_I64), 1); o->exps = v->buf;
+    int64_t nexps = v->len / 8;
+    GET("nonf", B(K_U8), 1); o->nonf = v->buf;
+    if (v->len < nexps) { PyErr_SetString(PyExc_ValueError, "nonf is shorter than exps"); return -1; }
+    GET("x", B(K_F32) | B(K_F64) | B(K_I32), 0); o->x = v->buf; o->xk = kind_of(v);
+    o->xn = v->len / v->itemsize;
+    GET("xbits", B(K_I32) | B(K_I64) | B(K_F32) | B(K_F64), 0);
+    if (with_out) {
+        GET("out", B(K_F32) | B(K_F64) | B(K_I32), 1); o->out = v->buf; o->ok = kind_of(v);
+        o->on = v->len / v->itemsize;
+    }
+    GET("res", B(K_F32) | B(K_F64), 1); o->res = v->buf; o->rk = kind_of(v);
+    o->rn = v->len / v->itemsize;
+    GET("tx8", B(K_U8), 1); o->tx8 = v->buf;
+    int64_t ntx = v->len;
+    GET("tx16", B(K_I16), 1);
+    GET("tx32", B(K_I32), 1);
+    GET("cnt", B(K_I64), 1); o->cnt = v->buf;
+    if (v->len / 8 < WC_N) { PyErr_SetString(PyExc_ValueError, "cnt is too short"); return -1; }
+    if (with_q) {
+        GET("sendq", B(K_I64), 1); o->sendq = v->buf; o->nsendq = v->len / 8;
+    }
+    GET("sendlen", B(K_I64), 1); o->sendlen = v->buf;
+    if (v->len / 8 < o->nl) { PyErr_SetString(PyExc_ValueError, "sendlen is shorter than the lanes"); return -1; }
+#undef GET
+    /* What the kernels index must lie within the arrays: the lanes' rows, the blocks. */
+    int64_t k = o->opv[OP_K], isz = o->opv[OP_ITEMSIZE], E = o->opv[OP_E];
+    int64_t L = o->opv[OP_L];
+    if (E < 1 || E > o->nl || k < 1 || (isz != 2 && isz != 4) || ntx < o->nl * (HDR + k * isz)
+        || (o->opv[OP_IS_FLOAT] && (nexps < L || o->xk == K_I32 || (with_out && o->ok == K_I32)))
+        || (!o->opv[OP_IS_FLOAT] && (o->xk != K_I32 || isz != 4 || (with_out && o->ok != K_I32)))
+        || L * k < o->xn || (L > 0 && (L - 1) * k >= o->xn)
+        || (with_out && o->on != o->xn) || (o->rn != 0 && o->rn != o->xn)) {
+        PyErr_SetString(PyExc_ValueError, "switchml._worker: the operation's arrays and its "
+                        "scalars (opv) disagree (lanes, block size, element types or sizes)");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_worker_results(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(25);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *d, *st, *ln;
+    int64_t nseg, start, limit, code, i;
+    double now;
+    ARR(d, 0, "d", B(K_U8), 0);
+    ARR(st, 1, "starts", B(K_I64), 0);
+    ARR(ln, 2, "lens", B(K_I64), 0);
+    I64(nseg, 3); I64(start, 4); I64(limit, 5); F64(now, 6);
+    if (get_op(&b, args, 7, 1, 1, &o) < 0) goto fail;
+    /* args[24], scratch: not needed (payloads at any offset are read with unaligned loads) */
+    if (nseg > st->len / 8 || nseg > ln->len / 8 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "nseg exceeds starts/lens");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    i = worker_results(&o, d->buf, d->len, st->buf, ln->buf, nseg, start, limit, now, &code);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    return Py_BuildValue("(LL)", (long long)i, (long long)code);
+fail:
+    release(&b);
+    return NULL;
+}
+
+static PyObject *py_send_first(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(18);
+    bufs_t b = {.n = 0};
+    op_t o;
+    int64_t count;
+    double now;
+    I64(count, 0); F64(now, 1);
+    if (get_op(&b, args, 2, 0, 1, &o) < 0) goto fail;
+    if (count > o.nl || count > o.nsendq - OPV(&o, OP_NQ) || count > OPV(&o, OP_T)) {
+        PyErr_SetString(PyExc_ValueError, "send_first: more packets than lanes or queue room");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t p = 0; p < count; p++) {
+        send_chunk(&o, p, 0, 0, now);
+        queue_lane(&o, p);
+    }
+    Py_END_ALLOW_THREADS
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+static PyObject *py_send_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(19);
+    bufs_t b = {.n = 0};
+    op_t o;
+    int64_t p, i;
+    int retransmit, fast;
+    double now;
+    I64(p, 0); BOOL(retransmit, 1); BOOL(fast, 2); F64(now, 3);
+    if (get_op(&b, args, 4, 0, 0, &o) < 0) goto fail;
+    if (p < 0 || p >= OPV(&o, OP_T)) {
+        PyErr_Format(PyExc_ValueError, "send_chunk: packet %lld is not one of this operation's",
+                     (long long)p);
+        goto fail;
+    }
+    i = send_chunk(&o, p, retransmit, fast, now);
+    release(&b);
+    return PyLong_FromLongLong(i);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt) */
+static PyObject *py_take_nack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(8);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *v;
+    int64_t chunk, slot, p;
+    double now;
+    memset(&o, 0, sizeof o);
+    I64(chunk, 0); I64(slot, 1); F64(now, 2);
+    ARR(v, 3, "opv", B(K_I64), 1); o.opv = v->buf;
+    ARR(v, 4, "lane", B(K_I64), 1); o.lane = v->buf;
+    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
+        goto fail;
+    }
+    o.nl = v->shape[1];
+    ARR(v, 5, "lanef", B(K_F64), 1); o.lanef = v->buf;
+    ARR(v, 6, "rtt", B(K_F64), 1); o.rtt = v->buf;
+    ARR(v, 7, "cnt", B(K_I64), 1); o.cnt = v->buf;
+    if (OPV(&o, OP_E) < 1 || OPV(&o, OP_E) > o.nl || chunk < 0) {
+        PyErr_SetString(PyExc_ValueError, "take_nack: opv's lanes disagree with lane's");
+        goto fail;
+    }
+    p = take_nack(&o, chunk, slot, now);
+    release(&b);
+    return PyLong_FromLongLong(p);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* mark_nack_resend(i, p, chunk, opv, lane, tx8) */
+static PyObject *py_mark_nack_resend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(6);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *v;
+    int64_t i, p, chunk;
+    memset(&o, 0, sizeof o);
+    I64(i, 0); I64(p, 1); I64(chunk, 2);
+    ARR(v, 3, "opv", B(K_I64), 1); o.opv = v->buf;
+    ARR(v, 4, "lane", B(K_I64), 1); o.lane = v->buf;
+    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
+        goto fail;
+    }
+    o.nl = v->shape[1];
+    ARR(v, 5, "tx8", B(K_U8), 1); o.tx8 = v->buf;
+    if (i < 0 || i >= o.nl || v->len < lane_row(&o, i) + HDR) {
+        PyErr_SetString(PyExc_ValueError, "mark_nack_resend: no such lane");
+        goto fail;
+    }
+    mark_nack_resend(&o, i, p, chunk);
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16, tx32,
+               cnt, sendq, sendlen, picked) */
+static PyObject *py_fire_timers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(18);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *v;
+    double now;
+    int r;
+    F64(now, 0);
+    if (get_op(&b, args, 1, 0, 1, &o) < 0) goto fail;
+    ARR(v, 17, "picked", B(K_I64), 1); o.picked = v->buf;
+    if (v->len / 8 < PROBE_LANES) {
+        PyErr_SetString(PyExc_ValueError, "picked must hold PROBE_LANES int64");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = fire_timers(&o, now);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    return PyBool_FromLong(r);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* next_deadline(lane, lanef, rtt) */
+static PyObject *py_next_deadline(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(3);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *v;
+    double t;
+    memset(&o, 0, sizeof o);
+    ARR(v, 0, "lane", B(K_I64), 0); o.lane = v->buf;
+    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
+        goto fail;
+    }
+    o.nl = v->shape[1];
+    ARR(v, 1, "lanef", B(K_F64), 0); o.lanef = v->buf;
+    if (v->ndim != 2 || v->shape[1] != o.nl) {
+        PyErr_SetString(PyExc_ValueError, "lanef's lanes differ from lane's");
+        goto fail;
+    }
+    ARR(v, 2, "rtt", B(K_F64), 0); o.rtt = v->buf;
+    t = next_deadline(&o);
+    release(&b);
+    return PyFloat_FromDouble(t);
+fail:
+    release(&b);
+    return NULL;
+}
+
+static PyObject *py_probe_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(1);
+    bufs_t b = {.n = 0};
+    Py_buffer *v;
+    double t;
+    ARR(v, 0, "rtt", B(K_F64), 0);
+    t = probe_time(v->buf);
+    release(&b);
+    return PyFloat_FromDouble(t);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs) */
+static PyObject *py_plan_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(9);
+    bufs_t b = {.n = 0};
+    Py_buffer *sq, *sl, *ord, *rn;
+    int64_t nq, stride, shards, max_segments, max_bytes, nr;
+    ARR(sq, 0, "sendq", B(K_I64), 0);
+    I64(nq, 1);
+    ARR(sl, 2, "sendlen", B(K_I64), 0);
+    I64(stride, 3); I64(shards, 4); I64(max_segments, 5); I64(max_bytes, 6);
+    ARR(ord, 7, "order", B(K_I64), 1);
+    ARR(rn, 8, "runs", B(K_I64), 1);
+    if (nq < 0 || nq > sq->len / 8 || nq > ord->len / 8 || nq > rn->len / 40 || shards < 1) {
+        PyErr_SetString(PyExc_ValueError, "plan_runs: nq exceeds sendq, order or runs");
+        goto fail;
+    }
+    for (int64_t q = 0; q < nq; q++) {
+        int64_t i = ((int64_t *)sq->buf)[q];
+        if (i < 0 || i >= sl->len / 8) {
+            PyErr_SetString(PyExc_ValueError, "plan_runs: a queued lane outside sendlen");
+            goto fail;
+        }
+    }
+    nr = plan_runs(sq->buf, nq, sl->buf, stride, shards, max_segments, max_bytes, ord->buf,
+                   rn->buf);
+    release(&b);
+    return PyLong_FromLongLong(nr);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* ---- the numerics over whole arrays (quantize.py's public face) ------------------------ */
+
+/* block_exponents(x, k, exps, nonfinite) */
+static PyObject *py_block_exponents(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(4);
+    bufs_t b = {.n = 0};
+    Py_buffer *x, *e, *nf;
+    int64_t k;
+    ARR(x, 0, "x", B(K_F32) | B(K_F64), 0);
+    I64(k, 1);
+    ARR(e, 2, "exps", B(K_I64), 1);
+    ARR(nf, 3, "nonfinite", B(K_U8), 1);
+    {
+        int64_t n = x->len / x->itemsize, nb = e->len / 8;
+        if (k < 1 || nf->len < nb || nb * k < n || (nb > 0 && (nb - 1) * k >= n)) {
+            PyErr_SetString(PyExc_ValueError, "block_exponents: exps/nonfinite do not match "
+                            "x's blocks of k elements");
+            goto fail;
+        }
+        int xk = kind_of(x);
+        for (int64_t blk = 0; blk < nb; blk++)
+            exponent_of_bits(x->buf, xk, blk * k, min64(blk * k + k, n), blk, e->buf, nf->buf);
+    }
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* quantize_block(x, emax, n_bits, nonfinite, out) */
+static PyObject *py_quantize_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(5);
+    bufs_t b = {.n = 0};
+    Py_buffer *x, *q;
+    int64_t emax, n_bits;
+    int nonfinite;
+    ARR(x, 0, "x", B(K_F32) | B(K_F64), 0);
+    I64(emax, 1); I64(n_bits, 2); BOOL(nonfinite, 3);
+    ARR(q, 4, "out", B(K_I32) | B(K_I16), 1);
+    if (q->len / q->itemsize != x->len / x->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "quantize_block: out's size differs from x's");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    quantize_into(x->buf, kind_of(x), 0, x->len / x->itemsize, emax, n_bits, nonfinite, q->buf,
+                  kind_of(q), 0);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax) */
+static PyObject *py_dequantize_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(8);
+    bufs_t b = {.n = 0};
+    Py_buffer *q, *out;
+    int64_t emax, n_bits, num_workers;
+    int nonfinite, edge;
+    double fmax;
+    ARR(q, 0, "q", B(K_I32) | B(K_I16), 0);
+    I64(emax, 1); I64(n_bits, 2); BOOL(nonfinite, 3);
+    ARR(out, 4, "out", B(K_F32) | B(K_F64), 1);
+    I64(num_workers, 5); BOOL(edge, 6); F64(fmax, 7);
+    if (q->len / q->itemsize < out->len / out->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "dequantize_block: q is shorter than out");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dequantize_into(q->buf, kind_of(q), 0, emax, n_bits, nonfinite, out->buf, kind_of(out), 0,
+                    out->len / out->itemsize, num_workers, edge, fmax);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* residual_block(x, q, emax, n_bits, r) */
+static PyObject *py_residual_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(5);
+    bufs_t b = {.n = 0};
+    Py_buffer *x, *q, *r;
+    int64_t emax, n_bits;
+    ARR(x, 0, "x", B(K_F32) | B(K_F64), 0);
+    ARR(q, 1, "q", B(K_I32) | B(K_I16), 0);
+    I64(emax, 2); I64(n_bits, 3);
+    ARR(r, 4, "r", B(K_F32) | B(K_F64), 1);
+    {
+        int64_t n = x->len / x->itemsize;
+        if (q->len / q->itemsize < n || r->len / r->itemsize < n) {
+            PyErr_SetString(PyExc_ValueError, "residual_block: q or r is shorter than x");
+            goto fail;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        residual_into(x->buf, kind_of(x), 0, n, q->buf, kind_of(q), 0, emax, n_bits, r->buf,
+                      kind_of(r));
+        Py_END_ALLOW_THREADS
+    }
+    release(&b);
+    Py_RETURN_NONE;
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* ---- receive batches (frames.py's, for the Python receive path) ------------------------ */
+
+/* split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, sol_udp,
+              udp_gro, out_starts, out_lens, out_senders) -> datagrams */
+static PyObject *py_split_mmsg(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(13);
+    bufs_t b = {.n = 0};
+    receiver_t rx;
+    Py_buffer *v;
+    int64_t n, m;
+    memset(&rx, 0, sizeof rx);
+    ARR(v, 0, "msgs", B(K_U8), 1); rx.raw = v->buf;
+    if (v->ndim != 2) { PyErr_SetString(PyExc_ValueError, "msgs must be 2-D bytes"); goto fail; }
+    rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
+    I64(rx.msg_len_at, 1); I64(rx.controllen_at, 2);
+    ARR(v, 3, "names", B(K_U8), 0); rx.names = v->buf;
+    if (v->ndim != 2 || v->shape[1] < 8 || v->shape[0] < rx.raw_rows) {
+        PyErr_SetString(PyExc_ValueError, "names must be (count, 16) bytes");
+        goto fail;
+    }
+    rx.names_cols = v->shape[1];
+    ARR(v, 4, "control", B(K_U8), 0); rx.control = v->buf;
+    if (v->ndim != 2 || v->shape[1] < 20 || v->shape[0] < rx.raw_rows) {
+        PyErr_SetString(PyExc_ValueError, "control must be (count, space) bytes");
+        goto fail;
+    }
+    rx.control_cols = v->shape[1];
+    I64(n, 5); I64(rx.slot_bytes, 6); I64(rx.gro, 7); I64(rx.sol_udp, 8); I64(rx.udp_gro, 9);
+    ARR(v, 10, "out_starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
+    ARR(v, 11, "out_lens", B(K_I64), 1); rx.lens = v->buf;
+    if (v->len / 8 < rx.nstarts) goto short_arrays;
+    ARR(v, 12, "out_senders", B(K_I64), 1); rx.senders = v->buf;
+    if (v->len / 8 < rx.nstarts) goto short_arrays;
+    if (n < 0 || n > rx.raw_rows || rx.msg_len_at + 4 > rx.raw_cols
+        || rx.controllen_at + 8 > rx.raw_cols) {
+        PyErr_SetString(PyExc_ValueError, "split_mmsg: n or the field offsets exceed msgs");
+        goto fail;
+    }
+    m = split_mmsg(&rx, n);
+    release(&b);
+    return PyLong_FromLongLong(m);
+short_arrays:
+    PyErr_SetString(PyExc_ValueError, "out_lens and out_senders must be as long as out_starts");
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* gro_segments(nbytes, seg, starts, lens) -> datagrams: a GRO buffer's datagrams (all seg
+   long but the last). */
+static PyObject *py_gro_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(4);
+    bufs_t b = {.n = 0};
+    Py_buffer *st, *ln;
+    int64_t nbytes, seg, n = 0, o = 0, cap;
+    I64(nbytes, 0); I64(seg, 1);
+    ARR(st, 2, "starts", B(K_I64), 1);
+    ARR(ln, 3, "lens", B(K_I64), 1);
+    if (seg < 1) {
+        PyErr_SetString(PyExc_ValueError, "gro_segments: seg must be positive");
+        goto fail;
+    }
+    cap = min64(st->len / 8, ln->len / 8);
+    while (o < nbytes && n < cap) {
+        ((int64_t *)st->buf)[n] = o;
+        ((int64_t *)ln->buf)[n] = min64(seg, nbytes - o);
+        o += seg;
+        n += 1;
+    }
+    release(&b);
+    return PyLong_FromLongLong(n);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* first_foreign(senders, start, count, allowed, nallowed) -> the first i in start..count-1
+   whose sender is none of allowed[:nallowed], or count. */
+static PyObject *py_first_foreign(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(5);
+    bufs_t b = {.n = 0};
+    Py_buffer *sv, *av;
+    int64_t start, count, nallowed, i;
+    ARR(sv, 0, "senders", B(K_I64), 0);
+    I64(start, 1); I64(count, 2);
+    ARR(av, 3, "allowed", B(K_I64), 0);
+    I64(nallowed, 4);
+    if (start < 0 || count > sv->len / 8 || nallowed < 0 || nallowed > av->len / 8) {
+        PyErr_SetString(PyExc_ValueError, "first_foreign: count or nallowed exceed the arrays");
+        goto fail;
+    }
+    {
+        const int64_t *senders = sv->buf, *allowed = av->buf;
+        for (i = start; i < count; i++) {
+            int ok = 0;
+            for (int64_t j = 0; j < nallowed; j++)
+                if (allowed[j] == senders[i]) {
+                    ok = 1;
+                    break;
+                }
+            if (!ok)
+                break;
+        }
+        if (i > count)
+            i = count;
+    }
+    release(&b);
+    return PyLong_FromLongLong(i < count ? i : count);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* ---- the compiled loop's entry points -------------------------------------------------- */
+
+/* The operation's arrays for the loop: opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
+   out, res, tx8, tx16, tx32, cnt, sendq, sendlen at args[at..at+16], picked at at+17. */
+static int get_sender(bufs_t *b, PyObject *const *args, int at, sender_t *s)
+{
+    Py_buffer *v;
+    memset(s, 0, sizeof *s);
+    int64_t fd;
+    if (arg_i64(args[at], &fd) < 0) return -1;
+    s->fd = (int)fd;
+    if (arg_i64(args[at + 1], &s->stride) < 0) return -1;
+    if (!(v = getbuf(b, args[at + 2], "order", B(K_I64), 1))) return -1;
+    s->order = v->buf;
+    if (!(v = getbuf(b, args[at + 3], "runs", B(K_I64), 1))) return -1;
+    s->runs = v->buf;
+    if (arg_i64(args[at + 4], &s->max_segments) < 0) return -1;
+    if (arg_i64(args[at + 5], &s->max_bytes) < 0) return -1;
+    if (!(v = getbuf(b, args[at + 6], "stats", B(K_I64), 1))) return -1;
+    s->stats = v->buf;
+    if (v->len / 8 < ST_N) { PyErr_SetString(PyExc_ValueError, "stats is too short"); return -1; }
+    if (s->max_segments < 1 || s->max_segments > MAX_IOV) {
+        PyErr_Format(PyExc_ValueError, "max_segments must be 1..%d", MAX_IOV);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_queue(op_t *o, sender_t *s, bufs_t *b)
+{
+    /* order and runs hold the whole queue (operation.py sizes them so) */
+    (void)b;
+    for (int i = 0; i < b->n; i++) {
+        if (b->v[i].buf == s->order && b->v[i].len / 8 < o->nsendq) goto bad;
+        if (b->v[i].buf == s->runs && b->v[i].len / 40 < o->nsendq) goto bad;
+    }
+    if (s->stride != HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE) || s->stride < HDR) goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "order/runs shorter than the send queue, or a stride "
+                    "that is not the operation's");
+    return -1;
+}
+
+/* send_queued(fd, stride, order, runs, max_segments, max_bytes, stats, opv, sendq, sendlen,
+               tx8) -> bool */
+static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(11);
+    bufs_t b = {.n = 0};
+    op_t o;
+    Py_buffer *v;
+    int r;
+    sender_t *s = PyMem_Malloc(sizeof(sender_t));
+    if (!s) return PyErr_NoMemory();
+    memset(&o, 0, sizeof o);
+    if (get_sender(&b, args, 0, s) < 0) goto fail;
+    ARR(v, 7, "opv", B(K_I64), 1); o.opv = v->buf;
+    if (v->len / 8 < O_FIELDS) { PyErr_SetString(PyExc_ValueError, "opv is too short"); goto fail; }
+    ARR(v, 8, "sendq", B(K_I64), 1); o.sendq = v->buf; o.nsendq = v->len / 8;
+    ARR(v, 9, "sendlen", B(K_I64), 1); o.sendlen = v->buf; o.nl = v->len / 8;
+    ARR(v, 10, "tx8", B(K_U8), 1); o.tx8 = v->buf;
+    if (OPV(&o, OP_NQ) < 0 || OPV(&o, OP_NQ) > o.nsendq || v->len < o.nl * s->stride) {
+        PyErr_SetString(PyExc_ValueError, "send_queued: the queue or the lanes' rows exceed "
+                        "the arrays");
+        goto fail;
+    }
+    for (int64_t q = 0; q < OPV(&o, OP_NQ); q++)
+        if (o.sendq[q] < 0 || o.sendq[q] >= o.nl) {
+            PyErr_SetString(PyExc_ValueError, "send_queued: a queued lane outside sendlen");
+            goto fail;
+        }
+    if (check_queue(&o, s, &b) < 0) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    r = send_queued(&o, s);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    PyMem_Free(s);
+    return PyBool_FromLong(r);
+fail:
+    release(&b);
+    PyMem_Free(s);
+    return NULL;
+}
+
+/* pump(fd, stride, order, runs, max_segments, max_bytes, stats,            (the sender: 0-6)
+        opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32,
+        cnt, sendq, sendlen,                                               (the operation: 7-23)
+        picked, op_timeout_s,                                                         (24-25)
+        wake_fd, msgs_addr, count, raw, msg_len_at, controllen_at, names, control,
+        slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders)     (the receiver: 26-41)
+   -> (why, at, nseg, code) */
+static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(42);
+    bufs_t b = {.n = 0};
+    op_t o;
+    receiver_t rx;
+    Py_buffer *v;
+    int64_t tmp, at = 0, nseg = 0, code = 0;
+    double op_timeout_s;
+    int why;
+    sender_t *s = PyMem_Malloc(sizeof(sender_t));
+    if (!s) return PyErr_NoMemory();
+    memset(&rx, 0, sizeof rx);
+    if (get_sender(&b, args, 0, s) < 0) goto fail;
+    if (get_op(&b, args, 7, 1, 1, &o) < 0) goto fail;
+    if (check_queue(&o, s, &b) < 0) goto fail;
+    ARR(v, 24, "picked", B(K_I64), 1); o.picked = v->buf;
+    if (v->len / 8 < PROBE_LANES) {
+        PyErr_SetString(PyExc_ValueError, "picked must hold PROBE_LANES int64");
+        goto fail;
+    }
+    F64(op_timeout_s, 25);
+    rx.fd = s->fd;
+    I64(tmp, 26); rx.wake_fd = (int)tmp;
+    I64(tmp, 27); rx.msgs = (struct mmsghdr *)(uintptr_t)tmp;
+    I64(rx.count, 28);
+    ARR(v, 29, "raw", B(K_U8), 1); rx.raw = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count) {
+        PyErr_SetString(PyExc_ValueError, "raw must be the (count, sizeof mmsghdr) bytes");
+        goto fail;
+    }
+    rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
+    I64(rx.msg_len_at, 30); I64(rx.controllen_at, 31);
+    ARR(v, 32, "names", B(K_U8), 0); rx.names = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) {
+        PyErr_SetString(PyExc_ValueError, "names must be (count, 16) bytes");
+        goto fail;
+    }
+    rx.names_cols = v->shape[1];
+    ARR(v, 33, "control", B(K_U8), 0); rx.control = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 20) {
+        PyErr_SetString(PyExc_ValueError, "control must be (count, space) bytes");
+        goto fail;
+    }
+    rx.control_cols = v->shape[1];
+    I64(rx.slot_bytes, 34); I64(rx.gro, 35); I64(rx.sol_udp, 36); I64(rx.udp_gro, 37);
+    ARR(v, 38, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
+    if (rx.count * rx.slot_bytes > rx.buf_n || rx.msgs == NULL) {
+        PyErr_SetString(PyExc_ValueError, "buf is smaller than count slots");
+        goto fail;
+    }
+    ARR(v, 39, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
+    ARR(v, 40, "lens", B(K_I64), 1); rx.lens = v->buf;
+    if (v->len / 8 < rx.nstarts) goto short_arrays;
+    ARR(v, 41, "senders", B(K_I64), 1); rx.senders = v->buf;
+    if (v->len / 8 < rx.nstarts) goto short_arrays;
+    Py_BEGIN_ALLOW_THREADS
+    why = pump(&o, s, &rx, op_timeout_s, &at, &nseg, &code);
+    Py_END_ALLOW_THREADS
+    release(&b);
+    PyMem_Free(s);
+    return Py_BuildValue("(iLLL)", why, (long long)at, (long long)nseg, (long long)code);
+short_arrays:
+    PyErr_SetString(PyExc_ValueError, "lens and senders must be as long as starts");
+fail:
+    release(&b);
+    PyMem_Free(s);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"worker_results", (PyCFunction)(void (*)(void))py_worker_results, METH_FASTCALL,
+     "worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, "
+     "next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen, "
+     "scratch) -> (next, code): take the RESULTs of a batch (kernels/stream.py)"},
+    {"send_first", (PyCFunction)(void (*)(void))py_send_first, METH_FASTCALL,
+     "send_first(count, now, opv, ...): start and queue packets 0 .. count-1"},
+    {"send_chunk", (PyCFunction)(void (*)(void))py_send_chunk, METH_FASTCALL,
+     "send_chunk(p, retransmit, fast, now, opv, ...) -> lane: (re-)build packet p"},
+    {"take_nack", (PyCFunction)(void (*)(void))py_take_nack, METH_FASTCALL,
+     "take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt) -> the chunk to re-send, or -1"},
+    {"mark_nack_resend", (PyCFunction)(void (*)(void))py_mark_nack_resend, METH_FASTCALL,
+     "mark_nack_resend(i, p, chunk, opv, lane, tx8): the first re-send for a NACK is RESENT"},
+    {"fire_timers", (PyCFunction)(void (*)(void))py_fire_timers, METH_FASTCALL,
+     "fire_timers(now, opv, ..., picked) -> bool: re-send what the timers call for"},
+    {"next_deadline", (PyCFunction)(void (*)(void))py_next_deadline, METH_FASTCALL,
+     "next_deadline(lane, lanef, rtt) -> float"},
+    {"probe_time", (PyCFunction)(void (*)(void))py_probe_time, METH_FASTCALL,
+     "probe_time(rtt) -> float: when the idle probe is due"},
+    {"plan_runs", (PyCFunction)(void (*)(void))py_plan_runs, METH_FASTCALL,
+     "plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs) "
+     "-> runs: cut queued lanes into UDP GSO runs"},
+    {"block_exponents", (PyCFunction)(void (*)(void))py_block_exponents, METH_FASTCALL,
+     "block_exponents(x, k, exps, nonfinite)"},
+    {"quantize_block", (PyCFunction)(void (*)(void))py_quantize_block, METH_FASTCALL,
+     "quantize_block(x, emax, n_bits, nonfinite, out)"},
+    {"dequantize_block", (PyCFunction)(void (*)(void))py_dequantize_block, METH_FASTCALL,
+     "dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax)"},
+    {"residual_block", (PyCFunction)(void (*)(void))py_residual_block, METH_FASTCALL,
+     "residual_block(x, q, emax, n_bits, r)"},
+    {"split_mmsg", (PyCFunction)(void (*)(void))py_split_mmsg, METH_FASTCALL,
+     "split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, "
+     "sol_udp, udp_gro, out_starts, out_lens, out_senders) -> datagrams"},
+    {"gro_segments", (PyCFunction)(void (*)(void))py_gro_segments, METH_FASTCALL,
+     "gro_segments(nbytes, seg, starts, lens) -> datagrams"},
+    {"first_foreign", (PyCFunction)(void (*)(void))py_first_foreign, METH_FASTCALL,
+     "first_foreign(senders, start, count, allowed, nallowed) -> index"},
+    {"send_queued", (PyCFunction)(void (*)(void))py_send_queued, METH_FASTCALL,
+     "send_queued(fd, stride, order, runs, max_segments, max_bytes, stats, opv, sendq, "
+     "sendlen, tx8) -> bool: send the queued lanes as GSO runs"},
+    {"pump", (PyCFunction)(void (*)(void))py_pump, METH_FASTCALL,
+     "pump(...) -> (why, at, nseg, code): the worker's compiled receive-and-send loop"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "switchml._worker",
+    "The worker's per-datagram rules and its receive-and-send loop, compiled when the package "
+    "is built (src/switchml/csrc/worker.c).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__worker(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    /* The layout compiled in, for the import-time check against kernels/layout.py. */
+    if (PyModule_AddIntConstant(m, "O_FIELDS", O_FIELDS) < 0
+        || PyModule_AddIntConstant(m, "R_FIELDS", R_FIELDS) < 0
+        || PyModule_AddIntConstant(m, "LN_FIELDS", LN_FIELDS) < 0
+        || PyModule_AddIntConstant(m, "LNF_FIELDS", LNF_FIELDS) < 0
+        || PyModule_AddIntConstant(m, "WC_N", WC_N) < 0
+        || PyModule_AddIntConstant(m, "HDR", HDR) < 0
+        || PyModule_AddIntConstant(m, "H_EXP_NEXT", H_EXP_NEXT) < 0
+        || PyModule_AddIntConstant(m, "PROBE_LANES", PROBE_LANES) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,337 @@
+"""The worker's compiled data plane (``switchml._worker``, from ``src/switchml/csrc/worker.c``)
+against its plain-Python reference (``protocol/kernels/stream.py``, ``numerics.py``,
+``timers.py``), rule for rule.
+
+* The numerics (block exponents, quantization, dequantization, residuals) on random arrays
+  with NaN, Inf, subnormals, zeros and values at the types' edges: bit for bit.
+* The results kernel on crafted batches: real RESULT datagrams of an operation, then copies
+  with flipped bits, cut short, of another job, repeated, out of order, and NACKs: every array
+  of the operation's state, the counters and what it returns, equal after each batch.
+* Whole jobs over the in-memory fabric with loss, duplication and reordering, once on the
+  compiled kernels and once on the reference (the same seed): the same results, residuals,
+  counters and every datagram on the fabric, byte for byte.
+* The layout header the C source is compiled with is what ``kernels/layout.py`` makes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from switchml import _worker as C
+from switchml.protocol import kernels as K
+from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.endpoint import exchange
+from switchml.protocol.kernels import frames, layout, numerics, stream, timers
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.wire import MessageType
+from switchml.protocol.worker import WorkerEndpoint
+from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
+
+REFERENCE = {
+    "worker_results": stream.worker_results, "send_first": stream.send_first,
+    "send_chunk": stream.send_chunk, "take_nack": stream.take_nack,
+    "mark_nack_resend": stream.mark_nack_resend, "plan_runs": stream.plan_runs,
+    "fire_timers": timers.fire_timers, "next_deadline": timers.next_deadline,
+    "probe_time": timers.probe_time, "block_exponents": numerics.block_exponents,
+    "quantize_block": numerics.quantize_block, "dequantize_block": numerics.dequantize_block,
+    "residual_block": numerics.residual_block,
+    "first_foreign": frames.py_func(frames.first_foreign),
+}
+
+
+def test_every_worker_kernel_the_package_exports_is_the_compiled_one():
+    for name in REFERENCE:
+        assert getattr(K, name) is getattr(C, name), name
+
+
+def test_the_layout_header_is_generated_from_the_tables():
+    header = Path(__file__).resolve().parents[2] / "src" / "switchml" / "csrc" / "layout.h"
+    assert header.read_text() == layout.c_header()
+
+
+# -- numerics --------------------------------------------------------------------------------
+
+def _nasty(rng: np.random.Generator, n: int, dtype) -> np.ndarray:
+    info = np.finfo(dtype)
+    x = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(dtype)
+    picks = rng.integers(0, 10, n)
+    x[picks == 0] = 0
+    x[picks == 1] = info.max * rng.choice([-1, 1], (picks == 1).sum())
+    x[picks == 2] = info.smallest_subnormal * rng.integers(1, 50, (picks == 2).sum())
+    x[picks == 3] = info.tiny
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(6))
+def test_block_exponents_match_the_reference(dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = _nasty(rng, 997, dtype)
+    if seed % 2:
+        x[rng.integers(0, x.size, 3)] = [np.nan, np.inf, -np.inf]
+    if seed == 4:
+        x[:] = 0
+    k = int(rng.integers(1, 64))
+    nb = -(-x.size // k)
+    got = (np.empty(nb, np.int64), np.empty(nb, np.uint8))
+    want = (np.empty(nb, np.int64), np.empty(nb, np.uint8))
+    C.block_exponents(x, k, *got)
+    numerics.block_exponents(x, k, *want)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("qtype", ["<i4", "<i2"])
+@pytest.mark.parametrize("seed", range(4))
+def test_quantize_dequantize_and_residual_match_the_reference_bit_for_bit(dtype, qtype, seed):
+    rng = np.random.default_rng(seed)
+    n_workers = int(rng.integers(1, 20))
+    bits = 32 if qtype == "<i4" else 16
+    p = bits - 1 - n_workers.bit_length()
+    x = (rng.standard_normal(500) * 3).astype(dtype)
+    nonfinite = seed % 2 == 1
+    if nonfinite:
+        x[[3, 77]] = [np.nan, np.inf]
+    emax = int(np.frexp(np.max(np.abs(x[np.isfinite(x)])))[1])
+    big = (1000 + p) if dtype == np.float64 else 120  # float64: a shift past 1000 (ldexp)
+    for e in (emax, emax + 3, frames.EXP_ZERO, big, 1023, 127):
+        got, want = np.empty(x.size, qtype), np.empty(x.size, qtype)
+        if e == emax + 1500 and nonfinite:
+            continue
+        C.quantize_block(x, e, p, nonfinite, got)
+        numerics.quantize_block(x, e, p, nonfinite, want)
+        assert np.array_equal(got, want), e
+        for out_type in (np.float32, np.float64):
+            info = np.finfo(out_type)
+            at_edge = e != frames.EXP_ZERO and e + n_workers.bit_length() >= info.maxexp
+            for edge in {False, at_edge}:
+                a, b = np.empty(x.size, out_type), np.empty(x.size, out_type)
+                C.dequantize_block(got, e, p, nonfinite, a, n_workers, edge, float(info.max))
+                numerics.dequantize_block(got, e, p, nonfinite, b, n_workers, edge,
+                                          float(info.max))
+                assert a.tobytes() == b.tobytes(), (e, out_type, edge)
+            ra, rb = np.empty(x.size, out_type), np.empty(x.size, out_type)
+            C.residual_block(x, got, e, p, ra)
+            numerics.residual_block(x, got, e, p, rb)
+            assert ra.tobytes() == rb.tobytes(), (e, out_type)
+
+
+def test_wrong_arrays_are_refused_with_a_message():
+    with pytest.raises(TypeError, match="x has elements of int64"):
+        C.quantize_block(np.zeros(4, np.int64), 0, 20, False, np.empty(4, np.int32))
+    with pytest.raises(ValueError, match="out's size"):
+        C.quantize_block(np.zeros(4, np.float32), 0, 20, False, np.empty(3, np.int32))
+    with pytest.raises(TypeError, match="C-contiguous"):
+        C.quantize_block(np.zeros(8, np.float32)[::2], 0, 20, False, np.empty(4, np.int32))
+    with pytest.raises(TypeError, match="takes 9 arguments"):
+        C.plan_runs(1, 2)
+
+
+# -- the results kernel on crafted batches ---------------------------------------------------
+
+def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0):
+    """A joined worker with an operation in flight (its first window sent), the switch, and
+    the RESULT datagrams that answer every rank of a 1-rank job."""
+    spec = JobSpec(job_id=5, token=0x1234_5678_9ABC, num_workers=1, window=4,
+                   elements_per_packet=32)
+    sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
+    w = WorkerEndpoint(spec=spec, rank=0, switch_address=sw_addr)
+    w.join(0.0)
+    exchange({w_addr: w, sw_addr: sw}, 0.0)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(size) * 10).astype(dtype)
+    res = np.zeros(size, dtype) if residual else None
+    w.start_allreduce(x, np.empty_like(x), 0.0, bits=bits, residual=res)
+    results = []
+    for data, _ in w.datagrams_to_send(0.0):
+        sw.receive_datagram(bytes(data), w_addr, 0.001)
+        results += [bytes(d) for d, _ in sw.datagrams_to_send(0.001)]
+    return w, results
+
+
+def _state(w):
+    op, rec = w._op, w.recovery
+    return [op.opv, op.lane, op.lanef, rec.rtt, w._next_set, op.exps, op.nonf, op.xk,
+            op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, w._cnt, op.sendq, op.sendlen,
+            op.scratch]
+
+
+def _copy(state):
+    arrays = [a.copy() for a in state]
+    tx8 = arrays[11]  # the int16 and int32 views share the byte buffer again
+    arrays[12], arrays[13] = tx8.view(np.int16), tx8.view(np.int32)
+    return arrays
+
+
+def _mutations(results: list[bytes], rng: np.random.Generator) -> list[bytes]:
+    out = []
+    for d in results:
+        b = bytearray(d)
+        kind = int(rng.integers(0, 8))
+        if kind == 0:
+            b[int(rng.integers(0, len(b)))] ^= 1 << int(rng.integers(0, 8))
+        elif kind == 1:
+            b = b[:int(rng.integers(0, len(b)))]
+        elif kind == 2:
+            b[8] ^= 0xFF  # another job
+        elif kind == 3:
+            b[3] = 6  # a NACK's type on a result's body
+        elif kind == 4:
+            b = b[:40]
+            b[3], b[4], b[32], b[33] = 6, 0, 0, 0  # a well-formed NACK of this chunk
+        out.append(bytes(b))
+    return out
+
+
+def _batch(datagrams: list[bytes]):
+    buf = np.frombuffer(b"".join(datagrams) or b"\0", np.uint8).copy()
+    lens = np.array([len(d) for d in datagrams], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    return buf, starts, lens
+
+
+@pytest.mark.parametrize("kind", [(np.float32, 32, False), (np.float64, 32, False),
+                                  (np.int32, 32, False), (np.float32, 16, True),
+                                  (np.float64, 16, True), (np.float32, 16, False)],
+                         ids=lambda k: f"{np.dtype(k[0]).name}/{k[1]}/{int(k[2])}")
+@pytest.mark.parametrize("seed", range(4))
+def test_results_kernel_matches_the_reference_on_hostile_batches(kind, seed):
+    dtype, bits, residual = kind
+    w, results = _operation(dtype, bits, residual, seed=seed)
+    rng = np.random.default_rng(100 + seed)
+    state = _state(w)
+    mine, ref = _copy(state), _copy(state)
+    now = 0.002
+    batches = [results, _mutations(results, rng), results[::-1] + results,
+               _mutations(results[::-1], rng)]
+    for datagrams in batches:
+        buf, starts, lens = _batch(datagrams)
+        i = 0
+        while i < len(datagrams):
+            got = C.worker_results(buf, starts, lens, len(datagrams), i, len(datagrams) + 1, now,
+                                   *mine[:18], *mine[18:])
+            want = stream.worker_results(buf, starts, lens, len(datagrams), i,
+                                         len(datagrams) + 1, now, *ref)
+            assert tuple(got) == tuple(want)
+            for a, b, name in zip(mine, ref, range(18)):
+                if name == 17:  # scratch: the reference's aligned copy of an odd payload
+                    continue
+                assert a.tobytes() == b.tobytes(), f"array {name} differs"
+            nxt, code = got
+            if code == K.WS.FULL:
+                for s in (mine, ref):
+                    s[0][K.OP.NQ] = 0
+            i = nxt + (1 if code in (K.WS.OTHER,) else 0)
+            if code == K.WS.OP_COMPLETE:
+                i = nxt
+        now += 0.001
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_timers_and_nacks_match_the_reference(seed):
+    w, _ = _operation(np.float32, 32, False, seed=seed)
+    state = _state(w)
+    mine, ref = _copy(state), _copy(state)
+    picked_a, picked_b = np.empty(layout.PROBE_LANES, np.int64), np.empty(
+        layout.PROBE_LANES, np.int64)
+    rng = np.random.default_rng(seed)
+    for a in (mine, ref):
+        a[3][K.R.SRTT], a[3][K.R.MIN_RTT], a[3][K.R.PROBED_AT] = 0.01, 0.008, 0.0
+        a[0][K.OP.NQ] = 0
+    for step in range(12):
+        now = 0.05 * (step + 1)
+        args_a = (now, *mine[:9], mine[10], *mine[11:17])
+        args_b = (now, *ref[:9], ref[10], *ref[11:17])
+        assert C.fire_timers(*args_a, picked_a) == timers.fire_timers(*args_b, picked_b)
+        assert C.next_deadline(mine[1], mine[2], mine[3]) == timers.next_deadline(
+            ref[1], ref[2], ref[3])
+        assert C.probe_time(mine[3]) == timers.probe_time(ref[3])
+        chunk = int(rng.integers(0, 12))
+        slot = int(mine[1][K.LN.SLOT, chunk % int(mine[0][K.OP.E])]) + int(rng.integers(0, 2))
+        pa = C.take_nack(chunk, slot, now, mine[0], mine[1], mine[2], mine[3], mine[14])
+        pb = stream.take_nack(chunk, slot, now, ref[0], ref[1], ref[2], ref[3], ref[14])
+        assert pa == pb
+        if pa >= 0:
+            ia = C.send_chunk(pa, True, True, now, *mine[:9], mine[10], *mine[11:15], mine[16])
+            ib = stream.send_chunk(pb, True, True, now, *ref[:9], ref[10], *ref[11:15], ref[16])
+            assert ia == ib
+            C.mark_nack_resend(ia, pa, chunk, mine[0], mine[1], mine[11])
+            stream.mark_nack_resend(ib, pb, chunk, ref[0], ref[1], ref[11])
+        for a, b in zip(mine[:17], ref[:17]):
+            assert a.tobytes() == b.tobytes()
+        for s in (mine, ref):
+            s[0][K.OP.NQ] = 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_runs_matches_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    lanes, stride = 40, 1000
+    nq = int(rng.integers(0, 100))
+    sendq = rng.integers(0, lanes, nq).astype(np.int64)
+    sendlen = np.where(rng.random(lanes) < 0.8, stride, rng.integers(41, stride, lanes))
+    sendlen = sendlen.astype(np.int64)
+    for shards in (1, 3):
+        a = (np.empty(nq, np.int64), np.empty((nq, 5), np.int64))
+        b = (np.empty(nq, np.int64), np.empty((nq, 5), np.int64))
+        na = C.plan_runs(sendq, nq, sendlen, stride, shards, 16, 20_000, *a)
+        nb = stream.plan_runs(sendq, nq, sendlen, stride, shards, 16, 20_000, *b)
+        assert na == nb
+        assert np.array_equal(a[0][:nq], b[0][:nq]) and np.array_equal(a[1][:na], b[1][:nb])
+
+
+# -- whole jobs over the in-memory fabric ----------------------------------------------------
+
+DATA_TYPES = {int(t) for t in (MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
+                                MessageType.NACK)}
+
+
+class _Recording(MemoryFabric):
+    """A fabric that hashes every data datagram it carries (REQUEST, RESULT, WAITING, NACK),
+    in order. (Control messages carry random nonces.)"""
+
+    def _transmit(self, src, dst, payload, t):
+        if len(payload) > 3 and payload[3] in DATA_TYPES:
+            self.digest.update(repr((src, dst)).encode() + bytes(payload))
+        return super()._transmit(src, dst, payload, t)
+
+
+def _job(kind, seed: int) -> tuple:
+    dtype, bits, residual = kind
+    fabric = _Recording(FaultModel(loss_rate=0.05, duplicate_rate=0.02, reorder_rate=0.1,
+                                   latency_s=1e-4, jitter_s=5e-5), seed)
+    fabric.digest = hashlib.sha256()
+    config = WorkerConfig(initial_rto_s=0.01, max_rto_s=0.05, fast_retransmit=seed % 2 == 1)
+    c = MemoryCluster(num_workers=3, window=4, elements_per_packet=64, seed=seed,
+                      fabric=fabric, worker_config=config)
+    rng = np.random.default_rng(seed)
+    xs = [(rng.standard_normal(1500) * 5).astype(dtype) for _ in range(3)]
+    outs = [np.empty_like(x) for x in xs]
+    res = [np.zeros_like(x) for x in xs] if residual else None
+    for _ in range(2):
+        c.wait(c.start(xs, outs, bits=bits, residuals=res))
+    return ([o.tobytes() for o in outs], [r.tobytes() for r in res or []],
+            [dict(w.counters) for w in c.workers], [dict(w.drops) for w in c.workers],
+            fabric.digest.hexdigest())
+
+
+@pytest.mark.parametrize("kind", [(np.float32, 32, False), (np.int32, 32, False),
+                                  (np.float64, 16, True), (np.float16, 32, False)],
+                         ids=lambda k: f"{np.dtype(k[0]).name}/{k[1]}/{int(k[2])}")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_jobs_under_loss_run_identically_on_the_compiled_kernels_and_the_reference(
+        kind, seed, monkeypatch):
+    compiled = _job(kind, seed)
+    for name, f in REFERENCE.items():
+        monkeypatch.setattr(K, name, f)
+    reference = _job(kind, seed)
+    assert compiled[0] == reference[0]  # results
+    assert compiled[1] == reference[1]  # residuals
+    assert compiled[2] == reference[2]  # counters
+    assert compiled[3] == reference[3]  # drops
+    assert compiled[4] == reference[4]  # every datagram on the fabric
+    assert sum(c["retransmissions"] for c in compiled[2]) > 0  # (loss was recovered)
