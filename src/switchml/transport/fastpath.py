@@ -5,17 +5,17 @@ one ``sendmsg`` per GSO run; measured on the testbed (n = 4, 1 Gbit/s, MTU 1500)
 interpreter was the largest share of a worker's CPU, more than the kernels and the system
 calls. While an operation is in flight the steady state is always the same, so :func:`pump`
 runs it in one call into the compiled data plane (``src/switchml/csrc/worker.c``'s ``pump``,
-built with the package), which holds no GIL: ``recvmmsg``, cut the batch (``split_mmsg``),
-take the results (``worker_results``: the one implementation of the per-datagram rules),
-plan the released requests into GSO runs (``plan_runs``), ``sendmsg`` each, re-send what the
-timers say is due (``fire_timers``: timeouts and the idle probe), and, when the socket is
-empty, wait in ``poll`` on it and the inbox's wake-up pipe until the next deadline. It returns
-to Python, saying where it stopped, for a datagram the kernel leaves to Python (control, WAITING, the operation's last result, a
-full send queue), the operation's own timeout, a command, a failed system call (with its
-errno), or after ``MAX_WAIT_S`` idle; Python goes on exactly as it would have. Only for one
-switch address (a connected socket) and without RACK (its transmission log is Python's);
-elsewhere the Python pump runs alone. ``switchpath.py`` is the switch's counterpart (still
-compiled with numba at first use).
+built with the package), which holds no GIL: ``recvmmsg``, cut the batch (``split_mmsg``), take
+the results (``worker_results``: the one implementation of the per-datagram rules), plan the
+released requests into GSO runs (``plan_runs``), ``sendmsg`` each, re-send what the timers say
+is due (``fire_timers``: timeouts and the idle probe), and, when the socket is empty, wait in
+``poll`` on it and the inbox's wake-up pipe until the next deadline. It returns to Python,
+saying where it stopped, for a datagram the kernel leaves to Python (control, WAITING, the
+operation's last result, a full send queue), the operation's own timeout, a command, a failed
+system call (with its errno), or after ``MAX_WAIT_S`` idle; Python goes on exactly as it would
+have. Only for one switch address (a connected socket) and without RACK (its transmission log
+is Python's); elsewhere the Python pump runs alone. ``switchpath.py`` is the switch's
+counterpart (still compiled with numba at first use).
 """
 
 from __future__ import annotations
