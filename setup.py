@@ -1,5 +1,5 @@
-"""The compiled part of switchml: the worker's data plane (src/switchml/csrc/worker.c), a
-plain C extension built by pip with the system's C compiler (``pip install -e .`` builds it in
+"""The compiled part of switchml: the data plane (src/switchml/csrc: the worker's, worker.c,
+and the switch's, switch.c), plain C extensions built by pip with the system's C compiler (``pip install -e .`` builds it in
 a few seconds; after an edit to the C source, ``python setup.py build_ext --inplace`` rebuilds
 it alone). Everything else is in pyproject.toml.
 
@@ -15,7 +15,8 @@ flags = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wno-unused-function"]
 if os.environ.get("SWITCHML_PORTABLE", "") not in ("1", "true", "yes"):
     flags.append("-march=native")
 
-setup(ext_modules=[Extension(
-    "switchml._worker", sources=["src/switchml/csrc/worker.c"],
-    depends=["src/switchml/csrc/layout.h"], include_dirs=["src/switchml/csrc"],
-    extra_compile_args=flags)])
+HEADERS = ["src/switchml/csrc/layout.h", "src/switchml/csrc/common.h"]
+setup(ext_modules=[
+    Extension(f"switchml._{name}", sources=[f"src/switchml/csrc/{name}.c"], depends=HEADERS,
+              include_dirs=["src/switchml/csrc"], extra_compile_args=flags)
+    for name in ("worker", "switch")])

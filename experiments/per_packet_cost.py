@@ -19,7 +19,6 @@ import numpy as np
 from switchml.protocol.config import JobSpec
 from switchml.protocol.endpoint import Batch
 from switchml.protocol.switch import SwitchDataplane
-from switchml.protocol.warmup import warm_up
 from switchml.protocol.worker import WorkerEndpoint
 
 
@@ -44,7 +43,6 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--batch", type=int, default=40)
     a = ap.parse_args()
-    warm_up()
     n = a.workers
     spec = JobSpec(job_id=7, token=99, num_workers=n, window=a.window,
                    elements_per_packet=a.elements_per_packet)

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from switchml.protocol.warmup import warm_up
 from switchml.sim.cluster import TreeCluster
 from switchml.transport.memory import MemoryCluster, MemoryFabric
 
@@ -90,7 +89,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="write the figures to this file")
     a = ap.parse_args()
-    warm_up()
     elements = a.mib * 2**20 // 4
     rows = []
     for _ in range(a.repeat):

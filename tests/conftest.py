@@ -1,10 +1,7 @@
 """Shared test set-up and helpers.
 
-- The worker's data plane is C built by ``pip install -e .``: a build older than its source
+- The data plane is C built by ``pip install -e .``: a build older than its source
   (``src/switchml/csrc``) stops the run at once, saying how to rebuild it.
-- The switch's numba kernels are compiled once, before any test runs (about 15 s on 2 cores
-  when nothing is cached); tests that start switch processes then load them from the cache
-  instead of each compiling them under its own time limit.
 - ``@pytest.mark.root`` (tests that build network namespaces): skipped, saying why, without
   root or without ip/tc/nft (``switchml.testbed.check_environment``).
 - Helpers shared by test files in several directories, as session fixtures whose value is the
@@ -34,20 +31,16 @@ SWITCHML = [sys.executable, "-m", "switchml"]
 def pytest_sessionstart(session: pytest.Session) -> None:
     from pathlib import Path
 
-    from switchml import _worker
+    from switchml import _switch, _worker
     csrc = Path(__file__).resolve().parents[1] / "src" / "switchml" / "csrc"
     if csrc.is_dir():
-        newest = max(p.stat().st_mtime for p in csrc.iterdir() if p.suffix in (".c", ".h"))
-        if newest > Path(_worker.__file__).stat().st_mtime:
-            raise pytest.UsageError(
-                f"{_worker.__file__} is older than {csrc}: rebuild it with `python setup.py "
-                "build_ext --inplace` (a few seconds) or `pip install -e .`")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _compiled_kernels() -> None:
-    from switchml.warmup import warm_up
-    warm_up()
+        headers = max(p.stat().st_mtime for p in csrc.glob("*.h"))
+        for name, built in (("worker", _worker.__file__), ("switch", _switch.__file__)):
+            source = max(headers, (csrc / f"{name}.c").stat().st_mtime)
+            if source > Path(built).stat().st_mtime:
+                raise pytest.UsageError(
+                    f"{built} is older than its source in {csrc}: rebuild it with `python "
+                    "setup.py build_ext --inplace` (a few seconds) or `pip install -e .`")
 
 
 # -- root tests ----------------------------------------------------------------------------------

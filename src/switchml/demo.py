@@ -170,14 +170,6 @@ def run_demo(cfg: DemoConfig, on_progress: Any = None) -> list[RunResult]:
     """Train once per backend; write JSON and PNG into ``cfg.out_dir``; return the results."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     progress = on_progress or (lambda *a: None)
-    if "switchml" in cfg.backends:
-        # The kernels the demo runs (the switch's, a worker's float32), compiled before any
-        # timed step, the two at once (a fresh install: under a minute on 2 cores; later,
-        # loaded from the cache in a second).
-        import numpy as np
-
-        from switchml.warmup import warm_up
-        warm_up(kinds=((np.float32, 32, False),), tree=False, transports=False)
     results = [_run_backend(cfg, b, progress) for b in cfg.backends]
     with open(os.path.join(cfg.out_dir, "demo.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": [asdict(r) for r in results]}, f, indent=2)

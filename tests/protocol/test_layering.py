@@ -21,10 +21,11 @@ PROTOCOL_DIR = (_SOURCE_TREE if _SOURCE_TREE.is_dir()
 FORBIDDEN = frozenset({"socket", "asyncio", "time", "random", "subprocess", "threading", "torch",
                        "os"})
 PACKAGE = "switchml.protocol"
-COMPILED = "switchml._worker"
-"""The worker's compiled data plane (src/switchml/csrc/worker.c), which ``protocol.kernels``
-exports: its kernels take arrays and a ``now`` and return arrays; only its ``pump`` and
-``send_queued``, called by ``transport/fastpath.py`` alone, touch sockets."""
+COMPILED = ("switchml._worker", "switchml._switch")
+"""The compiled data plane (src/switchml/csrc), which ``protocol.kernels`` exports: its
+kernels take arrays and a ``now`` and return arrays; only its loops and sends (``pump``,
+``send_queued``, ``switch_pump``, ``send_results``), called by ``transport/fastpath.py`` and
+``switchpath.py`` alone, touch sockets."""
 
 
 def _resolve_relative(module: str | None, level: int, path: Path) -> str:
@@ -70,7 +71,7 @@ def violations(source: str, path: Path) -> list[str]:
         if top in FORBIDDEN:
             bad.append(f"{path.name}:{line}: imports {name} (I/O, clock, threads or RNG)")
         elif (top == "switchml" and name != PACKAGE and not name.startswith(PACKAGE + ".")
-              and name != COMPILED):
+              and name not in COMPILED):
             bad.append(f"{path.name}:{line}: imports {name} (outside {PACKAGE})")
     return bad
 

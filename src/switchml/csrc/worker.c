@@ -14,36 +14,7 @@
  * Python reference, numpy arrays through the buffer protocol, and releases the GIL while it
  * works.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#include <errno.h>
-#include <math.h>
-#include <poll.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-#include <time.h>
-
-#include "layout.h"
-
-#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "switchml's data plane assumes a little-endian host (the wire is little-endian)"
-#endif
-
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-
-/* Element kinds of the arrays the kernels take. */
-enum { K_OTHER = 0, K_F32, K_F64, K_I32, K_I16, K_I64, K_U8 };
-
-typedef int32_t ui32 __attribute__((aligned(1))); /* a payload at any offset of a batch */
-typedef int16_t ui16 __attribute__((aligned(1)));
+#include "common.h"
 
 /* ---- one operation's state: pointers into the arrays operation.py builds ---------------- */
 
@@ -61,79 +32,6 @@ typedef struct {
 #define OPV(o, f) ((o)->opv[f])
 #define LANE(o, f, i) ((o)->lane[(int64_t)(f) * (o)->nl + (i)])
 #define LANEF(o, f, i) ((o)->lanef[(int64_t)(f) * (o)->nl + (i)])
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline double dmin(double a, double b) { return a < b ? a : b; }
-static inline double dmax(double a, double b) { return a > b ? a : b; }
-
-/* ---- framing --------------------------------------------------------------------------- */
-
-static inline int64_t rd_u16(const uint8_t *d, int64_t o)
-{
-    return (int64_t)d[o] | ((int64_t)d[o + 1] << 8);
-}
-
-static inline int64_t rd_u32(const uint8_t *d, int64_t o)
-{
-    return (int64_t)d[o] | ((int64_t)d[o + 1] << 8) | ((int64_t)d[o + 2] << 16)
-           | ((int64_t)d[o + 3] << 24);
-}
-
-static inline int64_t rd_i16(const uint8_t *d, int64_t o)
-{
-    int64_t v = rd_u16(d, o);
-    return v >= 32768 ? v - 65536 : v;
-}
-
-static inline int64_t rd_i64(const uint8_t *d, int64_t o)
-{
-    uint64_t lo = (uint64_t)rd_u32(d, o), hi = (uint64_t)rd_u32(d, o + 4);
-    return (int64_t)(lo | (hi << 32));
-}
-
-static inline void put16(uint8_t *d, int64_t o, int64_t v)
-{
-    d[o] = v & 0xFF;
-    d[o + 1] = (v >> 8) & 0xFF;
-}
-
-static inline void put32(uint8_t *d, int64_t o, int64_t v)
-{
-    d[o] = v & 0xFF;
-    d[o + 1] = (v >> 8) & 0xFF;
-    d[o + 2] = (v >> 16) & 0xFF;
-    d[o + 3] = (v >> 24) & 0xFF;
-}
-
-static inline void put64(uint8_t *d, int64_t o, int64_t v)
-{
-    uint64_t u = (uint64_t)v;
-    put32(d, o, (int64_t)(u & 0xFFFFFFFFu));
-    put32(d, o + 4, (int64_t)(u >> 32));
-}
-
-static inline void write_header(uint8_t *d, int64_t o, int64_t mtype, int64_t flags,
-                                int64_t set_bit, int64_t rank, int64_t job, int64_t token,
-                                int64_t seq, int64_t chunk, int64_t slot, int64_t count,
-                                int64_t elem, int64_t digest, int64_t exp_data, int64_t exp_next)
-{
-    put16(d, o + H_MAGIC, MAGIC);
-    d[o + H_VERSION] = VERSION;
-    d[o + H_TYPE] = (uint8_t)mtype;
-    d[o + H_FLAGS] = (uint8_t)flags;
-    d[o + H_SET] = (uint8_t)set_bit;
-    put16(d, o + H_RANK, rank);
-    put32(d, o + H_JOB, job);
-    put64(d, o + H_TOKEN, token);
-    put32(d, o + H_SEQ, seq);
-    put32(d, o + H_CHUNK, chunk);
-    put32(d, o + H_SLOT, slot);
-    put16(d, o + H_COUNT, count);
-    d[o + H_ELEM] = (uint8_t)elem;
-    d[o + H_DIGEST] = (uint8_t)digest;
-    put16(d, o + H_EXP_DATA, exp_data & 0xFFFF);
-    put16(d, o + H_EXP_NEXT, exp_next & 0xFFFF);
-}
 
 /* ---- numerics (quantize.py explains them) ---------------------------------------------- */
 
@@ -866,7 +764,6 @@ static int fire_timers(op_t *o, double now)
 
 /* ---- the compiled loop (transport/fastpath.py) ---------------------------------------- */
 
-#define MAX_IOV 128
 
 typedef struct {
     int fd;
@@ -958,66 +855,6 @@ static int pump_timers(op_t *o, sender_t *s, double now, double op_timeout_s)
     return FIRED;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-typedef struct {
-    int fd, wake_fd;
-    struct mmsghdr *msgs;
-    int64_t count, slot_bytes, gro, sol_udp, udp_gro, msg_len_at, controllen_at;
-    uint8_t *raw; int64_t raw_rows, raw_cols;
-    const uint8_t *names; int64_t names_cols;
-    const uint8_t *control; int64_t control_cols;
-    const uint8_t *buf; int64_t buf_n;
-    int64_t *starts, *lens, *senders; int64_t nstarts;
-} receiver_t;
-
-/* Cut what one recvmmsg returned into datagrams (frames.py's split_mmsg); their number. */
-static int64_t split_mmsg(receiver_t *rx, int64_t n)
-{
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = rx->raw + i * rx->raw_cols;
-        int64_t length = rd_u32(row, rx->msg_len_at);
-        const uint8_t *nm = rx->names + i * rx->names_cols;
-        int64_t sender = ((int64_t)nm[4] << 40) | ((int64_t)nm[5] << 32) | ((int64_t)nm[6] << 24)
-                         | ((int64_t)nm[7] << 16) | ((int64_t)nm[2] << 8) | (int64_t)nm[3];
-        int64_t seg = length;
-        if (rx->gro) {
-            int64_t used = rd_u16(row, rx->controllen_at);
-            const uint8_t *c = rx->control + i * rx->control_cols;
-            if (used >= 20 && rd_u32(c, 8) == rx->sol_udp && rd_u32(c, 12) == rx->udp_gro) {
-                int64_t g = rd_u32(c, 16);
-                if (0 < g && g < length)
-                    seg = g;
-            }
-        }
-        int64_t o = i * rx->slot_bytes, end = o + length;
-        while (1) {
-            if (m >= rx->nstarts)
-                return m;
-            rx->starts[m] = o;
-            rx->lens[m] = min64(seg, end - o);
-            rx->senders[m] = sender;
-            m += 1;
-            o += seg;
-            if (o >= end)
-                break;
-        }
-    }
-    if (rx->gro) {
-        int64_t full = rx->control_cols;
-        for (int64_t i = 0; i < rx->raw_rows; i++)
-            for (int b = 0; b < 8; b++)
-                rx->raw[i * rx->raw_cols + rx->controllen_at + b] = (full >> (8 * b)) & 0xFF;
-    }
-    return m;
-}
-
 /* Receive, take results and send, fire the timers, and wait in poll (on the socket and the
    inbox's wake_fd) until something needs Python (FP_*): fastpath.py's pump. */
 static int pump(op_t *o, sender_t *s, receiver_t *rx, double op_timeout_s, int64_t *at,
@@ -1076,100 +913,6 @@ static int pump(op_t *o, sender_t *s, receiver_t *rx, double op_timeout_s, int64
             return t;
     }
 }
-
-/* ---- Python's side: arguments through the buffer protocol ------------------------------ */
-
-#define MAX_BUFS 32
-
-typedef struct {
-    Py_buffer v[MAX_BUFS];
-    int n;
-} bufs_t;
-
-static void release(bufs_t *b)
-{
-    for (int i = 0; i < b->n; i++)
-        PyBuffer_Release(&b->v[i]);
-    b->n = 0;
-}
-
-static int kind_of(const Py_buffer *v)
-{
-    const char *f = v->format ? v->format : "B";
-    while (*f == '<' || *f == '=' || *f == '@' || *f == '|')
-        f++;
-    char c = *f;
-    if (!c)
-        return K_OTHER;
-    if (c == 'f' && v->itemsize == 4) return K_F32;
-    if (c == 'd' && v->itemsize == 8) return K_F64;
-    if (strchr("bBc?", c) && v->itemsize == 1) return K_U8;
-    if (strchr("hH", c) && v->itemsize == 2) return K_I16;
-    if (strchr("iIlL", c) && v->itemsize == 4) return K_I32;
-    if (strchr("lLqQnN", c) && v->itemsize == 8) return K_I64;
-    return K_OTHER;
-}
-
-static const char *kind_name[] = {"other", "float32", "float64", "int32", "int16", "int64",
-                                  "uint8"};
-
-/* A C-contiguous buffer of arg `name`, of one of the kinds in `kinds` (a bit per kind);
-   NULL with a TypeError/ValueError saying what was wrong. */
-static Py_buffer *getbuf(bufs_t *b, PyObject *obj, const char *name, unsigned kinds,
-                         int writable)
-{
-    if (b->n >= MAX_BUFS) {
-        PyErr_SetString(PyExc_RuntimeError, "switchml._worker: too many array arguments");
-        return NULL;
-    }
-    Py_buffer *v = &b->v[b->n];
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, v, flags) < 0) {
-        PyErr_Format(PyExc_TypeError,
-                     "switchml._worker: %s must be a C-contiguous%s numpy array", name,
-                     writable ? ", writeable" : "");
-        return NULL;
-    }
-    b->n++;
-    int k = kind_of(v);
-    if (!(kinds & (1u << k))) {
-        PyErr_Format(PyExc_TypeError, "switchml._worker: %s has elements of %s, not one of "
-                     "the types it takes", name, kind_name[k]);
-        return NULL;
-    }
-    return v;
-}
-
-#define B(k) (1u << (k))
-#define NEED(n)                                                                               \
-    if (nargs != (n)) {                                                                       \
-        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", __func__ + 3, (n), \
-                     nargs);                                                                  \
-        return NULL;                                                                          \
-    }
-
-static int arg_i64(PyObject *o, int64_t *out)
-{
-    long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    *out = (int64_t)v;
-    return 0;
-}
-
-static int arg_f64(PyObject *o, double *out)
-{
-    double v = PyFloat_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred())
-        return -1;
-    *out = v;
-    return 0;
-}
-
-#define I64(dst, k) if (arg_i64(args[k], &(dst)) < 0) goto fail
-#define F64(dst, k) if (arg_f64(args[k], &(dst)) < 0) goto fail
-#define BOOL(dst, k) if (((dst) = PyObject_IsTrue(args[k])) < 0) goto fail
-#define ARR(v, k, name, kinds, w) if (!((v) = getbuf(&b, args[k], name, kinds, w))) goto fail
 
 /* The operation's arrays, in the order of the Python kernels' arguments, from args[at]:
    opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, [out,] res, tx8, tx16, tx32, cnt,

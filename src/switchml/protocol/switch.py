@@ -251,7 +251,8 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         """The live job datagram ``i`` names, if it is long enough to be a request."""
         if int(lens[i]) < HEADER_SIZE:
             return None
-        return self._jobs.get(int(K.u32(buf, int(starts[i]) + _JOB_AT)))
+        o = int(starts[i]) + _JOB_AT
+        return self._jobs.get(int.from_bytes(buf[o:o + 4].tobytes(), "little"))
 
     def _warm_job(self, job: Job) -> None:
         """``job`` took requests last: first of the warm jobs."""

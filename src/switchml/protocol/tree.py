@@ -55,7 +55,7 @@ from switchml.protocol.endpoint import Batch, flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
 from switchml.protocol.jobs import Job
-from switchml.protocol.kernels import relay as KR
+from switchml.protocol.kernels import layout as KR
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import (
     AT,
@@ -296,7 +296,7 @@ class RackAggregator:
             self.switch.handle_timer(now)
             self._collect(now)
         cfg = self.config
-        n = int(KR.relay_due(self._ust, self._utimes, now, cfg.rto_s, cfg.max_rto_s,
+        n = int(K.relay_due(self._ust, self._utimes, now, cfg.rto_s, cfg.max_rto_s,
                              self._sendq))
         for v, s in self._sendq[:n, :2].tolist():
             first = float(self._utimes[KR.UT.FIRST_SENT, v, s])
@@ -313,7 +313,7 @@ class RackAggregator:
         """The earliest of: the inner switch's lease timer, upstream retransmissions, the JOIN
         retry."""
         times = [t for t in (self.switch.get_timer(), self._join_at) if t is not None]
-        due = float(KR.relay_next_due(self._ust, self._utimes))
+        due = float(K.relay_next_due(self._ust, self._utimes))
         if due != np.inf:
             times.append(due)
         return min(times) if times else None
@@ -373,7 +373,7 @@ class RackAggregator:
         return True
 
     def _send_up(self, done: np.ndarray, ndone: int, bufs: np.ndarray, now: float) -> None:
-        n = int(KR.relay_up(done, ndone, bufs, self._rv, self._up, self._ust, self._utimes, now,
+        n = int(K.relay_up(done, ndone, bufs, self._rv, self._up, self._ust, self._utimes, now,
                             self.config.rto_s, self._cnt, self._sendq))
         run = self._runs.setdefault(self.parent_address, [])
         views = self._up_views
@@ -426,7 +426,7 @@ class RackAggregator:
         rest (control, errors) one by one."""
         view = None
         while i < j:
-            nxt, nsend = KR.relay_down(buf, starts, lens, j, i, self._rv, self._ust, self._down,
+            nxt, nsend = K.relay_down(buf, starts, lens, j, i, self._rv, self._ust, self._down,
                                        self._cnt, self._sendq)
             if nsend:
                 self._waiting_for = []  # the parent answers: whom it waited for is history

@@ -15,7 +15,7 @@ operation's last result, a full send queue), the operation's own timeout, a comm
 system call (with its errno), or after ``MAX_WAIT_S`` idle; Python goes on exactly as it would
 have. Only for one switch address (a connected socket) and without RACK (its transmission log
 is Python's); elsewhere the Python pump runs alone. ``switchpath.py`` is the switch's
-counterpart (still compiled with numba at first use).
+counterpart.
 """
 
 from __future__ import annotations

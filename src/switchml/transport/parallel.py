@@ -33,7 +33,6 @@ from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.parts import MAX_THREADS, check_threads, part_specs, split
 from switchml.protocol.session import prepare_submission
 from switchml.protocol.wire import elements_for_mtu
-from switchml.transport.compiled import ensure_worker
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.udp import WorkerClient
 
@@ -192,7 +191,6 @@ class ParallelClient:
         """
         sub = prepare_submission(data, out, bits=bits, residual=residual,
                                  handle_type=AllreduceHandle)
-        ensure_worker(sub.data.dtype, bits, residual is not None)
         src, dst = sub.data.reshape(-1), sub.out.reshape(-1)
         res = sub.residual.reshape(-1) if sub.residual is not None else None
         if res is not None and res.size != src.size:

@@ -50,7 +50,6 @@ from switchml.transport.batching import (
     gso_supported,
     open_receiver,
 )
-from switchml.transport.compiled import ensure_switch, ensure_tree, ensure_worker
 from switchml.transport.eventlog import SwitchEventLog
 from switchml.transport.fastpath import FP, ST, FastPath
 from switchml.transport.fastpath import available as fastpath_available
@@ -98,11 +97,6 @@ class SwitchServer:
             raise TransportError(
                 f"a switch on {host} without a secret exposes job creation to the network: "
                 "give SwitchConfig(secret=...), listen on 127.0.0.1, or pass insecure=True")
-        # Compiled (or loaded) before the socket exists: a switch that listens answers at once.
-        if type(self.dataplane) is SwitchDataplane:
-            ensure_switch()
-        else:
-            ensure_tree()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.bind((host, port))
@@ -356,9 +350,6 @@ class WorkerClient:
         self.switch = self.switches[0]
         sharded = len(self.switches) > 1
         self.spec, self.rank = spec, rank
-        # The common kind's kernels before the JOIN (the others before their first operation,
-        # in the caller's thread): an operation never waits for the compiler.
-        ensure_worker(np.float32)
         self.session = WorkerSession(
             WorkerEndpoint(spec=spec, rank=rank, config=config, switch_address=self.switches),
             handle_type=AllreduceHandle, explain=self._icmp_note)
@@ -411,7 +402,6 @@ class WorkerClient:
         """
         sub = prepare_submission(data, out, bits=bits, residual=residual,
                                  handle_type=AllreduceHandle)
-        ensure_worker(sub.data.dtype, bits, residual is not None)
 
         def healthy() -> None:
             if self.session.error is not None:

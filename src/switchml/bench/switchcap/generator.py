@@ -465,8 +465,7 @@ class _Generator:
         if os.getppid() != clock.parent:  # the parent died: stop at once
             raise SystemExit(1)
         if clock.t_first == _INF:
-            # The warm-up counts from the first result: a switch that compiles its
-            # data plane on first use (numba, cold cache) may take half a minute.
+            # The warm-up counts from the first result.
             if self.results:
                 clock.t_first = now
                 conn.send(("first", now - clock.t0))

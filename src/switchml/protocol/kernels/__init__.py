@@ -1,33 +1,33 @@
-"""Compiled per-datagram kernels: the one implementation of every per-packet rule.
+"""The per-datagram kernels: the one implementation of every per-packet rule, compiled.
 
 The switch and the worker cost too much per datagram as chains of Python statements and numpy
 calls (tens of microseconds each: at a 1500-byte MTU a 1 Gbit/s link carries 83,000 datagrams
-per second). The rules that run once per datagram live here, as numba functions that take a
-whole batch of datagrams (a GRO or recvmmsg batch) and the endpoint's state as numpy arrays,
-and work through the batch without returning to Python:
+per second). The rules that run once per datagram are C (``src/switchml/csrc``), built by
+``pip install`` into ``switchml._switch`` and ``switchml._worker``; this package exports them
+under the names the endpoints call, each taking a whole batch of datagrams and the endpoint's
+state as numpy arrays, and working through the batch without returning to Python (and
+without the GIL):
 
-* ``aggregate.py`` (the switch): :func:`switch_requests` validates a REQUEST, checks job, rank,
+* the switch (``csrc/switch.c``): ``switch_requests`` validates a REQUEST, checks job, rank,
   epoch and slot, classifies it by the slot table (``slots.py``), aggregates, maxes the
-  exponent, completes the round and writes the result header in place; it also finds chunks a
-  rank should have delivered (NACKs).
-* ``numerics.py``: block exponents, quantization, dequantization (``quantize.py`` explains).
-* ``stream.py`` (the worker): :func:`worker_results` takes results (dequantizes into the
+  exponent, completes the round and writes the result header in place; it also finds chunks
+  a rank should have delivered (NACKs) and answers re-sent requests; a rack's relay;
+* the worker (``csrc/worker.c``): ``worker_results`` takes results (dequantizes into the
   output), updates its lanes and round-trip estimate, and builds the requests they release
-  straight into a preallocated transmit buffer (:func:`build_request`, :func:`send_chunk`).
-* ``timers.py`` (the worker): :func:`fire_timers` re-sends what the timers call for
-  (timeouts, the idle probe).
-* ``frames.py``: wire constants, field access, header writing, batches of datagrams.
+  straight into a preallocated transmit buffer; ``fire_timers`` re-sends what the timers call
+  for; the numerics (``quantize.py`` is their public face).
 
 A kernel stops (returns the index of the datagram) at anything rare that needs Python: control
-messages, malformed datagrams, another job in the same buffer, retransmissions to answer,
-disagreeing ranks. The Python side (``switch.py``, ``worker.py``) handles that one datagram and
-calls the kernel again for the rest, so datagrams are always processed in order and each rule
-exists once. With ``NUMBA_DISABLE_JIT=1`` the kernels run as plain Python (for debugging and
-coverage; very slow); without numba installed they do too, with a warning.
+messages, malformed datagrams, another job in the same buffer, disagreeing ranks. The Python
+side (``switch.py``, ``worker.py``) handles that one datagram and calls the kernel again for the
+rest, so datagrams are always processed in order and each rule exists once in production.
 
-Numba's cache notices changes to a kernel's own file only, not to the kernels it calls in
-another file of this package: ``transport/compiled.py`` clears a module's cache when it or
-anything it imports changed (before any kernel is loaded in a process).
+The modules of this package (``aggregate.py``, ``relay.py``, ``stream.py``, ``numerics.py``,
+``timers.py``, ``frames.py``) are the same rules in plain Python: the reference the C is
+tested against, rule for rule, on crafted, hostile and random batches and whole lossy jobs
+(``tests/protocol/test_switch_kernels.py``, ``test_worker_kernels.py``); no endpoint runs
+them. ``layout.py`` is the one table of the state's fields and codes, from which
+``csrc/layout.h`` is generated.
 """
 
 from switchml.protocol.kernels.aggregate import (
@@ -38,10 +38,7 @@ from switchml.protocol.kernels.aggregate import (
     SS,
     J,
     S,
-    log_releases,
-    plan_result_runs,
     reply_row_bytes,
-    switch_requests,
 )
 from switchml.protocol.kernels.frames import (
     E_BYTES,
@@ -65,7 +62,6 @@ from switchml.protocol.kernels.frames import (
     counter_snapshot,
     i16,
     i64,
-    request_framing,
     split_gro,
     u16,
     u32,
@@ -80,6 +76,7 @@ from switchml.protocol.kernels.layout import (
     OP,
     PROBE_LANES,
     R_FIELDS,
+    U_FIELDS,
     WC,
     WS,
     R,
@@ -107,6 +104,35 @@ def _load_worker():
                           f"source has {want}): rebuild it with `pip install -e .`")
     return _worker
 
+
+def _load_switch():
+    """The switch's compiled data plane (``switchml._switch``), checked like the worker's."""
+    try:
+        from switchml import _switch
+    except ImportError as exc:
+        raise ImportError(
+            "switchml's compiled data plane (switchml._switch, from src/switchml/csrc/switch.c) "
+            "is not built: install the package with `pip install -e .` (or, after editing the "
+            "C source, `python setup.py build_ext --inplace`); it needs a C compiler") from exc
+    want = {"J_FIELDS": J_FIELDS, "S_FIELDS": S_FIELDS, "SC_N": int(SC.N), "HDR": HDR,
+            "MAX_BATCH": MAX_BATCH, "U_FIELDS": U_FIELDS}
+    have = {k: getattr(_switch, k, None) for k in want}
+    if have != want:
+        raise ImportError(f"switchml._switch was built from another layout ({have}; this "
+                          f"source has {want}): rebuild it with `pip install -e .`")
+    return _switch
+
+
+_s = _load_switch()
+log_releases = _s.log_releases
+plan_result_runs = _s.plan_result_runs
+relay_down = _s.relay_down
+relay_due = _s.relay_due
+relay_next_due = _s.relay_next_due
+relay_up = _s.relay_up
+request_framing = _s.request_framing
+switch_requests = _s.switch_requests
+del _s
 
 _w = _load_worker()
 block_exponents = _w.block_exponents
@@ -139,5 +165,6 @@ __all__ = [
     "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs", "probe_time",
     "quantize_block", "reply_row_bytes", "request_framing", "residual_block",
     "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests",
-    "take_nack", "u16", "u32", "worker_results", "write_header",
+    "relay_down", "relay_due", "relay_next_due", "relay_up", "take_nack", "u16", "u32",
+    "worker_results", "write_header",
 ]

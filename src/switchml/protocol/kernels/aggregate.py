@@ -1,6 +1,8 @@
-"""The switch's per-request rules, compiled: validate, classify by the slot table, aggregate,
-complete, find chunks a rank should have delivered (NACKs), and answer a re-sent request
-(the stored result again, or WAITING).
+"""The switch's per-request rules in plain Python: the reference the compiled data plane
+(``src/switchml/csrc/switch.c``, the one production implementation, imported as
+``switchml._switch``) is tested against (``tests/protocol/test_switch_kernels.py``): validate,
+classify by the slot table, aggregate, complete, find chunks a rank should have delivered
+(NACKs), and answer a re-sent request (the stored result again, or WAITING).
 
 ``switch.py`` explains the protocol and holds the state as arrays (``jobs.Job``: ``jobv``
 fields J, ``st`` fields S, bitmaps ``seen``/``conflict``, result buffers ``bufs``, the
@@ -12,7 +14,6 @@ what needs Python (disagreeing ranks, a full reply buffer) and returns why.
 
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -40,9 +41,7 @@ from switchml.protocol.kernels.frames import (
     H_TOKEN,
     HALF,
     HDR,
-    INLINE,
     MASK32,
-    NO_RC,
     SHAPE_FLAGS,
     T_NACK,
     T_RESULT,
@@ -50,7 +49,6 @@ from switchml.protocol.kernels.frames import (
     copy_bytes,
     i16,
     i64,
-    njit,
     request_framing,
     u16,
     u32,
@@ -58,8 +56,7 @@ from switchml.protocol.kernels.frames import (
 )
 from switchml.protocol.slots import SlotAction
 
-# The slot actions (slots.SlotAction) as this module's own constants: numba compiles them into
-# the cached kernels, and the cache only notices changes to this file. Checked at import.
+# The slot actions (slots.SlotAction) as this module's own constants. Checked at import.
 A_DROP_STALE = 0
 A_START_ROUND = 1
 A_ADD = 2
@@ -72,85 +69,15 @@ if {a.name: int(a) for a in SlotAction} != {n[2:]: v for n, v in globals().items
     raise ImportError("kernels/aggregate.py's A_* constants differ from slots.SlotAction")
 
 
-class J(IntEnum):
-    """Indexes of a switch job's scalar fields (``jobv``, int64)."""
-
-    JOB = 0
-    TOKEN = 1  # stored as the signed reinterpretation of the u64 token
-    N = 2
-    SLOT_BASE = 3
-    WINDOW = 4
-    MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
-    MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
-    AGGREGATED = 7  # elements aggregated
-    NACK_GAP = 8  # chunks a rank may run ahead of a chunk it has not delivered; 0: no NACKs
-    NACK_CHUNK = 9  # out: the chunk a NACK names (valid when the kernel stops with SS.NACK)
-    NACK_SLOT = 10  # out: its slot, relative to SLOT_BASE
-    COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
-    FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
-    NACK_CALM_FROM = 13  # the completion of the last needless NACK (or of the last halving)
-    SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
-    NACK_BASE_GAP = 15  # SwitchConfig.nack_gap: where a widened gap returns to
-    NACK_CALM = 16  # SwitchConfig.nack_calm: completions without a needless NACK per halving
-    NACK_WIDENED_AT = 17  # the completion of the last widening (Python's: once per window)
-    LOG_AT_RELEASE = 18  # 1: a relay releases the rounds later (log_releases logs them then)
-    NACK_CAP = 19  # SwitchConfig.nack_log_windows x WINDOW: how far a widened gap grows
-    MEMBER_TIMEOUT_US = 20  # SwitchConfig.member_timeout_s: a member silent this long is gone
-
-
-J_FIELDS = 21
-
-
-class S(IntEnum):
-    """Indexes of a slot set's fields (``st[field, set, slot]``, int64)."""
-
-    SEQ = 0  # -1: never used
-    CHUNK = 1
-    COUNT = 2
-    ELEM = 3
-    FLAGS = 4
-    EXP_DATA = 5
-    EXP_NEXT = 6
-    DIGEST = 7
-    MISSING = 8
-    DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
-
-
-S_FIELDS = 10
-
-
-class SC(IntEnum):
-    """Switch counters (``cnt``, int64)."""
-
-    STALE = 0
-    BAD_SLOT = 1
-    BAD_PAYLOAD = 2
-    LATE_DUPLICATE = 3
-    MULTICAST = 4
-    ABANDONED = 5
-    RESULTS_RESENT = 6  # re-sent requests into complete rounds, answered with the result
-    WAITING_SENT = 7  # re-sent requests into open rounds, answered WAITING
-    NACKS_NEEDLESS = 8  # re-sends for a NACK that found their chunk already in (reordered)
-    DUPLICATE = 9  # re-sent requests into open rounds (dropped: the data is in)
-    NACKS = 10  # NACKs written
-    N = 11
-
-
-class SS(IntEnum):
-    """Why :func:`switch_requests` stopped."""
-
-    DONE = 0  # every datagram taken
-    OTHER = 1  # not a request of a known member of this job, or from before the epoch: Python
-    WAITING_CONFLICT = 2  # a retransmission into an open round with refused ranks: Python
-    #                       tells the sender (MISMATCH)
-    MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
-    CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
-    REPLIES_FULL = 5  # the replies written fill their buffer: the caller sends them, calls again
-
-
-REPLIES_PER_CALL = 64
-"""Replies (NACK, RESENT, WAITING datagrams) :func:`switch_requests` writes per call: its
-``replies`` buffer's rows."""
+from switchml.protocol.kernels.layout import (  # noqa: E402,F401  (re-exported)
+    J_FIELDS,
+    REPLIES_PER_CALL,
+    S_FIELDS,
+    SC,
+    SS,
+    J,
+    S,
+)
 
 
 def reply_row_bytes(num_workers: int, elements_per_packet: int) -> int:
@@ -181,17 +108,14 @@ class Request(NamedTuple):
 
 # -- bitmaps ------------------------------------------------------------------------------------
 
-@njit(**INLINE)
 def _clear_bit(bm, v, s, rank):
     bm[v, s, rank >> 6] &= ~(np.uint64(1) << np.uint64(rank & 63))
 
 
-@njit(**INLINE)
 def _has_bit(bm, v, s, rank):
     return (bm[v, s, rank >> 6] >> np.uint64(rank & 63)) & np.uint64(1) != 0
 
 
-@njit(**INLINE)
 def _any_bit(bm, v, s):
     for w in range(bm.shape[2]):
         if bm[v, s, w] != 0:
@@ -201,7 +125,6 @@ def _any_bit(bm, v, s):
 
 # -- the slot rule ------------------------------------------------------------------------------
 
-@njit(**INLINE)
 def _parse(d, o, base):
     """The REQUEST at ``d[o:]`` (framing already checked)."""
     elem = np.int64(d[o + H_ELEM])
@@ -211,7 +134,6 @@ def _parse(d, o, base):
                    i16(d, o + H_EXP_DATA), i16(d, o + H_EXP_NEXT), 4 if elem == E_INT32 else 2)
 
 
-@njit(**INLINE)
 def _round_order(st, r):
     """``slots.Round`` of the request's ``(seq, chunk)`` against its set's round (seq in
     serial-number arithmetic, RFC 1982)."""
@@ -224,7 +146,6 @@ def _round_order(st, r):
     return 1 if r.chunk == cc else (2 if r.chunk > cc else 0)
 
 
-@njit(**INLINE)
 def _agrees(st, r):
     """Whether the chunk has its round's shape (size, type, exponent, flags, digest)."""
     v, s = r.v, r.s
@@ -233,7 +154,6 @@ def _agrees(st, r):
             and ((r.flags ^ st[S.FLAGS, v, s]) & SHAPE_FLAGS) == 0)
 
 
-@njit(**INLINE)
 def _action(st, seen, rules, r, rank):
     """Look the request up in the slot rules (``slots.SLOT_RULES``)."""
     order = _round_order(st, r)
@@ -247,7 +167,6 @@ def _action(st, seen, rules, r, rank):
     return rules[order, contributed, complete, agrees]
 
 
-@njit(**INLINE)
 def _start_round(st, seen, conflict, bufs, n, r, rank, pay, cnt):
     """A new round: the first contributor overwrites (no explicit reset of a slot)."""
     v, s = r.v, r.s
@@ -265,7 +184,6 @@ def _start_round(st, seen, conflict, bufs, n, r, rank, pay, cnt):
     st[S.MISSING, v, s] = n - 1
 
 
-@njit(**INLINE)
 def _add(st, seen, conflict, bufs, r, rank, pay):
     """Add a contribution (integer adds wrap, as a switch's adders do); returns whether the
     round has refused ranks left after this one (Python tells this rank)."""
@@ -290,7 +208,6 @@ def _add(st, seen, conflict, bufs, r, rank, pay):
     return False
 
 
-@njit(**INLINE)
 def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
     """The round's last contribution: write the result header into the slot's buffer, log
     the completion (NACKs), and list it in ``done``."""
@@ -307,7 +224,6 @@ def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
     jobv[J.AGGREGATED] += r.count
 
 
-@njit(**NO_RC)
 def log_releases(jobv, st, clog, sendq, nsend):
     """A relay multicast the results of rounds ``sendq[:nsend]`` (rows ``(set, slot, ...)``)
     of a job with ``LOG_AT_RELEASE``: log them now, in the order the children get them.
@@ -318,7 +234,6 @@ def log_releases(jobv, st, clog, sendq, nsend):
         _log_release(jobv, st, clog, v, s, st[S.SEQ, v, s], st[S.CHUNK, v, s])
 
 
-@njit(**INLINE)
 def _log_release(jobv, st, clog, v, s, seq, chunk):
     """Stamp a round's results going out (``S.DONE_AT``) and log it for NACKs."""
     stamp = jobv[J.COMPLETIONS] + 1
@@ -345,7 +260,6 @@ def _log_release(jobv, st, clog, v, s, seq, chunk):
 
 # -- switch-driven loss recovery ----------------------------------------------------------------
 
-@njit(**INLINE)
 def _find_round(st, sp, seq, chunk):
     """The set of relative slot ``sp`` that holds round ``(seq, chunk)``, or -1."""
     for u in range(2):
@@ -354,7 +268,6 @@ def _find_round(st, sp, seq, chunk):
     return -1
 
 
-@njit(**INLINE)
 def _lacks(st, seen, rank, seq, p, sp):
     """Whether ``rank`` has not delivered chunk ``p`` of operation ``seq`` (relative slot
     ``sp``): the lane neither holds round ``p`` with the rank in it nor has moved past it."""
@@ -371,14 +284,12 @@ def _lacks(st, seen, rank, seq, p, sp):
     return True
 
 
-@njit(**INLINE)
 def _nack(jobv, chunk, slot):
     jobv[J.NACK_CHUNK] = chunk
     jobv[J.NACK_SLOT] = slot
     return True
 
 
-@njit(**INLINE)
 def _behind_in_first_window(jobv, st, seen, rank, seq, chunk, s, E):
     """The first window (chunks ``0 .. E-1``) goes out at once in chunk order, so chunk
     ``chunk - NACK_GAP * SHARDS`` (a lane of this shard) should have arrived before it."""
@@ -390,7 +301,6 @@ def _behind_in_first_window(jobv, st, seen, rank, seq, chunk, s, E):
     return False
 
 
-@njit(**INLINE)
 def _behind_on(jobv, st, seen, clog, cursor, rank, r):
     """Switch-driven loss recovery: chunk ``r.chunk`` of ``rank`` was just added; find a
     chunk of the same operation the rank should have delivered before it and has not.
@@ -443,7 +353,6 @@ def _behind_on(jobv, st, seen, clog, cursor, rank, r):
 
 # -- the batch ----------------------------------------------------------------------------------
 
-@njit(**INLINE)
 def _member_request(d, o, ln, sender, jobv, mkeys):
     """Whether the datagram at ``d[o:o+ln]`` is a well-formed REQUEST of this job (job and
     token) from a rank whose membership was checked for this sender (``mkeys``: per rank, the
@@ -456,7 +365,6 @@ def _member_request(d, o, ln, sender, jobv, mkeys):
     return rank < jobv[J.N] and mkeys[rank] == sender
 
 
-@njit(**INLINE)
 def _write_nack(jobv, replies, reply_meta, k, rank, seq):
     """Reply ``k``: a NACK, telling ``rank`` the chunk ``_behind_on`` found (header only)."""
     write_header(replies[k], 0, T_NACK, 0, 0, rank, jobv[J.JOB], jobv[J.TOKEN], seq,
@@ -465,7 +373,6 @@ def _write_nack(jobv, replies, reply_meta, k, rank, seq):
     reply_meta[k, 0], reply_meta[k, 1] = rank, HDR
 
 
-@njit(**INLINE)
 def _before_epoch(jobv, seq):
     """Whether ``seq`` predates the job's epoch (a restart); keeps the bound within reach of
     wrapping sequence numbers."""
@@ -480,7 +387,6 @@ def _before_epoch(jobv, seq):
     return False
 
 
-@njit(**INLINE)
 def _outside(jobv, r, cnt):
     """A request for a slot outside the job's range, or with more payload than a slot holds:
     dropped and counted."""
@@ -493,7 +399,6 @@ def _outside(jobv, r, cnt):
     return False
 
 
-@njit(**INLINE)
 def _nack_was_needless(jobv, cnt):
     """A re-send answering a NACK found its chunk already in: the chunk had been reordered,
     not lost. Widen the job's gap (as RACK widens its reorder window), so a network that
@@ -510,7 +415,6 @@ def _nack_was_needless(jobv, cnt):
         jobv[J.NACK_WIDENED_AT] = now
 
 
-@njit(**INLINE)
 def _write_resent(st, bufs, replies, reply_meta, k, rank, r):
     """Reply ``k``: the stored result of the request's round again, marked RESENT (the result
     was lost on its way to this rank)."""
@@ -522,7 +426,6 @@ def _write_resent(st, bufs, replies, reply_meta, k, rank, r):
     reply_meta[k, 0], reply_meta[k, 1] = rank, size
 
 
-@njit(**INLINE)
 def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
     """Reply ``k``: WAITING, to a re-send into an open round that has this rank's data: the
     ranks still missing, then those of them gone (silent for ``MEMBER_TIMEOUT_US``; a rank
@@ -545,7 +448,6 @@ def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
     reply_meta[k, 0], reply_meta[k, 1] = rank, HDR + 2 * nb
 
 
-@njit(**INLINE)
 def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_meta, k, rank, r,
                    action, cnt):
     """A re-sent request (a timeout, a probe or a NACK: its round has this rank's data, or is
@@ -565,7 +467,6 @@ def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_me
     return True
 
 
-@njit(**NO_RC)
 def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
                     clog, cursor, mkeys, heard, rules, cnt, done, replies, reply_meta):
     """Aggregate the REQUESTs of one job in a batch of datagrams, from datagram ``start`` on.
@@ -637,7 +538,6 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
     return i, ndone, nnack, SS.DONE.value
 
 
-@njit(**NO_RC)
 def plan_result_runs(pend, n, stride, max_segments, max_bytes, runs):
     """Cut a job's completed rounds ``pend[:n]`` (rows ``(set, slot, length)``, in the order
     they completed) into UDP GSO runs; return how many.

@@ -1,45 +1,22 @@
-"""Datagram framing for the compiled kernels: wire constants, little-endian field access,
+"""Datagram framing for the reference kernels (plain Python; ``src/switchml/csrc`` holds the
+compiled ones, from the same tables): wire constants, little-endian field access,
 header writing, the REQUEST framing rule, and cutting received buffers into datagrams.
 
 The header's byte offsets (``H_SEQ`` ...) come from ``wire.HEADER_FIELDS``, the one table of
-the layout (module globals: numba compiles them in as constants); the other wire constants are
+the layout; the other wire constants are
 checked against ``wire.py`` by ``tests/protocol/test_batches.py``.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from switchml.protocol.wire import AT, HEADER_SIZE
 
-try:
-    from numba import njit
-except ImportError:  # pragma: no cover - numba is a dependency; this keeps the core importable
-    warnings.warn("numba is not installed: switchml's per-packet kernels run as plain Python "
-                  "(correct, but about 100x slower)", RuntimeWarning, stacklevel=2)
-
-    def njit(*args, **kwargs):  # type: ignore[no-redef]
-        if args and callable(args[0]):
-            return args[0]
-        return lambda f: f
-
-KW = {"cache": True, "nogil": True}
-"""Every kernel: compiled once into numba's cache, and releasing the GIL."""
-NO_RC = {**KW, "_nrt": False}
-"""A kernel that allocates nothing: compiled without numba's reference counting. Every array
-slice or view numba makes otherwise takes and drops a reference with an atomic instruction;
-measured in the worker's results kernel on the testbed, those were most of its time. Its
-views must not outlive the call (none is returned or stored)."""
-INLINE = {**KW, "inline": "always"}
-"""A kernel's helper: inlined into its caller at compile time (no call, no reference counting
-of the arrays it is passed; measured: 0.85 -> 0.6 us per request at the switch)."""
 
 def py_func(f):
-    """The plain-Python function of a compiled kernel (for the worker's reference kernels,
-    which call the framing helpers as Python)."""
-    return getattr(f, "py_func", f)
+    """``f`` itself: the framing helpers are plain Python (kept for the references' imports)."""
+    return f
 
 
 HDR = HEADER_SIZE
@@ -70,7 +47,6 @@ MASK32 = (1 << 32) - 1
 
 
 
-@njit(**INLINE)
 def copy_bytes(dst, do, src, so, n):
     """``dst[do:do+n] = src[so:so+n]`` for byte arrays that do not overlap, with no slice
     (a slice assignment allocates in numba, which an ``NO_RC`` kernel may not)."""
@@ -78,24 +54,20 @@ def copy_bytes(dst, do, src, so, n):
         dst[np.uint64(do + j)] = src[np.uint64(so + j)]
 
 
-@njit(**INLINE)
 def u16(d, o):
     return np.int64(d[o]) | (np.int64(d[o + 1]) << 8)
 
 
-@njit(**INLINE)
 def u32(d, o):
     return (np.int64(d[o]) | (np.int64(d[o + 1]) << 8) | (np.int64(d[o + 2]) << 16)
             | (np.int64(d[o + 3]) << 24))
 
 
-@njit(**INLINE)
 def i16(d, o):
     v = u16(d, o)
     return v - 65536 if v >= 32768 else v
 
 
-@njit(**INLINE)
 def i64(d, o):
     """The u64 at ``o``, reinterpreted as int64 (tokens are compared bit for bit)."""
     lo = u32(d, o)
@@ -103,13 +75,11 @@ def i64(d, o):
     return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
 
 
-@njit(**INLINE)
 def put16(d, o, v):
     d[o] = v & 0xFF
     d[o + 1] = (v >> 8) & 0xFF
 
 
-@njit(**INLINE)
 def put32(d, o, v):
     d[o] = v & 0xFF
     d[o + 1] = (v >> 8) & 0xFF
@@ -117,14 +87,12 @@ def put32(d, o, v):
     d[o + 3] = (v >> 24) & 0xFF
 
 
-@njit(**INLINE)
 def put64(d, o, v):
     u = np.uint64(v)
     put32(d, o, np.int64(u & np.uint64(MASK32)))
     put32(d, o + 4, np.int64(u >> np.uint64(32)))
 
 
-@njit(**KW)
 def write_header(d, o, mtype, flags, set_bit, rank, job, token, seq, chunk, slot, count, elem,
                  digest, exp_data, exp_next):
     """Write a 40-byte header at ``d[o:]`` (``token`` as int64 bits)."""
@@ -146,7 +114,6 @@ def write_header(d, o, mtype, flags, set_bit, rank, job, token, seq, chunk, slot
     put16(d, o + H_EXP_NEXT, exp_next & 0xFFFF)
 
 
-@njit(**KW)
 def request_framing(d, o, n):
     """Whether ``d[o:o+n]`` is a well-formed REQUEST with an int32 or int16 payload."""
     if (n < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
@@ -162,9 +129,7 @@ def request_framing(d, o, n):
     return False
 
 
-MAX_BATCH = 4096
-"""Datagrams one batch call takes at most (the kernel's GRO merges at most 64; recvmmsg of 64
-buffers of up to 64 each)."""
+from switchml.protocol.kernels.layout import MAX_BATCH  # noqa: E402,F401  (re-exported)
 
 
 def counter_snapshot(counter, cnt, names):
@@ -191,7 +156,6 @@ def split_gro(nbytes: int, seg: int, starts: np.ndarray, lens: np.ndarray) -> tu
     return count, -(-nbytes // seg) - count
 
 
-@njit(**NO_RC)
 def gro_segments(nbytes, seg, starts, lens):
     """Fill ``starts``/``lens`` with the datagrams of a GRO buffer (all ``seg`` long but the
     last); return their number."""
@@ -205,7 +169,6 @@ def gro_segments(nbytes, seg, starts, lens):
     return n
 
 
-@njit(**NO_RC)
 def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, sol_udp,
                udp_gro, out_starts, out_lens, out_senders):
     """Cut what one ``recvmmsg`` returned into datagrams; return their number.
@@ -252,7 +215,6 @@ def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, g
     return m
 
 
-@njit(**NO_RC)
 def first_foreign(senders, start, count, allowed, nallowed):
     """The first ``i`` in ``start .. count-1`` whose ``senders[i]`` is none of
     ``allowed[:nallowed]``, or ``count``: the datagrams of a batch up to there come from

@@ -1,10 +1,10 @@
-"""The worker's state layout: the one table of the fields its compiled kernels share with
-Python (``operation.py`` builds the arrays, ``recovery.py`` the round-trip state), and of
-the codes they return.
+"""The data plane's state layout: the one table of the fields the compiled kernels share with
+Python (a worker's: ``operation.py`` builds the arrays, ``recovery.py`` the round-trip state;
+a switch's: ``jobs.py``; a rack's relay: ``tree.py``), and of the codes they return.
 
 The compiled data plane (``src/switchml/csrc/worker.c``) reads these as ``#define``s from
 ``csrc/layout.h``, which :func:`c_header` writes from this module and from ``wire.py``'s
-header table (``python -m switchml.protocol.kernels.layout`` rewrites it;
+header table (``python src/switchml/protocol/kernels/layout.py`` rewrites it;
 ``tests/protocol/test_worker_kernels.py`` checks that the file is what this module makes).
 Stdlib only.
 """
@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["FP", "LF", "LN", "LNF_FIELDS", "LN_FIELDS", "OP", "O_FIELDS", "PROBE_LANES", "R",
-           "R_FIELDS", "ST", "WC", "WS", "c_header"]
+__all__ = [
+    "ANSWERED", "FP", "IDLE", "J", "J_FIELDS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
+    "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "R", "RC", "REPLIES_PER_CALL", "RV",
+    "RV_FIELDS", "R_FIELDS", "S", "SC", "SENT", "SP", "SS", "ST", "S_FIELDS", "U", "UT",
+    "UT_FIELDS", "U_FIELDS", "WC", "WS", "XC", "c_header",
+]
 
 
 class OP(IntEnum):
@@ -152,12 +156,169 @@ class ST(IntEnum):
     N = 4
 
 
+# -- the switch (``aggregate.py``) and a rack's relay (``relay.py``) -------------------------------
+
+class J(IntEnum):
+    """Indexes of a switch job's scalar fields (``jobv``, int64)."""
+
+    JOB = 0
+    TOKEN = 1  # stored as the signed reinterpretation of the u64 token
+    N = 2
+    SLOT_BASE = 3
+    WINDOW = 4
+    MAX_BYTES = 5  # 4 x elements_per_packet: the payload a slot holds
+    MIN_SEQ = 6  # -1: none (no epoch JOIN yet)
+    AGGREGATED = 7  # elements aggregated
+    NACK_GAP = 8  # chunks a rank may run ahead of a chunk it has not delivered; 0: no NACKs
+    NACK_CHUNK = 9  # out: the chunk a NACK names (valid when the kernel stops with SS.NACK)
+    NACK_SLOT = 10  # out: its slot, relative to SLOT_BASE
+    COMPLETIONS = 11  # rounds completed (stamps S.DONE_AT)
+    FLOAT_SEQ = 12  # the last operation seen to be float (its rounds carry exponents)
+    NACK_CALM_FROM = 13  # the completion of the last needless NACK (or of the last halving)
+    SHARDS = 14  # switch shards the job's lanes are striped over (lane i on shard i mod S)
+    NACK_BASE_GAP = 15  # SwitchConfig.nack_gap: where a widened gap returns to
+    NACK_CALM = 16  # SwitchConfig.nack_calm: completions without a needless NACK per halving
+    NACK_WIDENED_AT = 17  # the completion of the last widening (Python's: once per window)
+    LOG_AT_RELEASE = 18  # 1: a relay releases the rounds later (log_releases logs them then)
+    NACK_CAP = 19  # SwitchConfig.nack_log_windows x WINDOW: how far a widened gap grows
+    MEMBER_TIMEOUT_US = 20  # SwitchConfig.member_timeout_s: a member silent this long is gone
+
+
+J_FIELDS = 21
+
+
+class S(IntEnum):
+    """Indexes of a slot set's fields (``st[field, set, slot]``, int64)."""
+
+    SEQ = 0  # -1: never used
+    CHUNK = 1
+    COUNT = 2
+    ELEM = 3
+    FLAGS = 4
+    EXP_DATA = 5
+    EXP_NEXT = 6
+    DIGEST = 7
+    MISSING = 8
+    DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
+
+
+S_FIELDS = 10
+
+
+class SC(IntEnum):
+    """Switch counters (``cnt``, int64)."""
+
+    STALE = 0
+    BAD_SLOT = 1
+    BAD_PAYLOAD = 2
+    LATE_DUPLICATE = 3
+    MULTICAST = 4
+    ABANDONED = 5
+    RESULTS_RESENT = 6  # re-sent requests into complete rounds, answered with the result
+    WAITING_SENT = 7  # re-sent requests into open rounds, answered WAITING
+    NACKS_NEEDLESS = 8  # re-sends for a NACK that found their chunk already in (reordered)
+    DUPLICATE = 9  # re-sent requests into open rounds (dropped: the data is in)
+    NACKS = 10  # NACKs written
+    N = 11
+
+
+class SS(IntEnum):
+    """Why :func:`switch_requests` stopped."""
+
+    DONE = 0  # every datagram taken
+    OTHER = 1  # not a request of a known member of this job, or from before the epoch: Python
+    WAITING_CONFLICT = 2  # a retransmission into an open round with refused ranks: Python
+    #                       tells the sender (MISMATCH)
+    MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
+    CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
+    REPLIES_FULL = 5  # the replies written fill their buffer: the caller sends them, calls again
+
+
+MAX_BATCH = 4096
+"""Datagrams one batch call takes at most (the kernel's GRO merges at most 64; recvmmsg of 64
+buffers of up to 64 each)."""
+REPLIES_PER_CALL = 64
+"""Replies (NACK, RESENT, WAITING datagrams) ``switch_requests`` writes per call: its
+``replies`` buffer's rows."""
+
+
+class RV(IntEnum):
+    """A rack's scalars (``rv``, int64)."""
+
+    PARENT_JOB = 0
+    PARENT_TOKEN = 1  # the signed reinterpretation of the u64 token
+    RACK = 2  # this rack's rank in the parent job
+    PARENT_BASE = 3  # the parent's slot base; -1 until JOINED
+    CHILD_JOB = 4
+    CHILD_TOKEN = 5
+    CHILD_BASE = 6  # the child job's slot base on the inner switch; -1 until it exists
+
+
+RV_FIELDS = 7
+
+
+class U(IntEnum):
+    """An upstream round's state (``ust[field, set, lane]``, int64)."""
+
+    STATE = 0  # 0 idle, 1 sent and unanswered, 2 answered (``down`` holds the result)
+    SEQ = 1
+    CHUNK = 2
+    LEN = 3  # request length
+    TRIES = 4  # retransmissions
+    RESULT_LEN = 5
+
+
+U_FIELDS = 6
+
+
+class UT(IntEnum):
+    """An upstream round's times (``utimes[field, set, lane]``, float64)."""
+
+    FIRST_SENT = 0
+    DUE = 1  # next retransmission
+
+
+UT_FIELDS = 2
+IDLE, SENT, ANSWERED = 0, 1, 2
+
+
+class RC(IntEnum):
+    """Relay counters (``cnt``, int64)."""
+
+    UPSTREAM_SENT = 0
+    PARENT_RESULTS = 1
+    PARENT_DUPLICATES = 2
+    N = 3
+
+
+
+class XC(IntEnum):
+    """Counters the switch's result sender adds to (``transport/switchpath.py``'s ``SC``)."""
+
+    SEND_CALLS = 0
+    DATAGRAMS_SENT = 1
+    BLOCKED = 2  # datagrams a full socket buffer refused (lost: retransmission recovers)
+    ERRORS = 3  # datagrams another send error lost
+    N = 4
+
+
+class SP(IntEnum):
+    """Counters the switch's compiled loop (``switch_pump``) adds to (beside ``XC``'s)."""
+
+    RECV_CALLS = 0
+    TAKEN = 1  # datagrams received and taken by the kernel
+    RESULTS = 2  # result datagrams sent (or lost to a full buffer)
+    REPLIES = 3  # replies sent (NACK, RESENT, WAITING)
+    ERRNO = 4  # the errno of a failed recvmmsg or poll; not a counter
+    N = 5
+
+
 def c_header() -> str:
     """``csrc/layout.h``: the wire header's offsets and constants (``wire.py``) and every
     field and code above, as C ``#define``s."""
     from switchml.protocol import wire
 
-    lines = ["/* Generated by `python -m switchml.protocol.kernels.layout` from wire.py and",
+    lines = ["/* Generated by `python src/switchml/protocol/kernels/layout.py` from wire.py and",
              "   protocol/kernels/layout.py: do not edit. */", "#pragma once", ""]
 
     def put(name: str, value: int) -> None:
@@ -179,13 +340,22 @@ def c_header() -> str:
         put(f"E_{e.name}", e)
     put("EXP_ZERO", wire.EXP_ZERO)
     put("PROBE_LANES", PROBE_LANES)
+    from switchml.protocol.slots import SlotAction
+
+    put("REPLIES_PER_CALL", REPLIES_PER_CALL)
+    put("MAX_BATCH", MAX_BATCH)
+    for name in ("IDLE", "SENT", "ANSWERED"):
+        put(f"U_{name}", globals()[name])
     for enum, prefix in ((OP, "OP"), (R, "R"), (LN, "LN"), (LF, "LF"), (WC, "WC"), (WS, "WS"),
-                         (FP, "FP"), (ST, "ST")):
+                         (FP, "FP"), (ST, "ST"), (J, "J"), (S, "S"), (SC, "SC"), (SS, "SS"),
+                         (SlotAction, "A"), (RV, "RV"), (U, "U"), (UT, "UT"), (RC, "RC"),
+                         (XC, "XC"), (SP, "SP")):
         lines.append("")
         for m in enum:
             put(f"{prefix}_{m.name}", m)
     lines.append("")
-    for name in ("O_FIELDS", "R_FIELDS", "LN_FIELDS", "LNF_FIELDS"):
+    for name in ("O_FIELDS", "R_FIELDS", "LN_FIELDS", "LNF_FIELDS", "J_FIELDS", "S_FIELDS",
+                 "RV_FIELDS", "U_FIELDS", "UT_FIELDS"):
         put(name, globals()[name])
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,6 @@
-"""A rack switch's relay, compiled: completed rounds up as requests, the parent's results down.
+"""A rack switch's relay in plain Python (the reference of ``src/switchml/csrc/switch.c``'s, which
+production runs: ``switchml._switch``): completed rounds up as requests, the parent's results
+down.
 
 ``tree.py`` explains the tree. Per (set, lane) the rack keeps one upstream request (``up``, a
 datagram buffer), its state (``ust``, fields U) and times (``utimes``, fields UT), and the
@@ -9,8 +11,6 @@ parent (JOINED, WAITING, NACK, errors) stops :func:`relay_down` for Python.
 """
 
 from __future__ import annotations
-
-from enum import IntEnum
 
 import numpy as np
 
@@ -31,86 +31,44 @@ from switchml.protocol.kernels.frames import (
     H_TYPE,
     H_VERSION,
     HDR,
-    INLINE,
     KNOWN_FLAGS,
     MAGIC,
-    NO_RC,
     T_REQUEST,
     T_RESULT,
     VERSION,
     copy_bytes,
     i64,
-    njit,
     put16,
     put32,
     put64,
     u16,
     u32,
 )
+from switchml.protocol.kernels.layout import (  # noqa: E402,F401  (re-exported)
+    ANSWERED,
+    IDLE,
+    RC,
+    RV,
+    RV_FIELDS,
+    SENT,
+    U_FIELDS,
+    UT,
+    UT_FIELDS,
+    U,
+)
 
 
-class RV(IntEnum):
-    """A rack's scalars (``rv``, int64)."""
-
-    PARENT_JOB = 0
-    PARENT_TOKEN = 1  # the signed reinterpretation of the u64 token
-    RACK = 2  # this rack's rank in the parent job
-    PARENT_BASE = 3  # the parent's slot base; -1 until JOINED
-    CHILD_JOB = 4
-    CHILD_TOKEN = 5
-    CHILD_BASE = 6  # the child job's slot base on the inner switch; -1 until it exists
-
-
-RV_FIELDS = 7
-
-
-class U(IntEnum):
-    """An upstream round's state (``ust[field, set, lane]``, int64)."""
-
-    STATE = 0  # 0 idle, 1 sent and unanswered, 2 answered (``down`` holds the result)
-    SEQ = 1
-    CHUNK = 2
-    LEN = 3  # request length
-    TRIES = 4  # retransmissions
-    RESULT_LEN = 5
-
-
-U_FIELDS = 6
-
-
-class UT(IntEnum):
-    """An upstream round's times (``utimes[field, set, lane]``, float64)."""
-
-    FIRST_SENT = 0
-    DUE = 1  # next retransmission
-
-
-UT_FIELDS = 2
-IDLE, SENT, ANSWERED = 0, 1, 2
-
-
-class RC(IntEnum):
-    """Relay counters (``cnt``, int64)."""
-
-    UPSTREAM_SENT = 0
-    PARENT_RESULTS = 1
-    PARENT_DUPLICATES = 2
-    N = 3
-
-
-@njit(**INLINE)
 def _retag(b, mtype, rank, job, token, slot):
     """Rewrite a datagram's header for the other level: type, rank, job, token, slot; no
     ``RESENT`` flag (header offsets: ``frames.py``)."""
     b[3] = mtype
-    b[4] = b[4] & ~F_RESENT
+    b[4] = b[4] & (0xFF & ~F_RESENT)
     put16(b, 6, rank)
     put32(b, 8, job)
     put64(b, 12, token)
     put32(b, 28, slot)
 
 
-@njit(**NO_RC)
 def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
     """Rounds the inner switch completed (``done[i] = (set, slot, length)`` of its result in
     ``bufs``) become this rack's requests to the parent (``up[set, lane]``). Returns how many;
@@ -133,7 +91,6 @@ def relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq):
     return ndone
 
 
-@njit(**INLINE)
 def _parent_result(d, o, ln, rv):
     """Whether ``d[o:o+ln]`` is a well-formed RESULT of the parent job."""
     if (ln < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
@@ -148,7 +105,6 @@ def _parent_result(d, o, ln, rv):
             and i64(d, o + H_TOKEN) == rv[RV.PARENT_TOKEN])
 
 
-@njit(**NO_RC)
 def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
     """Take the parent's RESULTs of a batch from datagram ``start`` on: each that answers an
     outstanding request is rewritten for the child job into ``down[set, lane]``. Returns
@@ -180,7 +136,6 @@ def relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq):
     return i, nsend
 
 
-@njit(**NO_RC)
 def relay_next_due(ust, utimes):
     """The earliest retransmission deadline of an unanswered request (inf when none)."""
     best = np.inf
@@ -191,7 +146,6 @@ def relay_next_due(ust, utimes):
     return best
 
 
-@njit(**NO_RC)
 def relay_due(ust, utimes, now, rto, max_rto, out):
     """Unanswered requests whose deadline passed: their (set, lane) into ``out``, deadlines
     backed off (``rto * 2^tries``, at most ``max_rto``); returns how many (the caller re-sends
