@@ -34,6 +34,37 @@ typedef int16_t ui16 __attribute__((aligned(1)));
 
 #define MAX_IOV 128
 
+/* Send one run of datagrams: the buffers iov[0..niov) gathered, cut by the kernel into
+   datagrams of `size` bytes (UDP_SEGMENT, for more than one; the last may be shorter), to
+   `name` (a struct sockaddr_in, or NULL on a connected socket). The one "send a run" of both
+   compiled loops. Returns sendmsg's result (errno set on -1). */
+static inline ssize_t send_run(int fd, const void *name, struct iovec *iov, size_t niov,
+                               int64_t count, int64_t size)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } ctl;
+    struct msghdr h;
+    memset(&h, 0, sizeof h);
+    h.msg_name = (void *)name;
+    h.msg_namelen = name ? 16 : 0; /* sizeof(struct sockaddr_in) */
+    h.msg_iov = iov;
+    h.msg_iovlen = niov;
+    if (count > 1) {
+        memset(&ctl, 0, sizeof ctl);
+        h.msg_control = ctl.buf;
+        h.msg_controllen = sizeof ctl.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&h);
+        c->cmsg_level = SOL_UDP;
+        c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        uint16_t seg = (uint16_t)size;
+        memcpy(CMSG_DATA(c), &seg, sizeof seg);
+    }
+    return sendmsg(fd, &h, 0);
+}
+
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline double dmin(double a, double b) { return a < b ? a : b; }
 static inline double dmax(double a, double b) { return a > b ? a : b; }

@@ -585,28 +585,7 @@ typedef struct {
 static int send_to(rsender_t *s, const uint8_t *name, struct iovec *iov, size_t niov,
                    int64_t count, int64_t size)
 {
-    union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
-        struct cmsghdr align;
-    } ctl;
-    struct msghdr h;
-    memset(&h, 0, sizeof h);
-    h.msg_name = (void *)name;
-    h.msg_namelen = 16; /* sizeof(struct sockaddr_in) */
-    h.msg_iov = iov;
-    h.msg_iovlen = niov;
-    if (count > 1) {
-        memset(&ctl, 0, sizeof ctl);
-        h.msg_control = ctl.buf;
-        h.msg_controllen = sizeof ctl.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&h);
-        c->cmsg_level = SOL_UDP;
-        c->cmsg_type = UDP_SEGMENT;
-        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-        uint16_t seg = (uint16_t)size;
-        memcpy(CMSG_DATA(c), &seg, sizeof seg);
-    }
-    if (sendmsg(s->fd, &h, 0) < 0) {
+    if (send_run(s->fd, name, iov, niov, count, size) < 0) {
         s->stats[errno == EAGAIN ? XC_BLOCKED : XC_ERRORS] += count;
         return 0;
     }

@@ -781,10 +781,6 @@ static int send_queued(op_t *o, sender_t *s)
         return 1;
     int64_t nr = plan_runs(o->sendq, nq, o->sendlen, s->stride, 1, s->max_segments,
                            s->max_bytes, s->order, s->runs);
-    union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
-        struct cmsghdr align;
-    } ctl;
     for (int64_t r = 0; r < nr; r++) {
         int64_t first = s->runs[r * 5], count = s->runs[r * 5 + 1];
         int64_t size = s->runs[r * 5 + 2], contiguous = s->runs[r * 5 + 3];
@@ -803,22 +799,7 @@ static int send_queued(op_t *o, sender_t *s)
             }
             niov = (size_t)count;
         }
-        struct msghdr h;
-        memset(&h, 0, sizeof h);
-        h.msg_iov = s->iov;
-        h.msg_iovlen = niov;
-        if (count > 1) {
-            memset(&ctl, 0, sizeof ctl);
-            h.msg_control = ctl.buf;
-            h.msg_controllen = sizeof ctl.buf;
-            struct cmsghdr *c = CMSG_FIRSTHDR(&h);
-            c->cmsg_level = SOL_UDP;
-            c->cmsg_type = UDP_SEGMENT;
-            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-            uint16_t seg = (uint16_t)size;
-            memcpy(CMSG_DATA(c), &seg, sizeof seg);
-        }
-        if (sendmsg(s->fd, &h, 0) < 0) {
+        if (send_run(s->fd, NULL, s->iov, niov, count, size) < 0) {
             s->stats[ST_ERRNO] = errno;
             int64_t keep = 0; /* keep what is unsent, in queue order, for Python to send */
             for (int64_t q = first; q < nq; q++)
