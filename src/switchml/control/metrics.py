@@ -1,5 +1,9 @@
 """Prometheus metrics of a running switch, and the reader behind ``switchml stats``.
 
+A switchml job's id is the label ``job_id`` (Prometheus keeps ``job`` for the scrape job's
+name). ``deploy/prometheus/`` has alert rules over these metrics and ``deploy/grafana/`` a
+dashboard; ``tests/ops/test_prometheus.py`` runs both against a real Prometheus.
+
 The exporter is a prometheus-client *collector*: it reads the dataplane's counters when
 scraped, so the packet path pays nothing for it. Metric names:
 
@@ -12,12 +16,12 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
 | ``switchml_drops_total`` | counter | ``reason`` |
-| ``switchml_elements_aggregated_total`` | counter | ``job`` |
+| ``switchml_elements_aggregated_total`` | counter | ``job_id`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
 | ``switchml_memory_bytes`` (slot memory held by jobs) | gauge | |
-| ``switchml_job_ranks``, ``switchml_job_members``, ``switchml_job_open_rounds`` | gauge | ``job`` |
-| ``switchml_job_rank_missing_rounds`` (open rounds lacking it) | gauge | ``job``, ``rank`` |
-| ``switchml_job_rank_silent_seconds`` (-1: never heard) | gauge | ``job``, ``rank`` |
+| ``switchml_job_ranks``, ``switchml_job_members``, ``switchml_job_open_rounds`` | gauge | ``job_id`` |
+| ``switchml_job_rank_missing_rounds`` (open rounds lacking it) | gauge | ``job_id``, ``rank`` |
+| ``switchml_job_rank_silent_seconds`` (-1: never heard) | gauge | ``job_id``, ``rank`` |
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class SwitchCollector:
             drops.add_metric([reason], n)
         yield drops
         elems = CounterMetricFamily("switchml_elements_aggregated",
-                                    "Aggregated elements per live job", labels=["job"])
+                                    "Aggregated elements per live job", labels=["job_id"])
         for job, n in sorted(s["elements_aggregated"].items()):
             elems.add_metric([str(job)], n)
         yield elems
@@ -76,16 +80,16 @@ def _job_families(states: list[dict[str, Any]]) -> Iterator[Any]:
     """Per job: its ranks, joined members and open rounds; per rank it waits for: the rounds
     it is missing from and how long it has been silent."""
     from prometheus_client.core import GaugeMetricFamily
-    per_job = {name: GaugeMetricFamily(f"switchml_job_{name}", doc, labels=["job"])
+    per_job = {name: GaugeMetricFamily(f"switchml_job_{name}", doc, labels=["job_id"])
                for name, doc in (("ranks", "Ranks of the job"),
                                  ("members", "Ranks joined"),
                                  ("open_rounds", "Slot rounds waiting for contributions"))}
     missing = GaugeMetricFamily("switchml_job_rank_missing_rounds",
                                 "Open rounds this rank has not contributed to",
-                                labels=["job", "rank"])
+                                labels=["job_id", "rank"])
     silent = GaugeMetricFamily("switchml_job_rank_silent_seconds",
                                "Seconds since this rank last sent anything (-1: never)",
-                               labels=["job", "rank"])
+                               labels=["job_id", "rank"])
     for st in states:
         job = str(st["job"])
         for name, family in per_job.items():
