@@ -19,7 +19,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_elements_aggregated_total`` | counter | ``job_id`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
 | ``switchml_memory_bytes`` (slot memory held by jobs) | gauge | |
-| ``switchml_job_ranks``, ``switchml_job_members``, ``switchml_job_open_rounds`` | gauge | ``job_id`` |
+| ``switchml_job_ranks``, ``_members``, ``_open_rounds`` | gauge | ``job_id`` |
 | ``switchml_job_rank_missing_rounds`` (open rounds lacking it) | gauge | ``job_id``, ``rank`` |
 | ``switchml_job_rank_silent_seconds`` (-1: never heard) | gauge | ``job_id``, ``rank`` |
 """
