@@ -143,7 +143,8 @@ _valid = st.builds(lambda r, s, v, c: (r, s, v, c), st.integers(0, 1), st.intege
                    st.integers(0, 1), st.integers(0, 5))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(derandomize=True, max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(chunks=st.lists(st.one_of(
     st.binary(max_size=120),
     _valid.map(lambda t: ("valid",) + t),
@@ -185,7 +186,8 @@ def test_no_batch_of_bytes_raises_or_touches_another_job(chunks, seg, cut, mmsg)
     assert sw.stats()["jobs"] == 2
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(derandomize=True, max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(junk=st.lists(st.binary(max_size=200), min_size=1, max_size=8),
        seg=st.integers(0, 100))
 def test_no_batch_of_bytes_makes_a_worker_raise_or_lose_its_operation(junk, seg):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from switchml.protocol.config import JobSpec
@@ -59,6 +59,7 @@ def test_split_by_hand(size, threads, bits, expected):
     assert split(size, SPEC, threads, bits) == expected
 
 
+@settings(derandomize=True, max_examples=200, deadline=None)
 @given(size=st.integers(0, 5000), threads=st.integers(1, 8), bits=st.sampled_from([16, 32]),
        window=st.integers(1, 40))
 def test_split_covers_the_operation_on_block_boundaries(size, threads, bits, window):

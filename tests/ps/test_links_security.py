@@ -217,7 +217,7 @@ def _message(draw) -> bytes:
     return head + payload[:announced]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(phase=st.sampled_from(["fresh", "after hello", "after init"]),
        msgs=st.lists(_message(), min_size=1, max_size=4))
