@@ -217,8 +217,8 @@ def _message(draw) -> bytes:
     return head + payload[:announced]
 
 
-@settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(derandomize=True, max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(phase=st.sampled_from(["fresh", "after hello", "after init"]),
        msgs=st.lists(_message(), min_size=1, max_size=4))
 def test_fuzzed_messages_never_crash_the_server_or_change_another_workers_state(phase, msgs):
