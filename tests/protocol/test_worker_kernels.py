@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -31,11 +32,54 @@ from switchml.protocol.wire import MessageType
 from switchml.protocol.worker import WorkerEndpoint
 from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
 
+
+class RefState(NamedTuple):
+    """The reference's hand-off: the arrays ``C.OpState`` holds, by name."""
+
+    opv: np.ndarray
+    lane: np.ndarray
+    lanef: np.ndarray
+    rtt: np.ndarray
+    next_set: np.ndarray
+    exps: np.ndarray
+    nonf: np.ndarray
+    x: np.ndarray
+    xbits: np.ndarray
+    out: np.ndarray
+    res: np.ndarray
+    tx8: np.ndarray
+    tx16: np.ndarray
+    tx32: np.ndarray
+    cnt: np.ndarray
+    sendq: np.ndarray
+    sendlen: np.ndarray
+    picked: np.ndarray
+    order: np.ndarray
+    runs: np.ndarray
+    stride: int
+
+
+def _sending(st):  # the arrays a send takes: opv .. xbits, res, tx8 .. cnt
+    return (*st[:9], st.res, *st[11:15])
+
+
 REFERENCE = {
-    "worker_results": stream.worker_results, "send_first": stream.send_first,
-    "send_chunk": stream.send_chunk, "take_nack": stream.take_nack,
-    "mark_nack_resend": stream.mark_nack_resend, "plan_runs": stream.plan_runs,
-    "fire_timers": timers.fire_timers, "next_deadline": timers.next_deadline,
+    "OpState": RefState,
+    "worker_results": lambda st, d, starts, lens, nseg, start, limit, now: (
+        stream.worker_results(d, starts, lens, nseg, start, limit, now, *st[:17],
+                              np.empty(st.stride, np.uint8))),
+    "send_first": lambda st, count, now: stream.send_first(count, now, *_sending(st),
+                                                           st.sendq, st.sendlen),
+    "send_chunk": lambda st, p, retransmit, fast, now: stream.send_chunk(
+        p, retransmit, fast, now, *_sending(st), st.sendlen),
+    "take_nack": lambda st, chunk, slot, now: stream.take_nack(chunk, slot, now, st.opv,
+                                                               st.lane, st.lanef, st.rtt, st.cnt),
+    "mark_nack_resend": lambda st, i, p, chunk: stream.mark_nack_resend(i, p, chunk, st.opv,
+                                                                        st.lane, st.tx8),
+    "fire_timers": lambda st, now: timers.fire_timers(now, *_sending(st), st.sendq,
+                                                      st.sendlen, st.picked),
+    "next_deadline": lambda st: timers.next_deadline(st.lane, st.lanef, st.rtt),
+    "plan_runs": stream.plan_runs,
     "probe_time": timers.probe_time, "block_exponents": numerics.block_exponents,
     "quantize_block": numerics.quantize_block, "dequantize_block": numerics.dequantize_block,
     "residual_block": numerics.residual_block,
@@ -43,7 +87,7 @@ REFERENCE = {
 }
 
 
-def test_every_worker_kernel_the_package_exports_is_the_compiled_one():
+def test_every_worker_kernel_the_package_exports_is_the_compiled_one():  # (and OpState)
     for name in REFERENCE:
         assert getattr(K, name) is getattr(C, name), name
 
@@ -154,15 +198,18 @@ def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0):
 
 
 def _state(w):
+    """The operation's arrays, as ``OpState`` takes them."""
     op, rec = w._op, w.recovery
     return [op.opv, op.lane, op.lanef, rec.rtt, w._next_set, op.exps, op.nonf, op.xk,
             op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, w._cnt, op.sendq, op.sendlen,
-            op.scratch]
+            op.picked, op.run_order, op.runs, op.stride]
 
 
 def _copy(state):
-    arrays = [a.copy() for a in state]
-    tx8 = arrays[11]  # the int16 and int32 views share the byte buffer again
+    """Copies of the arrays, the int16 and int32 views sharing the byte buffer again; a
+    ``C.OpState`` over them and the reference's ``RefState``."""
+    arrays = [a.copy() for a in state[:-1]] + [state[-1]]
+    tx8 = arrays[11]
     arrays[12], arrays[13] = tx8.view(np.int16), tx8.view(np.int32)
     return arrays
 
@@ -205,6 +252,7 @@ def test_results_kernel_matches_the_reference_on_hostile_batches(kind, seed):
     rng = np.random.default_rng(100 + seed)
     state = _state(w)
     mine, ref = _copy(state), _copy(state)
+    cstate, rstate = C.OpState(*mine), RefState(*ref)
     now = 0.002
     batches = [results, _mutations(results, rng), results[::-1] + results,
                _mutations(results[::-1], rng)]
@@ -212,14 +260,12 @@ def test_results_kernel_matches_the_reference_on_hostile_batches(kind, seed):
         buf, starts, lens = _batch(datagrams)
         i = 0
         while i < len(datagrams):
-            got = C.worker_results(buf, starts, lens, len(datagrams), i, len(datagrams) + 1, now,
-                                   *mine[:18], *mine[18:])
-            want = stream.worker_results(buf, starts, lens, len(datagrams), i,
-                                         len(datagrams) + 1, now, *ref)
+            got = C.worker_results(cstate, buf, starts, lens, len(datagrams), i,
+                                   len(datagrams) + 1, now)
+            want = REFERENCE["worker_results"](rstate, buf, starts, lens, len(datagrams), i,
+                                               len(datagrams) + 1, now)
             assert tuple(got) == tuple(want)
-            for a, b, name in zip(mine, ref, range(18)):
-                if name == 17:  # scratch: the reference's aligned copy of an odd payload
-                    continue
+            for a, b, name in zip(mine[:17], ref[:17], range(17)):
                 assert a.tobytes() == b.tobytes(), f"array {name} differs"
             nxt, code = got
             if code == K.WS.FULL:
@@ -236,31 +282,27 @@ def test_timers_and_nacks_match_the_reference(seed):
     w, _ = _operation(np.float32, 32, False, seed=seed)
     state = _state(w)
     mine, ref = _copy(state), _copy(state)
-    picked_a, picked_b = np.empty(layout.PROBE_LANES, np.int64), np.empty(
-        layout.PROBE_LANES, np.int64)
+    cstate, rstate = C.OpState(*mine), RefState(*ref)
     rng = np.random.default_rng(seed)
     for a in (mine, ref):
         a[3][K.R.SRTT], a[3][K.R.MIN_RTT], a[3][K.R.PROBED_AT] = 0.01, 0.008, 0.0
         a[0][K.OP.NQ] = 0
     for step in range(12):
         now = 0.05 * (step + 1)
-        args_a = (now, *mine[:9], mine[10], *mine[11:17])
-        args_b = (now, *ref[:9], ref[10], *ref[11:17])
-        assert C.fire_timers(*args_a, picked_a) == timers.fire_timers(*args_b, picked_b)
-        assert C.next_deadline(mine[1], mine[2], mine[3]) == timers.next_deadline(
-            ref[1], ref[2], ref[3])
+        assert C.fire_timers(cstate, now) == REFERENCE["fire_timers"](rstate, now)
+        assert C.next_deadline(cstate) == REFERENCE["next_deadline"](rstate)
         assert C.probe_time(mine[3]) == timers.probe_time(ref[3])
         chunk = int(rng.integers(0, 12))
         slot = int(mine[1][K.LN.SLOT, chunk % int(mine[0][K.OP.E])]) + int(rng.integers(0, 2))
-        pa = C.take_nack(chunk, slot, now, mine[0], mine[1], mine[2], mine[3], mine[14])
-        pb = stream.take_nack(chunk, slot, now, ref[0], ref[1], ref[2], ref[3], ref[14])
+        pa = C.take_nack(cstate, chunk, slot, now)
+        pb = REFERENCE["take_nack"](rstate, chunk, slot, now)
         assert pa == pb
         if pa >= 0:
-            ia = C.send_chunk(pa, True, True, now, *mine[:9], mine[10], *mine[11:15], mine[16])
-            ib = stream.send_chunk(pb, True, True, now, *ref[:9], ref[10], *ref[11:15], ref[16])
+            ia = C.send_chunk(cstate, pa, True, True, now)
+            ib = REFERENCE["send_chunk"](rstate, pb, True, True, now)
             assert ia == ib
-            C.mark_nack_resend(ia, pa, chunk, mine[0], mine[1], mine[11])
-            stream.mark_nack_resend(ib, pb, chunk, ref[0], ref[1], ref[11])
+            C.mark_nack_resend(cstate, ia, pa, chunk)
+            REFERENCE["mark_nack_resend"](rstate, ib, pb, chunk)
         for a, b in zip(mine[:17], ref[:17]):
             assert a.tobytes() == b.tobytes()
         for s in (mine, ref):

@@ -960,26 +960,122 @@ static int get_op(bufs_t *b, PyObject *const *args, int at, int with_out, int wi
     return 0;
 }
 
+/* ---- the operation's state, handed over once ------------------------------------------- */
+
+/* OpState: one operation's arrays, checked against each other and held (buffer views) for
+   the operation's life, so that every kernel call takes the state and a few scalars. Built
+   by WorkerEndpoint when the operation starts. */
+typedef struct {
+    PyObject_HEAD
+    bufs_t b;
+    op_t o;
+    int64_t stride, nruns;
+    int64_t *order, *runs;
+    int ready;
+} OpStateObject;
+
+static PyTypeObject OpStateType;
+
+static void opstate_dealloc(OpStateObject *self)
+{
+    release(&self->b);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* OpState(opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32,
+           cnt, sendq, sendlen, picked, order, runs, stride) */
+static PyObject *opstate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "OpState takes its arrays by position");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(args) != 21) {
+        PyErr_Format(PyExc_TypeError, "OpState takes 21 arguments (%zd given)",
+                     PyTuple_GET_SIZE(args));
+        return NULL;
+    }
+    OpStateObject *self = (OpStateObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    PyObject *const *a = &PyTuple_GET_ITEM(args, 0);
+    Py_buffer *v;
+    if (get_op(&self->b, a, 0, 1, 1, &self->o) < 0)
+        goto fail;
+    if (!(v = getbuf(&self->b, a[17], "picked", B(K_I64), 1)))
+        goto fail;
+    if (v->len / 8 < PROBE_LANES) {
+        PyErr_SetString(PyExc_ValueError, "picked must hold PROBE_LANES int64");
+        goto fail;
+    }
+    self->o.picked = v->buf;
+    if (!(v = getbuf(&self->b, a[18], "order", B(K_I64), 1)))
+        goto fail;
+    self->order = v->buf;
+    if (v->len / 8 < self->o.nsendq)
+        goto short_queue;
+    if (!(v = getbuf(&self->b, a[19], "runs", B(K_I64), 1)))
+        goto fail;
+    if (v->ndim != 2 || v->shape[1] != 5 || v->shape[0] < self->o.nsendq)
+        goto short_queue;
+    self->runs = v->buf;
+    if (arg_i64(a[20], &self->stride) < 0)
+        goto fail;
+    if (self->stride != HDR + self->o.opv[OP_K] * self->o.opv[OP_ITEMSIZE]) {
+        PyErr_SetString(PyExc_ValueError, "OpState: stride is not the operation's datagram size");
+        goto fail;
+    }
+    self->ready = 1;
+    return (PyObject *)self;
+short_queue:
+    PyErr_SetString(PyExc_ValueError, "OpState: order and runs (rows of 5) must hold the send "
+                    "queue");
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static PyTypeObject OpStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "switchml._worker.OpState",
+    .tp_basicsize = sizeof(OpStateObject),
+    .tp_dealloc = (destructor)opstate_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One operation's arrays, checked and held for the kernels (built once per "
+              "operation: OpState(opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, "
+              "res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, order, runs, stride))",
+    .tp_new = opstate_new,
+};
+
+static op_t *state_of(PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, &OpStateType) || !((OpStateObject *)obj)->ready) {
+        PyErr_SetString(PyExc_TypeError, "the first argument must be an OpState");
+        return NULL;
+    }
+    return &((OpStateObject *)obj)->o;
+}
+
+/* worker_results(state, d, starts, lens, nseg, start, limit, now) -> (next, code) */
 static PyObject *py_worker_results(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(25);
+    NEED(8);
     bufs_t b = {.n = 0};
-    op_t o;
+    op_t *o;
     Py_buffer *d, *st, *ln;
     int64_t nseg, start, limit, code, i;
     double now;
-    ARR(d, 0, "d", B(K_U8), 0);
-    ARR(st, 1, "starts", B(K_I64), 0);
-    ARR(ln, 2, "lens", B(K_I64), 0);
-    I64(nseg, 3); I64(start, 4); I64(limit, 5); F64(now, 6);
-    if (get_op(&b, args, 7, 1, 1, &o) < 0) goto fail;
-    /* args[24], scratch: not needed (payloads at any offset are read with unaligned loads) */
+    if (!(o = state_of(args[0]))) return NULL;
+    ARR(d, 1, "d", B(K_U8), 0);
+    ARR(st, 2, "starts", B(K_I64), 0);
+    ARR(ln, 3, "lens", B(K_I64), 0);
+    I64(nseg, 4); I64(start, 5); I64(limit, 6); F64(now, 7);
     if (nseg > st->len / 8 || nseg > ln->len / 8 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "nseg exceeds starts/lens");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    i = worker_results(&o, d->buf, d->len, st->buf, ln->buf, nseg, start, limit, now, &code);
+    i = worker_results(o, d->buf, d->len, st->buf, ln->buf, nseg, start, limit, now, &code);
     Py_END_ALLOW_THREADS
     release(&b);
     return Py_BuildValue("(LL)", (long long)i, (long long)code);
@@ -988,172 +1084,106 @@ fail:
     return NULL;
 }
 
+/* send_first(state, count, now): start and queue packets 0 .. count-1 */
 static PyObject *py_send_first(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(18);
-    bufs_t b = {.n = 0};
-    op_t o;
+    NEED(3);
+    op_t *o;
     int64_t count;
     double now;
-    I64(count, 0); F64(now, 1);
-    if (get_op(&b, args, 2, 0, 1, &o) < 0) goto fail;
-    if (count > o.nl || count > o.nsendq - OPV(&o, OP_NQ) || count > OPV(&o, OP_T)) {
+    if (!(o = state_of(args[0]))) return NULL;
+    if (arg_i64(args[1], &count) < 0 || arg_f64(args[2], &now) < 0) return NULL;
+    if (count < 0 || count > o->nl || count > o->nsendq - OPV(o, OP_NQ)
+        || count > OPV(o, OP_T)) {
         PyErr_SetString(PyExc_ValueError, "send_first: more packets than lanes or queue room");
-        goto fail;
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     for (int64_t p = 0; p < count; p++) {
-        send_chunk(&o, p, 0, 0, now);
-        queue_lane(&o, p);
+        send_chunk(o, p, 0, 0, now);
+        queue_lane(o, p);
     }
     Py_END_ALLOW_THREADS
-    release(&b);
     Py_RETURN_NONE;
-fail:
-    release(&b);
-    return NULL;
 }
 
+/* send_chunk(state, p, retransmit, fast, now) -> lane */
 static PyObject *py_send_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(19);
-    bufs_t b = {.n = 0};
-    op_t o;
-    int64_t p, i;
+    NEED(5);
+    op_t *o;
+    int64_t p;
     int retransmit, fast;
     double now;
-    I64(p, 0); BOOL(retransmit, 1); BOOL(fast, 2); F64(now, 3);
-    if (get_op(&b, args, 4, 0, 0, &o) < 0) goto fail;
-    if (p < 0 || p >= OPV(&o, OP_T)) {
+    if (!(o = state_of(args[0]))) return NULL;
+    if (arg_i64(args[1], &p) < 0 || (retransmit = PyObject_IsTrue(args[2])) < 0
+        || (fast = PyObject_IsTrue(args[3])) < 0 || arg_f64(args[4], &now) < 0)
+        return NULL;
+    if (p < 0 || p >= OPV(o, OP_T)) {
         PyErr_Format(PyExc_ValueError, "send_chunk: packet %lld is not one of this operation's",
                      (long long)p);
-        goto fail;
+        return NULL;
     }
-    i = send_chunk(&o, p, retransmit, fast, now);
-    release(&b);
-    return PyLong_FromLongLong(i);
-fail:
-    release(&b);
-    return NULL;
+    return PyLong_FromLongLong(send_chunk(o, p, retransmit, fast, now));
 }
 
-/* take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt) */
+/* take_nack(state, chunk, slot, now) -> the chunk to re-send, or -1 */
 static PyObject *py_take_nack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(8);
-    bufs_t b = {.n = 0};
-    op_t o;
-    Py_buffer *v;
-    int64_t chunk, slot, p;
+    NEED(4);
+    op_t *o;
+    int64_t chunk, slot;
     double now;
-    memset(&o, 0, sizeof o);
-    I64(chunk, 0); I64(slot, 1); F64(now, 2);
-    ARR(v, 3, "opv", B(K_I64), 1); o.opv = v->buf;
-    ARR(v, 4, "lane", B(K_I64), 1); o.lane = v->buf;
-    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
-        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
-        goto fail;
+    if (!(o = state_of(args[0]))) return NULL;
+    if (arg_i64(args[1], &chunk) < 0 || arg_i64(args[2], &slot) < 0
+        || arg_f64(args[3], &now) < 0)
+        return NULL;
+    if (chunk < 0) {
+        PyErr_SetString(PyExc_ValueError, "take_nack: a negative chunk");
+        return NULL;
     }
-    o.nl = v->shape[1];
-    ARR(v, 5, "lanef", B(K_F64), 1); o.lanef = v->buf;
-    ARR(v, 6, "rtt", B(K_F64), 1); o.rtt = v->buf;
-    ARR(v, 7, "cnt", B(K_I64), 1); o.cnt = v->buf;
-    if (OPV(&o, OP_E) < 1 || OPV(&o, OP_E) > o.nl || chunk < 0) {
-        PyErr_SetString(PyExc_ValueError, "take_nack: opv's lanes disagree with lane's");
-        goto fail;
-    }
-    p = take_nack(&o, chunk, slot, now);
-    release(&b);
-    return PyLong_FromLongLong(p);
-fail:
-    release(&b);
-    return NULL;
+    return PyLong_FromLongLong(take_nack(o, chunk, slot, now));
 }
 
-/* mark_nack_resend(i, p, chunk, opv, lane, tx8) */
+/* mark_nack_resend(state, i, p, chunk) */
 static PyObject *py_mark_nack_resend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(6);
-    bufs_t b = {.n = 0};
-    op_t o;
-    Py_buffer *v;
+    NEED(4);
+    op_t *o;
     int64_t i, p, chunk;
-    memset(&o, 0, sizeof o);
-    I64(i, 0); I64(p, 1); I64(chunk, 2);
-    ARR(v, 3, "opv", B(K_I64), 1); o.opv = v->buf;
-    ARR(v, 4, "lane", B(K_I64), 1); o.lane = v->buf;
-    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
-        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
-        goto fail;
-    }
-    o.nl = v->shape[1];
-    ARR(v, 5, "tx8", B(K_U8), 1); o.tx8 = v->buf;
-    if (i < 0 || i >= o.nl || v->len < lane_row(&o, i) + HDR) {
+    if (!(o = state_of(args[0]))) return NULL;
+    if (arg_i64(args[1], &i) < 0 || arg_i64(args[2], &p) < 0 || arg_i64(args[3], &chunk) < 0)
+        return NULL;
+    if (i < 0 || i >= o->nl) {
         PyErr_SetString(PyExc_ValueError, "mark_nack_resend: no such lane");
-        goto fail;
+        return NULL;
     }
-    mark_nack_resend(&o, i, p, chunk);
-    release(&b);
+    mark_nack_resend(o, i, p, chunk);
     Py_RETURN_NONE;
-fail:
-    release(&b);
-    return NULL;
 }
 
-/* fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16, tx32,
-               cnt, sendq, sendlen, picked) */
+/* fire_timers(state, now) -> bool */
 static PyObject *py_fire_timers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(18);
-    bufs_t b = {.n = 0};
-    op_t o;
-    Py_buffer *v;
+    NEED(2);
+    op_t *o;
     double now;
     int r;
-    F64(now, 0);
-    if (get_op(&b, args, 1, 0, 1, &o) < 0) goto fail;
-    ARR(v, 17, "picked", B(K_I64), 1); o.picked = v->buf;
-    if (v->len / 8 < PROBE_LANES) {
-        PyErr_SetString(PyExc_ValueError, "picked must hold PROBE_LANES int64");
-        goto fail;
-    }
+    if (!(o = state_of(args[0]))) return NULL;
+    if (arg_f64(args[1], &now) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    r = fire_timers(&o, now);
+    r = fire_timers(o, now);
     Py_END_ALLOW_THREADS
-    release(&b);
     return PyBool_FromLong(r);
-fail:
-    release(&b);
-    return NULL;
 }
 
-/* next_deadline(lane, lanef, rtt) */
+/* next_deadline(state) -> float */
 static PyObject *py_next_deadline(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(3);
-    bufs_t b = {.n = 0};
-    op_t o;
-    Py_buffer *v;
-    double t;
-    memset(&o, 0, sizeof o);
-    ARR(v, 0, "lane", B(K_I64), 0); o.lane = v->buf;
-    if (v->ndim != 2 || v->shape[0] != LN_FIELDS) {
-        PyErr_SetString(PyExc_ValueError, "lane must be an int64 array of (LN_FIELDS, lanes)");
-        goto fail;
-    }
-    o.nl = v->shape[1];
-    ARR(v, 1, "lanef", B(K_F64), 0); o.lanef = v->buf;
-    if (v->ndim != 2 || v->shape[1] != o.nl) {
-        PyErr_SetString(PyExc_ValueError, "lanef's lanes differ from lane's");
-        goto fail;
-    }
-    ARR(v, 2, "rtt", B(K_F64), 0); o.rtt = v->buf;
-    t = next_deadline(&o);
-    release(&b);
-    return PyFloat_FromDouble(t);
-fail:
-    release(&b);
-    return NULL;
+    NEED(1);
+    op_t *o;
+    if (!(o = state_of(args[0]))) return NULL;
+    return PyFloat_FromDouble(next_deadline(o));
 }
 
 static PyObject *py_probe_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1436,79 +1466,44 @@ fail:
 
 /* ---- the compiled loop's entry points -------------------------------------------------- */
 
-/* The operation's arrays for the loop: opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
-   out, res, tx8, tx16, tx32, cnt, sendq, sendlen at args[at..at+16], picked at at+17. */
-static int get_sender(bufs_t *b, PyObject *const *args, int at, sender_t *s)
+/* ---- the compiled loop's entry points -------------------------------------------------- */
+
+static int get_sender(PyObject *const *args, OpStateObject *st, sender_t *s, bufs_t *b)
 {
     Py_buffer *v;
-    memset(s, 0, sizeof *s);
     int64_t fd;
-    if (arg_i64(args[at], &fd) < 0) return -1;
+    memset(s, 0, sizeof *s);
+    if (arg_i64(args[0], &fd) < 0) return -1;
     s->fd = (int)fd;
-    if (arg_i64(args[at + 1], &s->stride) < 0) return -1;
-    if (!(v = getbuf(b, args[at + 2], "order", B(K_I64), 1))) return -1;
-    s->order = v->buf;
-    if (!(v = getbuf(b, args[at + 3], "runs", B(K_I64), 1))) return -1;
-    s->runs = v->buf;
-    if (arg_i64(args[at + 4], &s->max_segments) < 0) return -1;
-    if (arg_i64(args[at + 5], &s->max_bytes) < 0) return -1;
-    if (!(v = getbuf(b, args[at + 6], "stats", B(K_I64), 1))) return -1;
-    s->stats = v->buf;
-    if (v->len / 8 < ST_N) { PyErr_SetString(PyExc_ValueError, "stats is too short"); return -1; }
+    if (arg_i64(args[1], &s->max_segments) < 0) return -1;
+    if (arg_i64(args[2], &s->max_bytes) < 0) return -1;
     if (s->max_segments < 1 || s->max_segments > MAX_IOV) {
         PyErr_Format(PyExc_ValueError, "max_segments must be 1..%d", MAX_IOV);
         return -1;
     }
+    if (!(v = getbuf(b, args[3], "stats", B(K_I64), 1))) return -1;
+    if (v->len / 8 < ST_N) { PyErr_SetString(PyExc_ValueError, "stats is too short"); return -1; }
+    s->stats = v->buf;
+    s->stride = st->stride;
+    s->order = st->order;
+    s->runs = st->runs;
     return 0;
 }
 
-static int check_queue(op_t *o, sender_t *s, bufs_t *b)
-{
-    /* order and runs hold the whole queue (operation.py sizes them so) */
-    (void)b;
-    for (int i = 0; i < b->n; i++) {
-        if (b->v[i].buf == s->order && b->v[i].len / 8 < o->nsendq) goto bad;
-        if (b->v[i].buf == s->runs && b->v[i].len / 40 < o->nsendq) goto bad;
-    }
-    if (s->stride != HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE) || s->stride < HDR) goto bad;
-    return 0;
-bad:
-    PyErr_SetString(PyExc_ValueError, "order/runs shorter than the send queue, or a stride "
-                    "that is not the operation's");
-    return -1;
-}
-
-/* send_queued(fd, stride, order, runs, max_segments, max_bytes, stats, opv, sendq, sendlen,
-               tx8) -> bool */
+/* send_queued(state, fd, max_segments, max_bytes, stats) -> bool: the queued lanes as GSO
+   runs on the connected socket */
 static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(11);
+    NEED(5);
     bufs_t b = {.n = 0};
-    op_t o;
-    Py_buffer *v;
+    op_t *o;
     int r;
-    sender_t *s = PyMem_Malloc(sizeof(sender_t));
-    if (!s) return PyErr_NoMemory();
-    memset(&o, 0, sizeof o);
-    if (get_sender(&b, args, 0, s) < 0) goto fail;
-    ARR(v, 7, "opv", B(K_I64), 1); o.opv = v->buf;
-    if (v->len / 8 < O_FIELDS) { PyErr_SetString(PyExc_ValueError, "opv is too short"); goto fail; }
-    ARR(v, 8, "sendq", B(K_I64), 1); o.sendq = v->buf; o.nsendq = v->len / 8;
-    ARR(v, 9, "sendlen", B(K_I64), 1); o.sendlen = v->buf; o.nl = v->len / 8;
-    ARR(v, 10, "tx8", B(K_U8), 1); o.tx8 = v->buf;
-    if (OPV(&o, OP_NQ) < 0 || OPV(&o, OP_NQ) > o.nsendq || v->len < o.nl * s->stride) {
-        PyErr_SetString(PyExc_ValueError, "send_queued: the queue or the lanes' rows exceed "
-                        "the arrays");
-        goto fail;
-    }
-    for (int64_t q = 0; q < OPV(&o, OP_NQ); q++)
-        if (o.sendq[q] < 0 || o.sendq[q] >= o.nl) {
-            PyErr_SetString(PyExc_ValueError, "send_queued: a queued lane outside sendlen");
-            goto fail;
-        }
-    if (check_queue(&o, s, &b) < 0) goto fail;
+    sender_t *s;
+    if (!(o = state_of(args[0]))) return NULL;
+    if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
+    if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS
-    r = send_queued(&o, s);
+    r = send_queued(o, s);
     Py_END_ALLOW_THREADS
     release(&b);
     PyMem_Free(s);
@@ -1519,77 +1514,57 @@ fail:
     return NULL;
 }
 
-/* pump(fd, stride, order, runs, max_segments, max_bytes, stats,            (the sender: 0-6)
-        opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32,
-        cnt, sendq, sendlen,                                               (the operation: 7-23)
-        picked, op_timeout_s,                                                         (24-25)
+/* pump(state, fd, max_segments, max_bytes, stats, op_timeout_s,                       (0-5)
         wake_fd, msgs_addr, count, raw, msg_len_at, controllen_at, names, control,
-        slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders)     (the receiver: 26-41)
+        slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders)    (the receiver: 6-21)
    -> (why, at, nseg, code) */
 static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(42);
+    NEED(22);
     bufs_t b = {.n = 0};
-    op_t o;
+    op_t *o;
     receiver_t rx;
     Py_buffer *v;
     int64_t tmp, at = 0, nseg = 0, code = 0;
     double op_timeout_s;
     int why;
-    sender_t *s = PyMem_Malloc(sizeof(sender_t));
-    if (!s) return PyErr_NoMemory();
+    sender_t *s;
+    if (!(o = state_of(args[0]))) return NULL;
+    if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
     memset(&rx, 0, sizeof rx);
-    if (get_sender(&b, args, 0, s) < 0) goto fail;
-    if (get_op(&b, args, 7, 1, 1, &o) < 0) goto fail;
-    if (check_queue(&o, s, &b) < 0) goto fail;
-    ARR(v, 24, "picked", B(K_I64), 1); o.picked = v->buf;
-    if (v->len / 8 < PROBE_LANES) {
-        PyErr_SetString(PyExc_ValueError, "picked must hold PROBE_LANES int64");
-        goto fail;
-    }
-    F64(op_timeout_s, 25);
+    if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
+    F64(op_timeout_s, 5);
     rx.fd = s->fd;
-    I64(tmp, 26); rx.wake_fd = (int)tmp;
-    I64(tmp, 27); rx.msgs = (struct mmsghdr *)(uintptr_t)tmp;
-    I64(rx.count, 28);
-    ARR(v, 29, "raw", B(K_U8), 1); rx.raw = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count) {
-        PyErr_SetString(PyExc_ValueError, "raw must be the (count, sizeof mmsghdr) bytes");
-        goto fail;
-    }
+    I64(tmp, 6); rx.wake_fd = (int)tmp;
+    I64(tmp, 7); rx.msgs = (struct mmsghdr *)(uintptr_t)tmp;
+    I64(rx.count, 8);
+    ARR(v, 9, "raw", B(K_U8), 1); rx.raw = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count) goto bad_rx;
     rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
-    I64(rx.msg_len_at, 30); I64(rx.controllen_at, 31);
-    ARR(v, 32, "names", B(K_U8), 0); rx.names = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) {
-        PyErr_SetString(PyExc_ValueError, "names must be (count, 16) bytes");
-        goto fail;
-    }
+    I64(rx.msg_len_at, 10); I64(rx.controllen_at, 11);
+    if (rx.msg_len_at + 4 > rx.raw_cols || rx.controllen_at + 8 > rx.raw_cols) goto bad_rx;
+    ARR(v, 12, "names", B(K_U8), 0); rx.names = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) goto bad_rx;
     rx.names_cols = v->shape[1];
-    ARR(v, 33, "control", B(K_U8), 0); rx.control = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 20) {
-        PyErr_SetString(PyExc_ValueError, "control must be (count, space) bytes");
-        goto fail;
-    }
+    ARR(v, 13, "control", B(K_U8), 0); rx.control = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 20) goto bad_rx;
     rx.control_cols = v->shape[1];
-    I64(rx.slot_bytes, 34); I64(rx.gro, 35); I64(rx.sol_udp, 36); I64(rx.udp_gro, 37);
-    ARR(v, 38, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
-    if (rx.count * rx.slot_bytes > rx.buf_n || rx.msgs == NULL) {
-        PyErr_SetString(PyExc_ValueError, "buf is smaller than count slots");
-        goto fail;
-    }
-    ARR(v, 39, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
-    ARR(v, 40, "lens", B(K_I64), 1); rx.lens = v->buf;
-    if (v->len / 8 < rx.nstarts) goto short_arrays;
-    ARR(v, 41, "senders", B(K_I64), 1); rx.senders = v->buf;
-    if (v->len / 8 < rx.nstarts) goto short_arrays;
+    I64(rx.slot_bytes, 14); I64(rx.gro, 15); I64(rx.sol_udp, 16); I64(rx.udp_gro, 17);
+    ARR(v, 18, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
+    if (rx.count * rx.slot_bytes > rx.buf_n || rx.msgs == NULL) goto bad_rx;
+    ARR(v, 19, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
+    ARR(v, 20, "lens", B(K_I64), 1); rx.lens = v->buf;
+    if (v->len / 8 < rx.nstarts) goto bad_rx;
+    ARR(v, 21, "senders", B(K_I64), 1); rx.senders = v->buf;
+    if (v->len / 8 < rx.nstarts) goto bad_rx;
     Py_BEGIN_ALLOW_THREADS
-    why = pump(&o, s, &rx, op_timeout_s, &at, &nseg, &code);
+    why = pump(o, s, &rx, op_timeout_s, &at, &nseg, &code);
     Py_END_ALLOW_THREADS
     release(&b);
     PyMem_Free(s);
     return Py_BuildValue("(iLLL)", why, (long long)at, (long long)nseg, (long long)code);
-short_arrays:
-    PyErr_SetString(PyExc_ValueError, "lens and senders must be as long as starts");
+bad_rx:
+    PyErr_SetString(PyExc_ValueError, "pump: the receiver's arrays of the wrong shape");
 fail:
     release(&b);
     PyMem_Free(s);
@@ -1598,21 +1573,20 @@ fail:
 
 static PyMethodDef methods[] = {
     {"worker_results", (PyCFunction)(void (*)(void))py_worker_results, METH_FASTCALL,
-     "worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, "
-     "next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen, "
-     "scratch) -> (next, code): take the RESULTs of a batch (kernels/stream.py)"},
+     "worker_results(state, d, starts, lens, nseg, start, limit, now) -> (next, code): take "
+     "the RESULTs of a batch (kernels/stream.py)"},
     {"send_first", (PyCFunction)(void (*)(void))py_send_first, METH_FASTCALL,
-     "send_first(count, now, opv, ...): start and queue packets 0 .. count-1"},
+     "send_first(state, count, now): start and queue packets 0 .. count-1"},
     {"send_chunk", (PyCFunction)(void (*)(void))py_send_chunk, METH_FASTCALL,
-     "send_chunk(p, retransmit, fast, now, opv, ...) -> lane: (re-)build packet p"},
+     "send_chunk(state, p, retransmit, fast, now) -> lane: (re-)build packet p"},
     {"take_nack", (PyCFunction)(void (*)(void))py_take_nack, METH_FASTCALL,
-     "take_nack(chunk, slot, now, opv, lane, lanef, rtt, cnt) -> the chunk to re-send, or -1"},
+     "take_nack(state, chunk, slot, now) -> the chunk to re-send, or -1"},
     {"mark_nack_resend", (PyCFunction)(void (*)(void))py_mark_nack_resend, METH_FASTCALL,
-     "mark_nack_resend(i, p, chunk, opv, lane, tx8): the first re-send for a NACK is RESENT"},
+     "mark_nack_resend(state, i, p, chunk): the first re-send for a NACK is RESENT"},
     {"fire_timers", (PyCFunction)(void (*)(void))py_fire_timers, METH_FASTCALL,
-     "fire_timers(now, opv, ..., picked) -> bool: re-send what the timers call for"},
+     "fire_timers(state, now) -> bool: re-send what the timers call for"},
     {"next_deadline", (PyCFunction)(void (*)(void))py_next_deadline, METH_FASTCALL,
-     "next_deadline(lane, lanef, rtt) -> float"},
+     "next_deadline(state) -> float"},
     {"probe_time", (PyCFunction)(void (*)(void))py_probe_time, METH_FASTCALL,
      "probe_time(rtt) -> float: when the idle probe is due"},
     {"plan_runs", (PyCFunction)(void (*)(void))py_plan_runs, METH_FASTCALL,
@@ -1634,8 +1608,8 @@ static PyMethodDef methods[] = {
     {"first_foreign", (PyCFunction)(void (*)(void))py_first_foreign, METH_FASTCALL,
      "first_foreign(senders, start, count, allowed, nallowed) -> index"},
     {"send_queued", (PyCFunction)(void (*)(void))py_send_queued, METH_FASTCALL,
-     "send_queued(fd, stride, order, runs, max_segments, max_bytes, stats, opv, sendq, "
-     "sendlen, tx8) -> bool: send the queued lanes as GSO runs"},
+     "send_queued(state, fd, max_segments, max_bytes, stats) -> bool: send the queued lanes "
+     "as GSO runs"},
     {"pump", (PyCFunction)(void (*)(void))py_pump, METH_FASTCALL,
      "pump(...) -> (why, at, nseg, code): the worker's compiled receive-and-send loop"},
     {NULL, NULL, 0, NULL},
@@ -1650,9 +1624,17 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__worker(void)
 {
+    if (PyType_Ready(&OpStateType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    Py_INCREF(&OpStateType);
+    if (PyModule_AddObject(m, "OpState", (PyObject *)&OpStateType) < 0) {
+        Py_DECREF(&OpStateType);
+        Py_DECREF(m);
+        return NULL;
+    }
     /* The layout compiled in, for the import-time check against kernels/layout.py. */
     if (PyModule_AddIntConstant(m, "O_FIELDS", O_FIELDS) < 0
         || PyModule_AddIntConstant(m, "R_FIELDS", R_FIELDS) < 0

@@ -43,12 +43,12 @@ class Operation:
     views of it (``datagram``), with no copy per datagram.
     """
 
-    __slots__ = ("E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize",
-                 "k", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
-                 "restarts", "run_order", "runs", "scratch", "sendlen", "sendq", "seq",
-                 "spurious", "stage_out", "stage_res", "stride", "tx16", "tx32", "tx8", "txbuf",
-                 "txflat", "waiting_chunk", "waiting_missing", "x", "xbits", "xk",
-                 "xmit_order")
+    __slots__ = (
+        "E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize", "k",
+        "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual", "restarts",
+        "run_order", "runs", "scratch", "sendlen", "sendq", "seq", "spurious", "stage_out",
+        "stage_res", "state", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat",
+        "waiting_chunk", "waiting_missing", "x", "xbits", "xk", "xmit_order")
 
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,
@@ -99,6 +99,17 @@ class Operation:
         self.spurious = 0  # the spurious RACK re-send count when the operation started
         self.waiting_missing = 0  # the ranks the switch last said it waits for (a bitmap)
         self.waiting_chunk = -1
+        self.state = None  # the kernels' hand-off (kernels.OpState), from bind()
+
+    def bind(self, rtt: np.ndarray, next_set: np.ndarray, cnt: np.ndarray) -> None:
+        """Hand this operation's arrays, with the endpoint's round-trip state, lanes' next
+        sets and counters, to the compiled kernels once (``kernels.OpState``: checked against
+        each other and held while the operation lives); every kernel call then takes
+        ``self.state``."""
+        self.state = K.OpState(self.opv, self.lane, self.lanef, rtt, next_set, self.exps,
+                               self.nonf, self.xk, self.xbits, self.outk, self.res, self.tx8,
+                               self.tx16, self.tx32, cnt, self.sendq, self.sendlen, self.picked,
+                               self.run_order, self.runs, self.stride)
 
     def _stage(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
         """The kernels take float32, float64 and int32: stage float16, round once."""

@@ -135,7 +135,7 @@ class LossRecovery:
 
     def deadline(self, op: Operation) -> float:
         """The earliest of the lanes' retransmission deadlines and the failure time."""
-        return min(float(K.next_deadline(op.lane, op.lanef, self.rtt)), self.fail_at())
+        return min(float(K.next_deadline(op.state)), self.fail_at())
 
     def timed_out(self, now: float) -> bool:
         # The same sum as ``deadline``: ``now - last >= timeout`` can be false by a rounding

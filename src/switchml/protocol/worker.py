@@ -249,9 +249,8 @@ class WorkerEndpoint(WorkerControl):
             self._spill(self._op)  # a restarted operation's queue goes out as it was
         self._op = op
         self.recovery.on_started(op, now)
-        K.send_first(op.E, now, op.opv, op.lane, op.lanef, self.recovery.rtt, self._next_set,
-                     op.exps, op.nonf, op.xk, op.xbits, op.res, op.tx8, op.tx16, op.tx32, self._cnt,
-                     op.sendq, op.sendlen)
+        op.bind(self.recovery.rtt, self._next_set, self._cnt)
+        K.send_first(op.state, op.E, now)
         if self.recovery.fast_retransmit:
             for i in range(op.E):
                 self.recovery.on_sent(op, i, now)
@@ -430,18 +429,18 @@ class WorkerEndpoint(WorkerControl):
             op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",
             switch=self._switch_text, num_workers=self.spec.num_workers, now=now)
 
-    def fast_path_state(self) -> tuple[Operation, np.ndarray, np.ndarray, np.ndarray, float
-                                       ] | None:
+    def fast_path_state(self) -> tuple[Operation, float] | None:
         """What a transport's compiled loop (``transport/fastpath.py``) needs to take results
-        and send requests as ``receive_many`` and ``runs_to_send`` would: ``(operation, the
-        lanes' next sets, the counters, the round-trip state, op_timeout_s)``; None when only
-        the Python path may run (no operation in flight, RACK on, or a sharded switch). The
-        loop runs the same kernels and returns to Python for anything they leave to it."""
+        and send requests as ``receive_many`` and ``runs_to_send`` would: ``(operation,
+        op_timeout_s)``, the operation's kernels' hand-off being ``operation.state``
+        (``kernels.OpState``); None when only the Python path may run (no operation in flight,
+        RACK on, or a sharded switch). The loop runs the same kernels and returns to Python for
+        anything they leave to it."""
         op = self._op
         if (op is None or self.state is not WorkerState.BUSY or self.recovery.fast_retransmit
                 or len(self.switch_addresses) > 1):
             return None
-        return op, self._next_set, self._cnt, self.recovery.rtt, self.config.op_timeout_s
+        return op, self.config.op_timeout_s
 
     # -- Receiving ---------------------------------------------------------------------------
 
@@ -471,10 +470,7 @@ class WorkerEndpoint(WorkerControl):
         rec = self.recovery
         limit = 1 if rec.fast_retransmit else count
         queued = int(op.opv[K.OP.NQ])
-        nxt, code = K.worker_results(
-            buf, starts, lens, count, i, limit, now, op.opv, op.lane, op.lanef, rec.rtt,
-            self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.outk, op.res, op.tx8, op.tx16,
-            op.tx32, self._cnt, op.sendq, op.sendlen, op.scratch)
+        nxt, code = K.worker_results(op.state, buf, starts, lens, count, i, limit, now)
         if rec.fast_retransmit:
             for lane in op.sendq[queued:int(op.opv[K.OP.NQ])].tolist():
                 rec.on_sent(op, lane, now)
@@ -559,11 +555,10 @@ class WorkerEndpoint(WorkerControl):
         op = self._current_op(h, "stale_nack")
         if op is None:
             return
-        p = int(K.take_nack(h.chunk, h.slot, now, op.opv, op.lane, op.lanef, self.recovery.rtt,
-                            self._cnt))
+        p = int(K.take_nack(op.state, h.chunk, h.slot, now))
         if p >= 0:
             i = self._send_chunk(op, p, now, retransmit=True, fast=True)
-            K.mark_nack_resend(i, p, h.chunk, op.opv, op.lane, op.tx8)
+            K.mark_nack_resend(op.state, i, p, h.chunk)
 
     def _handle_mismatch(self, h: Header, data: _Data, now: float) -> None:
         """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
@@ -605,13 +600,10 @@ class WorkerEndpoint(WorkerControl):
         queue it; RACK logs the re-sends. (The transports' compiled loop calls the kernel
         itself.)"""
         nq = int(op.opv[K.OP.NQ])
-        args = (now, op.opv, op.lane, op.lanef, self.recovery.rtt, self._next_set, op.exps,
-                op.nonf, op.xk, op.xbits, op.res, op.tx8, op.tx16, op.tx32, self._cnt, op.sendq,
-                op.sendlen, op.picked)
-        if not K.fire_timers(*args):
+        if not K.fire_timers(op.state, now):
             self._spill(op)  # (a queue without room for every busy lane)
             nq = 0
-            K.fire_timers(*args)
+            K.fire_timers(op.state, now)
         if self.recovery.fast_retransmit:
             for i in op.sendq[nq:int(op.opv[K.OP.NQ])].tolist():
                 self.recovery.on_sent(op, i, now)
@@ -638,9 +630,7 @@ class WorkerEndpoint(WorkerControl):
 
         ``fast``: a NACK or RACK re-send: it does not back the lane's timeout off but, as any
         re-send, ends the lane's RTT samples (Karn)."""
-        i = K.send_chunk(p, retransmit, fast, now, op.opv, op.lane, op.lanef, self.recovery.rtt,
-                         self._next_set, op.exps, op.nonf, op.xk, op.xbits, op.res, op.tx8,
-                         op.tx16, op.tx32, self._cnt, op.sendlen)
+        i = K.send_chunk(op.state, p, retransmit, fast, now)
         self._queue_lane(op, int(i), now)
         return int(i)
 

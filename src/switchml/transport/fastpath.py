@@ -56,21 +56,14 @@ class FastPath:
                          rx._controllen_at, rx._names, rx._control, rx.slot_bytes, int(rx.gro),
                          SOL_UDP, UDP_GRO, rx.buf, rx.starts, rx.lens, rx.senders)
 
-    def _sender(self, op: Any) -> tuple:
-        return (self.fd, op.stride, op.run_order, op.runs, self.max_segments, self.max_bytes,
-                self.stats)
-
-    def run(self, op: Any, next_set: np.ndarray, cnt: np.ndarray, rtt: np.ndarray,
-            op_timeout_s: float) -> tuple[int, int, int, int]:
-        """One call of the compiled loop for the operation in flight: ``(why, at, nseg,
-        code)``. With ``FP.STOPPED``, the results kernel returned ``code`` (``WS``) at
-        datagram ``at`` of the ``nseg`` the last batch cut into (``starts``/``lens``/
-        ``senders``): Python does what it asks (``WorkerEndpoint.after_results_kernel``) and
-        goes on from there."""
-        return C.pump(*self._sender(op),
-                      op.opv, op.lane, op.lanef, rtt, next_set, op.exps, op.nonf, op.xk,
-                      op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, cnt, op.sendq,
-                      op.sendlen, op.picked, float(op_timeout_s), *self._rx_args)
+    def run(self, op: Any, op_timeout_s: float) -> tuple[int, int, int, int]:
+        """One call of the compiled loop for the operation in flight (its ``op.state``):
+        ``(why, at, nseg, code)``. With ``FP.STOPPED``, the results kernel returned ``code``
+        (``WS``) at datagram ``at`` of the ``nseg`` the last batch cut into (``starts``/
+        ``lens``/``senders``): Python does what it asks
+        (``WorkerEndpoint.after_results_kernel``) and goes on from there."""
+        return C.pump(op.state, self.fd, self.max_segments, self.max_bytes, self.stats,
+                      float(op_timeout_s), *self._rx_args)
 
     def send(self, op: Any) -> bool:
         """Send ``op``'s queued requests as the loop does (``plan_runs``, one ``sendmsg`` per
@@ -78,4 +71,5 @@ class FastPath:
         window as it starts, what its receive or timers released). False at a failed
         ``sendmsg`` (``stats[ERRNO]``; the unsent lanes stay queued, in order, for Python's
         sender)."""
-        return bool(C.send_queued(*self._sender(op), op.opv, op.sendq, op.sendlen, op.tx8))
+        return bool(C.send_queued(op.state, self.fd, self.max_segments, self.max_bytes,
+                                  self.stats))

@@ -135,6 +135,7 @@ switch_requests = _s.switch_requests
 del _s
 
 _w = _load_worker()
+OpState = _w.OpState
 block_exponents = _w.block_exponents
 dequantize_block = _w.dequantize_block
 fire_timers = _w.fire_timers
@@ -156,15 +157,13 @@ del _w
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",
     "F_RESENT", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
-    "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "R", "REPLIES_PER_CALL", "R_FIELDS",
-    "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING", "VERSION", "WC",
-    "WS", "as_buffer",
-    "block_exponents", "counter_snapshot", "dequantize_block",
-    "fire_timers", "first_foreign", "gro_segments", "i16", "i64",
-    "log_releases",
-    "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs", "probe_time",
-    "quantize_block", "reply_row_bytes", "request_framing", "residual_block",
-    "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests",
-    "relay_down", "relay_due", "relay_next_due", "relay_up", "take_nack", "u16", "u32",
-    "worker_results", "write_header",
+    "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "OpState", "PROBE_LANES", "R", "REPLIES_PER_CALL",
+    "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING",
+    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot",
+    "dequantize_block", "fire_timers", "first_foreign", "gro_segments", "i16", "i64",
+    "log_releases", "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs",
+    "probe_time", "quantize_block", "reply_row_bytes", "request_framing", "residual_block",
+    "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests", "relay_down",
+    "relay_due", "relay_next_due", "relay_up", "take_nack", "u16", "u32", "worker_results",
+    "write_header",
 ]
