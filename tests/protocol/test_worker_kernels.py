@@ -377,3 +377,25 @@ def test_jobs_under_loss_run_identically_on_the_compiled_kernels_and_the_referen
     assert compiled[3] == reference[3]  # drops
     assert compiled[4] == reference[4]  # every datagram on the fabric
     assert sum(c["retransmissions"] for c in compiled[2]) > 0  # (loss was recovered)
+
+
+def test_inconsistent_state_is_refused_not_written_past():
+    """A review's crashes, each now a ValueError: an operation whose packet count disagrees
+    with its blocks and lanes (a negative copy size followed), a send queue naming lanes the
+    operation lacks, and a receive batch's field offsets before its rows."""
+    w, _ = _operation(np.float32, 32, False)
+    state = _copy(_state(w))
+    state[0][K.OP.T] += 50
+    with pytest.raises(ValueError, match="disagree"):
+        C.OpState(*state)
+    state[0][K.OP.T] -= 50
+    st = C.OpState(*state)
+    state[0][K.OP.NQ] = len(state[15]) + 1
+    with pytest.raises(ValueError, match="send queue"):
+        C.send_queued(st, -1, 16, 60_000, np.zeros(layout.ST.N, np.int64))
+    msgs, names, control = (np.zeros((4, 64), np.uint8), np.zeros((4, 16), np.uint8),
+                            np.zeros((4, 32), np.uint8))
+    out = np.zeros(8, np.int64)
+    with pytest.raises(ValueError, match="offsets"):
+        C.split_mmsg(msgs, 0, -1_000_000, names, control, 1, 2048, 1, 17, 104, out, out.copy(),
+                     out.copy())

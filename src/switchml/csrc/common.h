@@ -180,7 +180,7 @@ static int64_t split_mmsg(receiver_t *rx, int64_t n)
         int64_t o = i * rx->slot_bytes, end = o + length;
         while (1) {
             if (m >= rx->nstarts)
-                return m;
+                goto reset; /* (the rest is dropped: at most MAX_BATCH per call) */
             rx->starts[m] = o;
             rx->lens[m] = min64(seg, end - o);
             rx->senders[m] = sender;
@@ -190,6 +190,7 @@ static int64_t split_mmsg(receiver_t *rx, int64_t n)
                 break;
         }
     }
+reset:
     if (rx->gro) {
         int64_t full = rx->control_cols;
         for (int64_t i = 0; i < rx->raw_rows; i++)

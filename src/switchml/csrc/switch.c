@@ -201,7 +201,7 @@ static inline void log_release(job_t *j, int64_t v, int64_t s, int64_t seq, int6
         JV(j, J_NACK_GAP) = JV(j, J_NACK_BASE_GAP) > half ? JV(j, J_NACK_BASE_GAP) : half;
         JV(j, J_NACK_CALM_FROM) = stamp;
     }
-    int64_t e = stamp % j->nclog;
+    int64_t e = ((stamp % j->nclog) + j->nclog) % j->nclog;
     CLOG(j, e, 0) = seq;
     CLOG(j, e, 1) = chunk;
     CLOG(j, e, 2) = s;
@@ -301,7 +301,7 @@ static inline int behind_on(job_t *j, int64_t rank, const request_t *r)
         c = JV(j, J_COMPLETIONS) - size;
     int found = 0;
     while (c < limit && !found) {
-        int64_t e = (c + 1) % size;
+        int64_t e = (((c + 1) % size) + size) % size;
         if (CLOG(j, e, 0) == seq && CLOG(j, e, 3) != 0) {
             int64_t released = CLOG(j, e, 1) + E;
             if (CLOG(j, e, 3) == 2 && released >= chunk)
@@ -436,7 +436,7 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
     int64_t ndone = 0, nnack = 0, i = start, code = SS_DONE;
     while (i < nseg) {
         int64_t o = starts[i], ln = lens[i];
-        if (o < 0 || ln < 0 || o + ln > dn || !member_request(d, o, ln, srcs[i], j)) {
+        if (o < 0 || ln < 0 || ln > dn - o || !member_request(d, o, ln, srcs[i], j)) {
             code = SS_OTHER;
             break;
         }
@@ -642,7 +642,7 @@ static void send_replies(rsender_t *s, replies_t *rp, int64_t nreply, const uint
     }
 }
 
-#define HOT_MAX 8
+#define HOT_MAX 4 /* protocol/switch.py's HOT_JOBS */
 
 typedef struct {
     job_t job[HOT_MAX];
@@ -651,10 +651,10 @@ typedef struct {
     int64_t njobs;
 } hot_t;
 
-static inline int64_t job_at(const uint8_t *buf, const int64_t *starts, const int64_t *lens,
-                             int64_t i, const hot_t *hot)
+static inline int64_t job_at(const uint8_t *buf, int64_t buf_n, const int64_t *starts,
+                             const int64_t *lens, int64_t i, const hot_t *hot)
 {
-    if (lens[i] < HDR)
+    if (lens[i] < HDR || starts[i] < 0 || starts[i] > buf_n - HDR)
         return -1;
     int64_t job = rd_u32(buf, starts[i] + H_JOB);
     for (int64_t k = 0; k < hot->njobs; k++)
@@ -700,7 +700,7 @@ static int switch_pump(hot_t *hot, rsender_t *s, receiver_t *rx, double max_wait
         double now = now_s();
         idle_since = now;
         int64_t at = 0;
-        int64_t k = nseg > 0 ? job_at(rx->buf, rx->starts, rx->lens, 0, hot) : 0;
+        int64_t k = nseg > 0 ? job_at(rx->buf, rx->buf_n, rx->starts, rx->lens, 0, hot) : 0;
         k = k < 0 ? 0 : k;
         while (1) {
             int64_t start = at, ndone, nreply, code;
@@ -721,7 +721,7 @@ static int switch_pump(hot_t *hot, rsender_t *s, receiver_t *rx, double max_wait
             if (code == SS_REPLIES_FULL)
                 continue; /* (sent above: the rows are free again) */
             if (code == SS_OTHER) {
-                int64_t k2 = job_at(rx->buf, rx->starts, rx->lens, at, hot);
+                int64_t k2 = job_at(rx->buf, rx->buf_n, rx->starts, rx->lens, at, hot);
                 if (k2 >= 0 && k2 != k) {
                     k = k2;
                     continue;
@@ -986,7 +986,7 @@ static PyObject *py_relay_up(PyObject *self, PyObject *const *args, Py_ssize_t n
     F64(now, 7); F64(rto, 8);
     ARR(cn, 9, "cnt", B(K_I64), 1);
     ARR(sq, 10, "sendq", B(K_I64), 1);
-    if (bf->ndim != 3 || up->ndim != 3 || up->shape[0] != 2 || up->shape[1] != r.W
+    if (bf->ndim != 3 || bf->shape[0] != 2 || up->ndim != 3 || up->shape[0] != 2 || up->shape[1] != r.W
         || dn->ndim != 2 || dn->shape[1] != 3 || ndone < 0 || ndone > dn->shape[0]
         || sq->ndim != 2 || sq->shape[1] != 3 || ndone > sq->shape[0] || cn->len / 8 < RC_N) {
         PyErr_SetString(PyExc_ValueError, "relay_up: arrays of the wrong shape");
@@ -1056,7 +1056,7 @@ static PyObject *py_relay_down(PyObject *self, PyObject *const *args, Py_ssize_t
         i = start;
         while (i < nseg) {
             int64_t o = starts[i], l = lens[i];
-            if (o < 0 || l < 0 || o + l > d->len || !parent_result(dd, o, l, r.rv))
+            if (o < 0 || l < 0 || l > d->len - o || !parent_result(dd, o, l, r.rv))
                 break;
             i += 1;
             int64_t v = dd[o + H_SET];
@@ -1253,6 +1253,7 @@ static PyObject *py_switch_pump(PyObject *self, PyObject *const *args, Py_ssize_
     I64(tmp, 1); rx.wake_fd = (int)tmp;
     F64(max_wait_s, 2);
     ARR(asks, 3, "asks", B(K_I64), 0);
+    if (asks->len < 8) { PyErr_SetString(PyExc_ValueError, "asks must hold one int64"); goto fail; }
     ARR(stats, 4, "stats", B(K_I64), 1);
     if (stats->len / 8 < SP_N) { PyErr_SetString(PyExc_ValueError, "stats is too short"); goto fail; }
     ARR(taken, 5, "taken_by", B(K_I64), 1);
@@ -1298,6 +1299,9 @@ static PyObject *py_switch_pump(PyObject *self, PyObject *const *args, Py_ssize_
     if (v->ndim != 2 || v->shape[0] < rx.count) goto bad_rx;
     rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
     I64(rx.msg_len_at, 19); I64(rx.controllen_at, 20);
+    if (rx.msg_len_at < 0 || rx.controllen_at < 0 || rx.msg_len_at + 4 > rx.raw_cols
+        || rx.controllen_at + 8 > rx.raw_cols || rx.count < 1 || rx.count > rx.raw_rows)
+        goto bad_rx;
     ARR(v, 21, "rx_names", B(K_U8), 0); rx.names = v->buf;
     if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) goto bad_rx;
     rx.names_cols = v->shape[1];
@@ -1306,7 +1310,8 @@ static PyObject *py_switch_pump(PyObject *self, PyObject *const *args, Py_ssize_
     rx.control_cols = v->shape[1];
     I64(rx.slot_bytes, 23); I64(rx.gro, 24); I64(rx.sol_udp, 25); I64(rx.udp_gro, 26);
     ARR(v, 27, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
-    if (rx.count * rx.slot_bytes > rx.buf_n || rx.msgs == NULL) goto bad_rx;
+    if (rx.slot_bytes < HDR || rx.count > rx.buf_n / rx.slot_bytes || rx.msgs == NULL)
+        goto bad_rx;
     ARR(v, 28, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
     if (rx.nstarts > MAX_BATCH) rx.nstarts = MAX_BATCH;
     ARR(v, 29, "lens", B(K_I64), 1); rx.lens = v->buf;

@@ -341,8 +341,10 @@ static int64_t send_chunk(op_t *o, int64_t p, int retransmit, int fast, double n
         if (p + OPV(o, OP_E) >= OPV(o, OP_T)) { /* the lane's last chunk: a tail probe candidate */
             if (OPV(o, OP_TAIL_END) == 0) /* the operation's last window: idle probes from */
                 o->rtt[R_PROBED_AT] = o->rtt[R_LAST_PROGRESS]; /* the next result on */
-            LANE(o, LN_TAIL_ORDER, OPV(o, OP_TAIL_END)) = i;
-            OPV(o, OP_TAIL_END) += 1;
+            if (OPV(o, OP_TAIL_END) < o->nl) { /* (a chunk is sent fresh once: always) */
+                LANE(o, LN_TAIL_ORDER, OPV(o, OP_TAIL_END)) = i;
+                OPV(o, OP_TAIL_END) += 1;
+            }
         }
     }
     int64_t n = build_request(o, p, i, set_bit, o->rn > 0 && !retransmit);
@@ -575,7 +577,7 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
             return i;
         }
         int64_t off = starts[i], ln = lens[i];
-        if (off < 0 || ln < 0 || off + ln > dn) { /* not within the batch: Python's check */
+        if (off < 0 || ln < 0 || ln > dn - off) { /* not within the batch: Python's check */
             *code = WS_OTHER;
             return i;
         }
@@ -952,7 +954,12 @@ static int get_op(bufs_t *b, PyObject *const *args, int at, int with_out, int wi
         || (o->opv[OP_IS_FLOAT] && (nexps < L || o->xk == K_I32 || (with_out && o->ok == K_I32)))
         || (!o->opv[OP_IS_FLOAT] && (o->xk != K_I32 || isz != 4 || (with_out && o->ok != K_I32)))
         || L * k < o->xn || (L > 0 && (L - 1) * k >= o->xn)
-        || (with_out && o->on != o->xn) || (o->rn != 0 && o->rn != o->xn)) {
+        || (with_out && o->on != o->xn) || (o->rn != 0 && o->rn != o->xn)
+        || o->opv[OP_T] != (o->opv[OP_IS_FLOAT] ? L + E : L)
+        || o->opv[OP_ELEM] != (isz == 4 ? E_INT32 : E_INT16)
+        || o->opv[OP_TAIL_HEAD] < 0 || o->opv[OP_TAIL_END] < o->opv[OP_TAIL_HEAD]
+        || o->opv[OP_TAIL_END] > o->nl || o->opv[OP_NQ] < 0
+        || (with_q && o->opv[OP_NQ] > o->nsendq)) {
         PyErr_SetString(PyExc_ValueError, "switchml._worker: the operation's arrays and its "
                         "scalars (opv) disagree (lanes, block size, element types or sizes)");
         return -1;
@@ -1193,6 +1200,10 @@ static PyObject *py_probe_time(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_buffer *v;
     double t;
     ARR(v, 0, "rtt", B(K_F64), 0);
+    if (v->len / 8 < R_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "rtt is too short");
+        goto fail;
+    }
     t = probe_time(v->buf);
     release(&b);
     return PyFloat_FromDouble(t);
@@ -1382,8 +1393,9 @@ static PyObject *py_split_mmsg(PyObject *self, PyObject *const *args, Py_ssize_t
     if (v->len / 8 < rx.nstarts) goto short_arrays;
     ARR(v, 12, "out_senders", B(K_I64), 1); rx.senders = v->buf;
     if (v->len / 8 < rx.nstarts) goto short_arrays;
-    if (n < 0 || n > rx.raw_rows || rx.msg_len_at + 4 > rx.raw_cols
-        || rx.controllen_at + 8 > rx.raw_cols) {
+    if (n < 0 || n > rx.raw_rows || rx.msg_len_at < 0 || rx.controllen_at < 0
+        || rx.msg_len_at + 4 > rx.raw_cols || rx.controllen_at + 8 > rx.raw_cols
+        || rx.slot_bytes < 1 || rx.control_cols < 20) {
         PyErr_SetString(PyExc_ValueError, "split_mmsg: n or the field offsets exceed msgs");
         goto fail;
     }
@@ -1490,6 +1502,23 @@ static int get_sender(PyObject *const *args, OpStateObject *st, sender_t *s, buf
     return 0;
 }
 
+/* The send queue as Python left it (it queues and spills lanes between calls): within
+   sendq, each lane within the lanes. */
+static int check_queue(const op_t *o)
+{
+    int64_t nq = OPV(o, OP_NQ);
+    if (nq < 0 || nq > o->nsendq)
+        goto bad;
+    for (int64_t q = 0; q < nq; q++)
+        if (o->sendq[q] < 0 || o->sendq[q] >= o->nl)
+            goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "the send queue (opv[NQ], sendq) names lanes outside the "
+                    "operation's");
+    return -1;
+}
+
 /* send_queued(state, fd, max_segments, max_bytes, stats) -> bool: the queued lanes as GSO
    runs on the connected socket */
 static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1502,6 +1531,7 @@ static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_
     if (!(o = state_of(args[0]))) return NULL;
     if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
     if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
+    if (check_queue(o) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS
     r = send_queued(o, s);
     Py_END_ALLOW_THREADS
@@ -1533,6 +1563,7 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
     memset(&rx, 0, sizeof rx);
     if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
+    if (check_queue(o) < 0) goto fail;
     F64(op_timeout_s, 5);
     rx.fd = s->fd;
     I64(tmp, 6); rx.wake_fd = (int)tmp;
@@ -1542,7 +1573,9 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (v->ndim != 2 || v->shape[0] < rx.count) goto bad_rx;
     rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
     I64(rx.msg_len_at, 10); I64(rx.controllen_at, 11);
-    if (rx.msg_len_at + 4 > rx.raw_cols || rx.controllen_at + 8 > rx.raw_cols) goto bad_rx;
+    if (rx.msg_len_at < 0 || rx.controllen_at < 0 || rx.msg_len_at + 4 > rx.raw_cols
+        || rx.controllen_at + 8 > rx.raw_cols || rx.count < 1 || rx.count > rx.raw_rows)
+        goto bad_rx;
     ARR(v, 12, "names", B(K_U8), 0); rx.names = v->buf;
     if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) goto bad_rx;
     rx.names_cols = v->shape[1];
@@ -1551,7 +1584,8 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     rx.control_cols = v->shape[1];
     I64(rx.slot_bytes, 14); I64(rx.gro, 15); I64(rx.sol_udp, 16); I64(rx.udp_gro, 17);
     ARR(v, 18, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
-    if (rx.count * rx.slot_bytes > rx.buf_n || rx.msgs == NULL) goto bad_rx;
+    if (rx.slot_bytes < HDR || rx.count > rx.buf_n / rx.slot_bytes || rx.msgs == NULL)
+        goto bad_rx;
     ARR(v, 19, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
     ARR(v, 20, "lens", B(K_I64), 1); rx.lens = v->buf;
     if (v->len / 8 < rx.nstarts) goto bad_rx;

@@ -180,7 +180,10 @@ def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, g
     which its control message (``SOL_UDP``, ``UDP_GRO``, an int) says. Resets every
     ``msg_controllen`` for the next call."""
     m = 0
+    stopped = False
     for i in range(n):
+        if stopped:
+            break
         row = msgs[i]
         length = (np.int64(row[msg_len_at]) | (np.int64(row[msg_len_at + 1]) << 8)
                   | (np.int64(row[msg_len_at + 2]) << 16) | (np.int64(row[msg_len_at + 3]) << 24))
@@ -199,7 +202,8 @@ def split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, g
         end = o + length
         while True:
             if m >= out_starts.size:
-                return m
+                stopped = True  # (the rest is dropped; the control lengths still reset below)
+                break
             out_starts[m] = o
             out_lens[m] = min(seg, end - o)
             out_senders[m] = sender
