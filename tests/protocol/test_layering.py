@@ -21,11 +21,6 @@ PROTOCOL_DIR = (_SOURCE_TREE if _SOURCE_TREE.is_dir()
 FORBIDDEN = frozenset({"socket", "asyncio", "time", "random", "subprocess", "threading", "torch",
                        "os"})
 PACKAGE = "switchml.protocol"
-COMPILED = ("switchml._worker", "switchml._switch")
-"""The compiled data plane (src/switchml/csrc), which ``protocol.kernels`` exports: its
-kernels take arrays and a ``now`` and return arrays; only its loops and sends (``pump``,
-``send_queued``, ``switch_pump``, ``send_results``), called by ``transport/fastpath.py`` and
-``switchpath.py`` alone, touch sockets."""
 
 
 def _resolve_relative(module: str | None, level: int, path: Path) -> str:
@@ -70,8 +65,7 @@ def violations(source: str, path: Path) -> list[str]:
         top = name.split(".")[0]
         if top in FORBIDDEN:
             bad.append(f"{path.name}:{line}: imports {name} (I/O, clock, threads or RNG)")
-        elif (top == "switchml" and name != PACKAGE and not name.startswith(PACKAGE + ".")
-              and name not in COMPILED):
+        elif top == "switchml" and name != PACKAGE and not name.startswith(PACKAGE + "."):
             bad.append(f"{path.name}:{line}: imports {name} (outside {PACKAGE})")
     return bad
 

@@ -264,6 +264,8 @@ static Py_buffer *getbuf(bufs_t *b, PyObject *obj, const char *name, unsigned ki
 }
 
 #define B(k) (1u << (k))
+/* A method table's row: py_<name>, called with the fast calling convention. */
+#define M(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
 #define NEED(n)                                                                               \
     if (nargs != (n)) {                                                                       \
         PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", __func__ + 3, (n), \
@@ -294,3 +296,54 @@ static int arg_f64(PyObject *o, double *out)
 #define BOOL(dst, k) if (((dst) = PyObject_IsTrue(args[k])) < 0) goto fail
 #define ARR(v, k, name, kinds, w) if (!((v) = getbuf(&b, args[k], name, kinds, w))) goto fail
 
+/* A receiver's arguments from args[at..at+14]: msgs_addr, count, raw, msg_len_at,
+   controllen_at, names, control, slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens,
+   senders (transport/batching.py's MultiReceiver); at most `max_batch` datagrams per batch.
+   rx->fd and rx->wake_fd are the caller's. -1 with a ValueError or TypeError. */
+static int get_receiver(bufs_t *b, PyObject *const *args, int at, int64_t max_batch,
+                        receiver_t *rx)
+{
+    Py_buffer *v;
+    int64_t addr;
+    if (arg_i64(args[at], &addr) < 0 || arg_i64(args[at + 1], &rx->count) < 0) return -1;
+    rx->msgs = (struct mmsghdr *)(uintptr_t)addr;
+    if (!(v = getbuf(b, args[at + 2], "raw", B(K_U8), 1))) return -1;
+    rx->raw = v->buf;
+    if (v->ndim != 2) goto bad;
+    rx->raw_rows = v->shape[0];
+    rx->raw_cols = v->shape[1];
+    if (arg_i64(args[at + 3], &rx->msg_len_at) < 0
+        || arg_i64(args[at + 4], &rx->controllen_at) < 0) return -1;
+    if (rx->msg_len_at < 0 || rx->controllen_at < 0 || rx->msg_len_at + 4 > rx->raw_cols
+        || rx->controllen_at + 8 > rx->raw_cols || rx->count < 1 || rx->count > rx->raw_rows)
+        goto bad;
+    if (!(v = getbuf(b, args[at + 5], "names", B(K_U8), 0))) return -1;
+    rx->names = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx->count || v->shape[1] < 8) goto bad;
+    rx->names_cols = v->shape[1];
+    if (!(v = getbuf(b, args[at + 6], "control", B(K_U8), 0))) return -1;
+    rx->control = v->buf;
+    if (v->ndim != 2 || v->shape[0] < rx->count || v->shape[1] < 20) goto bad;
+    rx->control_cols = v->shape[1];
+    if (arg_i64(args[at + 7], &rx->slot_bytes) < 0 || arg_i64(args[at + 8], &rx->gro) < 0
+        || arg_i64(args[at + 9], &rx->sol_udp) < 0 || arg_i64(args[at + 10], &rx->udp_gro) < 0)
+        return -1;
+    if (!(v = getbuf(b, args[at + 11], "buf", B(K_U8), 0))) return -1;
+    rx->buf = v->buf;
+    rx->buf_n = v->len;
+    if (rx->slot_bytes < HDR || rx->count > rx->buf_n / rx->slot_bytes || rx->msgs == NULL)
+        goto bad;
+    if (!(v = getbuf(b, args[at + 12], "starts", B(K_I64), 1))) return -1;
+    rx->starts = v->buf;
+    rx->nstarts = v->len / 8 < max_batch ? v->len / 8 : max_batch;
+    if (!(v = getbuf(b, args[at + 13], "lens", B(K_I64), 1))) return -1;
+    rx->lens = v->buf;
+    if (v->len / 8 < rx->nstarts) goto bad;
+    if (!(v = getbuf(b, args[at + 14], "senders", B(K_I64), 1))) return -1;
+    rx->senders = v->buf;
+    if (v->len / 8 < rx->nstarts) goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "the receiver's arrays of the wrong shape");
+    return -1;
+}

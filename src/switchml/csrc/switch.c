@@ -1293,31 +1293,7 @@ static PyObject *py_switch_pump(PyObject *self, PyObject *const *args, Py_ssize_
         hot->job[k].cnt = shared.cnt;
         if (check_rows(&hot->job[k], &rp, ndone_cap, MAX_BATCH) < 0) goto fail;
     }
-    I64(tmp, 16); rx.msgs = (struct mmsghdr *)(uintptr_t)tmp;
-    I64(rx.count, 17);
-    ARR(v, 18, "raw", B(K_U8), 1); rx.raw = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count) goto bad_rx;
-    rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
-    I64(rx.msg_len_at, 19); I64(rx.controllen_at, 20);
-    if (rx.msg_len_at < 0 || rx.controllen_at < 0 || rx.msg_len_at + 4 > rx.raw_cols
-        || rx.controllen_at + 8 > rx.raw_cols || rx.count < 1 || rx.count > rx.raw_rows)
-        goto bad_rx;
-    ARR(v, 21, "rx_names", B(K_U8), 0); rx.names = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) goto bad_rx;
-    rx.names_cols = v->shape[1];
-    ARR(v, 22, "control", B(K_U8), 0); rx.control = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 20) goto bad_rx;
-    rx.control_cols = v->shape[1];
-    I64(rx.slot_bytes, 23); I64(rx.gro, 24); I64(rx.sol_udp, 25); I64(rx.udp_gro, 26);
-    ARR(v, 27, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
-    if (rx.slot_bytes < HDR || rx.count > rx.buf_n / rx.slot_bytes || rx.msgs == NULL)
-        goto bad_rx;
-    ARR(v, 28, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
-    if (rx.nstarts > MAX_BATCH) rx.nstarts = MAX_BATCH;
-    ARR(v, 29, "lens", B(K_I64), 1); rx.lens = v->buf;
-    if (v->len / 8 < rx.nstarts) goto bad_rx;
-    ARR(v, 30, "senders", B(K_I64), 1); rx.senders = v->buf;
-    if (v->len / 8 < rx.nstarts) goto bad_rx;
+    if (get_receiver(&b, args, 16, MAX_BATCH, &rx) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS
     why = switch_pump(hot, s, &rx, max_wait_s, asks->buf, stats->buf, taken->buf, done, &rp,
                       out);
@@ -1328,8 +1304,6 @@ static PyObject *py_switch_pump(PyObject *self, PyObject *const *args, Py_ssize_
     PyMem_Free(s);
     return Py_BuildValue("(iLLLL)", why, (long long)out[0], (long long)out[1],
                          (long long)out[2], (long long)out[3]);
-bad_rx:
-    PyErr_SetString(PyExc_ValueError, "switch_pump: the receiver's arrays of the wrong shape");
 fail:
     Py_XDECREF(seq);
     release(&b);
@@ -1337,8 +1311,6 @@ fail:
     PyMem_Free(s);
     return NULL;
 }
-
-#define M(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, doc}
 
 static PyMethodDef methods[] = {
     M(switch_requests, "switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, "

@@ -1554,7 +1554,6 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     bufs_t b = {.n = 0};
     op_t *o;
     receiver_t rx;
-    Py_buffer *v;
     int64_t tmp, at = 0, nseg = 0, code = 0;
     double op_timeout_s;
     int why;
@@ -1567,38 +1566,13 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     F64(op_timeout_s, 5);
     rx.fd = s->fd;
     I64(tmp, 6); rx.wake_fd = (int)tmp;
-    I64(tmp, 7); rx.msgs = (struct mmsghdr *)(uintptr_t)tmp;
-    I64(rx.count, 8);
-    ARR(v, 9, "raw", B(K_U8), 1); rx.raw = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count) goto bad_rx;
-    rx.raw_rows = v->shape[0]; rx.raw_cols = v->shape[1];
-    I64(rx.msg_len_at, 10); I64(rx.controllen_at, 11);
-    if (rx.msg_len_at < 0 || rx.controllen_at < 0 || rx.msg_len_at + 4 > rx.raw_cols
-        || rx.controllen_at + 8 > rx.raw_cols || rx.count < 1 || rx.count > rx.raw_rows)
-        goto bad_rx;
-    ARR(v, 12, "names", B(K_U8), 0); rx.names = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 8) goto bad_rx;
-    rx.names_cols = v->shape[1];
-    ARR(v, 13, "control", B(K_U8), 0); rx.control = v->buf;
-    if (v->ndim != 2 || v->shape[0] < rx.count || v->shape[1] < 20) goto bad_rx;
-    rx.control_cols = v->shape[1];
-    I64(rx.slot_bytes, 14); I64(rx.gro, 15); I64(rx.sol_udp, 16); I64(rx.udp_gro, 17);
-    ARR(v, 18, "buf", B(K_U8), 0); rx.buf = v->buf; rx.buf_n = v->len;
-    if (rx.slot_bytes < HDR || rx.count > rx.buf_n / rx.slot_bytes || rx.msgs == NULL)
-        goto bad_rx;
-    ARR(v, 19, "starts", B(K_I64), 1); rx.starts = v->buf; rx.nstarts = v->len / 8;
-    ARR(v, 20, "lens", B(K_I64), 1); rx.lens = v->buf;
-    if (v->len / 8 < rx.nstarts) goto bad_rx;
-    ARR(v, 21, "senders", B(K_I64), 1); rx.senders = v->buf;
-    if (v->len / 8 < rx.nstarts) goto bad_rx;
+    if (get_receiver(&b, args, 7, MAX_BATCH, &rx) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS
     why = pump(o, s, &rx, op_timeout_s, &at, &nseg, &code);
     Py_END_ALLOW_THREADS
     release(&b);
     PyMem_Free(s);
     return Py_BuildValue("(iLLL)", why, (long long)at, (long long)nseg, (long long)code);
-bad_rx:
-    PyErr_SetString(PyExc_ValueError, "pump: the receiver's arrays of the wrong shape");
 fail:
     release(&b);
     PyMem_Free(s);
@@ -1606,46 +1580,46 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"worker_results", (PyCFunction)(void (*)(void))py_worker_results, METH_FASTCALL,
-     "worker_results(state, d, starts, lens, nseg, start, limit, now) -> (next, code): take "
-     "the RESULTs of a batch (kernels/stream.py)"},
-    {"send_first", (PyCFunction)(void (*)(void))py_send_first, METH_FASTCALL,
-     "send_first(state, count, now): start and queue packets 0 .. count-1"},
-    {"send_chunk", (PyCFunction)(void (*)(void))py_send_chunk, METH_FASTCALL,
-     "send_chunk(state, p, retransmit, fast, now) -> lane: (re-)build packet p"},
-    {"take_nack", (PyCFunction)(void (*)(void))py_take_nack, METH_FASTCALL,
-     "take_nack(state, chunk, slot, now) -> the chunk to re-send, or -1"},
-    {"mark_nack_resend", (PyCFunction)(void (*)(void))py_mark_nack_resend, METH_FASTCALL,
-     "mark_nack_resend(state, i, p, chunk): the first re-send for a NACK is RESENT"},
-    {"fire_timers", (PyCFunction)(void (*)(void))py_fire_timers, METH_FASTCALL,
-     "fire_timers(state, now) -> bool: re-send what the timers call for"},
-    {"next_deadline", (PyCFunction)(void (*)(void))py_next_deadline, METH_FASTCALL,
-     "next_deadline(state) -> float"},
-    {"probe_time", (PyCFunction)(void (*)(void))py_probe_time, METH_FASTCALL,
-     "probe_time(rtt) -> float: when the idle probe is due"},
-    {"plan_runs", (PyCFunction)(void (*)(void))py_plan_runs, METH_FASTCALL,
-     "plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs) "
-     "-> runs: cut queued lanes into UDP GSO runs"},
-    {"block_exponents", (PyCFunction)(void (*)(void))py_block_exponents, METH_FASTCALL,
-     "block_exponents(x, k, exps, nonfinite)"},
-    {"quantize_block", (PyCFunction)(void (*)(void))py_quantize_block, METH_FASTCALL,
-     "quantize_block(x, emax, n_bits, nonfinite, out)"},
-    {"dequantize_block", (PyCFunction)(void (*)(void))py_dequantize_block, METH_FASTCALL,
-     "dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax)"},
-    {"residual_block", (PyCFunction)(void (*)(void))py_residual_block, METH_FASTCALL,
-     "residual_block(x, q, emax, n_bits, r)"},
-    {"split_mmsg", (PyCFunction)(void (*)(void))py_split_mmsg, METH_FASTCALL,
-     "split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, "
-     "sol_udp, udp_gro, out_starts, out_lens, out_senders) -> datagrams"},
-    {"gro_segments", (PyCFunction)(void (*)(void))py_gro_segments, METH_FASTCALL,
-     "gro_segments(nbytes, seg, starts, lens) -> datagrams"},
-    {"first_foreign", (PyCFunction)(void (*)(void))py_first_foreign, METH_FASTCALL,
-     "first_foreign(senders, start, count, allowed, nallowed) -> index"},
-    {"send_queued", (PyCFunction)(void (*)(void))py_send_queued, METH_FASTCALL,
-     "send_queued(state, fd, max_segments, max_bytes, stats) -> bool: send the queued lanes "
-     "as GSO runs"},
-    {"pump", (PyCFunction)(void (*)(void))py_pump, METH_FASTCALL,
-     "pump(...) -> (why, at, nseg, code): the worker's compiled receive-and-send loop"},
+    M(worker_results,
+      "worker_results(state, d, starts, lens, nseg, start, limit, now) -> (next, code): take "
+      "the RESULTs of a batch (kernels/stream.py)"),
+    M(send_first,
+      "send_first(state, count, now): start and queue packets 0 .. count-1"),
+    M(send_chunk,
+      "send_chunk(state, p, retransmit, fast, now) -> lane: (re-)build packet p"),
+    M(take_nack,
+      "take_nack(state, chunk, slot, now) -> the chunk to re-send, or -1"),
+    M(mark_nack_resend,
+      "mark_nack_resend(state, i, p, chunk): the first re-send for a NACK is RESENT"),
+    M(fire_timers,
+      "fire_timers(state, now) -> bool: re-send what the timers call for"),
+    M(next_deadline,
+      "next_deadline(state) -> float"),
+    M(probe_time,
+      "probe_time(rtt) -> float: when the idle probe is due"),
+    M(plan_runs,
+      "plan_runs(sendq, nq, sendlen, stride, shards, max_segments, max_bytes, order, runs) "
+      "-> runs: cut queued lanes into UDP GSO runs"),
+    M(block_exponents,
+      "block_exponents(x, k, exps, nonfinite)"),
+    M(quantize_block,
+      "quantize_block(x, emax, n_bits, nonfinite, out)"),
+    M(dequantize_block,
+      "dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax)"),
+    M(residual_block,
+      "residual_block(x, q, emax, n_bits, r)"),
+    M(split_mmsg,
+      "split_mmsg(msgs, msg_len_at, controllen_at, names, control, n, slot_bytes, gro, "
+      "sol_udp, udp_gro, out_starts, out_lens, out_senders) -> datagrams"),
+    M(gro_segments,
+      "gro_segments(nbytes, seg, starts, lens) -> datagrams"),
+    M(first_foreign,
+      "first_foreign(senders, start, count, allowed, nallowed) -> index"),
+    M(send_queued,
+      "send_queued(state, fd, max_segments, max_bytes, stats) -> bool: send the queued lanes "
+      "as GSO runs"),
+    M(pump,
+      "pump(...) -> (why, at, nseg, code): the worker's compiled receive-and-send loop"),
     {NULL, NULL, 0, NULL},
 };
 

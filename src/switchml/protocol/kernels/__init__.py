@@ -84,46 +84,27 @@ from switchml.protocol.kernels.layout import (
 from switchml.protocol.wire import AT
 
 
-def _load_worker():
-    """The worker's compiled data plane (``switchml._worker``), checked against this
-    package's layout; a clear ImportError where it was not built or was built from another
-    layout."""
+def _load(name: str, want: dict[str, int]):
+    """The compiled module ``switchml._<name>`` (from ``src/switchml/csrc/<name>.c``), checked
+    against this package's layout (``want``: the constants it must have been built with); a
+    clear ImportError where it was not built or was built from another layout."""
+    import importlib
     try:
-        from switchml import _worker
+        module = importlib.import_module(f"switchml._{name}")
     except ImportError as exc:
         raise ImportError(
-            "switchml's compiled data plane (switchml._worker, from src/switchml/csrc/worker.c) "
-            "is not built: install the package with `pip install -e .` (or, after editing the "
+            f"switchml's compiled data plane (switchml._{name}, from src/switchml/csrc/{name}.c)"
+            " is not built: install the package with `pip install -e .` (or, after editing the "
             "C source, `python setup.py build_ext --inplace`); it needs a C compiler") from exc
-    want = {"O_FIELDS": O_FIELDS, "R_FIELDS": R_FIELDS, "LN_FIELDS": LN_FIELDS,
-            "LNF_FIELDS": LNF_FIELDS, "WC_N": int(WC.N), "HDR": HDR,
-            "H_EXP_NEXT": AT["exp_next"], "PROBE_LANES": PROBE_LANES}
-    have = {k: getattr(_worker, k, None) for k in want}
+    have = {k: getattr(module, k, None) for k in want}
     if have != want:
-        raise ImportError(f"switchml._worker was built from another layout ({have}; this "
+        raise ImportError(f"switchml._{name} was built from another layout ({have}; this "
                           f"source has {want}): rebuild it with `pip install -e .`")
-    return _worker
+    return module
 
 
-def _load_switch():
-    """The switch's compiled data plane (``switchml._switch``), checked like the worker's."""
-    try:
-        from switchml import _switch
-    except ImportError as exc:
-        raise ImportError(
-            "switchml's compiled data plane (switchml._switch, from src/switchml/csrc/switch.c) "
-            "is not built: install the package with `pip install -e .` (or, after editing the "
-            "C source, `python setup.py build_ext --inplace`); it needs a C compiler") from exc
-    want = {"J_FIELDS": J_FIELDS, "S_FIELDS": S_FIELDS, "SC_N": int(SC.N), "HDR": HDR,
-            "MAX_BATCH": MAX_BATCH, "U_FIELDS": U_FIELDS}
-    have = {k: getattr(_switch, k, None) for k in want}
-    if have != want:
-        raise ImportError(f"switchml._switch was built from another layout ({have}; this "
-                          f"source has {want}): rebuild it with `pip install -e .`")
-    return _switch
-
-
-_s = _load_switch()
+_s = _load("switch", {"J_FIELDS": J_FIELDS, "S_FIELDS": S_FIELDS, "SC_N": int(SC.N),
+                       "HDR": HDR, "MAX_BATCH": MAX_BATCH, "U_FIELDS": U_FIELDS})
 log_releases = _s.log_releases
 plan_result_runs = _s.plan_result_runs
 relay_down = _s.relay_down
@@ -134,7 +115,9 @@ request_framing = _s.request_framing
 switch_requests = _s.switch_requests
 del _s
 
-_w = _load_worker()
+_w = _load("worker", {"O_FIELDS": O_FIELDS, "R_FIELDS": R_FIELDS, "LN_FIELDS": LN_FIELDS,
+                       "LNF_FIELDS": LNF_FIELDS, "WC_N": int(WC.N), "HDR": HDR,
+                       "H_EXP_NEXT": AT["exp_next"], "PROBE_LANES": PROBE_LANES})
 OpState = _w.OpState
 block_exponents = _w.block_exponents
 dequantize_block = _w.dequantize_block
