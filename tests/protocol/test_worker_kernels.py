@@ -83,7 +83,7 @@ REFERENCE = {
     "probe_time": timers.probe_time, "block_exponents": numerics.block_exponents,
     "quantize_block": numerics.quantize_block, "dequantize_block": numerics.dequantize_block,
     "residual_block": numerics.residual_block,
-    "first_foreign": frames.py_func(frames.first_foreign),
+    "first_foreign": frames.first_foreign,
 }
 
 

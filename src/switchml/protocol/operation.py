@@ -46,7 +46,7 @@ class Operation:
     __slots__ = (
         "E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize", "k",
         "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual", "restarts",
-        "run_order", "runs", "scratch", "sendlen", "sendq", "seq", "spurious", "stage_out",
+        "run_order", "runs", "sendlen", "sendq", "seq", "spurious", "stage_out",
         "stage_res", "state", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat",
         "waiting_chunk", "waiting_missing", "x", "xbits", "xk", "xmit_order")
 
@@ -83,7 +83,6 @@ class Operation:
         self.tx8 = self.txbuf.reshape(-1)  # the kernels' views: bytes, int16, int32
         self.tx16 = self.tx8.view(np.int16)
         self.tx32 = self.tx8.view(np.int32)
-        self.scratch = np.empty(self.stride, np.uint8)  # a result at an odd offset, aligned
         self.txflat = memoryview(self.tx8)  # each lane's datagram is a slice of it (datagram)
         self.sendlen = np.zeros(self.E, np.int64)  # each lane's datagram: txbuf[i, :sendlen[i]]
         # Lanes queued to send (opv[NQ] of them), drained after every call. Between drains a

@@ -12,10 +12,10 @@ is due (``fire_timers``: timeouts and the idle probe), and, when the socket is e
 ``poll`` on it and the inbox's wake-up pipe until the next deadline. It returns to Python,
 saying where it stopped, for a datagram the kernel leaves to Python (control, WAITING, the
 operation's last result, a full send queue), the operation's own timeout, a command, a failed
-system call (with its errno), or after ``MAX_WAIT_S`` idle; Python goes on exactly as it would
-have. Only for one switch address (a connected socket) and without RACK (its transmission log
-is Python's); elsewhere the Python pump runs alone. ``switchpath.py`` is the switch's
-counterpart.
+system call (with its errno), or after 1 s idle (``MAX_WAIT_S`` in csrc/worker.c); Python goes
+on exactly as it would have. Only for one switch address (a connected socket) and without RACK
+(its transmission log is Python's); elsewhere the Python pump runs alone. ``switchpath.py`` is
+the switch's counterpart.
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ from switchml import _worker as C
 from switchml.protocol.kernels.layout import FP, ST
 
 __all__ = ["FP", "FastPath", "ST", "available"]
-
-MAX_WAIT_S = 1.0
-"""The longest :func:`pump` waits without anything to do before giving Python a turn
-(``MAX_WAIT_S`` in csrc/worker.c)."""
 
 
 def available() -> bool:

@@ -13,12 +13,6 @@ import numpy as np
 
 from switchml.protocol.wire import AT, HEADER_SIZE
 
-
-def py_func(f):
-    """``f`` itself: the framing helpers are plain Python (kept for the references' imports)."""
-    return f
-
-
 HDR = HEADER_SIZE
 H_MAGIC, H_VERSION, H_TYPE, H_FLAGS, H_SET = (AT["magic"], AT["version"], AT["type"],
                                               AT["flags"], AT["set"])

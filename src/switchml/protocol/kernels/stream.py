@@ -44,7 +44,6 @@ from switchml.protocol.kernels.frames import (
     VERSION,
     i16,
     i64,
-    py_func,
     u16,
     u32,
     write_header,
@@ -67,9 +66,6 @@ from switchml.protocol.kernels.numerics import (
     quantize_into,
     residual_into,
 )
-
-# frames.py compiles these for the switch; the reference calls them as Python.
-u16, u32, i16, i64, write_header = (py_func(f) for f in (u16, u32, i16, i64, write_header))
 
 
 def lane_row(i, opv):
