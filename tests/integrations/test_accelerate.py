@@ -21,6 +21,7 @@ pytest.importorskip("accelerate", reason="needs the accelerate package: pip inst
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_accelerate.py"
+TEARDOWN = "terminate called without an active exception"
 
 
 def _train(via: str, tmp_path: Path) -> dict:
@@ -30,9 +31,15 @@ def _train(via: str, tmp_path: Path) -> dict:
     cmd = ([launcher, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1",
             "--mixed_precision", "no", "--dynamo_backend", "no"] if launcher else
            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"])
-    proc = subprocess.run([*cmd, str(SCRIPT), "--via", via, "--epochs", "2",
-                           "--metrics", str(out)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
+    for _attempt in range(2):
+        proc = subprocess.run([*cmd, str(SCRIPT), "--via", via, "--epochs", "2",
+                               "--metrics", str(out)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+        # gloo's process group, torn down at exit, now and then aborts one rank after the
+        # run is over ("terminate called without an active exception", about 1 run in 6
+        # here, on gloo and switchml alike): that one failure is run again, once.
+        if proc.returncode == 0 or TEARDOWN not in proc.stderr + proc.stdout:
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
