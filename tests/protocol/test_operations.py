@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
+from switchml.protocol.dtypes import BFLOAT16
 from switchml.protocol.errors import OperationFailed, SwitchMLError
 from switchml.protocol.events import JobRemoved, OperationRestarted
 from switchml.protocol.switch import SwitchDataplane
@@ -44,21 +45,24 @@ def test_silent_job_loses_its_slots_after_the_lease():
 
 @pytest.mark.parametrize("faults", [FaultModel(), FaultModel(loss_rate=0.05, reorder_rate=0.2)],
                          ids=["clean", "lossy"])
-def test_switch_restart_mid_operation_is_retried_transparently(faults):
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16, np.int32], ids=str)
+def test_switch_restart_mid_operation_is_retried_transparently(faults, dtype):
     n, size = 3, 20_000
-    xs = _inputs(n, size, seed=3)
+    xs = [(x * 100).astype(dtype) for x in _inputs(n, size, seed=3)]
     clean = MemoryCluster(num_workers=n, window=4, elements_per_packet=512)
     expected = clean.allreduce(xs)[0]
     c = MemoryCluster(num_workers=n, window=4, elements_per_packet=512, faults=faults, seed=7)
     # The job has history (seq 1 comes next, sets have alternated), and an in-place operation
     # of other inputs left its copy in the buffer each worker keeps for restarts.
-    first = [-2 * x for x in xs]
+    first = [(-2 * x).astype(dtype) for x in xs]
     c.wait(c.start(first, first))
     assert np.array_equal(first[0], -2 * expected)
     outs = [x.copy() for x in xs]  # in place: the restart must use the input, not partial sums
+    base = c.switch.stats()["results_multicast"]
     handles = c.start(outs, outs)
     first_seq = handles[0].seq
-    c.fabric.run(lambda: c.switch.stats()["results_multicast"] > 25)
+    # Well into the operation: results of many blocks have landed in every rank's input.
+    c.fabric.run(lambda: c.switch.stats()["results_multicast"] > base + 25)
     # The switch crashes and comes back empty at the same address; datagrams already on
     # their way (old epoch) reach the new one.
     c.fabric.detach(c.SWITCH)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from switchml.protocol.dtypes import BFLOAT16
 from switchml.protocol.quantize import (
     block_exponent,
     dequantize_into,
@@ -28,6 +29,7 @@ from switchml.protocol.quantize import (
 from switchml.protocol.wire import EXP_ZERO
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+BF16 = BFLOAT16
 
 
 def _tight(m: float, e: int) -> bool:
@@ -38,7 +40,7 @@ def _tight(m: float, e: int) -> bool:
 # -- block_exponent ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [F16, F32, F64])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 def test_block_exponent_of_zeros_and_empty(dtype):
     assert block_exponent(np.zeros(5, dtype)) == (EXP_ZERO, False)
     assert block_exponent(np.array([0.0, -0.0], dtype)) == (EXP_ZERO, False)
@@ -62,6 +64,12 @@ def test_block_exponent_of_zeros_and_empty(dtype):
     (float(np.finfo(F64).max), F64, 1024),
     (2.0**-24, F16, -23),  # smallest denormal float16
     (65504.0, F16, 16),  # max float16
+    (1.0, BF16, 1),
+    (-3.0, BF16, 2),
+    (2.0**-126, BF16, -125),  # smallest normal bfloat16 (float32's)
+    (2.0**-133, BF16, -132),  # smallest denormal bfloat16
+    (2.0**-126 - 2.0**-133, BF16, -126),  # largest denormal bfloat16
+    (float(np.finfo(BF16).max), BF16, 128),
 ])
 def test_block_exponent_values(value, dtype, expected):
     x = np.array([0.0, value, value / 2], dtype)
@@ -265,6 +273,28 @@ def _aggregate(blocks: list[np.ndarray], out_dtype) -> tuple[np.ndarray, np.ndar
     return out, ref, emax, nonfinite
 
 
+def _bf16_nearest(values: np.ndarray) -> np.ndarray:
+    """Each float64 rounded once to the nearest bfloat16 (ties: even), by exact comparison with
+    the candidates around ml_dtypes' cast (which goes through float32: twice)."""
+    out = np.empty(values.size, BF16)
+    bits = out.view(np.uint16)
+    for i, v in enumerate(values.tolist()):
+        if abs(v) >= 2.0**128 - 2.0**119:  # half way from the largest to 2**128, or past
+            out[i] = math.copysign(math.inf, v)
+            continue
+        b = int(np.asarray(np.float32(v)).astype(BF16).view(np.uint16))
+        best = None
+        for c in (b - 1, b, b + 1):
+            f = float(np.asarray(np.uint16(c & 0xFFFF)).view(BF16))
+            if not math.isfinite(f):
+                continue
+            d = abs(Fraction(f) - Fraction(v))
+            if best is None or d < best[0] or (d == best[0] and c % 2 == 0):
+                best = (d, c)
+        bits[i] = best[1]
+    return out
+
+
 def _rounded_once(total: np.ndarray, emax: int, n: int, out_dtype) -> np.ndarray:
     """The specified output: ``total * 2**(emax - P)`` rounded once to ``out_dtype``; a value
     that rounds past the dtype's max but is within the quantization error (n/2 quanta) of it is
@@ -275,7 +305,8 @@ def _rounded_once(total: np.ndarray, emax: int, n: int, out_dtype) -> np.ndarray
     info = np.finfo(out_dtype)
     with np.errstate(over="ignore"):
         # exact in float64 (or a correctly rounded float64 denormal): one rounding in the cast
-        once = np.ldexp(total.astype(np.float64), shift).astype(out_dtype)
+        exact = np.ldexp(total.astype(np.float64), shift)
+        once = _bf16_nearest(exact) if out_dtype == BF16 else exact.astype(out_dtype)
         near_max = np.abs(total) <= np.ldexp(float(info.max), -shift) + 0.5 * n
     clamp = np.isinf(once) & near_max
     once[clamp] = np.copysign(info.max, total[clamp])
@@ -330,6 +361,9 @@ CASES = {
     "f64_tiny": (F64, F64, -315, -290),  # emax far below -900: the ldexp path
     "f64_huge": (F64, F64, 280, 300),  # emax above 900: the ldexp path
     "f16": (F16, F16, -7, 3),
+    "bf16_wide": (BF16, BF16, -37, 37),
+    "f32_to_bf16": (F32, BF16, -30, 30),
+    "bf16_denormal": (BF16, BF16, -40, -38),
 }
 
 
@@ -376,7 +410,7 @@ def test_cancellation_and_max_values(n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 200])
-@pytest.mark.parametrize("dtype", [F16, F32, F64])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 def test_block_at_dtype_max_stays_finite(dtype, n):
     # float64 max rounds up to 2**P quanta = 2**1024: a sum within the quantization error of
     # the dtype's max is clamped to it rather than overflowing to inf.
@@ -477,3 +511,18 @@ def test_error_bound_holds_exactly_without_double_rounding():
     for qi, xi in zip(q.tolist(), x.tolist(), strict=True):
         exact = Fraction(qi) * Fraction(2) ** (emax - scale_bits(1))
         assert abs(exact - Fraction(xi)) <= Fraction(error_bound(emax, 1))
+
+
+@pytest.mark.parametrize("dtype, step", [(F16, 2.0**-10), (BF16, 2.0**-7)], ids=str)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_half_results_are_rounded_once_not_through_float32(dtype, step, sign):
+    """A sum just above the half-way point between 1 and the next half value rounds up; through
+    float32 first (RNE twice) it would land on the tie and round to even (1.0)."""
+    # n = 1, emax = 1: P = 30, a quantum is 2**-29; the sum is 1 + step/2 + 2**-29
+    q = np.array([sign * (2**29 + int(step * 2**28) + 1)], np.int32)
+    out = np.empty(1, dtype)
+    dequantize_into(out, q, 1, 1)
+    assert float(out[0]) == sign * (1.0 + step)
+    q[0] -= sign * 2  # just below the half-way point: down to 1
+    dequantize_into(out, q, 1, 1)
+    assert float(out[0]) == sign * 1.0

@@ -25,6 +25,7 @@ import pytest
 from switchml import _worker as C
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.dtypes import BFLOAT16, kernel_view
 from switchml.protocol.endpoint import exchange
 from switchml.protocol.kernels import frames, layout, numerics, stream, timers
 from switchml.protocol.switch import SwitchDataplane
@@ -57,27 +58,43 @@ class RefState(NamedTuple):
     order: np.ndarray
     runs: np.ndarray
     stride: int
+    keep: np.ndarray | None
 
 
 def _sending(st):  # the arrays a send takes: opv .. xbits, res, tx8 .. cnt
     return (*st[:9], st.res, *st[11:15])
 
 
+def _typed(arrays):
+    """The reference takes bfloat16 as ml_dtypes' type, where the C takes its bits (uint16):
+    x, out and keep viewed so (xbits stays the bits)."""
+    arrays = list(arrays)
+    for i in (7, 9, 21):
+        a = arrays[i]
+        if a is not None and a.dtype == np.uint16:
+            arrays[i] = a.view(BFLOAT16)
+    return arrays
+
+
+def _ref_state(*arrays):
+    return RefState(*_typed(arrays))
+
+
 REFERENCE = {
-    "OpState": RefState,
+    "OpState": _ref_state,
     "worker_results": lambda st, d, starts, lens, nseg, start, limit, now: (
         stream.worker_results(d, starts, lens, nseg, start, limit, now, *st[:17],
-                              np.empty(st.stride, np.uint8))),
+                              np.empty(st.stride, np.uint8), keep=st.keep)),
     "send_first": lambda st, count, now: stream.send_first(count, now, *_sending(st),
-                                                           st.sendq, st.sendlen),
+                                                           st.sendq, st.sendlen, keep=st.keep),
     "send_chunk": lambda st, p, retransmit, fast, now: stream.send_chunk(
-        p, retransmit, fast, now, *_sending(st), st.sendlen),
+        p, retransmit, fast, now, *_sending(st), st.sendlen, keep=st.keep),
     "take_nack": lambda st, chunk, slot, now: stream.take_nack(chunk, slot, now, st.opv,
                                                                st.lane, st.lanef, st.rtt, st.cnt),
     "mark_nack_resend": lambda st, i, p, chunk: stream.mark_nack_resend(i, p, chunk, st.opv,
                                                                         st.lane, st.tx8),
     "fire_timers": lambda st, now: timers.fire_timers(now, *_sending(st), st.sendq,
-                                                      st.sendlen, st.picked),
+                                                      st.sendlen, st.picked, keep=st.keep),
     "next_deadline": lambda st: timers.next_deadline(st.lane, st.lanef, st.rtt),
     "plan_runs": stream.plan_runs,
     "probe_time": timers.probe_time, "block_exponents": numerics.block_exponents,
@@ -101,7 +118,8 @@ def test_the_layout_header_is_generated_from_the_tables():
 
 def _nasty(rng: np.random.Generator, n: int, dtype) -> np.ndarray:
     info = np.finfo(dtype)
-    x = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(dtype)
+    with np.errstate(over="ignore"):  # (float16: the largest overflow, to inf)
+        x = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(dtype)
     picks = rng.integers(0, 10, n)
     x[picks == 0] = 0
     x[picks == 1] = info.max * rng.choice([-1, 1], (picks == 1).sum())
@@ -110,7 +128,10 @@ def _nasty(rng: np.random.Generator, n: int, dtype) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+HALVES_TOO = [np.float32, np.float64, np.float16, BFLOAT16]
+
+
+@pytest.mark.parametrize("dtype", HALVES_TOO, ids=str)
 @pytest.mark.parametrize("seed", range(6))
 def test_block_exponents_match_the_reference(dtype, seed):
     rng = np.random.default_rng(seed)
@@ -123,12 +144,12 @@ def test_block_exponents_match_the_reference(dtype, seed):
     nb = -(-x.size // k)
     got = (np.empty(nb, np.int64), np.empty(nb, np.uint8))
     want = (np.empty(nb, np.int64), np.empty(nb, np.uint8))
-    C.block_exponents(x, k, *got)
+    C.block_exponents(kernel_view(x), k, *got)
     numerics.block_exponents(x, k, *want)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", HALVES_TOO, ids=str)
 @pytest.mark.parametrize("qtype", ["<i4", "<i2"])
 @pytest.mark.parametrize("seed", range(4))
 def test_quantize_dequantize_and_residual_match_the_reference_bit_for_bit(dtype, qtype, seed):
@@ -146,20 +167,23 @@ def test_quantize_dequantize_and_residual_match_the_reference_bit_for_bit(dtype,
         got, want = np.empty(x.size, qtype), np.empty(x.size, qtype)
         if e == emax + 1500 and nonfinite:
             continue
-        C.quantize_block(x, e, p, nonfinite, got)
+        C.quantize_block(kernel_view(x), e, p, nonfinite, got)
         numerics.quantize_block(x, e, p, nonfinite, want)
         assert np.array_equal(got, want), e
-        for out_type in (np.float32, np.float64):
+        for out_type in HALVES_TOO:
             info = np.finfo(out_type)
             at_edge = e != frames.EXP_ZERO and e + n_workers.bit_length() >= info.maxexp
             for edge in {False, at_edge}:
                 a, b = np.empty(x.size, out_type), np.empty(x.size, out_type)
-                C.dequantize_block(got, e, p, nonfinite, a, n_workers, edge, float(info.max))
+                C.dequantize_block(got, e, p, nonfinite, kernel_view(a), n_workers, edge,
+                                   float(info.max))
                 numerics.dequantize_block(got, e, p, nonfinite, b, n_workers, edge,
                                           float(info.max))
                 assert a.tobytes() == b.tobytes(), (e, out_type, edge)
+            if np.dtype(out_type).itemsize == 2:
+                continue  # residuals are float32 or float64
             ra, rb = np.empty(x.size, out_type), np.empty(x.size, out_type)
-            C.residual_block(x, got, e, p, ra)
+            C.residual_block(kernel_view(x), got, e, p, ra)
             numerics.residual_block(x, got, e, p, rb)
             assert ra.tobytes() == rb.tobytes(), (e, out_type)
 
@@ -177,9 +201,10 @@ def test_wrong_arrays_are_refused_with_a_message():
 
 # -- the results kernel on crafted batches ---------------------------------------------------
 
-def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0):
+def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0, inplace=False):
     """A joined worker with an operation in flight (its first window sent), the switch, and
-    the RESULT datagrams that answer every rank of a 1-rank job."""
+    the RESULT datagrams that answer every rank of a 1-rank job. ``inplace``: the output is
+    the input (the kernels keep each input block as they send it)."""
     spec = JobSpec(job_id=5, token=0x1234_5678_9ABC, num_workers=1, window=4,
                    elements_per_packet=32)
     sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
@@ -188,8 +213,8 @@ def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0):
     exchange({w_addr: w, sw_addr: sw}, 0.0)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(size) * 10).astype(dtype)
-    res = np.zeros(size, dtype) if residual else None
-    w.start_allreduce(x, np.empty_like(x), 0.0, bits=bits, residual=res)
+    res = np.zeros(size, np.float32 if x.itemsize == 2 else dtype) if residual else None
+    w.start_allreduce(x, x if inplace else np.empty_like(x), 0.0, bits=bits, residual=res)
     results = []
     for data, _ in w.datagrams_to_send(0.0):
         sw.receive_datagram(bytes(data), w_addr, 0.001)
@@ -202,15 +227,19 @@ def _state(w):
     op, rec = w._op, w.recovery
     return [op.opv, op.lane, op.lanef, rec.rtt, w._next_set, op.exps, op.nonf, op.xk,
             op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, w._cnt, op.sendq, op.sendlen,
-            op.picked, op.run_order, op.runs, op.stride]
+            op.picked, op.run_order, op.runs, op.stride,
+            None if op.keep is None else kernel_view(op.keep)]
 
 
 def _copy(state):
     """Copies of the arrays, the int16 and int32 views sharing the byte buffer again; a
     ``C.OpState`` over them and the reference's ``RefState``."""
-    arrays = [a.copy() for a in state[:-1]] + [state[-1]]
+    arrays = [a.copy() for a in state[:20]] + [state[20]]
+    arrays.append(None if state[21] is None else state[21].copy())
     tx8 = arrays[11]
     arrays[12], arrays[13] = tx8.view(np.int16), tx8.view(np.int32)
+    if state[9] is state[7]:  # in place: out is x
+        arrays[9] = arrays[7]
     return arrays
 
 
@@ -243,16 +272,20 @@ def _batch(datagrams: list[bytes]):
 
 @pytest.mark.parametrize("kind", [(np.float32, 32, False), (np.float64, 32, False),
                                   (np.int32, 32, False), (np.float32, 16, True),
-                                  (np.float64, 16, True), (np.float32, 16, False)],
+                                  (np.float64, 16, True), (np.float32, 16, False),
+                                  (np.float16, 32, False), (np.float16, 16, True),
+                                  (BFLOAT16, 32, False), (BFLOAT16, 16, True)],
                          ids=lambda k: f"{np.dtype(k[0]).name}/{k[1]}/{int(k[2])}")
+@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "inplace"])
 @pytest.mark.parametrize("seed", range(4))
-def test_results_kernel_matches_the_reference_on_hostile_batches(kind, seed):
+def test_results_kernel_matches_the_reference_on_hostile_batches(kind, inplace, seed):
     dtype, bits, residual = kind
-    w, results = _operation(dtype, bits, residual, seed=seed)
+    w, results = _operation(dtype, bits, residual, seed=seed, inplace=inplace)
     rng = np.random.default_rng(100 + seed)
     state = _state(w)
+    assert (state[21] is not None) == inplace
     mine, ref = _copy(state), _copy(state)
-    cstate, rstate = C.OpState(*mine), RefState(*ref)
+    cstate, rstate = C.OpState(*mine), _ref_state(*ref)
     now = 0.002
     batches = [results, _mutations(results, rng), results[::-1] + results,
                _mutations(results[::-1], rng)]
@@ -265,8 +298,9 @@ def test_results_kernel_matches_the_reference_on_hostile_batches(kind, seed):
             want = REFERENCE["worker_results"](rstate, buf, starts, lens, len(datagrams), i,
                                                len(datagrams) + 1, now)
             assert tuple(got) == tuple(want)
-            for a, b, name in zip(mine[:17], ref[:17], range(17)):
-                assert a.tobytes() == b.tobytes(), f"array {name} differs"
+            for a, b, name in zip(mine[:17] + mine[21:], ref[:17] + ref[21:], range(22)):
+                assert (a is None) == (b is None), name
+                assert a is None or a.tobytes() == b.tobytes(), f"array {name} differs"
             nxt, code = got
             if code == K.WS.FULL:
                 for s in (mine, ref):
@@ -282,7 +316,7 @@ def test_timers_and_nacks_match_the_reference(seed):
     w, _ = _operation(np.float32, 32, False, seed=seed)
     state = _state(w)
     mine, ref = _copy(state), _copy(state)
-    cstate, rstate = C.OpState(*mine), RefState(*ref)
+    cstate, rstate = C.OpState(*mine), _ref_state(*ref)
     rng = np.random.default_rng(seed)
     for a in (mine, ref):
         a[3][K.R.SRTT], a[3][K.R.MIN_RTT], a[3][K.R.PROBED_AT] = 0.01, 0.008, 0.0
@@ -353,7 +387,8 @@ def _job(kind, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
     xs = [(rng.standard_normal(1500) * 5).astype(dtype) for _ in range(3)]
     outs = [np.empty_like(x) for x in xs]
-    res = [np.zeros_like(x) for x in xs] if residual else None
+    res = ([np.zeros(x.size, np.float32 if x.itemsize == 2 else x.dtype) for x in xs]
+           if residual else None)
     for _ in range(2):
         c.wait(c.start(xs, outs, bits=bits, residuals=res))
     return ([o.tobytes() for o in outs], [r.tobytes() for r in res or []],
@@ -362,7 +397,8 @@ def _job(kind, seed: int) -> tuple:
 
 
 @pytest.mark.parametrize("kind", [(np.float32, 32, False), (np.int32, 32, False),
-                                  (np.float64, 16, True), (np.float16, 32, False)],
+                                  (np.float64, 16, True), (np.float16, 32, False),
+                                  (BFLOAT16, 16, True)],
                          ids=lambda k: f"{np.dtype(k[0]).name}/{k[1]}/{int(k[2])}")
 @pytest.mark.parametrize("seed", [1, 2])
 def test_jobs_under_loss_run_identically_on_the_compiled_kernels_and_the_reference(

@@ -44,26 +44,41 @@ def test_the_setting_is_read_and_checked(monkeypatch):
         env.half_bits()
 
 
-def test_staging_widens_exactly_writes_back_and_reuses_its_buffer():
-    """bfloat16 and float16 are widened to float32 (exactly: every half value is a float32),
-    the sum written back rounds once to the type, and the next operation of that size takes
-    the same buffer back from the pool (a fresh one costs page faults every time)."""
-    pool = StagingPool(keep=2)
-    for dtype in (torch.bfloat16, torch.float16):
+def test_half_tensors_are_summed_in_place_through_a_view_not_a_copy():
+    """bfloat16 and float16 go to the kernels as they are: ``array`` is the tensor's own memory
+    (bfloat16 as ml_dtypes' type), and what the switch hands back is the result."""
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
         x = torch.tensor([1.0, -3.0, 0.1, 2.0**-9], dtype=dtype)
-        staged = StagedTensor(x, pool=pool)
-        assert staged.array.dtype.name == "float32"
-        assert staged.flat.tolist() == x.float().tolist()  # widened exactly
-        want = (x.double() * 3).to(dtype).tolist()  # three ranks' equal inputs, rounded once
-        staged.array *= 3  # what the switch hands back
+        before = x.tolist()
+        staged = StagedTensor(x, pool=StagingPool())
+        assert staged.staging is None and staged.array.dtype.name == name
+        assert staged.array.ctypes.data == x.data_ptr()
+        assert [float(v) for v in staged.array] == before
+        staged.array *= 2  # what the switch hands back (two ranks' equal inputs: exact)
+        staged.finish(2, average=False)
+        assert x.tolist() == [2 * v for v in before]
+
+
+def test_a_staged_copy_writes_back_and_its_buffer_is_reused():
+    """A tensor that cannot be viewed (here: not contiguous) goes through a copy in its own
+    type; the next operation of that size takes the same buffer back from the pool (a fresh
+    one costs page faults every time)."""
+    pool = StagingPool(keep=2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.tensor([[1.0, 9.0], [-3.0, 9.0], [0.1, 9.0], [2.0**-9, 9.0]], dtype=dtype)
+        column = x[:, 0]
+        staged = StagedTensor(column, pool=pool)
+        assert staged.staging is not None and staged.flat.dtype is dtype
+        want = (column.double() * 3).to(dtype).tolist()
+        staged.array *= 3
         buffer = staged.flat.data_ptr()
         staged.finish(3, average=False)
-        assert x.tolist() == want
-        again = StagedTensor(torch.zeros(4, dtype=dtype), pool=pool)
+        assert column.tolist() == want and x[:, 1].tolist() == [9.0] * 4
+        again = StagedTensor(torch.zeros(8, dtype=dtype)[::2], pool=pool)
         assert again.flat.data_ptr() == buffer
         again.release()
         again.release()  # idempotent: given back once
-        assert StagedTensor(torch.zeros(4, dtype=dtype), pool=pool).flat.data_ptr() == buffer
+        assert StagedTensor(torch.zeros(8, dtype=dtype)[::2], pool=pool).flat.data_ptr() == buffer
 
 
 def test_the_pool_keeps_a_bounded_number_of_buffers():
@@ -93,7 +108,7 @@ def test_a_strided_half_tensor_is_staged_and_written_back_through_its_view_only(
     staged = StagedTensor(view, pool=StagingPool())
     assert staged.flat.tolist() == view.float().reshape(-1).tolist()
     staged.array *= 2
-    staged.finish(2, average=True)  # (x * 2) / 2 in float32, then rounded once
+    staged.finish(2, average=True)  # (x * 2) / 2: exact
     assert base.tolist() == torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).tolist()
     staged = StagedTensor(view, pool=StagingPool())
     staged.array += 100

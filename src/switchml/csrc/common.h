@@ -12,6 +12,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #include "layout.h"
 
@@ -26,8 +29,9 @@
 #define SOL_UDP 17
 #endif
 
-/* Element kinds of the arrays the kernels take. */
-enum { K_OTHER = 0, K_F32, K_F64, K_I32, K_I16, K_I64, K_U8 };
+/* Element kinds of the arrays the kernels take. bfloat16 has no buffer format of its own
+   (numpy's is ml_dtypes'): the worker passes it as uint16 ('H'); int16 is 'h'. */
+enum { K_OTHER = 0, K_F32, K_F64, K_I32, K_I16, K_I64, K_U8, K_F16, K_BF16 };
 
 typedef int32_t ui32 __attribute__((aligned(1))); /* a payload at any offset of a batch */
 typedef int16_t ui16 __attribute__((aligned(1)));
@@ -227,14 +231,16 @@ static int kind_of(const Py_buffer *v)
     if (c == 'f' && v->itemsize == 4) return K_F32;
     if (c == 'd' && v->itemsize == 8) return K_F64;
     if (strchr("bBc?", c) && v->itemsize == 1) return K_U8;
-    if (strchr("hH", c) && v->itemsize == 2) return K_I16;
+    if (c == 'h' && v->itemsize == 2) return K_I16;
+    if (c == 'H' && v->itemsize == 2) return K_BF16;
+    if (c == 'e' && v->itemsize == 2) return K_F16;
     if (strchr("iIlL", c) && v->itemsize == 4) return K_I32;
     if (strchr("lLqQnN", c) && v->itemsize == 8) return K_I64;
     return K_OTHER;
 }
 
 static const char *kind_name[] = {"other", "float32", "float64", "int32", "int16", "int64",
-                                  "uint8"};
+                                  "uint8", "float16", "bfloat16 (as uint16)"};
 
 /* A C-contiguous buffer of arg `name`, of one of the kinds in `kinds` (a bit per kind);
    NULL with a TypeError/ValueError saying what was wrong. */

@@ -18,43 +18,43 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec
+from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float, kernel_view
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import EXP_ZERO, HEADER_SIZE, ElementType, operation_digest
 
 __all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "validate_arrays"]
 
-SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
-                    np.dtype(np.int32))
 WIRE_BITS = {32: (int(ElementType.INT32), 4), 16: (int(ElementType.INT16), 2)}
 """Wire width in bits -> (element type, bytes per element)."""
-_F16 = np.dtype(np.float16)
 _NO_RESIDUAL = {np.dtype(np.float32): np.empty(0, np.float32),
                 np.dtype(np.float64): np.empty(0, np.float64)}
-"""The kernels' residual argument where there is none: of the residual type they are compiled
-for with the staged input's type (float32 input: float32; float64 and int32: float64)."""
+"""The kernels' residual argument where there is none, of the input's residual type."""
 
 
 class Operation:
     """State of the operation in flight.
 
-    Float16 data is staged in float32 (exact both ways); the result is copied back by
-    :meth:`finish`. Requests are built into ``txbuf`` (one datagram per lane) and sent from
-    views of it (``datagram``), with no copy per datagram.
+    The kernels read the input and write the results in the caller's own arrays, of any
+    supported type (float16 and bfloat16 too: no staging copy). Requests are built into
+    ``txbuf`` (one datagram per lane) and sent from views of it (``datagram``), with no copy
+    per datagram. ``keep``: for an operation whose output is its input, a buffer of the
+    input's type and size, apart from both, into which the kernels copy each input block as
+    they send it (a restart needs the input, and results overwrite it); None otherwise.
     """
 
     __slots__ = (
         "E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize", "k",
-        "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual", "restarts",
-        "run_order", "runs", "sendlen", "sendq", "seq", "spurious", "stage_out",
+        "keep", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
+        "restarts", "run_order", "runs", "sendlen", "sendq", "seq", "spurious",
         "stage_res", "state", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat",
         "waiting_chunk", "waiting_missing", "x", "xbits", "xk", "xmit_order")
 
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,
-                 residual: np.ndarray | None = None) -> None:
-        self.seq, self.x, self.out = seq, x, out
-        self.is_float = x.dtype.kind == "f"
+                 residual: np.ndarray | None = None, keep: np.ndarray | None = None) -> None:
+        self.seq, self.x, self.out, self.keep = seq, x, out, keep
+        self.is_float = is_float(x.dtype)
         self.bits = bits
         self.elem, self.itemsize = WIRE_BITS[bits]
         self.residual = residual
@@ -108,19 +108,18 @@ class Operation:
         self.state = K.OpState(self.opv, self.lane, self.lanef, rtt, next_set, self.exps,
                                self.nonf, self.xk, self.xbits, self.outk, self.res, self.tx8,
                                self.tx16, self.tx32, cnt, self.sendq, self.sendlen, self.picked,
-                               self.run_order, self.runs, self.stride)
+                               self.run_order, self.runs, self.stride,
+                               None if self.keep is None else kernel_view(self.keep))
 
     def _stage(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
-        """The kernels take float32, float64 and int32: stage float16, round once."""
-        self.xk = x.astype(np.float32) if x.dtype == _F16 else x
+        """The arrays as the kernels take them (bfloat16 as its bits), and the residual's."""
+        self.xk, self.outk = kernel_view(x), kernel_view(out)
         # The input's bits (block exponents are an integer max: kernels/numerics.py).
-        self.xbits = self.xk.view(np.uint64 if self.xk.itemsize == 8 else np.uint32)
-        self.stage_out = out.dtype == _F16
-        self.outk = np.empty(x.size, np.float64) if self.stage_out else out
-        # The residual in the staged input's float type, written by the kernels in place: a
-        # float32 gradient's residual is float32 (staging it in float64 cost an allocation
-        # and a copy per element on every 16-bit DDP bucket).
-        res_type = np.dtype(np.float32 if self.xk.dtype == np.float32 else np.float64)
+        self.xbits = x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+        # The residual in the input's float type, float32 for the half types, written by the
+        # kernels in place: a float32 gradient's residual is float32 (staging it in float64
+        # cost an allocation and a copy per element on every 16-bit DDP bucket).
+        res_type = np.dtype(np.float64 if x.dtype in (np.float64, np.int32) else np.float32)
         self.stage_res = residual is not None and residual.dtype != res_type
         if residual is None:
             self.res = _NO_RESIDUAL[res_type]
@@ -147,11 +146,28 @@ class Operation:
 
     def restarted(self, seq: int, spec: JobSpec, rank: int,
                   slot_bases: Sequence[int]) -> Operation:
-        """The same operation from its input, as ``seq`` on a new epoch."""
-        op = Operation(seq=seq, x=self.x, out=self.out, spec=spec, rank=rank,
+        """The same operation from its input, as ``seq`` on a new epoch. In place (``keep``),
+        the input is ``keep`` where a block's result has landed in ``x`` and ``x`` elsewhere;
+        rebuilt into ``keep``, it is the restarted operation's input (apart from its output)."""
+        x = self.x
+        if self.keep is not None:
+            landed = np.repeat(self.landed_blocks(), self.k)[:x.size]
+            np.copyto(self.keep, x, where=~landed)
+            x = self.keep
+        op = Operation(seq=seq, x=x, out=self.out, spec=spec, rank=rank,
                        slot_bases=slot_bases, bits=self.bits, residual=self.residual)
         op.restarts = self.restarts + 1
         return op
+
+    def landed_blocks(self) -> np.ndarray:
+        """Which blocks' results are in ``out`` (a bool per block). Lane ``i`` carries packets
+        ``i, i + E, ...`` one after another (a float operation's packet ``p`` holds block
+        ``p - E``); a lane's current packet (``LN.CHUNK``, -1 once it has carried its last)
+        has not landed, those before it have."""
+        blocks = np.arange(self.L)
+        packet = blocks + self.E if self.is_float else blocks
+        current = self.lane[K.LN.CHUNK][packet % self.E]
+        return (current < 0) | (packet < current)
 
     def datagram(self, lane: int) -> memoryview:
         """Lane ``lane``'s datagram: a view of its row of ``txbuf`` (no copy). Made when
@@ -161,9 +177,7 @@ class Operation:
         return self.txflat[start:start + int(self.sendlen[lane])]
 
     def finish(self) -> None:
-        """Copy staged results into the caller's arrays."""
-        if self.stage_out:
-            self.out[...] = self.outk
+        """Copy a staged residual into the caller's array."""
         if self.stage_res:
             self.residual[...] = self.res  # type: ignore[index]
 

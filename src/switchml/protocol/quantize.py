@@ -28,12 +28,11 @@ import math
 import numpy as np
 
 from switchml.protocol import kernels
+from switchml.protocol.dtypes import kernel_view
 from switchml.protocol.wire import EXP_ZERO
 
 __all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "residual_into",
            "scale_bits"]
-
-_F16 = np.dtype(np.float16)
 
 
 def scale_bits(num_workers: int, bits: int = 32) -> int:
@@ -45,9 +44,8 @@ def scale_bits(num_workers: int, bits: int = 32) -> int:
 
 
 def _kernel_input(x: np.ndarray) -> np.ndarray:
-    """A contiguous float32/float64 copy or view the kernels take (float16 widens exactly)."""
-    x = np.ascontiguousarray(x).reshape(-1)
-    return x.astype(np.float32) if x.dtype == _F16 else x
+    """A flat contiguous view (or copy) the kernels take: bfloat16 as its bits."""
+    return kernel_view(np.ascontiguousarray(x).reshape(-1))
 
 
 def block_exponent(x: np.ndarray) -> tuple[int, bool]:
@@ -69,7 +67,7 @@ def quantize(x: np.ndarray, emax: int, num_workers: int, *, nonfinite: bool = Fa
     """Scale a float block to little-endian int32 (or int16) with the agreed exponent ``emax``.
 
     Args:
-        x: the block (float16, float32 or float64); not modified.
+        x: the block (float16, bfloat16, float32 or float64); not modified.
         emax: the max block exponent over all workers (``>= block_exponent(x)[0]``).
         num_workers: n, the number of workers whose values will be summed.
         nonfinite: the block holds NaN/Inf; those elements are sent as 0.
@@ -84,7 +82,8 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
                     *, nonfinite: bool = False, bits: int = 32) -> None:
     """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
 
-    The integer sum is rounded once, to ``out``'s dtype. A sum within the quantization error of
+    The integer sum is rounded once, to ``out``'s dtype (to float16 and bfloat16 through
+    float32, as torch rounds into bfloat16). A sum within the quantization error of
     the dtype's largest finite value may come out past it (an element at ``finfo.max`` rounds up
     to ``2**P`` quanta = ``2**emax``): such results are clamped to +-max; sums further out are
     genuine overflows and stay inf.
@@ -92,11 +91,11 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
     info = np.finfo(out.dtype)
     edge = emax + num_workers.bit_length() >= info.maxexp
     flat = out.reshape(-1)
-    direct = out.dtype != _F16 and flat.flags.c_contiguous and np.shares_memory(flat, out)
-    target = flat if direct else np.empty(out.size, np.float64)  # float64: one rounding
+    direct = flat.flags.c_contiguous and np.shares_memory(flat, out)
+    target = flat if direct else np.empty(out.size, out.dtype)
     kernels.dequantize_block(np.ascontiguousarray(q).reshape(-1), emax,
-                             scale_bits(num_workers, bits), nonfinite, target, num_workers, edge,
-                             float(info.max))
+                             scale_bits(num_workers, bits), nonfinite, kernel_view(target),
+                             num_workers, edge, float(info.max))
     if not direct:
         with np.errstate(over="ignore"):
             out[...] = target.reshape(out.shape)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from switchml.protocol.dtypes import is_float
 from switchml.protocol.endpoint import Batch
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, SwitchMLError
 from switchml.protocol.events import (
@@ -155,7 +156,7 @@ def prepare_submission(data: np.ndarray, out: np.ndarray | None = None, *, bits:
     dst = out if out.flags.c_contiguous and out.flags.writeable else np.empty_like(src)
     finish = None if dst is out else (lambda: np.copyto(out, dst))
     validate_arrays(src, dst)
-    if bits not in (32, 16) or (bits == 16 and src.dtype.kind != "f"):
+    if bits not in (32, 16) or (bits == 16 and not is_float(src.dtype)):
         raise LocalProtocolError(f"bits must be 32, or 16 for float data; got {bits} for "
                                  f"{src.dtype}")
     return Submission(src, dst, handle_type(out, finish), bits, residual)

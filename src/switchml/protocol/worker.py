@@ -39,6 +39,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
 from switchml.protocol.auth import job_key
 from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float
 from switchml.protocol.endpoint import Batch
 from switchml.protocol.errors import ConfigError, LocalProtocolError, WireError
 from switchml.protocol.events import (
@@ -48,7 +49,7 @@ from switchml.protocol.events import (
     OperationCompleted,
 )
 from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_state
-from switchml.protocol.operation import SUPPORTED_DTYPES, WIRE_BITS, Operation, validate_arrays
+from switchml.protocol.operation import WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
     Header,
@@ -127,7 +128,7 @@ class WorkerEndpoint(WorkerControl):
         self._epoch_seq = 0  # first operation of the current epoch; sent in JOIN/KEEPALIVE
         self._keepalive_at = 0.0
         self._op: Operation | None = None
-        self._kept = np.empty(0, np.uint8)  # in-place operations' inputs (``_keep_input``)
+        self._kept = np.empty(0, np.uint8)  # in-place operations' inputs (``_keep_buffer``)
         self._out: list[tuple[_Data, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
@@ -191,8 +192,10 @@ class WorkerEndpoint(WorkerControl):
             next_state(self.state, WorkerInput.START, self.error or "")  # raises
         x, o = validate_arrays(data, out)
         residual = self._check_wire(x, o, bits, residual)
-        if self.config.max_restarts and np.may_share_memory(x, o):
-            x = self._keep_input(x)  # a restart needs the input, not partial sums
+        # In place, the kernels keep each input block as they send it (a restart needs the
+        # input, and results overwrite it), in a buffer this endpoint keeps.
+        keep = (self._keep_buffer(x) if self.config.max_restarts and np.may_share_memory(x, o)
+                else None)
         seq = self._seq
         if x.size == 0:
             self._seq = (seq + 1) & 0xFFFFFFFF
@@ -202,24 +205,23 @@ class WorkerEndpoint(WorkerControl):
         # Built first: if allocating it fails (MemoryError), nothing has changed, the
         # sequence number included (the ranks must stay in step).
         op = Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
-                       slot_bases=self.slot_bases, bits=bits, residual=residual)
+                       slot_bases=self.slot_bases, bits=bits, residual=residual, keep=keep)
         op.opv[K.OP.PY_NACKS] = self.recovery.fast_retransmit  # RACK logs its re-sends
         self._seq = (seq + 1) & 0xFFFFFFFF
         self._move(WorkerInput.START)
         self._begin(op, now)
         return seq
 
-    def _keep_input(self, x: np.ndarray) -> np.ndarray:
-        """A private copy of an in-place operation's input (a restart after a switch failure
-        runs it again), in a buffer this endpoint keeps from one operation to the next and
-        grows to the largest: one operation runs at a time, and a fresh allocation of tens of
-        megabytes costs more in page faults than the copy itself (64 MiB: about 28 against
-        3 ms here)."""
+    def _keep_buffer(self, x: np.ndarray) -> np.ndarray:
+        """Where an in-place operation's input is kept (a restart after a switch failure runs
+        it again; ``Operation``'s ``keep``): a buffer this endpoint keeps from one operation
+        to the next and grows to the largest, since one operation runs at a time, and a fresh
+        allocation of tens of megabytes costs more in page faults than the copy itself (64 MiB:
+        about 28 against 3 ms here). The kernels fill it block by block as they send: a copy
+        of the whole input before the first packet cost 8.7 ms per 64 MiB here."""
         if self._kept.nbytes < x.nbytes:
             self._kept = np.empty(x.nbytes, np.uint8)
-        kept = self._kept[:x.nbytes].view(x.dtype)
-        np.copyto(kept, x)
-        return kept
+        return self._kept[:x.nbytes].view(x.dtype)
 
     @staticmethod
     def _check_wire(x: np.ndarray, o: np.ndarray, bits: int, residual: np.ndarray | None
@@ -227,14 +229,14 @@ class WorkerEndpoint(WorkerControl):
         """Check ``bits`` and ``residual`` against the data; return the flat residual."""
         if bits not in WIRE_BITS:
             raise LocalProtocolError(f"bits must be 32 or 16, got {bits}")
-        if bits != 32 and x.dtype.kind != "f":
+        if bits != 32 and not is_float(x.dtype):
             raise LocalProtocolError(f"bits={bits} is for float data; {x.dtype} is summed exactly "
                                      "in 32 bits")
         if residual is None:
             return None
         if (not isinstance(residual, np.ndarray) or residual.dtype.kind != "f"
                 or residual.size != x.size or not residual.flags.c_contiguous
-                or not residual.flags.writeable or x.dtype.kind != "f"):
+                or not residual.flags.writeable or not is_float(x.dtype)):
             raise LocalProtocolError("residual must be a writeable C-contiguous float array "
                                      "of data's size, for float data")
         if np.may_share_memory(residual, x) or np.may_share_memory(residual, o):

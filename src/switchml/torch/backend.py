@@ -54,6 +54,7 @@ from switchml import env, service
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
 from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.dtypes import BFLOAT16
 from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
@@ -214,10 +215,10 @@ class StagedTensor:
     """How one tensor travels through the switch: the numpy array sent, and the write-back.
 
     ``array`` is a flat view of the tensor itself where it can be (a contiguous CPU tensor of a
-    type the switch sums), else of a contiguous CPU copy (``staging``, from ``pool`` if given,
-    back to it after ``finish``): float16 and bfloat16 (widened by torch, exactly) and, with
-    ``dtype``, any other type travel as ``dtype`` (by default float32 for the half types);
-    int64 travels as three int32 limbs. Used by the backend for every all-reduce and by the DDP
+    type the switch sums: float16 and bfloat16 too, which the kernels read and write
+    themselves), else of a contiguous CPU copy (``staging``, from ``pool`` if given, back to it
+    after ``finish``): with ``dtype``, the tensor travels as ``dtype``; int64 travels as three
+    int32 limbs. Used by the backend for every all-reduce and by the DDP
     hooks (``dtype=torch.float32``) for every bucket.
 
     Args:
@@ -240,7 +241,7 @@ class StagedTensor:
             self.flat = torch.from_numpy(self.array)
             return
         self.kind = "plain"
-        want = dtype or (torch.float32 if t.dtype in _HALF else t.dtype)
+        want = dtype or t.dtype
         if t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
             if pool is not None:
                 self.staging = pool.take(t.numel(), want, pinned=t.device.type == "cuda")
@@ -249,7 +250,7 @@ class StagedTensor:
                 self.staging = t.to(device="cpu", dtype=want).contiguous()
         src = self.staging if self.staging is not None else t
         self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
-        self.array = self.flat.numpy()
+        self.array = _as_numpy(self.flat)
 
     def finish(self, size: int, average: bool) -> None:
         """Write the sum back into the user's tensor, in place (runs on the I/O thread);
@@ -275,6 +276,14 @@ class StagedTensor:
         if self.pool is not None and self.staging is not None:
             self.pool.give(self.staging)
             self.pool = None
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of its type (bfloat16: ml_dtypes', through its
+    bits, since torch's ``numpy()`` refuses it)."""
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
 
 
 def wire_bits(dtype: torch.dtype, world: int, half_bits: int | None = None) -> int:

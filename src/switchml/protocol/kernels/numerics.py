@@ -19,6 +19,32 @@ import numpy as np
 
 from switchml.protocol.kernels.frames import EXP_ZERO
 
+# float16 and bfloat16 (ml_dtypes): (Inf's bits, mantissa bits, exponent bias - 1, smallest
+# subnormal), the 16-bit widths of exponent_of_bits.
+_HALF_FORMAT = {"float16": (0x7C00, 10, 14, 2.0 ** -24), "bfloat16": (0x7F80, 7, 126, 2.0 ** -133)}
+
+
+def _stored(out, v):
+    """``v`` as stored into ``out``, rounded once to its type. numpy rounds a float64 into
+    float16 once; ml_dtypes' bfloat16 goes through float32 (twice), so bfloat16 takes the
+    nearest of that value and its two neighbours (ties: the even one)."""
+    if out.dtype.name != "bfloat16" or not math.isfinite(v):
+        return v
+    if abs(v) >= 2.0 ** 128 - 2.0 ** 119:  # half way from the largest to 2**128: inf
+        return math.copysign(math.inf, v)
+    b = np.asarray(np.float32(v)).astype(out.dtype)
+    bits = int(b.view(np.uint16))
+    best, best_d = b, math.inf
+    for c in (bits - 1, bits, bits + 1):
+        cand = np.asarray(np.uint16(c & 0xFFFF)).view(out.dtype)
+        f = float(cand)
+        if not math.isfinite(f):
+            continue
+        d = abs(f - v)
+        if d < best_d or d == best_d and c % 2 == 0:
+            best, best_d = cand, d
+    return best
+
 
 def _exponent(m):
     """e with m < 2**e (m > 0, finite): frexp's exponent."""
@@ -50,8 +76,8 @@ def _scan_exponent(x, lo, hi, b, exps, nonfinite):
 def exponent_of_bits(xbits, x, lo, hi, b, exps, nonfinite):
     """Block ``b`` = ``x[lo:hi]``: ``max|x| < 2**e`` over finite elements (EXP_ZERO for an
     all-zero block) into ``exps[b]``, and whether it holds a NaN or Inf into ``nonfinite[b]``.
-    ``xbits``: ``x`` viewed as unsigned integers of its width (uint32 for float32, uint64 for
-    float64).
+    ``xbits``: ``x`` viewed as unsigned integers of its width (uint16 for float16 and
+    bfloat16, uint32 for float32, uint64 for float64).
 
     An IEEE float's magnitude orders as its bits with the sign cleared, and NaN and Inf have
     the largest bits of all: so one pass takes the integer max of those bits (a reduction the
@@ -65,6 +91,13 @@ def exponent_of_bits(xbits, x, lo, hi, b, exps, nonfinite):
             m32 = v32 if v32 > m32 else m32
         mb = np.uint64(m32)
         top, mant_bits, bias, tiny = 0x7F800000, 23, 126, 2.0 ** -149
+    elif xbits.itemsize == 2:  # float16, bfloat16
+        m16 = 0
+        for j in range(lo, hi):
+            v16 = int(xbits[_ix(j)]) & 0x7FFF
+            m16 = v16 if v16 > m16 else m16
+        mb = np.uint64(m16)
+        top, mant_bits, bias, tiny = _HALF_FORMAT[x.dtype.name]
     else:  # float64
         mb = np.uint64(0)
         for j in range(lo, hi):
@@ -86,14 +119,9 @@ def exponent_of_bits(xbits, x, lo, hi, b, exps, nonfinite):
 
 def block_exponents(x, k, exps, nonfinite):
     """Every block's exponent and non-finite flag (blocks of ``k`` elements), one pass."""
-    if x.itemsize == 4:
-        x32 = x.view(np.uint32)
-        for b in range(exps.size):
-            exponent_of_bits(x32, x, b * k, min(b * k + k, x.size), b, exps, nonfinite)
-    else:
-        x64 = x.view(np.uint64)
-        for b in range(exps.size):
-            exponent_of_bits(x64, x, b * k, min(b * k + k, x.size), b, exps, nonfinite)
+    xbits = x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+    for b in range(exps.size):
+        exponent_of_bits(xbits, x, b * k, min(b * k + k, x.size), b, exps, nonfinite)
 
 
 def quantize_into(x, lo, count, emax, n_bits, nonfinite, q, qo):
@@ -129,7 +157,7 @@ def quantize_block(x, emax, n_bits, nonfinite, out):
 
 def dequantize_into(q, qo, emax, n_bits, nonfinite, out, lo, count, num_workers, edge, fmax):
     """``out[lo + j] = q[qo + j] * 2**(emax - P)`` for ``j < count``, rounded once to
-    ``out``'s dtype; NaN if ``nonfinite``.
+    ``out``'s dtype (a half type through float32: :func:`_stored`); NaN if ``nonfinite``.
 
     ``edge``: ``emax`` is so large that ``|sum| < n * 2**emax`` may pass the output dtype's
     largest finite value ``fmax``: a sum within the quantization error past it is clamped to
@@ -154,14 +182,14 @@ def dequantize_into(q, qo, emax, n_bits, nonfinite, out, lo, count, num_workers,
                     v = fmax
                 elif v < -fmax:
                     v = -fmax
-            out[_ix(lo + j)] = v
+            out[_ix(lo + j)] = _stored(out, v)
     elif -1000 < shift < 1000:
         f = 2.0 ** shift
         for j in range(count):
-            out[_ix(lo + j)] = np.float64(q[_ix(qo + j)]) * f
+            out[_ix(lo + j)] = _stored(out, np.float64(q[_ix(qo + j)]) * f)
     else:
         for j in range(count):
-            out[_ix(lo + j)] = math.ldexp(np.float64(q[_ix(qo + j)]), shift)
+            out[_ix(lo + j)] = _stored(out, math.ldexp(np.float64(q[_ix(qo + j)]), shift))
 
 
 def dequantize_block(q, emax, n_bits, nonfinite, out, num_workers, edge, fmax):

@@ -74,8 +74,16 @@ def lane_row(i, opv):
     return i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
 
 
+def keep_block(x, lo, count, keep):
+    """An in-place operation's input block ``x[lo:lo+count]`` into ``keep`` (None: not in
+    place), as the block is sent: its result overwrites it in ``x``, and a restart after the
+    switch lost the job needs the input (``Operation.restarted`` rebuilds it)."""
+    if keep is not None:
+        keep[lo:lo + count] = x[lo:lo + count]
+
+
 def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
-                  residual):
+                  residual, keep=None):
     """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
     and the same memory as int16 and int32: ``tx16``, ``tx32``) from the input; return its
     length.
@@ -108,6 +116,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
             count = min(lo + k, x.size) - lo
             exp_data = lane[LN.EMAX, i]
             bad = nonf[blk] != 0
+            keep_block(x, lo, count, keep)
             if itemsize == 4:
                 qo = (base + HDR) // 4
                 quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx32, qo)
@@ -123,6 +132,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
         lo = p * k
         count = min(lo + k, x.size) - lo
         qo = (base + HDR) // 4
+        keep_block(x, lo, count, keep)
         for j in range(count):
             tx32[np.uint64(qo + j)] = np.int32(x[np.uint64(lo + j)])
         flags |= F_HAS_DATA
@@ -134,7 +144,7 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
 
 
 def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
-               res, tx8, tx16, tx32, cnt, sendlen):
+               res, tx8, tx16, tx32, cnt, sendlen, keep=None):
     """Start (or re-send) packet ``p`` on its lane: lane bookkeeping, build, deadline.
 
     ``fast``: a RACK re-send: it does not back the lane's timeout off (TRIES counts timeouts
@@ -164,7 +174,7 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
             lane[LN.TAIL_ORDER, opv[OP.TAIL_END]] = i
             opv[OP.TAIL_END] += 1
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
-                      res.size > 0 and not retransmit)
+                      res.size > 0 and not retransmit, keep)
     sendlen[i] = n
     if retransmit:
         cnt[WC.PAYLOAD_RESENT] += n - HDR
@@ -177,12 +187,12 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
 
 
 def resend_chunk(p, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8,
-                 tx16, tx32, cnt, sendlen):
+                 tx16, tx32, cnt, sendlen, keep=None):
     """:func:`send_chunk` for a re-send (timeouts, probes, NACKs): rare, so compiled once and
     called, where the first transmission's path has it inlined (each inlined copy of the
     request builder costs seconds of compilation per element type)."""
     return send_chunk(p, True, fast, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
-                      res, tx8, tx16, tx32, cnt, sendlen)
+                      res, tx8, tx16, tx32, cnt, sendlen, keep)
 
 
 def queue_lane(i, opv, sendq):
@@ -422,7 +432,7 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
 
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
                    exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
-                   scratch):
+                   scratch, keep=None):
     """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
     from datagram ``start`` on: dequantize into ``out``, time the round trip, and build the
     packet each result releases on its lane, queued in ``sendq`` (:func:`queue_lane`).
@@ -448,7 +458,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
             p = take_nack(chunk, u32(d, o + H_SLOT), now, opv, lane, lanef, rtt, cnt)
             if p >= 0:
                 ln_i = resend_chunk(p, True, now, opv, lane, lanef, rtt, next_set, exps, nonf,
-                                    x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                                    x, xbits, res, tx8, tx16, tx32, cnt, sendlen, keep)
                 mark_nack_resend(ln_i, p, chunk, opv, lane, tx8)
                 queue_lane(ln_i, opv, sendq)
             continue
@@ -470,7 +480,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         nxt = p + opv[OP.E]
         if nxt < opv[OP.T]:
             send_chunk(nxt, False, False, now, opv, lane, lanef, rtt, next_set, exps, nonf, x,
-                       xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                       xbits, res, tx8, tx16, tx32, cnt, sendlen, keep)
             queue_lane(ln_i, opv, sendq)
         else:
             lane[LN.CHUNK, ln_i] = -1
@@ -483,12 +493,12 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
 
 
 def send_first(count, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16,
-               tx32, cnt, sendq, sendlen):
+               tx32, cnt, sendq, sendlen, keep=None):
     """Start packets ``0 .. count-1`` (the first window) and queue them (the queue is empty
     at an operation's start and holds a window)."""
     for p in range(count):
         send_chunk(p, False, False, now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits,
-                   res, tx8, tx16, tx32, cnt, sendlen)
+                   res, tx8, tx16, tx32, cnt, sendlen, keep)
         queue_lane(p, opv, sendq)
 
 

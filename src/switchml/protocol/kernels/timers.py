@@ -43,7 +43,7 @@ def probe_time(rtt):
 
 
 def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res, tx8, tx16, tx32,
-                cnt, sendq, sendlen, picked):
+                cnt, sendq, sendlen, picked, keep=None):
     """Re-send what is due at ``now`` and queue it: every busy lane whose deadline passed (a
     timeout: the lane's timeout backs off), then, if the idle probe is due
     (:func:`probe_time`), the ``PROBE_LANES`` busy lanes transmitted longest ago (ties: the
@@ -62,7 +62,7 @@ def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
         if lane[LN.CHUNK, i] >= 0 and lanef[LF.DEADLINE, i] <= now:
             cnt[WC.TIMER_RESENDS] += 1
             resend_chunk(lane[LN.CHUNK, i], False, now, opv, lane, lanef, rtt, next_set,
-                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen, keep)
             queue_lane(i, opv, sendq)
     if now < probe_time(rtt):
         return True
@@ -90,7 +90,7 @@ def fire_timers(now, opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, res,
         if now - lanef[LF.XMIT_AT, i] >= rtt[R.SRTT]:
             cnt[WC.IDLE_PROBES] += 1
             resend_chunk(lane[LN.CHUNK, i], True, now, opv, lane, lanef, rtt, next_set,
-                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen)
+                         exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt, sendlen, keep)
             queue_lane(i, opv, sendq)
     return True
 
