@@ -54,6 +54,9 @@ static inline int64_t frexp_exp(double m)
    than the half type, the odd intermediate never creates a false tie, so the two steps round
    as one (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
    algorithms using rounding to odd", IEEE TC 2008). */
+#ifndef __FLT16_MAX__
+#error "switchml's data plane needs a C compiler with _Float16 (GCC >= 12 or Clang >= 15 on x86-64)"
+#endif
 typedef _Float16 f16_t;
 typedef uint16_t bf16_t;
 
