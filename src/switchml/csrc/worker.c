@@ -47,10 +47,11 @@ static inline int64_t frexp_exp(double m)
     return e;
 }
 
-/* The half types. float16 is the compiler's _Float16 (F16C or AVX512-FP16 where the machine
-   has them); bfloat16 is float32's top 16 bits. A double is stored into either rounded once,
-   to nearest, ties to even: first to float32 rounding to odd (the float32 nearer zero, its
-   last bit set if inexact), then to the half type to nearest. With at least two more bits
+/* The half types. float16 is the compiler's _Float16, converted a chunk at a time through F16C
+   where the machine has it (quantize_f16, dequantize_f16); bfloat16 is float32's top 16 bits.
+   A double is stored into either rounded once, to nearest, ties to even: first to float32
+   rounding to odd (the float32 nearer zero, its last bit set if inexact), then to the half
+   type to nearest. With at least two more bits
    than the half type, the odd intermediate never creates a false tie, so the two steps round
    as one (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
    algorithms using rounding to odd", IEEE TC 2008). */
