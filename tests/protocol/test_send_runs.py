@@ -1,7 +1,7 @@
-"""The worker's send path for GSO transports (``WorkerEndpoint.runs_to_send``): the requests
-the kernels queue, cut into runs by ``kernels.plan_runs``, must be exactly the datagrams that
-``datagrams_to_send`` gives one by one, in the same order, and every run must be one that the
-kernel's UDP_SEGMENT accepts. Results must be read right wherever a batch puts them."""
+"""The worker's send path for GSO transports (``WorkerEndpoint.poll_transmit`` with ``gso``):
+the requests the kernels queue, cut into runs by ``kernels.plan_runs``, must be exactly the
+datagrams that ``datagrams_to_send`` gives one by one, in the same order, and every run must be
+one that the kernel's UDP_SEGMENT accepts. Results must be read right wherever a batch puts them."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def _check_run_rules(runs) -> None:
 
 
 class World:
-    """A switch and n workers in memory; ``use_runs``: drain the workers with runs_to_send
-    (else datagrams_to_send). Results are handed over as one batch per rank, as recvmmsg would."""
+    """A switch and n workers in memory; ``use_runs``: drain the workers and the switch with
+    poll_transmit's GSO runs (else datagrams_to_send). Results are handed over as one batch
+    per rank, as recvmmsg would."""
 
     def __init__(self, n: int, k: int, window: int, use_runs: bool) -> None:
         self.sw = SwitchDataplane()
@@ -58,9 +59,10 @@ class World:
         w = self.ws[r]
         if not self.use_runs:
             return [bytes(d) for d, _ in w.datagrams_to_send(0.0)]
-        out, runs = w.runs_to_send(0.0, max_segments=MAX_SEGMENTS, max_bytes=MAX_BYTES)
-        _check_run_rules(runs)
-        return [bytes(d) for d, _ in out] + _cut(runs)
+        tx = w.poll_transmit(0.0, gso=(MAX_SEGMENTS, MAX_BYTES))
+        assert not tx.groups and tx.compiled is None
+        _check_run_rules(tx.runs)
+        return [bytes(d) for d, _ in tx.datagrams] + _cut(tx.runs)
 
     def up(self, r: int, datagrams) -> None:
         for d in datagrams:
@@ -68,9 +70,19 @@ class World:
                                      self.addrs[r], 0.0)
 
     def down(self) -> None:
+        """The switch's output to each rank: one datagram at a time, or (``use_runs``) its
+        ``poll_transmit`` with GSO runs, cut as the kernel cuts them."""
         per: dict[int, list[bytes]] = {}
-        for d, addr in self.sw.datagrams_to_send(0.0):
-            per.setdefault(self.addrs.index(addr), []).append(bytes(d))
+        if self.use_runs:
+            tx = self.sw.poll_transmit(0.0, gso=(MAX_SEGMENTS, MAX_BYTES))
+            assert not tx.groups and tx.compiled is None
+            _check_run_rules(tx.runs)
+            pairs = [(bytes(d), addr) for d, addr in tx.datagrams]
+            pairs += [(d, run[2]) for run in tx.runs for d in _cut([run])]
+        else:
+            pairs = [(bytes(d), addr) for d, addr in self.sw.datagrams_to_send(0.0)]
+        for d, addr in pairs:
+            per.setdefault(self.addrs.index(addr), []).append(d)
         for r, ds in per.items():
             lens = np.array([len(d) for d in ds], np.int64)
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)

@@ -125,12 +125,15 @@ def test_a_first_window_the_compiled_send_leaves_is_sent_by_python(monkeypatch):
     from switchml.transport.fastpath import ST, FastPath
     real, failed = FastPath.send, set()
 
-    def failing_first(self, op):  # type: ignore[no-untyped-def]
-        if (id(self), op.seq) not in failed:  # each rank's first send of each operation
-            failed.add((id(self), op.seq))
+    held = []  # the states seen, kept alive so that no id is reused
+
+    def failing_first(self, state):  # type: ignore[no-untyped-def]
+        if (id(self), id(state)) not in failed:  # each rank's first send of each operation
+            failed.add((id(self), id(state)))  # (each operation has an OpState of its own)
+            held.append(state)
             self.stats[ST.ERRNO] = errno.EAGAIN
             return False
-        return real(self, op)
+        return real(self, state)
 
     monkeypatch.setattr(FastPath, "send", failing_first)
     n, numel = 2, 100_000

@@ -12,10 +12,11 @@ the UDP transports, the in-memory fabric, the simulator and the tests:
 * then, after any of these and after any user command that takes ``now``: drain
   ``datagrams_to_send(now)`` (send each, in order) and ``next_event()`` (until None), and re-arm
   the timer from ``get_timer()`` (absolute time, or None).
-* a UDP transport with GSO may drain with ``runs_to_send(now, max_segments=, max_bytes=)``
-  instead, where an endpoint offers it (the worker, its session, the switch): the same
-  datagrams as ``datagrams_to_send``, in the same order per destination, planned into GSO runs
-  by a kernel (no Python object per datagram).
+* a UDP transport drains with ``poll_transmit(now, gso=, compiled=)`` instead, the one verb of
+  every endpoint it hosts: a :class:`Transmit`, the same datagrams as ``datagrams_to_send``
+  in the same order per destination, planned into GSO runs by a kernel where ``gso`` gives the
+  limits (no Python object per datagram), and with ``compiled`` left queued for the
+  transport's compiled sender where the endpoint has such a queue.
 
 Peer input never raises: what is malformed or foreign is dropped and counted. Datagrams
 returned by ``datagrams_to_send`` may be views of the endpoint's own buffers, valid until its
@@ -31,7 +32,8 @@ import numpy as np
 
 from switchml.protocol.address import Address
 
-__all__ = ["Batch", "Datagram", "Endpoint", "deliver_datagrams", "exchange", "flatten_runs"]
+__all__ = ["Batch", "Datagram", "Endpoint", "Transmit", "deliver_datagrams", "exchange",
+           "flatten_runs"]
 
 Datagram = bytes | bytearray | memoryview
 """What an endpoint takes and returns: bytes, or a view of a buffer."""
@@ -114,6 +116,28 @@ class Batch(NamedTuple):
                      self.address_of, self.stable_senders, self.sender)
 
 
+class Transmit(NamedTuple):
+    """What an endpoint releases to send (``poll_transmit``), sent in this order:
+
+    * ``datagrams``: ``(data, address)`` pairs, one by one (control messages, replies);
+    * ``groups``: per destination, its datagrams in order (sent as GSO runs where they are of
+      one size);
+    * ``runs``: ``(buffers, size, address)``, each one GSO send: the buffers, gathered, are
+      datagrams of ``size`` bytes (the last may be shorter), planned within the ``gso``
+      limits the transport gave;
+    * ``compiled``: what the transport's compiled sender sends from the endpoint's own arrays:
+      the worker's operation (``kernels.OpState``, its queued requests) or the switch's
+      ``(job, count)`` pairs (results queued in ``job.pend``); None when there is nothing
+      for it, or it was not asked for.
+
+    Views of the endpoint's buffers, valid until its next receive call."""
+
+    datagrams: list[tuple[Datagram, Address]]
+    groups: dict[Address, list[Datagram]]
+    runs: list[tuple[list[Datagram], int, Address]]
+    compiled: Any = None
+
+
 def _constant(addr: Address) -> Callable[[int], Address]:
     """``address_of`` for a batch of one sender."""
     return lambda _key: addr
@@ -130,6 +154,9 @@ class Endpoint(Protocol):
 
     def datagrams_to_send(self, now: float) -> Sequence[tuple[Datagram, Address]]: ...
 
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit: ...
+
     def get_timer(self) -> float | None: ...
 
     def next_event(self) -> Any: ...
@@ -137,8 +164,8 @@ class Endpoint(Protocol):
 
 def flatten_runs(out: list[tuple[Datagram, Address]],
                  runs: dict[Address, list[memoryview]]) -> list[tuple[Datagram, Address]]:
-    """``datagrams_to_send`` from an ``output_runs`` pair (the switch's and a rack switch's:
-    replies in order, then each destination's run): ``out`` extended with the runs."""
+    """``datagrams_to_send`` from replies and per-destination runs (the switch's and a rack
+    switch's ``Transmit.datagrams`` and ``groups``): ``out`` extended with the runs."""
     for addr, run in runs.items():
         out.extend((d, addr) for d in run)
     return out

@@ -161,7 +161,7 @@ class Job:
         self.cursor = np.zeros(self.num_workers, np.int64)
         self.views = [[memoryview(self.bufs[v, s]) for s in range(w)] for v in range(2)]
         # Each set's results as one buffer: consecutive slots' results are one slice of it
-        # (a GSO run sent with no gathering: ``SwitchDataplane.runs_to_send``).
+        # (a GSO run sent with no gathering: ``SwitchDataplane.poll_transmit``).
         self.flat = [memoryview(self.bufs[v].reshape(-1)) for v in range(2)]
         self.stride = self.bufs.shape[2]
         # Rounds completed and not yet sent (rows (set, slot, length), in completion order).

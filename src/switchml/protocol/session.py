@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol.dtypes import is_float
-from switchml.protocol.endpoint import Batch
+from switchml.protocol.endpoint import Batch, Transmit
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, SwitchMLError
 from switchml.protocol.events import (
     Event,
@@ -269,14 +269,10 @@ class WorkerSession:
     def datagrams_to_send(self, now: float) -> list[Any]:
         return self.endpoint.datagrams_to_send(now)
 
-    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
-                     ) -> tuple[list[Any], list[Any]]:
-        """The worker's ``runs_to_send`` (datagrams, and GSO runs)."""
-        return self.endpoint.runs_to_send(now, max_segments=max_segments, max_bytes=max_bytes)
-
-    def control_to_send(self) -> list[Any]:
-        """The worker's ``control_to_send``."""
-        return self.endpoint.control_to_send()
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit:
+        """The worker's ``poll_transmit``."""
+        return self.endpoint.poll_transmit(now, gso=gso, compiled=compiled)
 
     def get_timer(self) -> float | None:
         return self.endpoint.get_timer()

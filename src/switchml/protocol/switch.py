@@ -47,7 +47,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
 from switchml.protocol.auth import Challenges
 from switchml.protocol.config import SwitchConfig
-from switchml.protocol.endpoint import Batch, flatten_runs
+from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobRemoved
 from switchml.protocol.jobs import Job, SlotAllocator, bitmap
@@ -105,14 +105,14 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         self._jobs: dict[int, Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
         # Results, per destination in order (a run of them to one member is one GSO send):
-        # queued per job as rows (``Job.pend``), made into views only by ``output_runs``.
+        # queued per job as rows (``Job.pend``), made into views only by ``_output_runs``.
         self._runs: dict[Address, list[memoryview]] = {}
         self._pending: list[Job] = []  # jobs with results queued
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
         self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
-        self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # runs_to_send's plan
+        self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # _runs_to_send's plan
         self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
         self._lens = np.empty(1, np.int64)
         self._one_sender = np.zeros(1, np.int64)
@@ -322,7 +322,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         """Go on with a batch where the compiled loop's kernel call for ``job`` stopped
         (``code`` at datagram ``at``; the datagrams before it are taken, their results and
         replies sent): answer the stop as ``receive_many`` would, then take the rest. Call
-        ``datagrams_to_send`` (or ``results_to_send``) afterwards."""
+        ``poll_transmit`` afterwards."""
         self._now = now
         buf, starts, lens, senders, count, address_of, stable, _ = batch
         i = at
@@ -385,7 +385,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
 
     def _queue_results(self, job: Job, ndone: int) -> None:
         """Queue the rounds the kernel completed (``_done[:ndone]``) to go to every member:
-        one array copy per kernel call (``runs_to_send`` or ``output_runs`` sends them)."""
+        one array copy per kernel call (``poll_transmit`` sends them)."""
         q = job.npend
         if q + ndone > len(job.pend):
             self._materialize(job)
@@ -396,7 +396,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         job.npend = q + ndone
 
     def _materialize(self, job: Job) -> None:
-        """Turn a job's queued results into per-member lists of views (``output_runs``)."""
+        """Turn a job's queued results into per-member lists of views (``_output_runs``)."""
         n, job.npend = job.npend, 0
         if not n:
             return
@@ -431,14 +431,28 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
         """Return and forget the datagrams to send: replies in order, then results (in order
         per destination). Valid until the next receive."""
-        return flatten_runs(*self.output_runs(now))
+        return flatten_runs(*self._output_runs())
 
-    def output_runs(self, now: float
-                    ) -> tuple[list[tuple[bytes | memoryview, Address]],
-                               dict[Address, list[memoryview]]]:
-        """``datagrams_to_send`` for a pump that sends per destination: the replies, in
-        order, and the results grouped per destination, in order (no tuple per datagram).
-        Valid until the next receive."""
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit:
+        """What to send (``endpoint.Transmit``), the one verb of a UDP transport: the replies
+        one by one, then the results. ``compiled``: the results stay in the jobs' own arrays
+        for the transport's compiled sender (``Transmit.compiled``: ``(job, count)`` pairs,
+        :meth:`_results_to_send`); else, with ``gso`` ``(max_segments, max_bytes)``, as GSO
+        runs a kernel plans (:meth:`_runs_to_send`); else grouped per destination."""
+        if compiled:
+            out, jobs = self._results_to_send()
+            return Transmit(out, {}, [], jobs)
+        if gso is not None:
+            out, runs = self._runs_to_send(max_segments=gso[0], max_bytes=gso[1])
+            return Transmit(out, {}, runs)
+        out, groups = self._output_runs()
+        return Transmit(out, groups, [])
+
+    def _output_runs(self) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                    dict[Address, list[memoryview]]]:
+        """The replies, in order, and the results grouped per destination, in order (no
+        tuple per datagram). Valid until the next receive."""
         for job in self._pending:
             self._materialize(job)
         self._pending = []
@@ -453,10 +467,10 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             self.packets_out += sum(len(r) for r in runs.values())
         return out, runs
 
-    def results_to_send(self, now: float) -> tuple[list[tuple[bytes | memoryview, Address]],
-                                                   list[tuple[Job, int]]]:
-        """``datagrams_to_send`` for a transport that sends results from the jobs' own
-        arrays (``transport/fastpath.ResultSender``): ``(datagrams, jobs)``, the replies (and
+    def _results_to_send(self) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                        list[tuple[Job, int]]]:
+        """For a transport that sends results from the jobs' own arrays
+        (``transport/fastpath.ResultSender``): ``(datagrams, jobs)``, the replies (and
         anything already made into views) one by one, then each job with results queued and
         how many: ``job.pend[:n]`` rows ``(set, slot, length)``, the results in
         ``job.bufs[set, slot]``, to go to every joined member. Valid until the next receive."""
@@ -481,10 +495,10 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         pending, self._pending = self._pending, []
         return out, pending
 
-    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
-                     ) -> tuple[list[tuple[bytes | memoryview, Address]],
-                                list[tuple[list[memoryview], int, Address]]]:
-        """``datagrams_to_send`` for a pump with UDP GSO: ``(datagrams, runs)``.
+    def _runs_to_send(self, *, max_segments: int, max_bytes: int
+                      ) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                 list[tuple[list[memoryview], int, Address]]]:
+        """For a pump with UDP GSO: ``(datagrams, runs)``.
 
         ``datagrams`` (replies, and anything already made into views) go first, one by one;
         each run ``(buffers, size, address)`` is one GSO send of results: the buffers,

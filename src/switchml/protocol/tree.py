@@ -51,7 +51,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.auth import job_key, join_datagram
 from switchml.protocol.config import JobSpec, SwitchConfig
-from switchml.protocol.endpoint import Batch, flatten_runs
+from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
 from switchml.protocol.events import Event, JobCreated
 from switchml.protocol.jobs import Job
@@ -153,7 +153,7 @@ class RackAggregator:
     """A rack switch: a switch to its children, rank ``rack`` of ``parent_spec`` upstream.
 
     Drive it with the Endpoint contract (``receive_datagram``/``receive_many``,
-    ``handle_timer``, then ``datagrams_to_send`` or ``output_runs``, ``next_event``,
+    ``handle_timer``, then ``datagrams_to_send`` or ``poll_transmit``, ``next_event``,
     ``get_timer``). Datagrams from ``parent_address`` are the parent's; anything else goes to
     the inner switch.
 
@@ -322,13 +322,19 @@ class RackAggregator:
         """Return and forget the datagrams to send: replies in order, then the upstream
         requests and the children's results (in order per destination). Valid until the next
         receive."""
-        return flatten_runs(*self.output_runs(now))
+        out, runs = self._take_output()
+        return flatten_runs(out, runs)
 
-    def output_runs(self, now: float
-                    ) -> tuple[list[tuple[bytes | memoryview, Address]],
-                               dict[Address, list[memoryview]]]:
-        """``SwitchDataplane.output_runs``'s contract, so that a UDP switch server can host a
-        rack: replies in order, and per destination its run of datagrams."""
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit:
+        """What to send (``endpoint.Transmit``), so that a UDP switch server can host a rack:
+        the replies in order, and per destination its datagrams (``groups``), whatever the
+        transport offers (a rack plans no GSO runs and has no compiled sender)."""
+        out, runs = self._take_output()
+        return Transmit(out, runs, [])
+
+    def _take_output(self) -> tuple[list[tuple[bytes | memoryview, Address]],
+                                    dict[Address, list[memoryview]]]:
         out, runs = self._out, self._runs
         self._out, self._runs = [], {}
         return out, runs
@@ -384,7 +390,8 @@ class RackAggregator:
         """Take the inner switch's output: shadow-copy answers are replaced by the parent's
         result; the rest passes."""
         self._pull_switch_events()  # learn the child job's slot base as soon as it exists
-        replies, runs = self.switch.output_runs(now)
+        tx = self.switch.poll_transmit(now)
+        replies, runs = tx.datagrams, tx.groups
         c = self.child_spec
         for data, addr in replies:
             if len(data) >= HEADER.size and data[_TYPE_OFFSET] == _RESULT and (

@@ -40,7 +40,7 @@ from switchml.protocol.address import Address, as_addresses, format_addresses
 from switchml.protocol.auth import job_key
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float
-from switchml.protocol.endpoint import Batch
+from switchml.protocol.endpoint import Batch, Transmit
 from switchml.protocol.errors import ConfigError, LocalProtocolError, WireError
 from switchml.protocol.events import (
     Event,
@@ -351,9 +351,25 @@ class WorkerEndpoint(WorkerControl):
         transmit buffers, valid until the next receive call."""
         if self._op is not None and self._op.opv[K.OP.NQ]:
             self._spill(self._op)
-        return self.control_to_send()
+        return self._control_to_send()
 
-    def control_to_send(self) -> list[tuple[_Data, Address]]:
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit:
+        """What to send (``endpoint.Transmit``), the one verb of a UDP transport. ``gso``:
+        ``(max_segments, max_bytes)``: the operation's queued requests as GSO runs planned by a
+        kernel (:meth:`_runs_to_send`); None: every datagram on its own. ``compiled``: where
+        the transport's compiled loop may run (:meth:`fast_path_state`), the operation's
+        queued requests stay queued for its sender (``Transmit.compiled`` is the operation's
+        ``OpState``), after the datagrams here."""
+        op = self._op
+        if compiled and op is not None and op.opv[K.OP.NQ] and self.fast_path_state():
+            return Transmit(self._control_to_send(), {}, [], op.state)
+        if gso is None:
+            return Transmit(self.datagrams_to_send(now), {}, [])
+        out, runs = self._runs_to_send(now, max_segments=gso[0], max_bytes=gso[1])
+        return Transmit(out, {}, runs)
+
+    def _control_to_send(self) -> list[tuple[_Data, Address]]:
         """Return and forget the datagrams queued out of the way (control messages, lanes
         spilled from a full queue), but not the operation's queued requests: for a transport
         whose compiled loop sends those (``transport/fastpath.py``), after these."""
@@ -362,8 +378,8 @@ class WorkerEndpoint(WorkerControl):
             self._out = []
         return out
 
-    def runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
-                     ) -> tuple[list[tuple[_Data, Address]], list[_Run]]:
+    def _runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
+                      ) -> tuple[list[tuple[_Data, Address]], list[_Run]]:
         """:meth:`datagrams_to_send` for a transport with UDP GSO: ``(datagrams, runs)``.
 
         ``datagrams`` (control messages, and anything queued out of the way) go first, one
@@ -375,7 +391,7 @@ class WorkerEndpoint(WorkerControl):
         datagram. Views of the endpoint's buffers, valid until its next receive call."""
         op = self._op
         runs: list[_Run] = []
-        out = self.control_to_send()
+        out = self._control_to_send()
         if op is None:
             return out, runs
         nq = int(op.opv[K.OP.NQ])
@@ -433,7 +449,7 @@ class WorkerEndpoint(WorkerControl):
 
     def fast_path_state(self) -> tuple[Operation, float] | None:
         """What a transport's compiled loop (``transport/fastpath.py``) needs to take results
-        and send requests as ``receive_many`` and ``runs_to_send`` would: ``(operation,
+        and send requests as ``receive_many`` and ``poll_transmit`` would: ``(operation,
         op_timeout_s)``, the operation's kernels' hand-off being ``operation.state``
         (``kernels.OpState``); None when only the Python path may run (no operation in flight,
         RACK on, or a sharded switch). The loop runs the same kernels and returns to Python for

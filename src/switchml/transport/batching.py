@@ -199,7 +199,7 @@ class BatchSender:
                  addr: Address | None) -> None:
         """Send one GSO run, after what is queued: ``buffers``, gathered, are datagrams of
         ``size`` bytes (the last may be shorter), at most 64 and ``MAX_GSO_BYTES`` in all
-        (``WorkerEndpoint.runs_to_send`` plans them so). One datagram, or no GSO: sent one
+        (``poll_transmit`` plans them so). One datagram, or no GSO: sent one
         by one."""
         self.flush()
         if len(buffers) == 1 and len(buffers[0]) <= size:

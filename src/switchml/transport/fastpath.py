@@ -61,11 +61,11 @@ class FastPath:
         return C.pump(op.state, self.fd, self.max_segments, self.max_bytes, self.stats,
                       float(op_timeout_s), *self._rx_args)
 
-    def send(self, op: Any) -> bool:
-        """Send ``op``'s queued requests as the loop does (``plan_runs``, one ``sendmsg`` per
-        GSO run), without the interpreter per run: what Python queued (an operation's first
-        window as it starts, what its receive or timers released). False at a failed
-        ``sendmsg`` (``stats[ERRNO]``; the unsent lanes stay queued, in order, for Python's
-        sender)."""
-        return bool(C.send_queued(op.state, self.fd, self.max_segments, self.max_bytes,
+    def send(self, state: Any) -> bool:
+        """Send an operation's queued requests (its ``kernels.OpState``: a worker's
+        ``Transmit.compiled``) as the loop does (``plan_runs``, one ``sendmsg`` per GSO run),
+        without the interpreter per run: what Python queued (an operation's first window as it
+        starts, what its receive or timers released). False at a failed ``sendmsg``
+        (``stats[ERRNO]``; the unsent lanes stay queued, in order, for Python's sender)."""
+        return bool(C.send_queued(state, self.fd, self.max_segments, self.max_bytes,
                                   self.stats))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from switchml.protocol.address import Address
-from switchml.protocol.endpoint import Batch, Datagram, Endpoint
+from switchml.protocol.endpoint import Batch, Datagram, Endpoint, Transmit
 
 __all__ = ["LossyEndpoint"]
 
@@ -63,9 +63,11 @@ class LossyEndpoint:
     def datagrams_to_send(self, now: float) -> list[tuple[Datagram, Address]]:
         return [d for d in self.inner.datagrams_to_send(now) if not self._lost()]
 
-    def runs_to_send(self, now: float, **limits: int) -> tuple[list[Any], list[Any]]:
-        """Losses are per datagram: every datagram goes out on its own (no GSO runs)."""
-        return self.datagrams_to_send(now), []
+    def poll_transmit(self, now: float, *, gso: tuple[int, int] | None = None,
+                      compiled: bool = False) -> Transmit:
+        """Losses are per datagram: every datagram goes out on its own (no GSO runs, nothing
+        left to a compiled sender)."""
+        return Transmit(self.datagrams_to_send(now), {}, [])
 
     def get_timer(self) -> float | None:
         return self.inner.get_timer()

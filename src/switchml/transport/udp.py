@@ -33,10 +33,9 @@ from typing import Any
 import numpy as np
 
 from switchml import env
-from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_address, format_addresses
 from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
-from switchml.protocol.endpoint import Batch, Endpoint
+from switchml.protocol.endpoint import Batch, Endpoint, Transmit
 from switchml.protocol.errors import LocalProtocolError, OperationFailed, TransportError
 from switchml.protocol.events import OperationRestarted
 from switchml.protocol.session import WorkerSession, prepare_submission
@@ -211,28 +210,23 @@ class SwitchServer:
     def _process(self, call: Callable[..., None], args: tuple, now: float) -> None:
         """Run one call of the dataplane; send what it released; log its events."""
         dp = self.dataplane
-        gso_runs = getattr(dp, "runs_to_send", None)  # a rack switch has output_runs only
         with self._locked():
             try:
                 call(*args)
-                runs, planned, jobs = {}, [], []
-                if self._results is not None:  # a plain switch: results sent compiled
-                    out, jobs = dp.results_to_send(now)
-                elif gso_runs is not None:
-                    out, planned = gso_runs(now, max_segments=MAX_SEGMENTS,
-                                            max_bytes=MAX_GSO_BYTES)
-                else:
-                    out, runs = dp.output_runs(now)
+                # a plain switch's results go out from its jobs' arrays, compiled
+                tx = dp.poll_transmit(now, gso=(MAX_SEGMENTS, MAX_GSO_BYTES),
+                                      compiled=self._results is not None)
             except Exception:  # a bug must not take the shared switch down
                 self.internal_errors += 1
                 log.exception("internal error in %s; dropped", call.__name__)
-                dp.output_runs(now)  # nothing half-done goes out
-                out, runs, planned, jobs = [], {}, [], []
-            for data, dst in out:
+                dp.poll_transmit(now)  # nothing half-done goes out
+                tx = Transmit([], {}, [])
+            for data, dst in tx.datagrams:
                 self._sender.add(data, dst)
-            self._sender.send_runs(runs)
-            for buffers, size, dst in planned:
+            self._sender.send_runs(tx.groups)
+            for buffers, size, dst in tx.runs:
                 self._sender.send_run(buffers, size, dst)
+            jobs = tx.compiled
             if jobs:
                 for job, n in jobs:
                     self._results.send(job, n)  # type: ignore[union-attr]
@@ -583,22 +577,21 @@ class WorkerClient:
         sender below, which reads the error. ``compiled=False``: the compiled send just
         failed, the sender takes it all."""
         sender = self._sender
-        state = (self.endpoint.fast_path_state()
-                 if compiled and self._fast is not None and self._driven is self.session
-                 and sender.gso else None)
-        if state is not None and state[0].opv[K.OP.NQ]:
-            for data, addr in self.session.control_to_send():
-                sender.add(data, addr)
-            sender.flush()
-            sent = self._fast.send(state[0])
-            self._take_fast_stats(send_failed=not sent)
-        out, runs = self._driven.runs_to_send(time.monotonic(), max_segments=MAX_SEGMENTS,
-                                              max_bytes=MAX_GSO_BYTES)
-        for data, addr in out:
+        tx = self._driven.poll_transmit(
+            time.monotonic(), gso=(MAX_SEGMENTS, MAX_GSO_BYTES),
+            compiled=(compiled and self._fast is not None and self._driven is self.session
+                      and sender.gso))
+        for data, addr in tx.datagrams:
             sender.add(data, addr)  # ignored on a connected socket (one switch, not shards)
         sender.flush()
-        for buffers, size, addr in runs:
+        for buffers, size, addr in tx.runs:
             sender.send_run(buffers, size, addr)
+        if tx.compiled is not None:
+            sent = self._fast.send(tx.compiled)
+            self._take_fast_stats(send_failed=not sent)
+            if not sent:  # what the failed sendmsg left queued: the sender below reads why
+                self._transmit(compiled=False)
+                return
         if sender.blocked or sender.refused:
             # A full socket buffer is a loss (the retransmission timer recovers); a refusal is
             # ICMP port unreachable: nothing listens at the switch address (yet).
