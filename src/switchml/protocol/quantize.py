@@ -82,9 +82,8 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
                     *, nonfinite: bool = False, bits: int = 32) -> None:
     """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
 
-    The integer sum is rounded once, to ``out``'s dtype (to float16 and bfloat16 through
-    float32, as torch rounds into bfloat16). A sum within the quantization error of
-    the dtype's largest finite value may come out past it (an element at ``finfo.max`` rounds up
+    The integer sum is rounded once, to ``out``'s dtype (float16 and bfloat16 included). A
+    sum within the quantization error of the dtype's largest finite value may come out past it (an element at ``finfo.max`` rounds up
     to ``2**P`` quanta = ``2**emax``): such results are clamped to +-max; sums further out are
     genuine overflows and stay inf.
     """

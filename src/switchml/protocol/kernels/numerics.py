@@ -157,7 +157,7 @@ def quantize_block(x, emax, n_bits, nonfinite, out):
 
 def dequantize_into(q, qo, emax, n_bits, nonfinite, out, lo, count, num_workers, edge, fmax):
     """``out[lo + j] = q[qo + j] * 2**(emax - P)`` for ``j < count``, rounded once to
-    ``out``'s dtype (a half type through float32: :func:`_stored`); NaN if ``nonfinite``.
+    ``out``'s dtype (:func:`_stored`); NaN if ``nonfinite``.
 
     ``edge``: ``emax`` is so large that ``|sum| < n * 2**emax`` may pass the output dtype's
     largest finite value ``fmax``: a sum within the quantization error past it is clamped to
