@@ -41,6 +41,8 @@ def test_kernel_constants_match_the_wire_format():
     assert (K.HDR, K.MAGIC, K.VERSION) == (wire.HEADER_SIZE, wire.MAGIC, wire.VERSION)
     assert (K.T_REQUEST, K.T_RESULT) == (wire.MessageType.REQUEST, wire.MessageType.RESULT)
     assert K.KNOWN_FLAGS == wire.KNOWN_FLAGS and K.EXP_ZERO == wire.EXP_ZERO
+    assert K.RESULT_FLAGS == wire.RESULT_FLAGS
+    assert K.F_CONTRIBUTORS == wire.Flags.CONTRIBUTORS
     assert (K.F_NONFINITE, K.F_HAS_DATA, K.F_HAS_EXP) == (
         wire.Flags.NONFINITE, wire.Flags.HAS_DATA, wire.Flags.HAS_EXP)
     assert (K.E_BYTES, K.E_INT32, K.E_INT16) == (wire.ElementType.BYTES, wire.ElementType.INT32,

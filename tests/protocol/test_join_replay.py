@@ -205,8 +205,8 @@ def test_join_proofs_are_the_documented_hmacs():
     assert auth.job_key(None, 9, 0xABCDEF) == mac(b"", b"switchml job key v1"
                                                   + struct.pack("<IQ", 9, 0xABCDEF))
     cookie = bytes(range(24))
-    info = ControlInfo(4, 16, 358)
-    want = mac(key, b"JOIN" + struct.pack("<IQHIIII", 9, 0xABCDEF, 3, 65536, 4, 16, 358)
+    info = ControlInfo(4, 16, 358, quorum=3)
+    want = mac(key, b"JOIN" + struct.pack("<IQHIIIII", 9, 0xABCDEF, 3, 65536, 4, 16, 358, 3)
                + cookie)
     assert auth.join_proof(key, job=9, token=0xABCDEF, rank=3, seq=65536, info=info,
                            cookie=cookie) == want

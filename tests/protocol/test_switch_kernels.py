@@ -47,11 +47,11 @@ def test_every_switch_kernel_the_package_exports_is_the_compiled_one():
 
 # -- the request kernel on crafted batches ---------------------------------------------------
 
-def _job_and_requests(n: int, dtype, bits: int, seed: int):
+def _job_and_requests(n: int, dtype, bits: int, seed: int, quorum: int | None = None):
     """A switch with a job of ``n`` joined ranks, and every rank's first window of requests of
     one operation (crafted by real workers)."""
     spec = JobSpec(job_id=9, token=0x0BAD_F00D_1234, num_workers=n, window=4,
-                   elements_per_packet=16)
+                   elements_per_packet=16, quorum=quorum)
     sw, sw_addr = SwitchDataplane(), ("127.0.0.1", 2)
     rng = np.random.default_rng(seed)
     requests = []
@@ -94,11 +94,12 @@ def _arrays(sw, job):
 
 @pytest.mark.parametrize("kind", [(np.float32, 32), (np.int32, 32), (np.float32, 16)],
                          ids=["float32", "int32", "float32/16"])
+@pytest.mark.parametrize("quorum", [None, 2], ids=["all", "quorum2"])
 @pytest.mark.parametrize("seed", range(4))
-def test_request_kernel_matches_the_reference_on_hostile_batches(kind, seed):
+def test_request_kernel_matches_the_reference_on_hostile_batches(kind, seed, quorum):
     dtype, bits = kind
     n = 3
-    sw, job, reqs = _job_and_requests(n, dtype, bits, seed)
+    sw, job, reqs = _job_and_requests(n, dtype, bits, seed, quorum)
     rng = np.random.default_rng(50 + seed)
     rules = action_table()
     job.mkeys[:] = 100 + np.arange(n)  # each rank's sender number, as the switch checked it
@@ -140,6 +141,7 @@ def test_request_kernel_matches_the_reference_on_hostile_batches(kind, seed):
         now += 0.01
     counters = shared[0][0]
     assert counters[K.SC.MULTICAST] > 0 and counters.sum() > counters[K.SC.MULTICAST]
+    assert (counters[K.SC.LATE_ANSWERED] > 0) == (quorum is not None)
 
 
 @pytest.mark.parametrize("seed", range(4))

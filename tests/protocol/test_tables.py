@@ -35,15 +35,20 @@ def test_docs_print_the_tables_as_they_are(name):
 
 def test_every_slot_situation_has_exactly_one_action():
     table = action_table()
-    assert table.shape == (3, 2, 2, 2) and (table >= 0).all()
-    # Spot checks of the rules the protocol rests on.
-    assert {table[Round.OLDER, c, d, a] for c, d, a in itertools.product((0, 1), repeat=3)} == {
-        SlotAction.DROP_STALE}
-    assert {table[Round.NEWER, c, d, a] for c, d, a in itertools.product((0, 1), repeat=3)} == {
-        SlotAction.START_ROUND}
-    assert table[Round.SAME, 1, 1, 1] == SlotAction.RESEND_RESULT
-    assert table[Round.SAME, 0, 0, 1] == SlotAction.ADD
-    assert table[Round.SAME, 0, 0, 0] == SlotAction.REFUSE_MISMATCH
+    assert table.shape == (2, 3, 2, 2, 2) and (table >= 0).all()
+    # Spot checks of the rules the protocol rests on, in jobs with and without a quorum.
+    for q in (0, 1):
+        assert {table[q, Round.OLDER, c, d, a]
+                for c, d, a in itertools.product((0, 1), repeat=3)} == {SlotAction.DROP_STALE}
+        assert {table[q, Round.NEWER, c, d, a]
+                for c, d, a in itertools.product((0, 1), repeat=3)} == {SlotAction.START_ROUND}
+        assert table[q, Round.SAME, 1, 1, 1] == SlotAction.RESEND_RESULT
+        assert table[q, Round.SAME, 0, 0, 1] == SlotAction.ADD
+        assert table[q, Round.SAME, 0, 0, 0] == SlotAction.REFUSE_MISMATCH
+    # A first contribution to a complete round: a late duplicate where every rank is in
+    # (dropped); a rank left out of a quorum round gets the result.
+    assert {table[0, Round.SAME, 0, 1, a] for a in (0, 1)} == {SlotAction.DROP_LATE}
+    assert {table[1, Round.SAME, 0, 1, a] for a in (0, 1)} == {SlotAction.ANSWER_LATE}
 
 
 def test_an_ambiguous_or_missing_slot_rule_is_refused(monkeypatch):

@@ -59,6 +59,7 @@ class RefState(NamedTuple):
     runs: np.ndarray
     stride: int
     keep: np.ndarray | None
+    contrib: np.ndarray | None
 
 
 def _sending(st):  # the arrays a send takes: opv .. xbits, res, tx8 .. cnt
@@ -84,7 +85,8 @@ REFERENCE = {
     "OpState": _ref_state,
     "worker_results": lambda st, d, starts, lens, nseg, start, limit, now: (
         stream.worker_results(d, starts, lens, nseg, start, limit, now, *st[:17],
-                              np.empty(st.stride, np.uint8), keep=st.keep)),
+                              np.empty(st.stride, np.uint8), keep=st.keep,
+                              contrib=st.contrib)),
     "send_first": lambda st, count, now: stream.send_first(count, now, *_sending(st),
                                                            st.sendq, st.sendlen, keep=st.keep),
     "send_chunk": lambda st, p, retransmit, fast, now: stream.send_chunk(
@@ -201,12 +203,14 @@ def test_wrong_arrays_are_refused_with_a_message():
 
 # -- the results kernel on crafted batches ---------------------------------------------------
 
-def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0, inplace=False):
+def _operation(dtype=np.float32, bits=32, residual=False, size=700, seed=0, inplace=False,
+                quorum=False):
     """A joined worker with an operation in flight (its first window sent), the switch, and
     the RESULT datagrams that answer every rank of a 1-rank job. ``inplace``: the output is
-    the input (the kernels keep each input block as they send it)."""
-    spec = JobSpec(job_id=5, token=0x1234_5678_9ABC, num_workers=1, window=4,
-                   elements_per_packet=32)
+    the input (the kernels keep each input block as they send it). ``quorum``: a job of 2
+    ranks with a quorum of 1 instead (its results carry a contributor bitmap)."""
+    spec = JobSpec(job_id=5, token=0x1234_5678_9ABC, num_workers=2 if quorum else 1, window=4,
+                   elements_per_packet=32, quorum=1 if quorum else None)
     sw, w_addr, sw_addr = SwitchDataplane(), ("127.0.0.1", 1), ("127.0.0.1", 2)
     w = WorkerEndpoint(spec=spec, rank=0, switch_address=sw_addr)
     w.join(0.0)
@@ -228,7 +232,7 @@ def _state(w):
     return [op.opv, op.lane, op.lanef, rec.rtt, w._next_set, op.exps, op.nonf, op.xk,
             op.xbits, op.outk, op.res, op.tx8, op.tx16, op.tx32, w._cnt, op.sendq, op.sendlen,
             op.picked, op.run_order, op.runs, op.stride,
-            None if op.keep is None else kernel_view(op.keep)]
+            None if op.keep is None else kernel_view(op.keep), op.contrib]
 
 
 def _copy(state):
@@ -236,6 +240,7 @@ def _copy(state):
     ``C.OpState`` over them and the reference's ``RefState``."""
     arrays = [a.copy() for a in state[:20]] + [state[20]]
     arrays.append(None if state[21] is None else state[21].copy())
+    arrays.append(None if state[22] is None else state[22].copy())
     tx8 = arrays[11]
     arrays[12], arrays[13] = tx8.view(np.int16), tx8.view(np.int32)
     if state[9] is state[7]:  # in place: out is x
@@ -259,6 +264,10 @@ def _mutations(results: list[bytes], rng: np.random.Generator) -> list[bytes]:
         elif kind == 4:
             b = b[:40]
             b[3], b[4], b[32], b[33] = 6, 0, 0, 0  # a well-formed NACK of this chunk
+        elif kind == 5:
+            b[-1] ^= 1  # a quorum result without this rank (or a payload bit: elsewhere)
+        elif kind == 6:
+            b[39] = 0x80  # a look-ahead exponent far below this rank's (clamps its data)
         out.append(bytes(b))
     return out
 
@@ -276,14 +285,17 @@ def _batch(datagrams: list[bytes]):
                                   (np.float16, 32, False), (np.float16, 16, True),
                                   (BFLOAT16, 32, False), (BFLOAT16, 16, True)],
                          ids=lambda k: f"{np.dtype(k[0]).name}/{k[1]}/{int(k[2])}")
-@pytest.mark.parametrize("inplace", [False, True], ids=["apart", "inplace"])
+@pytest.mark.parametrize("inplace", [False, True, "quorum"], ids=["apart", "inplace", "quorum"])
 @pytest.mark.parametrize("seed", range(4))
 def test_results_kernel_matches_the_reference_on_hostile_batches(kind, inplace, seed):
     dtype, bits, residual = kind
-    w, results = _operation(dtype, bits, residual, seed=seed, inplace=inplace)
+    quorum = inplace == "quorum"
+    w, results = _operation(dtype, bits, residual, seed=seed, inplace=inplace is True,
+                            quorum=quorum)
     rng = np.random.default_rng(100 + seed)
     state = _state(w)
-    assert (state[21] is not None) == inplace
+    assert (state[21] is not None) == (inplace is True)
+    assert (state[22] is not None) == quorum
     mine, ref = _copy(state), _copy(state)
     cstate, rstate = C.OpState(*mine), _ref_state(*ref)
     now = 0.002
@@ -298,7 +310,7 @@ def test_results_kernel_matches_the_reference_on_hostile_batches(kind, inplace, 
             want = REFERENCE["worker_results"](rstate, buf, starts, lens, len(datagrams), i,
                                                len(datagrams) + 1, now)
             assert tuple(got) == tuple(want)
-            for a, b, name in zip(mine[:17] + mine[21:], ref[:17] + ref[21:], range(22)):
+            for a, b, name in zip(mine[:17] + mine[21:], ref[:17] + ref[21:], range(23)):
                 assert (a is None) == (b is None), name
                 assert a is None or a.tobytes() == b.tobytes(), f"array {name} differs"
             nxt, code = got
@@ -309,6 +321,53 @@ def test_results_kernel_matches_the_reference_on_hostile_batches(kind, inplace, 
             if code == K.WS.OP_COMPLETE:
                 i = nxt
         now += 0.001
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BFLOAT16], ids=str)
+@pytest.mark.parametrize("bits", [32, 16])
+def test_a_rank_left_out_of_a_quorum_round_sends_its_block_clamped(dtype, bits):
+    """Rank 0 of a 2-rank job with a quorum of 1 gets its first window's results as rank 1
+    made them: without rank 0 (the bitmap) and with a look-ahead exponent 3 below rank 0's.
+    Its next chunks carry its blocks scaled to the agreed exponent, each element clamped to
+    +-(2**P - 1) (computed here with numpy), so the switch's sum cannot overflow; compiled
+    and reference kernels agree, count the results left out and the blocks clamped, and note
+    one contributor per block."""
+    w, results = _operation(dtype, bits, seed=3, quorum=True)
+    agreed = []
+    crafted = []
+    for d in results:
+        b = bytearray(d)
+        assert b[4] & 0x10 and b[-1] == 0b01  # a quorum result: rank 0 alone
+        b[-1] = 0b10  # only rank 1 is in
+        exp_next = int.from_bytes(b[38:40], "little", signed=True) - 3
+        b[38:40] = exp_next.to_bytes(2, "little", signed=True)
+        agreed.append(exp_next)
+        crafted.append(bytes(b))
+    state = _state(w)
+    mine, ref = _copy(state), _copy(state)
+    cstate, rstate = C.OpState(*mine), _ref_state(*ref)
+    buf, starts, lens = _batch(crafted)
+    got = C.worker_results(cstate, buf, starts, lens, len(crafted), 0, 99, 0.002)
+    want = REFERENCE["worker_results"](rstate, buf, starts, lens, len(crafted), 0, 99, 0.002)
+    assert tuple(got) == tuple(want)
+    for a, b in zip(mine[:17] + mine[21:], ref[:17] + ref[21:]):
+        assert (a is None) == (b is None) and (a is None or a.tobytes() == b.tobytes())
+    cnt, opv = mine[14], mine[0]
+    assert cnt[K.WC.LEFT_OUT] == len(crafted) == 4
+    assert cnt[K.WC.CLAMPED] == 4  # every block's own exponent is above the agreed one
+    # The released chunks 4..7 hold blocks 0..3, each scaled to its agreed exponent.
+    x = np.asarray(w._op.x, np.float64)
+    k, P = int(opv[K.OP.K]), int(opv[K.OP.P])
+    lim = 2.0 ** P - 1
+    qtype = np.int32 if bits == 32 else np.int16
+    for blk, e in enumerate(agreed):
+        row = mine[11][blk * int(state[20]):(blk + 1) * int(state[20])]
+        assert int.from_bytes(bytes(row[24:28]), "little") == blk + 4  # the chunk
+        sent = np.frombuffer(bytes(row[40:40 + k * qtype().itemsize]), qtype)
+        want_q = np.clip(np.rint(np.ldexp(x[blk * k:(blk + 1) * k], P - e)), -lim, lim)
+        assert np.array_equal(sent, want_q.astype(qtype))
+        assert (np.abs(sent) == lim).any()  # something was clamped
+    assert list(mine[22][:4]) == [0, 0, 0, 0]  # the first window held exponents only
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -38,7 +38,9 @@
 #define F_HAS_DATA 2
 #define F_HAS_EXP 4
 #define F_RESENT 8
+#define F_CONTRIBUTORS 16
 #define KNOWN_FLAGS 15
+#define RESULT_FLAGS 31
 #define E_BYTES 0
 #define E_INT32 1
 #define E_INT16 2
@@ -71,6 +73,7 @@
 #define OP_TAIL_END 18
 #define OP_NQ 19
 #define OP_PY_NACKS 20
+#define OP_TRAILER 21
 
 #define R_SRTT 0
 #define R_RTTVAR 1
@@ -117,7 +120,9 @@
 #define WC_NACKS_IGNORED 12
 #define WC_TIMER_RESENDS 13
 #define WC_IDLE_PROBES 14
-#define WC_N 15
+#define WC_LEFT_OUT 15
+#define WC_CLAMPED 16
+#define WC_N 17
 
 #define WS_DONE 0
 #define WS_OTHER 1
@@ -158,6 +163,8 @@
 #define J_LOG_AT_RELEASE 18
 #define J_NACK_CAP 19
 #define J_MEMBER_TIMEOUT_US 20
+#define J_QUORUM 21
+#define J_TRAILER 22
 
 #define S_SEQ 0
 #define S_CHUNK 1
@@ -181,7 +188,8 @@
 #define SC_NACKS_NEEDLESS 8
 #define SC_DUPLICATE 9
 #define SC_NACKS 10
-#define SC_N 11
+#define SC_LATE_ANSWERED 11
+#define SC_N 12
 
 #define SS_DONE 0
 #define SS_OTHER 1
@@ -197,6 +205,7 @@
 #define A_ANSWER_WAITING 4
 #define A_DROP_LATE 5
 #define A_REFUSE_MISMATCH 6
+#define A_ANSWER_LATE 7
 
 #define RV_PARENT_JOB 0
 #define RV_PARENT_TOKEN 1
@@ -234,11 +243,11 @@
 #define SP_ERRNO 4
 #define SP_N 5
 
-#define O_FIELDS 21
+#define O_FIELDS 22
 #define R_FIELDS 16
 #define LN_FIELDS 8
 #define LNF_FIELDS 3
-#define J_FIELDS 21
+#define J_FIELDS 23
 #define S_FIELDS 10
 #define RV_FIELDS 7
 #define U_FIELDS 6

@@ -134,10 +134,12 @@ static inline int64_t action_of(const job_t *j, const request_t *r, int64_t rank
         if (!contributed && !complete)
             agree = agrees(j, r) ? 1 : 0;
     }
-    return j->rules[((order * 2 + contributed) * 2 + complete) * 2 + agree];
+    int64_t quorum = JV(j, J_QUORUM) > 0 ? 1 : 0;
+    return j->rules[(((quorum * 3 + order) * 2 + contributed) * 2 + complete) * 2 + agree];
 }
 
-/* A new round: the first contributor overwrites (no explicit reset of a slot). */
+/* A new round: the first contributor overwrites (no explicit reset of a slot); it completes
+   with the job's quorum of contributions, else with every rank's. */
 static inline void start_round(job_t *j, const request_t *r, int64_t rank, const uint8_t *pay)
 {
     int64_t v = r->v, s = r->s;
@@ -157,7 +159,7 @@ static inline void start_round(job_t *j, const request_t *r, int64_t rank, const
         CONFW(j, v, s, w) = 0;
     }
     SEENW(j, v, s, rank >> 6) = 1ULL << (rank & 63);
-    STV(j, S_MISSING, v, s) = JV(j, J_N) - 1;
+    STV(j, S_MISSING, v, s) = (JV(j, J_QUORUM) > 0 ? JV(j, J_QUORUM) : JV(j, J_N)) - 1;
 }
 
 /* Add a contribution (integer adds wrap, as a switch's adders do); whether the round has
@@ -213,13 +215,21 @@ static inline void log_release(job_t *j, int64_t v, int64_t s, int64_t seq, int6
     }
 }
 
-/* The round's last contribution: the result header into the slot's buffer, the completion
-   logged (NACKs), and listed in done. */
+/* The round's last contribution: the result header into the slot's buffer (and a quorum
+   job's contributor bitmap after the payload), the completion logged (NACKs), and listed in
+   done. */
 static inline void complete(job_t *j, const request_t *r, int64_t rank, int64_t *done,
                             int64_t ndone)
 {
     int64_t v = r->v, s = r->s;
-    write_header(BUF(j, v, s), 0, T_RESULT, STV(j, S_FLAGS, v, s), v, rank, JV(j, J_JOB),
+    int64_t size = HDR + r->itemsize * r->count, trailer = JV(j, J_TRAILER);
+    int64_t flags = STV(j, S_FLAGS, v, s);
+    if (trailer > 0) {
+        flags |= F_CONTRIBUTORS;
+        for (int64_t b = 0; b < trailer; b++)
+            BUF(j, v, s)[size + b] = (uint8_t)(SEENW(j, v, s, b >> 3) >> (8 * (b & 7)));
+    }
+    write_header(BUF(j, v, s), 0, T_RESULT, flags, v, rank, JV(j, J_JOB),
                  JV(j, J_TOKEN), r->seq, r->chunk, s + JV(j, J_SLOT_BASE), r->count, r->elem,
                  STV(j, S_DIGEST, v, s), STV(j, S_EXP_DATA, v, s), STV(j, S_EXP_NEXT, v, s));
     if (JV(j, J_LOG_AT_RELEASE))
@@ -228,7 +238,7 @@ static inline void complete(job_t *j, const request_t *r, int64_t rank, int64_t 
         log_release(j, v, s, r->seq, r->chunk);
     done[ndone * 3] = v;
     done[ndone * 3 + 1] = s;
-    done[ndone * 3 + 2] = HDR + r->itemsize * r->count;
+    done[ndone * 3 + 2] = size + trailer;
     j->cnt[SC_MULTICAST] += 1;
     JV(j, J_AGGREGATED) += r->count;
 }
@@ -251,7 +261,8 @@ static inline int lacks(const job_t *j, int64_t rank, int64_t seq, int64_t p, in
             continue;
         if (cur == seq) {
             int64_t c = STV(j, S_CHUNK, u, sp);
-            if (c > p || (c == p && has_bit(j->seen, j, u, sp, rank)))
+            if (c > p || (c == p && (has_bit(j->seen, j, u, sp, rank)
+                                     || (JV(j, J_QUORUM) > 0 && STV(j, S_MISSING, u, sp) == 0))))
                 return 0;
         } else if (((cur - seq) & MASK32) < HALF) {
             return 0; /* a later operation already uses the slot */
@@ -380,7 +391,8 @@ static inline void write_resent(job_t *j, replies_t *rp, int64_t k, int64_t rank
                                 const request_t *r)
 {
     int64_t v = r->v, s = r->s;
-    int64_t size = HDR + (STV(j, S_ELEM, v, s) == E_INT32 ? 4 : 2) * STV(j, S_COUNT, v, s);
+    int64_t size = HDR + (STV(j, S_ELEM, v, s) == E_INT32 ? 4 : 2) * STV(j, S_COUNT, v, s)
+                   + JV(j, J_TRAILER);
     uint8_t *row = rp->rows + k * rp->rowlen;
     memcpy(row, BUF(j, v, s), (size_t)size);
     row[H_FLAGS] |= F_RESENT;
@@ -415,9 +427,9 @@ static inline int answer_resend(job_t *j, double now, replies_t *rp, int64_t k, 
         nack_was_needless(j);
     if (action == A_ANSWER_WAITING && any_bit(j->conflict, j, r->v, r->s))
         return 0;
-    if (action == A_RESEND_RESULT) {
+    if (action == A_RESEND_RESULT || action == A_ANSWER_LATE) {
         write_resent(j, rp, k, rank, r);
-        j->cnt[SC_RESULTS_RESENT] += 1;
+        j->cnt[action == A_RESEND_RESULT ? SC_RESULTS_RESENT : SC_LATE_ANSWERED] += 1;
     } else {
         write_waiting(j, now, rp, k, rank, r);
         j->cnt[SC_WAITING_SENT] += 1;
@@ -457,7 +469,7 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
             i += 1;
             continue;
         }
-        if (action == A_RESEND_RESULT || action == A_ANSWER_WAITING) {
+        if (action == A_RESEND_RESULT || action == A_ANSWER_WAITING || action == A_ANSWER_LATE) {
             if (!answer_resend(j, now, rp, nnack, rank, &r, action)) {
                 code = SS_WAITING_CONFLICT;
                 break;
@@ -768,7 +780,10 @@ static int get_job(bufs_t *b, PyObject *const *args, int at, job_t *j)
     if (v->len / 8 < n) goto bad;
 #undef GET
     if (n < 1 || n > 64 * j->words || j->jobv[J_WINDOW] > j->W || j->jobv[J_WINDOW] < 0
-        || j->jobv[J_MAX_BYTES] > j->stride - HDR || j->jobv[J_SHARDS] < 1)
+        || j->jobv[J_MAX_BYTES] > j->stride - HDR || j->jobv[J_SHARDS] < 1
+        || j->jobv[J_TRAILER] < 0 || j->jobv[J_TRAILER] > 8 * j->words
+        || j->jobv[J_MAX_BYTES] + j->jobv[J_TRAILER] > j->stride - HDR
+        || j->jobv[J_QUORUM] < 0 || j->jobv[J_QUORUM] > n)
         goto bad;
     return 0;
 bad:
@@ -782,13 +797,13 @@ static int get_shared(bufs_t *b, PyObject *const *args, int at, job_t *j, int64_
 {
     Py_buffer *v;
     if (!(v = getbuf(b, args[at], "rules", B(K_I64), 0))) return -1;
-    if (v->len / 8 != 24) {
-        PyErr_SetString(PyExc_ValueError, "rules must be slots.action_table() (3x2x2x2)");
+    if (v->len / 8 != 48) {
+        PyErr_SetString(PyExc_ValueError, "rules must be slots.action_table() (2x3x2x2x2)");
         return -1;
     }
     j->rules = v->buf;
-    for (int i = 0; i < 24; i++)
-        if (j->rules[i] < 0 || j->rules[i] > A_REFUSE_MISMATCH) {
+    for (int i = 0; i < 48; i++)
+        if (j->rules[i] < 0 || j->rules[i] > A_ANSWER_LATE) {
             PyErr_SetString(PyExc_ValueError, "rules hold an action that is not one");
             return -1;
         }

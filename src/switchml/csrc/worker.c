@@ -26,6 +26,7 @@ typedef struct {
     void *out; int ok; int64_t on;
     void *res; int rk; int64_t rn;
     void *keep;     /* an in-place operation's input, kept block by block as sent; or NULL */
+    int64_t *contrib; /* a quorum operation's contributors per block (OP_L); or NULL */
     int64_t xisz;   /* bytes per input element */
     int64_t nl;     /* lanes (lane.shape[1]) */
     int64_t nsendq; /* sendq.size */
@@ -281,6 +282,28 @@ static void quantize_f16(const f16_t *x, int64_t lo, int64_t count, int64_t emax
     }
 }
 
+/* quantize_into for a block whose own exponent is above the agreed one emax (a quorum round
+   completed without this rank's look-ahead exponent): each element clamped to what the agreed
+   scale holds, +-(2**P - 1), so that the switch's sum still cannot overflow; non-finite
+   elements as 0; all 0 where the agreed block is all zeros (numerics.quantize_clamped). */
+static void quantize_clamped(const void *x, int xk, int64_t lo, int64_t count, int64_t emax,
+                             int64_t n_bits, void *q, int qk, int64_t qo)
+{
+    double lim = ldexp(1.0, (int)n_bits) - 1.0;
+    for (int64_t j = 0; j < count; j++) {
+        double y = 0.0;
+        if (emax != EXP_ZERO) {
+            double v = load_x(x, xk, lo + j);
+            if (isfinite(v))
+                y = rint(fmin(fmax(ldexp(v, (int)(n_bits - emax)), -lim), lim));
+        }
+        if (qk == K_I32)
+            ((int32_t *)q)[qo + j] = (int32_t)y;
+        else
+            ((int16_t *)q)[qo + j] = (int16_t)y;
+    }
+}
+
 static void quantize_into(const void *x, int xk, int64_t lo, int64_t count, int64_t emax,
                           int64_t n_bits, int nonfinite, void *q, int qk, int64_t qo)
 {
@@ -486,7 +509,13 @@ static int64_t build_request(op_t *o, int64_t p, int64_t i, int64_t set_bit, int
             keep_block(o, lo, count);
             int qk = itemsize == 4 ? K_I32 : K_I16;
             int64_t qo = (base + HDR) / itemsize;
-            quantize_into(o->x, o->xk, lo, count, exp_data, OPV(o, OP_P), bad, o->tx8, qk, qo);
+            if (o->exps[blk] != EXP_ZERO && o->exps[blk] > exp_data) { /* left out: quorum */
+                quantize_clamped(o->x, o->xk, lo, count, exp_data, OPV(o, OP_P), o->tx8, qk, qo);
+                o->cnt[WC_CLAMPED] += 1;
+            } else {
+                quantize_into(o->x, o->xk, lo, count, exp_data, OPV(o, OP_P), bad, o->tx8, qk,
+                              qo);
+            }
             if (residual)
                 residual_into(o->x, o->xk, lo, count, o->tx8, qk, qo, exp_data, OPV(o, OP_P),
                               o->res, o->rk);
@@ -584,7 +613,10 @@ static inline int64_t result_length(const uint8_t *d, int64_t o, int64_t ln, con
     if (ln < HDR || rd_u16(d, o + H_MAGIC) != MAGIC || d[o + H_VERSION] != VERSION
         || d[o + H_TYPE] != T_RESULT)
         return 0;
-    if (d[o + H_SET] > 1 || ((int64_t)d[o + H_FLAGS] & ~(int64_t)KNOWN_FLAGS) != 0)
+    /* a quorum job's results (OP_TRAILER > 0) end in their contributor bitmap; others never */
+    int64_t trailer = OPV(op, OP_TRAILER), flags = d[o + H_FLAGS];
+    if (d[o + H_SET] > 1 || (flags & ~(int64_t)(trailer ? RESULT_FLAGS : KNOWN_FLAGS)) != 0
+        || (trailer && !(flags & F_CONTRIBUTORS)))
         return 0;
     int64_t elem = d[o + H_ELEM], isz;
     if (elem == E_INT32)
@@ -593,7 +625,7 @@ static inline int64_t result_length(const uint8_t *d, int64_t o, int64_t ln, con
         isz = 2;
     else
         return 0;
-    if (ln != HDR + isz * rd_u16(d, o + H_COUNT))
+    if (ln != HDR + isz * rd_u16(d, o + H_COUNT) + trailer)
         return 0;
     if (rd_u32(d, o + H_JOB) != OPV(op, OP_JOB) || rd_i64(d, o + H_TOKEN) != OPV(op, OP_TOKEN))
         return 0;
@@ -683,6 +715,22 @@ static inline int store_float(const uint8_t *d, int64_t off, int64_t isz, int64_
     if (p < OPV(o, OP_L))
         LANE(o, LN_EMAX, i) = rd_i16(d, off + H_EXP_NEXT);
     return 1;
+}
+
+/* A quorum result's contributor bitmap (the last OP_TRAILER bytes of d[off:off+ln], for
+   chunk p): how many ranks the block's sum holds, into contrib; whether this rank is one. */
+static inline void note_contributors(op_t *o, const uint8_t *d, int64_t off, int64_t ln,
+                                     int64_t p)
+{
+    int64_t tb = OPV(o, OP_TRAILER), rank = OPV(o, OP_RANK), n = 0;
+    const uint8_t *t = d + off + ln - tb;
+    for (int64_t b = 0; b < tb; b++)
+        n += __builtin_popcount(t[b]);
+    if (!((t[rank >> 3] >> (rank & 7)) & 1))
+        o->cnt[WC_LEFT_OUT] += 1;
+    int64_t blk = OPV(o, OP_IS_FLOAT) ? p - OPV(o, OP_E) : p;
+    if (blk >= 0 && o->contrib)
+        o->contrib[blk] = n;
 }
 
 /* Copy an integer result (block p) into out. 0 if its size is wrong. */
@@ -798,6 +846,8 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
             o->cnt[WC_BAD_COUNT] += 1;
             continue;
         }
+        if (OPV(o, OP_TRAILER))
+            note_contributors(o, d, off, ln, p);
         o->cnt[WC_RESULTS] += 1;
         time_round_trip(o, li, now);
         if (OPV(o, OP_TAIL_END) > OPV(o, OP_TAIL_HEAD))
@@ -1181,15 +1231,15 @@ static void opstate_dealloc(OpStateObject *self)
 }
 
 /* OpState(opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, res, tx8, tx16, tx32,
-           cnt, sendq, sendlen, picked, order, runs, stride, keep) */
+           cnt, sendq, sendlen, picked, order, runs, stride, keep, contrib) */
 static PyObject *opstate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "OpState takes its arrays by position");
         return NULL;
     }
-    if (PyTuple_GET_SIZE(args) != 22) {
-        PyErr_Format(PyExc_TypeError, "OpState takes 22 arguments (%zd given)",
+    if (PyTuple_GET_SIZE(args) != 23) {
+        PyErr_Format(PyExc_TypeError, "OpState takes 23 arguments (%zd given)",
                      PyTuple_GET_SIZE(args));
         return NULL;
     }
@@ -1236,6 +1286,20 @@ static PyObject *opstate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         self->o.keep = v->buf;
     }
+    if (a[22] != Py_None) { /* contrib: a quorum operation's contributors per block */
+        if (!(v = getbuf(&self->b, a[22], "contrib", B(K_I64), 1)))
+            goto fail;
+        if (v->len / 8 < self->o.opv[OP_L]) {
+            PyErr_SetString(PyExc_ValueError, "OpState: contrib must hold an int64 per block");
+            goto fail;
+        }
+        self->o.contrib = v->buf;
+    }
+    if (self->o.opv[OP_TRAILER] < 0 || self->o.opv[OP_TRAILER] > 8192
+        || (self->o.opv[OP_TRAILER] > 0 && self->o.opv[OP_TRAILER] * 8 <= self->o.opv[OP_RANK])) {
+        PyErr_SetString(PyExc_ValueError, "OpState: a contributor bitmap of 0..8192 bytes");
+        goto fail;
+    }
     self->ready = 1;
     return (PyObject *)self;
 short_queue:
@@ -1254,7 +1318,8 @@ static PyTypeObject OpStateType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One operation's arrays, checked and held for the kernels (built once per "
               "operation: OpState(opv, lane, lanef, rtt, next_set, exps, nonf, x, xbits, out, "
-              "res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, order, runs, stride, keep))",
+              "res, tx8, tx16, tx32, cnt, sendq, sendlen, picked, order, runs, stride, keep, "
+              "contrib))",
     .tp_new = opstate_new,
 };
 

@@ -143,6 +143,14 @@ class JobSpec:
     workers of the whole tree, so that every level's integer sum fits and the partial sums of
     different racks add exactly."""
 
+    quorum: int | None = None
+    """k: the switch completes each round when k of the n ranks have contributed, and
+    multicasts a sum that says which ranks it holds (a bitmap after the payload); a rank whose
+    chunk comes after that is answered with the stored result, not added, and goes on with the
+    same result as everyone else (TensorFlow's backup workers, done in the network). ``None``
+    (the default): every round waits for all n, exactly as without the option. A job over a
+    hierarchy of switches (``tree.py``) has no quorum."""
+
     @property
     def scale_count(self) -> int:
         """The number of contributors the fixed-point scale allows for."""
@@ -156,6 +164,10 @@ class JobSpec:
         _check(1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
                f"elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET}, got "
                f"{self.elements_per_packet}")
+        _check(self.quorum is None or (isinstance(self.quorum, int)
+                                       and 1 <= self.quorum <= self.num_workers),
+               f"quorum must be None or an integer in 1..num_workers ({self.num_workers}), got "
+               f"{self.quorum!r}")
         _check(self.scale_workers is None or self.scale_workers >= self.num_workers,
                f"scale_workers must be >= num_workers ({self.num_workers}), got "
                f"{self.scale_workers}")

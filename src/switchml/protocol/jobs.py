@@ -106,6 +106,7 @@ class Job:
     npend: int = 0  # rounds completed and not yet sent: ``pend[:npend]``
     nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
     member_timeout_s: float = 20.0  # a member silent this long is gone (SwitchConfig)
+    quorum: int = 0  # JobSpec.quorum: a round completes with this many ranks; 0: all of them
     reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -145,8 +146,11 @@ class Job:
         jobv[K.J.NACK_CAP] = self.nack_log_windows * w
         # (a timeout of inf, or past any job's life, as 10^9 s: int64 microseconds)
         jobv[K.J.MEMBER_TIMEOUT_US] = round(min(self.member_timeout_s, 1e9) * 1e6)
+        # A quorum job's results carry the bitmap of the ranks they hold after the payload.
+        trailer = (self.num_workers + 7) // 8 if self.quorum else 0
+        jobv[K.J.QUORUM], jobv[K.J.TRAILER] = self.quorum, trailer
         self.jobv = jobv
-        self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet)
+        self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet) + trailer
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
         self.st[K.S.ELEM] = _INT32
@@ -154,7 +158,8 @@ class Job:
         self.st[K.S.EXP_NEXT] = EXP_ZERO
         self.seen = np.zeros((2, w, nwords), np.uint64)
         self.conflict = np.zeros((2, w, nwords), np.uint64)
-        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet), np.uint8)
+        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet + trailer),
+                             np.uint8)
         # Loss recovery (kernels.aggregate._behind_on): the last completions, and how far each rank
         # has been checked against them.
         self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)
@@ -190,10 +195,11 @@ class Job:
 
     @property
     def info(self) -> ControlInfo:
-        return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base)
+        return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base,
+                           self.quorum)
 
     def memory_bytes(self) -> int:
-        return 2 * self.window * (HEADER_SIZE + 4 * self.elements_per_packet)
+        return int(self.bufs.nbytes)
 
     def shape(self, v: int, s: int) -> ChunkShape:
         """What the round of (slot ``s``, set ``v``) says about its chunk."""

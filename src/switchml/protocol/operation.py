@@ -41,10 +41,13 @@ class Operation:
     per datagram. ``keep``: for an operation whose output is its input, a buffer of the
     input's type and size, apart from both, into which the kernels copy each input block as
     they send it (a restart needs the input, and results overwrite it); None otherwise.
+    ``contrib``: in a quorum job, how many ranks each block's sum holds (written by the
+    kernels as results land; 0 until then); None otherwise.
     """
 
     __slots__ = (
-        "E", "L", "T", "bits", "digest", "elem", "exps", "fmax", "is_float", "itemsize", "k",
+        "E", "L", "T", "bits", "contrib", "digest", "elem", "exps", "fmax", "is_float",
+        "itemsize", "k",
         "keep", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
         "restarts", "run_order", "runs", "sendlen", "sendq", "seq", "spurious",
         "stage_res", "state", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat",
@@ -78,6 +81,7 @@ class Operation:
         self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
         # Block exponents are computed as packets are built (kernels.build_request).
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
+        self.contrib = np.zeros(self.L, np.int64) if spec.quorum else None
         self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
         self.txbuf = np.empty((self.E, self.stride), np.uint8)
         self.tx8 = self.txbuf.reshape(-1)  # the kernels' views: bytes, int16, int32
@@ -109,7 +113,8 @@ class Operation:
                                self.nonf, self.xk, self.xbits, self.outk, self.res, self.tx8,
                                self.tx16, self.tx32, cnt, self.sendq, self.sendlen, self.picked,
                                self.run_order, self.runs, self.stride,
-                               None if self.keep is None else kernel_view(self.keep))
+                               None if self.keep is None else kernel_view(self.keep),
+                               self.contrib)
 
     def _stage(self, x: np.ndarray, out: np.ndarray, residual: np.ndarray | None) -> None:
         """The arrays as the kernels take them (bfloat16 as its bits), and the residual's."""
@@ -142,6 +147,7 @@ class Operation:
         opv[K.OP.N] = scale  # the bound |sum| < scale * 2**emax
         opv[K.OP.IS_FLOAT] = self.is_float
         opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
+        opv[K.OP.TRAILER] = (spec.num_workers + 7) // 8 if spec.quorum else 0
         return opv
 
     def restarted(self, seq: int, spec: JobSpec, rank: int,

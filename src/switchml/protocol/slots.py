@@ -1,10 +1,12 @@
 """The switch's per-(slot, set) rule as one table: what a REQUEST does to the round it names.
 
 A REQUEST names a slot ``s``, a set ``v`` and a round key ``(seq, chunk)``. What the switch does
-depends on four facts about ``(s, v)`` (SwitchML, NSDI'21 section 4; ``switch.py`` explains why
-one set bit is enough): how the request's round compares with the set's, whether the rank has
-already contributed to it, whether the round is complete, and whether the chunk agrees with
-the round's shape (size, element type, exponent, flags, operation digest). :data:`SLOT_RULES`
+depends on whether the job is a quorum job (created with ``JobSpec.quorum``: a round completes
+when ``k`` of the ``n`` ranks are in) and on four facts about ``(s, v)`` (SwitchML, NSDI'21
+section 4; ``switch.py`` explains why one set bit is enough): how the request's round compares
+with the set's, whether the rank has already contributed to it, whether the round is complete,
+and whether the chunk agrees with the round's shape (size, element type, exponent, flags,
+operation digest). :data:`SLOT_RULES`
 lists every case once; :func:`action_table` turns it into the array the compiled kernel looks
 actions up in (``kernels.switch_requests``), and docs/protocol.md shows :func:`markdown_table`'s
 output (checked by ``tests/protocol/test_tables.py``).
@@ -52,40 +54,52 @@ class SlotAction(IntEnum):
     REFUSE_MISMATCH = 6
     """The chunk disagrees with the round: refused; the rank and the round's contributors get
     MISMATCH (the operation can never complete)."""
+    ANSWER_LATE = 7
+    """Quorum jobs: a first contribution to a round that completed without it. Not added: the
+    rank gets the stored result (a unicast copy, ``RESENT`` flag, with the bitmap of the ranks
+    it holds, which lacks this one) and goes on with the same result as everyone else."""
 
 
 ANY = None
 """A fact the action does not depend on."""
 
-SLOT_RULES: tuple[tuple[Round, bool | None, bool | None, bool | None, SlotAction], ...] = (
-    # round         contributed  complete  agrees  -> action
-    (Round.OLDER, ANY, ANY, ANY, SlotAction.DROP_STALE),
-    (Round.NEWER, ANY, ANY, ANY, SlotAction.START_ROUND),
-    (Round.SAME, True, True, ANY, SlotAction.RESEND_RESULT),
-    (Round.SAME, True, False, ANY, SlotAction.ANSWER_WAITING),
-    (Round.SAME, False, True, ANY, SlotAction.DROP_LATE),
-    (Round.SAME, False, False, False, SlotAction.REFUSE_MISMATCH),
-    (Round.SAME, False, False, True, SlotAction.ADD),
+SLOT_RULES: tuple[tuple[bool | None, Round, bool | None, bool | None, bool | None, SlotAction],
+                  ...] = (
+    # quorum job  round       contributed  complete  agrees  -> action
+    (ANY, Round.OLDER, ANY, ANY, ANY, SlotAction.DROP_STALE),
+    (ANY, Round.NEWER, ANY, ANY, ANY, SlotAction.START_ROUND),
+    (ANY, Round.SAME, True, True, ANY, SlotAction.RESEND_RESULT),
+    (ANY, Round.SAME, True, False, ANY, SlotAction.ANSWER_WAITING),
+    (False, Round.SAME, False, True, ANY, SlotAction.DROP_LATE),
+    (True, Round.SAME, False, True, ANY, SlotAction.ANSWER_LATE),
+    (ANY, Round.SAME, False, False, False, SlotAction.REFUSE_MISMATCH),
+    (ANY, Round.SAME, False, False, True, SlotAction.ADD),
 )
-"""``(round, rank already contributed, round complete, chunk agrees) -> action``; ``ANY`` where
-the action does not depend on the fact. Every combination matches exactly one rule."""
+"""``(quorum job, round, rank already contributed, round complete, chunk agrees) -> action``;
+``ANY`` where the action does not depend on the fact. Every combination matches exactly one
+rule. (In a job without a quorum a complete round holds every rank, so a first contribution
+to it can only be a late duplicate; in a quorum job it is a rank the round completed
+without.)"""
 
 
 def action_table() -> np.ndarray:
-    """``SLOT_RULES`` as an int64 array indexed ``[round, contributed, complete, agrees]``.
+    """``SLOT_RULES`` as an int64 array indexed ``[quorum, round, contributed, complete,
+    agrees]``.
 
     Raises:
         ValueError: a combination matches no rule, or more than one.
     """
-    table = np.full((3, 2, 2, 2), -1, np.int64)
-    for rnd, contributed, complete, agrees in itertools.product(Round, *[(False, True)] * 3):
+    table = np.full((2, 3, 2, 2, 2), -1, np.int64)
+    for quorum, rnd, contributed, complete, agrees in itertools.product(
+            (False, True), Round, *[(False, True)] * 3):
         facts = (contributed, complete, agrees)
-        hits = [a for r, *want, a in SLOT_RULES
-                if r is rnd and all(w is ANY or w == f for w, f in zip(want, facts))]
+        hits = [a for q, r, *want, a in SLOT_RULES
+                if r is rnd and (q is ANY or q == quorum)
+                and all(w is ANY or w == f for w, f in zip(want, facts))]
         if len(hits) != 1:
-            raise ValueError(f"{len(hits)} slot rules match {rnd.name}, contributed="
-                             f"{contributed}, complete={complete}, agrees={agrees}")
-        table[rnd, int(contributed), int(complete), int(agrees)] = hits[0]
+            raise ValueError(f"{len(hits)} slot rules match {rnd.name}, quorum={quorum}, "
+                             f"contributed={contributed}, complete={complete}, agrees={agrees}")
+        table[int(quorum), rnd, int(contributed), int(complete), int(agrees)] = hits[0]
     return table
 
 
@@ -95,8 +109,8 @@ def markdown_table() -> str:
     def cell(v: bool | None) -> str:
         return "any" if v is ANY else ("yes" if v else "no")
 
-    rows = ["| round | rank already in | round complete | chunk agrees | action |",
-            "|---|---|---|---|---|"]
-    rows += [f"| {r.name.lower()} | {cell(c)} | {cell(d)} | {cell(a)} | "
-             f"{act.name.lower().replace('_', ' ')} |" for r, c, d, a, act in SLOT_RULES]
+    rows = ["| quorum job | round | rank already in | round complete | chunk agrees | action |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| {cell(q)} | {r.name.lower()} | {cell(c)} | {cell(d)} | {cell(a)} | "
+             f"{act.name.lower().replace('_', ' ')} |" for q, r, c, d, a, act in SLOT_RULES]
     return "\n".join(rows) + "\n"

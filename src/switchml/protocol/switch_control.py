@@ -146,12 +146,13 @@ class SwitchControl:
                      addr: Address, now: float) -> None:
         """A proven JOIN of ``job``: check its geometry and rank, record the member (a new
         address only while the job has not started), raise the epoch, answer JOINED."""
-        if (asked.num_workers, asked.window, asked.elements_per_packet) != (
-                job.num_workers, job.window, job.elements_per_packet):
+        if (asked.num_workers, asked.window, asked.elements_per_packet, asked.quorum) != (
+                job.num_workers, job.window, job.elements_per_packet, job.quorum):
             self._refuse(h, addr, f"job {h.job} exists with n={job.num_workers} "
-                         f"window={job.window} elements_per_packet={job.elements_per_packet}; "
-                         f"asked n={asked.num_workers} window={asked.window} "
-                         f"elements_per_packet={asked.elements_per_packet}")
+                         f"window={job.window} elements_per_packet={job.elements_per_packet} "
+                         f"quorum={job.quorum or 'none'}; asked n={asked.num_workers} "
+                         f"window={asked.window} elements_per_packet={asked.elements_per_packet} "
+                         f"quorum={asked.quorum or 'none'}")
             return
         if h.rank >= job.num_workers:
             self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
@@ -191,6 +192,10 @@ class SwitchControl:
                        f"{asked.elements_per_packet}")
         elif not 1 <= asked.window <= cfg.max_window:
             problem = f"window must be in 1..{cfg.max_window}, got {asked.window}"
+        elif not 0 <= asked.quorum <= asked.num_workers:
+            problem = f"quorum must be in 1..{asked.num_workers} (0: none), got {asked.quorum}"
+        elif asked.quorum and h.job in self.relayed_jobs:
+            problem = "a job relayed to a parent switch (a rack's) cannot have a quorum"
         if problem is not None:
             self._refuse(h, addr, problem)
             return None
@@ -204,7 +209,7 @@ class SwitchControl:
             job = Job(h.job, h.token, asked.num_workers, base, asked.window,
                       asked.elements_per_packet, [None] * asked.num_workers,
                       nack_log_windows=cfg.nack_log_windows,
-                      member_timeout_s=cfg.member_timeout_s)
+                      member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum)
             job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
             job.jobv[K.J.NACK_CALM] = self.config.nack_calm
             job.jobv[K.J.LOG_AT_RELEASE] = int(h.job in self.relayed_jobs)

@@ -29,6 +29,9 @@ __all__ = [
     "HEADER_FIELDS",
     "HEADER_SIZE",
     "KNOWN_FLAGS",
+    "MAX_TRAILER",
+    "contributors",
+    "RESULT_FLAGS",
     "ITEMSIZE",
     "MAGIC",
     "MAX_DATAGRAM_BYTES",
@@ -173,10 +176,16 @@ class Flags(IntFlag):
     """``exp_next`` is the exponent of block ``chunk`` (look-ahead; float operations only)."""
     RESENT = 0x08
     """Result: a unicast copy from the shadow set, answering a retransmission."""
+    CONTRIBUTORS = 0x10
+    """Result of a quorum job: the payload is followed by the little-endian bitmap of the
+    ranks whose chunks the sum holds (``ceil(n / 8)`` bytes; ``count`` does not include it)."""
 
 
 KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
-"""Every flag bit this version defines; a datagram with another bit set is rejected."""
+"""The flag bits a REQUEST may carry; a request with another bit set is rejected."""
+RESULT_FLAGS = KNOWN_FLAGS | int(Flags.CONTRIBUTORS)
+"""Every flag bit this version defines (a RESULT may carry them all); a datagram with another
+bit set is rejected."""
 
 
 class ElementType(IntEnum):
@@ -249,14 +258,28 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
         raise WireError("bad_elem", str(elem))
     if set_bit > 1:
         raise WireError("bad_set", str(set_bit))
-    if flags & ~KNOWN_FLAGS:
+    if flags & ~(RESULT_FLAGS if t is MessageType.RESULT else KNOWN_FLAGS):
         raise WireError("bad_flags", f"0x{flags:02x}")
-    if len(data) != HEADER_SIZE + count * _ITEMSIZE[e]:
+    body = HEADER_SIZE + count * _ITEMSIZE[e]
+    if (len(data) != body if not flags & Flags.CONTRIBUTORS
+            else not body < len(data) <= body + MAX_TRAILER):
         raise WireError(
             "length_mismatch", f"{len(data)} bytes for {count} x {e.name} after the header"
         )
     return Header(t, job, rank, token, seq, chunk, slot, set_bit, count, e, flags, exp_data,
                   exp_next, digest)
+
+
+MAX_TRAILER = (1 << 16) // 8
+"""The longest contributor bitmap a RESULT may carry (ranks are 16-bit)."""
+
+
+def contributors(data: bytes | bytearray | memoryview, header: Header) -> int | None:
+    """The bitmap (bit r: rank r) of the ranks a quorum job's RESULT holds, or None for a
+    result of a job without a quorum (it holds every rank)."""
+    if not header.flags & Flags.CONTRIBUTORS:
+        return None
+    return int.from_bytes(bytes(data[HEADER_SIZE + header.payload_bytes:]), "little")
 
 
 def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.ndarray:
@@ -274,9 +297,11 @@ class ControlInfo:
     window: int
     elements_per_packet: int
     slot_base: int = 0
+    quorum: int = 0
+    """k of ``JobSpec.quorum``: a round completes when k ranks are in; 0: all of them."""
 
 
-_CONTROL = struct.Struct("<IIII")
+_CONTROL = struct.Struct("<IIIII")
 COOKIE_SIZE = 24
 """A JOIN challenge's cookie: issue time (uint64, microseconds) and a 16-byte MAC."""
 NO_COOKIE = bytes(COOKIE_SIZE)
@@ -288,14 +313,16 @@ _JOINED_SIZE = _CONTROL.size + COOKIE_SIZE
 
 
 def pack_control_info(info: ControlInfo) -> bytes:
-    return _CONTROL.pack(info.num_workers, info.window, info.elements_per_packet, info.slot_base)
+    return _CONTROL.pack(info.num_workers, info.window, info.elements_per_packet, info.slot_base,
+                         info.quorum)
 
 
 def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo:
     """Decode a ControlInfo payload; raises WireError(``bad_control``) on a wrong size."""
     raw = bytes(payload)
     if len(raw) != _CONTROL.size:
-        raise WireError("bad_control", f"control payload of {len(raw)} bytes, expected 16")
+        raise WireError("bad_control", f"control payload of {len(raw)} bytes, expected "
+                        f"{_CONTROL.size}")
     return ControlInfo(*_CONTROL.unpack(raw))
 
 
@@ -310,7 +337,7 @@ def pack_join(*, job: int, token: int, rank: int, info: ControlInfo, seq: int = 
               cookie: bytes = NO_COOKIE, proof: bytes = bytes(PROOF_SIZE)) -> bytes:
     """A JOIN datagram: rank ``rank`` asks for job ``job`` of geometry ``info`` (``seq``: the
     first operation of its epoch). Without a cookie it asks for a challenge; with the
-    switch's cookie it carries ``auth.join_proof``. Always 112 bytes, so that the CHALLENGE
+    switch's cookie it carries ``auth.join_proof``. Always 116 bytes, so that the CHALLENGE
     it may draw (64) is smaller: the switch never amplifies a spoofed JOIN."""
     payload = pack_control_info(info) + cookie + proof
     if len(payload) != _JOIN_SIZE:

@@ -263,7 +263,8 @@ class WorkerControl:
         return join_datagram(self._key, job=spec.job_id, token=spec.token, rank=self.rank,
                              seq=self._epoch_seq, cookie=cookie,
                              info=ControlInfo(spec.num_workers, spec.window,
-                                              spec.elements_per_packet))
+                                              spec.elements_per_packet,
+                                              quorum=spec.quorum or 0))
 
     def _send_join(self, now: float) -> None:
         datagram = self._join_datagram()

@@ -45,6 +45,7 @@ from switchml.protocol.kernels.frames import (
     E_INT16,
     E_INT32,
     EXP_ZERO,
+    F_CONTRIBUTORS,
     F_HAS_DATA,
     F_HAS_EXP,
     F_NONFINITE,
@@ -52,6 +53,7 @@ from switchml.protocol.kernels.frames import (
     HDR,
     KNOWN_FLAGS,
     MAGIC,
+    RESULT_FLAGS,
     MAX_BATCH,
     T_NACK,
     T_REQUEST,
@@ -139,7 +141,7 @@ del _w
 
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",
-    "F_RESENT", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
+    "F_RESENT", "F_CONTRIBUTORS", "RESULT_FLAGS", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
     "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "OpState", "PROBE_LANES", "R", "REPLIES_PER_CALL",
     "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING",
     "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot",

@@ -23,6 +23,7 @@ from switchml.protocol.kernels.frames import (
     E_INT32,
     EPOCH_TRAIL,
     EXP_ZERO,
+    F_CONTRIBUTORS,
     F_HAS_EXP,
     F_NONFINITE,
     F_RESENT,
@@ -64,6 +65,7 @@ A_RESEND_RESULT = 3
 A_ANSWER_WAITING = 4
 A_DROP_LATE = 5
 A_REFUSE_MISMATCH = 6
+A_ANSWER_LATE = 7
 if {a.name: int(a) for a in SlotAction} != {n[2:]: v for n, v in globals().items()
                                              if n.startswith("A_")}:
     raise ImportError("kernels/aggregate.py's A_* constants differ from slots.SlotAction")
@@ -81,8 +83,9 @@ from switchml.protocol.kernels.layout import (  # noqa: E402,F401  (re-exported)
 
 
 def reply_row_bytes(num_workers: int, elements_per_packet: int) -> int:
-    """The bytes a reply row needs for a job: a stored result (header and int32 payload), or a
-    WAITING (header and two bitmaps of the ranks)."""
+    """The bytes a reply row needs for a job: a stored result (header and int32 payload; a
+    quorum job's adds its contributor bitmap: ``J.TRAILER``), or a WAITING (header and two
+    bitmaps of the ranks)."""
     return HDR + max(4 * elements_per_packet, 2 * ((num_workers + 7) // 8))
 
 
@@ -154,7 +157,7 @@ def _agrees(st, r):
             and ((r.flags ^ st[S.FLAGS, v, s]) & SHAPE_FLAGS) == 0)
 
 
-def _action(st, seen, rules, r, rank):
+def _action(jobv, st, seen, rules, r, rank):
     """Look the request up in the slot rules (``slots.SLOT_RULES``)."""
     order = _round_order(st, r)
     contributed = complete = 0
@@ -164,11 +167,12 @@ def _action(st, seen, rules, r, rank):
         complete = 1 if st[S.MISSING, r.v, r.s] == 0 else 0
         if not contributed and not complete:
             agrees = 1 if _agrees(st, r) else 0
-    return rules[order, contributed, complete, agrees]
+    return rules[1 if jobv[J.QUORUM] > 0 else 0, order, contributed, complete, agrees]
 
 
 def _start_round(st, seen, conflict, bufs, n, r, rank, pay, cnt):
-    """A new round: the first contributor overwrites (no explicit reset of a slot)."""
+    """A new round: the first contributor overwrites (no explicit reset of a slot); ``n``:
+    the contributions that complete it (the job's quorum, else every rank)."""
     v, s = r.v, r.s
     if st[S.SEQ, v, s] >= 0 and st[S.MISSING, v, s] != 0:
         cnt[SC.ABANDONED] += 1  # only after a failed operation
@@ -208,18 +212,26 @@ def _add(st, seen, conflict, bufs, r, rank, pay):
     return False
 
 
-def _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt):
-    """The round's last contribution: write the result header into the slot's buffer, log
-    the completion (NACKs), and list it in ``done``."""
+def _complete(jobv, st, seen, bufs, clog, r, rank, done, ndone, cnt):
+    """The round's last contribution: write the result header into the slot's buffer (and a
+    quorum job's contributor bitmap after the payload), log the completion (NACKs), and list
+    it in ``done``."""
     v, s = r.v, r.s
-    write_header(bufs[v, s], 0, T_RESULT, st[S.FLAGS, v, s], v, rank, jobv[J.JOB],
+    size = HDR + r.itemsize * r.count
+    flags = st[S.FLAGS, v, s]
+    trailer = jobv[J.TRAILER]
+    if trailer > 0:
+        flags |= F_CONTRIBUTORS
+        for b in range(trailer):
+            bufs[v, s, size + b] = (seen[v, s, b >> 3] >> np.uint64(8 * (b & 7))) & np.uint64(255)
+    write_header(bufs[v, s], 0, T_RESULT, flags, v, rank, jobv[J.JOB],
                  jobv[J.TOKEN], r.seq, r.chunk, s + jobv[J.SLOT_BASE], r.count, r.elem,
                  st[S.DIGEST, v, s], st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s])
     if jobv[J.LOG_AT_RELEASE]:
         st[S.DONE_AT, v, s] = -1  # not released yet: no chunk can follow it
     else:
         _log_release(jobv, st, clog, v, s, r.seq, r.chunk)
-    done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, HDR + r.itemsize * r.count
+    done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, size + trailer
     cnt[SC.MULTICAST] += 1
     jobv[J.AGGREGATED] += r.count
 
@@ -268,16 +280,18 @@ def _find_round(st, sp, seq, chunk):
     return -1
 
 
-def _lacks(st, seen, rank, seq, p, sp):
+def _lacks(jobv, st, seen, rank, seq, p, sp):
     """Whether ``rank`` has not delivered chunk ``p`` of operation ``seq`` (relative slot
-    ``sp``): the lane neither holds round ``p`` with the rank in it nor has moved past it."""
+    ``sp``): the lane neither holds round ``p`` with the rank in it (or, in a quorum job,
+    complete without it: the rank was late and gets the result) nor has moved past it."""
     for u in range(2):
         cur = st[S.SEQ, u, sp]
         if cur < 0:
             continue
         if cur == seq:
             c = st[S.CHUNK, u, sp]
-            if c > p or (c == p and _has_bit(seen, u, sp, rank)):
+            if c > p or (c == p and (_has_bit(seen, u, sp, rank)
+                                     or (jobv[J.QUORUM] > 0 and st[S.MISSING, u, sp] == 0))):
                 return False
         elif ((cur - seq) & MASK32) < HALF:
             return False  # a later operation already uses the slot
@@ -296,7 +310,7 @@ def _behind_in_first_window(jobv, st, seen, rank, seq, chunk, s, E):
     stride = jobv[J.SHARDS]  # this shard has the lanes congruent to chunk mod stride
     p = chunk - jobv[J.NACK_GAP] * stride
     if p >= 0 and (E == 0 or p < E) and p != s and p % stride == s % stride:
-        if _lacks(st, seen, rank, seq, p, p):
+        if _lacks(jobv, st, seen, rank, seq, p, p):
             return _nack(jobv, p, p)
     return False
 
@@ -344,7 +358,7 @@ def _behind_on(jobv, st, seen, clog, cursor, rank, r):
             released = clog[e, 1] + E  # the chunk that completion released
             if clog[e, 3] == 2 and released >= chunk:
                 break  # integers: it may be past the end; judge it when a later chunk comes
-            if _lacks(st, seen, rank, seq, released, clog[e, 2]):
+            if _lacks(jobv, st, seen, rank, seq, released, clog[e, 2]):
                 found = _nack(jobv, released, clog[e, 2])
         c += 1
     cursor[rank] = c
@@ -415,11 +429,12 @@ def _nack_was_needless(jobv, cnt):
         jobv[J.NACK_WIDENED_AT] = now
 
 
-def _write_resent(st, bufs, replies, reply_meta, k, rank, r):
+def _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r):
     """Reply ``k``: the stored result of the request's round again, marked RESENT (the result
-    was lost on its way to this rank)."""
+    was lost on its way to this rank, or the rank is late for a quorum round)."""
     v, s = r.v, r.s
-    size = HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
+    size = (HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
+            + jobv[J.TRAILER])
     row = replies[k]
     copy_bytes(row, 0, bufs[v, s], 0, size)
     row[H_FLAGS] |= F_RESENT
@@ -451,15 +466,16 @@ def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
 def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_meta, k, rank, r,
                    action, cnt):
     """A re-sent request (a timeout, a probe or a NACK: its round has this rank's data, or is
-    complete): write the answer as reply ``k`` and return True, or return False when the
-    round has refused ranks (Python answers MISMATCH)."""
+    complete), or a late one into a quorum round complete without it: write the answer as
+    reply ``k`` and return True, or return False when the round has refused ranks (Python
+    answers MISMATCH)."""
     if r.flags & F_RESENT:
         _nack_was_needless(jobv, cnt)  # the chunk NACKed as lost was in (reordered)
     if action == A_ANSWER_WAITING and _any_bit(conflict, r.v, r.s):
         return False
-    if action == A_RESEND_RESULT:
-        _write_resent(st, bufs, replies, reply_meta, k, rank, r)
-        cnt[SC.RESULTS_RESENT] += 1
+    if action == A_RESEND_RESULT or action == A_ANSWER_LATE:
+        _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r)
+        cnt[SC.RESULTS_RESENT if action == A_RESEND_RESULT else SC.LATE_ANSWERED] += 1
     else:
         _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r)
         cnt[SC.WAITING_SENT] += 1
@@ -500,12 +516,12 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
         if _outside(jobv, r, cnt):
             i += 1
             continue
-        action = _action(st, seen, rules, r, rank)
+        action = _action(jobv, st, seen, rules, r, rank)
         if action == A_DROP_STALE or action == A_DROP_LATE:
             cnt[SC.STALE if action == A_DROP_STALE else SC.LATE_DUPLICATE] += 1
             i += 1
             continue
-        if action == A_RESEND_RESULT or action == A_ANSWER_WAITING:
+        if action == A_RESEND_RESULT or action == A_ANSWER_WAITING or action == A_ANSWER_LATE:
             if not _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies,
                                   reply_meta, nnack, rank, r, action, cnt):
                 return i, ndone, nnack, SS.WAITING_CONFLICT.value
@@ -519,7 +535,8 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
         pay = d[o + HDR:o + HDR + r.count * r.itemsize]
         conflicted = False
         if action == A_START_ROUND:
-            _start_round(st, seen, conflict, bufs, jobv[J.N], r, rank, pay, cnt)
+            _start_round(st, seen, conflict, bufs, jobv[J.QUORUM] if jobv[J.QUORUM] > 0
+                         else jobv[J.N], r, rank, pay, cnt)
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
         _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
@@ -528,7 +545,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             cnt[SC.NACKS] += 1
             nnack += 1
         if st[S.MISSING, r.v, r.s] == 0:
-            _complete(jobv, st, bufs, clog, r, rank, done, ndone, cnt)
+            _complete(jobv, st, seen, bufs, clog, r, rank, done, ndone, cnt)
             ndone += 1
         i += 1
         if conflicted:

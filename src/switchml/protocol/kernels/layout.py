@@ -45,9 +45,10 @@ class OP(IntEnum):
     TAIL_END = 18
     NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
     PY_NACKS = 20  # 1: NACKs go to Python (RACK keeps its transmission log there)
+    TRAILER = 21  # a quorum job's results end in a contributor bitmap of this many bytes; else 0
 
 
-O_FIELDS = 21
+O_FIELDS = 22
 
 
 class R(IntEnum):
@@ -117,7 +118,9 @@ class WC(IntEnum):
     NACKS_IGNORED = 12  # NACKs answered meanwhile, or for a chunk re-sent under a round trip
     TIMER_RESENDS = 13  # chunks re-sent because their lane's deadline passed
     IDLE_PROBES = 14  # chunks re-sent by the idle probe (``fire_timers``)
-    N = 15
+    LEFT_OUT = 15  # quorum results that do not hold this rank (it was late for the round)
+    CLAMPED = 16  # blocks sent clamped: this rank's exponent was left out of the agreed one
+    N = 17
 
 
 
@@ -182,9 +185,11 @@ class J(IntEnum):
     LOG_AT_RELEASE = 18  # 1: a relay releases the rounds later (log_releases logs them then)
     NACK_CAP = 19  # SwitchConfig.nack_log_windows x WINDOW: how far a widened gap grows
     MEMBER_TIMEOUT_US = 20  # SwitchConfig.member_timeout_s: a member silent this long is gone
+    QUORUM = 21  # JobSpec.quorum: a round completes with this many ranks; 0: all N (no quorum)
+    TRAILER = 22  # bytes of the contributor bitmap after a result's payload (quorum jobs; else 0)
 
 
-J_FIELDS = 21
+J_FIELDS = 23
 
 
 class S(IntEnum):
@@ -219,7 +224,8 @@ class SC(IntEnum):
     NACKS_NEEDLESS = 8  # re-sends for a NACK that found their chunk already in (reordered)
     DUPLICATE = 9  # re-sent requests into open rounds (dropped: the data is in)
     NACKS = 10  # NACKs written
-    N = 11
+    LATE_ANSWERED = 11  # first contributions to rounds complete without them (quorum jobs)
+    N = 12
 
 
 class SS(IntEnum):
@@ -336,6 +342,7 @@ def c_header() -> str:
         if f.name != "NONE":
             put(f"F_{f.name}", f)
     put("KNOWN_FLAGS", wire.KNOWN_FLAGS)
+    put("RESULT_FLAGS", wire.RESULT_FLAGS)
     for e in wire.ElementType:
         put(f"E_{e.name}", e)
     put("EXP_ZERO", wire.EXP_ZERO)

@@ -150,6 +150,25 @@ def quantize_into(x, lo, count, emax, n_bits, nonfinite, q, qo):
             q[_ix(qo + j)] = np.rint(y)
 
 
+def quantize_clamped(x, lo, count, emax, n_bits, q, qo):
+    """:func:`quantize_into` for a block whose own exponent is above the agreed one ``emax``
+    (a quorum round completed without this rank's look-ahead exponent): each element clamped
+    to what the agreed scale holds, ``+-(2**P - 1)``, so that the switch's sum still cannot
+    overflow; non-finite elements as 0; all 0 where the agreed block is all zeros."""
+    lim = 2.0 ** n_bits - 1.0
+    for j in range(count):
+        y = 0.0
+        if emax != EXP_ZERO:
+            v = float(x[_ix(lo + j)])
+            if math.isfinite(v):
+                try:
+                    s = math.ldexp(v, int(n_bits - emax))
+                except OverflowError:
+                    s = math.copysign(math.inf, v)
+                y = np.rint(min(max(s, -lim), lim))
+        q[_ix(qo + j)] = y
+
+
 def quantize_block(x, emax, n_bits, nonfinite, out):
     """:func:`quantize_into` over whole arrays: ``out = rint(x * 2**(P - emax))``."""
     quantize_into(x, 0, x.size, emax, n_bits, nonfinite, out, 0)

@@ -17,6 +17,7 @@ from switchml.protocol.kernels.frames import (
     E_INT16,
     E_INT32,
     EXP_ZERO,
+    F_CONTRIBUTORS,
     F_HAS_DATA,
     F_HAS_EXP,
     F_NONFINITE,
@@ -38,6 +39,7 @@ from switchml.protocol.kernels.frames import (
     HDR,
     KNOWN_FLAGS,
     MAGIC,
+    RESULT_FLAGS,
     T_NACK,
     T_REQUEST,
     T_RESULT,
@@ -63,6 +65,7 @@ from switchml.protocol.kernels.layout import (  # noqa: F401  (re-exported)
 from switchml.protocol.kernels.numerics import (
     dequantize_into,
     exponent_of_bits,
+    quantize_clamped,
     quantize_into,
     residual_into,
 )
@@ -117,14 +120,26 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
             exp_data = lane[LN.EMAX, i]
             bad = nonf[blk] != 0
             keep_block(x, lo, count, keep)
+            # A quorum round that completed without this rank agreed an exponent without its
+            # own: the block goes clamped to the agreed scale (never in a job without a
+            # quorum, where the agreed exponent is the max over every rank's).
+            clamp = exps[blk] != EXP_ZERO and exps[blk] > exp_data
+            if clamp:
+                cnt[WC.CLAMPED] += 1
             if itemsize == 4:
                 qo = (base + HDR) // 4
-                quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx32, qo)
+                if clamp:
+                    quantize_clamped(x, lo, count, exp_data, opv[OP.P], tx32, qo)
+                else:
+                    quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx32, qo)
                 if residual:
                     residual_into(x, lo, count, tx32, qo, exp_data, opv[OP.P], res)
             else:
                 qo = (base + HDR) // 2
-                quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx16, qo)
+                if clamp:
+                    quantize_clamped(x, lo, count, exp_data, opv[OP.P], tx16, qo)
+                else:
+                    quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx16, qo)
                 if residual:
                     residual_into(x, lo, count, tx16, qo, exp_data, opv[OP.P], res)
             flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
@@ -221,11 +236,16 @@ def _update_rtt(rtt, sample):
 
 
 def _result_length(d, o, ln, opv):
-    """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one."""
+    """The item size of the RESULT of this job at ``d[o:o+ln]``, or 0 if it is not one. A
+    quorum job's results (``OP.TRAILER`` > 0) end in their contributor bitmap; others never
+    carry one."""
     if (ln < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
             or d[o + H_TYPE] != T_RESULT):
         return 0
-    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~KNOWN_FLAGS) != 0:
+    trailer = opv[OP.TRAILER]
+    flags = np.int64(d[o + H_FLAGS])
+    if (d[o + H_SET] > 1 or (flags & ~(RESULT_FLAGS if trailer else KNOWN_FLAGS)) != 0
+            or (trailer and not flags & F_CONTRIBUTORS)):
         return 0
     elem = np.int64(d[o + H_ELEM])
     if elem == E_INT32:
@@ -234,11 +254,28 @@ def _result_length(d, o, ln, opv):
         isz = 2
     else:
         return 0
-    if ln != HDR + isz * u16(d, o + H_COUNT):
+    if ln != HDR + isz * u16(d, o + H_COUNT) + trailer:
         return 0
     if u32(d, o + H_JOB) != opv[OP.JOB] or i64(d, o + H_TOKEN) != opv[OP.TOKEN]:
         return 0
     return isz
+
+
+def _note_contributors(d, o, ln, p, opv, cnt, contrib):
+    """A quorum result's contributor bitmap (the last ``OP.TRAILER`` bytes of ``d[o:o+ln]``,
+    for chunk ``p``): how many ranks the block's sum holds, into ``contrib``; whether this
+    rank is one (else counted ``LEFT_OUT``)."""
+    tb = opv[OP.TRAILER]
+    rank = opv[OP.RANK]
+    t = o + ln - tb
+    n = 0
+    for b in range(tb):
+        n += int(d[t + b]).bit_count()
+    if not (d[t + (rank >> 3)] >> (rank & 7)) & 1:
+        cnt[WC.LEFT_OUT] += 1
+    blk = p - opv[OP.E] if opv[OP.IS_FLOAT] else p
+    if blk >= 0 and contrib is not None:
+        contrib[blk] = n
 
 
 def _is_nack(d, o, ln, opv):
@@ -432,7 +469,7 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
 
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
                    exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
-                   scratch, keep=None):
+                   scratch, keep=None, contrib=None):
     """Take the RESULTs of a batch (datagram ``i`` is ``d[starts[i] : starts[i] + lens[i]]``)
     from datagram ``start`` on: dequantize into ``out``, time the round trip, and build the
     packet each result releases on its lane, queued in ``sendq`` (:func:`queue_lane`).
@@ -472,6 +509,8 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
         if not stored:
             cnt[WC.BAD_COUNT] += 1
             continue
+        if opv[OP.TRAILER]:
+            _note_contributors(d, o, lens[i - 1], p, opv, cnt, contrib)
         cnt[WC.RESULTS] += 1
         _time_round_trip(ln_i, now, lane, lanef, rtt, cnt)
         if opv[OP.TAIL_END] > opv[OP.TAIL_HEAD]:

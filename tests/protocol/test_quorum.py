@@ -1,0 +1,143 @@
+"""Quorum rounds on the switch (``JobSpec.quorum``), with crafted packets.
+
+A quorum job's round completes when ``k`` of its ``n`` ranks have contributed; the result
+says which (a bitmap after the payload, flag ``CONTRIBUTORS``); a rank whose chunk comes after
+that gets the stored result and is not added. Every expected sum here is written out by hand.
+A job without a quorum is the rest of the suite (unchanged).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from switchml.protocol import wire
+from switchml.protocol.config import JobSpec
+from switchml.protocol.endpoint import exchange
+from switchml.protocol.lifecycle import WorkerState
+from switchml.protocol.switch import SwitchDataplane
+from switchml.protocol.wire import Flags, MessageType, unpack_header
+from switchml.protocol.worker import WorkerEndpoint
+
+SW = ("127.0.0.1", 2)
+
+
+def _addr(rank: int) -> tuple[str, int]:
+    return ("127.0.0.1", 10 + rank)
+
+
+def _job(n: int = 3, quorum: int | None = 2):
+    """A switch with a job of ``n`` joined ranks, and each rank's REQUEST of a 3-element int32
+    sum (rank r sends ``[1, 2, 3] * 10**r``), as the worker library makes it."""
+    spec = JobSpec(job_id=9, token=0x0BAD_F00D_1234, num_workers=n, window=4,
+                   elements_per_packet=16, quorum=quorum)
+    sw = SwitchDataplane()
+    requests = []
+    for r in range(n):
+        w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+        x = np.array([1, 2, 3], np.int32) * 10 ** r
+        w.start_allreduce(x, np.empty_like(x), 0.0)
+        (d, _), = w.datagrams_to_send(0.0)
+        requests.append(bytes(d))
+    sw.datagrams_to_send(0.0)  # (nothing: JOINED went out in exchange)
+    return sw, requests
+
+
+def _send(sw, rank: int, data: bytes, now: float = 1.0):
+    sw.receive_datagram(data, _addr(rank), now)
+    return [(bytes(d), a) for d, a in sw.datagrams_to_send(now)]
+
+
+def _result(d: bytes):
+    """(header, int32 payload, contributor bitmap or None) of a RESULT."""
+    h = unpack_header(d)
+    assert h.type is MessageType.RESULT
+    payload = list(struct.unpack_from(f"<{h.count}i", d, wire.HEADER_SIZE))
+    return h, payload, wire.contributors(d, h)
+
+
+def test_a_quorum_round_completes_with_k_ranks_and_says_which():
+    sw, req = _job(n=3, quorum=2)
+    assert _send(sw, 0, req[0]) == []
+    out = _send(sw, 2, req[2])
+    assert sorted(a for _, a in out) == [_addr(0), _addr(1), _addr(2)]  # multicast to all 3
+    for d, _ in out:
+        h, payload, ranks = _result(d)
+        assert payload == [101, 202, 303]  # ranks 0 and 2: [1, 2, 3] + [100, 200, 300]
+        assert ranks == 0b101 and h.flags & Flags.CONTRIBUTORS
+        assert not h.flags & Flags.RESENT
+        assert len(d) == wire.HEADER_SIZE + 3 * 4 + 1  # one bitmap byte for 3 ranks
+
+
+def test_a_late_rank_gets_the_stored_result_and_is_not_added():
+    sw, req = _job(n=3, quorum=2)
+    _send(sw, 0, req[0])
+    _send(sw, 1, req[1])  # complete: [11, 22, 33] from ranks 0 and 1
+    out = _send(sw, 2, req[2])  # rank 2 is late
+    assert [a for _, a in out] == [_addr(2)]  # a unicast copy to the late rank only
+    h, payload, ranks = _result(out[0][0])
+    assert payload == [11, 22, 33] and ranks == 0b011  # rank 2's [100, ...] is not in it
+    assert h.flags & Flags.RESENT
+    assert sw.stats()["late_contributions"] == 1 and sw.stats()["results_multicast"] == 1
+    # Again (its copy was lost): the same answer, still not added.
+    out = _send(sw, 2, req[2], now=2.0)
+    assert _result(out[0][0])[1:] == ([11, 22, 33], 0b011)
+    assert sw.stats()["late_contributions"] == 2
+
+
+def test_a_resend_into_a_quorum_round_counts_once():
+    sw, req = _job(n=4, quorum=3)
+    _send(sw, 0, req[0])
+    waiting = _send(sw, 0, req[0], now=1.5)  # re-sent while open: WAITING, not added again
+    assert [unpack_header(d).type for d, _ in waiting] == [MessageType.WAITING]
+    missing = int.from_bytes(waiting[0][0][wire.HEADER_SIZE:wire.HEADER_SIZE + 1], "little")
+    assert missing == 0b1110
+    assert _send(sw, 3, req[3]) == []  # two of three
+    out = _send(sw, 1, req[1])
+    h, payload, ranks = _result(out[0][0])
+    assert payload == [1011, 2022, 3033] and ranks == 0b1011  # rank 0 once, not twice
+    # A contributor re-sends into the complete round (its result was lost): the same copy.
+    again = _send(sw, 3, req[3], now=2.0)
+    assert _result(again[0][0])[1:] == ([1011, 2022, 3033], 0b1011)
+    assert sw.stats()["results_resent"] == 1 and sw.stats()["late_contributions"] == 0
+
+
+def test_a_quorum_of_one_completes_at_the_first_contribution():
+    sw, req = _job(n=2, quorum=1)
+    out = _send(sw, 1, req[1])
+    assert len(out) == 2 and _result(out[0][0])[1:] == ([10, 20, 30], 0b10)
+
+
+def test_without_a_quorum_every_rank_is_needed_and_results_carry_no_bitmap():
+    sw, req = _job(n=3, quorum=None)
+    _send(sw, 0, req[0])
+    assert _send(sw, 1, req[1]) == []  # two of three: still open
+    out = _send(sw, 2, req[2])
+    h, payload, ranks = _result(out[0][0])
+    assert payload == [111, 222, 333] and ranks is None
+    assert h.flags & Flags.CONTRIBUTORS == 0 and len(out[0][0]) == wire.HEADER_SIZE + 12
+    # A re-send into the complete round gets a copy (the result was lost), as ever.
+    assert _result(_send(sw, 2, req[2])[0][0])[1:] == ([111, 222, 333], None)
+
+
+def test_joins_that_disagree_about_the_quorum_are_refused():
+    sw = SwitchDataplane()
+    a = WorkerEndpoint(spec=JobSpec(job_id=4, token=5, num_workers=3, quorum=2), rank=0,
+                       switch_address=SW)
+    b = WorkerEndpoint(spec=JobSpec(job_id=4, token=5, num_workers=3), rank=1,
+                       switch_address=SW)
+    for r, w in enumerate((a, b)):
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+    assert a.state is WorkerState.READY and b.state is not WorkerState.READY
+    assert "quorum=2; asked" in str(b.error) and "quorum=none" in str(b.error)
+
+
+@pytest.mark.parametrize("quorum", [0, 4, -1, 2.0])
+def test_a_quorum_outside_1_to_n_is_refused(quorum):
+    with pytest.raises(ValueError, match="quorum must be None or an integer in 1..num_workers"):
+        JobSpec(job_id=1, token=2, num_workers=3, quorum=quorum)
