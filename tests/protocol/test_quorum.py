@@ -12,6 +12,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from switchml.protocol import wire
 from switchml.protocol.config import JobSpec
@@ -141,3 +143,110 @@ def test_joins_that_disagree_about_the_quorum_are_refused():
 def test_a_quorum_outside_1_to_n_is_refused(quorum):
     with pytest.raises(ValueError, match="quorum must be None or an integer in 1..num_workers"):
         JobSpec(job_id=1, token=2, num_workers=3, quorum=quorum)
+
+
+# -- whole operations over the in-memory fabric ------------------------------------------------
+
+def _one_hot(n: int, size: int, dtype) -> list[np.ndarray]:
+    """Rank r contributes 2**r everywhere: a sum says which ranks it holds."""
+    return [np.full(size, 1 << r, dtype) for r in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_a_rank_that_starts_late_completes_from_the_results_it_was_sent(dtype):
+    """Ranks 0-2 of 4 (quorum 3) finish each operation before rank 3 starts it; rank 3 then
+    completes at once from the results the switch multicast meanwhile, with the same sum."""
+    from switchml.transport.memory import MemoryCluster
+    c = MemoryCluster(num_workers=4, window=4, elements_per_packet=8, quorum=3, seed=1)
+    for step in range(3):
+        xs = _one_hot(4, 100, dtype)
+        outs = [np.empty_like(x) for x in xs]
+        fast = c.start(xs[:3], outs[:3], ranks=[0, 1, 2])
+        c.wait(fast)
+        t = c.fabric.now
+        slow = c.start(xs[3:], outs[3:], ranks=[3])
+        c.wait(slow)
+        assert c.fabric.now == t  # no round trip: every result was already there
+        for o in outs:
+            assert (o == 7).all()  # 1 + 2 + 4: ranks 0, 1 and 2
+        for h in fast + slow:
+            assert (h.contributor_counts() == 3).all()
+    counters = c.workers[3].counters
+    assert counters["results_taken_ahead"] > 0 and counters["results_left_out"] > 0
+
+
+def test_without_a_quorum_a_late_start_waits_for_its_rank():
+    from switchml.transport.memory import MemoryCluster
+    c = MemoryCluster(num_workers=3, window=4, elements_per_packet=8, seed=1)
+    xs = _one_hot(3, 50, np.int32)
+    fast = c.start(xs[:2], ranks=[0, 1])
+    t = c.fabric.now
+    c.fabric.run(lambda: c.fabric.now > t + 1.0)  # a second of virtual time: rank 2 is needed
+    assert not any(h.done() for h in fast)
+    c.wait(fast + c.start(xs[2:], ranks=[2]))
+    assert all((x == 7).all() for x in xs) and fast[0].contributor_counts() is None
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_rank_ends_each_operation_with_the_same_sum_under_stragglers_and_loss(data):
+    """A random schedule of stragglers (a rank that starts an operation a little late, or
+    only after the others finished it) and loss: every rank that completes an operation has
+    the same result, bit for bit; each block of it is the sum of the one-hot inputs of the
+    ranks its contributor count names (at least k); the on-time ranks always complete. A
+    straggler that starts after the others finished and then loses one of the results the
+    switch multicast cannot get it again (the switch has moved on): its operation fails with
+    a clear error, within the operation timeout (counted here, not hidden)."""
+    from switchml.protocol.config import WorkerConfig
+    from switchml.protocol.errors import OperationFailed
+    from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
+    n = data.draw(st.integers(3, 5), "n")
+    k = data.draw(st.integers((n + 1) // 2, n - 1), "quorum")
+    loss = data.draw(st.sampled_from([0.0, 0.02, 0.05]), "loss")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    dtype = data.draw(st.sampled_from([np.int32, np.float32]), "dtype")
+    fabric = MemoryFabric(FaultModel(loss_rate=loss, reorder_rate=0.05, latency_s=1e-4,
+                                     jitter_s=5e-5), seed)
+    config = WorkerConfig(initial_rto_s=0.01, max_rto_s=0.05, op_timeout_s=0.5)
+    c = MemoryCluster(num_workers=n, window=4, elements_per_packet=8, quorum=k, seed=seed,
+                      fabric=fabric, worker_config=config)
+    alive = set(range(n))
+    for op in range(4):
+        late = data.draw(st.sets(st.sampled_from(sorted(alive)), max_size=n - k), f"late{op}")
+        after = {r for r in late if data.draw(st.booleans(), f"after{op}.{r}")}
+        # int32: one-hot, a sum names its ranks; float32: 1.0 each, a sum counts them (the
+        # same exponent everywhere: nothing is clamped).
+        xs = _one_hot(n, 200, dtype) if dtype == np.int32 else [np.ones(200, dtype)] * n
+        xs = [x.copy() for x in xs]
+        outs = [np.empty_like(x) for x in xs]
+        on_time = sorted(alive - late)
+        handles = dict(zip(on_time, c.start([xs[r] for r in on_time], [outs[r] for r in on_time],
+                                            ranks=on_time)))
+        for r in sorted(late - after):
+            delay = data.draw(st.floats(0, 2e-3), f"delay{op}.{r}")
+            c.fabric.call_at(c.fabric.now + delay, lambda r=r: handles.update(
+                {r: c.start([xs[r]], [outs[r]], ranks=[r])[0]}))
+        c.fabric.run(lambda: len(handles) == len(alive - after)
+                     and all(h.done() for h in handles.values()))
+        for r in sorted(after):
+            handles[r] = c.start([xs[r]], [outs[r]], ranks=[r])[0]
+        c.fabric.run(lambda: all(h.done() for h in handles.values()))
+        done = {}
+        for r, h in handles.items():
+            if h.exception() is None:
+                done[r] = h
+            else:
+                assert r in after and isinstance(h.exception(), OperationFailed)
+                alive.discard(r)  # its job failed: it takes no further part
+        assert set(on_time) <= set(done)
+        first = outs[on_time[0]]
+        counts = done[on_time[0]].contributor_counts()
+        for r in done:
+            assert outs[r].tobytes() == first.tobytes()
+            assert np.array_equal(done[r].contributor_counts(), counts)
+        if dtype == np.int32:
+            assert all(bin(int(v)).count("1") == int(m) for v, m in zip(first, counts))
+        else:
+            assert np.array_equal(first, counts.astype(np.float32))
+        assert (counts >= k).all()

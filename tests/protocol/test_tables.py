@@ -37,9 +37,9 @@ def test_every_slot_situation_has_exactly_one_action():
     table = action_table()
     assert table.shape == (2, 3, 2, 2, 2) and (table >= 0).all()
     # Spot checks of the rules the protocol rests on, in jobs with and without a quorum.
-    for q in (0, 1):
+    for q, older in ((0, SlotAction.DROP_STALE), (1, SlotAction.ANSWER_OLD)):
         assert {table[q, Round.OLDER, c, d, a]
-                for c, d, a in itertools.product((0, 1), repeat=3)} == {SlotAction.DROP_STALE}
+                for c, d, a in itertools.product((0, 1), repeat=3)} == {older}
         assert {table[q, Round.NEWER, c, d, a]
                 for c, d, a in itertools.product((0, 1), repeat=3)} == {SlotAction.START_ROUND}
         assert table[q, Round.SAME, 1, 1, 1] == SlotAction.RESEND_RESULT

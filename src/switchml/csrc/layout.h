@@ -46,6 +46,7 @@
 #define E_INT16 2
 #define EXP_ZERO (-32768)
 #define PROBE_LANES 8
+#define QUORUM_AHEAD 1024
 #define REPLIES_PER_CALL 64
 #define MAX_BATCH 4096
 #define U_IDLE 0
@@ -165,6 +166,7 @@
 #define J_MEMBER_TIMEOUT_US 20
 #define J_QUORUM 21
 #define J_TRAILER 22
+#define J_HISTORY 23
 
 #define S_SEQ 0
 #define S_CHUNK 1
@@ -176,6 +178,7 @@
 #define S_DIGEST 7
 #define S_MISSING 8
 #define S_DONE_AT 9
+#define S_HPOS 10
 
 #define SC_STALE 0
 #define SC_BAD_SLOT 1
@@ -189,7 +192,8 @@
 #define SC_DUPLICATE 9
 #define SC_NACKS 10
 #define SC_LATE_ANSWERED 11
-#define SC_N 12
+#define SC_OLD_ANSWERED 12
+#define SC_N 13
 
 #define SS_DONE 0
 #define SS_OTHER 1
@@ -205,6 +209,7 @@
 #define A_ANSWER_WAITING 4
 #define A_DROP_LATE 5
 #define A_REFUSE_MISMATCH 6
+#define A_ANSWER_OLD 8
 #define A_ANSWER_LATE 7
 
 #define RV_PARENT_JOB 0
@@ -247,8 +252,8 @@
 #define R_FIELDS 16
 #define LN_FIELDS 8
 #define LNF_FIELDS 3
-#define J_FIELDS 23
-#define S_FIELDS 10
+#define J_FIELDS 24
+#define S_FIELDS 11
 #define RV_FIELDS 7
 #define U_FIELDS 6
 #define UT_FIELDS 2

@@ -23,7 +23,7 @@ typedef struct {
     uint64_t *seen, *conflict;
     uint8_t *bufs;
     double *heard;
-    int64_t W, words, stride, nclog;
+    int64_t W, words, stride, nclog, nsets;
 } job_t;
 
 #define JV(j, f) ((j)->jobv[f])
@@ -134,17 +134,49 @@ static inline int64_t action_of(const job_t *j, const request_t *r, int64_t rank
         if (!contributed && !complete)
             agree = agrees(j, r) ? 1 : 0;
     }
-    int64_t quorum = JV(j, J_QUORUM) > 0 ? 1 : 0;
+    int64_t quorum = JV(j, J_QUORUM) > 0 ? 1 : 0; /* (slots.SLOT_RULES' first column) */
     return j->rules[(((quorum * 3 + order) * 2 + contributed) * 2 + complete) * 2 + agree];
 }
 
+/* The bytes of the result datagram of (slot s, set v). */
+static inline int64_t result_size(const job_t *j, int64_t v, int64_t s)
+{
+    return HDR + (STV(j, S_ELEM, v, s) == E_INT32 ? 4 : 2) * STV(j, S_COUNT, v, s)
+           + JV(j, J_TRAILER);
+}
+
+/* A quorum job's complete round about to be overwritten: its result into the slot's history
+   (rows 2.. of bufs, a ring of J_HISTORY per slot), for a rank the quorum left behind. */
+static inline void archive(job_t *j, int64_t v, int64_t s)
+{
+    int64_t h = JV(j, J_HISTORY);
+    if (h <= 0 || STV(j, S_SEQ, v, s) < 0 || STV(j, S_MISSING, v, s) != 0)
+        return;
+    int64_t pos = STV(j, S_HPOS, 0, s);
+    memcpy(BUF(j, 2 + pos, s), BUF(j, v, s), (size_t)result_size(j, v, s));
+    STV(j, S_HPOS, 0, s) = (pos + 1) % h;
+}
+
+/* The history row of the request's slot holding its round's result, or -1. */
+static inline int64_t find_old(const job_t *j, const request_t *r)
+{
+    for (int64_t h = 0; h < JV(j, J_HISTORY); h++) {
+        const uint8_t *b = BUF(j, 2 + h, r->s);
+        if (b[H_TYPE] == T_RESULT && rd_u32(b, H_SEQ) == r->seq && rd_u32(b, H_CHUNK) == r->chunk)
+            return 2 + h;
+    }
+    return -1;
+}
+
 /* A new round: the first contributor overwrites (no explicit reset of a slot); it completes
-   with the job's quorum of contributions, else with every rank's. */
+   with the job's quorum of contributions, else with every rank's. A quorum job keeps the
+   round it overwrites (archive). */
 static inline void start_round(job_t *j, const request_t *r, int64_t rank, const uint8_t *pay)
 {
     int64_t v = r->v, s = r->s;
     if (STV(j, S_SEQ, v, s) >= 0 && STV(j, S_MISSING, v, s) != 0)
         j->cnt[SC_ABANDONED] += 1; /* only after a failed operation */
+    archive(j, v, s);
     memcpy(BUF(j, v, s) + HDR, pay, (size_t)(r->count * r->itemsize));
     STV(j, S_SEQ, v, s) = r->seq;
     STV(j, S_CHUNK, v, s) = r->chunk;
@@ -391,10 +423,22 @@ static inline void write_resent(job_t *j, replies_t *rp, int64_t k, int64_t rank
                                 const request_t *r)
 {
     int64_t v = r->v, s = r->s;
-    int64_t size = HDR + (STV(j, S_ELEM, v, s) == E_INT32 ? 4 : 2) * STV(j, S_COUNT, v, s)
-                   + JV(j, J_TRAILER);
+    int64_t size = result_size(j, v, s);
     uint8_t *row = rp->rows + k * rp->rowlen;
     memcpy(row, BUF(j, v, s), (size_t)size);
+    row[H_FLAGS] |= F_RESENT;
+    rp->meta[k * 2] = rank;
+    rp->meta[k * 2 + 1] = size;
+}
+
+/* Reply k: the result of an earlier round from the slot's history, marked RESENT. */
+static inline void write_old(job_t *j, replies_t *rp, int64_t k, int64_t rank,
+                             const request_t *r, int64_t hrow)
+{
+    const uint8_t *b = BUF(j, hrow, r->s);
+    int64_t size = HDR + (b[H_ELEM] == E_INT32 ? 4 : 2) * rd_u16(b, H_COUNT) + JV(j, J_TRAILER);
+    uint8_t *row = rp->rows + k * rp->rowlen;
+    memcpy(row, b, (size_t)size);
     row[H_FLAGS] |= F_RESENT;
     rp->meta[k * 2] = rank;
     rp->meta[k * 2 + 1] = size;
@@ -464,6 +508,22 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
             continue;
         }
         int64_t action = action_of(j, &r, rank);
+        if (action == A_ANSWER_OLD) {
+            int64_t hrow = find_old(j, &r);
+            if (hrow < 0) {
+                action = A_DROP_STALE; /* gone from the history too */
+            } else {
+                write_old(j, rp, nnack, rank, &r, hrow);
+                j->cnt[SC_OLD_ANSWERED] += 1;
+                nnack += 1;
+                i += 1;
+                if (nnack == rp->nrows) {
+                    code = SS_REPLIES_FULL;
+                    break;
+                }
+                continue;
+            }
+        }
         if (action == A_DROP_STALE || action == A_DROP_LATE) {
             j->cnt[action == A_DROP_STALE ? SC_STALE : SC_LATE_DUPLICATE] += 1;
             i += 1;
@@ -766,8 +826,9 @@ static int get_job(bufs_t *b, PyObject *const *args, int at, job_t *j)
     if (v->ndim != 3 || v->shape[0] != 2 || v->shape[1] != j->W || v->shape[2] != j->words)
         goto bad;
     GET("bufs", B(K_U8)); j->bufs = v->buf;
-    if (v->ndim != 3 || v->shape[0] != 2 || v->shape[1] != j->W || v->shape[2] < HDR) goto bad;
+    if (v->ndim != 3 || v->shape[0] < 2 || v->shape[1] != j->W || v->shape[2] < HDR) goto bad;
     j->stride = v->shape[2];
+    j->nsets = v->shape[0]; /* the two sets, then a quorum job's history rows */
     GET("clog", B(K_I64)); j->clog = v->buf;
     if (v->ndim != 2 || v->shape[1] != 4 || v->shape[0] < 1) goto bad;
     j->nclog = v->shape[0];
@@ -783,7 +844,8 @@ static int get_job(bufs_t *b, PyObject *const *args, int at, job_t *j)
         || j->jobv[J_MAX_BYTES] > j->stride - HDR || j->jobv[J_SHARDS] < 1
         || j->jobv[J_TRAILER] < 0 || j->jobv[J_TRAILER] > 8 * j->words
         || j->jobv[J_MAX_BYTES] + j->jobv[J_TRAILER] > j->stride - HDR
-        || j->jobv[J_QUORUM] < 0 || j->jobv[J_QUORUM] > n)
+        || j->jobv[J_QUORUM] < 0 || j->jobv[J_QUORUM] > n
+        || j->jobv[J_HISTORY] != j->nsets - 2)
         goto bad;
     return 0;
 bad:
@@ -803,7 +865,7 @@ static int get_shared(bufs_t *b, PyObject *const *args, int at, job_t *j, int64_
     }
     j->rules = v->buf;
     for (int i = 0; i < 48; i++)
-        if (j->rules[i] < 0 || j->rules[i] > A_ANSWER_LATE) {
+        if (j->rules[i] < 0 || j->rules[i] > A_ANSWER_OLD) {
             PyErr_SetString(PyExc_ValueError, "rules hold an action that is not one");
             return -1;
         }

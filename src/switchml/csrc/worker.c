@@ -668,6 +668,15 @@ static inline void mark_nack_resend(op_t *o, int64_t i, int64_t p, int64_t chunk
         o->tx8[lane_row(o, i) + H_FLAGS] |= F_RESENT;
 }
 
+/* Whether the result at d[off:] is of a later operation of this quorum job (up to
+   QUORUM_AHEAD): a rank that fell behind gets the others' results before it starts their
+   operations, and Python keeps them for then (stream.py's _ahead). */
+static inline int result_ahead(const uint8_t *d, int64_t off, const op_t *o)
+{
+    int64_t ahead = (rd_u32(d, off + H_SEQ) - OPV(o, OP_SEQ)) & 0xFFFFFFFFLL;
+    return ahead > 0 && ahead <= QUORUM_AHEAD;
+}
+
 /* The lane whose chunk this result answers, or -1 (stale, repeated or foreign: counted). */
 static inline int64_t lane_of(const uint8_t *d, int64_t off, op_t *o)
 {
@@ -834,6 +843,10 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
                 queue_lane(o, li);
             }
             continue;
+        }
+        if (OPV(o, OP_TRAILER) && result_ahead(d, off, o)) { /* Python keeps it for later */
+            *code = WS_OTHER;
+            return i;
         }
         i += 1;
         int64_t li = lane_of(d, off, o);
@@ -1920,7 +1933,8 @@ PyMODINIT_FUNC PyInit__worker(void)
         || PyModule_AddIntConstant(m, "WC_N", WC_N) < 0
         || PyModule_AddIntConstant(m, "HDR", HDR) < 0
         || PyModule_AddIntConstant(m, "H_EXP_NEXT", H_EXP_NEXT) < 0
-        || PyModule_AddIntConstant(m, "PROBE_LANES", PROBE_LANES) < 0) {
+        || PyModule_AddIntConstant(m, "PROBE_LANES", PROBE_LANES) < 0
+        || PyModule_AddIntConstant(m, "QUORUM_AHEAD", QUORUM_AHEAD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -59,6 +59,12 @@ class SwitchConfig:
     nack_log_windows: int = 8
     """Completions the switch remembers per job for NACKs, in windows (a ring of
     ``nack_log_windows * window``); it also caps how far a widened NACK gap grows. Default 8."""
+    quorum_history: int = 16
+    """Rounds of each slot a quorum job's switch keeps after their set is reused, in rows
+    beside the two sets: a rank the quorum left more than a round behind (it lost a result
+    while the others went on) gets its earlier rounds' results from them. Each costs the job
+    ``window`` slots' results (``window * (40 + 4 * elements_per_packet)`` bytes); jobs without
+    a quorum keep none. Default 16."""
     nack_calm: int = 64
     """After this many completed rounds of the job without a needless NACK, a widened gap
     halves again towards ``nack_gap`` (the network stopped reordering). Default 64."""
@@ -230,6 +236,13 @@ class WorkerConfig:
     leave_timeout_s: float = 1.0
     """``close`` gives up waiting for LEFT after this long (the switch's lease frees the slots
     anyway). Default 1 s."""
+    quorum_keep_bytes: int = 256 * 2**20
+    """In a quorum job (``JobSpec.quorum``), the results of later operations a rank keeps,
+    in bytes: a rank that falls behind (it starts an operation after the others finished it)
+    gets every result by the switch's multicast meanwhile and completes the operation from
+    them when it starts it, without waiting. Beyond this the results are dropped (counted
+    ``ahead_dropped``) and such an operation waits for the switch, which has moved on: it fails
+    after ``op_timeout_s``. Default 256 MiB."""
     threads: int | None = None
     """I/O threads a rank drives its job with (``transport/parallel.py``; each a part of the job,
     ``protocol/parts.py``); every rank of a job must use the same. None: chosen from the link's
@@ -258,5 +271,7 @@ class WorkerConfig:
         _check(self.threads is None
                or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
                f"threads must be None or an integer in 1..{MAX_THREADS}, got {self.threads!r}")
+        _check(isinstance(self.quorum_keep_bytes, int) and self.quorum_keep_bytes >= 0,
+               f"quorum_keep_bytes must be an integer >= 0, got {self.quorum_keep_bytes!r}")
         _check(self.leave_timeout_s > 0, f"leave_timeout_s must be > 0, got "
                f"{self.leave_timeout_s}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from switchml.protocol.address import Address
 
@@ -81,6 +82,12 @@ class OperationCompleted:
     """Worker: every chunk of operation ``seq`` was received; the output is final."""
 
     seq: int
+    contributors: Any = field(default=None, compare=False)
+    """In a quorum job (``JobSpec.quorum``), how many ranks each block's sum holds (an int64
+    array: block ``b`` is elements ``b * block`` up to ``(b + 1) * block``); None in a job
+    without a quorum, where every sum holds every rank."""
+    block: int = field(default=0, compare=False)
+    """The elements of a block (``contributors``)."""
 
 
 @dataclass(frozen=True, slots=True)

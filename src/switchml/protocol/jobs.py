@@ -107,6 +107,7 @@ class Job:
     nack_log_windows: int = 8  # completions logged for NACKs, in windows (SwitchConfig)
     member_timeout_s: float = 20.0  # a member silent this long is gone (SwitchConfig)
     quorum: int = 0  # JobSpec.quorum: a round completes with this many ranks; 0: all of them
+    history: int = 0  # quorum jobs: earlier rounds kept per slot (SwitchConfig.quorum_history)
     reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -148,7 +149,8 @@ class Job:
         jobv[K.J.MEMBER_TIMEOUT_US] = round(min(self.member_timeout_s, 1e9) * 1e6)
         # A quorum job's results carry the bitmap of the ranks they hold after the payload.
         trailer = (self.num_workers + 7) // 8 if self.quorum else 0
-        jobv[K.J.QUORUM], jobv[K.J.TRAILER] = self.quorum, trailer
+        history = self.history if self.quorum else 0
+        jobv[K.J.QUORUM], jobv[K.J.TRAILER], jobv[K.J.HISTORY] = self.quorum, trailer, history
         self.jobv = jobv
         self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet) + trailer
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
@@ -158,8 +160,10 @@ class Job:
         self.st[K.S.EXP_NEXT] = EXP_ZERO
         self.seen = np.zeros((2, w, nwords), np.uint64)
         self.conflict = np.zeros((2, w, nwords), np.uint64)
-        self.bufs = np.zeros((2, w, HEADER_SIZE + 4 * self.elements_per_packet + trailer),
-                             np.uint8)
+        # The two sets' result datagrams, then a quorum job's history rows (kernels'
+        # ``_archive``).
+        self.bufs = np.zeros((2 + history, w,
+                              HEADER_SIZE + 4 * self.elements_per_packet + trailer), np.uint8)
         # Loss recovery (kernels.aggregate._behind_on): the last completions, and how far each rank
         # has been checked against them.
         self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)

@@ -59,11 +59,16 @@ class OperationHandle:
     started (it changes if the operation restarts on a new epoch).
     """
 
-    __slots__ = ("_callbacks", "_done", "_error", "_finish", "out", "seq")
+    __slots__ = ("_callbacks", "_done", "_error", "_finish", "block", "contributors", "out",
+                 "seq")
 
     def __init__(self, out: np.ndarray, finish: Callable[[], None] | None = None) -> None:
         self.out = out
         self.seq: int | None = None
+        # In a quorum job, once done: how many ranks each block of ``block`` elements of the
+        # result holds (``OperationCompleted``); None: every rank.
+        self.contributors: np.ndarray | None = None
+        self.block = 0
         self._finish = finish
         self._done = False
         self._error: BaseException | None = None
@@ -89,6 +94,13 @@ class OperationHandle:
         if self._error is not None:
             raise self._error
         return self.out
+
+    def contributor_counts(self) -> np.ndarray | None:
+        """In a quorum job, how many ranks each element's sum holds (int64, one per element
+        of the output), once done; None in a job without a quorum (every rank) or before."""
+        if self.contributors is None:
+            return None
+        return np.repeat(self.contributors, self.block)[:self.out.size]
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(handle)`` when done (at once if it is); runs where the driver runs."""
@@ -319,6 +331,7 @@ class WorkerSession:
         if isinstance(ev, OperationCompleted):
             handle = self._pending.pop(ev.seq, None)
             if handle is not None:
+                handle.contributors, handle.block = ev.contributors, ev.block
                 handle.resolve(None)
         elif isinstance(ev, OperationRestarted):
             handle = self._pending.pop(ev.seq, None)

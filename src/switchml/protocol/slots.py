@@ -54,6 +54,10 @@ class SlotAction(IntEnum):
     REFUSE_MISMATCH = 6
     """The chunk disagrees with the round: refused; the rank and the round's contributors get
     MISMATCH (the operation can never complete)."""
+    ANSWER_OLD = 8
+    """Quorum jobs: a request of an earlier round than the set's: a rank the quorum left
+    behind. Answered with that round's result if the slot's history still holds it
+    (``SwitchConfig.quorum_history``), else dropped as stale."""
     ANSWER_LATE = 7
     """Quorum jobs: a first contribution to a round that completed without it. Not added: the
     rank gets the stored result (a unicast copy, ``RESENT`` flag, with the bitmap of the ranks
@@ -66,7 +70,8 @@ ANY = None
 SLOT_RULES: tuple[tuple[bool | None, Round, bool | None, bool | None, bool | None, SlotAction],
                   ...] = (
     # quorum job  round       contributed  complete  agrees  -> action
-    (ANY, Round.OLDER, ANY, ANY, ANY, SlotAction.DROP_STALE),
+    (False, Round.OLDER, ANY, ANY, ANY, SlotAction.DROP_STALE),
+    (True, Round.OLDER, ANY, ANY, ANY, SlotAction.ANSWER_OLD),
     (ANY, Round.NEWER, ANY, ANY, ANY, SlotAction.START_ROUND),
     (ANY, Round.SAME, True, True, ANY, SlotAction.RESEND_RESULT),
     (ANY, Round.SAME, True, False, ANY, SlotAction.ANSWER_WAITING),

@@ -209,7 +209,8 @@ class SwitchControl:
             job = Job(h.job, h.token, asked.num_workers, base, asked.window,
                       asked.elements_per_packet, [None] * asked.num_workers,
                       nack_log_windows=cfg.nack_log_windows,
-                      member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum)
+                      member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum,
+                      history=cfg.quorum_history)
             job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
             job.jobv[K.J.NACK_CALM] = self.config.nack_calm
             job.jobv[K.J.LOG_AT_RELEASE] = int(h.job in self.relayed_jobs)

@@ -52,6 +52,8 @@ from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_stat
 from switchml.protocol.operation import WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
+    AT,
+    Flags,
     Header,
     MessageType,
     unpack_header,
@@ -63,6 +65,9 @@ from switchml.protocol.worker_control import EPOCH_SEQ_STRIDE, ControlRetry, Wor
 __all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerEndpoint",
            "WorkerState", "validate_arrays"]
 
+_MASK32 = 0xFFFFFFFF
+_HALF = 1 << 31
+
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
                     ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
@@ -73,7 +78,8 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("nack_retransmissions", K.WC.NACK_RESENDS),
                     ("nacks_ignored", K.WC.NACKS_IGNORED),
                     ("timer_retransmissions", K.WC.TIMER_RESENDS),
-                    ("idle_probes", K.WC.IDLE_PROBES))
+                    ("idle_probes", K.WC.IDLE_PROBES),
+                    ("results_left_out", K.WC.LEFT_OUT), ("blocks_clamped", K.WC.CLAMPED))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
 _Data = bytes | bytearray | memoryview
@@ -129,6 +135,9 @@ class WorkerEndpoint(WorkerControl):
         self._keepalive_at = 0.0
         self._op: Operation | None = None
         self._kept = np.empty(0, np.uint8)  # in-place operations' inputs (``_keep_buffer``)
+        # A quorum job's results of operations this rank has not started (``_keep_ahead``).
+        self._ahead: dict[int, list[bytes]] = {}
+        self._ahead_bytes = 0
         self._out: list[tuple[_Data, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
@@ -256,6 +265,27 @@ class WorkerEndpoint(WorkerControl):
         if self.recovery.fast_retransmit:
             for i in range(op.E):
                 self.recovery.on_sent(op, i, now)
+        if self._ahead:
+            self._take_ahead(op, now)
+
+    def _take_ahead(self, op: Operation, now: float) -> None:
+        """A quorum job's rank that fell behind: the results of ``op`` the switch multicast
+        before this rank started it go through the results kernel now, in chunk order (each
+        releases its lane's next chunk, whose result follows). Kept results of earlier
+        operations are dropped."""
+        mine = self._ahead.pop(op.seq, [])
+        for seq in [s for s in self._ahead if ((op.seq - s) & _MASK32) < _HALF]:
+            self._ahead_bytes -= sum(len(d) for d in self._ahead.pop(seq))
+        if not mine:
+            return
+        self._ahead_bytes -= sum(len(d) for d in mine)
+        at = AT["chunk"]
+        mine.sort(key=lambda d: int.from_bytes(d[at:at + 4], "little"))
+        self._counters["results_taken_ahead"] += len(mine)
+        buf = np.frombuffer(b"".join(mine), np.uint8).copy()
+        lens = np.array([len(d) for d in mine], np.int64)
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+        self._receive(buf, starts, lens, len(mine), now)
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -533,7 +563,7 @@ class WorkerEndpoint(WorkerControl):
         self._move(WorkerInput.COMPLETE)
         self._keepalive_at = now + self.config.keepalive_s
         self._counters["operations_completed"] += 1
-        self._events.append(OperationCompleted(op.seq))
+        self._events.append(OperationCompleted(op.seq, op.contrib, op.k))
 
     def _current_op(self, h: Header, stale: str) -> Operation | None:
         """The operation in flight if ``h`` is about it; else count ``stale`` and None."""
@@ -544,7 +574,18 @@ class WorkerEndpoint(WorkerControl):
         return op
 
     def _handle_stray_result(self, h: Header, data: _Data, now: float) -> None:
-        """A result while no operation is in flight, or one the kernel did not take."""
+        """A result while no operation is in flight, or one the kernel did not take: in a
+        quorum job, one of an operation this rank has not started yet is kept for it (the
+        others went on without this rank: ``_take_ahead``); anything else is stale."""
+        if (self.spec.quorum and h.flags & Flags.CONTRIBUTORS
+                and ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD):
+            if self._ahead_bytes + len(data) > self.config.quorum_keep_bytes:
+                self._drops["ahead_dropped"] += 1
+                return
+            self._ahead.setdefault(h.seq, []).append(bytes(data))
+            self._ahead_bytes += len(data)
+            self._counters["results_kept_ahead"] += 1
+            return
         self._drops["stale_result"] += 1
 
     def _handle_waiting(self, h: Header, data: _Data, now: float) -> None:

@@ -77,6 +77,7 @@ from switchml.protocol.kernels.layout import (
     O_FIELDS,
     OP,
     PROBE_LANES,
+    QUORUM_AHEAD,
     R_FIELDS,
     U_FIELDS,
     WC,
@@ -119,7 +120,8 @@ del _s
 
 _w = _load("worker", {"O_FIELDS": O_FIELDS, "R_FIELDS": R_FIELDS, "LN_FIELDS": LN_FIELDS,
                        "LNF_FIELDS": LNF_FIELDS, "WC_N": int(WC.N), "HDR": HDR,
-                       "H_EXP_NEXT": AT["exp_next"], "PROBE_LANES": PROBE_LANES})
+                       "H_EXP_NEXT": AT["exp_next"], "PROBE_LANES": PROBE_LANES,
+                       "QUORUM_AHEAD": QUORUM_AHEAD})
 OpState = _w.OpState
 block_exponents = _w.block_exponents
 dequantize_block = _w.dequantize_block
@@ -141,8 +143,9 @@ del _w
 
 __all__ = [
     "EXP_ZERO", "E_BYTES", "E_INT16", "E_INT32", "F_HAS_DATA", "F_HAS_EXP", "F_NONFINITE",
-    "F_RESENT", "F_CONTRIBUTORS", "RESULT_FLAGS", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
-    "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "OpState", "PROBE_LANES", "R", "REPLIES_PER_CALL",
+    "F_RESENT", "F_CONTRIBUTORS", "RESULT_FLAGS", "HDR", "J", "J_FIELDS", "KNOWN_FLAGS", "LF",
+    "LN", "LNF_FIELDS", "LN_FIELDS", "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "OpState",
+    "PROBE_LANES", "QUORUM_AHEAD", "R", "REPLIES_PER_CALL",
     "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING",
     "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot",
     "dequantize_block", "fire_timers", "first_foreign", "gro_segments", "i16", "i64",

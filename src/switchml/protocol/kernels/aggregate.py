@@ -40,6 +40,7 @@ from switchml.protocol.kernels.frames import (
     H_SET,
     H_SLOT,
     H_TOKEN,
+    H_TYPE,
     HALF,
     HDR,
     MASK32,
@@ -66,6 +67,7 @@ A_ANSWER_WAITING = 4
 A_DROP_LATE = 5
 A_REFUSE_MISMATCH = 6
 A_ANSWER_LATE = 7
+A_ANSWER_OLD = 8
 if {a.name: int(a) for a in SlotAction} != {n[2:]: v for n, v in globals().items()
                                              if n.startswith("A_")}:
     raise ImportError("kernels/aggregate.py's A_* constants differ from slots.SlotAction")
@@ -170,12 +172,52 @@ def _action(jobv, st, seen, rules, r, rank):
     return rules[1 if jobv[J.QUORUM] > 0 else 0, order, contributed, complete, agrees]
 
 
-def _start_round(st, seen, conflict, bufs, n, r, rank, pay, cnt):
+def _result_size(jobv, st, v, s):
+    """The bytes of the result datagram of (slot ``s``, set ``v``)."""
+    return (HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
+            + jobv[J.TRAILER])
+
+
+def _archive(jobv, st, bufs, v, s):
+    """A quorum job's complete round about to be overwritten: its result into the slot's
+    history (``bufs[2:]``, a ring of ``J.HISTORY`` rows per slot), for a rank the quorum left
+    behind (``_find_old``)."""
+    h = jobv[J.HISTORY]
+    if h <= 0 or st[S.SEQ, v, s] < 0 or st[S.MISSING, v, s] != 0:
+        return
+    pos = st[S.HPOS, 0, s]
+    copy_bytes(bufs[2 + pos, s], 0, bufs[v, s], 0, _result_size(jobv, st, v, s))
+    st[S.HPOS, 0, s] = (pos + 1) % h
+
+
+def _find_old(jobv, bufs, r):
+    """The history row of slot ``r.s`` holding the result of round ``(r.seq, r.chunk)``, or
+    -1."""
+    for h in range(jobv[J.HISTORY]):
+        b = bufs[2 + h, r.s]
+        if b[H_TYPE] == T_RESULT and u32(b, H_SEQ) == r.seq and u32(b, H_CHUNK) == r.chunk:
+            return 2 + h
+    return -1
+
+
+def _write_old(jobv, bufs, replies, reply_meta, k, rank, r, row):
+    """Reply ``k``: the result of an earlier round from the slot's history, marked RESENT."""
+    b = bufs[row, r.s]
+    size = HDR + (4 if b[H_ELEM] == E_INT32 else 2) * u16(b, H_COUNT) + jobv[J.TRAILER]
+    out = replies[k]
+    copy_bytes(out, 0, b, 0, size)
+    out[H_FLAGS] |= F_RESENT
+    reply_meta[k, 0], reply_meta[k, 1] = rank, size
+
+
+def _start_round(jobv, st, seen, conflict, bufs, n, r, rank, pay, cnt):
     """A new round: the first contributor overwrites (no explicit reset of a slot); ``n``:
-    the contributions that complete it (the job's quorum, else every rank)."""
+    the contributions that complete it (the job's quorum, else every rank). A quorum job
+    keeps the round it overwrites (``_archive``)."""
     v, s = r.v, r.s
     if st[S.SEQ, v, s] >= 0 and st[S.MISSING, v, s] != 0:
         cnt[SC.ABANDONED] += 1  # only after a failed operation
+    _archive(jobv, st, bufs, v, s)
     copy_bytes(bufs[v, s], HDR, pay, 0, pay.size)
     st[S.SEQ, v, s], st[S.CHUNK, v, s], st[S.COUNT, v, s] = r.seq, r.chunk, r.count
     st[S.ELEM, v, s], st[S.FLAGS, v, s] = r.elem, r.flags & (F_NONFINITE | SHAPE_FLAGS)
@@ -433,8 +475,7 @@ def _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r):
     """Reply ``k``: the stored result of the request's round again, marked RESENT (the result
     was lost on its way to this rank, or the rank is late for a quorum round)."""
     v, s = r.v, r.s
-    size = (HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
-            + jobv[J.TRAILER])
+    size = _result_size(jobv, st, v, s)
     row = replies[k]
     copy_bytes(row, 0, bufs[v, s], 0, size)
     row[H_FLAGS] |= F_RESENT
@@ -517,6 +558,18 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             i += 1
             continue
         action = _action(jobv, st, seen, rules, r, rank)
+        if action == A_ANSWER_OLD:
+            row = _find_old(jobv, bufs, r)
+            if row < 0:
+                action = A_DROP_STALE  # gone from the history too
+            else:
+                _write_old(jobv, bufs, replies, reply_meta, nnack, rank, r, row)
+                cnt[SC.OLD_ANSWERED] += 1
+                nnack += 1
+                i += 1
+                if nnack == reply_meta.shape[0]:
+                    return i, ndone, nnack, SS.REPLIES_FULL.value
+                continue
         if action == A_DROP_STALE or action == A_DROP_LATE:
             cnt[SC.STALE if action == A_DROP_STALE else SC.LATE_DUPLICATE] += 1
             i += 1
@@ -535,7 +588,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
         pay = d[o + HDR:o + HDR + r.count * r.itemsize]
         conflicted = False
         if action == A_START_ROUND:
-            _start_round(st, seen, conflict, bufs, jobv[J.QUORUM] if jobv[J.QUORUM] > 0
+            _start_round(jobv, st, seen, conflict, bufs, jobv[J.QUORUM] if jobv[J.QUORUM] > 0
                          else jobv[J.N], r, rank, pay, cnt)
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)

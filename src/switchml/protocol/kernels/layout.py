@@ -15,7 +15,7 @@ from enum import IntEnum
 
 __all__ = [
     "ANSWERED", "FP", "IDLE", "J", "J_FIELDS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
-    "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "R", "RC", "REPLIES_PER_CALL", "RV",
+    "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "QUORUM_AHEAD", "R", "RC", "REPLIES_PER_CALL", "RV",
     "RV_FIELDS", "R_FIELDS", "S", "SC", "SENT", "SP", "SS", "ST", "S_FIELDS", "U", "UT",
     "UT_FIELDS", "U_FIELDS", "WC", "WS", "XC", "c_header",
 ]
@@ -135,6 +135,9 @@ class WS(IntEnum):
 
 
 
+QUORUM_AHEAD = 1024
+"""How many operations ahead of its own a quorum job's rank keeps the results of (a rank that
+fell behind gets the others' results before it starts those operations: ``worker.py``)."""
 PROBE_LANES = 8
 """Chunks an idle probe re-sends at most: the outstanding ones transmitted longest ago."""
 
@@ -187,9 +190,10 @@ class J(IntEnum):
     MEMBER_TIMEOUT_US = 20  # SwitchConfig.member_timeout_s: a member silent this long is gone
     QUORUM = 21  # JobSpec.quorum: a round completes with this many ranks; 0: all N (no quorum)
     TRAILER = 22  # bytes of the contributor bitmap after a result's payload (quorum jobs; else 0)
+    HISTORY = 23  # quorum jobs: earlier rounds kept per slot, in ``bufs[2:]`` (else 0)
 
 
-J_FIELDS = 23
+J_FIELDS = 24
 
 
 class S(IntEnum):
@@ -205,9 +209,10 @@ class S(IntEnum):
     DIGEST = 7
     MISSING = 8
     DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
+    HPOS = 10  # (set 0's) quorum jobs: the slot's next history row (``J.HISTORY``)
 
 
-S_FIELDS = 10
+S_FIELDS = 11
 
 
 class SC(IntEnum):
@@ -225,7 +230,8 @@ class SC(IntEnum):
     DUPLICATE = 9  # re-sent requests into open rounds (dropped: the data is in)
     NACKS = 10  # NACKs written
     LATE_ANSWERED = 11  # first contributions to rounds complete without them (quorum jobs)
-    N = 12
+    OLD_ANSWERED = 12  # requests of earlier rounds answered from the history (quorum jobs)
+    N = 13
 
 
 class SS(IntEnum):
@@ -347,6 +353,7 @@ def c_header() -> str:
         put(f"E_{e.name}", e)
     put("EXP_ZERO", wire.EXP_ZERO)
     put("PROBE_LANES", PROBE_LANES)
+    put("QUORUM_AHEAD", QUORUM_AHEAD)
     from switchml.protocol.slots import SlotAction
 
     put("REPLIES_PER_CALL", REPLIES_PER_CALL)

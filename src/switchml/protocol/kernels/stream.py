@@ -57,6 +57,7 @@ from switchml.protocol.kernels.layout import (  # noqa: F401  (re-exported)
     LNF_FIELDS,
     O_FIELDS,
     OP,
+    QUORUM_AHEAD,
     R_FIELDS,
     WC,
     WS,
@@ -259,6 +260,13 @@ def _result_length(d, o, ln, opv):
     if u32(d, o + H_JOB) != opv[OP.JOB] or i64(d, o + H_TOKEN) != opv[OP.TOKEN]:
         return 0
     return isz
+
+
+def _ahead(d, o, opv):
+    """Whether the RESULT at ``d[o:]`` is of a later operation of this quorum job (up to
+    ``QUORUM_AHEAD``): a rank that fell behind gets the others' results before it starts
+    their operations, and Python keeps them for then (``worker.py``)."""
+    return 0 < ((u32(d, o + H_SEQ) - opv[OP.SEQ]) & 0xFFFFFFFF) <= QUORUM_AHEAD
 
 
 def _note_contributors(d, o, ln, p, opv, cnt, contrib):
@@ -499,6 +507,8 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
                 mark_nack_resend(ln_i, p, chunk, opv, lane, tx8)
                 queue_lane(ln_i, opv, sendq)
             continue
+        if opv[OP.TRAILER] and _ahead(d, o, opv):
+            return i, WS.OTHER.value
         i += 1
         ln_i = _lane_of(d, o, opv, lane, cnt)
         if ln_i < 0:
