@@ -18,6 +18,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``XDG_CACHE_HOME`` | where ``switchml calibrate`` keeps this machine's costs (``~/.cache``) |
 | ``LOCAL_WORLD_SIZE`` | torch (set by torchrun): ranks on this machine, which share its cores |
 | ``SWITCHML_HALF_BITS`` | torch: wire bits of float16/bfloat16 all-reduces (auto, 16, 32) |
+| ``SWITCHML_QUORUM`` | torch: the default group's quorum k (rounds complete with k ranks) |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data centre, by index (Gaia: ``switchml.gaia.connect``) |
 | ``SWITCHML_DC_LEADERS`` | the data centres' leaders, ``host:port,...`` in index order (Gaia) |
@@ -129,6 +130,21 @@ def half_bits() -> int | None:
     if value not in ("auto", "16", "32"):
         raise ValueError(f"SWITCHML_HALF_BITS must be auto, 16 or 32, got {value!r}")
     return None if value == "auto" else int(value)
+
+
+def quorum() -> int | None:
+    """``SWITCHML_QUORUM``: a positive integer (the torch default group's ``JobSpec.quorum``),
+    or None where unset or ``all``."""
+    value = (_get("SWITCHML_QUORUM") or "").strip().lower()
+    if value in ("", "all", "none"):
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"SWITCHML_QUORUM must be a positive integer (or all), got {value!r}")
+    return k
 
 
 def batching() -> bool:

@@ -8,6 +8,7 @@ A job without a quorum is the rest of the suite (unchanged).
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -158,7 +159,7 @@ def test_a_rank_that_starts_late_completes_from_the_results_it_was_sent(dtype):
     completes at once from the results the switch multicast meanwhile, with the same sum."""
     from switchml.transport.memory import MemoryCluster
     c = MemoryCluster(num_workers=4, window=4, elements_per_packet=8, quorum=3, seed=1)
-    for step in range(3):
+    for _ in range(3):
         xs = _one_hot(4, 100, dtype)
         outs = [np.empty_like(x) for x in xs]
         fast = c.start(xs[:3], outs[:3], ranks=[0, 1, 2])
@@ -185,6 +186,14 @@ def test_without_a_quorum_a_late_start_waits_for_its_rank():
     assert not any(h.done() for h in fast)
     c.wait(fast + c.start(xs[2:], ranks=[2]))
     assert all((x == 7).all() for x in xs) and fast[0].contributor_counts() is None
+
+
+def _start_late(c, handles, r, x, out):
+    handles[r] = c.start([x], [out], ranks=[r])[0]
+
+
+def _all_done(handles, ranks):
+    return ranks <= set(handles) and all(handles[r].done() for r in ranks)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True,
@@ -225,13 +234,13 @@ def test_every_rank_ends_each_operation_with_the_same_sum_under_stragglers_and_l
                                             ranks=on_time)))
         for r in sorted(late - after):
             delay = data.draw(st.floats(0, 2e-3), f"delay{op}.{r}")
-            c.fabric.call_at(c.fabric.now + delay, lambda r=r: handles.update(
-                {r: c.start([xs[r]], [outs[r]], ranks=[r])[0]}))
-        c.fabric.run(lambda: len(handles) == len(alive - after)
-                     and all(h.done() for h in handles.values()))
+            c.fabric.call_at(c.fabric.now + delay, functools.partial(
+                _start_late, c, handles, r, xs[r], outs[r]))
+        ready = alive - after
+        c.fabric.run(functools.partial(_all_done, handles, ready))
         for r in sorted(after):
-            handles[r] = c.start([xs[r]], [outs[r]], ranks=[r])[0]
-        c.fabric.run(lambda: all(h.done() for h in handles.values()))
+            _start_late(c, handles, r, xs[r], outs[r])
+        c.fabric.run(functools.partial(_all_done, handles, set(handles)))
         done = {}
         for r, h in handles.items():
             if h.exception() is None:

@@ -651,3 +651,55 @@ def cuda_body(rank: int, world: int, q: Any) -> dict[str, Any]:
     out["params"] = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]).tolist()
     dist.destroy_process_group()
     return out
+
+
+# -- body: a quorum group with a straggler ---------------------------------------------------------
+
+def quorum_body(rank: int, world: int, q: Any, quorum: int, slow_rank: int, delay_s: float,
+                steps: int) -> dict[str, Any]:
+    """All-reduces (AVG) over ``switchml.torch.new_quorum_group(quorum)`` while ``slow_rank``
+    sleeps ``delay_s`` before each; then DDP training over the group with ``quorum_hook``,
+    the slow rank sleeping before each backward; then an exact all-reduce on the default
+    group. Returns each step's result and time, the trained parameters and the exact sum."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import switchml.torch
+    from switchml.torch.hooks import quorum_hook
+
+    _init("switchml", timeout_s=20.0)
+    group = switchml.torch.new_quorum_group(quorum)
+    sums, seconds = [], []
+    for _ in range(steps):
+        if rank == slow_rank:
+            time.sleep(delay_s)
+        t = torch.full((20000,), float(rank + 1))
+        t0 = time.monotonic()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+        seconds.append(time.monotonic() - t0)
+        sums.append(t.numpy().copy())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    net = DDP(model, process_group=group)
+    net.register_comm_hook(group, quorum_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    step_s = []
+    for _ in range(steps):
+        loss = net(torch.randn(32, 16, generator=g)).square().mean()
+        opt.zero_grad()
+        if rank == slow_rank:
+            time.sleep(delay_s)
+        t0 = time.monotonic()
+        loss.backward()
+        opt.step()
+        step_s.append(time.monotonic() - t0)
+    params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    exact = torch.full((10,), float(rank + 1))
+    dist.all_reduce(exact)  # the default group: no quorum, every rank
+    stats = switchml.torch.stats(group)
+    dist.destroy_process_group()
+    return {"sums": sums, "seconds": seconds, "step_s": step_s, "params": params,
+            "exact": exact.numpy(), "stats": stats}

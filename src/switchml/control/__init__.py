@@ -33,7 +33,8 @@ ETHERNET_MTU = 1500
 
 def new_job_spec(num_workers: int, *, window: int | None = None,
                  elements_per_packet: int | None = None,
-                 switch: Address | Sequence[Address] | None = None) -> JobSpec:
+                 switch: Address | Sequence[Address] | None = None,
+                 quorum: int | None = None) -> JobSpec:
     """Return a JobSpec with a fresh random job id and an unguessable token.
 
     Every rank's datagrams (the numpy ``WorkerClient``'s as the torch backend's) carry
@@ -53,37 +54,48 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
     ``window``: slots in flight per worker; default ``default_window(elements_per_packet)``
     (about 256 KiB in flight: 128 slots for MTU-1500 chunks, 16 for 64 KB datagrams).
 
+    ``quorum``: ``JobSpec.quorum`` (a quorum job's results carry a bitmap of ``ceil(n / 8)``
+    bytes after the payload; the chunk sized from an MTU leaves room for it).
+
     Example::
 
         spec = new_job_spec(2, switch=("127.0.0.1", 48864))   # loopback: 16366 elements
     """
     if elements_per_packet is None:
-        elements_per_packet = (elements_for_mtu(ETHERNET_MTU) if switch is None
-                               else elements_per_packet_for(switch))
+        trailer = (num_workers + 7) // 8 if quorum else 0
+        elements_per_packet = (elements_for_mtu(ETHERNET_MTU, trailer=trailer) if switch is None
+                               else elements_per_packet_for(switch, trailer=trailer))
     return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),
                    num_workers=num_workers,
                    window=default_window(elements_per_packet) if window is None else window,
-                   elements_per_packet=elements_per_packet)
+                   elements_per_packet=elements_per_packet, quorum=quorum)
 
 
 def encode_job_spec(spec: JobSpec) -> str:
     """Encode as ``job_id:token:n:window:k`` (hex token), for environment variables, with
-    ``:scale_workers`` appended when it is set."""
+    ``:scale_workers`` appended when it is set, then ``:q<quorum>`` when that is."""
     text = (f"{spec.job_id}:{spec.token:016x}:{spec.num_workers}:{spec.window}:"
             f"{spec.elements_per_packet}")
-    return text if spec.scale_workers is None else f"{text}:{spec.scale_workers}"
+    if spec.scale_workers is not None:
+        text += f":{spec.scale_workers}"
+    return text if spec.quorum is None else f"{text}:q{spec.quorum}"
 
 
 def decode_job_spec(text: str) -> JobSpec:
     """Inverse of :func:`encode_job_spec`; raises ConfigError with the reason."""
     parts = text.strip().split(":")
+    quorum = None
+    if len(parts) > 5 and parts[-1].startswith("q"):
+        quorum = parts.pop()[1:]
     if len(parts) not in (5, 6):
-        raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers], got {text!r}")
+        raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers][:q<quorum>], got "
+                          f"{text!r}")
     try:
         job_id, n, window, k = int(parts[0]), int(parts[2]), int(parts[3]), int(parts[4])
         token = int(parts[1], 16)
         scale = int(parts[5]) if len(parts) == 6 else None
+        quorum = int(quorum) if quorum is not None else None
     except ValueError as exc:
         raise ConfigError(f"bad job spec {text!r}: {exc}") from exc
     return JobSpec(job_id=job_id, token=token, num_workers=n, window=window,
-                   elements_per_packet=k, scale_workers=scale)
+                   elements_per_packet=k, scale_workers=scale, quorum=quorum)

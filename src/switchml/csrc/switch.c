@@ -1279,7 +1279,7 @@ static PyObject *py_send_results(PyObject *self, PyObject *const *args, Py_ssize
     ARR(bf, 3, "bufs", B(K_U8), 0);
     ARR(nm, 4, "names", B(K_U8), 0);
     if ((nruns = get_rsender(&b, args[0], args[5], args[6], args[7], args[8], s)) < 0) goto fail;
-    if (bf->ndim != 3 || bf->shape[0] != 2 || nm->ndim != 2 || nm->shape[1] != 16 || n < 0
+    if (bf->ndim != 3 || bf->shape[0] < 2 || nm->ndim != 2 || nm->shape[1] != 16 || n < 0
         || n > pend->len / 24 || n > nruns
         || check_pend(pend->buf, n, bf->shape[1], bf->shape[2]) < 0) {
         if (!PyErr_Occurred())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from switchml.protocol.errors import ConfigError
-from switchml.protocol.wire import MAX_ELEMENTS_PER_PACKET
+from switchml.protocol.wire import HEADER_SIZE, MAX_DATAGRAM_BYTES, MAX_ELEMENTS_PER_PACKET
 
 __all__ = ["MAX_THREADS", "JobSpec", "SwitchConfig", "WorkerConfig", "default_window"]
 
@@ -174,6 +174,12 @@ class JobSpec:
                                        and 1 <= self.quorum <= self.num_workers),
                f"quorum must be None or an integer in 1..num_workers ({self.num_workers}), got "
                f"{self.quorum!r}")
+        _check(self.quorum is None or HEADER_SIZE + 4 * self.elements_per_packet
+               + (self.num_workers + 7) // 8 <= MAX_DATAGRAM_BYTES,
+               f"a quorum job's results carry {(self.num_workers + 7) // 8} bitmap bytes after "
+               f"the payload: elements_per_packet must be at most "
+               f"{(MAX_DATAGRAM_BYTES - HEADER_SIZE - (self.num_workers + 7) // 8) // 4}, got "
+               f"{self.elements_per_packet}")
         _check(self.scale_workers is None or self.scale_workers >= self.num_workers,
                f"scale_workers must be >= num_workers ({self.num_workers}), got "
                f"{self.scale_workers}")

@@ -83,8 +83,9 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
     """Write ``q * 2**(emax - P)`` into ``out`` (same length), or NaN if ``nonfinite``.
 
     The integer sum is rounded once, to ``out``'s dtype (float16 and bfloat16 included). A
-    sum within the quantization error of the dtype's largest finite value may come out past it (an element at ``finfo.max`` rounds up
-    to ``2**P`` quanta = ``2**emax``): such results are clamped to +-max; sums further out are
+    sum within the quantization error of the dtype's largest finite value may come out past it
+    (an element at ``finfo.max`` rounds up to ``2**P`` quanta = ``2**emax``): such results are
+    clamped to +-max; sums further out are
     genuine overflows and stay inf.
     """
     info = np.finfo(out.dtype)

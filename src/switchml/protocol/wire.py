@@ -100,15 +100,16 @@ MAX_ELEMENTS_PER_PACKET = (MAX_DATAGRAM_BYTES - HEADER_SIZE) // 4  # 16366 int32
 IPV4_UDP_HEADERS = 28  # IPv4 (no options) + UDP
 
 
-def elements_for_mtu(mtu: int, itemsize: int = 4) -> int:
+def elements_for_mtu(mtu: int, itemsize: int = 4, *, trailer: int = 0) -> int:
     """The largest chunk (elements of ``itemsize`` bytes) whose datagram fits a path of this
     MTU without IP fragmentation: IPv4 20 + UDP 8 + switchml 40 header bytes, at most the UDP
-    limit (16366 int32). 1500 -> 358, 9000 -> 2233, 65536 (loopback) -> 16366."""
-    if mtu < IPV4_UDP_HEADERS + HEADER_SIZE + itemsize:
+    limit (16366 int32). 1500 -> 358, 9000 -> 2233, 65536 (loopback) -> 16366. ``trailer``:
+    bytes after the payload (a quorum job's results: the contributor bitmap)."""
+    if mtu < IPV4_UDP_HEADERS + HEADER_SIZE + trailer + itemsize:
         raise ValueError(f"an MTU of {mtu} bytes leaves no room for a switchml datagram "
-                         f"(headers take {IPV4_UDP_HEADERS + HEADER_SIZE} bytes)")
-    return min((mtu - IPV4_UDP_HEADERS - HEADER_SIZE) // itemsize,
-               (MAX_DATAGRAM_BYTES - HEADER_SIZE) // itemsize)
+                         f"(headers take {IPV4_UDP_HEADERS + HEADER_SIZE + trailer} bytes)")
+    return min((mtu - IPV4_UDP_HEADERS - HEADER_SIZE - trailer) // itemsize,
+               (MAX_DATAGRAM_BYTES - HEADER_SIZE - trailer) // itemsize)
 
 
 EXP_ZERO = -32768

@@ -8,6 +8,7 @@ from switchml.torch.backend import (
     SwitchMLProcessGroup,
     dump_flight_records,
     flight_records,
+    new_quorum_group,
     register,
     stats,
     stop_embedded_switch,
@@ -17,4 +18,4 @@ from switchml.torch.hybrid import HybridDataParallel, LayerDecision
 register()
 
 __all__ = ["HybridDataParallel", "LayerDecision", "SwitchMLProcessGroup", "dump_flight_records",
-           "flight_records", "register", "stats", "stop_embedded_switch"]
+           "flight_records", "new_quorum_group", "register", "stats", "stop_embedded_switch"]

@@ -66,8 +66,8 @@ from switchml.transport.udp import AllreduceHandle, WorkerClient
 
 __all__ = ["StagedTensor", "StagingPool", "SwitchMLProcessGroup", "SwitchMLWork",
            "complete_elsewhere", "embedded_switch_pid", "failable_future", "job_spec_for_ranks",
-           "local_mtu", "register", "release_embedded_switch", "resolve_switch_over_group",
-           "stats", "stop_embedded_switch", "wire_bits"]
+           "local_mtu", "new_quorum_group", "register", "release_embedded_switch",
+           "resolve_switch_over_group", "stats", "stop_embedded_switch", "wire_bits"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -252,23 +252,29 @@ class StagedTensor:
         self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
         self.array = _as_numpy(self.flat)
 
-    def finish(self, size: int, average: bool) -> None:
+    def finish(self, size: int, average: bool, counts: np.ndarray | None = None) -> None:
         """Write the sum back into the user's tensor, in place (runs on the I/O thread);
-        with ``average``, divide it by ``size``."""
+        with ``average``, divide it by ``size``, or in a quorum group by ``counts`` (how many
+        ranks each element's sum holds, one per element)."""
         t = self.tensor.detach()
+        divisor: Any = size if counts is None else torch.from_numpy(counts)
         if self.kind == "limbs":
             t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
         elif self.staging is not None:
             if average and self.staging.is_floating_point():
-                self.staging.div_(size)  # in the wider type: the result is rounded once more,
-                average = False          # not twice (sum, then quotient) in a half type
+                # in the wider type: the result is rounded once more, not twice (sum, then
+                # quotient) in a half type
+                self.staging.reshape(-1).div_(divisor)
+                average = False
             t.copy_(self.staging.reshape(t.shape))
             self.release()
         if average:
+            if counts is not None:
+                divisor = divisor.reshape(t.shape)
             if t.is_floating_point():
-                t.div_(size)
+                t.div_(divisor)
             else:
-                t.copy_(torch.div(t, size, rounding_mode="trunc"))
+                t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
 
     def release(self) -> None:
         """Give the staging buffer back to the pool (after ``finish``, or when the operation
@@ -322,8 +328,11 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
 
     def __init__(self, *, rank: int, size: int, client: WorkerClient | ParallelClient,
                  gloo: dist.ProcessGroup, switch: tuple[Address, ...],
-                 half_bits: int | None = None) -> None:
+                 half_bits: int | None = None, quorum: int | None = None) -> None:
         super().__init__(rank, size)
+        self.quorum = quorum
+        """The group's quorum (``JobSpec.quorum``): each all-reduce's rounds complete with this
+        many ranks, and AVG divides by the ranks each element's sum holds; None: every rank."""
         if half_bits not in (None, 16, 32):
             raise ValueError(f"half_bits must be None (auto), 16 or 32, got {half_bits}")
         self.client = client
@@ -357,16 +366,24 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         (:func:`wire_bits`)."""
         return wire_bits(dtype, self.size(), self.half_bits)
 
+    def _switchable(self, op: Any, tensors: list[torch.Tensor]) -> bool:
+        """Whether the switch sums these: SUM or AVG of a supported type. Not int64 in a
+        quorum group: its three limbs would travel in rounds of different ranks (gloo sums
+        it, with every rank)."""
+        return op in _SWITCH_OPS and all(
+            t.dtype in _SUPPORTED and (self.quorum is None or t.dtype is not torch.int64)
+            for t in tensors)
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = opts.reduceOp.op if opts is not None else _RedOp.SUM
-        if op not in _SWITCH_OPS or any(t.dtype not in _SUPPORTED for t in tensors):
+        if not self._switchable(op, tensors):
             return self._delegate("allreduce", lambda: self._gloo.allreduce(tensors, opts),
                                   f"allreduce:{op.name}")
         return self._allreduce_switch(tensors, average=op == _RedOp.AVG)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = opts.reduceOp.op if opts is not None else _RedOp.SUM
-        if op not in _SWITCH_OPS or any(t.dtype not in _SUPPORTED for t in tensors):
+        if not self._switchable(op, tensors):
             return self._delegate("allreduce_coalesced",
                                   lambda: self._gloo.allreduce_coalesced(tensors, opts),
                                   f"allreduce_coalesced:{op.name}")
@@ -391,7 +408,10 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             error = handle.exception()
             if error is None:
                 try:
-                    plan.finish(size, average)
+                    counts = handle.contributor_counts()
+                    if counts is not None:
+                        self._note_contributors(counts)
+                    plan.finish(size, average, counts)
                 except Exception as exc:  # surfaced through the future
                     error = exc
             if error is not None:
@@ -420,6 +440,12 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         except SwitchMLError as exc:
             raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
         return SwitchMLWork(future)
+
+    def _note_contributors(self, counts: np.ndarray) -> None:
+        """Count a quorum group's all-reduces whose sum lacks some rank somewhere."""
+        if counts.size and int(counts.min()) < self.size():
+            with self._stats_lock:
+                self.switch_ops["allreduce_partial"] += 1
 
     # -- everything else: gloo, counted ------------------------------------------------------
 
@@ -697,17 +723,21 @@ def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
 
 
 def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,
-                       elements_per_packet: int | None = None) -> JobSpec:
+                       elements_per_packet: int | None = None,
+                       quorum: int | None = None) -> JobSpec:
     """A new switch job for ``size`` ranks whose MTUs towards the switch are ``mtus``.
 
     Chunks fit the smallest MTU of any rank (no IP fragmentation on any path), unless
     ``elements_per_packet`` or ``SWITCHML_ELEMENTS_PER_PACKET`` says otherwise; the window is
     ``window``, else ``SWITCHML_WINDOW``, else :func:`switchml.control.new_job_spec`'s default for
     the chunk size. Called by the group's rank 0, which shares the result with the others.
+    ``quorum``: ``JobSpec.quorum`` (chunks then leave room for the results' bitmap).
     """
-    k = elements_per_packet or env.elements_per_packet() or elements_for_mtu(min(mtus))
+    trailer = (size + 7) // 8 if quorum else 0
+    k = (elements_per_packet or env.elements_per_packet()
+         or elements_for_mtu(min(mtus), trailer=trailer))
     return new_job_spec(size, window=window if window is not None else env.window(),
-                        elements_per_packet=k)
+                        elements_per_packet=k, quorum=quorum)
 
 
 def _local_ranks(size: int) -> int:
@@ -735,7 +765,8 @@ def _create(store: dist.Store, rank: int, size: int,
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             spec = job_spec_for_ranks(size, (
-                int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)))
+                int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
+                quorum=_group_quorum(size))
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())
@@ -763,7 +794,7 @@ def _create(store: dist.Store, rank: int, size: int,
             _EMBEDDED.release()
         raise
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch,
-                              half_bits=half_bits)
+                              half_bits=half_bits, quorum=spec.quorum)
     pg.owns_switch = acquired
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
@@ -774,6 +805,39 @@ def _create(store: dist.Store, rank: int, size: int,
     cpu = torch.device("cpu")
     pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
     return pg
+
+
+_next_quorum = threading.local()
+
+
+def _group_quorum(size: int) -> int | None:
+    """The quorum of the group being created (on rank 0, whose choice rules): the one
+    :func:`new_quorum_group` asked for, else ``SWITCHML_QUORUM`` for the default group."""
+    k = getattr(_next_quorum, "k", None)
+    if k is None and not dist.is_initialized():
+        k = env.quorum()
+    if k is not None and not 1 <= k <= size:
+        raise ValueError(f"a quorum must be in 1..{size} (the group's ranks), got {k}")
+    return k
+
+
+def new_quorum_group(quorum: int, ranks: list[int] | None = None,
+                     timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A "switchml" group whose all-reduces complete with ``quorum`` of its ranks (backup
+    workers, in the switch): every rank gets the same sum, of the first ``quorum`` ranks'
+    tensors at each chunk, and AVG divides each element by the ranks its sum holds. A rank
+    that falls behind gets the others' results without waiting. Collective, as
+    ``dist.new_group``: every rank calls it with the same arguments. Use it for DDP with
+    :func:`switchml.torch.hooks.quorum_hook`; plain all-reduces on other groups stay exact.
+
+    Raises:
+        ValueError: ``quorum`` outside 1..the group's size.
+    """
+    _next_quorum.k = quorum
+    try:
+        return dist.new_group(ranks, timeout=timeout, backend=BACKEND_NAME)
+    finally:
+        _next_quorum.k = None
 
 
 def register() -> None:

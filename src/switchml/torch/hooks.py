@@ -18,6 +18,9 @@ Hooks (``HookName``):
   rounding errors are delayed instead of lost and training converges like the 32-bit mode.
 * ``allreduce``: the reference: ``dist.all_reduce`` over the state's process group (what DDP
   does without a hook), for correctness comparisons.
+* ``quorum``: the bucket averaged over a quorum group (:func:`switchml.torch.new_quorum_group`):
+  each chunk's sum holds the first ``quorum`` ranks' gradients, every rank gets the same, and
+  each element is divided by the ranks its sum holds (docs/torch.md, "Quorum groups").
 * ``noop``: no communication at all (each rank keeps its local gradient), for measuring the
   communication-free headroom.
 * ``lockstep``: no gradient moves, but the ranks wait for each other at every bucket (a
@@ -207,6 +210,27 @@ def allreduce_hook(state: SwitchMLHookState | dist.ProcessGroup | None,
     return fut.then(lambda f: f.value()[0])
 
 
+def quorum_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket
+                ) -> torch.futures.Future[torch.Tensor]:
+    """Average a gradient bucket over a quorum group (``state``:
+    :func:`switchml.torch.new_quorum_group`, or None for a default group made with
+    ``SWITCHML_QUORUM``): ``dist.all_reduce`` with AVG, which the group divides, element by
+    element, by the ranks whose gradients the switch summed (the first ``quorum`` at each
+    chunk). Every rank applies the same averaged gradient. (DDP's own division by the world
+    size before a SUM would shrink a sum of fewer ranks.)
+
+    Raises:
+        TypeError: the group is not a switchml group with a quorum.
+    """
+    pg = state if state is not None else dist.distributed_c10d._get_default_group()
+    if getattr(pg, "quorum", None) is None:
+        raise TypeError("quorum_hook needs a switchml group with a quorum "
+                        "(switchml.torch.new_quorum_group, or SWITCHML_QUORUM)")
+    fut = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=state,
+                          async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """No communication: return the local bucket (measures the communication-free headroom)."""
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -238,6 +262,7 @@ class HookName(Enum):
     ALLREDUCE = "allreduce"
     NOOP = "noop"
     LOCKSTEP = "lockstep"
+    QUORUM = "quorum"
 
 
 def hook_for(name: str | HookName, process_group: dist.ProcessGroup | None = None
@@ -255,6 +280,8 @@ def hook_for(name: str | HookName, process_group: dist.ProcessGroup | None = Non
         return process_group, lockstep_hook
     if which is HookName.ALLREDUCE:
         return process_group, allreduce_hook
+    if which is HookName.QUORUM:
+        return process_group, quorum_hook
     return SwitchMLHookState(process_group, bits=16 if which is HookName.SWITCHML16 else 32), \
         switchml_hook
 

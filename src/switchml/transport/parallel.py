@@ -200,14 +200,21 @@ class ParallelClient:
         left = [len(pieces)]
         errors: list[BaseException] = []
         count = threading.Lock()
+        contributors: list[np.ndarray | None] = [None] * len(pieces)
 
-        def piece_done(h: AllreduceHandle) -> None:
+        def piece_done(h: AllreduceHandle, t: int) -> None:
             with count:
                 if h.exception() is not None:
                     errors.append(h.exception())
+                contributors[t] = h.contributors
+                handle.block = h.block or handle.block
                 left[0] -= 1
                 last = left[0] == 0
             if last:
+                counts = [c for c in contributors if c is not None]
+                if not errors and counts:
+                    # Pieces start on block boundaries: the parts' blocks, in order.
+                    handle.contributors = np.concatenate(counts)
                 handle.resolve(errors[0] if errors else None)
 
         with self._lock:
@@ -228,7 +235,7 @@ class ParallelClient:
                     if left[0] == 0:
                         handle.resolve(errors[0])
                     break
-                h.add_done_callback(piece_done)
+                h.add_done_callback(lambda h, t=t: piece_done(h, t))
         return handle
 
     def close(self) -> None:

@@ -54,11 +54,13 @@ def local_mtu(switch: Address | Sequence[Address]) -> int:
     return env.mtu() or path_mtu(switch) or 1500
 
 
-def elements_per_packet_for(switch: Address | Sequence[Address], mtu: int | None = None) -> int:
+def elements_per_packet_for(switch: Address | Sequence[Address], mtu: int | None = None, *,
+                            trailer: int = 0) -> int:
     """The chunk size (int32 elements) whose datagrams fit the path to ``switch`` without IP
     fragmentation: from ``mtu`` if given, else from :func:`local_mtu`. Loopback (MTU 65536)
-    gives the largest datagram UDP allows (16366 elements); 1500 gives 358, 9000 gives 2233."""
-    return elements_for_mtu(mtu or local_mtu(switch))
+    gives the largest datagram UDP allows (16366 elements); 1500 gives 358, 9000 gives 2233.
+    ``trailer``: a quorum job's contributor bitmap after the payload."""
+    return elements_for_mtu(mtu or local_mtu(switch), trailer=trailer)
 
 
 def size_buffers(sock: socket.socket, nbytes: int) -> tuple[int, int]:

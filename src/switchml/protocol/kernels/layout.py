@@ -15,8 +15,8 @@ from enum import IntEnum
 
 __all__ = [
     "ANSWERED", "FP", "IDLE", "J", "J_FIELDS", "LF", "LN", "LNF_FIELDS", "LN_FIELDS",
-    "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "QUORUM_AHEAD", "R", "RC", "REPLIES_PER_CALL", "RV",
-    "RV_FIELDS", "R_FIELDS", "S", "SC", "SENT", "SP", "SS", "ST", "S_FIELDS", "U", "UT",
+    "MAX_BATCH", "OP", "O_FIELDS", "PROBE_LANES", "QUORUM_AHEAD", "R", "RC", "REPLIES_PER_CALL",
+    "RV", "RV_FIELDS", "R_FIELDS", "S", "SC", "SENT", "SP", "SS", "ST", "S_FIELDS", "U", "UT",
     "UT_FIELDS", "U_FIELDS", "WC", "WS", "XC", "c_header",
 ]
 

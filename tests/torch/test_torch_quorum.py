@@ -1,0 +1,35 @@
+"""Quorum groups (``switchml.torch.new_quorum_group``): a straggler does not set the pace, and
+every rank still ends each step with the same numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch_procs as tp
+
+pytestmark = pytest.mark.slow  # spawns a process group
+
+
+@pytest.mark.timeout(120)
+def test_a_quorum_group_goes_on_without_its_straggler_and_every_rank_agrees():
+    world, quorum, slow, delay_s, steps = 4, 3, 3, 0.5, 5
+    with tp.Procs(deadline_s=100) as procs:
+        procs.start_ranks(tp.quorum_body, world, quorum, slow, delay_s, steps)
+        res = procs.results(list(range(world)))
+    for step in range(steps):
+        # Ranks 0-2 (values 1, 2, 3) make each sum; AVG divides by the 3 it holds, on every
+        # rank, the straggler's included.
+        for r in range(world):
+            assert np.array_equal(res[r]["sums"][step], np.full(20000, 2.0, np.float32)), (r, step)
+        for r in range(world):
+            if r != slow:  # never waited for the straggler's half second
+                assert res[r]["seconds"][step] < delay_s / 2, res[r]["seconds"]
+    for r in range(world):
+        # DDP over the group with quorum_hook: the same parameters everywhere, bit for bit.
+        assert res[r]["params"].tobytes() == res[0]["params"].tobytes()
+        assert (res[r]["exact"] == 10.0).all()  # the default group stays exact: 1+2+3+4
+        if r != slow:  # (DDP rebuilds its buckets at its second step: a gloo broadcast that
+            # waits for every rank, once)
+            assert max(res[r]["step_s"][2:]) < delay_s / 2, res[r]["step_s"]
+    assert res[0]["stats"]["switch_ops"]["allreduce_partial"] >= steps
+    assert res[slow]["stats"]["worker"]["results_left_out"] > 0
