@@ -250,10 +250,15 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     half_s, bytes_half, busy_evals = t0, 0, 0.0
     busy_half: float | None = None
     every = a.get("eval_every") or 0
+    straggler = _straggler(a)
+    straggled = 0
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
             busy_half = machine_busy_s() or None  # (0.0: no /proc/stat)
+        if straggler(step) == a["rank"]:
+            time.sleep(a["straggle_s"])  # slower compute on this rank at this step
+            straggled += 1
         loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
         losses.append(loss.item())
         times.append(end - t0 - paused)
@@ -272,8 +277,23 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     elapsed, busy_end = time.perf_counter() - t0, machine_busy_s()
     return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
-            "bytes_half": bytes_half,
+            "bytes_half": bytes_half, "straggled_steps": straggled,
             "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
+
+
+def _straggler(a: dict[str, Any]) -> Any:
+    """``step -> the rank that straggles at it`` (-1: none): with ``straggle_s`` > 0, the
+    last rank at every step (``straggle_every`` 0), or at one step in ``straggle_every`` on
+    average a rank drawn at random, the same draw on every rank (a seeded generator)."""
+    import random
+    n, every = a["n"], a.get("straggle_every", 0)
+    if not a.get("straggle_s"):
+        return lambda step: -1
+    if not every:
+        return lambda step: n - 1
+    rng = random.Random(12345)
+    draws = [rng.randrange(n) if rng.random() < 1 / every else -1 for _ in range(a["steps"])]
+    return draws.__getitem__
 
 
 def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:
@@ -368,6 +388,7 @@ def train(a: dict[str, Any]) -> None:
     dist.destroy_process_group()
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
+           "straggled_steps": run["straggled_steps"],
            "cpu_s": _cpu() - run["c0"], "params": params, **extra})
 
 

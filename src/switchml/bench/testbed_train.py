@@ -70,6 +70,14 @@ class TrainBenchConfig:
     machine whose cores the workers' training also needs, it goes first for the CPU, as a
     real switch would not wait for the hosts' compute (0: share the CPU equally)."""
     timeout_s: float = 900.0
+    straggle_s: float = 0.0
+    """A straggler: this many seconds of extra compute (a sleep before the step's forward) on
+    the straggling rank; 0: none."""
+    straggle_every: int = 0
+    """0: the last rank straggles at every step (persistent); N: at one step in N on average,
+    a rank drawn at random (the same draw on every rank) straggles (transient)."""
+    quorum: int | None = None
+    """``switchml-quorum``'s quorum; None: ``workers - 1``."""
 
     def __post_init__(self) -> None:
         from switchml import workloads
@@ -85,6 +93,15 @@ class TrainBenchConfig:
             raise ValueError("--steps must be >= 2")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.straggle_s < 0 or self.straggle_every < 0:
+            raise ValueError("--straggle-s and --straggle-every must be >= 0")
+        if self.quorum is not None and not 1 <= self.quorum <= self.workers:
+            raise ValueError(f"--quorum must be in 1..{self.workers}, got {self.quorum}")
+
+    @property
+    def quorum_k(self) -> int:
+        """The quorum ``switchml-quorum`` runs with."""
+        return self.quorum if self.quorum is not None else max(1, self.workers - 1)
 
 
 TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "lockstep"),
@@ -92,18 +109,24 @@ TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "l
                  "switchml": ("switchml", "ddp", None),
                  "switchml16": ("switchml", "ddp", "switchml16"),
                  "hybrid": ("switchml", "hybrid", None),
-                 "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None)}
+                 "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None),
+                 "switchml-quorum": ("switchml", "ddp", "quorum")}
 """system -> (backend, mode, DDP communication hook)."""
 SILENT = frozenset({"noop", "lockstep"})
 """The systems that move no gradient: references for the ideal, not trained models."""
 
 
-def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int) -> dict[str, str]:
-    """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret)."""
+def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int,
+                  quorum: int | None = None) -> dict[str, str]:
+    """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret),
+    with ``quorum`` (``SWITCHML_QUORUM``) if given."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(host),
            "SWITCHML_SWITCH": switch, "SWITCHML_WINDOW": str(window),
            "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
     env.pop("SWITCHML_SECRET", None)
+    env.pop("SWITCHML_QUORUM", None)
+    if quorum is not None:
+        env["SWITCHML_QUORUM"] = str(quorum)
     return env
 
 
@@ -111,10 +134,13 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
                 ) -> dict[str, Any]:
     """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses)."""
     from switchml import workloads
-    topo, k = tb.topology, elements_for_mtu(cfg.mtu)
+    backend, mode, hook = TRAIN_SYSTEMS[system]
+    quorum = cfg.quorum_k if hook == "quorum" else None
+    # (a quorum job's results carry a bitmap of the ranks: chunks leave room for it)
+    topo = tb.topology
+    k = elements_for_mtu(cfg.mtu, trailer=(cfg.workers + 7) // 8 if quorum else 0)
     work = workloads.get(model)
     batch = cfg.batch or work.batch
-    backend, mode, hook = TRAIN_SYSTEMS[system]
     port = 33000 + secrets.randbelow(20000)
     with _store_dir() as store:
         procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
@@ -122,9 +148,10 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
             "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
             "batch": batch, "mode": mode, "hook": hook, "trace": cfg.trace,
             "eval_every": cfg.eval_every, "dev": tb.host_device(r), "mtu": cfg.mtu,
-            "store_file": f"{store}/group"}),
+            "store_file": f"{store}/group", "straggle_s": cfg.straggle_s,
+            "straggle_every": cfg.straggle_every}),
             lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                    cfg.window or default_window(k), k))
+                                    cfg.window or default_window(k), k, quorum))
         out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding); the times leave
@@ -135,6 +162,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
     evals = lead.get("evals") or []
     return {
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
+        "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
+        "straggled_steps": lead.get("straggled_steps", 0),
         "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
         "mtu": cfg.mtu, "params": lead["params"], "steps": cfg.steps, "batch": batch,
         "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,

@@ -57,7 +57,9 @@ def add_parser(bsub: Subparsers) -> None:
                          "switchml hook), hybrid (HybridDataParallel on switchml: per layer, "
                          "aggregation or sufficient-factor broadcasting), hsdp and hsdp-gloo "
                          "(FSDP2 on a mesh of n/2 replicas x 2 shards; the replicas' all-reduce "
-                         "goes through the switch on hsdp, timed per step) (default "
+                         "goes through the switch on hsdp, timed per step), switchml-quorum "
+                         "(DDP on a switchml group with a quorum, --quorum, and its quorum "
+                         "hook: a straggler does not set the pace) (default "
                          "noop,gloo,switchml)")
     tr.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
@@ -70,6 +72,16 @@ def add_parser(bsub: Subparsers) -> None:
                     help="link MTU in bytes; switchml's chunks are sized to fit it (default "
                          "1500, Ethernet; 9000 for jumbo frames; veth takes up to 65535 but "
                          "that is not a real network)")
+    tr.add_argument("--straggle-s", type=float, default=0.0, metavar="SECONDS",
+                    help="a straggler: this many seconds of extra compute before a step's "
+                         "forward on the straggling rank (default 0: none)")
+    tr.add_argument("--straggle-every", type=int, default=0, metavar="N",
+                    help="0: the last rank straggles at every step (persistent, the default); "
+                         "N: at one step in N on average a rank drawn at random does "
+                         "(transient)")
+    tr.add_argument("--quorum", type=int, default=None, metavar="K",
+                    help="the switchml-quorum system's quorum: each round completes with K "
+                         "ranks (default: workers - 1)")
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
@@ -86,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             rate_bps=args.rate_mbit * 1e6,
                             loss_rate=args.loss, mtu=args.mtu,
                             systems=tuple(s for s in args.systems.split(",") if s),
-                            trace=bool(args.trace))
+                            trace=bool(args.trace), straggle_s=args.straggle_s,
+                            straggle_every=args.straggle_every, quorum=args.quorum)
 
 
 def run(args: argparse.Namespace) -> int:
