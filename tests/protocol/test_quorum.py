@@ -76,20 +76,63 @@ def test_a_quorum_round_completes_with_k_ranks_and_says_which():
         assert len(d) == wire.HEADER_SIZE + 3 * 4 + 1  # one bitmap byte for 3 ranks
 
 
+def _retry(d: bytes) -> bytes:
+    """The request as the worker re-sends it in a quorum job (flag RETRY)."""
+    b = bytearray(d)
+    b[wire.AT["flags"]] |= Flags.RETRY
+    return bytes(b)
+
+
 def test_a_late_rank_gets_the_stored_result_and_is_not_added():
     sw, req = _job(n=3, quorum=2)
     _send(sw, 0, req[0])
-    _send(sw, 1, req[1])  # complete: [11, 22, 33] from ranks 0 and 1
-    out = _send(sw, 2, req[2])  # rank 2 is late
-    assert [a for _, a in out] == [_addr(2)]  # a unicast copy to the late rank only
+    out = _send(sw, 1, req[1])  # complete: [11, 22, 33] from ranks 0 and 1, to all three
+    assert sorted(a for _, a in out) == [_addr(0), _addr(1), _addr(2)]
+    # Rank 2's first transmission comes late: dropped (the multicast reached it), not added.
+    assert _send(sw, 2, req[2]) == []
+    assert sw.stats()["drops"]["late_duplicate"] == 1
+    # Its re-send (it lost the multicast) gets a unicast copy of the stored result.
+    out = _send(sw, 2, _retry(req[2]), now=2.0)
+    assert [a for _, a in out] == [_addr(2)]
     h, payload, ranks = _result(out[0][0])
     assert payload == [11, 22, 33] and ranks == 0b011  # rank 2's [100, ...] is not in it
     assert h.flags & Flags.RESENT
     assert sw.stats()["late_contributions"] == 1 and sw.stats()["results_multicast"] == 1
-    # Again (its copy was lost): the same answer, still not added.
-    out = _send(sw, 2, req[2], now=2.0)
+    out = _send(sw, 2, _retry(req[2]), now=3.0)  # again: the same answer, still not added
     assert _result(out[0][0])[1:] == ([11, 22, 33], 0b011)
     assert sw.stats()["late_contributions"] == 2
+
+
+def test_a_rank_left_rounds_behind_gets_them_from_the_history():
+    """Ranks 0 and 1 (quorum 2 of 3) run two more rounds on the slot, overwriting both sets:
+    rank 2's re-sent first round is answered from the slot's history."""
+    spec = JobSpec(job_id=9, token=77, num_workers=3, window=1, elements_per_packet=4,
+                   quorum=2)
+    sw = SwitchDataplane()
+    ws = []
+    for r in range(3):
+        w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+        ws.append(w)
+    firsts = {}
+    for op in range(3):  # three one-chunk operations on the one slot: sets 0, 1, 0 again
+        for r in range(3):
+            x = np.array([op + 1, 10 * r], np.int32)
+            ws[r].start_allreduce(x, np.empty_like(x), float(op))
+            (d, _), = ws[r].datagrams_to_send(float(op))
+            if op == 0:
+                firsts[r] = bytes(d)
+            if r < 2:
+                for res, a in _send(sw, r, bytes(d), now=float(op)):
+                    ws[[_addr(q) for q in range(3)].index(a)].receive_datagram(res, SW,
+                                                                              float(op))
+    out = _send(sw, 2, _retry(firsts[2]), now=5.0)
+    h, payload, ranks = _result(out[0][0])
+    assert (h.seq, payload, ranks) == (0, [2, 10], 0b011)  # op 0: ranks 0 and 1 only
+    assert sw.stats()["old_results_answered"] == 1
+    assert sw.stats()["drops"].get("stale", 0) == 0
+    assert _send(sw, 2, firsts[2], now=6.0) == []  # a first transmission: no answer
 
 
 def test_a_resend_into_a_quorum_round_counts_once():

@@ -83,6 +83,8 @@ def _mutate(reqs, rng):
             b[4] |= 0x08  # RESENT
         elif kind == 4:
             b[36] = (b[36] + 1) & 0xFF  # another exponent: a mismatch
+        elif kind == 6:
+            b[4] |= 0x20  # RETRY: a quorum job's re-send (a late one is answered)
         out.append((bytes(b), r))
     return out
 
@@ -112,7 +114,10 @@ def test_request_kernel_matches_the_reference_on_hostile_batches(kind, seed, quo
                        np.zeros((K.REPLIES_PER_CALL, 2), np.int64)])
     order = list(reqs)
     rng.shuffle(order)
-    batches = [reqs, _mutate(reqs, rng), order + reqs, _mutate(order, rng), reqs[::-1]]
+    # (re-sent as a quorum job's worker re-sends: RETRY)
+    retried = [(d[:4] + bytes([d[4] | 0x20]) + d[5:], r) for d, r in reqs]
+    batches = [reqs, _mutate(reqs, rng), order + reqs, _mutate(order, rng), reqs[::-1],
+               retried]
     now = 1.0
     for batch in batches:
         datagrams = [d for d, _ in batch]

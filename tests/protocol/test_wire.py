@@ -228,9 +228,21 @@ def test_bad_set(set_bit):
     assert _reason(_raw(set_bit=set_bit)) == "bad_set"
 
 
-@pytest.mark.parametrize("flags", [0x10, 0x20, 0x80, 0xFF])
+@pytest.mark.parametrize("flags", [0x10, 0x40, 0x80, 0xFF])
 def test_bad_flags(flags):
-    assert _reason(_raw(flags=flags)) == "bad_flags"
+    assert _reason(_raw(flags=flags)) == "bad_flags"  # (a REQUEST's)
+
+
+@pytest.mark.parametrize(("mtype", "flags", "ok"), [
+    (MessageType.REQUEST, 0x20, True), (MessageType.RESULT, 0x20, False),
+    (MessageType.WAITING, 0x20, False), (MessageType.RESULT, 0x10, True),
+    (MessageType.REQUEST, 0x10, False), (MessageType.NACK, 0x10, False)])
+def test_retry_is_a_requests_flag_and_contributors_a_results(mtype, flags, ok):
+    data = _raw(mtype=int(mtype), flags=flags) + (b"\x05" if flags == 0x10 else b"")
+    if ok:
+        assert unpack_header(data).flags == flags
+    else:
+        assert _reason(data) == "bad_flags"
 
 
 def test_length_mismatch_truncated_payload():

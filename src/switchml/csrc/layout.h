@@ -39,8 +39,10 @@
 #define F_HAS_EXP 4
 #define F_RESENT 8
 #define F_CONTRIBUTORS 16
+#define F_RETRY 32
 #define KNOWN_FLAGS 15
 #define RESULT_FLAGS 31
+#define REQUEST_FLAGS 47
 #define E_BYTES 0
 #define E_INT32 1
 #define E_INT16 2

@@ -76,7 +76,7 @@ static inline int request_framing(const uint8_t *d, int64_t o, int64_t n)
     if (n < HDR || rd_u16(d, o + H_MAGIC) != MAGIC || d[o + H_VERSION] != VERSION
         || d[o + H_TYPE] != T_REQUEST)
         return 0;
-    if (d[o + H_SET] > 1 || ((int64_t)d[o + H_FLAGS] & ~(int64_t)KNOWN_FLAGS) != 0)
+    if (d[o + H_SET] > 1 || ((int64_t)d[o + H_FLAGS] & ~(int64_t)REQUEST_FLAGS) != 0)
         return 0;
     int64_t elem = d[o + H_ELEM];
     if (elem == E_INT32)
@@ -508,6 +508,9 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
             continue;
         }
         int64_t action = action_of(j, &r, rank);
+        if ((action == A_ANSWER_LATE || action == A_ANSWER_OLD) && !(r.flags & F_RETRY))
+            /* a first transmission: the round's multicast reaches this rank anyway */
+            action = action == A_ANSWER_LATE ? A_DROP_LATE : A_DROP_STALE;
         if (action == A_ANSWER_OLD) {
             int64_t hrow = find_old(j, &r);
             if (hrow < 0) {

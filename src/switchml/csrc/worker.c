@@ -568,6 +568,8 @@ static int64_t send_chunk(op_t *o, int64_t p, int retransmit, int fast, double n
     }
     int64_t n = build_request(o, p, i, set_bit, o->rn > 0 && !retransmit);
     o->sendlen[i] = n;
+    if (retransmit && OPV(o, OP_TRAILER)) /* a quorum job's round may be complete: answer it */
+        o->tx8[lane_row(o, i) + H_FLAGS] |= F_RETRY;
     if (retransmit)
         o->cnt[WC_PAYLOAD_RESENT] += n - HDR;
     else

@@ -56,12 +56,15 @@ class SlotAction(IntEnum):
     MISMATCH (the operation can never complete)."""
     ANSWER_OLD = 8
     """Quorum jobs: a request of an earlier round than the set's: a rank the quorum left
-    behind. Answered with that round's result if the slot's history still holds it
-    (``SwitchConfig.quorum_history``), else dropped as stale."""
+    behind. A retransmission (``RETRY``) is answered with that round's result if the slot's
+    history still holds it (``SwitchConfig.quorum_history``); anything else is dropped as
+    stale (the round's multicast reached the rank)."""
     ANSWER_LATE = 7
-    """Quorum jobs: a first contribution to a round that completed without it. Not added: the
-    rank gets the stored result (a unicast copy, ``RESENT`` flag, with the bitmap of the ranks
-    it holds, which lacks this one) and goes on with the same result as everyone else."""
+    """Quorum jobs: a first contribution to a round that completed without it. Not added. A
+    retransmission (``RETRY``: the rank lost the round's multicast) gets the stored result (a
+    unicast copy, ``RESENT`` flag, with the bitmap of the ranks it holds, which lacks this
+    one); a first transmission is dropped, since the multicast reaches the rank anyway. The
+    rank goes on with the same result as everyone else."""
 
 
 ANY = None

@@ -583,6 +583,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             "results_multicast": self.results_multicast,
             "results_resent": self.results_resent,
             "late_contributions": int(self._cnt[K.SC.LATE_ANSWERED]),
+            "old_results_answered": int(self._cnt[K.SC.OLD_ANSWERED]),
             "waiting_sent": self.waiting_sent,
             "mismatch_sent": self.mismatch_sent,
             "nacks_sent": self.nacks_sent,

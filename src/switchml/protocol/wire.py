@@ -31,6 +31,7 @@ __all__ = [
     "KNOWN_FLAGS",
     "MAX_TRAILER",
     "contributors",
+    "REQUEST_FLAGS",
     "RESULT_FLAGS",
     "ITEMSIZE",
     "MAGIC",
@@ -180,13 +181,19 @@ class Flags(IntFlag):
     CONTRIBUTORS = 0x10
     """Result of a quorum job: the payload is followed by the little-endian bitmap of the
     ranks whose chunks the sum holds (``ceil(n / 8)`` bytes; ``count`` does not include it)."""
+    RETRY = 0x20
+    """Request of a quorum job: a retransmission. A quorum round that completed without the
+    rank answers it with the stored result; a first transmission gets nothing back (the
+    result's multicast reaches the rank anyway)."""
 
 
 KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
-"""The flag bits a REQUEST may carry; a request with another bit set is rejected."""
+"""The flag bits every data message may carry; one with a bit set that its type does not
+define is rejected."""
+REQUEST_FLAGS = KNOWN_FLAGS | int(Flags.RETRY)
+"""The flag bits a REQUEST may carry."""
 RESULT_FLAGS = KNOWN_FLAGS | int(Flags.CONTRIBUTORS)
-"""Every flag bit this version defines (a RESULT may carry them all); a datagram with another
-bit set is rejected."""
+"""The flag bits a RESULT may carry."""
 
 
 class ElementType(IntEnum):
@@ -259,7 +266,8 @@ def unpack_header(data: bytes | bytearray | memoryview) -> Header:
         raise WireError("bad_elem", str(elem))
     if set_bit > 1:
         raise WireError("bad_set", str(set_bit))
-    if flags & ~(RESULT_FLAGS if t is MessageType.RESULT else KNOWN_FLAGS):
+    if flags & ~(RESULT_FLAGS if t is MessageType.RESULT else
+                 REQUEST_FLAGS if t is MessageType.REQUEST else KNOWN_FLAGS):
         raise WireError("bad_flags", f"0x{flags:02x}")
     body = HEADER_SIZE + count * _ITEMSIZE[e]
     if (len(data) != body if not flags & Flags.CONTRIBUTORS

@@ -27,6 +27,7 @@ from switchml.protocol.kernels.frames import (
     F_HAS_EXP,
     F_NONFINITE,
     F_RESENT,
+    F_RETRY,
     H_CHUNK,
     H_COUNT,
     H_DIGEST,
@@ -558,6 +559,9 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             i += 1
             continue
         action = _action(jobv, st, seen, rules, r, rank)
+        if (action == A_ANSWER_LATE or action == A_ANSWER_OLD) and not r.flags & F_RETRY:
+            # A first transmission: the round's multicast reaches this rank anyway.
+            action = A_DROP_LATE if action == A_ANSWER_LATE else A_DROP_STALE
         if action == A_ANSWER_OLD:
             row = _find_old(jobv, bufs, r)
             if row < 0:

@@ -31,7 +31,9 @@ F_HAS_DATA = 0x02
 F_HAS_EXP = 0x04
 F_RESENT = 0x08
 F_CONTRIBUTORS = 0x10
+F_RETRY = 0x20
 RESULT_FLAGS = 0x1F
+REQUEST_FLAGS = 0x2F
 SHAPE_FLAGS = F_HAS_DATA | F_HAS_EXP
 E_BYTES = 0
 E_INT32 = 1
@@ -115,7 +117,7 @@ def request_framing(d, o, n):
     if (n < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
             or d[o + H_TYPE] != T_REQUEST):
         return False
-    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~KNOWN_FLAGS) != 0:
+    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~REQUEST_FLAGS) != 0:
         return False
     elem = d[o + H_ELEM]
     if elem == E_INT32:

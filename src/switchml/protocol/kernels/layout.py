@@ -349,6 +349,7 @@ def c_header() -> str:
             put(f"F_{f.name}", f)
     put("KNOWN_FLAGS", wire.KNOWN_FLAGS)
     put("RESULT_FLAGS", wire.RESULT_FLAGS)
+    put("REQUEST_FLAGS", wire.REQUEST_FLAGS)
     for e in wire.ElementType:
         put(f"E_{e.name}", e)
     put("EXP_ZERO", wire.EXP_ZERO)

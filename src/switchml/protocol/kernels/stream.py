@@ -22,6 +22,7 @@ from switchml.protocol.kernels.frames import (
     F_HAS_EXP,
     F_NONFINITE,
     F_RESENT,
+    F_RETRY,
     H_CHUNK,
     H_COUNT,
     H_ELEM,
@@ -192,6 +193,8 @@ def send_chunk(p, retransmit, fast, now, opv, lane, lanef, rtt, next_set, exps, 
     n = build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                       res.size > 0 and not retransmit, keep)
     sendlen[i] = n
+    if retransmit and opv[OP.TRAILER]:  # a quorum job's round may be complete: answer it
+        tx8[lane_row(i, opv) + H_FLAGS] |= F_RETRY
     if retransmit:
         cnt[WC.PAYLOAD_RESENT] += n - HDR
     else:
