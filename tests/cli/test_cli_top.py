@@ -67,6 +67,7 @@ def test_metrics_name_the_rank_each_job_waits_for(stalled_job):
     assert m["switchml_job_ranks"][job] == 3 and m["switchml_job_members"][job] == 3
     # ranks 0 and 1 filled the window (4 slots): 4 open rounds, each lacking rank 2 only
     assert m["switchml_job_open_rounds"][job] == 4
+    assert m["switchml_job_quorum"][job] == 3  # no quorum: a round needs every rank
     assert {k for k in m["switchml_job_rank_missing_rounds"] if k.startswith(job)} == {key}
     assert m["switchml_job_rank_missing_rounds"][key] == 4
     assert m["switchml_job_rank_silent_seconds"][key] >= 0  # it joined (and keeps alive)

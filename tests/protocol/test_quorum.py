@@ -302,3 +302,21 @@ def test_every_rank_ends_each_operation_with_the_same_sum_under_stragglers_and_l
         else:
             assert np.array_equal(first, counts.astype(np.float32))
         assert (counts >= k).all()
+
+
+def test_the_metrics_show_the_quorum_and_the_late_ranks_answers():
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from switchml.control.metrics import SwitchCollector
+    sw, req = _job(n=3, quorum=2)
+    _send(sw, 0, req[0])
+    _send(sw, 1, req[1])
+    _send(sw, 2, _retry(req[2]))
+    registry = CollectorRegistry()
+    registry.register(SwitchCollector(lambda: {**sw.stats(), "job_states": sw.job_states(2.0)},
+                                      pool_slots=sw.config.pool_slots))
+    text = generate_latest(registry).decode()
+    assert 'switchml_job_quorum{job_id="9"} 2.0' in text
+    assert "switchml_late_contributions_total 1.0" in text
+    assert "switchml_old_results_answered_total 0.0" in text

@@ -12,6 +12,10 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_packets_in_total`` / ``switchml_packets_out_total`` | counter | |
 | ``switchml_results_multicast_total`` | counter | |
 | ``switchml_results_resent_total`` (from shadow copies) | counter | |
+| ``switchml_late_contributions_total`` (quorum jobs: re-sends after their round completed,
+  answered with its result) | counter | |
+| ``switchml_old_results_answered_total`` (quorum jobs: results of earlier rounds from a
+  slot's history, to a rank left behind) | counter | |
 | ``switchml_waiting_sent_total`` | counter | |
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
@@ -19,7 +23,8 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_elements_aggregated_total`` | counter | ``job_id`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
 | ``switchml_memory_bytes`` (slot memory held by jobs) | gauge | |
-| ``switchml_job_ranks``, ``_members``, ``_open_rounds`` | gauge | ``job_id`` |
+| ``switchml_job_ranks``, ``_members``, ``_open_rounds``, ``_quorum`` (ranks a round
+  completes with) | gauge | ``job_id`` |
 | ``switchml_job_rank_missing_rounds`` (open rounds lacking it) | gauge | ``job_id``, ``rank`` |
 | ``switchml_job_rank_silent_seconds`` (-1: never heard) | gauge | ``job_id``, ``rank`` |
 """
@@ -50,6 +55,12 @@ class SwitchCollector:
                  "Completed slots sent to every member"),
                 ("switchml_results_resent", "results_resent",
                  "Results resent from shadow copies to one worker"),
+                ("switchml_late_contributions", "late_contributions",
+                 "Quorum jobs: re-sends into rounds complete without them, answered with the "
+                 "result (not added)"),
+                ("switchml_old_results_answered", "old_results_answered",
+                 "Quorum jobs: results of earlier rounds sent from a slot's history to a rank "
+                 "left behind"),
                 ("switchml_waiting_sent", "waiting_sent",
                  "WAITING answers to retransmissions into open slots"),
                 ("switchml_mismatch_sent", "mismatch_sent",
@@ -83,7 +94,9 @@ def _job_families(states: list[dict[str, Any]]) -> Iterator[Any]:
     per_job = {name: GaugeMetricFamily(f"switchml_job_{name}", doc, labels=["job_id"])
                for name, doc in (("ranks", "Ranks of the job"),
                                  ("members", "Ranks joined"),
-                                 ("open_rounds", "Slot rounds waiting for contributions"))}
+                                 ("open_rounds", "Slot rounds waiting for contributions"),
+                                 ("quorum", "Ranks a round completes with (all of them "
+                                            "without a quorum)"))}
     missing = GaugeMetricFamily("switchml_job_rank_missing_rounds",
                                 "Open rounds this rank has not contributed to",
                                 labels=["job_id", "rank"])

@@ -615,6 +615,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             out.append({"job": job.job_id, "ranks": job.num_workers,
                         "members": sum(m is not None for m in job.members),
                         "window": job.window, "open_rounds": int(open_.sum()),
+                        "quorum": job.quorum or job.num_workers,
                         "elements_aggregated": job.elements_aggregated,
                         "waiting_for": dict(sorted(missing.items())), "silent_s": silent})
         return out
