@@ -320,3 +320,62 @@ def test_the_metrics_show_the_quorum_and_the_late_ranks_answers():
     assert 'switchml_job_quorum{job_id="9"} 2.0' in text
     assert "switchml_late_contributions_total 1.0" in text
     assert "switchml_old_results_answered_total 0.0" in text
+
+
+def _ahead_setup(keep_bytes: int = 256 * 2**20):
+    """Rank 1 of a 2-rank job with a quorum of 1 runs operation 0 alone; the switch's results,
+    addressed to rank 0 as well, are returned (rank 0 joined, idle)."""
+    from switchml.protocol.config import WorkerConfig
+    spec = JobSpec(job_id=9, token=77, num_workers=2, window=2, elements_per_packet=4,
+                   quorum=1)
+    sw = SwitchDataplane()
+    ws = [WorkerEndpoint(spec=spec, rank=r, switch_address=SW,
+                         config=WorkerConfig(quorum_keep_bytes=keep_bytes)) for r in range(2)]
+    for r, w in enumerate(ws):
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+    x = np.arange(10, dtype=np.float32) + 1
+    out1 = np.empty_like(x)
+    ws[1].start_allreduce(x, out1, 1.0)
+    to_rank0 = []
+    for _ in range(20):  # rank 1 alone drives the operation; rank 0 listens
+        for d, _ in ws[1].datagrams_to_send(1.0):
+            for res, a in _send(sw, 1, bytes(d)):
+                (ws[1].receive_datagram(res, SW, 1.0) if a == _addr(1)
+                 else to_rank0.append(res))
+    assert (out1 == x).all()  # a sum of rank 1 alone
+    return ws[0], to_rank0, x
+
+
+def _batch_of(datagrams):
+    from switchml.protocol.endpoint import Batch
+    return Batch.of_pairs([(SW, d) for d in datagrams])
+
+
+def test_results_kept_ahead_are_checked_first_and_complete_the_operation():
+    w, results, x = _ahead_setup()
+    forged = []
+    for d in results[:3]:
+        b = bytearray(d)
+        b[12] ^= 1  # another token
+        forged.append(bytes(b))
+        forged.append(d[:-1])  # cut short
+        c = bytearray(d)
+        c[4] &= ~0x10  # no contributor bitmap flag
+        forged.append(bytes(c))
+        s = bytearray(d)
+        s[20:24] = (5000).to_bytes(4, "little")  # an operation too far ahead
+        forged.append(bytes(s))
+    w.receive_many(_batch_of(forged + results), 2.0)
+    assert w.counters["results_kept_ahead"] == len(results)
+    assert sum(w.drops.values()) == len(forged)
+    out0 = np.empty_like(x)
+    w.start_allreduce(x * 100, out0, 3.0)  # rank 0 starts late: done at once, rank 1's sum
+    assert (out0 == x).all() and w.counters["operations_completed"] == 1
+
+
+def test_results_beyond_the_keep_budget_are_dropped_and_counted():
+    w, results, x = _ahead_setup(keep_bytes=100)
+    w.receive_many(_batch_of(results), 2.0)
+    assert w.counters.get("results_kept_ahead", 0) == 0
+    assert w.drops["ahead_dropped"] == len(results)

@@ -53,6 +53,10 @@ from switchml.protocol.operation import WIRE_BITS, Operation, validate_arrays
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
     AT,
+    HEADER_SIZE,
+    MAGIC,
+    RESULT_FLAGS,
+    VERSION,
     Flags,
     Header,
     MessageType,
@@ -67,6 +71,8 @@ __all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerE
 
 _MASK32 = 0xFFFFFFFF
 _HALF = 1 << 31
+_HDR = HEADER_SIZE
+_MAGIC, _VERSION, _RESULT_FLAGS = MAGIC, VERSION, RESULT_FLAGS
 
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
@@ -135,8 +141,9 @@ class WorkerEndpoint(WorkerControl):
         self._keepalive_at = 0.0
         self._op: Operation | None = None
         self._kept = np.empty(0, np.uint8)  # in-place operations' inputs (``_keep_buffer``)
-        # A quorum job's results of operations this rank has not started (``_keep_ahead``).
-        self._ahead: dict[int, list[bytes]] = {}
+        # A quorum job's results of operations this rank has not started, per operation: pieces
+        # (bytes, starts, lengths, chunks) (``_keep_ahead``).
+        self._ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._ahead_bytes = 0
         self._out: list[tuple[_Data, Address]] = []
         self._events: deque[Event] = deque()
@@ -275,17 +282,17 @@ class WorkerEndpoint(WorkerControl):
         operations are dropped."""
         mine = self._ahead.pop(op.seq, [])
         for seq in [s for s in self._ahead if ((op.seq - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(len(d) for d in self._ahead.pop(seq))
+            self._ahead_bytes -= sum(p[0].size for p in self._ahead.pop(seq))
         if not mine:
             return
-        self._ahead_bytes -= sum(len(d) for d in mine)
-        at = AT["chunk"]
-        mine.sort(key=lambda d: int.from_bytes(d[at:at + 4], "little"))
-        self._counters["results_taken_ahead"] += len(mine)
-        buf = np.frombuffer(b"".join(mine), np.uint8).copy()
-        lens = np.array([len(d) for d in mine], np.int64)
-        starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
-        self._receive(buf, starts, lens, len(mine), now)
+        self._ahead_bytes -= sum(p[0].size for p in mine)
+        buf = np.concatenate([p[0] for p in mine])
+        offsets = np.cumsum([0] + [p[0].size for p in mine[:-1]])
+        starts = np.concatenate([p[1] + o for p, o in zip(mine, offsets)])
+        lens = np.concatenate([p[2] for p in mine])
+        order = np.argsort(np.concatenate([p[3] for p in mine]), kind="stable")
+        self._counters["results_taken_ahead"] += int(order.size)
+        self._receive(buf, starts[order], lens[order], int(order.size), now)
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -505,6 +512,11 @@ class WorkerEndpoint(WorkerControl):
             else:
                 nxt, code = self._take_results(op, buf, starts, lens, count, i, now)
             if code == K.WS.OTHER and nxt < count:
+                if self.spec.quorum:
+                    taken = self._keep_ahead(buf, starts, lens, nxt, count)
+                    if taken:
+                        i = nxt + taken
+                        continue
                 if view is None:
                     view = memoryview(buf)
                 o = int(starts[nxt])
@@ -579,14 +591,61 @@ class WorkerEndpoint(WorkerControl):
         others went on without this rank: ``_take_ahead``); anything else is stale."""
         if (self.spec.quorum and h.flags & Flags.CONTRIBUTORS
                 and ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD):
-            if self._ahead_bytes + len(data) > self.config.quorum_keep_bytes:
-                self._drops["ahead_dropped"] += 1
-                return
-            self._ahead.setdefault(h.seq, []).append(bytes(data))
-            self._ahead_bytes += len(data)
-            self._counters["results_kept_ahead"] += 1
+            raw = np.frombuffer(bytes(data), np.uint8)
+            one = np.zeros(1, np.int64)
+            self._store_ahead(raw, one, one + raw.size, one + h.seq, one + h.chunk)
             return
         self._drops["stale_result"] += 1
+
+    def _keep_ahead(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, i: int,
+                    count: int) -> int:
+        """The results of later operations from datagram ``i`` of a batch on (a quorum job's
+        rank behind the others gets them by multicast): checked and kept together, with
+        numpy, not one by one; returns how many (0: datagram ``i`` is not one of them)."""
+        s, ln = starts[i:count], lens[i:count]
+        trailer = (self.spec.num_workers + 7) // 8
+        at = np.where(ln >= _HDR, s, 0)  # (a short datagram's fields are read from 0: masked)
+
+        def u(off: int, width: int) -> np.ndarray:
+            v = np.zeros(at.size, np.uint64)
+            for b in range(width):
+                v |= buf[at + off + b].astype(np.uint64) << np.uint64(8 * b)
+            return v
+
+        flags, elem = buf[at + AT["flags"]], buf[at + AT["elem"]]
+        isz = np.where(elem == 1, 4, np.where(elem == 2, 2, 0))
+        seq = u(AT["seq"], 4).astype(np.int64)
+        ok = ((ln >= _HDR) & (u(AT["magic"], 2) == _MAGIC) & (buf[at + AT["version"]] == _VERSION)
+              & (buf[at + AT["type"]] == int(MessageType.RESULT))
+              & ((flags & (0xFF ^ _RESULT_FLAGS)) == 0) & ((flags & int(Flags.CONTRIBUTORS)) != 0)
+              & (buf[at + AT["set"]] <= 1) & (isz > 0)
+              & (u(AT["job"], 4) == self.spec.job_id) & (u(AT["token"], 8) == self.spec.token)
+              & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer)
+              & (((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD))
+        n = int(ok.size if ok.all() else np.argmin(ok))  # the run of them from ``i``
+        if n == 0:
+            return 0
+        s, ln = s[:n], ln[:n]
+        rel = np.concatenate(([0], np.cumsum(ln[:-1])))  # where each lands in the copy
+        blob = buf[np.arange(int(ln.sum())) + np.repeat(s - rel, ln)]
+        self._store_ahead(blob, rel, ln.copy(), seq[:n], u(AT["chunk"], 4)[:n].astype(np.int64))
+        return n
+
+    def _store_ahead(self, blob: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                     seqs: np.ndarray, chunks: np.ndarray) -> None:
+        """Keep results (``blob[starts[j]:][:lens[j]]``, of operation ``seqs[j]``, chunk
+        ``chunks[j]``) for when this rank starts their operations, within
+        ``quorum_keep_bytes``."""
+        if self._ahead_bytes + blob.size > self.config.quorum_keep_bytes:
+            self._drops["ahead_dropped"] += int(starts.size)
+            return
+        self._ahead_bytes += blob.size
+        self._counters["results_kept_ahead"] += int(starts.size)
+        for seq in np.unique(seqs).tolist():
+            pick = seqs == seq
+            self._ahead.setdefault(seq, []).append(
+                (blob, starts[pick], lens[pick], chunks[pick]) if not pick.all()
+                else (blob, starts, lens, chunks))
 
     def _handle_waiting(self, h: Header, data: _Data, now: float) -> None:
         op = self._current_op(h, "stale_result")
