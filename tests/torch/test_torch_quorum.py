@@ -33,3 +33,24 @@ def test_a_quorum_group_goes_on_without_its_straggler_and_every_rank_agrees():
             assert max(res[r]["step_s"][2:]) < delay_s / 2, res[r]["step_s"]
     assert res[0]["stats"]["switch_ops"]["allreduce_partial"] >= steps
     assert res[slow]["stats"]["worker"]["results_left_out"] > 0
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+def test_avg_in_a_quorum_group_divides_each_block_by_its_contributors(staged):
+    """``StagedTensor.finish`` with per-block counts (no process group: the division alone).
+    Uniform counts divide by one scalar; different counts divide block by block."""
+    import torch
+
+    from switchml.torch.backend import StagedTensor, StagingPool
+    sums = torch.tensor([6.0, 6.0, 6.0, 8.0, 8.0, 8.0, 9.0])  # blocks of 3: counts 3, 2, 3
+    t = sums.clone() if not staged else sums.clone().to(torch.bfloat16)
+    plan = StagedTensor(t, pool=StagingPool(), dtype=torch.float32 if staged else None)
+    plan.array[:] = sums.numpy()  # the switch's sum landed in the array the kernels wrote
+    plan.finish(4, True, np.array([3, 2, 3]), 3)
+    assert t.float().tolist() == [2.0, 2.0, 2.0, 4.0, 4.0, 4.0, 3.0]
+    u = sums.clone()
+    StagedTensor(u).finish(4, True, np.array([2, 2, 2]), 3)
+    assert u.tolist() == [3.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.5]
+    v = sums.clone()
+    StagedTensor(v).finish(4, True, None, 0)  # no quorum: the world size
+    assert v.tolist() == [1.5, 1.5, 1.5, 2.0, 2.0, 2.0, 2.25]

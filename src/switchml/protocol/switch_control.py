@@ -211,7 +211,11 @@ class SwitchControl:
                       nack_log_windows=cfg.nack_log_windows,
                       member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum,
                       history=cfg.quorum_history)
-            job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = self.config.nack_gap
+            # NACKs assume every rank is in every round; a quorum job's late ranks are not, and
+            # one rank's lost request stalls no round there: its loss recovery is the workers'
+            # re-sends (RETRY), answered from the round, the shadow set or the slot's history.
+            job.jobv[K.J.NACK_GAP] = job.jobv[K.J.NACK_BASE_GAP] = (
+                0 if asked.quorum else self.config.nack_gap)
             job.jobv[K.J.NACK_CALM] = self.config.nack_calm
             job.jobv[K.J.LOG_AT_RELEASE] = int(h.job in self.relayed_jobs)
             job.jobv[K.J.SHARDS] = self.config.shard_count

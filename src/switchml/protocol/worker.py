@@ -504,6 +504,7 @@ class WorkerEndpoint(WorkerControl):
         """Results of the operation in flight go through the compiled kernel, many per call;
         anything else datagram by datagram."""
         view = None
+        sifted = False
         i = 0
         while i < count:
             op = self._op
@@ -512,10 +513,12 @@ class WorkerEndpoint(WorkerControl):
             else:
                 nxt, code = self._take_results(op, buf, starts, lens, count, i, now)
             if code == K.WS.OTHER and nxt < count:
-                if self.spec.quorum:
-                    taken = self._keep_ahead(buf, starts, lens, nxt, count)
-                    if taken:
-                        i = nxt + taken
+                if self.spec.quorum and not sifted:
+                    sifted = True  # (once per batch: what is left holds none)
+                    rest = self._keep_ahead(buf, starts, lens, nxt, count)
+                    if rest is not None:
+                        starts, lens = starts[nxt:count][rest], lens[nxt:count][rest]
+                        i, count = 0, int(starts.size)
                         continue
                 if view is None:
                     view = memoryview(buf)
@@ -598,10 +601,11 @@ class WorkerEndpoint(WorkerControl):
         self._drops["stale_result"] += 1
 
     def _keep_ahead(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, i: int,
-                    count: int) -> int:
-        """The results of later operations from datagram ``i`` of a batch on (a quorum job's
-        rank behind the others gets them by multicast): checked and kept together, with
-        numpy, not one by one; returns how many (0: datagram ``i`` is not one of them)."""
+                    count: int) -> np.ndarray | None:
+        """The results of later operations among datagrams ``i`` .. ``count - 1`` of a batch
+        (a quorum job's rank behind the others gets them by multicast): checked and kept all
+        at once, with numpy, not one by one. Returns the mask of the other datagrams (what
+        the caller goes on with), or None when there were none."""
         s, ln = starts[i:count], lens[i:count]
         trailer = (self.spec.num_workers + 7) // 8
         at = np.where(ln >= _HDR, s, 0)  # (a short datagram's fields are read from 0: masked)
@@ -622,14 +626,13 @@ class WorkerEndpoint(WorkerControl):
               & (u(AT["job"], 4) == self.spec.job_id) & (u(AT["token"], 8) == self.spec.token)
               & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer)
               & (((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD))
-        n = int(ok.size if ok.all() else np.argmin(ok))  # the run of them from ``i``
-        if n == 0:
-            return 0
-        s, ln = s[:n], ln[:n]
+        if not ok.any():
+            return None
+        s, ln = s[ok], ln[ok]
         rel = np.concatenate(([0], np.cumsum(ln[:-1])))  # where each lands in the copy
         blob = buf[np.arange(int(ln.sum())) + np.repeat(s - rel, ln)]
-        self._store_ahead(blob, rel, ln.copy(), seq[:n], u(AT["chunk"], 4)[:n].astype(np.int64))
-        return n
+        self._store_ahead(blob, rel, ln.copy(), seq[ok], u(AT["chunk"], 4)[ok].astype(np.int64))
+        return ~ok
 
     def _store_ahead(self, blob: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                      seqs: np.ndarray, chunks: np.ndarray) -> None:

@@ -252,12 +252,21 @@ class StagedTensor:
         self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
         self.array = _as_numpy(self.flat)
 
-    def finish(self, size: int, average: bool, counts: np.ndarray | None = None) -> None:
+    def finish(self, size: int, average: bool, counts: np.ndarray | None = None,
+               block: int = 0) -> None:
         """Write the sum back into the user's tensor, in place (runs on the I/O thread);
-        with ``average``, divide it by ``size``, or in a quorum group by ``counts`` (how many
-        ranks each element's sum holds, one per element)."""
+        with ``average``, divide it by ``size``, or in a quorum group by ``counts``: how many
+        ranks each block of ``block`` elements holds (a k-of-n round always holds k: then
+        one scalar division, as without a quorum)."""
         t = self.tensor.detach()
-        divisor: Any = size if counts is None else torch.from_numpy(counts)
+        divisor: Any = size
+        if counts is not None and counts.size:
+            if (counts == counts[0]).all():
+                divisor, counts = int(counts[0]), None
+            else:  # per element (rare: a round that completed with another count)
+                divisor = torch.from_numpy(np.repeat(counts, block)[:t.numel()])
+        else:
+            counts = None
         if self.kind == "limbs":
             t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
         elif self.staging is not None:
@@ -408,10 +417,10 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             error = handle.exception()
             if error is None:
                 try:
-                    counts = handle.contributor_counts()
+                    counts = handle.contributors  # per block, in a quorum group
                     if counts is not None:
                         self._note_contributors(counts)
-                    plan.finish(size, average, counts)
+                    plan.finish(size, average, counts, handle.block)
                 except Exception as exc:  # surfaced through the future
                     error = exc
             if error is not None:
