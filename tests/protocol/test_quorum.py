@@ -379,3 +379,68 @@ def test_results_beyond_the_keep_budget_are_dropped_and_counted():
     w.receive_many(_batch_of(results), 2.0)
     assert w.counters.get("results_kept_ahead", 0) == 0
     assert w.drops["ahead_dropped"] == len(results)
+
+
+def test_a_dead_rank_does_not_stop_a_quorum_job():
+    """Rank 3 of 4 (quorum 3) dies after the first operation, and the switch soon counts it
+    gone (its member timeout). Ranks 0 and 1 then start each operation before rank 2 and
+    re-send into the open rounds: the switch answers WAITING for ranks 2 and 3, 3 gone, which
+    fails a job without a quorum naming it; a quorum job waits for rank 2 and goes on, every
+    operation complete, without a restart."""
+    from switchml.protocol.config import SwitchConfig, WorkerConfig
+    from switchml.protocol.errors import OperationFailed
+    from switchml.transport.memory import MemoryCluster
+    for quorum in (3, None):
+        sw = SwitchDataplane(SwitchConfig(member_timeout_s=0.5))
+        c = MemoryCluster(num_workers=4, window=4, elements_per_packet=8, quorum=quorum,
+                          seed=3, switch=sw,
+                          worker_config=WorkerConfig(initial_rto_s=0.05, max_rto_s=0.2,
+                                                     op_timeout_s=5.0))
+        c.wait(c.start(_one_hot(4, 100, np.int32)))
+        c.fabric.detach(c.addresses[3])  # rank 3 is gone: no datagram to or from it
+        t = c.fabric.now
+        c.fabric.run(lambda: c.fabric.now > t + 1.0)  # past the member timeout
+        for _ in range(3):
+            xs = _one_hot(4, 100, np.int32)[:3]
+            early = c.start(xs[:2], ranks=[0, 1])
+            t = c.fabric.now
+            c.fabric.run(lambda early=early: c.fabric.now > t + 0.3 or any(
+                h.done() for h in early))  # re-sends, WAITING answers
+            if quorum is None:
+                with pytest.raises(OperationFailed, match=r"waits for rank\(s\) \[3\]"):
+                    c.wait(early)
+                break
+            assert not any(h.done() for h in early)
+            hs = early + c.start(xs[2:], ranks=[2])
+            c.wait(hs)
+            assert all((h.result() == 7).all() for h in hs)
+        if quorum is not None:
+            assert c.workers[0].counters["waiting_for_gone_ranks"] > 0
+
+
+def test_a_rank_behind_within_an_operation_takes_the_later_results_it_was_sent():
+    """One lane, eight chunks, quorum 3 of 4: the result of chunk 1 never reaches rank 3, so
+    its lane waits there while the others finish every chunk. Rank 3's one re-send gets chunk
+    1 from the slot's history; chunks 2..7 it already has (kept as they came by multicast):
+    it completes with one re-send, not one per chunk, and the same sum."""
+    from switchml.protocol.config import WorkerConfig
+    from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
+    lost = []
+
+    def drop(payload, src, dst):  # chunk 1's result, on its way to rank 3, once
+        if (not lost and dst[0].endswith(".3") and payload[3] == int(MessageType.RESULT)
+                and int.from_bytes(payload[24:28], "little") == 1):
+            lost.append(1)
+            return True
+        return False
+
+    fabric = MemoryFabric(FaultModel(latency_s=1e-4), 0, drop_filter=drop)
+    c = MemoryCluster(num_workers=4, window=1, elements_per_packet=4, quorum=3, seed=0,
+                      fabric=fabric,
+                      worker_config=WorkerConfig(initial_rto_s=0.05, max_rto_s=0.2))
+    xs = _one_hot(4, 32, np.int32)
+    c.wait(c.start(xs))
+    assert lost and all((x == xs[0]).all() for x in xs)
+    counters = c.workers[3].counters
+    assert counters["retransmissions"] == 1, counters
+    assert counters["results_kept_ahead"] >= 6 and counters["results_received"] == 8

@@ -54,3 +54,18 @@ def test_avg_in_a_quorum_group_divides_each_block_by_its_contributors(staged):
     v = sums.clone()
     StagedTensor(v).finish(4, True, None, 0)  # no quorum: the world size
     assert v.tolist() == [1.5, 1.5, 1.5, 2.0, 2.0, 2.0, 2.25]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_mid_training_does_not_stop_a_quorum_group():
+    """Rank 3 of 4 exits abruptly at step 3 of 8 (DDP over a quorum group of 3): the others
+    finish every step, none waiting anything like the group's timeout, with the same
+    parameters, bit for bit."""
+    world, die_rank, die_step, steps = 4, 3, 3, 8
+    with tp.Procs(deadline_s=100) as procs:
+        procs.start_ranks(tp.quorum_dying_body, world, die_rank, die_step, steps)
+        res = procs.results([0, 1, 2])
+    for r in (0, 1, 2):
+        assert len(res[r]["step_s"]) == steps
+        assert max(res[r]["step_s"][die_step:]) < 5.0, res[r]["step_s"]
+        assert res[r]["params"].tobytes() == res[0]["params"].tobytes()

@@ -703,3 +703,40 @@ def quorum_body(rank: int, world: int, q: Any, quorum: int, slow_rank: int, dela
     dist.destroy_process_group()
     return {"sums": sums, "seconds": seconds, "step_s": step_s, "params": params,
             "exact": exact.numpy(), "stats": stats}
+
+
+def quorum_dying_body(rank: int, world: int, q: Any, die_rank: int, die_step: int,
+                      steps: int) -> dict[str, Any]:
+    """DDP over a quorum group of ``world - 1`` with ``quorum_hook``; ``die_rank`` exits
+    abruptly (``os._exit``) before step ``die_step``'s backward. The others report their
+    trained parameters and each step's time."""
+    import numpy as np
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import switchml.torch
+    from switchml.torch.hooks import quorum_hook
+
+    _init("switchml", timeout_s=20.0)
+    group = switchml.torch.new_quorum_group(world - 1,
+                                            timeout=datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    net = DDP(model, process_group=group)
+    net.register_comm_hook(group, quorum_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    step_s = []
+    for step in range(steps):
+        loss = net(torch.randn(32, 16, generator=g)).square().mean()
+        opt.zero_grad()
+        if rank == die_rank and step == die_step:
+            exit_now(q, ("died", rank, step))
+        t0 = time.monotonic()
+        loss.backward()
+        opt.step()
+        step_s.append(time.monotonic() - t0)
+    params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    exit_now(q, ("result", rank, {"params": params, "step_s": step_s,
+                                  "stats": switchml.torch.stats(group)}))
+    return {}

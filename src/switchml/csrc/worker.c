@@ -670,13 +670,17 @@ static inline void mark_nack_resend(op_t *o, int64_t i, int64_t p, int64_t chunk
         o->tx8[lane_row(o, i) + H_FLAGS] |= F_RESENT;
 }
 
-/* Whether the result at d[off:] is of a later operation of this quorum job (up to
-   QUORUM_AHEAD): a rank that fell behind gets the others' results before it starts their
-   operations, and Python keeps them for then (stream.py's _ahead). */
+/* Whether the result at d[off:] is ahead of this quorum job's rank: of a later operation (up
+   to QUORUM_AHEAD), or of this one for a chunk its lane has not reached. A rank that fell
+   behind gets the others' results before it needs them, and Python keeps them for then
+   (stream.py's _ahead). */
 static inline int result_ahead(const uint8_t *d, int64_t off, const op_t *o)
 {
     int64_t ahead = (rd_u32(d, off + H_SEQ) - OPV(o, OP_SEQ)) & 0xFFFFFFFFLL;
-    return ahead > 0 && ahead <= QUORUM_AHEAD;
+    if (ahead)
+        return ahead <= QUORUM_AHEAD;
+    int64_t p = rd_u32(d, off + H_CHUNK), c = LANE(o, LN_CHUNK, p % OPV(o, OP_E));
+    return p < OPV(o, OP_T) && c >= 0 && c < p; /* this operation, a chunk the lane awaits */
 }
 
 /* The lane whose chunk this result answers, or -1 (stale, repeated or foreign: counted). */

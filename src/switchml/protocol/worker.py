@@ -145,6 +145,7 @@ class WorkerEndpoint(WorkerControl):
         # (bytes, starts, lengths, chunks) (``_keep_ahead``).
         self._ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._ahead_bytes = 0
+        self._feeding = False  # (``_feed_kept`` runs the receive path itself)
         self._out: list[tuple[_Data, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
@@ -275,17 +276,17 @@ class WorkerEndpoint(WorkerControl):
         if self._ahead:
             self._take_ahead(op, now)
 
-    def _take_ahead(self, op: Operation, now: float) -> None:
+    def _take_ahead(self, op: Operation, now: float, drop_older: bool = True) -> None:
         """A quorum job's rank that fell behind: the results of ``op`` the switch multicast
-        before this rank started it go through the results kernel now, in chunk order (each
+        before this rank needed them go through the results kernel now, in chunk order (each
         releases its lane's next chunk, whose result follows). Kept results of earlier
-        operations are dropped."""
+        operations are dropped (``drop_older``)."""
         mine = self._ahead.pop(op.seq, [])
-        for seq in [s for s in self._ahead if ((op.seq - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(p[0].size for p in self._ahead.pop(seq))
+        for seq in [s for s in self._ahead if drop_older and ((op.seq - s) & _MASK32) < _HALF]:
+            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
         if not mine:
             return
-        self._ahead_bytes -= sum(p[0].size for p in mine)
+        self._ahead_bytes -= sum(int(p[2].sum()) for p in mine)
         buf = np.concatenate([p[0] for p in mine])
         offsets = np.cumsum([0] + [p[0].size for p in mine[:-1]])
         starts = np.concatenate([p[1] + o for p, o in zip(mine, offsets)])
@@ -493,8 +494,8 @@ class WorkerEndpoint(WorkerControl):
         anything they leave to it."""
         op = self._op
         if (op is None or self.state is not WorkerState.BUSY or self.recovery.fast_retransmit
-                or len(self.switch_addresses) > 1):
-            return None
+                or len(self.switch_addresses) > 1 or self._ahead.get(op.seq)):
+            return None  # (kept results of it: a lane reaching one takes it here, in Python)
         return op, self.config.op_timeout_s
 
     # -- Receiving ---------------------------------------------------------------------------
@@ -503,6 +504,32 @@ class WorkerEndpoint(WorkerControl):
                  now: float) -> None:
         """Results of the operation in flight go through the compiled kernel, many per call;
         anything else datagram by datagram."""
+        self._receive_batch(buf, starts, lens, count, now)
+        op = self._op
+        if op is not None and not self._feeding and self._ahead.get(op.seq):
+            self._feed_kept(op, now)
+
+    def _feed_kept(self, op: Operation, now: float) -> None:
+        """Kept results of the operation in flight whose lane has reached their chunk go
+        through the results kernel, in chunk order (each releases its lane's next chunk,
+        whose kept result may follow): a rank the quorum left behind catches up from what it
+        was multicast. The kernel hands back those still ahead, kept again."""
+        self._feeding = True
+        try:
+            while self._op is op and (pieces := self._ahead.get(op.seq)):
+                chunks = np.concatenate([p[3] for p in pieces])
+                if not (op.lane[K.LN.CHUNK][chunks % op.E] == chunks).any():
+                    return
+                before = int(self._cnt[K.WC.RESULTS])
+                self._take_ahead(op, now, drop_older=False)
+                if int(self._cnt[K.WC.RESULTS]) == before:
+                    return
+        finally:
+            self._feeding = False
+
+    def _receive_batch(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                       count: int, now: float) -> None:
+        """``_receive``'s loop."""
         view = None
         sifted = False
         i = 0
@@ -619,19 +646,26 @@ class WorkerEndpoint(WorkerControl):
         flags, elem = buf[at + AT["flags"]], buf[at + AT["elem"]]
         isz = np.where(elem == 1, 4, np.where(elem == 2, 2, 0))
         seq = u(AT["seq"], 4).astype(np.int64)
+        chunk = u(AT["chunk"], 4).astype(np.int64)
+        ahead = ((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD  # a later operation
+        op = self._op
+        if op is not None and self.state is WorkerState.BUSY:  # this one, a lane's later chunk
+            reached = op.lane[K.LN.CHUNK][chunk % op.E]
+            ahead |= (seq == op.seq) & (chunk < op.T) & (reached >= 0) & (reached < chunk)
         ok = ((ln >= _HDR) & (u(AT["magic"], 2) == _MAGIC) & (buf[at + AT["version"]] == _VERSION)
               & (buf[at + AT["type"]] == int(MessageType.RESULT))
               & ((flags & (0xFF ^ _RESULT_FLAGS)) == 0) & ((flags & int(Flags.CONTRIBUTORS)) != 0)
               & (buf[at + AT["set"]] <= 1) & (isz > 0)
               & (u(AT["job"], 4) == self.spec.job_id) & (u(AT["token"], 8) == self.spec.token)
-              & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer)
-              & (((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD))
+              & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer) & ahead)
         if not ok.any():
             return None
         s, ln = s[ok], ln[ok]
-        rel = np.concatenate(([0], np.cumsum(ln[:-1])))  # where each lands in the copy
-        blob = buf[np.arange(int(ln.sum())) + np.repeat(s - rel, ln)]
-        self._store_ahead(blob, rel, ln.copy(), seq[ok], u(AT["chunk"], 4)[ok].astype(np.int64))
+        # One copy of the span they lie in (a receive batch is one buffer, mostly of them):
+        # a memcpy, where gathering datagram by datagram cost more than the step's compute.
+        lo = int(s.min())
+        blob = buf[lo:int((s + ln).max())].copy()
+        self._store_ahead(blob, s - lo, ln.copy(), seq[ok], chunk[ok])
         return ~ok
 
     def _store_ahead(self, blob: np.ndarray, starts: np.ndarray, lens: np.ndarray,
@@ -639,10 +673,11 @@ class WorkerEndpoint(WorkerControl):
         """Keep results (``blob[starts[j]:][:lens[j]]``, of operation ``seqs[j]``, chunk
         ``chunks[j]``) for when this rank starts their operations, within
         ``quorum_keep_bytes``."""
-        if self._ahead_bytes + blob.size > self.config.quorum_keep_bytes:
+        size = int(lens.sum())  # (counted by the results: a blob may hold others between them)
+        if self._ahead_bytes + size > self.config.quorum_keep_bytes:
             self._drops["ahead_dropped"] += int(starts.size)
             return
-        self._ahead_bytes += blob.size
+        self._ahead_bytes += size
         self._counters["results_kept_ahead"] += int(starts.size)
         for seq in np.unique(seqs).tolist():
             pick = seqs == seq
@@ -660,7 +695,12 @@ class WorkerEndpoint(WorkerControl):
         missing = int.from_bytes(raw[:nb], "little")
         self.recovery.on_waiting(op, h.chunk, missing, now)
         gone = int.from_bytes(raw[nb:2 * nb], "little") & missing
-        if gone:
+        n, quorum = self.spec.num_workers, self.spec.quorum
+        if gone and quorum is not None and n - gone.bit_count() >= quorum:
+            # A quorum job: the ranks still alive can complete the round without the gone
+            # ones (the round has the others' chunks, or will).
+            self._counters["waiting_for_gone_ranks"] += 1
+        elif gone:
             ranks = [r for r in range(self.spec.num_workers) if gone >> r & 1]
             self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): "
                        f"the switch at {self._switch_text} waits for rank(s) {ranks}, which "

@@ -265,11 +265,17 @@ def _result_length(d, o, ln, opv):
     return isz
 
 
-def _ahead(d, o, opv):
-    """Whether the RESULT at ``d[o:]`` is of a later operation of this quorum job (up to
-    ``QUORUM_AHEAD``): a rank that fell behind gets the others' results before it starts
-    their operations, and Python keeps them for then (``worker.py``)."""
-    return 0 < ((u32(d, o + H_SEQ) - opv[OP.SEQ]) & 0xFFFFFFFF) <= QUORUM_AHEAD
+def _ahead(d, o, opv, lane):
+    """Whether the RESULT at ``d[o:]`` is ahead of this quorum job's rank: of a later
+    operation (up to ``QUORUM_AHEAD``), or of this one for a chunk its lane has not reached.
+    A rank that fell behind gets the others' results before it needs them, and Python keeps
+    them for then (``worker.py``)."""
+    ahead = (u32(d, o + H_SEQ) - opv[OP.SEQ]) & 0xFFFFFFFF
+    if ahead:
+        return ahead <= QUORUM_AHEAD
+    p = u32(d, o + H_CHUNK)
+    c = lane[LN.CHUNK, p % opv[OP.E]]
+    return p < opv[OP.T] and 0 <= c < p
 
 
 def _note_contributors(d, o, ln, p, opv, cnt, contrib):
@@ -510,7 +516,7 @@ def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, r
                 mark_nack_resend(ln_i, p, chunk, opv, lane, tx8)
                 queue_lane(ln_i, opv, sendq)
             continue
-        if opv[OP.TRAILER] and _ahead(d, o, opv):
+        if opv[OP.TRAILER] and _ahead(d, o, opv, lane):
             return i, WS.OTHER.value
         i += 1
         ln_i = _lane_of(d, o, opv, lane, cnt)
