@@ -381,6 +381,10 @@ def test_results_beyond_the_keep_budget_are_dropped_and_counted():
     assert w.drops["ahead_dropped"] == len(results)
 
 
+def _after(fabric, t):
+    return fabric.now > t
+
+
 def test_a_dead_rank_does_not_stop_a_quorum_job():
     """Rank 3 of 4 (quorum 3) dies after the first operation, and the switch soon counts it
     gone (its member timeout). Ranks 0 and 1 then start each operation before rank 2 and
@@ -398,13 +402,12 @@ def test_a_dead_rank_does_not_stop_a_quorum_job():
                                                      op_timeout_s=5.0))
         c.wait(c.start(_one_hot(4, 100, np.int32)))
         c.fabric.detach(c.addresses[3])  # rank 3 is gone: no datagram to or from it
-        t = c.fabric.now
-        c.fabric.run(lambda: c.fabric.now > t + 1.0)  # past the member timeout
+        c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))  # member timeout
         for _ in range(3):
             xs = _one_hot(4, 100, np.int32)[:3]
             early = c.start(xs[:2], ranks=[0, 1])
-            t = c.fabric.now
-            c.fabric.run(lambda early=early: c.fabric.now > t + 0.3 or any(
+            until = functools.partial(_after, c.fabric, c.fabric.now + 0.3)
+            c.fabric.run(lambda early=early, until=until: until() or any(
                 h.done() for h in early))  # re-sends, WAITING answers
             if quorum is None:
                 with pytest.raises(OperationFailed, match=r"waits for rank\(s\) \[3\]"):
