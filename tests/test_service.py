@@ -23,12 +23,13 @@ def _no_secret(monkeypatch):
 def test_a_shard_runs_the_same_switch_on_its_own_port():
     spec = SwitchSpec(port=9000, pool_slots=64, lease_timeout_s=5.0, nack_gap=2,
                       stats_interval_s=1.0, member_timeout_s=3.0, metrics_port=9109,
-                      log_level="warning")
+                      log_level="warning", quorum_history=5)
     assert service.shard_argv(spec, 1, 3) == [
         sys.executable, "-m", "switchml", "--log-level", "warning", "switch",
         "--host", "127.0.0.1", "--port", "9001", "--shard", "1/3", "--pool-slots", "64",
         "--lease-timeout-s", "5.0", "--nack-gap", "2", "--stats-interval-s", "1.0",
-        "--member-timeout-s", "3.0", "--metrics-port", "9110", "--stop-on-stdin-eof"]
+        "--member-timeout-s", "3.0", "--quorum-history", "5", "--metrics-port", "9110",
+        "--stop-on-stdin-eof"]
     tail = service.shard_argv(SwitchSpec(metrics_port=0, secret_file="/s", insecure=True,
                                          mtu=9000, batching=False), 0, 2)
     assert tail[tail.index("--metrics-port") + 1] == "0"

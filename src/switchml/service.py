@@ -68,6 +68,7 @@ class SwitchSpec:
     lease_timeout_s: float = 30.0
     member_timeout_s: float = 20.0
     nack_gap: int = 4
+    quorum_history: int = 16
     secret_file: str | None = None
     insecure: bool = False
     metrics_port: int = 9109
@@ -124,7 +125,8 @@ def _switch_config(spec: SwitchSpec, secret: bytes | None, **extra: Any) -> Any:
     from switchml.protocol.config import SwitchConfig
     return SwitchConfig(pool_slots=spec.pool_slots, lease_timeout_s=spec.lease_timeout_s,
                         secret=secret, nack_gap=spec.nack_gap,
-                        member_timeout_s=spec.member_timeout_s, **extra)
+                        member_timeout_s=spec.member_timeout_s,
+                        quorum_history=spec.quorum_history, **extra)
 
 
 def rack_aggregator(spec: SwitchSpec, secret: bytes | None) -> RackAggregator:
@@ -254,6 +256,7 @@ def shard_argv(spec: SwitchSpec, i: int, shards: int) -> list[str]:
             "--pool-slots", str(spec.pool_slots), "--lease-timeout-s", str(spec.lease_timeout_s),
             "--nack-gap", str(spec.nack_gap), "--stats-interval-s", str(spec.stats_interval_s),
             "--member-timeout-s", str(spec.member_timeout_s),
+            "--quorum-history", str(spec.quorum_history),
             "--metrics-port", str(spec.metrics_port + i if spec.metrics_port else 0),
             "--stop-on-stdin-eof"]
     if spec.secret_file:

@@ -43,6 +43,11 @@ def add_parser(sub: Subparsers) -> None:
                     help="loss recovery: tell a worker at once that a chunk of its is missing "
                          "when its later chunks arrive, tolerating this much reordering "
                          "(completions); 0 leaves recovery to the workers' timeouts (default 4)")
+    sw.add_argument("--quorum-history", type=int,
+                    default=int(env_default("quorum_history", 16)),
+                    help="quorum jobs: earlier rounds kept per slot, so that a rank the quorum "
+                         "left behind gets their results (each costs a job its window's slot "
+                         "memory once more; default 16)")
     sw.add_argument("--secret-file", default=env_default("secret_file", None),
                     help="file holding the secret needed to create jobs (workers pass it in "
                          "SWITCHML_SECRET); SWITCHML_SECRET also works here")
@@ -96,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> SwitchSpec:
         host=args.host, port=args.port, pool_slots=args.pool_slots,
         stats_interval_s=args.stats_interval_s, lease_timeout_s=args.lease_timeout_s,
         member_timeout_s=args.member_timeout_s, nack_gap=args.nack_gap,
+        quorum_history=args.quorum_history,
         secret_file=args.secret_file, insecure=args.insecure, metrics_port=args.metrics_port,
         mtu=args.mtu, batching=not args.no_batching and env.batching(),
         stop_on_stdin_eof=args.stop_on_stdin_eof, shards=args.shards, shard=args.shard,

@@ -80,6 +80,8 @@ class SwitchConfig:
         _check(self.nack_log_windows >= 1,
                f"nack_log_windows must be >= 1, got {self.nack_log_windows}")
         _check(self.nack_calm >= 1, f"nack_calm must be >= 1, got {self.nack_calm}")
+        _check(isinstance(self.quorum_history, int) and 0 <= self.quorum_history <= 1024,
+               f"quorum_history must be an integer in 0..1024, got {self.quorum_history!r}")
         _check(0 <= self.shard_index < self.shard_count,
                f"expected 0 <= shard_index < shard_count, got shard {self.shard_index} of "
                f"{self.shard_count}")
