@@ -180,7 +180,7 @@ def test_joins_that_disagree_about_the_quorum_are_refused():
         w.join(0.0)
         exchange({_addr(r): w, SW: sw}, 0.0)
     assert a.state is WorkerState.READY and b.state is not WorkerState.READY
-    assert "quorum=2; asked" in str(b.error) and "quorum=none" in str(b.error)
+    assert "quorum=2 (at 0 us: 0); asked" in str(b.error) and "quorum=none" in str(b.error)
 
 
 @pytest.mark.parametrize("quorum", [0, 4, -1, 2.0])
@@ -447,3 +447,93 @@ def test_a_rank_behind_within_an_operation_takes_the_later_results_it_was_sent()
     counters = c.workers[3].counters
     assert counters["retransmissions"] == 1, counters
     assert counters["results_kept_ahead"] >= 6 and counters["results_received"] == 8
+
+
+# -- the deadline: m ranks after D ------------------------------------------------------------
+
+def _deadline_job(n=3, quorum=3, quorum_min=2, deadline_s=0.01):
+    spec = JobSpec(job_id=9, token=0x0BAD_F00D_1234, num_workers=n, window=4,
+                   elements_per_packet=16, quorum=quorum, quorum_min=quorum_min,
+                   quorum_deadline_s=deadline_s)
+    sw = SwitchDataplane()
+    requests = []
+    for r in range(n):
+        w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+        x = np.array([1, 2, 3], np.int32) * 10 ** r
+        w.start_allreduce(x, np.empty_like(x), 0.0)
+        (d, _), = w.datagrams_to_send(0.0)
+        requests.append(bytes(d))
+    return sw, requests
+
+
+def test_at_the_deadline_a_round_completes_with_the_minimum():
+    """Quorum 3 of 3, but 10 ms after its first contribution a round with 2 completes."""
+    sw, req = _deadline_job()
+    assert _send(sw, 0, req[0], now=1.0) == []
+    assert _send(sw, 1, req[1], now=1.002) == []
+    assert sw.get_timer() == pytest.approx(1.010)
+    sw.handle_timer(1.009)
+    assert sw.datagrams_to_send(1.009) == []  # not yet
+    sw.handle_timer(1.0101)
+    out = [(bytes(d), a) for d, a in sw.datagrams_to_send(1.0101)]
+    assert sorted(a for _, a in out) == [_addr(0), _addr(1), _addr(2)]
+    h, payload, ranks = _result(out[0][0])
+    assert payload == [11, 22, 33] and ranks == 0b011 and h.rank == 3  # (3: the deadline)
+    assert sw.stats()["rounds_completed_at_deadline"] == 1
+    assert _send(sw, 2, req[2], now=1.02) == []  # late: the multicast reached it
+    assert _result(_send(sw, 2, _retry(req[2]), now=1.03)[0][0])[1:] == ([11, 22, 33], 0b011)
+
+
+def test_a_round_short_of_the_minimum_waits_past_the_deadline():
+    sw, req = _deadline_job(quorum_min=2)
+    _send(sw, 0, req[0], now=1.0)
+    assert sw.get_timer() > 1.5  # one contribution: nothing to complete (only the lease)
+    sw.handle_timer(1.5)
+    assert sw.datagrams_to_send(1.5) == []
+    assert _send(sw, 2, req[2], now=2.0) == []  # the second: due at once (opened at 1.0)
+    assert sw.get_timer() == pytest.approx(1.010)
+    sw.handle_timer(2.0)
+    h, payload, ranks = _result(sw.datagrams_to_send(2.0)[0][0])
+    assert payload == [101, 202, 303] and ranks == 0b101
+
+
+def test_expire_rounds_matches_the_reference():
+    from switchml.protocol import kernels as K
+    from switchml.protocol.kernels import aggregate
+    sw, req = _deadline_job(n=4, quorum=4, quorum_min=2)
+    for r in range(3):  # rounds with 1, 2 and 3 of 4, opened at different times
+        _send(sw, r, req[r], now=1.0 + r * 0.004)
+    job = next(iter(sw._jobs.values()))
+    arrays = [job.jobv, job.st, job.seen, job.conflict, job.bufs, job.clog, job.cursor,
+              job.mkeys, job.heard]
+    for now in (1.005, 1.02):
+        mine, ref = [a.copy() for a in arrays], [a.copy() for a in arrays]
+        cnt_a, cnt_b = np.zeros(K.SC.N, np.int64), np.zeros(K.SC.N, np.int64)
+        done_a, done_b = np.zeros((16, 3), np.int64), np.zeros((16, 3), np.int64)
+        na = K.expire_rounds(*mine, now, cnt_a, done_a)
+        nb = aggregate.expire_rounds(*ref, now, cnt_b, done_b)
+        assert na == nb == (0 if now < 1.01 else 1)
+        assert np.array_equal(done_a[:na], done_b[:nb]) and np.array_equal(cnt_a, cnt_b)
+        for a, b in zip(mine, ref):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_a_quorum_of_all_with_a_deadline_goes_on_without_a_dead_rank():
+    """Every rank's gradient while all answer (quorum 4 of 4); with rank 3 dead, each round
+    completes 20 ms after it opens with the other three, and AVG would divide by 3."""
+    from switchml.protocol.config import WorkerConfig
+    from switchml.transport.memory import MemoryCluster
+    c = MemoryCluster(num_workers=4, window=4, elements_per_packet=8, quorum=4, quorum_min=3,
+                      quorum_deadline_s=0.02, seed=2,
+                      worker_config=WorkerConfig(initial_rto_s=0.05, max_rto_s=0.2))
+    hs = c.start(_one_hot(4, 100, np.int32))
+    c.wait(hs)
+    assert all((h.result() == 15).all() and (h.contributor_counts() == 4).all() for h in hs)
+    c.fabric.detach(c.addresses[3])
+    t0 = c.fabric.now
+    hs = c.start(_one_hot(4, 100, np.int32)[:3], ranks=[0, 1, 2])
+    c.wait(hs)
+    assert all((h.result() == 7).all() and (h.contributor_counts() == 3).all() for h in hs)
+    assert 0.02 <= c.fabric.now - t0 < 2.0  # the deadline, not a timeout

@@ -656,7 +656,8 @@ def cuda_body(rank: int, world: int, q: Any) -> dict[str, Any]:
 # -- body: a quorum group with a straggler ---------------------------------------------------------
 
 def quorum_body(rank: int, world: int, q: Any, quorum: int, slow_rank: int, delay_s: float,
-                steps: int) -> dict[str, Any]:
+                steps: int, quorum_min: int | None = None,
+                deadline_s: float | None = None) -> dict[str, Any]:
     """All-reduces (AVG) over ``switchml.torch.new_quorum_group(quorum)`` while ``slow_rank``
     sleeps ``delay_s`` before each; then DDP training over the group with ``quorum_hook``,
     the slow rank sleeping before each backward; then an exact all-reduce on the default
@@ -670,7 +671,7 @@ def quorum_body(rank: int, world: int, q: Any, quorum: int, slow_rank: int, dela
     from switchml.torch.hooks import quorum_hook
 
     _init("switchml", timeout_s=20.0)
-    group = switchml.torch.new_quorum_group(quorum)
+    group = switchml.torch.new_quorum_group(quorum, quorum_min=quorum_min, deadline_s=deadline_s)
     sums, seconds = [], []
     for _ in range(steps):
         if rank == slow_rank:

@@ -273,7 +273,7 @@ def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
                            exp_data=rng.randrange(-2000, 2000)) + bytes(4 * count_)
         elif kind == 4:  # JOIN floods for new jobs (each would take slots if accepted)
             data = _header(type=_T.JOIN, job=rng.getrandbits(32), token=rng.getrandbits(64),
-                           count=20, elem=ElementType.BYTES) + pack_control_info(ControlInfo(
+                           count=28, elem=ElementType.BYTES) + pack_control_info(ControlInfo(
                                num_workers=rng.randrange(1, 5000),
                                window=rng.randrange(1, 100000), elements_per_packet=16000,
                                slot_base=0))

@@ -73,20 +73,27 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
 
 def encode_job_spec(spec: JobSpec) -> str:
     """Encode as ``job_id:token:n:window:k`` (hex token), for environment variables, with
-    ``:scale_workers`` appended when it is set, then ``:q<quorum>`` when that is."""
+    ``:scale_workers`` appended when it is set, then ``:q<quorum>`` when that is, then
+    ``:m<quorum_min>:d<deadline in microseconds>`` with a deadline."""
     text = (f"{spec.job_id}:{spec.token:016x}:{spec.num_workers}:{spec.window}:"
             f"{spec.elements_per_packet}")
     if spec.scale_workers is not None:
         text += f":{spec.scale_workers}"
-    return text if spec.quorum is None else f"{text}:q{spec.quorum}"
+    if spec.quorum is not None:
+        text += f":q{spec.quorum}"
+    if spec.quorum_deadline_s is not None:
+        text += f":m{spec.quorum_min}:d{round(spec.quorum_deadline_s * 1e6)}"
+    return text
 
 
 def decode_job_spec(text: str) -> JobSpec:
     """Inverse of :func:`encode_job_spec`; raises ConfigError with the reason."""
     parts = text.strip().split(":")
-    quorum = None
-    if len(parts) > 5 and parts[-1].startswith("q"):
-        quorum = parts.pop()[1:]
+    tagged: dict[str, str] = {}
+    while len(parts) > 5 and parts[-1][:1] in ("q", "m", "d") and parts[-1][:1] not in tagged:
+        tag = parts.pop()
+        tagged[tag[0]] = tag[1:]
+    quorum = tagged.get("q")
     if len(parts) not in (5, 6):
         raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers][:q<quorum>], got "
                           f"{text!r}")
@@ -95,7 +102,10 @@ def decode_job_spec(text: str) -> JobSpec:
         token = int(parts[1], 16)
         scale = int(parts[5]) if len(parts) == 6 else None
         quorum = int(quorum) if quorum is not None else None
+        qmin = int(tagged["m"]) if "m" in tagged else None
+        deadline = int(tagged["d"]) * 1e-6 if "d" in tagged else None
     except ValueError as exc:
         raise ConfigError(f"bad job spec {text!r}: {exc}") from exc
     return JobSpec(job_id=job_id, token=token, num_workers=n, window=window,
-                   elements_per_packet=k, scale_workers=scale, quorum=quorum)
+                   elements_per_packet=k, scale_workers=scale, quorum=quorum,
+                   quorum_min=qmin, quorum_deadline_s=deadline)

@@ -169,6 +169,8 @@
 #define J_QUORUM 21
 #define J_TRAILER 22
 #define J_HISTORY 23
+#define J_QUORUM_MIN 24
+#define J_DEADLINE_US 25
 
 #define S_SEQ 0
 #define S_CHUNK 1
@@ -181,6 +183,7 @@
 #define S_MISSING 8
 #define S_DONE_AT 9
 #define S_HPOS 10
+#define S_OPENED_AT 11
 
 #define SC_STALE 0
 #define SC_BAD_SLOT 1
@@ -195,7 +198,8 @@
 #define SC_NACKS 10
 #define SC_LATE_ANSWERED 11
 #define SC_OLD_ANSWERED 12
-#define SC_N 13
+#define SC_DEADLINE_COMPLETED 13
+#define SC_N 14
 
 #define SS_DONE 0
 #define SS_OTHER 1
@@ -254,8 +258,8 @@
 #define R_FIELDS 16
 #define LN_FIELDS 8
 #define LNF_FIELDS 3
-#define J_FIELDS 24
-#define S_FIELDS 11
+#define J_FIELDS 26
+#define S_FIELDS 12
 #define RV_FIELDS 7
 #define U_FIELDS 6
 #define UT_FIELDS 2

@@ -138,6 +138,13 @@ static inline int64_t action_of(const job_t *j, const request_t *r, int64_t rank
     return j->rules[(((quorum * 3 + order) * 2 + contributed) * 2 + complete) * 2 + agree];
 }
 
+/* The switch's clock (seconds) in whole microseconds, to nearest (aggregate.py's
+   _microseconds): a deadline computed back in seconds compares equal. */
+static inline int64_t micros(double t)
+{
+    return (int64_t)floor(t * 1e6 + 0.5);
+}
+
 /* The bytes of the result datagram of (slot s, set v). */
 static inline int64_t result_size(const job_t *j, int64_t v, int64_t s)
 {
@@ -171,12 +178,14 @@ static inline int64_t find_old(const job_t *j, const request_t *r)
 /* A new round: the first contributor overwrites (no explicit reset of a slot); it completes
    with the job's quorum of contributions, else with every rank's. A quorum job keeps the
    round it overwrites (archive). */
-static inline void start_round(job_t *j, const request_t *r, int64_t rank, const uint8_t *pay)
+static inline void start_round(job_t *j, const request_t *r, int64_t rank, const uint8_t *pay,
+                               double now)
 {
     int64_t v = r->v, s = r->s;
     if (STV(j, S_SEQ, v, s) >= 0 && STV(j, S_MISSING, v, s) != 0)
         j->cnt[SC_ABANDONED] += 1; /* only after a failed operation */
     archive(j, v, s);
+    STV(j, S_OPENED_AT, v, s) = micros(now); /* a quorum job's deadline counts from here */
     memcpy(BUF(j, v, s) + HDR, pay, (size_t)(r->count * r->itemsize));
     STV(j, S_SEQ, v, s) = r->seq;
     STV(j, S_CHUNK, v, s) = r->chunk;
@@ -247,32 +256,65 @@ static inline void log_release(job_t *j, int64_t v, int64_t s, int64_t seq, int6
     }
 }
 
-/* The round's last contribution: the result header into the slot's buffer (and a quorum
-   job's contributor bitmap after the payload), the completion logged (NACKs), and listed in
-   done. */
-static inline void complete(job_t *j, const request_t *r, int64_t rank, int64_t *done,
-                            int64_t ndone)
+/* Complete the round of (slot s, set v): the result header into the slot's buffer (and a
+   quorum job's contributor bitmap after the payload), the completion logged (NACKs), and
+   listed in done; rank: who completed it (the header's rank field). */
+static inline void complete_round(job_t *j, int64_t v, int64_t s, int64_t rank, int64_t *done,
+                                  int64_t ndone)
 {
-    int64_t v = r->v, s = r->s;
-    int64_t size = HDR + r->itemsize * r->count, trailer = JV(j, J_TRAILER);
+    int64_t seq = STV(j, S_SEQ, v, s), chunk = STV(j, S_CHUNK, v, s);
+    int64_t count = STV(j, S_COUNT, v, s), elem = STV(j, S_ELEM, v, s);
+    int64_t size = HDR + (elem == E_INT32 ? 4 : 2) * count, trailer = JV(j, J_TRAILER);
     int64_t flags = STV(j, S_FLAGS, v, s);
     if (trailer > 0) {
         flags |= F_CONTRIBUTORS;
         for (int64_t b = 0; b < trailer; b++)
             BUF(j, v, s)[size + b] = (uint8_t)(SEENW(j, v, s, b >> 3) >> (8 * (b & 7)));
     }
-    write_header(BUF(j, v, s), 0, T_RESULT, flags, v, rank, JV(j, J_JOB),
-                 JV(j, J_TOKEN), r->seq, r->chunk, s + JV(j, J_SLOT_BASE), r->count, r->elem,
-                 STV(j, S_DIGEST, v, s), STV(j, S_EXP_DATA, v, s), STV(j, S_EXP_NEXT, v, s));
+    write_header(BUF(j, v, s), 0, T_RESULT, flags, v, rank, JV(j, J_JOB), JV(j, J_TOKEN), seq,
+                 chunk, s + JV(j, J_SLOT_BASE), count, elem, STV(j, S_DIGEST, v, s),
+                 STV(j, S_EXP_DATA, v, s), STV(j, S_EXP_NEXT, v, s));
     if (JV(j, J_LOG_AT_RELEASE))
         STV(j, S_DONE_AT, v, s) = -1; /* not released yet: no chunk can follow it */
     else
-        log_release(j, v, s, r->seq, r->chunk);
+        log_release(j, v, s, seq, chunk);
     done[ndone * 3] = v;
     done[ndone * 3 + 1] = s;
     done[ndone * 3 + 2] = size + trailer;
     j->cnt[SC_MULTICAST] += 1;
-    JV(j, J_AGGREGATED) += r->count;
+    JV(j, J_AGGREGATED) += count;
+}
+
+/* The round's last contribution (complete_round). */
+static inline void complete(job_t *j, const request_t *r, int64_t rank, int64_t *done,
+                            int64_t ndone)
+{
+    complete_round(j, r->v, r->s, rank, done, ndone);
+}
+
+/* A quorum job's deadline (aggregate.py's expire_rounds): complete every open round with at
+   least J_QUORUM_MIN contributions that opened J_DEADLINE_US or longer before now. */
+static int64_t expire_rounds(job_t *j, double now, int64_t *done, int64_t cap)
+{
+    int64_t d = JV(j, J_DEADLINE_US), k = JV(j, J_QUORUM), m = JV(j, J_QUORUM_MIN), nd = 0;
+    if (d <= 0 || k <= 0)
+        return 0;
+    int64_t now_us = micros(now);
+    for (int64_t v = 0; v < 2; v++) {
+        for (int64_t s = 0; s < JV(j, J_WINDOW); s++) {
+            int64_t missing = STV(j, S_MISSING, v, s);
+            if (STV(j, S_SEQ, v, s) >= 0 && missing > 0 && k - missing >= m
+                && now_us - STV(j, S_OPENED_AT, v, s) >= d) {
+                if (nd == cap)
+                    return nd;
+                STV(j, S_MISSING, v, s) = 0;
+                complete_round(j, v, s, JV(j, J_N), done, nd);
+                j->cnt[SC_DEADLINE_COMPLETED] += 1;
+                nd += 1;
+            }
+        }
+    }
+    return nd;
 }
 
 /* ---- switch-driven loss recovery (aggregate.py's _behind_on explains) ------------------- */
@@ -552,7 +594,7 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
         const uint8_t *pay = d + o + HDR;
         int conflicted = 0;
         if (action == A_START_ROUND)
-            start_round(j, &r, rank, pay);
+            start_round(j, &r, rank, pay, now);
         else
             conflicted = add(j, &r, rank, pay);
         clear_bit(j->seen, j, 1 - r.v, r.s, rank); /* frees the rank from the other set */
@@ -940,6 +982,34 @@ static PyObject *py_switch_requests(PyObject *self, PyObject *const *args, Py_ss
     release(&b);
     return Py_BuildValue("(LLLL)", (long long)nxt, (long long)ndone, (long long)nreply,
                          (long long)code);
+fail:
+    release(&b);
+    return NULL;
+}
+
+/* expire_rounds(jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, now, cnt, done)
+   -> ndone */
+static PyObject *py_expire_rounds(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(12);
+    bufs_t b = {.n = 0};
+    job_t j;
+    Py_buffer *v;
+    double now;
+    int64_t nd;
+    if (get_job(&b, args, 0, &j) < 0) goto fail;
+    F64(now, 9);
+    if (!(v = getbuf(&b, args[10], "cnt", B(K_I64), 1))) goto fail;
+    if (v->len / 8 < SC_N) { PyErr_SetString(PyExc_ValueError, "cnt is too short"); goto fail; }
+    j.cnt = v->buf;
+    if (!(v = getbuf(&b, args[11], "done", B(K_I64), 1))) goto fail;
+    if (v->ndim != 2 || v->shape[1] != 3) {
+        PyErr_SetString(PyExc_ValueError, "done must be (rows, 3) int64");
+        goto fail;
+    }
+    nd = expire_rounds(&j, now, v->buf, v->shape[0]);
+    release(&b);
+    return PyLong_FromLongLong((long long)nd);
 fail:
     release(&b);
     return NULL;
@@ -1398,6 +1468,8 @@ static PyMethodDef methods[] = {
       "reply_meta) -> (next, ndone, nreply, code): aggregate one job's REQUESTs of a batch"),
     M(plan_result_runs, "plan_result_runs(pend, n, stride, max_segments, max_bytes, runs) "
       "-> runs"),
+    M(expire_rounds, "expire_rounds(jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, "
+      "now, cnt, done) -> ndone: complete a quorum job's rounds at their deadline"),
     M(log_releases, "log_releases(jobv, st, clog, sendq, nsend)"),
     M(request_framing, "request_framing(d, o, n) -> bool"),
     M(relay_up, "relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq) -> n"),

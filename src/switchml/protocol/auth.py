@@ -49,9 +49,10 @@ def job_key(secret: bytes | None, job: int, token: int) -> bytes:
 def join_proof(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,
                cookie: bytes) -> bytes:
     """A JOIN's proof: the job key over everything the JOIN asks for and the switch's cookie."""
-    return _mac(key, b"JOIN", struct.pack("<IQHIIIII", job, token, rank, seq, info.num_workers,
-                                          info.window, info.elements_per_packet, info.quorum),
-                cookie)
+    return _mac(key, b"JOIN", struct.pack("<IQHIIIIIII", job, token, rank, seq,
+                                          info.num_workers, info.window,
+                                          info.elements_per_packet, info.quorum,
+                                          info.quorum_min, info.deadline_us), cookie)
 
 
 def join_datagram(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,

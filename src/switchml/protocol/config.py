@@ -158,6 +158,12 @@ class JobSpec:
     same result as everyone else (TensorFlow's backup workers, done in the network). ``None``
     (the default): every round waits for all n, exactly as without the option. A job over a
     hierarchy of switches (``tree.py``) has no quorum."""
+    quorum_deadline_s: float | None = None
+    """With ``quorum``: a round also completes this long after its first contribution, with at
+    least ``quorum_min`` ranks (fewer than ``quorum`` when the rest are late). None: a round
+    always waits for ``quorum`` ranks. Up to 4294 s (microseconds on the wire)."""
+    quorum_min: int | None = None
+    """The ranks a round needs at ``quorum_deadline_s`` (1..quorum); required with it."""
 
     @property
     def scale_count(self) -> int:
@@ -176,6 +182,15 @@ class JobSpec:
                                        and 1 <= self.quorum <= self.num_workers),
                f"quorum must be None or an integer in 1..num_workers ({self.num_workers}), got "
                f"{self.quorum!r}")
+        _check(self.quorum_deadline_s is None or (
+                   self.quorum is not None and isinstance(self.quorum_min, int)
+                   and 1 <= self.quorum_min <= self.quorum
+                   and 1e-6 <= self.quorum_deadline_s < 4294.0),
+               "quorum_deadline_s needs a quorum and a quorum_min in 1..quorum, and must be in "
+               f"1e-6..4294 s; got quorum={self.quorum}, quorum_min={self.quorum_min!r}, "
+               f"quorum_deadline_s={self.quorum_deadline_s!r}")
+        _check(self.quorum_min is None or self.quorum_deadline_s is not None,
+               "quorum_min is the ranks a round needs at quorum_deadline_s: give both")
         _check(self.quorum is None or HEADER_SIZE + 4 * self.elements_per_packet
                + (self.num_workers + 7) // 8 <= MAX_DATAGRAM_BYTES,
                f"a quorum job's results carry {(self.num_workers + 7) // 8} bitmap bytes after "

@@ -108,6 +108,8 @@ class Job:
     member_timeout_s: float = 20.0  # a member silent this long is gone (SwitchConfig)
     quorum: int = 0  # JobSpec.quorum: a round completes with this many ranks; 0: all of them
     history: int = 0  # quorum jobs: earlier rounds kept per slot (SwitchConfig.quorum_history)
+    quorum_min: int = 0  # JobSpec.quorum_min: the ranks a round needs at the deadline
+    deadline_us: int = 0  # JobSpec.quorum_deadline_s, in microseconds (0: none)
     reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -151,6 +153,7 @@ class Job:
         trailer = (self.num_workers + 7) // 8 if self.quorum else 0
         history = self.history if self.quorum else 0
         jobv[K.J.QUORUM], jobv[K.J.TRAILER], jobv[K.J.HISTORY] = self.quorum, trailer, history
+        jobv[K.J.QUORUM_MIN], jobv[K.J.DEADLINE_US] = self.quorum_min, self.deadline_us
         self.jobv = jobv
         self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet) + trailer
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
@@ -200,7 +203,7 @@ class Job:
     @property
     def info(self) -> ControlInfo:
         return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base,
-                           self.quorum)
+                           self.quorum, self.quorum_min, self.deadline_us)
 
     def memory_bytes(self) -> int:
         return int(self.bufs.nbytes)

@@ -37,6 +37,7 @@ class holds the state as arrays for it (``jobs.Job``) and handles what is rare i
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -81,6 +82,22 @@ _MASK32 = 2**32 - 1
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE),
                  ("duplicate", K.SC.DUPLICATE))
+
+
+def _next_expiry(job: Job) -> float:
+    """When a quorum job's deadline completes a round next (the switch's clock, seconds), or
+    inf: the earliest-opened open round that already has ``QUORUM_MIN`` contributions (one
+    with fewer waits for another, and the timer is read again after every batch)."""
+    jobv, st = job.jobv, job.st
+    d = int(jobv[K.J.DEADLINE_US])
+    if d <= 0:
+        return math.inf
+    missing = st[K.S.MISSING]
+    ready = ((st[K.S.SEQ] >= 0) & (missing > 0)
+             & (jobv[K.J.QUORUM] - missing >= jobv[K.J.QUORUM_MIN]))
+    if not ready.any():
+        return math.inf
+    return (int(st[K.S.OPENED_AT][ready].min()) + d) * 1e-6
 
 
 class SwitchDataplane(SwitchReplies, SwitchControl):
@@ -416,17 +433,35 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
                 run.append(datagram)
 
     def handle_timer(self, now: float) -> None:
-        """Expire the leases of jobs that have been silent for ``lease_timeout_s``."""
+        """Complete the rounds of quorum jobs whose deadline passed (``kernels.expire_rounds``)
+        and expire the leases of jobs that have been silent for ``lease_timeout_s``."""
         self._now = now
+        for job in self._jobs.values():
+            if job.jobv[K.J.DEADLINE_US] > 0 and _next_expiry(job) <= now:
+                ndone = K.expire_rounds(job.jobv, job.st, job.seen, job.conflict, job.bufs,
+                                        job.clog, job.cursor, job.mkeys, job.heard, now,
+                                        self._cnt, self._done)
+                if ndone:
+                    self._queue_results(job, ndone)
         lease = self.config.lease_timeout_s
         for job in [j for j in self._jobs.values() if j.last_seen + lease <= now]:
             self.remove_job(job.job_id, f"lease expired after {lease:g} s of silence")
 
+    def timer_granularity(self) -> float:
+        """How long a driver may go without reading ``get_timer`` again: a round that gains
+        its quorum minimum opens a deadline the last reading did not know of. A quarter of the
+        shortest quorum deadline of the live jobs (at least 1 ms); else 1 s."""
+        deadlines = [int(j.jobv[K.J.DEADLINE_US]) for j in self._jobs.values()
+                     if j.jobv[K.J.DEADLINE_US] > 0]
+        return max(0.001, min(deadlines) * 0.25e-6) if deadlines else 1.0
+
     def get_timer(self) -> float | None:
-        """When the next lease runs out (None without jobs)."""
+        """When the next lease runs out, or a quorum job's deadline completes a round (None
+        without jobs)."""
         if not self._jobs:
             return None
-        return min(j.last_seen for j in self._jobs.values()) + self.config.lease_timeout_s
+        return min(min(j.last_seen for j in self._jobs.values()) + self.config.lease_timeout_s,
+                   min(_next_expiry(j) for j in self._jobs.values()))
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
         """Return and forget the datagrams to send: replies in order, then results (in order
@@ -584,6 +619,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             "results_resent": self.results_resent,
             "late_contributions": int(self._cnt[K.SC.LATE_ANSWERED]),
             "old_results_answered": int(self._cnt[K.SC.OLD_ANSWERED]),
+            "rounds_completed_at_deadline": int(self._cnt[K.SC.DEADLINE_COMPLETED]),
             "waiting_sent": self.waiting_sent,
             "mismatch_sent": self.mismatch_sent,
             "nacks_sent": self.nacks_sent,

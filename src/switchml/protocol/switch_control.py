@@ -146,13 +146,17 @@ class SwitchControl:
                      addr: Address, now: float) -> None:
         """A proven JOIN of ``job``: check its geometry and rank, record the member (a new
         address only while the job has not started), raise the epoch, answer JOINED."""
-        if (asked.num_workers, asked.window, asked.elements_per_packet, asked.quorum) != (
-                job.num_workers, job.window, job.elements_per_packet, job.quorum):
+        if (asked.num_workers, asked.window, asked.elements_per_packet, asked.quorum,
+                asked.quorum_min, asked.deadline_us) != (
+                job.num_workers, job.window, job.elements_per_packet, job.quorum,
+                job.quorum_min, job.deadline_us):
             self._refuse(h, addr, f"job {h.job} exists with n={job.num_workers} "
                          f"window={job.window} elements_per_packet={job.elements_per_packet} "
-                         f"quorum={job.quorum or 'none'}; asked n={asked.num_workers} "
+                         f"quorum={job.quorum or 'none'} (at {job.deadline_us} us: "
+                         f"{job.quorum_min}); asked n={asked.num_workers} "
                          f"window={asked.window} elements_per_packet={asked.elements_per_packet} "
-                         f"quorum={asked.quorum or 'none'}")
+                         f"quorum={asked.quorum or 'none'} (at {asked.deadline_us} us: "
+                         f"{asked.quorum_min})")
             return
         if h.rank >= job.num_workers:
             self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
@@ -194,6 +198,11 @@ class SwitchControl:
             problem = f"window must be in 1..{cfg.max_window}, got {asked.window}"
         elif not 0 <= asked.quorum <= asked.num_workers:
             problem = f"quorum must be in 1..{asked.num_workers} (0: none), got {asked.quorum}"
+        elif (asked.deadline_us > 0) != (asked.quorum > 0 and 1 <= asked.quorum_min
+                                         <= asked.quorum):
+            problem = (f"a quorum deadline needs a quorum and a minimum in 1..quorum; got "
+                       f"quorum={asked.quorum}, minimum={asked.quorum_min}, deadline "
+                       f"{asked.deadline_us} us")
         elif asked.quorum and h.job in self.relayed_jobs:
             problem = "a job relayed to a parent switch (a rack's) cannot have a quorum"
         if problem is not None:
@@ -210,7 +219,8 @@ class SwitchControl:
                       asked.elements_per_packet, [None] * asked.num_workers,
                       nack_log_windows=cfg.nack_log_windows,
                       member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum,
-                      history=cfg.quorum_history)
+                      history=cfg.quorum_history, quorum_min=asked.quorum_min,
+                      deadline_us=asked.deadline_us)
             # NACKs assume every rank is in every round; a quorum job's late ranks are not, and
             # one rank's lost request stalls no round there: its loss recovery is the workers'
             # re-sends (RETRY), answered from the round, the shadow set or the slot's history.

@@ -308,9 +308,13 @@ class ControlInfo:
     slot_base: int = 0
     quorum: int = 0
     """k of ``JobSpec.quorum``: a round completes when k ranks are in; 0: all of them."""
+    quorum_min: int = 0
+    """``JobSpec.quorum_min``: the ranks a round needs at the deadline (0: no deadline)."""
+    deadline_us: int = 0
+    """``JobSpec.quorum_deadline_s`` in microseconds (0: none)."""
 
 
-_CONTROL = struct.Struct("<IIIII")
+_CONTROL = struct.Struct("<IIIIIII")
 COOKIE_SIZE = 24
 """A JOIN challenge's cookie: issue time (uint64, microseconds) and a 16-byte MAC."""
 NO_COOKIE = bytes(COOKIE_SIZE)
@@ -323,7 +327,7 @@ _JOINED_SIZE = _CONTROL.size + COOKIE_SIZE
 
 def pack_control_info(info: ControlInfo) -> bytes:
     return _CONTROL.pack(info.num_workers, info.window, info.elements_per_packet, info.slot_base,
-                         info.quorum)
+                         info.quorum, info.quorum_min, info.deadline_us)
 
 
 def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo:
@@ -346,7 +350,7 @@ def pack_join(*, job: int, token: int, rank: int, info: ControlInfo, seq: int = 
               cookie: bytes = NO_COOKIE, proof: bytes = bytes(PROOF_SIZE)) -> bytes:
     """A JOIN datagram: rank ``rank`` asks for job ``job`` of geometry ``info`` (``seq``: the
     first operation of its epoch). Without a cookie it asks for a challenge; with the
-    switch's cookie it carries ``auth.join_proof``. Always 116 bytes, so that the CHALLENGE
+    switch's cookie it carries ``auth.join_proof``. Always 124 bytes, so that the CHALLENGE
     it may draw (64) is smaller: the switch never amplifies a spoofed JOIN."""
     payload = pack_control_info(info) + cookie + proof
     if len(payload) != _JOIN_SIZE:

@@ -264,7 +264,10 @@ class WorkerControl:
                              seq=self._epoch_seq, cookie=cookie,
                              info=ControlInfo(spec.num_workers, spec.window,
                                               spec.elements_per_packet,
-                                              quorum=spec.quorum or 0))
+                                              quorum=spec.quorum or 0,
+                                              quorum_min=spec.quorum_min or 0,
+                                              deadline_us=round(1e6 * (spec.quorum_deadline_s
+                                                                       or 0))))
 
     def _send_join(self, now: float) -> None:
         datagram = self._join_datagram()

@@ -33,6 +33,7 @@ Futures fail through :func:`failable_future`, which C++ consumers (DDP's reducer
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -733,20 +734,26 @@ def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
 
 def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,
                        elements_per_packet: int | None = None,
-                       quorum: int | None = None) -> JobSpec:
+                       quorum: int | None = None, quorum_min: int | None = None,
+                       quorum_deadline_s: float | None = None) -> JobSpec:
     """A new switch job for ``size`` ranks whose MTUs towards the switch are ``mtus``.
 
     Chunks fit the smallest MTU of any rank (no IP fragmentation on any path), unless
     ``elements_per_packet`` or ``SWITCHML_ELEMENTS_PER_PACKET`` says otherwise; the window is
     ``window``, else ``SWITCHML_WINDOW``, else :func:`switchml.control.new_job_spec`'s default for
     the chunk size. Called by the group's rank 0, which shares the result with the others.
-    ``quorum``: ``JobSpec.quorum`` (chunks then leave room for the results' bitmap).
+    ``quorum``, ``quorum_min``, ``quorum_deadline_s``: ``JobSpec``'s (with a quorum, chunks
+    leave room for the results' bitmap).
     """
     trailer = (size + 7) // 8 if quorum else 0
     k = (elements_per_packet or env.elements_per_packet()
          or elements_for_mtu(min(mtus), trailer=trailer))
-    return new_job_spec(size, window=window if window is not None else env.window(),
+    spec = new_job_spec(size, window=window if window is not None else env.window(),
                         elements_per_packet=k, quorum=quorum)
+    if quorum_deadline_s is not None:
+        spec = dataclasses.replace(spec, quorum_min=quorum_min,
+                                   quorum_deadline_s=quorum_deadline_s)
+    return spec
 
 
 def _local_ranks(size: int) -> int:
@@ -775,7 +782,7 @@ def _create(store: dist.Store, rank: int, size: int,
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
-                quorum=_group_quorum(size))
+                **_group_quorum(size))
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())
@@ -819,34 +826,42 @@ def _create(store: dist.Store, rank: int, size: int,
 _next_quorum = threading.local()
 
 
-def _group_quorum(size: int) -> int | None:
-    """The quorum of the group being created (on rank 0, whose choice rules): the one
-    :func:`new_quorum_group` asked for, else ``SWITCHML_QUORUM`` for the default group."""
-    k = getattr(_next_quorum, "k", None)
-    if k is None and not dist.is_initialized():
-        k = env.quorum()
+def _group_quorum(size: int) -> dict[str, Any]:
+    """The quorum of the group being created (on rank 0, whose choice rules), as
+    ``job_spec_for_ranks`` takes it: the one :func:`new_quorum_group` asked for, else
+    ``SWITCHML_QUORUM`` for the default group."""
+    asked = getattr(_next_quorum, "asked", None)
+    if asked is None:
+        asked = {"quorum": env.quorum() if not dist.is_initialized() else None}
+    k = asked["quorum"]
     if k is not None and not 1 <= k <= size:
         raise ValueError(f"a quorum must be in 1..{size} (the group's ranks), got {k}")
-    return k
+    return asked
 
 
 def new_quorum_group(quorum: int, ranks: list[int] | None = None,
-                     timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+                     timeout: datetime.timedelta | None = None, *,
+                     quorum_min: int | None = None,
+                     deadline_s: float | None = None) -> dist.ProcessGroup:
     """A "switchml" group whose all-reduces complete with ``quorum`` of its ranks (backup
     workers, in the switch): every rank gets the same sum, of the first ``quorum`` ranks'
     tensors at each chunk, and AVG divides each element by the ranks its sum holds. A rank
     that falls behind gets the others' results without waiting. Collective, as
     ``dist.new_group``: every rank calls it with the same arguments. Use it for DDP with
     :func:`switchml.torch.hooks.quorum_hook`; plain all-reduces on other groups stay exact.
+    ``deadline_s`` and ``quorum_min``: a round also completes ``deadline_s`` after its first
+    contribution with at least ``quorum_min`` ranks (``quorum`` may then be every rank: all
+    of them while they answer, the others' sum when one does not).
 
     Raises:
-        ValueError: ``quorum`` outside 1..the group's size.
+        ValueError: ``quorum`` outside 1..the group's size, or a deadline without a minimum.
     """
-    _next_quorum.k = quorum
+    _next_quorum.asked = {"quorum": quorum, "quorum_min": quorum_min,
+                          "quorum_deadline_s": deadline_s}
     try:
         return dist.new_group(ranks, timeout=timeout, backend=BACKEND_NAME)
     finally:
-        _next_quorum.k = None
+        _next_quorum.asked = None
 
 
 def register() -> None:

@@ -130,12 +130,15 @@ class MemoryCluster:
                  token: int = 0x5EC12E7,
                  worker_config: WorkerConfig | Sequence[WorkerConfig | None] | None = None,
                  switch: SwitchDataplane | None = None, fabric: MemoryFabric | None = None,
-                 shards: int = 1, quorum: int | None = None) -> None:
+                 shards: int = 1, quorum: int | None = None,
+                 quorum_min: int | None = None, quorum_deadline_s: float | None = None) -> None:
         """``worker_config``: one for every rank, or a list of one per rank. ``shards``: a
         sharded switch of that many shard endpoints at ports 48864 + i (``shard_switches``,
-        ``shard_addresses``; ``switch`` is shard 0). ``quorum``: ``JobSpec.quorum``."""
+        ``shard_addresses``; ``switch`` is shard 0). ``quorum``, ``quorum_min`` and
+        ``quorum_deadline_s``: ``JobSpec``'s."""
         self.spec = JobSpec(job_id=job_id, token=token, num_workers=num_workers, window=window,
-                            elements_per_packet=elements_per_packet, quorum=quorum)
+                            elements_per_packet=elements_per_packet, quorum=quorum,
+                            quorum_min=quorum_min, quorum_deadline_s=quorum_deadline_s)
         self.fabric = fabric or MemoryFabric(faults or FaultModel(), seed)
         if switch is None and self.SWITCH in self.fabric.endpoints:
             switch = self.fabric.endpoints[self.SWITCH]  # type: ignore[assignment]

@@ -173,6 +173,8 @@ class SwitchServer:
             state = dp.fast_path_state()
             if state is None:
                 return False
+            # (an idle loop holds the dataplane this long: a quorum deadline's timer waits)
+            fast.max_wait_s = min(0.2, getattr(dp, "timer_granularity", lambda: 1.0)())
             jobs = state[0]
             why, at, nseg, code, k = fast.run(*state)
             now = time.monotonic()
@@ -256,7 +258,10 @@ class SwitchServer:
         while not self._stop.is_set():
             with self._locked():
                 timer = dp.get_timer()
-            wait = 1.0 if timer is None else min(max(timer - time.monotonic(), 0.0), 1.0)
+                # (read again at least every 0.1 s: a job created meanwhile may bring a
+                # quorum deadline sooner than this reading's timer)
+                cap = min(0.1, getattr(dp, "timer_granularity", lambda: 1.0)())
+            wait = cap if timer is None else min(max(timer - time.monotonic(), 0.0), cap)
             if self._stop.wait(wait):
                 return
             now = time.monotonic()

@@ -108,6 +108,7 @@ def _load(name: str, want: dict[str, int]):
 
 _s = _load("switch", {"J_FIELDS": J_FIELDS, "S_FIELDS": S_FIELDS, "SC_N": int(SC.N),
                        "HDR": HDR, "MAX_BATCH": MAX_BATCH, "U_FIELDS": U_FIELDS})
+expire_rounds = _s.expire_rounds
 log_releases = _s.log_releases
 plan_result_runs = _s.plan_result_runs
 relay_down = _s.relay_down
@@ -148,7 +149,8 @@ __all__ = [
     "PROBE_LANES", "QUORUM_AHEAD", "R", "REPLIES_PER_CALL",
     "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING",
     "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot",
-    "dequantize_block", "fire_timers", "first_foreign", "gro_segments", "i16", "i64",
+    "dequantize_block", "expire_rounds", "fire_timers", "first_foreign", "gro_segments", "i16",
+    "i64",
     "log_releases", "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs",
     "probe_time", "quantize_block", "reply_row_bytes", "request_framing", "residual_block",
     "send_chunk", "send_first", "split_gro", "split_mmsg", "switch_requests", "relay_down",

@@ -14,6 +14,7 @@ what needs Python (disagreeing ranks, a full reply buffer) and returns why.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -173,6 +174,12 @@ def _action(jobv, st, seen, rules, r, rank):
     return rules[1 if jobv[J.QUORUM] > 0 else 0, order, contributed, complete, agrees]
 
 
+def _microseconds(t):
+    """The switch's clock ``t`` (seconds) in whole microseconds, to nearest: a deadline
+    computed back in seconds (``get_timer``) compares equal, not a microsecond short."""
+    return np.int64(math.floor(t * 1e6 + 0.5))
+
+
 def _result_size(jobv, st, v, s):
     """The bytes of the result datagram of (slot ``s``, set ``v``)."""
     return (HDR + (4 if st[S.ELEM, v, s] == E_INT32 else 2) * st[S.COUNT, v, s]
@@ -211,7 +218,7 @@ def _write_old(jobv, bufs, replies, reply_meta, k, rank, r, row):
     reply_meta[k, 0], reply_meta[k, 1] = rank, size
 
 
-def _start_round(jobv, st, seen, conflict, bufs, n, r, rank, pay, cnt):
+def _start_round(jobv, st, seen, conflict, bufs, n, r, rank, pay, now, cnt):
     """A new round: the first contributor overwrites (no explicit reset of a slot); ``n``:
     the contributions that complete it (the job's quorum, else every rank). A quorum job
     keeps the round it overwrites (``_archive``)."""
@@ -219,6 +226,7 @@ def _start_round(jobv, st, seen, conflict, bufs, n, r, rank, pay, cnt):
     if st[S.SEQ, v, s] >= 0 and st[S.MISSING, v, s] != 0:
         cnt[SC.ABANDONED] += 1  # only after a failed operation
     _archive(jobv, st, bufs, v, s)
+    st[S.OPENED_AT, v, s] = _microseconds(now)  # (a quorum job's deadline counts from here)
     copy_bytes(bufs[v, s], HDR, pay, 0, pay.size)
     st[S.SEQ, v, s], st[S.CHUNK, v, s], st[S.COUNT, v, s] = r.seq, r.chunk, r.count
     st[S.ELEM, v, s], st[S.FLAGS, v, s] = r.elem, r.flags & (F_NONFINITE | SHAPE_FLAGS)
@@ -259,8 +267,15 @@ def _complete(jobv, st, seen, bufs, clog, r, rank, done, ndone, cnt):
     """The round's last contribution: write the result header into the slot's buffer (and a
     quorum job's contributor bitmap after the payload), log the completion (NACKs), and list
     it in ``done``."""
-    v, s = r.v, r.s
-    size = HDR + r.itemsize * r.count
+    _complete_round(jobv, st, seen, bufs, clog, r.v, r.s, rank, done, ndone, cnt)
+
+
+def _complete_round(jobv, st, seen, bufs, clog, v, s, rank, done, ndone, cnt):
+    """Complete the round of (slot ``s``, set ``v``) (``_complete``; a quorum job's deadline
+    too: ``expire_rounds``); ``rank``: who completed it (the header's rank field)."""
+    seq, chunk, count = st[S.SEQ, v, s], st[S.CHUNK, v, s], st[S.COUNT, v, s]
+    elem = st[S.ELEM, v, s]
+    size = HDR + (4 if elem == E_INT32 else 2) * count
     flags = st[S.FLAGS, v, s]
     trailer = jobv[J.TRAILER]
     if trailer > 0:
@@ -268,15 +283,41 @@ def _complete(jobv, st, seen, bufs, clog, r, rank, done, ndone, cnt):
         for b in range(trailer):
             bufs[v, s, size + b] = (seen[v, s, b >> 3] >> np.uint64(8 * (b & 7))) & np.uint64(255)
     write_header(bufs[v, s], 0, T_RESULT, flags, v, rank, jobv[J.JOB],
-                 jobv[J.TOKEN], r.seq, r.chunk, s + jobv[J.SLOT_BASE], r.count, r.elem,
+                 jobv[J.TOKEN], seq, chunk, s + jobv[J.SLOT_BASE], count, elem,
                  st[S.DIGEST, v, s], st[S.EXP_DATA, v, s], st[S.EXP_NEXT, v, s])
     if jobv[J.LOG_AT_RELEASE]:
         st[S.DONE_AT, v, s] = -1  # not released yet: no chunk can follow it
     else:
-        _log_release(jobv, st, clog, v, s, r.seq, r.chunk)
+        _log_release(jobv, st, clog, v, s, seq, chunk)
     done[ndone, 0], done[ndone, 1], done[ndone, 2] = v, s, size + trailer
     cnt[SC.MULTICAST] += 1
-    jobv[J.AGGREGATED] += r.count
+    jobv[J.AGGREGATED] += count
+
+
+def expire_rounds(jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, now, cnt, done):
+    """A quorum job's deadline: complete every open round that has at least ``QUORUM_MIN``
+    contributions and opened ``DEADLINE_US`` or longer before ``now`` (the switch's timer
+    calls it; ``SwitchDataplane.get_timer`` says when). Returns how many; ``done`` rows as
+    ``switch_requests`` writes them. (The arguments after ``clog`` are unused: the job's
+    arrays, as every job kernel takes them.)"""
+    d = jobv[J.DEADLINE_US]
+    if d <= 0 or jobv[J.QUORUM] <= 0:
+        return 0
+    k, m = jobv[J.QUORUM], jobv[J.QUORUM_MIN]
+    now_us = _microseconds(now)
+    nd = 0
+    for v in range(2):
+        for s in range(jobv[J.WINDOW]):
+            missing = st[S.MISSING, v, s]
+            if (st[S.SEQ, v, s] >= 0 and missing > 0 and k - missing >= m
+                    and now_us - st[S.OPENED_AT, v, s] >= d):
+                if nd == done.shape[0]:
+                    return nd
+                st[S.MISSING, v, s] = 0
+                _complete_round(jobv, st, seen, bufs, clog, v, s, jobv[J.N], done, nd, cnt)
+                cnt[SC.DEADLINE_COMPLETED] += 1
+                nd += 1
+    return nd
 
 
 def log_releases(jobv, st, clog, sendq, nsend):
@@ -593,7 +634,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
         conflicted = False
         if action == A_START_ROUND:
             _start_round(jobv, st, seen, conflict, bufs, jobv[J.QUORUM] if jobv[J.QUORUM] > 0
-                         else jobv[J.N], r, rank, pay, cnt)
+                         else jobv[J.N], r, rank, pay, now, cnt)
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
         _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set

@@ -191,9 +191,11 @@ class J(IntEnum):
     QUORUM = 21  # JobSpec.quorum: a round completes with this many ranks; 0: all N (no quorum)
     TRAILER = 22  # bytes of the contributor bitmap after a result's payload (quorum jobs; else 0)
     HISTORY = 23  # quorum jobs: earlier rounds kept per slot, in ``bufs[2:]`` (else 0)
+    QUORUM_MIN = 24  # quorum jobs with a deadline: a round completes at it with this many
+    DEADLINE_US = 25  # ... this long after its first contribution (microseconds; 0: none)
 
 
-J_FIELDS = 24
+J_FIELDS = 26
 
 
 class S(IntEnum):
@@ -210,9 +212,10 @@ class S(IntEnum):
     MISSING = 8
     DONE_AT = 9  # the job's completion counter when the round completed (NACK ordering)
     HPOS = 10  # (set 0's) quorum jobs: the slot's next history row (``J.HISTORY``)
+    OPENED_AT = 11  # the switch's clock, in microseconds, at the round's first contribution
 
 
-S_FIELDS = 11
+S_FIELDS = 12
 
 
 class SC(IntEnum):
@@ -231,7 +234,8 @@ class SC(IntEnum):
     NACKS = 10  # NACKs written
     LATE_ANSWERED = 11  # first contributions to rounds complete without them (quorum jobs)
     OLD_ANSWERED = 12  # requests of earlier rounds answered from the history (quorum jobs)
-    N = 13
+    DEADLINE_COMPLETED = 13  # rounds a quorum job's deadline completed with fewer than k
+    N = 14
 
 
 class SS(IntEnum):
