@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,11 @@ def main() -> None:
     if args.save:
         import numpy as np
         np.save(f"{args.save}-dc{env.dc_index()}-rank{rank}.npy", flat.numpy())
-    print(f"data centre {env.dc_index()} rank {rank}: accuracy "
-          f"{task.evaluate(task.model):.3f}, published {gaia.entries_published}, applied "
-          f"{gaia.entries_applied}, parameters {digest}", flush=True)
+    # One write of the whole line: the ranks of a torchrun share its standard output.
+    sys.stdout.write(f"data centre {env.dc_index()} rank {rank}: accuracy "
+                     f"{task.evaluate(task.model):.3f}, published {gaia.entries_published}, "
+                     f"applied {gaia.entries_applied}, parameters {digest}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

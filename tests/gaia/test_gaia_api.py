@@ -52,8 +52,12 @@ def test_two_torchrun_data_centres_end_with_the_same_model(free_ports, tmp_path)
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    lines = [ln for out, _ in outs for ln in out.splitlines() if "parameters" in ln]
-    assert len(lines) == 4, lines
+    # (each rank's report, found anywhere in the output: the ranks of a torchrun share its
+    # standard output, and two reports once came out on one line)
+    report = re.compile(r"data centre \d+ rank \d+: accuracy [\d.]+, published \d+, applied "
+                        r"\d+, parameters [0-9a-f]{16}")
+    lines = [m.group(0) for out, _ in outs for m in report.finditer(out)]
+    assert len(lines) == 4, outs
     # the replicas of a data centre: bit for bit the same model
     for dc in range(2):
         digests = {re.search(r"parameters (\w+)", ln).group(1) for ln in lines
