@@ -1,7 +1,7 @@
 """The compiled part of switchml: the data plane (src/switchml/csrc: the worker's, worker.c,
-and the switch's, switch.c), plain C extensions built by pip with the system's C compiler (``pip install -e .`` builds it in
-a few seconds; after an edit to the C source, ``python setup.py build_ext --inplace`` rebuilds
-it alone). Everything else is in pyproject.toml.
+and the switch's, switch.c), plain C extensions built by pip with the system's C compiler
+(``pip install -e .`` builds it in a few seconds; after an edit to the C source,
+``python setup.py build_ext --inplace`` rebuilds it alone). Everything else is in pyproject.toml.
 
 ``SWITCHML_PORTABLE=1`` builds for any CPU of the architecture (a wheel to ship); by default
 the build uses this machine's instruction set (``-march=native``: the quantize and dequantize

@@ -15,6 +15,7 @@ from switchml.protocol.errors import (
     OperationFailed,
     RemoteProtocolError,
     SwitchMLError,
+    SwitchUnreachable,
     TransportError,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "OperationFailed",
     "RemoteProtocolError",
     "SwitchMLError",
+    "SwitchUnreachable",
     "TransportError",
     "__version__",
 ]

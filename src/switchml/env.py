@@ -132,6 +132,31 @@ def half_bits() -> int | None:
     return None if value == "auto" else int(value)
 
 
+def failover() -> str:
+    """``SWITCHML_FAILOVER``: ``gloo`` (a torch group whose switch stops answering goes on
+    over gloo) or ``off`` (the default: its collectives fail, naming the switch)."""
+    value = (_get("SWITCHML_FAILOVER") or "off").strip().lower()
+    if value in ("", "0", "no", "none", "off"):
+        return "off"
+    if value != "gloo":
+        raise ValueError(f"SWITCHML_FAILOVER must be gloo or off, got {value!r}")
+    return value
+
+
+def failover_keep_bytes() -> int:
+    """``SWITCHML_FAILOVER_KEEP_MB``: how many MiB of its latest results a rank keeps for
+    peers that missed them when the switch died (default 256; at least the latest
+    all-reduce's are kept)."""
+    value = (_get("SWITCHML_FAILOVER_KEEP_MB") or "256").strip()
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = -1.0
+    if mib < 0:
+        raise ValueError(f"SWITCHML_FAILOVER_KEEP_MB must be a number of MiB >= 0, got {value!r}")
+    return int(mib * 2**20)
+
+
 def quorum() -> int | None:
     """``SWITCHML_QUORUM``: a positive integer (the torch default group's ``JobSpec.quorum``),
     or None where unset or ``all``."""

@@ -741,3 +741,39 @@ def quorum_dying_body(rank: int, world: int, q: Any, die_rank: int, die_step: in
     exit_now(q, ("result", rank, {"params": params, "step_s": step_s,
                                   "stats": switchml.torch.stats(group)}))
     return {}
+
+
+def failover_body(rank: int, world: int, q: Any, timeout_s: float, ops: int,
+                  switch_for: dict[int, str]) -> dict[str, Any]:
+    """``ops`` all-reduces (SUM and AVG, one chunk and many) with exact expected sums, 50 ms
+    apart, through an external switch the test kills once every rank reported op 5; then
+    DDP training. ``switch_for``: another switch address for some ranks (a relay)."""
+    import torch
+    import torch.distributed as dist
+
+    import switchml.torch as stt
+
+    if rank in switch_for:
+        os.environ["SWITCHML_SWITCH"] = switch_for[rank]
+    _init("switchml", timeout_s=timeout_s)
+    exact, seconds = [], []
+    for i in range(ops):
+        n = 300 if i % 2 or switch_for else 30_000
+        # int32 travels in one datagram per block (a float block needs its exponent's first)
+        integer = bool(switch_for) or i % 4 == 2
+        x = torch.full((n,), rank + 1 + i % 5,
+                       dtype=torch.int32 if integer else torch.float32)
+        avg = i % 3 == 0
+        t0 = time.monotonic()
+        dist.all_reduce(x, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
+        seconds.append(time.monotonic() - t0)
+        total = world * (world + 1) // 2 + world * (i % 5)
+        expect = (total // world if integer else total / world) if avg else total
+        exact.append(bool((x == expect).all()))
+        if i == 5:
+            q.put(("progress", rank, i))
+        time.sleep(0.05)
+    run = _ddp_train(rank, 3)
+    run.update(exact=exact, seconds=seconds, stats=stt.stats())
+    dist.destroy_process_group()
+    return run

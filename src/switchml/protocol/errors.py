@@ -8,6 +8,7 @@ __all__ = [
     "OperationFailed",
     "RemoteProtocolError",
     "SwitchMLError",
+    "SwitchUnreachable",
     "TransportError",
     "WireError",
 ]
@@ -39,6 +40,12 @@ class WireError(RemoteProtocolError):
 
 class OperationFailed(SwitchMLError):
     """A collective operation could not complete (switch gone, peers silent, job refused)."""
+
+
+class SwitchUnreachable(OperationFailed):
+    """An operation made no progress for ``op_timeout_s`` and the switch said nothing at all
+    meanwhile (not a WAITING naming silent ranks): the switch, or the path to it, is gone.
+    The torch backend's failover (``SWITCHML_FAILOVER=gloo``) goes on over gloo on this one."""
 
 
 class TransportError(SwitchMLError):

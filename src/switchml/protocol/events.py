@@ -94,10 +94,13 @@ class OperationCompleted:
 class OperationAborted:
     """Worker: operation ``seq`` cannot complete and was given up; ``reason`` names who stopped
     answering (or what disagreed). A driver fails the operation's handle with the exception
-    :class:`~switchml.protocol.errors.OperationFailed` and this reason."""
+    :class:`~switchml.protocol.errors.OperationFailed` and this reason
+    (:class:`~switchml.protocol.errors.SwitchUnreachable` when ``switch_silent``)."""
 
     seq: int
     reason: str
+    switch_silent: bool = False
+    """No datagram at all came from the switch while the operation waited its timeout out."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,16 +145,26 @@ class LossRecovery:
     def silence_reason(self, op: Operation, *, where: str, switch: str,
                        num_workers: int, now: float) -> str:
         """Why the operation made no progress: the ranks the switch says it waits for, or
-        the switch's silence."""
-        last_heard, last_progress = (float(self.rtt[K.R.LAST_HEARD]),
-                                     float(self.rtt[K.R.LAST_PROGRESS]))
-        idle = now - last_progress
-        if op.waiting_missing and last_heard > last_progress:
-            ranks = [r for r in range(num_workers) if op.waiting_missing >> r & 1]
+        the switch's silence (:meth:`switch_silent`)."""
+        last_heard = float(self.rtt[K.R.LAST_HEARD])
+        idle = now - float(self.rtt[K.R.LAST_PROGRESS])
+        ranks = [r for r in range(num_workers) if op.waiting_missing >> r & 1]
+        if not self.switch_silent(op, now):
             return (f"{where} made no progress for {idle:.1f} s: the switch at {switch} "
                     f"answers, but rank(s) {ranks} have not sent chunk {op.waiting_chunk}")
+        said = f" (it last said it waited for rank(s) {ranks})" if ranks else ""
         return (f"{where} made no progress for {idle:.1f} s: no answer from the switch at "
-                f"{switch} for {now - last_heard:.1f} s")
+                f"{switch} for {now - last_heard:.1f} s{said}")
+
+    def switch_silent(self, op: Operation, now: float) -> bool:
+        """Whether the switch has stopped answering: it said nothing since the operation's
+        last progress, or nothing for ``min(op_timeout_s / 2, 3 max_rto_s)`` although this
+        rank kept re-sending (a live switch answers each re-send, with WAITING at least), as
+        opposed to naming ranks that have not contributed."""
+        last_heard = float(self.rtt[K.R.LAST_HEARD])
+        if not op.waiting_missing or last_heard <= float(self.rtt[K.R.LAST_PROGRESS]):
+            return True
+        return now - last_heard >= min(self.config.op_timeout_s / 2, 3 * self.config.max_rto_s)
 
     @property
     def rto_s(self) -> float:

@@ -35,7 +35,12 @@ import numpy as np
 
 from switchml.protocol.dtypes import is_float
 from switchml.protocol.endpoint import Batch, Transmit
-from switchml.protocol.errors import LocalProtocolError, OperationFailed, SwitchMLError
+from switchml.protocol.errors import (
+    LocalProtocolError,
+    OperationFailed,
+    SwitchMLError,
+    SwitchUnreachable,
+)
 from switchml.protocol.events import (
     Event,
     Joined,
@@ -344,7 +349,8 @@ class WorkerSession:
             if not self._closing:
                 self.error = self.error or reason
             if handle is not None:
-                handle.resolve(OperationFailed(reason))
+                handle.resolve((SwitchUnreachable if ev.switch_silent else OperationFailed)(
+                    reason))
         elif isinstance(ev, Joined):
             self.joined = True
         elif isinstance(ev, JoinFailed):

@@ -754,7 +754,8 @@ class WorkerEndpoint(WorkerControl):
         if self.recovery.timed_out(now):
             self._fail(self.recovery.silence_reason(
                 op, where=f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank})",
-                switch=self._switch_text, num_workers=self.spec.num_workers, now=now))
+                switch=self._switch_text, num_workers=self.spec.num_workers, now=now),
+                switch_silent=self.recovery.switch_silent(op, now))
 
     def fire_timers(self, op: Operation, now: float) -> None:
         """Re-send what is due (``kernels.fire_timers``: timeouts, then the idle probe) and
@@ -769,19 +770,20 @@ class WorkerEndpoint(WorkerControl):
             for i in op.sendq[nq:int(op.opv[K.OP.NQ])].tolist():
                 self.recovery.on_sent(op, i, now)
 
-    def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL) -> None:
+    def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL, *,
+              switch_silent: bool = False) -> None:
         """The operation in flight can't complete: ERROR, and OperationAborted."""
         self._move(what)
-        self._abort(reason)
+        self._abort(reason, switch_silent=switch_silent)
 
-    def _abort(self, reason: str) -> None:
+    def _abort(self, reason: str, *, switch_silent: bool = False) -> None:
         op = self._op
         assert op is not None
         self._spill(op)
         self._op = None
         self.error = reason
         self._counters["operations_failed"] += 1
-        self._events.append(OperationAborted(op.seq, reason))
+        self._events.append(OperationAborted(op.seq, reason, switch_silent))
 
     # -- Sending -----------------------------------------------------------------------------
 

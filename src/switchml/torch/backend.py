@@ -60,6 +60,7 @@ from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
+from switchml.torch.failover import Failover, PendingOp
 from switchml.torch.flight import FlightRecorder
 from switchml.transport.parallel import ParallelClient, choose_threads, open_worker
 from switchml.transport.sockets import local_mtu
@@ -226,12 +227,13 @@ class StagedTensor:
         tensor: the tensor to reduce in place.
         dtype: send as this type (a copy unless the tensor already is); None: as the backend does.
         pool: where a staging copy's buffer comes from and goes back to; None: allocated.
+        copy: always send a staging copy (the tensor keeps its input until ``finish``).
     """
 
     __slots__ = ("tensor", "array", "flat", "staging", "kind", "pool")
 
     def __init__(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None,
-                 pool: StagingPool | None = None) -> None:
+                 pool: StagingPool | None = None, copy: bool = False) -> None:
         self.tensor = tensor
         self.pool = pool
         t = tensor.detach()
@@ -243,7 +245,7 @@ class StagedTensor:
             return
         self.kind = "plain"
         want = dtype or t.dtype
-        if t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
+        if copy or t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
             if pool is not None:
                 self.staging = pool.take(t.numel(), want, pinned=t.device.type == "cuda")
                 self.staging.view(t.shape).copy_(t)  # (no contiguous temporary of ``t``)
@@ -254,11 +256,13 @@ class StagedTensor:
         self.array = _as_numpy(self.flat)
 
     def finish(self, size: int, average: bool, counts: np.ndarray | None = None,
-               block: int = 0) -> None:
+               block: int = 0, *, keep: bool = False) -> torch.Tensor | None:
         """Write the sum back into the user's tensor, in place (runs on the I/O thread);
         with ``average``, divide it by ``size``, or in a quorum group by ``counts``: how many
         ranks each block of ``block`` elements holds (a k-of-n round always holds k: then
-        one scalar division, as without a quorum)."""
+        one scalar division, as without a quorum). ``keep``: return the tensor's new values,
+        flat on the CPU, in a buffer the caller then owns (the staging buffer where it holds
+        them, else a copy); None otherwise."""
         t = self.tensor.detach()
         divisor: Any = size
         if counts is not None and counts.size:
@@ -277,6 +281,9 @@ class StagedTensor:
                 self.staging.reshape(-1).div_(divisor)
                 average = False
             t.copy_(self.staging.reshape(t.shape))
+            if keep and not average:  # the staging buffer holds the new values
+                kept, self.staging, self.pool = self.staging.reshape(-1), None, None
+                return kept
             self.release()
         if average:
             if counts is not None:
@@ -285,6 +292,7 @@ class StagedTensor:
                 t.div_(divisor)
             else:
                 t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
+        return t.reshape(-1).to("cpu", copy=True) if keep else None
 
     def release(self) -> None:
         """Give the staging buffer back to the pool (after ``finish``, or when the operation
@@ -359,6 +367,9 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         self._staging = StagingPool()
         self.flight = FlightRecorder(rank, size)
         self.flight.progress = client.progress
+        self.failover: Failover | None = None
+        """Set where the group goes on over gloo when its switch stops answering
+        (``SWITCHML_FAILOVER=gloo``; ``torch/failover.py``)."""
         weakref.finalize(self, client.close)
 
     # -- identity ----------------------------------------------------------------------------
@@ -400,55 +411,99 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         return self._allreduce_switch(tensors, average=op == _RedOp.AVG)
 
     def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
-        """Queue one switch operation per tensor; the Work completes when all are done."""
+        """Queue one switch operation per tensor; the Work completes when all are done. Each
+        tensor is written once every one has its sum (a failed operation leaves them as they
+        were, when the failover keeps its inputs)."""
         completer, future = failable_future()
-        plans = [StagedTensor(t, pool=self._staging) for t in tensors]
         size = self.size()
         with self._stats_lock:
             self.switch_ops["allreduce"] += 1
         rec = self.flight.start("all_reduce" + (" avg" if average else ""), "switch", tensors)
-        if not plans:
+        if not tensors:
             self.flight.finish(rec)
             completer.set_result(tensors)
             return SwitchMLWork(future)
-        state = {"left": len(plans), "error": None}
+        fo = self.failover
+
+        def done(error: BaseException | None) -> None:
+            self.flight.finish(rec, error)
+            if error is not None:
+                log.error("switchml rank %d of %d: %s failed: %s; recent: %s",
+                          self.rank(), size, rec.describe(), error, self.flight.summary())
+                complete_elsewhere(completer, RuntimeError(f"switchml all_reduce failed: {error}"))
+            else:
+                complete_elsewhere(completer, tensors)
+
+        pending = None
+        if fo is not None:
+            seq, to_switch = fo.issue()
+            pending = PendingOp(seq, list(tensors), average, done)
+            if not to_switch:  # switched over: gloo, in order
+                fo.take(pending)
+                return SwitchMLWork(future)
+        plans = [StagedTensor(t, pool=self._staging, copy=fo is not None) for t in tensors]
+        handles: list[AllreduceHandle | None] = [None] * len(plans)
+        state: dict[str, Any] = {"left": len(plans), "error": None}
         lock = threading.Lock()
 
-        def on_done(handle: AllreduceHandle, plan: StagedTensor) -> None:
-            error = handle.exception()
+        def settle(error: BaseException | None) -> None:
+            """Every part is done (``error``: the first failure): write the tensors, or fail."""
+            kept: list[torch.Tensor] = []
             if error is None:
                 try:
-                    counts = handle.contributors  # per block, in a quorum group
-                    if counts is not None:
-                        self._note_contributors(counts)
-                    plan.finish(size, average, counts, handle.block)
+                    for plan, handle in zip(plans, handles, strict=True):
+                        assert handle is not None  # (every part succeeded)
+                        counts = handle.contributors  # per block, in a quorum group
+                        if counts is not None:
+                            self._note_contributors(counts)
+                        final = plan.finish(size, average, counts, handle.block,
+                                            keep=fo is not None)
+                        if final is not None:
+                            kept.append(final)
                 except Exception as exc:  # surfaced through the future
                     error = exc
-            if error is not None:
+            if error is None:
+                if fo is not None and pending is not None:
+                    fo.completed(pending.seq, kept)
+                done(None)
+                return
+            for plan in plans:
                 plan.release()
+            if fo is not None and pending is not None and fo.failed(pending, error):
+                return  # the failover completes it, over gloo
+            done(error)
+
+        def on_done(handle: AllreduceHandle, i: int) -> None:
+            handles[i] = handle
+            error = handle.exception()
             with lock:
-                if error is not None and state["error"] is None:
-                    state["error"] = error
+                state["error"] = state["error"] or error
                 state["left"] -= 1
                 last = state["left"] == 0
             if last:
-                self.flight.finish(rec, state["error"])
-                if state["error"] is not None:
-                    err = state["error"]
-                    log.error("switchml rank %d of %d: %s failed: %s; recent: %s",
-                              self.rank(), size, rec.describe(), err, self.flight.summary())
-                    complete_elsewhere(completer,
-                                       RuntimeError(f"switchml all_reduce failed: {err}"))
-                else:
-                    complete_elsewhere(completer, tensors)
+                settle(state["error"])
 
+        i = 0
         try:
-            for plan in plans:
+            for i, plan in enumerate(plans):
                 handle = self.client.allreduce_async(plan.array, plan.array,
                                                      bits=self.wire_bits(plan.tensor.dtype))
-                handle.add_done_callback(lambda h, p=plan: on_done(h, p))
+                handle.add_done_callback(lambda h, i=i: on_done(h, i))
         except SwitchMLError as exc:
-            raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
+            if i == 0 and (fo is None or not fo.active):
+                for plan in plans:
+                    plan.release()
+                if fo is not None and pending is not None:
+                    fo.failed(pending, exc)  # (its count of operations in flight)
+                raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
+            # The client closed under us (a switch-over), or failed after taking some parts:
+            # the parts it did not take count as failed.
+            with lock:
+                state["error"] = state["error"] or exc
+                state["left"] -= len(plans) - i
+                last = state["left"] == 0
+            if last:
+                settle(state["error"])
         return SwitchMLWork(future)
 
     def _note_contributors(self, counts: np.ndarray) -> None:
@@ -554,9 +609,12 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def stats(self) -> dict[str, Any]:
         """What went through the switch, what was delegated to gloo, and the worker counters."""
         with self._stats_lock:
-            return {"switch_ops": dict(self.switch_ops), "delegated": dict(self.delegated),
-                    "worker": self.client.counters,
-                    "switch": ",".join(format_address(a) for a in self.switch)}
+            out = {"switch_ops": dict(self.switch_ops), "delegated": dict(self.delegated),
+                   "worker": self.client.counters,
+                   "switch": ",".join(format_address(a) for a in self.switch)}
+        if self.failover is not None:
+            out["failover"] = self.failover.stats()
+        return out
 
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: leave the job and release the embedded
@@ -780,6 +838,7 @@ def _create(store: dist.Store, rank: int, size: int,
             switch, requested=env.threads(), local_ranks=_local_ranks(size))))
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
+            store.set(f"{key}/failover", env.failover())
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
                 **_group_quorum(size))
@@ -812,6 +871,10 @@ def _create(store: dist.Store, rank: int, size: int,
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch,
                               half_bits=half_bits, quorum=spec.quorum)
     pg.owns_switch = acquired
+    if store.get(f"{key}/failover").decode() == "gloo":
+        pg.failover = Failover(store, rank, size, timeout, keep_bytes=env.failover_keep_bytes(),
+                               close_switch=client.close, recycle=pg._staging.give,
+                               prefix=f"switchml/{_incarnation}/failover")
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
         flight.install_signal(name)

@@ -1,0 +1,135 @@
+"""Switch failover (``SWITCHML_FAILOVER=gloo``, ``torch/failover.py``): a group whose switch is
+killed goes on over gloo within its timeout, with exact sums and the same numbers on every
+rank; a rank that missed the last results before the switch died takes them from a peer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch_procs as tp
+
+pytestmark = pytest.mark.slow  # spawns a process group
+
+TIMEOUT_S = 3.0  # the process group's timeout: the switchml operation timeout
+
+
+class DownstreamCut:
+    """A UDP relay between one rank and the switch that can stop passing the switch's
+    datagrams to the rank (``cut``): the rank then misses results the others get."""
+
+    def __init__(self, switch: tuple[str, int]) -> None:
+        self.switch = switch
+        self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the rank's side
+        self.front.bind(("127.0.0.1", 0))
+        self.back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the switch's side
+        self.back.bind(("127.0.0.1", 0))
+        for s in (self.front, self.back):
+            s.settimeout(0.2)
+        self.rank_addr: tuple[str, int] | None = None
+        self.cut = False
+        self.dropped = 0
+        self._stop = False
+        self._threads = [threading.Thread(target=self._up, daemon=True),
+                         threading.Thread(target=self._down, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self.front.getsockname()
+        return f"{host}:{port}"
+
+    def _up(self) -> None:
+        while not self._stop:
+            try:
+                data, addr = self.front.recvfrom(65536)
+            except OSError:
+                continue
+            self.rank_addr = addr
+            self.back.sendto(data, self.switch)
+
+    def _down(self) -> None:
+        while not self._stop:
+            try:
+                data, _ = self.back.recvfrom(65536)
+            except OSError:
+                continue
+            if self.cut:
+                self.dropped += 1
+            elif self.rank_addr is not None:
+                self.front.sendto(data, self.rank_addr)
+
+    def close(self) -> None:
+        self._stop = True
+        for t in self._threads:
+            t.join(2)
+        self.front.close()
+        self.back.close()
+
+
+def _run(world: int, ops: int, relay_rank: int | None):
+    with tp.Procs(deadline_s=100) as procs:
+        switch_proc = procs.start(tp.switch_server_body, procs.q)
+        kind, address, _pid = procs.get(timeout=30)
+        assert kind == "switch"
+        where = f"{address[0]}:{address[1]}"
+        relay = DownstreamCut(tuple(address)) if relay_rank is not None else None
+        switch_for = {relay_rank: relay.address} if relay is not None else {}
+        try:
+            procs.start_ranks(tp.failover_body, world, TIMEOUT_S, ops, switch_for,
+                              env={"SWITCHML_SWITCH": where, "SWITCHML_FAILOVER": "gloo"})
+            started = set()
+            while len(started) < world:  # every rank has completed ops through the switch
+                msg = procs.get(timeout=45)
+                assert msg[0] == "progress", msg
+                started.add(msg[1])
+            if relay is not None:
+                relay.cut = True  # the rank misses what the switch sends from now on
+                time.sleep(1.0)
+            switch_proc.kill()
+            res = procs.results(list(range(world)), timeout=60)
+        finally:
+            if relay is not None:
+                relay.close()
+    for r in range(world):
+        assert all(res[r]["exact"]), (r, res[r]["exact"])  # before, across and after
+        fo = res[r]["stats"]["failover"]
+        assert fo["active"] and fo["switch_overs"] == 1 and fo["error"] is None, fo
+        # one stall of about the timeout, then gloo: nothing waits much longer than it
+        assert max(res[r]["seconds"]) < TIMEOUT_S + 3, res[r]["seconds"]
+        for name, value in res[r]["final"].items():  # DDP after the switch-over
+            assert np.array_equal(value, res[0]["final"][name]), (r, name)
+    return res
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_switch_hands_the_group_over_to_gloo_with_exact_sums():
+    world, ops = 3, 40
+    res = _run(world, ops, None)
+    for r in range(world):
+        fo = res[r]["stats"]["failover"]
+        assert fo["ops_over_gloo"] >= ops // 2, fo  # the kill came early in the run
+        assert res[r]["stats"]["switch_ops"]["allreduce"] >= ops
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_missed_the_last_results_takes_them_from_a_peer():
+    """Rank 1's results stop reaching it a second before the switch dies: the others
+    complete an all-reduce it never sees complete. At the switch-over it takes that sum from
+    rank 0's copy (summing again over gloo would round it differently), then all go on."""
+    world, ops = 3, 40
+    res = _run(world, ops, relay_rank=1)
+    assert res[1]["stats"]["failover"]["results_taken_from_peers"] >= 1, res[1]["stats"]
+    assert res[0]["stats"]["failover"]["results_given_to_peers"] >= 1, res[0]["stats"]
+
+
+def test_the_hand_over_rule_names_who_gives_and_refuses_without_a_copy():
+    from switchml.torch.failover import HAS, KEEPS, LACKS, transition
+    assert transition([HAS, HAS, KEEPS]) is None  # nobody lacks it
+    assert transition([HAS, LACKS, KEEPS, KEEPS]) == 2  # the lowest rank that kept it
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 2\] lack this result"):
+        transition([LACKS, HAS, LACKS])
