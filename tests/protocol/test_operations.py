@@ -157,6 +157,43 @@ def test_peers_of_a_dead_rank_fail_within_the_member_timeout_naming_it():
         assert h.done() and isinstance(h.exception(), OperationFailed)
 
 
+def test_a_dead_switch_fails_operations_as_unreachable_and_a_dead_rank_does_not():
+    """What a caller (the torch backend's failover) must tell apart: a switch that stopped
+    answering raises ``SwitchUnreachable``, also after it had named a rank it waited for
+    (it then stops answering the re-sends); a live switch naming a silent rank raises a plain
+    ``OperationFailed``."""
+    from switchml.protocol.errors import SwitchUnreachable
+    cfg = WorkerConfig(op_timeout_s=4.0, max_rto_s=0.5)
+    for case in ("switch dies", "rank silent", "switch dies after naming a rank"):
+        c = MemoryCluster(num_workers=3, window=2, elements_per_packet=64, worker_config=cfg)
+        c.allreduce(_inputs(3, 1000, 1))
+        ranks = range(3) if case == "switch dies" else range(2)
+        handles = [c.sessions[r].submit(np.ones(1000, np.float32), now=c.fabric.now)
+                   for r in ranks]
+        if case == "switch dies":
+            c.fabric.detach(c.SWITCH)
+        for r in ranks:
+            c.fabric.flush(c.addresses[r])
+        if case == "switch dies after naming a rank":
+            c.fabric.run(lambda c=c: c.fabric.now > 2.0 and c.workers[0].progress(
+                c.fabric.now) is not None)
+            assert "answers, but rank(s) [2]" in c.workers[0].progress(c.fabric.now)
+            c.fabric.detach(c.SWITCH)
+        c.fabric.run(lambda c=c, ranks=ranks: all(c.workers[r].state is WorkerState.ERROR
+                                                  for r in ranks), max_time_s=30)
+        for r, h in zip(ranks, handles, strict=True):
+            err = h.exception()
+            assert isinstance(err, OperationFailed), (case, err)
+            if case == "rank silent":
+                assert not isinstance(err, SwitchUnreachable), err
+                assert "answers, but rank(s) [2]" in str(err), err
+            else:
+                assert isinstance(err, SwitchUnreachable), (case, err)
+                assert "no answer from the switch" in str(err), err
+                if case != "switch dies":
+                    assert "it last said it waited for rank(s) [2]" in str(err), err
+
+
 def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
     c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
     c.join()
