@@ -143,11 +143,13 @@ def failover() -> str:
     return value
 
 
-def failover_keep_bytes() -> int:
+def failover_keep_bytes() -> int | None:
     """``SWITCHML_FAILOVER_KEEP_MB``: how many MiB of its latest results a rank keeps for
-    peers that missed them when the switch died (default 256; at least the latest
-    all-reduce's are kept)."""
-    value = (_get("SWITCHML_FAILOVER_KEEP_MB") or "256").strip()
+    peers that missed them when the switch died (at least the latest all-reduce's are
+    kept); None where unset (the backend's default)."""
+    value = (_get("SWITCHML_FAILOVER_KEEP_MB") or "").strip()
+    if not value:
+        return None
     try:
         mib = float(value)
     except ValueError:

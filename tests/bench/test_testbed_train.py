@@ -50,3 +50,22 @@ def test_hybrid_moves_the_predicted_bytes_and_trains_like_ddp():
     assert any("-> sfb" in d for d in by["hybrid"]["decisions"])
     a, b = by["switchml"]["losses"], by["hybrid"]["losses"]
     assert all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
+
+
+@pytest.mark.timeout(300)
+def test_a_switch_killed_mid_training_costs_one_step_and_the_run_goes_on_over_gloo():
+    """``--kill-switch-at``: rank 0 kills the switch at step 4 of 8; switchml-failover waits
+    out its group's timeout once, then trains on over gloo to the end."""
+    from switchml.bench.testbed_train import (
+        FAILOVER_TIMEOUT_S,
+        TrainBenchConfig,
+        run_testbed_train,
+    )
+    rows = run_testbed_train(TrainBenchConfig(
+        workers=2, steps=8, models=("ncf",), batch=32, eval_every=8,
+        systems=("switchml-failover",), kill_switch_at=4))
+    (r,) = rows
+    assert r["failover"]["active"] and r["failover"]["ops_over_gloo"] > 0, r["failover"]
+    assert len(r["losses"]) == 8 and r["final_metric"] is not None
+    assert FAILOVER_TIMEOUT_S * 0.9 < r["kill_stall_s"] < FAILOVER_TIMEOUT_S + 10
+    assert r["after_kill_step_s"] < 3.0

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -256,6 +257,8 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
             busy_half = machine_busy_s() or None  # (0.0: no /proc/stat)
+        if step == a.get("kill_switch_at"):
+            os.kill(a["kill_switch_pid"], signal.SIGKILL)  # the switch dies, not restarted
         if straggler(step) == a["rank"]:
             time.sleep(a["straggle_s"])  # slower compute on this rank at this step
             straggled += 1
@@ -344,7 +347,8 @@ def train(a: dict[str, Any]) -> None:
     if a["backend"] == "switchml":
         import switchml.torch  # noqa: F401
     rank, n = a["rank"], a["n"]
-    init_group(a["backend"], a["master"], a["port"], rank, n, 120, a.get("store_file"))
+    init_group(a["backend"], a["master"], a["port"], rank, n, a.get("timeout_s", 120),
+               a.get("store_file"))
     work = workloads.get(a["model"])
     torch.manual_seed(0)
     task = work.build(a.get("batch"), seed=1000 + rank)
@@ -385,6 +389,9 @@ def train(a: dict[str, Any]) -> None:
         spans = [d for t, d in replica["calls"] if t >= run["half_s"]]
         extra["replica_allreduce_s_per_step"] = sum(spans) / (a["steps"] - run["half"])
         extra["replica_allreduce_calls"] = len(spans)
+    if a["backend"] == "switchml":
+        from switchml.torch import stats as switchml_stats
+        extra["failover"] = switchml_stats().get("failover")
     dist.destroy_process_group()
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],

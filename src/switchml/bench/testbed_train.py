@@ -14,6 +14,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from switchml.bench.testbed import (
     DEFAULT_MTU,
     SWITCH_PORT,
@@ -78,6 +80,9 @@ class TrainBenchConfig:
     a rank drawn at random (the same draw on every rank) straggles (transient)."""
     quorum: int | None = None
     """``switchml-quorum``'s quorum; None: ``workers - 1``."""
+    kill_switch_at: int = 0
+    """Kill the switch (SIGKILL, not restarted during the run) as rank 0 starts this step of
+    each run on a switchml system; 0: never. The switch is started again for the next run."""
 
     def __post_init__(self) -> None:
         from switchml import workloads
@@ -97,6 +102,15 @@ class TrainBenchConfig:
             raise ValueError("--straggle-s and --straggle-every must be >= 0")
         if self.quorum is not None and not 1 <= self.quorum <= self.workers:
             raise ValueError(f"--quorum must be in 1..{self.workers}, got {self.quorum}")
+        if not 0 <= self.kill_switch_at < self.steps:
+            raise ValueError(f"--kill-switch-at must be a step in 1..{self.steps - 1} (or 0: "
+                             f"never), got {self.kill_switch_at}")
+        doomed = [s for s in self.systems
+                  if TRAIN_SYSTEMS[s][0] == "switchml" and s != "switchml-failover"]
+        if self.kill_switch_at and doomed:
+            raise ValueError(f"--kill-switch-at: {', '.join(doomed)} would fail once the switch "
+                             "is gone (after the group's timeout); run gloo and "
+                             "switchml-failover")
 
     @property
     def quorum_k(self) -> int:
@@ -110,32 +124,42 @@ TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "l
                  "switchml16": ("switchml", "ddp", "switchml16"),
                  "hybrid": ("switchml", "hybrid", None),
                  "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None),
-                 "switchml-quorum": ("switchml", "ddp", "quorum")}
+                 "switchml-quorum": ("switchml", "ddp", "quorum"),
+                 "switchml-failover": ("switchml", "ddp", None)}
 """system -> (backend, mode, DDP communication hook)."""
 SILENT = frozenset({"noop", "lockstep"})
+FAILOVER_TIMEOUT_S = 10.0
+"""``switchml-failover``'s process-group timeout: how long an all-reduce waits for a silent
+switch before the group goes on over gloo (the other systems': 120 s)."""
 """The systems that move no gradient: references for the ideal, not trained models."""
 
 
 def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int,
-                  quorum: int | None = None) -> dict[str, str]:
+                  quorum: int | None = None, failover: bool = False) -> dict[str, str]:
     """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret),
-    with ``quorum`` (``SWITCHML_QUORUM``) if given."""
+    with ``quorum`` (``SWITCHML_QUORUM``) if given, and ``SWITCHML_FAILOVER=gloo`` with
+    ``failover``."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(host),
            "SWITCHML_SWITCH": switch, "SWITCHML_WINDOW": str(window),
            "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
-    env.pop("SWITCHML_SECRET", None)
-    env.pop("SWITCHML_QUORUM", None)
+    for name in ("SWITCHML_SECRET", "SWITCHML_QUORUM", "SWITCHML_FAILOVER"):
+        env.pop(name, None)
     if quorum is not None:
         env["SWITCHML_QUORUM"] = str(quorum)
+    if failover:
+        env["SWITCHML_FAILOVER"] = "gloo"
     return env
 
 
-def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
-                ) -> dict[str, Any]:
-    """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses)."""
+def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
+                switch_pid: int = 0) -> dict[str, Any]:
+    """Train ``model`` on ``system`` over the testbed: the run's row (rank 0's losses).
+    ``switch_pid``: the switch, which rank 0 kills at ``cfg.kill_switch_at``."""
     from switchml import workloads
     backend, mode, hook = TRAIN_SYSTEMS[system]
     quorum = cfg.quorum_k if hook == "quorum" else None
+    failover = system == "switchml-failover"
+    kill = bool(cfg.kill_switch_at and backend == "switchml" and switch_pid)
     # (a quorum job's results carry a bitmap of the ranks: chunks leave room for it)
     topo = tb.topology
     k = elements_for_mtu(cfg.mtu, trailer=(cfg.workers + 7) // 8 if quorum else 0)
@@ -149,9 +173,12 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
             "batch": batch, "mode": mode, "hook": hook, "trace": cfg.trace,
             "eval_every": cfg.eval_every, "dev": tb.host_device(r), "mtu": cfg.mtu,
             "store_file": f"{store}/group", "straggle_s": cfg.straggle_s,
-            "straggle_every": cfg.straggle_every}),
+            "straggle_every": cfg.straggle_every,
+            "timeout_s": FAILOVER_TIMEOUT_S if failover else 120.0,
+            **({"kill_switch_at": cfg.kill_switch_at, "kill_switch_pid": switch_pid}
+               if kill and r == 0 else {})}),
             lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                    cfg.window or default_window(k), k, quorum))
+                                    cfg.window or default_window(k), k, quorum, failover))
         out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding); the times leave
@@ -160,10 +187,21 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str
     half = len(times) // 2
     step_s = (times[-1] - times[half - 1]) / (len(times) - half)
     evals = lead.get("evals") or []
+    killed: dict[str, Any] = {}
+    if kill:  # the steps around the switch's death (training time, evaluation left out)
+        durations = np.diff([0.0, *times])
+        before, after = durations[2:cfg.kill_switch_at], durations[cfg.kill_switch_at:]
+        worst = int(after.argmax())
+        killed = {"before_kill_step_s": float(np.median(before)) if before.size else None,
+                  "kill_stall_s": float(after[worst]),
+                  "after_kill_step_s": (float(np.median(after[worst + 1:]))
+                                        if worst + 1 < after.size else None)}
     return {
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
         "straggled_steps": lead.get("straggled_steps", 0),
+        "kill_switch_at": cfg.kill_switch_at if kill else 0,
+        "failover": lead.get("failover"), **killed,
         "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
         "mtu": cfg.mtu, "params": lead["params"], "steps": cfg.steps, "batch": batch,
         "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,
@@ -200,14 +238,17 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
                 if progress is not None:
                     progress(f"training {model} on {system}, n={cfg.workers}")
                 retried: list[bool] = []
+                if switch.poll() is not None:  # killed by the run before (kill_switch_at)
+                    switch = _start_switch(tb, nice=cfg.switch_nice)
                 row = once_more_if_torch_aborted(
-                    functools.partial(_train_once, tb, cfg, model, system),
+                    functools.partial(_train_once, tb, cfg, model, system, switch.pid),
                     f"training {model} on {system}", functools.partial(retried.append, True))
                 if retried:  # (the row says so, not only the log)
                     row["retried"] = "a process aborted in torch's C++ on the first try"
                 rows.append(row)
         assert switch.stdin is not None
-        switch.stdin.close()
+        if switch.poll() is None:
+            switch.stdin.close()
     add_time_to_target(rows)
     add_ideal(rows)
     return rows

@@ -872,7 +872,10 @@ def _create(store: dist.Store, rank: int, size: int,
                               half_bits=half_bits, quorum=spec.quorum)
     pg.owns_switch = acquired
     if store.get(f"{key}/failover").decode() == "gloo":
-        pg.failover = Failover(store, rank, size, timeout, keep_bytes=env.failover_keep_bytes(),
+        keep = env.failover_keep_bytes()
+        if keep is None:  # without a quorum no rank is more than one all-reduce ahead
+            keep = 0 if spec.quorum is None else 256 * 2**20
+        pg.failover = Failover(store, rank, size, timeout, keep_bytes=keep,
                                close_switch=client.close, recycle=pg._staging.give,
                                prefix=f"switchml/{_incarnation}/failover")
     flight.watch(pg, env.stall_log_s() or 30.0)

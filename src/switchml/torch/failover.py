@@ -8,12 +8,16 @@ Turned on per group by rank 0's ``SWITCHML_FAILOVER=gloo``. Theory of operation:
 * **Inputs stay whole.** A switch operation works on a staging copy of the tensor, never the
   tensor itself, and writes the tensor only once every part of the operation has its result.
   So an operation that fails has its input, untouched.
-* **Results are kept.** A rank keeps its latest completed results (``SWITCHML_FAILOVER_KEEP_MB``,
-  at least the latest operation's). When the switch dies, a rank may hold the last multicast
-  results of an operation another rank never got (the switch completes a round for all and
-  multicasts it; a lost copy is recovered by a re-send only while the switch lives). That rank
-  hands its copy on. Without the copy the others would have to sum again over gloo, a
-  different rounding from the switch's fixed point: replicas would drift apart.
+* **Results are kept.** When the switch dies, a rank may hold the last multicast results of
+  an operation another rank never got (the switch completes a round for all and multicasts
+  it; a lost copy is recovered by a re-send only while the switch lives). That rank hands its
+  copy on. Without the copy the others would have to sum again over gloo, a different
+  rounding from the switch's fixed point: replicas would drift apart. So a rank keeps its
+  latest completed results: without a quorum, the latest operation's is all a peer can lack
+  (a rank starts an operation only once it completed the one before, and no operation
+  completes anywhere before every rank sent all of it, so no rank is two operations ahead);
+  a quorum group's stragglers may lag further, and it keeps 256 MiB of results
+  (``SWITCHML_FAILOVER_KEEP_MB`` sets either).
 * **Switching over.** The first operation that fails with
   :class:`~switchml.protocol.errors.SwitchUnreachable` (the switch said nothing for the
   operation timeout) starts it: the rank announces it in the group's store (a rank with no
@@ -255,7 +259,10 @@ class Failover:
 
     def _run(self) -> None:
         try:
-            self._close_switch()
+            # Closing fails the client's pending operations at once, then says LEAVE to the
+            # silent switch for up to ``leave_timeout_s``: not worth waiting for.
+            threading.Thread(target=self._close_switch, name="switchml-failover-close",
+                             daemon=True).start()
             self._switch_over()
         except BaseException as exc:  # noqa: BLE001 - every waiting operation hears of it
             with self._cv:

@@ -59,7 +59,9 @@ def add_parser(bsub: Subparsers) -> None:
                          "(FSDP2 on a mesh of n/2 replicas x 2 shards; the replicas' all-reduce "
                          "goes through the switch on hsdp, timed per step), switchml-quorum "
                          "(DDP on a switchml group with a quorum, --quorum, and its quorum "
-                         "hook: a straggler does not set the pace) (default "
+                         "hook: a straggler does not set the pace), switchml-failover "
+                         "(DDP on switchml with SWITCHML_FAILOVER=gloo and a 10 s group "
+                         "timeout: goes on over gloo when the switch dies) (default "
                          "noop,gloo,switchml)")
     tr.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
@@ -82,6 +84,10 @@ def add_parser(bsub: Subparsers) -> None:
     tr.add_argument("--quorum", type=int, default=None, metavar="K",
                     help="the switchml-quorum system's quorum: each round completes with K "
                          "ranks (default: workers - 1)")
+    tr.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
+                    help="kill the switch (SIGKILL, not restarted during the run) as rank 0 "
+                         "starts this step of each switchml-failover run; the rows give the "
+                         "step times around it and the final metric (default 0: never)")
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
@@ -99,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             loss_rate=args.loss, mtu=args.mtu,
                             systems=tuple(s for s in args.systems.split(",") if s),
                             trace=bool(args.trace), straggle_s=args.straggle_s,
-                            straggle_every=args.straggle_every, quorum=args.quorum)
+                            straggle_every=args.straggle_every, quorum=args.quorum,
+                            kill_switch_at=args.kill_switch_at)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,11 +124,24 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         for d in r.get("decisions", []):
             console.print(f"{r['model']} {r['system']}: {d}")
+        if r.get("kill_switch_at"):
+            fo = r.get("failover") or {}
+            after, before = r.get("after_kill_step_s"), r.get("before_kill_step_s")
+            console.print(
+                f"{r['model']} {r['system']}: the switch was killed at step "
+                f"{r['kill_switch_at']}; steps took {_ms(before)} before, the longest "
+                f"{r['kill_stall_s']:.1f} s, then {_ms(after)} (switched over to gloo: "
+                f"{bool(fo.get('active'))}; results taken from peers: "
+                f"{fo.get('results_taken_from_peers', 0)})")
         if "replica_allreduce_s" in r:
             console.print(f"{r['model']} {r['system']}: the replicas' all-reduce took "
                           f"{1e3 * r['replica_allreduce_s']:.0f} ms per step")
     _write_outputs(args, cfg, rows, console)
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.0f} ms"
 
 
 def _train_table(cfg: TrainBenchConfig, rate_mbit: float, rows: Sequence[dict]) -> Table:
