@@ -143,6 +143,19 @@ def failover() -> str:
     return value
 
 
+def failover_probe_s() -> float:
+    """``SWITCHML_FAILOVER_PROBE_S``: how often a group that failed over to gloo asks whether
+    its switch is back (rank 0 joins a fresh job there; default 10 s; 0: never go back)."""
+    value = (_get("SWITCHML_FAILOVER_PROBE_S") or "10").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise ValueError(f"SWITCHML_FAILOVER_PROBE_S must be seconds >= 0, got {value!r}")
+    return seconds
+
+
 def failover_keep_bytes() -> int | None:
     """``SWITCHML_FAILOVER_KEEP_MB``: how many MiB of its latest results a rank keeps for
     peers that missed them when the switch died (at least the latest all-reduce's are

@@ -71,17 +71,24 @@ class DownstreamCut:
         self.back.close()
 
 
-def _run(world: int, ops: int, relay_rank: int | None):
+def _run(world: int, ops: int, relay_rank: int | None, back_after_s: float | None = None,
+         threads: int = 1):
+    """``ops`` checked all-reduces, then DDP; the switch killed once every rank did 5 (with
+    ``relay_rank``, that rank's results cut a second before); with ``back_after_s``, a new
+    switch at the same address that long after the kill."""
     with tp.Procs(deadline_s=100) as procs:
-        switch_proc = procs.start(tp.switch_server_body, procs.q)
+        port = tp.free_port() if back_after_s is not None else 0
+        switch_proc = procs.start(tp.switch_server_body, procs.q, port)
         kind, address, _pid = procs.get(timeout=30)
         assert kind == "switch"
         where = f"{address[0]}:{address[1]}"
         relay = DownstreamCut(tuple(address)) if relay_rank is not None else None
         switch_for = {relay_rank: relay.address} if relay is not None else {}
+        env = {"SWITCHML_SWITCH": where, "SWITCHML_FAILOVER": "gloo",
+               "SWITCHML_FAILOVER_PROBE_S": "1" if back_after_s is not None else "0",
+               "SWITCHML_THREADS": str(threads)}
         try:
-            procs.start_ranks(tp.failover_body, world, TIMEOUT_S, ops, switch_for,
-                              env={"SWITCHML_SWITCH": where, "SWITCHML_FAILOVER": "gloo"})
+            procs.start_ranks(tp.failover_body, world, TIMEOUT_S, ops, switch_for, env=env)
             started = set()
             while len(started) < world:  # every rank has completed ops through the switch
                 msg = procs.get(timeout=45)
@@ -91,6 +98,11 @@ def _run(world: int, ops: int, relay_rank: int | None):
                 relay.cut = True  # the rank misses what the switch sends from now on
                 time.sleep(1.0)
             switch_proc.kill()
+            if back_after_s is not None:
+                time.sleep(back_after_s)
+                procs.start(tp.switch_server_body, procs.q, port)
+                kind, again, _pid = procs.get(timeout=30)
+                assert kind == "switch" and tuple(again) == tuple(address), again
             res = procs.results(list(range(world)), timeout=60)
         finally:
             if relay is not None:
@@ -98,7 +110,8 @@ def _run(world: int, ops: int, relay_rank: int | None):
     for r in range(world):
         assert all(res[r]["exact"]), (r, res[r]["exact"])  # before, across and after
         fo = res[r]["stats"]["failover"]
-        assert fo["active"] and fo["switch_overs"] == 1 and fo["error"] is None, fo
+        assert fo["switch_overs"] == 1 and fo["error"] is None, fo
+        assert fo["active"] is (back_after_s is None), fo
         # one stall of about the timeout, then gloo: nothing waits much longer than it
         assert max(res[r]["seconds"]) < TIMEOUT_S + 3, res[r]["seconds"]
         for name, value in res[r]["final"].items():  # DDP after the switch-over
@@ -107,10 +120,15 @@ def _run(world: int, ops: int, relay_rank: int | None):
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_switch_hands_the_group_over_to_gloo_with_exact_sums():
+@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
+def test_a_killed_switch_hands_the_group_over_to_gloo_with_exact_sums(threads):
+    """Two threads: a rank's large all-reduces travel in two parts (two jobs), its small ones
+    in the first alone; both fail over."""
     world, ops = 3, 40
-    res = _run(world, ops, None)
+    res = _run(world, ops, None, threads=threads)
     for r in range(world):
+        if threads > 1:  # (the parallel client's counters say how many it drives)
+            assert res[r]["stats"]["worker"]["threads"] == threads
         fo = res[r]["stats"]["failover"]
         assert fo["ops_over_gloo"] >= ops // 2, fo  # the kill came early in the run
         assert res[r]["stats"]["switch_ops"]["allreduce"] >= ops
@@ -127,9 +145,26 @@ def test_a_rank_that_missed_the_last_results_takes_them_from_a_peer():
     assert res[0]["stats"]["failover"]["results_given_to_peers"] >= 1, res[0]["stats"]
 
 
+@pytest.mark.timeout(150)
+def test_the_group_goes_back_to_the_switch_once_it_returns():
+    """A new switch comes up at the same address two seconds after the group switched over
+    to gloo (sooner, the workers would rejoin it as a restarted switch). Rank 0 finds it (it
+    probes every second), every rank joins a fresh job there, and the rest of the run goes
+    through it: exact sums all along, the same parameters everywhere."""
+    world, ops = 3, 160
+    res = _run(world, ops, None, back_after_s=TIMEOUT_S + 2.0)
+    for r in range(world):
+        fo = res[r]["stats"]["failover"]
+        assert fo["switch_backs"] == 1 and fo["ops_over_gloo"] >= 1, fo
+        # the new job's client completed what came after the return, through the switch
+        done_after = res[r]["stats"]["worker"]["operations_completed"]
+        assert done_after >= 10, (done_after, fo)
+
+
 def test_the_hand_over_rule_names_who_gives_and_refuses_without_a_copy():
-    from switchml.torch.failover import HAS, KEEPS, LACKS, transition
+    from switchml.torch.failover import HAS, KEEPS, LACKS, SUM_AGAIN, transition
     assert transition([HAS, HAS, KEEPS]) is None  # nobody lacks it
     assert transition([HAS, LACKS, KEEPS, KEEPS]) == 2  # the lowest rank that kept it
+    assert transition([LACKS, LACKS, LACKS]) == SUM_AGAIN  # nobody wrote a switch sum
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 2\] lack this result"):
         transition([LACKS, HAS, LACKS])

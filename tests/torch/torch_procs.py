@@ -333,11 +333,11 @@ def dying_rank_body(rank: int, world: int, q: Any, mode: str, die_rank: int, die
     return {"step": None, "error": None, "seconds": None}
 
 
-def switch_server_body(q: Any) -> None:
+def switch_server_body(q: Any, port: int = 0) -> None:
     """A SwitchServer in a process of its own (SIGKILLed by the test)."""
     from switchml.transport.udp import SwitchServer
 
-    server = SwitchServer(host="127.0.0.1", port=0).start()
+    server = SwitchServer(host="127.0.0.1", port=port).start()
     q.put(("switch", server.address, os.getpid()))
     time.sleep(120)
 

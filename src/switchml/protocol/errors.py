@@ -6,6 +6,7 @@ __all__ = [
     "ConfigError",
     "LocalProtocolError",
     "OperationFailed",
+    "RanksDisagree",
     "RemoteProtocolError",
     "SwitchMLError",
     "SwitchUnreachable",
@@ -40,6 +41,11 @@ class WireError(RemoteProtocolError):
 
 class OperationFailed(SwitchMLError):
     """A collective operation could not complete (switch gone, peers silent, job refused)."""
+
+
+class RanksDisagree(OperationFailed):
+    """The ranks issued different operations (another size, dtype kind or bits): a script
+    bug, reported by the switch at once (MISMATCH). No failover can help."""
 
 
 class SwitchUnreachable(OperationFailed):

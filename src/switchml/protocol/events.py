@@ -95,12 +95,15 @@ class OperationAborted:
     """Worker: operation ``seq`` cannot complete and was given up; ``reason`` names who stopped
     answering (or what disagreed). A driver fails the operation's handle with the exception
     :class:`~switchml.protocol.errors.OperationFailed` and this reason
-    (:class:`~switchml.protocol.errors.SwitchUnreachable` when ``switch_silent``)."""
+    (:class:`~switchml.protocol.errors.SwitchUnreachable` when ``switch_silent``,
+    :class:`~switchml.protocol.errors.RanksDisagree` when ``disagree``)."""
 
     seq: int
     reason: str
     switch_silent: bool = False
     """No datagram at all came from the switch while the operation waited its timeout out."""
+    disagree: bool = False
+    """The switch said the ranks issued different operations (MISMATCH)."""
 
 
 @dataclass(frozen=True, slots=True)

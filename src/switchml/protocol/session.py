@@ -38,6 +38,7 @@ from switchml.protocol.endpoint import Batch, Transmit
 from switchml.protocol.errors import (
     LocalProtocolError,
     OperationFailed,
+    RanksDisagree,
     SwitchMLError,
     SwitchUnreachable,
 )
@@ -349,8 +350,9 @@ class WorkerSession:
             if not self._closing:
                 self.error = self.error or reason
             if handle is not None:
-                handle.resolve((SwitchUnreachable if ev.switch_silent else OperationFailed)(
-                    reason))
+                kind = (SwitchUnreachable if ev.switch_silent else
+                        RanksDisagree if ev.disagree else OperationFailed)
+                handle.resolve(kind(reason))
         elif isinstance(ev, Joined):
             self.joined = True
         elif isinstance(ev, JoinFailed):

@@ -742,7 +742,7 @@ class WorkerEndpoint(WorkerControl):
                     f"rank sent {m.mine.describe()} ({op.describe()})")
         self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): the ranks "
                    f"disagree: {what}. Every rank must issue the same operations, with the "
-                   "same size, dtype and bits, in the same order")
+                   "same size, dtype and bits, in the same order", disagree=True)
 
     # -- Timers and failure ------------------------------------------------------------------
 
@@ -771,19 +771,20 @@ class WorkerEndpoint(WorkerControl):
                 self.recovery.on_sent(op, i, now)
 
     def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL, *,
-              switch_silent: bool = False) -> None:
+              switch_silent: bool = False, disagree: bool = False) -> None:
         """The operation in flight can't complete: ERROR, and OperationAborted."""
         self._move(what)
-        self._abort(reason, switch_silent=switch_silent)
+        self._abort(reason, switch_silent=switch_silent, disagree=disagree)
 
-    def _abort(self, reason: str, *, switch_silent: bool = False) -> None:
+    def _abort(self, reason: str, *, switch_silent: bool = False,
+               disagree: bool = False) -> None:
         op = self._op
         assert op is not None
         self._spill(op)
         self._op = None
         self.error = reason
         self._counters["operations_failed"] += 1
-        self._events.append(OperationAborted(op.seq, reason, switch_silent))
+        self._events.append(OperationAborted(op.seq, reason, switch_silent, disagree))
 
     # -- Sending -----------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ from switchml.protocol.errors import SwitchMLError
 from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
-from switchml.torch.failover import Failover, PendingOp
+from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.flight import FlightRecorder
 from switchml.transport.parallel import ParallelClient, choose_threads, open_worker
 from switchml.transport.sockets import local_mtu
@@ -434,14 +434,28 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
             else:
                 complete_elsewhere(completer, tensors)
 
-        pending = None
-        if fo is not None:
-            seq, to_switch = fo.issue()
-            pending = PendingOp(seq, list(tensors), average, done)
-            if not to_switch:  # switched over: gloo, in order
-                fo.take(pending)
-                return SwitchMLWork(future)
-        plans = [StagedTensor(t, pool=self._staging, copy=fo is not None) for t in tensors]
+        seq, to_switch = fo.issue() if fo is not None else (-1, True)
+        pending = PendingOp(seq, list(tensors), average, done)
+        if not to_switch:  # switched over: gloo, in order
+            assert fo is not None
+            fo.take(pending)
+        else:
+            self._submit(pending)
+        return SwitchMLWork(future)
+
+    def _submit(self, pending: PendingOp) -> None:
+        """Send ``pending`` through the switch (one operation per tensor); ``pending.done``
+        once all are done, with the first error unless the failover takes the operation
+        over. Raises RuntimeError where the client refuses it (not after a switch-over)."""
+        fo = self.failover
+        size, average, done = self.size(), pending.average, pending.done
+        try:
+            plans = [StagedTensor(t, pool=self._staging, copy=fo is not None)
+                     for t in pending.tensors]
+        except BaseException as exc:
+            if fo is not None:
+                fo.failed(pending, exc)  # (not an OperationFailed: only its count)
+            raise
         handles: list[AllreduceHandle | None] = [None] * len(plans)
         state: dict[str, Any] = {"left": len(plans), "error": None}
         lock = threading.Lock()
@@ -463,13 +477,13 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 except Exception as exc:  # surfaced through the future
                     error = exc
             if error is None:
-                if fo is not None and pending is not None:
+                if fo is not None:
                     fo.completed(pending.seq, kept)
                 done(None)
                 return
             for plan in plans:
                 plan.release()
-            if fo is not None and pending is not None and fo.failed(pending, error):
+            if fo is not None and fo.failed(pending, error):
                 return  # the failover completes it, over gloo
             done(error)
 
@@ -489,12 +503,14 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 handle = self.client.allreduce_async(plan.array, plan.array,
                                                      bits=self.wire_bits(plan.tensor.dtype))
                 handle.add_done_callback(lambda h, i=i: on_done(h, i))
-        except SwitchMLError as exc:
-            if i == 0 and (fo is None or not fo.active):
+        except Exception as exc:  # (SwitchMLError: refused; anything else: a bug, raised)
+            if i == 0 and (fo is None or not fo.active or not isinstance(exc, SwitchMLError)):
                 for plan in plans:
                     plan.release()
-                if fo is not None and pending is not None:
-                    fo.failed(pending, exc)  # (its count of operations in flight)
+                if fo is not None and fo.failed(pending, exc):
+                    return  # another rank had switched over: the failover completes it
+                if not isinstance(exc, SwitchMLError):
+                    raise
                 raise RuntimeError(f"switchml all_reduce refused: {exc}") from exc
             # The client closed under us (a switch-over), or failed after taking some parts:
             # the parts it did not take count as failed.
@@ -504,7 +520,13 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 last = state["left"] == 0
             if last:
                 settle(state["error"])
-        return SwitchMLWork(future)
+
+    def _install_client(self, client: WorkerClient | ParallelClient) -> None:
+        """All-reduces go through ``client`` from now on (the failover went back to the
+        switch, on a fresh job)."""
+        self.client = client
+        self.flight.progress = client.progress
+        weakref.finalize(self, client.close)
 
     def _note_contributors(self, counts: np.ndarray) -> None:
         """Count a quorum group's all-reduces whose sum lacks some rank somewhere."""
@@ -619,6 +641,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: leave the job and release the embedded
         switch (stopped after a grace period once no group of this process uses it)."""
+        if self.failover is not None:
+            self.failover.close()
         self.client.close()
         if self.owns_switch:
             self.owns_switch = False
@@ -839,6 +863,7 @@ def _create(store: dist.Store, rank: int, size: int,
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             store.set(f"{key}/failover", env.failover())
+            store.set(f"{key}/failover_probe_s", str(env.failover_probe_s()))
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
                 **_group_quorum(size))
@@ -873,11 +898,25 @@ def _create(store: dist.Store, rank: int, size: int,
     pg.owns_switch = acquired
     if store.get(f"{key}/failover").decode() == "gloo":
         keep = env.failover_keep_bytes()
-        if keep is None:  # without a quorum no rank is more than one all-reduce ahead
-            keep = 0 if spec.quorum is None else 256 * 2**20
+        if keep is None:  # on one thread without a quorum, no rank is two all-reduces ahead
+            keep = 0 if spec.quorum is None and threads == 1 else 256 * 2**20
+        probe_config = dataclasses.replace(config, join_timeout_s=min(seconds, 2.0))
+
+        def open_job(text: str | None) -> tuple[WorkerClient | ParallelClient, str]:
+            """Join a fresh job like the group's (rank 0: a new one; others: rank 0's)."""
+            job = decode_job_spec(text) if text else dataclasses.replace(
+                spec, job_id=secrets.randbits(32), token=secrets.randbits(64))
+            return (open_worker(switch, job, rank, probe_config, threads=threads,
+                                batching=env.batching()), encode_job_spec(job))
+
+        back = SwitchBack(probe=lambda: open_job(None), join=lambda text: open_job(text)[0],
+                          install=pg._install_client, submit=pg._submit,
+                          close=lambda c: c.close())
         pg.failover = Failover(store, rank, size, timeout, keep_bytes=keep,
-                               close_switch=client.close, recycle=pg._staging.give,
-                               prefix=f"switchml/{_incarnation}/failover")
+                               close_switch=lambda: pg.client.close(),
+                               recycle=pg._staging.give,
+                               prefix=f"switchml/{_incarnation}/failover", back=back,
+                               probe_s=float(store.get(f"{key}/failover_probe_s").decode()))
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
         flight.install_signal(name)

@@ -31,10 +31,22 @@ Turned on per group by rank 0's ``SWITCHML_FAILOVER=gloo``. Theory of operation:
      broadcasts its result to the others, which take it as their own (no rank without a
      copy: every rank raises, naming the operation, rather than sum it again);
   3. from ``M`` on every switch all-reduce runs over gloo, in order, exact sums of all ranks
-     (a quorum group's too).
+     (a quorum group's too). An operation no rank completed is summed over gloo from the
+     inputs, which are whole (with several I/O threads a small operation can complete on
+     the first part while a large one before it waits on the second).
 
-Counted in ``stats()["failover"]`` and logged at WARNING. Not done: going back to a switch
-that returns (the group stays on gloo), and failover of the DDP comm hooks' own clients.
+* **Any failure of the switch path switches over**, but a script bug (``RanksDisagree``):
+  ranks judge the switch's silence each by its own clock, and one rank's path can fail
+  alone; what they must agree on is that they switch. A dead rank then makes the failover's
+  first gloo collective fail on every rank after the group's timeout, naming why it began.
+* **Going back.** While on gloo, rank 0 joins a fresh job at the switch every
+  ``SWITCHML_FAILOVER_PROBE_S`` (10 s; 0: never). Before each all-reduce over gloo it tells
+  the others (a one-byte broadcast, with the job's spec when the switch is back); they join
+  too, and if every rank did, that all-reduce and all after it go through the switch again.
+
+Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_over_gloo``,
+``results_taken_from_peers``, ``results_given_to_peers``) and logged at WARNING. Not done:
+failover of the DDP comm hooks' own clients (``switchml16``, ``quorum``).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import dataclasses
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,12 +65,32 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-__all__ = ["Failover", "PendingOp", "transition"]
+__all__ = ["Failover", "PendingOp", "SwitchBack", "transition"]
 
 log = logging.getLogger(__name__)
 _WATCH_S = 0.5  # how often a rank reads the store for another rank's switch-over
 _SIZES_KEPT = 65536  # operations whose sizes a rank remembers (a few MB at most)
 _HALF = {torch.float16, torch.bfloat16}
+
+_SPEC_BYTES = 256  # a fresh job's spec as rank 0 broadcasts it (encode_job_spec: ~60 bytes)
+
+
+class SwitchBack:
+    """How a failover goes back to the switch (the backend's side).
+
+    ``probe()``: rank 0 joins a fresh job at the switch; returns (client, the job's spec as
+    text), or raises while the switch is not back. ``join(spec)``: the other ranks join it;
+    returns the client or raises. ``install(client)``: the group's all-reduces use it from
+    now on. ``submit(op)``: send an operation through the switch path. ``close(client)``:
+    leave a job that is not used after all.
+    """
+
+    def __init__(self, *, probe: Callable[[], tuple[Any, str]], join: Callable[[str], Any],
+                 install: Callable[[Any], None], submit: Callable[[PendingOp], None],
+                 close: Callable[[Any], None]) -> None:
+        self.probe, self.join, self.install = probe, join, install
+        self.submit, self.close = submit, close
+
 
 # A rank's state of one operation at the switch-over (``transition``).
 LACKS, HAS, KEEPS = 0, 1, 2
@@ -74,16 +107,22 @@ class PendingOp:
     done: Callable[[BaseException | None], None]
 
 
+SUM_AGAIN = -1  # ``transition``: no rank has the result; every rank sums it over gloo
+
+
 def transition(states: list[int]) -> int | None:
     """Who broadcasts an operation at the switch-over, from every rank's state of it
     (``LACKS``, ``HAS`` without a copy, ``KEEPS`` a copy): None when no rank lacks it (nothing
-    to do); else the lowest rank that keeps it.
+    to do); ``SUM_AGAIN`` when every rank lacks it (no rank wrote a switch sum: gloo sums the
+    inputs, which are whole); else the lowest rank that keeps it.
 
     Raises:
-        RuntimeError: some rank lacks it and none keeps it.
+        RuntimeError: some rank lacks it, another has it, and none keeps it.
     """
     if LACKS not in states:
         return None
+    if all(s == LACKS for s in states):
+        return SUM_AGAIN
     if KEEPS not in states:
         lacking = [r for r, s in enumerate(states) if s == LACKS]
         raise RuntimeError(
@@ -107,16 +146,25 @@ class Failover:
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  *, keep_bytes: int, close_switch: Callable[[], None],
                  recycle: Callable[[torch.Tensor], None] = lambda t: None,
-                 prefix: str = "switchml-failover") -> None:
+                 prefix: str = "switchml-failover", back: SwitchBack | None = None,
+                 probe_s: float = 0.0) -> None:
         self.rank, self.size = rank, size
+        self.gloo_timeout_s = timeout.total_seconds()
         self.gloo = ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size,
                                      timeout)
         self._store = store
-        self._key = f"{prefix}/switched"
+        self._prefix_key = prefix
+        self._epoch = 0  # switch-overs so far: each has a key of its own
+        self._key = f"{prefix}/switched/0"
         self.keep_bytes = keep_bytes
         self._close_switch = close_switch
         self._recycle = recycle
-        self._cv = threading.Condition()
+        self._back = back
+        self.probe_s = probe_s
+        self._ready: tuple[Any, str] | None = None  # rank 0: a client joined to a fresh job
+        # Reentrant: going back submits operations under it, and a submission that fails at
+        # once comes back to ``failed``.
+        self._cv = threading.Condition(threading.RLock())
         self.active = False
         """The group has switched over: its all-reduces go over gloo."""
         self.error: str | None = None
@@ -131,6 +179,8 @@ class Failover:
             collections.OrderedDict()
         self._ops: dict[int, PendingOp] = {}  # handed to the failover, by number
         self.counters: collections.Counter[str] = collections.Counter()
+        self._closing = threading.Event()  # the watcher's sleep (not ``_cv``: every
+        # completion notifies that)
         self.reason = ""
         self._thread: threading.Thread | None = None
         self._watcher = threading.Thread(target=self._watch, name="switchml-failover-watch",
@@ -155,10 +205,7 @@ class Failover:
         values, flat on the CPU, kept for peers that may lack them (the failover owns them)."""
         nbytes = sum(t.numel() * t.element_size() for t in results)
         with self._cv:
-            self._completed.add(seq)
-            while self._prefix in self._completed:
-                self._completed.discard(self._prefix)
-                self._prefix += 1
+            self._advance(seq)
             self._sizes[seq] = [(t.numel(), t.dtype) for t in results]
             while len(self._sizes) > _SIZES_KEPT:
                 self._sizes.popitem(last=False)
@@ -166,7 +213,7 @@ class Failover:
             self._kept_bytes += nbytes
             dropped: list[torch.Tensor] = []
             while len(self._kept) > 1 and self._kept_bytes > self.keep_bytes:
-                _, old = self._kept.popitem(last=False)
+                old = self._kept.pop(min(self._kept))  # the oldest operation first
                 self._kept_bytes -= sum(t.numel() * t.element_size() for t in old)
                 dropped += old
             self._unresolved -= 1
@@ -174,19 +221,34 @@ class Failover:
         for t in dropped:
             self._recycle(t)
 
-    def failed(self, op: PendingOp, error: BaseException | None) -> bool:
-        """A switch operation failed with ``error`` (None: it could not even be queued).
+    def _advance(self, seq: int) -> None:
+        """Operation ``seq`` is done on this rank (through the switch, a peer or gloo)."""
+        self._completed.add(seq)
+        while self._prefix in self._completed:
+            self._completed.discard(self._prefix)
+            self._prefix += 1
+
+    def failed(self, op: PendingOp, error: BaseException) -> bool:
+        """A switch operation failed with ``error``.
         Returns True when the failover takes it over (then it completes ``op``), False
         when the caller should fail it as usual."""
-        from switchml.protocol.errors import SwitchUnreachable
+        from switchml.protocol.errors import OperationFailed, RanksDisagree, SwitchMLError
 
+        # Any failure of the switch path but a script bug switches over. The ranks need not
+        # agree on why an operation failed (each judges the switch's silence by its own
+        # clock, and one rank's path may fail alone); what they must agree on is that they
+        # switch. Where a rank is dead, the failover's first gloo collective fails on every
+        # rank after the group's timeout, naming this reason.
+        takeable = isinstance(error, OperationFailed) and not isinstance(error, RanksDisagree)
+        # Another rank may have switched over already (then any failure here follows it).
+        elsewhere = not self.active and not takeable and self._announced()
         with self._cv:
             self._unresolved -= 1
             self._cv.notify_all()
-            if self.error is not None:
-                return False
-            if not self.active and not isinstance(error, SwitchUnreachable) \
-                    and error is not None:
+            if self.error is not None or not isinstance(error, SwitchMLError) \
+                    or isinstance(error, RanksDisagree):
+                return False  # a bug, or a script's: the user hears of it as it is
+            if not self.active and not takeable and not elsewhere:
                 return False
             self._ops[op.seq] = op
             start = not self.active
@@ -198,15 +260,26 @@ class Failover:
         return True
 
     def take(self, op: PendingOp) -> None:
-        """An operation issued after the switch-over: the failover runs it, in order."""
+        """An operation issued after the switch-over: the failover runs it, in order (or, if
+        the group went back to the switch since ``issue``, the switch does)."""
         with self._cv:
             if self.error is not None:
                 error = self.error
+            elif not self.active and self._back is not None:
+                self._unresolved += 1  # (every earlier one was handed to the switch already)
+                self._back.submit(op)
+                return
             else:
                 self._ops[op.seq] = op
                 self._cv.notify_all()
                 return
         op.done(RuntimeError(error))
+
+    def _announced(self) -> bool:
+        try:
+            return bool(self._store.check([self._key]))
+        except Exception:  # noqa: BLE001 - no store: no announcement seen
+            return False
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -216,7 +289,15 @@ class Failover:
         """Stop the threads (the group is being destroyed)."""
         with self._cv:
             self._closed = True
+            self.error = self.error or "the process group was destroyed"
+            ready, self._ready = self._ready, None
+            ops, self._ops = list(self._ops.values()), {}
             self._cv.notify_all()
+        self._closing.set()
+        for op in ops:
+            op.done(RuntimeError(f"switchml all_reduce: {self.error}"))
+        if ready is not None and self._back is not None:
+            self._back.close(ready[0])
         try:
             self.gloo.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
@@ -225,18 +306,21 @@ class Failover:
     # -- the switch-over ---------------------------------------------------------------------
 
     def _watch(self) -> None:
+        with self._cv:
+            key = self._key
         while True:
+            if self._closing.wait(_WATCH_S):
+                return
             with self._cv:
-                self._cv.wait(_WATCH_S)
-                if self._closed or self.active:
+                if self._closed or self.active or key != self._key:
                     return
             try:
-                seen = self._store.check([self._key])
+                seen = self._store.check([key])
             except Exception:  # noqa: BLE001 - the store went away: the group is ending
                 return
             if seen:
                 with self._cv:
-                    if self.active or self._closed:
+                    if self.active or self._closed or key != self._key:
                         return
                     self.active = True
                     self.reason = ("rank " + self._store.get(self._key).decode()
@@ -256,6 +340,9 @@ class Failover:
         self._thread = threading.Thread(target=self._run, name="switchml-failover",
                                         daemon=True)
         self._thread.start()
+        if self.rank == 0 and self._back is not None and self.probe_s > 0:
+            threading.Thread(target=self._probe, args=(self._epoch,),
+                             name="switchml-failover-probe", daemon=True).start()
 
     def _run(self) -> None:
         try:
@@ -266,18 +353,27 @@ class Failover:
             self._switch_over()
         except BaseException as exc:  # noqa: BLE001 - every waiting operation hears of it
             with self._cv:
-                self.error = self.error or f"switchml failover failed: {exc}"
+                self.error = self.error or (f"switchml failover failed: {exc} (it began with: "
+                                            f"{self.reason})")
                 ops, self._ops = list(self._ops.values()), {}
             log.error("switchml rank %d: %s", self.rank, self.error)
             for op in ops:
                 op.done(RuntimeError(self.error))
 
-    def _op(self, seq: int) -> PendingOp | None:
-        """Wait until this rank has issued operation ``seq`` (None: the group is closing)."""
+    def _op(self, seq: int, within_s: float | None = None) -> PendingOp | None:
+        """Wait until this rank has issued operation ``seq`` (None: the group is closing).
+
+        Raises:
+            RuntimeError: not within ``within_s``.
+        """
+        end = None if within_s is None else time.monotonic() + within_s
         with self._cv:
             while seq not in self._ops:
                 if self._closed:
                     return None
+                if end is not None and time.monotonic() > end:
+                    raise RuntimeError(f"operation {seq} was not handed to the failover within "
+                                       f"{within_s:g} s (it failed to the user on this rank?)")
                 self._cv.wait(1.0)
             return self._ops.pop(seq)
 
@@ -305,16 +401,100 @@ class Failover:
             op = self._op(seq)
             if op is None:
                 return
+            if self._back is not None and self.probe_s > 0 and self._go_back(op):
+                return  # through the switch again, from this operation on
             error: BaseException | None = None
             try:
                 self._allreduce(op)
                 self.counters["ops_over_gloo"] += 1
             except Exception as exc:  # noqa: BLE001 - this operation fails, the user sees it
                 error = exc
+            with self._cv:
+                self._advance(seq)
             op.done(error)
             if error is not None:
                 raise error
             seq += 1
+
+    # -- going back to the switch ------------------------------------------------------------
+
+    def _probe(self, epoch: int) -> None:
+        """Rank 0, while failed over: every ``probe_s``, join a fresh job at the switch; once
+        that works, keep the client for :meth:`_go_back` to offer."""
+        assert self._back is not None
+        while True:
+            with self._cv:
+                wake = time.monotonic() + self.probe_s
+                while (left := wake - time.monotonic()) > 0 and not self._closed:
+                    self._cv.wait(left)
+                if self._closed or not self.active or self._epoch != epoch:
+                    return
+                if self._ready is not None:
+                    continue
+            try:
+                ready = self._back.probe()
+            except Exception as exc:  # noqa: BLE001 - not back yet
+                log.info("switchml rank 0: the switch is not back: %s", exc)
+                continue
+            with self._cv:
+                if self._closed or not self.active or self._epoch != epoch:
+                    stale = True
+                else:
+                    self._ready, stale = ready, False
+            if stale:
+                self._back.close(ready[0])
+                return
+
+    def _go_back(self, op: PendingOp) -> bool:
+        """Before ``op`` runs over gloo: rank 0 says whether the switch is back (and the fresh
+        job's spec); if every rank joins that job, ``op`` and every operation after it go
+        through the switch. Returns whether they do."""
+        assert self._back is not None
+        box = torch.zeros(_SPEC_BYTES, dtype=torch.uint8)
+        with self._cv:
+            ready = self._ready if self.rank == 0 else None
+        if ready is not None:
+            text = ready[1].encode()
+            box[0] = 1
+            box[1:1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        opts = _c10d.BroadcastOptions()
+        opts.rootRank = 0
+        self.gloo.broadcast([box], opts).wait()
+        if int(box[0]) == 0:
+            return False
+        spec = bytes(box[1:].tolist()).rstrip(b"\0").decode()
+        client = ready[0] if ready is not None else None
+        if client is None:
+            try:
+                client = self._back.join(spec)
+            except Exception as exc:  # noqa: BLE001 - everyone stays on gloo
+                log.warning("switchml rank %d: could not join the switch again: %s",
+                            self.rank, exc)
+        joined = [r[0] for r in self._allgather([int(client is not None)])]
+        if not all(joined):
+            if client is not None:
+                self._back.close(client)
+            with self._cv:
+                self._ready = None
+            return False
+        with self._cv:
+            self._ready = None
+            self._back.install(client)
+            self.active = False
+            self._epoch += 1
+            self._key = f"{self._prefix_key}/switched/{self._epoch}"
+            self.counters["switch_backs"] += 1
+            ops = [op] + [self._ops.pop(s) for s in sorted(self._ops) if s > op.seq]
+            # In order, before any operation a user issues from now on (``issue`` waits).
+            for o in ops:
+                self._unresolved += 1
+                self._back.submit(o)
+        log.warning("switchml rank %d: the switch is back: all-reduces from %d on go through "
+                    "it again", self.rank, op.seq)
+        self._watcher = threading.Thread(target=self._watch, name="switchml-failover-watch",
+                                         daemon=True)
+        self._watcher.start()
+        return True
 
     def _share(self, seq: int) -> bool:
         """Operation ``seq`` at the switch-over: ranks that lack it take a keeper's copy."""
@@ -327,8 +507,24 @@ class Failover:
         if src is None:
             return True
         op = None
-        if state == LACKS:
+        if src == SUM_AGAIN:  # (it may not be issued here yet: wait as for any later one)
             op = self._op(seq)
+            if op is None:
+                return False
+            error: BaseException | None = None
+            try:
+                self._allreduce(op)
+                self.counters["ops_over_gloo"] += 1
+            except Exception as exc:  # noqa: BLE001 - this operation fails, the user sees it
+                error = exc
+            with self._cv:
+                self._advance(seq)
+            op.done(error)
+            if error is not None:
+                raise error
+            return True
+        if state == LACKS:  # (issued: the ranks that have it needed this rank's part)
+            op = self._op(seq, within_s=self.gloo_timeout_s)
             if op is None:
                 return False
             bufs = [torch.empty(t.numel(), dtype=t.dtype) for t in op.tensors]
@@ -339,14 +535,21 @@ class Failover:
                 raise RuntimeError(f"operation {seq} is too far back to take part in its "
                                    "hand-over")
             bufs = [torch.empty(n, dtype=d) for n, d in self._sizes[seq]]
-        for b in bufs:
-            opts = _c10d.BroadcastOptions()
-            opts.rootRank = src
-            self.gloo.broadcast([b.view(torch.uint8)], opts).wait()
+        try:
+            for b in bufs:
+                opts = _c10d.BroadcastOptions()
+                opts.rootRank = src
+                self.gloo.broadcast([b.view(torch.uint8)], opts).wait()
+        except Exception as exc:
+            if op is not None:
+                op.done(exc)
+            raise
         if op is not None:
             for t, b in zip(op.tensors, bufs, strict=True):
                 t.detach().copy_(b.view(t.shape))
             self.counters["results_taken_from_peers"] += 1
+            with self._cv:
+                self._advance(seq)
             op.done(None)
         elif self.rank == src:
             self.counters["results_given_to_peers"] += 1

@@ -230,9 +230,11 @@ class ParallelClient:
                     self._error = str(exc)
                     if t == 0:
                         raise
-                    errors.append(exc)
-                    left[0] -= len(pieces) - t
-                    if left[0] == 0:
+                    with count:  # (pieces taken may be completing on their threads)
+                        errors.append(exc)
+                        left[0] -= len(pieces) - t
+                        last = left[0] == 0
+                    if last:
                         handle.resolve(errors[0])
                     break
                 h.add_done_callback(lambda h, t=t: piece_done(h, t))
