@@ -194,6 +194,30 @@ def test_a_dead_switch_fails_operations_as_unreachable_and_a_dead_rank_does_not(
                     assert "it last said it waited for rank(s) [2]" in str(err), err
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_a_failed_in_place_operation_leaves_its_input_as_it_was(dtype):
+    """The switch dies with part of an in-place all-reduce's results written over its input:
+    the failure puts the input back (from the copy kept for restarts), so a caller can run
+    the same operation another way (the torch backend's failover sums it over gloo)."""
+    cfg = WorkerConfig(op_timeout_s=2.0, max_rto_s=0.5)
+    c = MemoryCluster(num_workers=3, window=4, elements_per_packet=64, worker_config=cfg)
+    c.allreduce([np.ones(100, dtype) for _ in range(3)])
+    rng = np.random.default_rng(5)
+    inputs = [(rng.standard_normal(20_000) * 100).astype(dtype) for _ in range(3)]
+    xs = [x.copy() for x in inputs]
+    handles = [c.sessions[r].submit(xs[r], xs[r], now=c.fabric.now) for r in range(3)]
+    for a in c.addresses:
+        c.fabric.flush(a)
+    # until about half of rank 0's blocks hold sums
+    c.fabric.run(lambda: (xs[0] != inputs[0]).mean() > 0.4)
+    assert not handles[0].done()
+    c.fabric.detach(c.SWITCH)
+    c.fabric.run(lambda: all(h.done() for h in handles), max_time_s=30)
+    for r in range(3):
+        assert isinstance(handles[r].exception(), OperationFailed)
+        assert np.array_equal(xs[r], inputs[r]), r
+
+
 def test_rejoin_from_a_new_address_before_any_operation_is_allowed():
     c = MemoryCluster(num_workers=2, window=2, elements_per_packet=64)
     c.join()

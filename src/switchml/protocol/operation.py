@@ -46,8 +46,8 @@ class Operation:
     """
 
     __slots__ = (
-        "E", "L", "T", "bits", "contrib", "digest", "elem", "exps", "fmax", "is_float",
-        "itemsize", "k",
+        "E", "L", "T", "bits", "contrib", "digest", "elem", "exps", "fmax", "in_place",
+        "is_float", "itemsize", "k",
         "keep", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
         "restarts", "run_order", "runs", "sendlen", "sendq", "seq", "spurious",
         "stage_res", "state", "stride", "tx16", "tx32", "tx8", "txbuf", "txflat",
@@ -57,6 +57,9 @@ class Operation:
                  slot_bases: Sequence[int], bits: int = 32,
                  residual: np.ndarray | None = None, keep: np.ndarray | None = None) -> None:
         self.seq, self.x, self.out, self.keep = seq, x, out, keep
+        self.in_place = keep is not None
+        """The caller's input is ``out`` (kept block by block in ``keep``, or, restarted,
+        whole in ``x``): a failure puts it back (:meth:`restore_input`)."""
         self.is_float = is_float(x.dtype)
         self.bits = bits
         self.elem, self.itemsize = WIRE_BITS[bits]
@@ -163,7 +166,19 @@ class Operation:
         op = Operation(seq=seq, x=x, out=self.out, spec=spec, rank=rank,
                        slot_bases=slot_bases, bits=self.bits, residual=self.residual)
         op.restarts = self.restarts + 1
+        op.in_place = self.in_place
         return op
+
+    def restore_input(self) -> None:
+        """After a failure: leave an in-place operation's array holding its input again. The
+        blocks whose results landed come back from ``keep`` (the others were never
+        overwritten); a restarted operation's whole input is in ``x`` (the first one's
+        ``keep``, rebuilt). Nothing to do for one whose output is not its input."""
+        if self.keep is not None:
+            landed = np.repeat(self.landed_blocks(), self.k)[:self.x.size]
+            np.copyto(self.x, self.keep, where=landed)
+        elif self.in_place and self.out is not self.x:
+            np.copyto(self.out, self.x)
 
     def landed_blocks(self) -> np.ndarray:
         """Which blocks' results are in ``out`` (a bool per block). Lane ``i`` carries packets

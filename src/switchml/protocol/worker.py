@@ -781,6 +781,7 @@ class WorkerEndpoint(WorkerControl):
         op = self._op
         assert op is not None
         self._spill(op)
+        op.restore_input()  # a failed in-place operation leaves its input as it was
         self._op = None
         self.error = reason
         self._counters["operations_failed"] += 1

@@ -264,6 +264,7 @@ class StagedTensor:
         flat on the CPU, in a buffer the caller then owns (the staging buffer where it holds
         them, else a copy); None otherwise."""
         t = self.tensor.detach()
+        pool = self.pool  # (a kept copy's buffer comes from it: no fresh pages each time)
         divisor: Any = size
         if counts is not None and counts.size:
             if (counts == counts[0]).all():
@@ -292,7 +293,13 @@ class StagedTensor:
                 t.div_(divisor)
             else:
                 t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
-        return t.reshape(-1).to("cpu", copy=True) if keep else None
+        if not keep:
+            return None
+        flat = t.reshape(-1)
+        kept = (pool.take(flat.numel(), flat.dtype) if pool is not None
+                else torch.empty(flat.numel(), dtype=flat.dtype))
+        kept.copy_(flat)
+        return kept
 
     def release(self) -> None:
         """Give the staging buffer back to the pool (after ``finish``, or when the operation
@@ -449,12 +456,17 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         over. Raises RuntimeError where the client refuses it (not after a switch-over)."""
         fo = self.failover
         size, average, done = self.size(), pending.average, pending.done
+        # With failover, a failed operation must leave its inputs whole. The worker puts an
+        # in-place input back itself when its operation fails; but an operation of several
+        # tensors, or cut in parts over several threads, may have some complete (written)
+        # while another fails: those go through a staging copy.
+        copy = fo is not None and (len(pending.tensors) > 1
+                                   or isinstance(self.client, ParallelClient))
         try:
-            plans = [StagedTensor(t, pool=self._staging, copy=fo is not None)
-                     for t in pending.tensors]
+            plans = [StagedTensor(t, pool=self._staging, copy=copy) for t in pending.tensors]
         except BaseException as exc:
-            if fo is not None:
-                fo.failed(pending, exc)  # (not an OperationFailed: only its count)
+            if fo is not None and fo.failed(pending, exc):
+                return  # (a switchml error while failed over: the failover runs it)
             raise
         handles: list[AllreduceHandle | None] = [None] * len(plans)
         state: dict[str, Any] = {"left": len(plans), "error": None}

@@ -162,6 +162,7 @@ class Failover:
         self._back = back
         self.probe_s = probe_s
         self._ready: tuple[Any, str] | None = None  # rank 0: a client joined to a fresh job
+        self._backoff = 1  # the probe's period, in ``probe_s``: doubles at a failed go-back
         # Reentrant: going back submits operations under it, and a submission that fails at
         # once comes back to ``failed``.
         self._cv = threading.Condition(threading.RLock())
@@ -232,23 +233,23 @@ class Failover:
         """A switch operation failed with ``error``.
         Returns True when the failover takes it over (then it completes ``op``), False
         when the caller should fail it as usual."""
-        from switchml.protocol.errors import OperationFailed, RanksDisagree, SwitchMLError
+        from switchml.protocol.errors import RanksDisagree, SwitchMLError
 
-        # Any failure of the switch path but a script bug switches over. The ranks need not
-        # agree on why an operation failed (each judges the switch's silence by its own
-        # clock, and one rank's path may fail alone); what they must agree on is that they
-        # switch. Where a rank is dead, the failover's first gloo collective fails on every
-        # rank after the group's timeout, naming this reason.
-        takeable = isinstance(error, OperationFailed) and not isinstance(error, RanksDisagree)
-        # Another rank may have switched over already (then any failure here follows it).
-        elsewhere = not self.active and not takeable and self._announced()
+        # Any failure of the switch path but a script bug switches over, a refusal by a
+        # client that failed earlier included. The ranks need not agree on why an operation
+        # failed (each judges the switch's silence by its own clock, one rank's path may fail
+        # alone, and a client may refuse the next operation before the failed one's callback
+        # ran); what they must agree on is that they switch. Where a rank is dead, the
+        # failover's first gloo collective fails on every rank after the group's timeout,
+        # naming this reason.
+        takeable = isinstance(error, SwitchMLError) and not isinstance(error, RanksDisagree)
         with self._cv:
             self._unresolved -= 1
             self._cv.notify_all()
-            if self.error is not None or not isinstance(error, SwitchMLError) \
-                    or isinstance(error, RanksDisagree):
-                return False  # a bug, or a script's: the user hears of it as it is
-            if not self.active and not takeable and not elsewhere:
+            if self.error is not None or not takeable:
+                # A bug, or a script's (every rank hears of it at once): the user gets the
+                # error; for the failover it is done (no rank holds a result of it).
+                self._advance(op.seq)
                 return False
             self._ops[op.seq] = op
             start = not self.active
@@ -274,12 +275,6 @@ class Failover:
                 self._cv.notify_all()
                 return
         op.done(RuntimeError(error))
-
-    def _announced(self) -> bool:
-        try:
-            return bool(self._store.check([self._key]))
-        except Exception:  # noqa: BLE001 - no store: no announcement seen
-            return False
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -401,8 +396,12 @@ class Failover:
             op = self._op(seq)
             if op is None:
                 return
-            if self._back is not None and self.probe_s > 0 and self._go_back(op):
-                return  # through the switch again, from this operation on
+            try:
+                if self._back is not None and self.probe_s > 0 and self._go_back(op):
+                    return  # through the switch again, from this operation on
+            except BaseException as exc:
+                op.done(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+                raise
             error: BaseException | None = None
             try:
                 self._allreduce(op)
@@ -424,7 +423,7 @@ class Failover:
         assert self._back is not None
         while True:
             with self._cv:
-                wake = time.monotonic() + self.probe_s
+                wake = time.monotonic() + self.probe_s * self._backoff
                 while (left := wake - time.monotonic()) > 0 and not self._closed:
                     self._cv.wait(left)
                 if self._closed or not self.active or self._epoch != epoch:
@@ -476,19 +475,29 @@ class Failover:
                 self._back.close(client)
             with self._cv:
                 self._ready = None
+                self._backoff = min(self._backoff * 2, 16)  # probe less often meanwhile
+            self.counters["switch_backs_failed"] += 1
             return False
         with self._cv:
             self._ready = None
             self._back.install(client)
             self.active = False
+            self._backoff = 1
             self._epoch += 1
             self._key = f"{self._prefix_key}/switched/{self._epoch}"
             self.counters["switch_backs"] += 1
             ops = [op] + [self._ops.pop(s) for s in sorted(self._ops) if s > op.seq]
             # In order, before any operation a user issues from now on (``issue`` waits).
-            for o in ops:
+            for k, o in enumerate(ops):
                 self._unresolved += 1
-                self._back.submit(o)
+                try:
+                    self._back.submit(o)
+                except Exception as exc:  # noqa: BLE001 - this one and the rest fail
+                    self._unresolved -= 1
+                    for rest in ops[k:]:
+                        self._advance(rest.seq)
+                        rest.done(exc)
+                    break
         log.warning("switchml rank %d: the switch is back: all-reduces from %d on go through "
                     "it again", self.rank, op.seq)
         self._watcher = threading.Thread(target=self._watch, name="switchml-failover-watch",

@@ -217,6 +217,7 @@ class ParallelClient:
                     handle.contributors = np.concatenate(counts)
                 handle.resolve(errors[0] if errors else None)
 
+        refused = False
         with self._lock:
             if self._error is not None:
                 raise LocalProtocolError(f"client failed earlier: {self._error}")
@@ -233,11 +234,11 @@ class ParallelClient:
                     with count:  # (pieces taken may be completing on their threads)
                         errors.append(exc)
                         left[0] -= len(pieces) - t
-                        last = left[0] == 0
-                    if last:
-                        handle.resolve(errors[0])
+                        refused = left[0] == 0
                     break
                 h.add_done_callback(lambda h, t=t: piece_done(h, t))
+        if refused:  # (outside the lock: the handle's callbacks may issue operations)
+            handle.resolve(errors[0])
         return handle
 
     def close(self) -> None:
