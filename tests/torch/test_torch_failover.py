@@ -72,10 +72,11 @@ class DownstreamCut:
 
 
 def _run(world: int, ops: int, relay_rank: int | None, back_after_s: float | None = None,
-         threads: int = 1):
+         threads: int = 1, again_after_s: float | None = None):
     """``ops`` checked all-reduces, then DDP; the switch killed once every rank did 5 (with
     ``relay_rank``, that rank's results cut a second before); with ``back_after_s``, a new
-    switch at the same address that long after the kill."""
+    switch at the same address that long after the kill; with ``again_after_s``, that one
+    killed too, that long after it started."""
     with tp.Procs(deadline_s=100) as procs:
         port = tp.free_port() if back_after_s is not None else 0
         switch_proc = procs.start(tp.switch_server_body, procs.q, port)
@@ -100,9 +101,12 @@ def _run(world: int, ops: int, relay_rank: int | None, back_after_s: float | Non
             switch_proc.kill()
             if back_after_s is not None:
                 time.sleep(back_after_s)
-                procs.start(tp.switch_server_body, procs.q, port)
+                second = procs.start(tp.switch_server_body, procs.q, port)
                 kind, again, _pid = procs.get(timeout=30)
                 assert kind == "switch" and tuple(again) == tuple(address), again
+                if again_after_s is not None:
+                    time.sleep(again_after_s)
+                    second.kill()
             res = procs.results(list(range(world)), timeout=60)
         finally:
             if relay is not None:
@@ -110,8 +114,9 @@ def _run(world: int, ops: int, relay_rank: int | None, back_after_s: float | Non
     for r in range(world):
         assert all(res[r]["exact"]), (r, res[r]["exact"])  # before, across and after
         fo = res[r]["stats"]["failover"]
-        assert fo["switch_overs"] == 1 and fo["error"] is None, fo
-        assert fo["active"] is (back_after_s is None), fo
+        overs = 2 if again_after_s is not None else 1
+        assert fo["switch_overs"] == overs and fo["error"] is None, fo
+        assert fo["active"] is (back_after_s is None or again_after_s is not None), fo
         # one stall of about the timeout, then gloo: nothing waits much longer than it
         assert max(res[r]["seconds"]) < TIMEOUT_S + 3, res[r]["seconds"]
         for name, value in res[r]["final"].items():  # DDP after the switch-over
@@ -159,6 +164,17 @@ def test_the_group_goes_back_to_the_switch_once_it_returns():
         # the new job's client completed what came after the return, through the switch
         done_after = res[r]["stats"]["worker"]["operations_completed"]
         assert done_after >= 10, (done_after, fo)
+
+
+@pytest.mark.timeout(150)
+def test_a_group_back_on_its_switch_fails_over_again_when_it_dies_again():
+    """The returned switch dies too, four seconds after it came up (after the group went back
+    to it): a second switch-over, numbered on from the first, and exact sums to the end."""
+    world, ops = 3, 240
+    res = _run(world, ops, None, back_after_s=TIMEOUT_S + 2.0, again_after_s=4.0)
+    for r in range(world):
+        fo = res[r]["stats"]["failover"]
+        assert fo["switch_backs"] == 1 and fo["switch_overs"] == 2, fo
 
 
 def test_the_hand_over_rule_names_who_gives_and_refuses_without_a_copy():
