@@ -253,6 +253,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     every = a.get("eval_every") or 0
     straggler = _straggler(a)
     straggled = 0
+    on_gloo: list[bool] = []
     for step in range(a["steps"]):
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
@@ -264,6 +265,9 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             straggled += 1
         loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
         losses.append(loss.item())
+        if a.get("track_failover"):  # whether the step's all-reduces ended on gloo
+            from switchml.torch import stats as switchml_stats
+            on_gloo.append(bool((switchml_stats().get("failover") or {}).get("active")))
         times.append(end - t0 - paused)
         if recorder is not None:
             recorder.forward(f0, b0)
@@ -280,7 +284,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     elapsed, busy_end = time.perf_counter() - t0, machine_busy_s()
     return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
-            "bytes_half": bytes_half, "straggled_steps": straggled,
+            "bytes_half": bytes_half, "straggled_steps": straggled, "on_gloo": on_gloo,
             "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
 
 
@@ -395,7 +399,7 @@ def train(a: dict[str, Any]) -> None:
     dist.destroy_process_group()
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
-           "straggled_steps": run["straggled_steps"],
+           "straggled_steps": run["straggled_steps"], "on_gloo": run["on_gloo"],
            "cpu_s": _cpu() - run["c0"], "params": params, **extra})
 
 

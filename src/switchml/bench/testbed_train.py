@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +82,11 @@ class TrainBenchConfig:
     quorum: int | None = None
     """``switchml-quorum``'s quorum; None: ``workers - 1``."""
     kill_switch_at: int = 0
-    """Kill the switch (SIGKILL, not restarted during the run) as rank 0 starts this step of
-    each run on a switchml system; 0: never. The switch is started again for the next run."""
+    """Kill the switch (SIGKILL) as rank 0 starts this step of each run on a switchml system;
+    0: never. The switch is started again for the next run."""
+    switch_back_after_s: float = 0.0
+    """With ``kill_switch_at``: start a new switch at the same address this long after the
+    kill, during the run (the failover probes every 2 s and goes back to it); 0: not."""
 
     def __post_init__(self) -> None:
         from switchml import workloads
@@ -102,6 +106,8 @@ class TrainBenchConfig:
             raise ValueError("--straggle-s and --straggle-every must be >= 0")
         if self.quorum is not None and not 1 <= self.quorum <= self.workers:
             raise ValueError(f"--quorum must be in 1..{self.workers}, got {self.quorum}")
+        if self.switch_back_after_s < 0 or (self.switch_back_after_s and not self.kill_switch_at):
+            raise ValueError("--switch-back-after needs --kill-switch-at, and seconds >= 0")
         if not 0 <= self.kill_switch_at < self.steps:
             raise ValueError(f"--kill-switch-at must be a step in 1..{self.steps - 1} (or 0: "
                              f"never), got {self.kill_switch_at}")
@@ -135,15 +141,19 @@ switch before the group goes on over gloo (the other systems': 120 s)."""
 
 
 def _switchml_env(tb: Testbed, host: int, switch: str, window: int, k: int,
-                  quorum: int | None = None, failover: bool = False) -> dict[str, str]:
+                  quorum: int | None = None, failover: bool = False,
+                  probe_s: float = 0.0) -> dict[str, str]:
     """A worker's environment: gloo on its link, switchml's backend at ``switch`` (no secret),
     with ``quorum`` (``SWITCHML_QUORUM``) if given, and ``SWITCHML_FAILOVER=gloo`` with
     ``failover``."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": tb.host_device(host),
            "SWITCHML_SWITCH": switch, "SWITCHML_WINDOW": str(window),
            "SWITCHML_ELEMENTS_PER_PACKET": str(k)}
-    for name in ("SWITCHML_SECRET", "SWITCHML_QUORUM", "SWITCHML_FAILOVER"):
+    for name in ("SWITCHML_SECRET", "SWITCHML_QUORUM", "SWITCHML_FAILOVER",
+                 "SWITCHML_FAILOVER_PROBE_S"):
         env.pop(name, None)
+    if probe_s:
+        env["SWITCHML_FAILOVER_PROBE_S"] = str(probe_s)
     if quorum is not None:
         env["SWITCHML_QUORUM"] = str(quorum)
     if failover:
@@ -174,11 +184,12 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
             "eval_every": cfg.eval_every, "dev": tb.host_device(r), "mtu": cfg.mtu,
             "store_file": f"{store}/group", "straggle_s": cfg.straggle_s,
             "straggle_every": cfg.straggle_every,
-            "timeout_s": FAILOVER_TIMEOUT_S if failover else 120.0,
+            "timeout_s": FAILOVER_TIMEOUT_S if failover else 120.0, "track_failover": failover,
             **({"kill_switch_at": cfg.kill_switch_at, "kill_switch_pid": switch_pid}
                if kill and r == 0 else {})}),
             lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                    cfg.window or default_window(k), k, quorum, failover))
+                                    cfg.window or default_window(k), k, quorum, failover,
+                                    2.0 if failover and cfg.switch_back_after_s else 0.0))
         out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding); the times leave
@@ -196,6 +207,15 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
                   "kill_stall_s": float(after[worst]),
                   "after_kill_step_s": (float(np.median(after[worst + 1:]))
                                         if worst + 1 < after.size else None)}
+        on_gloo = lead.get("on_gloo") or []
+        if cfg.switch_back_after_s and on_gloo:
+            # steps that ended on gloo, then the steps after the group went back
+            gloo_steps = [s for s, g in enumerate(on_gloo) if g]
+            last = gloo_steps[-1] if gloo_steps else None
+            back = durations[last + 2:] if last is not None else np.array([])
+            killed.update(steps_on_gloo=len(gloo_steps), back_at_step=(
+                last + 1 if last is not None and last + 1 < len(on_gloo) else None),
+                back_step_s=float(np.median(back)) if back.size else None)
     return {
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
@@ -226,6 +246,17 @@ def _machine_cpu(lead: dict[str, Any], step_s: float) -> dict[str, float]:
     return {"machine_cpu_s_per_step": cpu, "machine_busy": cpu / ((os.cpu_count() or 1) * step_s)}
 
 
+def _revive(tb: Testbed, cfg: TrainBenchConfig, box: dict[str, Any],
+            stop: threading.Event) -> None:
+    """Once the run killed the switch, start a new one at the same address
+    ``cfg.switch_back_after_s`` later (unless the run ended first)."""
+    while box["switch"].poll() is None:
+        if stop.wait(0.05):
+            return
+    if not stop.wait(cfg.switch_back_after_s):
+        box["switch"] = _start_switch(tb, nice=cfg.switch_nice)
+
+
 def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[str, Any]]:
     """Train every workload on every system over one testbed; return one row each, with the
     time to the target metric, the speedup against gloo and the ideal step time."""
@@ -233,19 +264,30 @@ def run_testbed_train(cfg: TrainBenchConfig, progress: Any = None) -> list[dict[
     rows: list[dict[str, Any]] = []
     with Testbed(topo) as tb:
         switch = _start_switch(tb, nice=cfg.switch_nice)
+        box = {"switch": switch}
         for model in cfg.models:
             for system in cfg.systems:
                 if progress is not None:
                     progress(f"training {model} on {system}, n={cfg.workers}")
                 retried: list[bool] = []
+                switch = box["switch"]
                 if switch.poll() is not None:  # killed by the run before (kill_switch_at)
-                    switch = _start_switch(tb, nice=cfg.switch_nice)
+                    switch = box["switch"] = _start_switch(tb, nice=cfg.switch_nice)
+                stop = threading.Event()
+                revive = threading.Thread(target=_revive, args=(tb, cfg, box, stop),
+                                          daemon=True)
+                if cfg.switch_back_after_s:
+                    revive.start()
                 row = once_more_if_torch_aborted(
                     functools.partial(_train_once, tb, cfg, model, system, switch.pid),
                     f"training {model} on {system}", functools.partial(retried.append, True))
                 if retried:  # (the row says so, not only the log)
                     row["retried"] = "a process aborted in torch's C++ on the first try"
+                stop.set()
+                if revive.is_alive():
+                    revive.join(60)
                 rows.append(row)
+        switch = box["switch"]
         assert switch.stdin is not None
         if switch.poll() is None:
             switch.stdin.close()

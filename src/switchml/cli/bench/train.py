@@ -85,9 +85,14 @@ def add_parser(bsub: Subparsers) -> None:
                     help="the switchml-quorum system's quorum: each round completes with K "
                          "ranks (default: workers - 1)")
     tr.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
-                    help="kill the switch (SIGKILL, not restarted during the run) as rank 0 "
-                         "starts this step of each switchml-failover run; the rows give the "
-                         "step times around it and the final metric (default 0: never)")
+                    help="kill the switch (SIGKILL) as rank 0 starts this step of each "
+                         "switchml-failover run; the rows give the step times around it and "
+                         "the final metric (default 0: never)")
+    tr.add_argument("--switch-back-after", type=float, default=0.0, metavar="SECONDS",
+                    help="with --kill-switch-at: start a new switch at the same address this "
+                         "long after the kill (the group probes every 2 s and goes back to "
+                         "it; the rows give the steps on gloo and the step time after) "
+                         "(default 0: not)")
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
@@ -106,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             systems=tuple(s for s in args.systems.split(",") if s),
                             trace=bool(args.trace), straggle_s=args.straggle_s,
                             straggle_every=args.straggle_every, quorum=args.quorum,
-                            kill_switch_at=args.kill_switch_at)
+                            kill_switch_at=args.kill_switch_at,
+                            switch_back_after_s=args.switch_back_after)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,9 +136,13 @@ def run(args: argparse.Namespace) -> int:
             console.print(
                 f"{r['model']} {r['system']}: the switch was killed at step "
                 f"{r['kill_switch_at']}; steps took {_ms(before)} before, the longest "
-                f"{r['kill_stall_s']:.1f} s, then {_ms(after)} (switched over to gloo: "
-                f"{bool(fo.get('active'))}; results taken from peers: "
+                f"{r['kill_stall_s']:.1f} s, then {_ms(after)} (switch-overs to gloo: "
+                f"{fo.get('switch_overs', 0)}; results taken from peers: "
                 f"{fo.get('results_taken_from_peers', 0)})")
+            if r.get("back_at_step") is not None:
+                console.print(f"{r['model']} {r['system']}: {r['steps_on_gloo']} steps on gloo; "
+                              f"back on the switch at step {r['back_at_step']}, then "
+                              f"{_ms(r.get('back_step_s'))} a step")
         if "replica_allreduce_s" in r:
             console.print(f"{r['model']} {r['system']}: the replicas' all-reduce took "
                           f"{1e3 * r['replica_allreduce_s']:.0f} ms per step")
