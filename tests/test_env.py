@@ -65,3 +65,22 @@ def test_only_the_edges_read_the_environment():
                   and ast.unparse(node.value) == "os.environ"):
                 readers.append(f"{path.relative_to(root)}:{node.lineno}")
     assert all(r.startswith("env.py") for r in readers), readers
+
+
+def test_failover_variables(monkeypatch):
+    for name in ("SWITCHML_FAILOVER", "SWITCHML_FAILOVER_PROBE_S", "SWITCHML_FAILOVER_KEEP_MB"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.failover() == "off" and env.failover_probe_s() == 10.0
+    assert env.failover_keep_bytes() is None
+    monkeypatch.setenv("SWITCHML_FAILOVER", "GLOO")
+    monkeypatch.setenv("SWITCHML_FAILOVER_PROBE_S", "0.5")
+    monkeypatch.setenv("SWITCHML_FAILOVER_KEEP_MB", "1.5")
+    assert env.failover() == "gloo" and env.failover_probe_s() == 0.5
+    assert env.failover_keep_bytes() == 3 * 2**19
+    for name, bad, said in (("SWITCHML_FAILOVER", "nccl", "gloo or off"),
+                            ("SWITCHML_FAILOVER_PROBE_S", "-1", "seconds >= 0"),
+                            ("SWITCHML_FAILOVER_KEEP_MB", "lots", "MiB >= 0")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=said):
+            {"SWITCHML_FAILOVER": env.failover, "SWITCHML_FAILOVER_PROBE_S":
+             env.failover_probe_s, "SWITCHML_FAILOVER_KEEP_MB": env.failover_keep_bytes}[name]()

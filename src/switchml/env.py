@@ -58,6 +58,20 @@ def _int(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _nonnegative(name: str, what: str) -> float | None:
+    """A number >= 0 from ``name`` (None where unset); ``what`` says its unit in the error."""
+    value = (_get(name) or "").strip()
+    if not value:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if number < 0:
+        raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
+    return number
+
+
 def flag_default(dest: str, default: object) -> object:
     """``SWITCHML_<DEST>`` (a flag's default for the ``switchml`` command), else ``default``."""
     return os.environ.get(f"SWITCHML_{dest.upper()}", default)
@@ -146,30 +160,16 @@ def failover() -> str:
 def failover_probe_s() -> float:
     """``SWITCHML_FAILOVER_PROBE_S``: how often a group that failed over to gloo asks whether
     its switch is back (rank 0 joins a fresh job there; default 10 s; 0: never go back)."""
-    value = (_get("SWITCHML_FAILOVER_PROBE_S") or "10").strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if seconds < 0:
-        raise ValueError(f"SWITCHML_FAILOVER_PROBE_S must be seconds >= 0, got {value!r}")
-    return seconds
+    seconds = _nonnegative("SWITCHML_FAILOVER_PROBE_S", "seconds")
+    return 10.0 if seconds is None else seconds
 
 
 def failover_keep_bytes() -> int | None:
     """``SWITCHML_FAILOVER_KEEP_MB``: how many MiB of its latest results a rank keeps for
     peers that missed them when the switch died (at least the latest all-reduce's are
     kept); None where unset (the backend's default)."""
-    value = (_get("SWITCHML_FAILOVER_KEEP_MB") or "").strip()
-    if not value:
-        return None
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = -1.0
-    if mib < 0:
-        raise ValueError(f"SWITCHML_FAILOVER_KEEP_MB must be a number of MiB >= 0, got {value!r}")
-    return int(mib * 2**20)
+    mib = _nonnegative("SWITCHML_FAILOVER_KEEP_MB", "a number of MiB")
+    return None if mib is None else int(mib * 2**20)
 
 
 def quorum() -> int | None:

@@ -255,7 +255,7 @@ class Failover:
             start = not self.active
             self.active = True
             if start:
-                self.reason = str(error) if error is not None else "the switch client closed"
+                self.reason = str(error)
         if start:
             self._start(announce=True)
         return True
@@ -402,17 +402,7 @@ class Failover:
             except BaseException as exc:
                 op.done(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
                 raise
-            error: BaseException | None = None
-            try:
-                self._allreduce(op)
-                self.counters["ops_over_gloo"] += 1
-            except Exception as exc:  # noqa: BLE001 - this operation fails, the user sees it
-                error = exc
-            with self._cv:
-                self._advance(seq)
-            op.done(error)
-            if error is not None:
-                raise error
+            self._over_gloo(op)
             seq += 1
 
     # -- going back to the switch ------------------------------------------------------------
@@ -520,17 +510,7 @@ class Failover:
             op = self._op(seq)
             if op is None:
                 return False
-            error: BaseException | None = None
-            try:
-                self._allreduce(op)
-                self.counters["ops_over_gloo"] += 1
-            except Exception as exc:  # noqa: BLE001 - this operation fails, the user sees it
-                error = exc
-            with self._cv:
-                self._advance(seq)
-            op.done(error)
-            if error is not None:
-                raise error
+            self._over_gloo(op)
             return True
         if state == LACKS:  # (issued: the ranks that have it needed this rank's part)
             op = self._op(seq, within_s=self.gloo_timeout_s)
@@ -563,6 +543,21 @@ class Failover:
         elif self.rank == src:
             self.counters["results_given_to_peers"] += 1
         return True
+
+    def _over_gloo(self, op: PendingOp) -> None:
+        """Run ``op`` over gloo and complete it; its failure fails it and is raised (the
+        failover stops: the ranks are out of step)."""
+        error: BaseException | None = None
+        try:
+            self._allreduce(op)
+            self.counters["ops_over_gloo"] += 1
+        except Exception as exc:  # noqa: BLE001 - this operation fails, the user sees it
+            error = exc
+        with self._cv:
+            self._advance(op.seq)
+        op.done(error)
+        if error is not None:
+            raise error
 
     def _allreduce(self, op: PendingOp) -> None:
         """One all-reduce over gloo: exact sums of every rank (half types summed in float32),
