@@ -170,3 +170,138 @@ def test_wrong_arguments_say_what_is_wrong(kw):
     args = {"outer": lambda x: x, "dcs": 2, **kw}
     with pytest.raises(ValueError, match=next(iter(kw))):
         DiLoCo(_model(), **args)
+
+
+# -- embedding tables: a row is averaged over the data centres that moved it ---------------------
+
+class _Table(nn.Module):
+    """An embedding table (6 rows) and a dense layer after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).squeeze(1)
+
+
+ROWS = {0: [0, 1, 0, 1], 1: [1, 2, 2, 1]}
+"""The rows each data centre's batches touch: row 0 only in data centre 0, row 2 only in 1,
+row 1 in both, rows 3-5 in neither."""
+
+
+def _table_step(model: nn.Module, opt: torch.optim.Optimizer, row: int) -> None:
+    opt.zero_grad()
+    (model(torch.tensor([row])) - 1.0).pow(2).sum().backward()
+    opt.step()
+
+
+def _run_tables(make_outer, **kw) -> list[_Table]:
+    models = [_Table() for _ in range(DCS)]
+    errors: list[BaseException] = []
+
+    def dc(d: int) -> None:
+        try:
+            diloco = DiLoCo(models[d], outer=make_outer(d), dcs=DCS, inner_steps=4,
+                            outer_lr=1.0, outer_momentum=0.0, **kw)
+            opt = torch.optim.SGD(models[d].parameters(), lr=0.1)
+            for row in ROWS[d]:
+                _table_step(models[d], opt, row)
+                diloco.after_step()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=dc, args=(d,)) for d in range(DCS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return models
+
+
+def _locals() -> list[_Table]:
+    """Each data centre's model after its four steps alone (the reference)."""
+    out = []
+    for d in range(DCS):
+        m = _Table()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for row in ROWS[d]:
+            _table_step(m, opt, row)
+        out.append(m)
+    return out
+
+
+def test_an_embedding_row_is_averaged_over_the_data_centres_that_moved_it():
+    got = _run_tables(_Exchange(DCS).outer, embedding_rows=True)
+    local, start = _locals(), _Table()
+    emb = [m.emb.weight.detach() for m in local]
+    want = start.emb.weight.detach().clone()
+    want[0] = emb[0][0]  # only data centre 0 moved row 0: its row, whole
+    want[2] = emb[1][2]  # only data centre 1 moved row 2
+    want[1] = (emb[0][1] + emb[1][1]) / 2  # both moved row 1: their mean
+    torch.testing.assert_close(got[0].emb.weight.detach(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want[0], start.emb.weight[0])  # (the row did move)
+    # the dense layer is the plain mean of the two models
+    torch.testing.assert_close(got[0].out.weight.detach(),
+                               (local[0].out.weight + local[1].out.weight).detach() / 2)
+    torch.testing.assert_close(got[0].emb.weight, got[1].emb.weight, rtol=0, atol=0)
+
+
+def test_by_default_every_row_is_the_plain_mean():
+    got = _run_tables(_Exchange(DCS).outer)
+    local = _locals()
+    torch.testing.assert_close(got[0].emb.weight.detach(),
+                               (local[0].emb.weight + local[1].emb.weight).detach() / 2)
+
+
+def test_embedding_rows_through_a_switch_in_16_bits():
+    """The row counts cross the switch in the same 16-bit all-reduce as the pseudo-gradient
+    and come back whole: each row is within 16 bits' rounding of the exact row mean."""
+    exact = _run_tables(_Exchange(DCS).outer, embedding_rows=True)[0].emb.weight.detach()
+    spec = new_job_spec(DCS)
+    with SwitchServer(host="127.0.0.1", port=0) as server:
+        outers = [switch_outer(server.address, dcs=DCS, dc=d, job_id=spec.job_id,
+                               token=spec.token) for d in range(DCS)]
+        try:
+            got = _run_tables(lambda d: outers[d], embedding_rows=True)
+        finally:
+            for o in outers:
+                o.close()
+    # Each block's quantum is at most 2 max|x| 2^-13 (16 bits, 2 data centres), the largest
+    # pseudo-gradient entry bounds max|x|, and two roundings of half a quantum are summed
+    # and divided by a count as small as 1.
+    start = _flat(_Table())
+    scale = max(np.abs(_flat(m) - start).max() for m in _locals())
+    torch.testing.assert_close(got[0].emb.weight.detach(), exact, rtol=0,
+                               atol=float(scale) * 2.0 ** -12)
+    torch.testing.assert_close(got[0].emb.weight, got[1].emb.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dcs", [1, 2, 3, 4, 8, 127])
+def test_row_counts_packed_and_summed_come_back_whole(dcs):
+    """Packed row counts summed in 16-bit fixed point (the switch's quantiser, a block of
+    their own) and in float32 give every row's count, computed here by hand."""
+    from switchml.gaia.diloco import RowCounts
+    from switchml.protocol.quantize import block_exponent, quantize, scale_bits
+    rows = 1000
+    rng = np.random.default_rng(dcs)
+    moved = rng.random((dcs, rows)) < 0.5
+    counts = RowCounts(dcs)
+    packed = [counts.pack(m) for m in moved]
+    emax = max(block_exponent(p)[0] for p in packed)
+    assert emax <= scale_bits(dcs, 16)  # whole numbers on a 16-bit wire: exact
+    q = sum(quantize(p, emax, dcs, bits=16).astype(np.int64) for p in packed)
+    wire = (q * 2.0 ** (emax - scale_bits(dcs, 16))).astype(np.float32)
+    for total in (wire, np.sum(packed, axis=0, dtype=np.float32)):
+        np.testing.assert_array_equal(counts.unpack(total, rows), moved.sum(axis=0))
+    assert len(packed[0]) == -(-rows // counts.per)
+    assert counts.per == {1: 14, 2: 8, 3: 6, 4: 5, 8: 3, 127: 1}[dcs]
+
+
+def test_row_counts_beyond_127_data_centres_say_so():
+    from switchml.gaia.diloco import RowCounts
+    with pytest.raises(ValueError, match="127"):
+        RowCounts(128)

@@ -12,14 +12,17 @@ workload; or the digits CNN or MLP) is trained four ways, each worker in its own
 - ``diloco``: the same split; synchronous DDP inside each data centre, and every
   ``inner_steps`` steps DiLoCo's outer Nesterov step on the pseudo-gradients, all-reduced by
   the data centres' leaders through the switch in data centre 0's router, 16-bit on the wire
-  (``switchml.gaia.diloco``).
+  (``switchml.gaia.diloco``);
+- ``torchft``: the same, with torchft's DiLoCo across (its ``Manager`` over gloo and a
+  lighthouse: ``bench.geo_torchft``), the independent implementation ours is held against.
 
 Rank 0 (in data centre 0) evaluates test accuracy every ``eval_every`` steps (evaluation time is
 not counted). Reported per mode: time to the target accuracy (first evaluation at or above it),
 final accuracy (mean of the last ``FINAL_EVALS`` evaluations; the last one alone is
 ``last_accuracy``), WAN bytes (the data-centre routers' WAN interface transmit counters, before
 and after), accuracy against time.
-Run as root. Worker processes run ``python -m switchml.bench.geo worker JSON``.
+Run as root. Worker processes run ``python -m switchml.bench.geo_worker JSON``
+(``bench.geo_worker``); the outputs are written by ``bench.geo_report``.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GeoBenchConfig", "MODES", "geo_worker", "run_geo_bench", "write_outputs"]
+__all__ = ["GeoBenchConfig", "MODES", "run_geo_bench"]
 
 MODES = ("lan", "wan", "gaia", "diloco")
-LOCAL_MODES = ("gaia", "diloco")
+"""The modes run by default; ``torchft`` is asked for by name (it needs the package)."""
+ALL_MODES = (*MODES, "torchft")
+LOCAL_MODES = ("gaia", "diloco", "torchft")
 """Modes whose process groups are a data centre's, not every worker's."""
 GAIA_PORT = 47100
 
@@ -101,6 +106,9 @@ class GeoBenchConfig:
     outer_momentum: float = 0.9
     outer_bits: int = 16
     """DiLoCo's outer all-reduce on the wire: 16 (fixed point, error feedback) or 32."""
+    embedding_rows: bool = False
+    """DiLoCo (ours): an embedding row's mean over the data centres that moved it; False: the
+    plain mean over all of them (the library's default, torchft's, and the paper's)."""
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -112,9 +120,10 @@ class GeoBenchConfig:
         if self.dc_backend not in ("gloo", "switchml"):
             raise ValueError(f"unknown data-centre backend {self.dc_backend!r}; known: gloo, "
                              "switchml")
-        unknown = set(self.modes) - set(MODES)
+        unknown = set(self.modes) - set(ALL_MODES)
         if unknown:
-            raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: {', '.join(MODES)}")
+            raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: "
+                             f"{', '.join(ALL_MODES)}")
         if len(self.dcs) < 2:
             raise ValueError(f"--dcs needs at least two data centres, got {self.dcs}")
         if self.steps < 2 or self.eval_every < 1 or self.batch < 1 or self.seeds < 1:
@@ -132,168 +141,10 @@ class GeoBenchConfig:
         if self.momentum < 0 or self.lr <= 0:
             raise ValueError("--lr must be > 0 and --momentum >= 0")
 
-
-# -- the worker (runs inside a namespace) --------------------------------------------------------
-
-def _join_group(a: dict[str, Any]) -> None:
-    """Join this mode's process group: the data centre's (Gaia, on ``dc_backend``) or every
-    worker's (gloo)."""
-    from switchml.bench.nsproc import init_group
-    mode = a["mode"]
-    backend = a.get("dc_backend", "gloo") if mode in LOCAL_MODES else "gloo"
-    if backend == "switchml":
-        import switchml.torch  # noqa: F401  # registers the backend
-    # Rendezvous through a file every namespace sees (the hosts share a file system): torch's
-    # TCP store aborted now and then in these DNS-less namespaces
-    # (``bench.testbed.C10D_ABORT``).
-    store = a.get("store_dir")
-    if mode in LOCAL_MODES:  # the data centre's own process group
-        init_group(backend, a["dc_master"], a["port"], a["local_rank"], a["dc_size"],
-                   a["timeout_s"], store and f"{store}/dc{a['dc']}")
-    else:
-        init_group("gloo", a["master"], a["port"], a["rank"], a["n"], a["timeout_s"],
-                   store and f"{store}/all")
-
-
-def _start_gaia(a: dict[str, Any], model: Any) -> tuple[Any, Any]:
-    """Gaia's synchroniser for ``model`` and, on a data centre's leader, its mirror."""
-    from switchml.gaia.mirror import Mirror
-    from switchml.gaia.trainer import GaiaSync
-    mirror = None
-    if a["local_rank"] == 0:
-        from switchml.links import LinkSecurity
-        security = LinkSecurity.from_dir(a["tls_dir"]) if a.get("tls_dir") else None
-        mirror = Mirror(dc=a["dc"], leaders=[tuple(x) for x in a["leaders"]],
-                        staleness=a["staleness"], timeout_s=a["timeout_s"],
-                        bind_host="0.0.0.0", security=security).start()
-    gaia = GaiaSync(model, mirror=mirror, threshold=a["threshold"], decay=a["decay"])
-    return gaia, mirror
-
-
-def _start_diloco(a: dict[str, Any], model: Any) -> Any:
-    """DiLoCo's outer loop for ``model``; a data centre's leader all-reduces through the
-    switch in data centre 0's router."""
-    import torch.distributed as dist
-
-    from switchml.gaia.diloco import DiLoCo, switch_outer
-    outer = None
-    if a["local_rank"] == 0:
-        from switchml.protocol.config import WorkerConfig
-        outer = switch_outer(tuple(a["outer_switch"]), dcs=len(a["leaders"]), dc=a["dc"],
-                             job_id=a["outer_job"], token=a["outer_token"],
-                             bits=a["outer_bits"], elements_per_packet=a["outer_k"],
-                             window=a["outer_window"],
-                             config=WorkerConfig(op_timeout_s=a["timeout_s"]))
-    return DiLoCo(model, outer=outer, dcs=len(a["leaders"]), inner_steps=a["inner_steps"],
-                  outer_lr=a["outer_lr"], outer_momentum=a["outer_momentum"],
-                  group=dist.group.WORLD)
-
-
-def _task(a: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    """This worker's (model, batch_of(step) -> (x, y), loss_fn, evaluate(model) -> (accuracy,
-    loss)): digits (cnn, mlp; split under the run's seed) or ``switchml.workloads``' mf. The
-    model's initial values are the same on every rank (the run's seed); the batches are the
-    rank's own."""
-    import torch
-    from torch import nn
-    torch.manual_seed(a["seed"])
-    seed = a["seed"] * 1000 + a["rank"]
-    if a["model"] == "mf":
-        from switchml.workloads import get
-        task = get("mf").build(a["batch"], seed=seed)
-        assert task.held_loss is not None
-        held_loss = task.held_loss
-        return (task.model, task.batch_of, task.loss_fn,
-                lambda m: (task.evaluate(m), held_loss(m)))
-    from switchml.workloads import cnn_model, digits_split, mlp_model
-    model = cnn_model() if a["model"] == "cnn" else mlp_model((256,))
-    xtr, ytr, xte, yte = digits_split(a["seed"])
-    gen = torch.Generator().manual_seed(seed)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def batch_of(step: int) -> tuple[Any, Any]:
-        idx = torch.randint(0, len(ytr), (a["batch"],), generator=gen)
-        return xtr[idx], ytr[idx]
-
-    def evaluate(m: Any) -> tuple[float, float]:
-        with torch.no_grad():
-            logits = m(xte)
-            return float((logits.argmax(1) == yte).float().mean()), float(loss_fn(logits, yte))
-
-    return model, batch_of, loss_fn, evaluate
-
-
-def _train(a: dict[str, Any], model: Any, ddp: Any, opt: Any, task: tuple[Any, ...],
-           gaia: Any, evaluate: bool) -> dict[str, Any]:
-    """The training steps, with an evaluation every ``eval_every`` steps when ``evaluate``:
-    training time, and the evaluations' times, accuracies, losses and steps."""
-    import torch.distributed as dist
-    _, batch_of, loss_fn, metrics = task
-    times, accs, losses, steps = [], [], [], []
-    dist.barrier()
-    t0 = time.perf_counter()
-    paused = 0.0
-    for step in range(1, a["steps"] + 1):
-        x, y = batch_of(step)
-        opt.zero_grad(set_to_none=True)
-        loss_fn(ddp(x), y).backward()
-        opt.step()
-        if gaia is not None:  # Gaia's last step ends with its final full exchange
-            gaia.after_step() if step < a["steps"] or a["mode"] != "gaia" else gaia.finish()
-        if evaluate and (step % a["eval_every"] == 0 or step == a["steps"]):
-            e0 = time.perf_counter()
-            acc, loss = metrics(model)
-            times.append(e0 - t0 - paused)  # training time only
-            paused += time.perf_counter() - e0
-            accs.append(acc)
-            losses.append(loss)
-            steps.append(step)
-    elapsed = time.perf_counter() - t0 - paused
-    return {"elapsed_s": elapsed, "times": times, "accuracy": accs, "loss": losses,
-            "steps": steps}
-
-
-def geo_worker(a: dict[str, Any]) -> dict[str, Any]:
-    """Train one worker of one mode; data centre leaders return their figures."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.set_num_threads(1)
-    mode, rank = a["mode"], a["rank"]
-    _join_group(a)
-    task = _task(a)
-    model = task[0]
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a["lr"], momentum=a["momentum"])
-    gaia, mirror = _start_gaia(a, model) if mode == "gaia" else (None, None)
-    diloco = _start_diloco(a, model) if mode == "diloco" else None
-    lead = a["local_rank"] == 0
-    evaluate = rank == 0 or (mode in LOCAL_MODES and lead)
-    run = _train(a, model, ddp, opt, task, gaia or diloco, evaluate)
-    out: dict[str, Any] = {"rank": rank, "dc": a["dc"], "elapsed_s": run["elapsed_s"]}
-    if evaluate:
-        out.update(times=run["times"], accuracy=run["accuracy"], loss=run["loss"],
-                   steps=run["steps"])
-    if gaia is not None and mirror is not None:
-        assert gaia.filter is not None
-        out["gaia"] = {**mirror.stats(), "entries_published": gaia.entries_published,
-                       "entries_applied": gaia.entries_applied,
-                       "parameters": int(gaia._prev.size)}
-        mirror.close()
-    if diloco is not None and diloco.outer is not None:
-        out["diloco"] = {"outer_steps": diloco.outer_steps,
-                         "bytes_reduced": diloco.bytes_reduced,
-                         "parameters": sum(p.numel() for p in diloco.params)}
-        diloco.outer.close()
-    dist.destroy_process_group()
-    return out
-
-
 # -- the driver --------------------------------------------------------------------------------
 
 def _argv(args: dict[str, Any]) -> list[str]:
-    return [sys.executable, "-m", "switchml.bench.geo", "worker", json.dumps(args)]
+    return [sys.executable, "-m", "switchml.bench.geo_worker", json.dumps(args)]
 
 
 def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str, Any]:
@@ -309,7 +160,8 @@ def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str,
                         for j in range(len(geo.dcs))],
             "dc_backend": cfg.dc_backend, "inner_steps": cfg.inner_steps,
             "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
-            "outer_bits": cfg.outer_bits, **_outer_job(geo)}
+            "outer_bits": cfg.outer_bits, "embedding_rows": cfg.embedding_rows,
+            **_outer_job(geo)}
 
 
 def _outer_job(geo: Any) -> dict[str, Any]:
@@ -330,6 +182,9 @@ def _worker_args(common: dict[str, Any], geo: Any, r: int) -> dict[str, Any]:
     # The switch in data centre 0's router answers from the address a datagram's route
     # leaves by: its LAN address inside data centre 0, its WAN address to the others.
     outer = geo.gateway_ip(r) if j == 0 else geo.wan_router_ip(0)
+    if common["mode"] == "torchft":
+        from switchml.bench.geo_torchft import worker_args
+        common = {**common, **worker_args(geo, r)}
     return {**common, "rank": r, "dc": j, "local_rank": members.index(r),
             "dc_size": len(members), "dc_master": geo.worker_ip(members[0]),
             "outer_switch": (outer, SWITCH_PORT)}
@@ -402,10 +257,14 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
     switches: list[Any] = []
-    switched = mode in LOCAL_MODES and cfg.dc_backend == "switchml"
+    switched = mode in ("gaia", "diloco") and cfg.dc_backend == "switchml"
+    lighthouse = None
     try:
         if switched or mode == "diloco":
             _start_dc_switches(tb, switches)
+        if mode == "torchft":
+            from switchml.bench.geo_torchft import start_lighthouse
+            lighthouse = start_lighthouse(tb, len(geo.dcs))
         # The line's counters once it is empty: a packet in it now (the links' own chatter as
         # they come up, IPv6's neighbour discovery) would be given back during the run
         # without having been taken in it, and count as -1 lost (CI saw it twice).
@@ -423,6 +282,9 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
         wan = tb.wan_bytes() - wan0
     finally:  # also when the run failed: a retry starts its switches on the same port
         _stop_switches(switches)
+        if lighthouse is not None:
+            from switchml.bench.geo_torchft import stop_lighthouse
+            stop_lighthouse(lighthouse)
     row = _mode_row(cfg, geo, mode, outs, wan)
     row["wan_rtt_s"] = geo.wan_rtt_s
     if geo.wan_rtt_s > 0:  # what the emulation itself cost (CPU of the shared machine)
@@ -457,11 +319,14 @@ def _mode_row(cfg: GeoBenchConfig, geo: Any, mode: str, outs: list[dict[str, Any
         sent = sum(o["gaia"]["entries_published"] for o in leaders)
         row["fraction_entries_sent"] = sent / (leaders[0]["gaia"]["parameters"] * cfg.steps
                                                * len(leaders))
-    if mode == "diloco":
+    if mode in ("diloco", "torchft"):
         leaders = [o for o in outs if "diloco" in o]
         row["diloco"] = [o["diloco"] for o in leaders]
         row["final_accuracy_per_dc"] = [_final(o["accuracy"]) for o in leaders]
-        row["inner_steps"], row["outer_bits"] = cfg.inner_steps, cfg.outer_bits
+        row["inner_steps"] = cfg.inner_steps
+        row["outer_bits"] = cfg.outer_bits if mode == "diloco" else 32
+        row["outer_lr"], row["outer_momentum"] = cfg.outer_lr, cfg.outer_momentum
+        row["embedding_rows"] = cfg.embedding_rows and mode == "diloco"
     return row
 
 
@@ -593,113 +458,3 @@ def _compare(rows: list[dict[str, Any]]) -> None:
                 cmp["loss_vs_wan"] = r["final_loss"] / wan["final_loss"]
         r["comparison"] = cmp
     del gaia
-
-
-def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str) -> list[str]:
-    """JSON, CSV and PNG (accuracy against time) in ``out_dir``, and with Gaia at several
-    thresholds ``tradeoff.png`` (final accuracy against WAN bytes); returns the paths."""
-    import csv
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in ("geo.json", "geo.csv", "geo.png")]
-    with open(paths[0], "w") as f:
-        json.dump({"benchmark": "geo", "config": asdict(cfg), "machine": {
-            "cpus": os.cpu_count(), "uname": " ".join(os.uname())}, "results": rows}, f,
-            indent=2)
-    keys = ["mode", "threshold", "decay", "dcs", "wan_bps", "wan_rtt_s", "steps", "elapsed_s",
-            "time_to_target_s", "final_accuracy", "last_accuracy", "final_loss", "wan_bytes",
-            "fraction_entries_sent", "delay_line_cpu_s", "delay_line_packets",
-            "delay_line_lost"]
-    with open(paths[1], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(keys + ["time_to_target_vs_lan", "speedup_vs_wan", "wan_bytes_vs_wan"])
-        for r in rows:
-            c = r.get("comparison", {})
-            w.writerow([r.get(k) for k in keys] + [c.get("time_to_target_vs_lan"),
-                                               c.get("speedup_vs_wan"),
-                                               c.get("wan_bytes_vs_wan")])
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    labels = {"lan": "one data centre (LAN)", "wan": "synchronous across the WAN",
-              "gaia": "Gaia", "diloco": f"DiLoCo (H = {cfg.inner_steps}, {cfg.outer_bits}-bit)"}
-    for r in rows:
-        name = labels[r["mode"]] if r["mode"] != "gaia" else _row_label(r)
-        ax.plot(r["times"], r["accuracy"], label=f"{name}: "
-                f"{r['wan_bytes'] / 1e6:.1f} MB over the WAN")
-    ax.axhline(cfg.target_accuracy, color="grey", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("seconds of training")
-    ax.set_ylabel("held-out accuracy (data centre 0)")
-    ax.set_title(f"{cfg.model}, data centres {cfg.dcs}, WAN {cfg.wan_bps / 1e6:g} Mbit/s + "
-                 f"{cfg.wan_rtt_s * 1000:g} ms, LAN {cfg.lan_bps / 1e9:g} Gbit/s")
-    ax.set_ylim(0.5 if cfg.model == "mf" else 0, 1)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=100)
-    plt.close(fig)
-    if sum(r["mode"] == "gaia" for r in rows) > 1:
-        paths.append(_plot_tradeoff(rows, cfg, os.path.join(out_dir, "tradeoff.png")))
-    return paths
-
-
-def _row_label(r: dict[str, Any]) -> str:
-    """A Gaia row's name, with its threshold."""
-    return f"Gaia {gaia_label(r.get('threshold', 0), bool(r.get('decay')))}"
-
-
-def _plot_tradeoff(rows: list[dict[str, Any]], cfg: GeoBenchConfig, path: str) -> str:
-    """Final accuracy, and time to target, against WAN bytes: Gaia at each threshold a line,
-    the other modes across the WAN points. A point far below Gaia's and synchronous training's
-    accuracies (a run that diverged) is drawn at the bottom edge with its value."""
-    import matplotlib.pyplot as plt
-    fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
-    gaia = sorted((r for r in rows if r["mode"] == "gaia"), key=lambda r: r["wan_bytes"])
-    others = [r for r in rows if r["mode"] in ("wan", "diloco")]
-    names = {"wan": "synchronous", "diloco": f"DiLoCo (H = {cfg.inner_steps})"}
-    decay = "/sqrt(t)" if cfg.decay else ""
-    scale = [100 * r["final_accuracy"] for r in gaia + [r for r in others if r["mode"] == "wan"]]
-    low, high = min(scale) - 1.0, max(scale) + 1.0
-    mb = [r["wan_bytes"] / 1e6 for r in gaia]
-    acc_ax.plot(mb, [100 * r["final_accuracy"] for r in gaia], "o-",
-                label=f"Gaia, threshold S{decay}")
-    times = [(r["wan_bytes"] / 1e6, r["time_to_target_s"]) for r in gaia
-             if r["time_to_target_s"] is not None]
-    if times:
-        time_ax.plot(*zip(*times), "o-", label=f"Gaia, threshold S{decay}")
-    for k, r in enumerate(gaia):
-        offset = (-10, 8 + 10 * (k % 3)) if k % 2 == 0 else (-10, -14 - 10 * (k % 3))
-        acc_ax.annotate(f"S={r.get('threshold', 0):g}", (mb[k], 100 * r["final_accuracy"]),
-                        textcoords="offset points", xytext=offset, fontsize=8)
-    for r in others:
-        x, acc = r["wan_bytes"] / 1e6, 100 * r["final_accuracy"]
-        if acc < low:
-            acc_ax.plot([x], [low + 0.1], "v", label=f"{names[r['mode']]}: {acc:.1f}% "
-                        "(off the scale)")
-        else:
-            acc_ax.plot([x], [acc], "s", label=names[r["mode"]])
-        if r["time_to_target_s"] is not None:
-            time_ax.plot([x], [r["time_to_target_s"]], "s", label=names[r["mode"]])
-    acc_ax.set_ylim(low, high)
-    acc_ax.set_ylabel("final held-out accuracy (%)")
-    time_ax.set_ylabel(f"seconds to {100 * cfg.target_accuracy:g}% (runs that reached it)")
-    from matplotlib.ticker import NullFormatter
-    for ax in (acc_ax, time_ax):
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("WAN bytes (MB, log scale)")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(loc="best", fontsize=8)
-    fig.suptitle(f"{cfg.model}: the significance threshold trades accuracy and time for WAN "
-                 f"bytes (WAN {cfg.wan_bps / 1e6:g} Mbit/s, mean of {cfg.seeds} seed(s))",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "worker":
-        sys.exit("usage: python -m switchml.bench.geo worker JSON")
-    print(json.dumps(geo_worker(json.loads(sys.argv[2]))), flush=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DiLoCo", "switch_outer"]
+__all__ = ["DiLoCo", "RowCounts", "switch_outer"]
 
 
 class DiLoCo:
@@ -52,7 +52,8 @@ class DiLoCo:
 
     def __init__(self, model: Any, *, outer: Callable[[np.ndarray], np.ndarray] | None,
                  dcs: int, inner_steps: int = 50, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group: Any = None) -> None:
+                 outer_momentum: float = 0.9, group: Any = None,
+                 embedding_rows: bool = False) -> None:
         import torch
         import torch.distributed as dist
         if inner_steps < 1:
@@ -63,6 +64,10 @@ class DiLoCo:
             raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got "
                              f"{outer_lr} and {outer_momentum}")
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tables = self._tables(model) if embedding_rows else []
+        """(offset in the flat vector, rows, row length) of each embedding table averaged by
+        row."""
+        self.counts = RowCounts(dcs) if self.tables else None
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
         if self.leader and outer is None:
@@ -76,8 +81,18 @@ class DiLoCo:
         self.steps = 0
         self.outer_steps = 0
         self.bytes_reduced = 0
-        """Bytes of float32 pseudo-gradient handed to the outer all-reduce (before the
-        wire's quantisation)."""
+        """Bytes of float32 pseudo-gradient (and row counts) handed to the outer all-reduce
+        (before the wire's quantisation)."""
+
+    def _tables(self, model: Any) -> list[tuple[int, int, int]]:
+        from torch import nn
+        at, where = 0, {}
+        for p in self.params:
+            where[id(p)] = at
+            at += p.numel()
+        return [(where[id(m.weight)], m.weight.shape[0], m.weight[0].numel())
+                for m in model.modules() if isinstance(m, nn.Embedding)
+                and id(m.weight) in where]
 
     def after_step(self) -> bool:
         """Call after every inner optimiser step; runs the outer step every ``inner_steps``
@@ -96,10 +111,18 @@ class DiLoCo:
             if self.leader:
                 delta = (parameters_to_vector(self.anchor)
                          - parameters_to_vector(self.params)).to(torch.float32)
-                flat = np.ascontiguousarray(delta.numpy())
+                moved = [(delta[at:at + rows * size].view(rows, size) != 0).any(1)
+                         for at, rows, size in self.tables]
+                parts = [delta]
+                if moved:  # the counts in blocks of their own (a packed count in a block
+                    # would set its exponent, and cost the pseudo-gradient there precision)
+                    parts += [torch.zeros(-delta.numel() % self._block()),
+                              torch.from_numpy(self._counts().pack(torch.cat(moved).numpy()))]
+                flat = np.ascontiguousarray(torch.cat(parts).numpy())
                 self.bytes_reduced += flat.nbytes
                 assert self.outer is not None
-                mean = torch.from_numpy(np.asarray(self.outer(flat), np.float32) / self.dcs)
+                mean = torch.from_numpy(self._mean(np.asarray(self.outer(flat), np.float32),
+                                                   delta.numel()))
                 for a, g in zip(self.anchor, self._split(mean)):
                     a.grad = g.to(a.dtype).clone()
                 self.outer_opt.step()
@@ -113,6 +136,32 @@ class DiLoCo:
                 p.copy_(v)
         self.outer_steps += 1
 
+    def _counts(self) -> RowCounts:
+        assert self.counts is not None
+        return self.counts
+
+    def _block(self) -> int:
+        """The elements under one block exponent of the outer all-reduce (1: unknown)."""
+        return getattr(self.outer, "block", 1)
+
+    def _mean(self, total: np.ndarray, n: int) -> np.ndarray:
+        """The mean pseudo-gradient from the all-reduced sum of ``n`` entries (and the packed
+        row counts after them): every entry over ``dcs``, an embedding row over the data
+        centres that moved it, or over ``dcs`` where none did."""
+        mean = total[:n] / self.dcs
+        if not self.tables:
+            return mean
+        counts = self._counts().unpack(total[n + -n % self._block():],
+                                    sum(rows for _, rows, _ in self.tables))
+        at_count = 0
+        for at, rows, size in self.tables:
+            c = counts[at_count:at_count + rows]
+            at_count += rows
+            by = np.where(c >= 1, c, self.dcs).astype(np.float32)
+            mean[at:at + rows * size] = (total[at:at + rows * size].reshape(rows, size)
+                                         / by[:, None]).reshape(-1)
+        return mean
+
     def _split(self, flat: Any) -> list[Any]:
         """``flat`` cut into views shaped as the parameters."""
         out, at = [], 0
@@ -120,6 +169,39 @@ class DiLoCo:
             out.append(flat[at:at + p.numel()].view_as(p))
             at += p.numel()
         return out
+
+
+class RowCounts:
+    """How many data centres moved each row, summed by the outer all-reduce, packed ``per``
+    to an element: an element is ``sum_i moved_i (dcs + 1)**i``, so the sum over data centres
+    holds each row's count as a digit in base ``dcs + 1`` (no digit can carry). Packed values
+    stay below ``2**P`` with ``P = 15 - dcs.bit_length()``, the scale of a 16-bit wire at
+    ``dcs`` ranks (``quantize.scale_bits``): in a block of their own they are whole numbers
+    there, and in every exact sum, so the counts come back exact. 2 data centres: 8 rows an
+    element; 4: 5; 8: 3; up to 127: 1."""
+
+    def __init__(self, dcs: int) -> None:
+        self.base = dcs + 1
+        bits = 15 - dcs.bit_length()
+        self.per = 0
+        while self.base ** (self.per + 1) <= 2 ** bits:
+            self.per += 1
+        if self.per < 1:
+            raise ValueError(f"row counts of {dcs} data centres do not fit a 16-bit wire's "
+                             "whole numbers (at most 127); pass embedding_rows=False")
+        self.weights = self.base ** np.arange(self.per, dtype=np.int64)
+
+    def pack(self, moved: np.ndarray) -> np.ndarray:
+        """Booleans (one per row) as float32 elements of ``per`` digits."""
+        flags = np.zeros(-(-moved.size // self.per) * self.per, np.int64)
+        flags[:moved.size] = moved
+        return (flags.reshape(-1, self.per) @ self.weights).astype(np.float32)
+
+    def unpack(self, total: np.ndarray, rows: int) -> np.ndarray:
+        """The first ``rows`` counts from summed packed elements (``rint`` undoes a float
+        sum's last bit)."""
+        v = np.rint(total[:-(-rows // self.per)]).astype(np.int64)
+        return ((v[:, None] // self.weights) % self.base).reshape(-1)[:rows]
 
 
 def switch_outer(switch: Any, *, dcs: int, dc: int, job_id: int, token: int, bits: int = 16,
@@ -146,6 +228,8 @@ def switch_outer(switch: Any, *, dcs: int, dc: int, job_id: int, token: int, bit
         res = residual.setdefault(x.size, np.zeros(x.size, np.float32))
         return client.allreduce(x + res, bits=16, residual=res)  # (res: this step's error)
 
+    # The elements under one block exponent: a packet's (twice as many at 16 bits)
+    outer.block = spec.elements_per_packet * 32 // bits  # type: ignore[attr-defined]
     outer.close = client.close  # type: ignore[attr-defined]
     outer.client = client  # type: ignore[attr-defined]
     return outer

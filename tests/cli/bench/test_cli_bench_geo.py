@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from switchml.bench import geo as library
+from switchml.bench import geo_report
 from switchml.bench.geo import GeoBenchConfig
 from switchml.cli import main
 from switchml.cli.bench import geo
@@ -49,7 +50,7 @@ def test_the_runner_prints_one_line_per_mode(record, capsys):
             {"mode": "gaia", "time_to_target_s": None, "final_accuracy": 0.9,
              "wan_bytes": 2e6, "comparison": {"speedup_vs_wan": 2.0}}]
     run = record(library, "run_geo_bench", rows)
-    written = record(library, "write_outputs", ["o/geo.json"])
+    written = record(geo_report, "write_outputs", ["o/geo.json"])
     assert main(["bench", "geo", "--dcs", "2x2", "--out", "o"]) == 0
     assert run.args[0].dcs == (2, 2) and written.args[2] == "o"
     lines = capsys.readouterr().out.splitlines()

@@ -41,7 +41,10 @@ def add_parser(bsub: Subparsers) -> None:
                           "own; a user-space delay line in the WAN core: docs/geo.md)")
     geo.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
     geo.add_argument("--modes", default="lan,wan,gaia,diloco",
-                     help="comma list of lan, wan, gaia, diloco (default all four)")
+                     help="comma list of lan, wan, gaia, diloco, torchft (default the first "
+                          "four; torchft: torchft's DiLoCo across, with its Manager over gloo "
+                          "and torchft_lighthouse, the same outer step as diloco, 32-bit; "
+                          "needs pip install torchft==0.2.0)")
     geo.add_argument("--model", choices=tuple(MODEL_DEFAULTS), default="mf",
                      help="mf: matrix factorisation of implicit feedback, 68k parameters, "
                           "plain SGD (Gaia's kind of workload); cnn: a CNN on digits, 560k "
@@ -81,6 +84,10 @@ def add_parser(bsub: Subparsers) -> None:
                      help="DiLoCo: the outer step's momentum (default 0.9)")
     geo.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
                      help="DiLoCo: bits per element of the outer all-reduce (default 16)")
+    geo.add_argument("--embedding-rows", action="store_true",
+                     help="DiLoCo: average an embedding row over the data centres that moved "
+                          "it (default: over all of them, the paper's and torchft's rule; "
+                          "docs/geo.md, section 3)")
     geo.add_argument("--seeds", type=int, default=1,
                      help="runs per mode (seeds 0 .. N-1); a mode's row is their mean "
                           "(default 1)")
@@ -106,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:
                           gaia_lr_scale=args.gaia_lr_scale, dc_backend=args.dc_backend,
                           inner_steps=args.inner_steps, outer_lr=args.outer_lr,
                           outer_momentum=args.outer_momentum, outer_bits=args.outer_bits,
-                          seeds=args.seeds)
+                          embedding_rows=args.embedding_rows, seeds=args.seeds)
 
 
 def _fractions(text: str) -> tuple[float, ...]:
@@ -120,7 +127,8 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """``switchml bench geo``: LAN, WAN-synchronous, Gaia and DiLoCo training, compared."""
-    from switchml.bench.geo import run_geo_bench, write_outputs
+    from switchml.bench.geo import run_geo_bench
+    from switchml.bench.geo_report import write_outputs
 
     sigterm_interrupts()  # SIGTERM runs the testbed's teardown
     cfg = config_from_args(args)
