@@ -63,6 +63,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(reason)
 
 
+OPTIONAL = {"matplotlib": "matplotlib", "sklearn": "scikit-learn", "torchft": "torchft==0.2.0",
+            "lightning": "lightning", "accelerate": "accelerate", "cryptography": "cryptography"}
+"""Packages of the ``test`` extra a test may need: where one is missing, a test that imports it
+is skipped, naming it, rather than failing."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    try:
+        return (yield)
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root not in OPTIONAL:
+            raise
+        pytest.skip(f"needs {OPTIONAL[root]}, which is not installed here (pip install -e "
+                    '".[test]" installs it)')
+
+
 # -- plain helpers (each also a fixture of the same name, below) ---------------------------------
 
 def free_ports(n: int) -> list[int]:
