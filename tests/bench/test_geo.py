@@ -108,7 +108,7 @@ def test_short_geo_run_on_the_testbed():
         pytest.skip(available())
     cfg = GeoBenchConfig(modes=("wan", "gaia", "diloco", "torchft"), steps=12, eval_every=4,
                          model="mlp", wan_bps=20e6, target_accuracy=0.3, inner_steps=4,
-                         outer_bits=32)
+                         outer_bits=32, outer_lr=0.7, outer_momentum=0.9)
     rows = run_geo_bench(cfg)
     wan, gaia, diloco, torchft = rows
     assert wan["wan_bytes"] > 12 * 19210 * 4  # a dense all-reduce crossed every step

@@ -10,7 +10,7 @@ workload; or the digits CNN or MLP) is trained four ways, each worker in its own
 - ``gaia``: the same split; synchronous DDP over gloo inside each data centre, Gaia's
   significance filter, selective barrier and mirror clock across (switchml.gaia);
 - ``diloco``: the same split; synchronous DDP inside each data centre, and every
-  ``inner_steps`` steps DiLoCo's outer Nesterov step on the pseudo-gradients, all-reduced by
+  ``inner_steps`` steps DiLoCo's outer step on the pseudo-gradients, all-reduced by
   the data centres' leaders through the switch in data centre 0's router, 16-bit on the wire
   (``switchml.gaia.diloco``);
 - ``torchft``: the same, with torchft's DiLoCo across (its ``Manager`` over gloo and a
@@ -102,8 +102,10 @@ class GeoBenchConfig:
     ``switchml`` (a software switch in each data centre's router)."""
     inner_steps: int = 50
     """DiLoCo: local steps between outer steps."""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    """DiLoCo's outer step (the library's defaults: the mean of the models; the paper's
+    Nesterov step is 0.7 and 0.9)."""
     outer_bits: int = 16
     """DiLoCo's outer all-reduce on the wire: 16 (fixed point, error feedback) or 32."""
     embedding_rows: bool = False

@@ -1,27 +1,43 @@
-"""DiLoCo across data centres: local steps, then an outer Nesterov step on the averaged
+"""DiLoCo across data centres: local steps, then an outer step on the averaged
 pseudo-gradients (Douillard et al., "DiLoCo: Distributed Low-Communication Training of
 Language Models", 2023), with the outer all-reduce through a switchml switch.
 
 Each data centre trains on its own for ``inner_steps`` steps (its workers synchronous with one
 another, e.g. DDP inside the data centre, with any inner optimiser). Then the data centres'
 leaders all-reduce the *pseudo-gradient*, how far the data centre moved from the last
-global weights (``anchor - params``); the mean is the gradient of an outer optimiser (SGD with
-Nesterov momentum, ``torch.optim.SGD``) on the anchor; the new anchor becomes every worker's
-parameters (broadcast inside the data centre). One all-reduce of the model every
-``inner_steps`` steps, 16-bit on the wire by default, where synchronous training all-reduces
-32-bit gradients every step.
+global weights (``anchor - params``); the mean is the gradient of an outer optimiser
+(``torch.optim.SGD``, with Nesterov momentum where ``outer_momentum > 0``) on the anchor; the
+new anchor becomes every worker's parameters (broadcast inside the data centre). One
+all-reduce of the model every ``inner_steps`` steps, 16-bit on the wire by default, where
+synchronous training all-reduces 32-bit gradients every step.
+
+The defaults, ``outer_lr=1`` and no momentum, make the outer step the mean of the data
+centres' models (local SGD, model averaging). The paper's Nesterov step (lr 0.7, momentum 0.9)
+is a choice away, but measured on the geo testbed (docs/geo.md, section 3; torchft's DiLoCo
+alike) it diverged on the factorisation and ended 45% above synchronous training's loss on the
+CNN, where the mean ended 5% below it.
 
 Guarantees: the data centres hold bit-identical parameters after every outer step (they
 apply the same mean to the same anchor); with ``outer_lr=1`` and no momentum an outer step is
-the mean of the data centres' models (local SGD, model averaging), and with ``inner_steps=1``
-and plain SGD inside as well, synchronous SGD on the mean gradient. The outer all-reduce is a
-call you give (``outer``: sum a float32 vector over the data centres); :func:`switch_outer`
-makes one that goes through a switch.
+the mean of the data centres' models, and with ``inner_steps=1`` and plain SGD inside as well,
+synchronous SGD on the mean gradient. The outer all-reduce is a call you give (``outer``: sum a
+float32 vector over the data centres); :func:`switch_outer` makes one that goes through a
+switch. On the same data, model and outer step, the held-out loss matches torchft's
+``DiLoCo`` at every evaluation (tests/bench/test_geo.py).
 
-Why not torchft's ``DiLoCo``: it runs under a torchft ``Manager`` (a lighthouse server and
-quorums, for fault tolerance) and treats each replica group as one data-parallel rank, where
-here a data centre runs DDP over several workers and only its leader talks across; the
-algorithm itself is a few lines around an all-reduce that switchml already has.
+Embedding tables (``embedding_rows=True``; off by default): a row of an ``nn.Embedding`` that
+only some data centres moved is averaged over those data centres, not over all of them. A row
+counts as moved where its pseudo-gradient is not zero (an inner optimiser with weight decay
+moves every row, and the mean is then the plain one). The counts travel in the same
+all-reduce, packed (:class:`RowCounts`). Measured on the factorisation it ends *above* the
+plain mean: with a loss averaged over the batch, as DDP's is, synchronous SGD divides a row's
+gradient by every sample, those that never touched the row included, and the plain mean keeps
+that scale where the row mean doubles a rare row's step. It is for losses normalised per row.
+
+Why not torchft's ``DiLoCo`` itself: it runs under a torchft ``Manager`` (a lighthouse and
+quorums, for fault tolerance) and treats each replica group as one data-parallel rank, so every
+worker of a data centre sends the pseudo-gradient across (torchft issue 171); here a data
+centre runs DDP over several workers and only its leader talks across, through the switch.
 """
 
 from __future__ import annotations
@@ -51,8 +67,8 @@ class DiLoCo:
     """
 
     def __init__(self, model: Any, *, outer: Callable[[np.ndarray], np.ndarray] | None,
-                 dcs: int, inner_steps: int = 50, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group: Any = None,
+                 dcs: int, inner_steps: int = 50, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, group: Any = None,
                  embedding_rows: bool = False) -> None:
         import torch
         import torch.distributed as dist

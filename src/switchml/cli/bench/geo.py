@@ -27,7 +27,7 @@ def add_parser(bsub: Subparsers) -> None:
                     "four ways on the geo testbed: all workers in one data centre (LAN), "
                     "synchronous DDP spanning the WAN, Gaia (synchronous inside each data "
                     "centre, significant updates across) and DiLoCo (synchronous inside, an "
-                    "outer Nesterov step every --inner-steps steps, its all-reduce through a "
+                    "outer step every --inner-steps steps, its all-reduce through a "
                     "switch across). Reports time to target accuracy, "
                     "final accuracy and WAN bytes (WAN interface counters); writes geo.json, "
                     "geo.csv and geo.png (accuracy against time), and with --thresholds "
@@ -78,10 +78,12 @@ def add_parser(bsub: Subparsers) -> None:
                           "(default gloo, as the other two modes)")
     geo.add_argument("--inner-steps", type=int, default=50,
                      help="DiLoCo: local steps between outer steps (default 50)")
-    geo.add_argument("--outer-lr", type=float, default=0.7,
-                     help="DiLoCo: the outer Nesterov step's learning rate (default 0.7)")
-    geo.add_argument("--outer-momentum", type=float, default=0.9,
-                     help="DiLoCo: the outer step's momentum (default 0.9)")
+    geo.add_argument("--outer-lr", type=float, default=1.0,
+                     help="DiLoCo: the outer step's learning rate (default 1: with no "
+                          "momentum, the mean of the models; the paper's is 0.7)")
+    geo.add_argument("--outer-momentum", type=float, default=0.0,
+                     help="DiLoCo: the outer step's Nesterov momentum (default 0; the "
+                          "paper's is 0.9, which diverged on mf: docs/geo.md, section 3)")
     geo.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
                      help="DiLoCo: bits per element of the outer all-reduce (default 16)")
     geo.add_argument("--embedding-rows", action="store_true",
