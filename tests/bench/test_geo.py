@@ -21,8 +21,8 @@ from switchml.bench.geo_report import write_outputs
 def _row(mode, times, accs, wan_bytes):
     return {"mode": mode, "dcs": [2, 2], "wan_bps": 50e6, "steps": 10, "elapsed_s": times[-1],
             "times": times, "accuracy": accs, "final_accuracy": accs[-1],
-            "last_accuracy": accs[-1],
-            "wan_bytes": wan_bytes}
+            "last_accuracy": accs[-1], "loss": [1.5 - a for a in accs],
+            "eval_steps": list(range(1, len(accs) + 1)), "wan_bytes": wan_bytes}
 
 
 def test_config_rejects_what_it_cannot_run():
@@ -58,6 +58,7 @@ def test_a_modes_row_is_the_mean_of_its_seeds():
     assert row["final_accuracy"] == pytest.approx(0.97)
     assert row["final_loss"] == pytest.approx(0.3)
     assert row["times"] == [1, 2] and [r["seed"] for r in row["runs"]] == [0, 1]
+    assert [r["loss"] for r in row["runs"]] == [runs[0]["loss"], runs[1]["loss"]]
     runs[1]["time_to_target_s"] = None  # one seed never reached it: the mean has no time
     assert _mean_row(runs)["time_to_target_s"] is None
 
@@ -81,7 +82,8 @@ def test_comparison_and_outputs(tmp_path):
     table = list(csv.DictReader(open(paths[1])))
     assert table[2]["mode"] == "gaia" and float(table[2]["speedup_vs_wan"]) == 6.0
     assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert len(paths) == 3  # one Gaia row: no trade-off curve
+    assert paths[3].endswith("loss.png") and open(paths[3], "rb").read(4) == b"\x89PNG"
+    assert len(paths) == 4  # one Gaia row: no trade-off curve
 
 
 def test_gaia_at_several_thresholds_draws_the_trade_off(tmp_path):

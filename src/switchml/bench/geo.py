@@ -438,7 +438,8 @@ def _mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row[k] = sum(r[k] for r in runs) / len(runs)
     times = [r["time_to_target_s"] for r in runs]
     row["time_to_target_s"] = None if None in times else sum(times) / len(times)
-    row["runs"] = [{k: r[k] for k in ("seed", "time_to_target_s", *MEAN_KEYS)} for r in runs]
+    row["runs"] = [{k: r[k] for k in ("seed", "time_to_target_s", *MEAN_KEYS, "loss",
+                                      "eval_steps") if k in r} for r in runs]
     return row
 
 

@@ -14,8 +14,9 @@ __all__ = ["write_outputs"]
 
 
 def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str) -> list[str]:
-    """JSON, CSV and PNG (accuracy against time) in ``out_dir``, and with Gaia at several
-    thresholds ``tradeoff.png`` (final accuracy against WAN bytes); returns the paths."""
+    """JSON, CSV, ``geo.png`` (accuracy against time) and ``loss.png`` (held-out loss against
+    step, every seed) in ``out_dir``, and with Gaia at several thresholds ``tradeoff.png``
+    (final accuracy against WAN bytes); returns the paths."""
     import csv
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("geo.json", "geo.csv", "geo.png")]
@@ -57,9 +58,35 @@ def write_outputs(rows: list[dict[str, Any]], cfg: GeoBenchConfig, out_dir: str)
     fig.tight_layout()
     fig.savefig(paths[2], dpi=100)
     plt.close(fig)
+    paths.append(_plot_loss(rows, cfg, labels, os.path.join(out_dir, "loss.png")))
     if sum(r["mode"] == "gaia" for r in rows) > 1:
         paths.append(_plot_tradeoff(rows, cfg, os.path.join(out_dir, "tradeoff.png")))
     return paths
+
+
+def _plot_loss(rows: list[dict[str, Any]], cfg: GeoBenchConfig, labels: dict[str, str],
+               path: str) -> str:
+    """Held-out loss against step: a line per seed, one colour per row (log scale: a run
+    that diverged stays on the plot)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, r in enumerate(rows):
+        name = labels[r["mode"]] if r["mode"] != "gaia" else _row_label(r)
+        runs = [x for x in r.get("runs", [r]) if "loss" in x and "eval_steps" in x]
+        for i, run in enumerate(runs):
+            ax.plot(run["eval_steps"], run["loss"], color=f"C{k}", lw=1, alpha=0.8,
+                    ls=("-", "--", ":", "-.")[i % 4],
+                    label=f"{name} ({len(runs)} seed(s))" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss (data centre 0)")
+    ax.set_title(f"{cfg.model}, data centres {cfg.dcs}: held-out loss, every seed")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _row_label(r: dict[str, Any]) -> str:
