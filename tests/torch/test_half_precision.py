@@ -1,5 +1,5 @@
 """Half-precision tensors on the backend: how many bits they take on the wire
-(``backend.wire_bits``, worked by hand below), and their staging through reused buffers.
+(``staging.wire_bits``, worked by hand below), and their staging through reused buffers.
 
 The 16-bit sum of n ranks is off by at most ``n * 0.5 * 2**(emax - P)`` with
 ``P = 15 - bit_length(n)`` (docs/protocol.md section 4): relative to a block's scale
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from switchml import env
-from switchml.torch.backend import StagedTensor, StagingPool, wire_bits
+from switchml.torch.staging import StagedTensor, StagingPool, wire_bits
 
 
 @pytest.mark.parametrize(("dtype", "last16"), [(torch.float16, 4), (torch.bfloat16, 15)])

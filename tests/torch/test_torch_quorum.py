@@ -46,7 +46,7 @@ def test_avg_in_a_quorum_group_divides_each_block_by_its_contributors(staged):
     Uniform counts divide by one scalar; different counts divide block by block."""
     import torch
 
-    from switchml.torch.backend import StagedTensor, StagingPool
+    from switchml.torch.staging import StagedTensor, StagingPool
     sums = torch.tensor([6.0, 6.0, 6.0, 8.0, 8.0, 8.0, 9.0])  # blocks of 3: counts 3, 2, 3
     t = sums.clone() if not staged else sums.clone().to(torch.bfloat16)
     plan = StagedTensor(t, pool=StagingPool(), dtype=torch.float32 if staged else None)

@@ -86,7 +86,7 @@ class TestbedBenchConfig:
     dtype: str = "float32"
     """The all-reduced tensors' type. float16 and bfloat16 (switchml and gloo only): both run
     through torch.distributed, switchml on its "switchml" backend, whose rule sets the wire
-    width (``torch.backend.wire_bits``), gloo on the same type; elements as float32's."""
+    width (``torch.staging.wire_bits``), gloo on the same type; elements as float32's."""
     torch: bool = False
     """switchml through its torch backend whatever the type (float32 too): what a
     ``dist.all_reduce`` costs beside the worker library's own rows."""

@@ -32,13 +32,10 @@ Futures fail through :func:`failable_future`, which C++ consumers (DDP's reducer
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import logging
-import os
 import secrets
-import subprocess
 import threading
 import weakref
 from collections import Counter
@@ -48,20 +45,34 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from switchml import env, service
+from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.dtypes import BFLOAT16
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.quantize import error_bound
 from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
+from switchml.torch.embedded import (
+    EMBEDDED,
+    embedded_switch_pid,
+    release_embedded_switch,
+    resolve_switch_over_group,
+    stop_embedded_switch,
+)
 from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.flight import FlightRecorder
+from switchml.torch.staging import HALF, StagedTensor, StagingPool, wire_bits
+from switchml.torch.works import (
+    SwitchMLWork,
+    all_of,
+    complete_elsewhere,
+    error_of,
+    failable_future,
+    gather_opts,
+    scatter_opts,
+)
 from switchml.transport.parallel import ParallelClient, choose_threads, open_worker
 from switchml.transport.sockets import local_mtu
 from switchml.transport.udp import AllreduceHandle, WorkerClient
@@ -77,275 +88,8 @@ _STORE_SWITCH_KEY = "switchml/switch"
 _STORE_JOB_KEY = "switchml/job"
 _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
-_HALF = {torch.float16, torch.bfloat16}
-_SUPPORTED = {torch.float32, torch.float64, torch.int32, torch.int64} | _HALF
-_SWITCH_GRACE_S = 2.0
-_SWITCH_START_S = 30.0  # the embedded switch must say where it listens within this
+_SUPPORTED = {torch.float32, torch.float64, torch.int32, torch.int64} | HALF
 
-
-
-class SwitchMLWork(dist.Work):
-    """A pending collective: ``wait()`` raises if the operation failed (unlike a bare future)
-    and honours its timeout."""
-
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
-        super().__init__()
-        self._future = future
-        self._event = threading.Event()
-        future.add_done_callback(lambda _f: self._event.set())
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
-        if seconds > 0 and not self._event.wait(seconds):
-            raise RuntimeError(f"switchml collective not done after {seconds:g} s")
-        self._future.wait()  # raises the operation's error
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-
-def _error_of(f: torch.futures.Future[Any]) -> BaseException | None:
-    try:
-        f.value()
-    except Exception as exc:  # noqa: BLE001 - recorded
-        return exc
-    return None
-
-
-def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
-    """One work for several: done when every one is, failing if any fails, its future's
-    value ``value``."""
-    def result(f: torch.futures.Future[Any]) -> Any:
-        for w in f.value():
-            w.value()  # raises the first failure
-        return value
-
-    return SwitchMLWork(torch.futures.collect_all([w.get_future() for w in works]).then(result))
-
-
-def _gather_opts(opts: Any) -> Any:
-    """AllgatherOptions for one tensor of a coalesced call (the same timeout)."""
-    one = _c10d.AllgatherOptions()
-    if opts is not None:
-        one.timeout = opts.timeout
-    return one
-
-
-def _scatter_opts(opts: Any) -> Any:
-    """ReduceScatterOptions for one tensor of a coalesced call (same op and timeout)."""
-    one = _c10d.ReduceScatterOptions()
-    if opts is not None:
-        one.reduceOp = opts.reduceOp
-        one.timeout = opts.timeout
-    return one
-
-
-def failable_future() -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
-    """Return (completer, future). Complete ``completer`` with a value or an exception
-    *object*; ``future`` then holds the value or raises. (``Future.set_exception`` is not seen
-    as an error by C++ consumers such as DDP's reducer, which then crash reading the value; an
-    exception raised in a ``then`` callback is.)"""
-    completer: torch.futures.Future[Any] = torch.futures.Future()
-
-    def unwrap(f: torch.futures.Future[Any]) -> Any:
-        value = f.value()
-        if isinstance(value, BaseException):
-            raise value
-        return value
-
-    return completer, completer.then(unwrap)
-
-
-def complete_elsewhere(completer: torch.futures.Future[Any], value: Any) -> None:
-    """Complete ``completer`` on a short-lived thread of its own, not on the caller's.
-
-    Completions come from a worker's single I/O thread, and torch runs every chained ``then``
-    callback on the thread that completes the future. A callback that waits for another
-    switchml collective (PowerSGD-style hooks do) would block the only thread that can finish
-    it: a deadlock no timeout breaks. A thread per completed collective costs tens of
-    microseconds.
-    """
-    threading.Thread(target=completer.set_result, args=(value,), name="switchml-complete",
-                     daemon=True).start()
-
-
-class StagingPool:
-    """Host buffers for staged tensors, kept for the next operation of the same type and size.
-
-    A fresh allocation of tens of megabytes comes from the kernel as untouched pages, and
-    faulting them in costs more than the copy that fills them (64 MiB: about 28 against 3 ms
-    here); a training job all-reduces the same sizes every step. Keeps at most ``keep`` free
-    buffers (the oldest go first). Thread-safe: taken in the caller's thread, given back on
-    the I/O thread."""
-
-    def __init__(self, keep: int = 4) -> None:
-        if keep < 0:
-            raise ValueError(f"keep must be >= 0, got {keep}")
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
-        """A flat CPU tensor of ``numel`` elements of ``dtype`` (its contents undefined);
-        ``pinned``: page-locked, for copies from and to a CUDA device."""
-        with self._lock:
-            for i, t in enumerate(self._free):
-                if t.numel() == numel and t.dtype is dtype and t.is_pinned() == pinned:
-                    return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
-
-    def give(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(t)
-            del self._free[:max(0, len(self._free) - self.keep)]
-
-
-class StagedTensor:
-    """How one tensor travels through the switch: the numpy array sent, and the write-back.
-
-    ``array`` is a flat view of the tensor itself where it can be (a contiguous CPU tensor of a
-    type the switch sums: float16 and bfloat16 too, which the kernels read and write
-    themselves), else of a contiguous CPU copy (``staging``, from ``pool`` if given, back to it
-    after ``finish``): with ``dtype``, the tensor travels as ``dtype``; int64 travels as three
-    int32 limbs. Used by the backend for every all-reduce and by the DDP
-    hooks (``dtype=torch.float32``) for every bucket.
-
-    Args:
-        tensor: the tensor to reduce in place.
-        dtype: send as this type (a copy unless the tensor already is); None: as the backend does.
-        pool: where a staging copy's buffer comes from and goes back to; None: allocated.
-        copy: always send a staging copy (the tensor keeps its input until ``finish``).
-    """
-
-    __slots__ = ("tensor", "array", "flat", "staging", "kind", "pool")
-
-    def __init__(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None,
-                 pool: StagingPool | None = None, copy: bool = False) -> None:
-        self.tensor = tensor
-        self.pool = pool
-        t = tensor.detach()
-        self.staging: torch.Tensor | None = None
-        if t.dtype is torch.int64 and dtype is None:
-            self.kind = "limbs"
-            self.array = _to_limbs(t.reshape(-1).cpu().numpy())
-            self.flat = torch.from_numpy(self.array)
-            return
-        self.kind = "plain"
-        want = dtype or t.dtype
-        if copy or t.dtype is not want or t.device.type != "cpu" or not t.is_contiguous():
-            if pool is not None:
-                self.staging = pool.take(t.numel(), want, pinned=t.device.type == "cuda")
-                self.staging.view(t.shape).copy_(t)  # (no contiguous temporary of ``t``)
-            else:
-                self.staging = t.to(device="cpu", dtype=want).contiguous()
-        src = self.staging if self.staging is not None else t
-        self.flat = src.reshape(-1)  # what ``array`` views, as a tensor
-        self.array = _as_numpy(self.flat)
-
-    def finish(self, size: int, average: bool, counts: np.ndarray | None = None,
-               block: int = 0, *, keep: bool = False) -> torch.Tensor | None:
-        """Write the sum back into the user's tensor, in place (runs on the I/O thread);
-        with ``average``, divide it by ``size``, or in a quorum group by ``counts``: how many
-        ranks each block of ``block`` elements holds (a k-of-n round always holds k: then
-        one scalar division, as without a quorum). ``keep``: return the tensor's new values,
-        flat on the CPU, in a buffer the caller then owns (the staging buffer where it holds
-        them, else a copy); None otherwise."""
-        t = self.tensor.detach()
-        pool = self.pool  # (a kept copy's buffer comes from it: no fresh pages each time)
-        divisor: Any = size
-        if counts is not None and counts.size:
-            if (counts == counts[0]).all():
-                divisor, counts = int(counts[0]), None
-            else:  # per element (rare: a round that completed with another count)
-                divisor = torch.from_numpy(np.repeat(counts, block)[:t.numel()])
-        else:
-            counts = None
-        if self.kind == "limbs":
-            t.copy_(torch.from_numpy(_from_limbs(self.array)).reshape(t.shape))
-        elif self.staging is not None:
-            if average and self.staging.is_floating_point():
-                # in the wider type: the result is rounded once more, not twice (sum, then
-                # quotient) in a half type
-                self.staging.reshape(-1).div_(divisor)
-                average = False
-            t.copy_(self.staging.reshape(t.shape))
-            if keep and not average:  # the staging buffer holds the new values
-                kept, self.staging, self.pool = self.staging.reshape(-1), None, None
-                return kept
-            self.release()
-        if average:
-            if counts is not None:
-                divisor = divisor.reshape(t.shape)
-            if t.is_floating_point():
-                t.div_(divisor)
-            else:
-                t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
-        if not keep:
-            return None
-        flat = t.reshape(-1)
-        kept = (pool.take(flat.numel(), flat.dtype) if pool is not None
-                else torch.empty(flat.numel(), dtype=flat.dtype))
-        kept.copy_(flat)
-        return kept
-
-    def release(self) -> None:
-        """Give the staging buffer back to the pool (after ``finish``, or when the operation
-        failed); idempotent."""
-        if self.pool is not None and self.staging is not None:
-            self.pool.give(self.staging)
-            self.pool = None
-
-
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as a numpy array of its type (bfloat16: ml_dtypes', through its
-    bits, since torch's ``numpy()`` refuses it)."""
-    if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
-
-
-def wire_bits(dtype: torch.dtype, world: int, half_bits: int | None = None) -> int:
-    """Bits per element on the wire for an all-reduce of ``dtype`` over ``world`` ranks.
-    float16 and bfloat16: ``half_bits`` if given, else 16 where the 16-bit sum's error bound
-    (``quantize.error_bound``) is at most half an ulp of the type at a block's scale
-    ``2**emax`` (``eps / 2`` of it; the block's largest element lies in ``[2**(emax-1),
-    2**emax)``): float16 up to 4 ranks, bfloat16 up to 15; 32 beyond. The bound is absolute:
-    elements far below their block's largest keep fewer bits than the type has (those under
-    about ``2**-(16 - bit_length(n))`` of it become 0), as in every fixed-point block, and a
-    plain all-reduce has no error feedback (the 16-bit DDP hook does). Everything else: 32."""
-    if dtype not in _HALF:
-        return 32
-    if half_bits is not None:
-        return half_bits
-    return 16 if error_bound(0, world, bits=16) <= torch.finfo(dtype).eps / 2 else 32
-
-
-def _to_limbs(x: np.ndarray) -> np.ndarray:
-    """Split int64 into three int32 limbs (low 22 bits, next 22, signed top 20)."""
-    out = np.empty((3, x.size), dtype=np.int32)
-    out[0] = x & (2**22 - 1)
-    out[1] = (x >> 22) & (2**22 - 1)
-    out[2] = x >> 44  # arithmetic shift: signed, |.| < 2**19
-    return out.reshape(-1)
-
-
-def _from_limbs(limbs: np.ndarray) -> np.ndarray:
-    parts = limbs.reshape(3, -1).astype(np.int64)
-    with np.errstate(over="ignore"):
-        return parts[0] + (parts[1] << 22) + (parts[2] << 44)  # wraps modulo 2**64 like int64
 
 
 class SwitchMLProcessGroup(dist.ProcessGroup):
@@ -555,7 +299,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         work = call()
         try:
             work.get_future().add_done_callback(
-                lambda f: self.flight.finish(rec, _error_of(f)))
+                lambda f: self.flight.finish(rec, error_of(f)))
         except RuntimeError:  # a work without a future: recorded as started only
             pass
         return work
@@ -580,8 +324,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                                         ) -> dist.Work:
         """FSDP2's parameter all-gather. gloo has no coalesced form: one all-gather per
         tensor, in order, as one work."""
-        return self._delegate("allgather_into_tensor_coalesced", lambda: _all_of(
-            [self._gloo._allgather_base(o, i, _gather_opts(opts)) for o, i in
+        return self._delegate("allgather_into_tensor_coalesced", lambda: all_of(
+            [self._gloo._allgather_base(o, i, gather_opts(opts)) for o, i in
              zip(outputs, inputs, strict=True)], outputs))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
@@ -601,8 +345,8 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                                         inputs: list[torch.Tensor], opts: Any = None
                                         ) -> dist.Work:
         """As :meth:`allgather_into_tensor_coalesced`: one reduce-scatter per tensor."""
-        return self._delegate("reduce_scatter_tensor_coalesced", lambda: _all_of(
-            [self._gloo._reduce_scatter_base(o, i, _scatter_opts(opts)) for o, i in
+        return self._delegate("reduce_scatter_tensor_coalesced", lambda: all_of(
+            [self._gloo._reduce_scatter_base(o, i, scatter_opts(opts)) for o, i in
              zip(outputs, inputs, strict=True)], outputs))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
@@ -658,7 +402,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         self.client.close()
         if self.owns_switch:
             self.owns_switch = False
-            _EMBEDDED.release()
+            EMBEDDED.release()
 
 
 def _switchml_group(group: dist.ProcessGroup | None) -> SwitchMLProcessGroup:
@@ -686,93 +430,8 @@ def dump_flight_records(file: Any = None) -> None:
 
 # -- creation ----------------------------------------------------------------------------------
 
-class _Embedded:
-    """The software switch this process started for its groups, shared and reference-counted.
-
-    Each group whose rank 0 is this process acquires it; the last release stops it after a
-    grace period (peers may still be collecting their last results); a new group within the
-    grace period cancels the stop. It has a random secret, so that nobody else on the machine
-    can create jobs on it; ranks get the secret through the group's store.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.proc: subprocess.Popen[str] | None = None
-        self.address: tuple[str, int] | None = None
-        self.secret: bytes = b""
-        self.users = 0
-        self.timer: threading.Timer | None = None
-
-    def acquire(self) -> tuple[tuple[str, int], bytes]:
-        with self.lock:
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-            if self.proc is None or self.proc.poll() is not None:
-                self._start()
-            self.users += 1
-            assert self.address is not None
-            return self.address, self.secret
-
-    def release(self) -> None:
-        with self.lock:
-            self.users = max(0, self.users - 1)
-            if self.users == 0 and self.proc is not None and self.timer is None:
-                self.timer = threading.Timer(_SWITCH_GRACE_S, self._stop_if_unused)
-                self.timer.daemon = True
-                self.timer.start()
-
-    def _start(self) -> None:
-        secret = secrets.token_hex(32)
-        # ``switchml switch`` in a child process; it announces its address (control.announce)
-        # and its log (warnings) goes on to this process's standard error.
-        child = service.start_switch_process(
-            ["--log-level", "warning", "switch", "--port", "0", "--metrics-port", "0",
-             "--stop-on-stdin-eof"],
-            environ={**os.environ, "SWITCHML_SECRET": secret}, start_timeout_s=_SWITCH_START_S)
-        self.proc, self.secret = child.proc, secret.encode()
-        self.address = child.address
-        atexit.register(self.stop)
-        log.info("started an embedded switch at %s:%d (pid %d)", *self.address, child.proc.pid)
-
-    def _stop_if_unused(self) -> None:
-        with self.lock:
-            if self.users:  # acquired again while the timer was firing
-                return
-            # Decide and detach in one critical section: an acquire() after this starts a
-            # new switch instead of getting the one being stopped.
-            proc, self.proc = self.proc, None
-            self.timer = None
-        self._terminate(proc)
-
-    def stop(self) -> None:
-        """Stop the switch (idempotent); it also exits by itself when this process does."""
-        with self.lock:
-            proc, self.proc = self.proc, None
-            self.timer = None
-            self.users = 0
-        self._terminate(proc)
-
-    @staticmethod
-    def _terminate(proc: subprocess.Popen[str] | None) -> None:
-        service.stop_switch_process(proc)  # it exits on EOF, once quiet (at most 5 s)
-
-
-_EMBEDDED = _Embedded()
 _SIGNAL_INSTALLED = False
 _incarnation = 0  # how many times this process created a default group: keys stay fresh
-
-
-def stop_embedded_switch() -> None:
-    """Stop the switch this process started, if any (idempotent)."""
-    _EMBEDDED.stop()
-
-
-def embedded_switch_pid() -> int | None:
-    """The process id of the switch this process started, if it is running."""
-    proc = _EMBEDDED.proc
-    return proc.pid if proc is not None and proc.poll() is None else None
-
 
 def _resolve_switch(store: dist.Store, rank: int
                     ) -> tuple[tuple[Address, ...], bytes | None, bool]:
@@ -787,43 +446,12 @@ def _resolve_switch(store: dist.Store, rank: int
         return as_addresses(configured), env.secret(), False
     key = f"switchml/{_incarnation}"
     if rank == 0:
-        address, secret = _EMBEDDED.acquire()
+        address, secret = EMBEDDED.acquire()
         store.set(f"{key}/switch", format_address(address))
         store.set(f"{key}/secret", secret)
         return (address,), secret, True
     address = parse_address(store.get(f"{key}/switch").decode(), what="the group's switch")
     return (address,), store.get(f"{key}/secret"), False
-
-
-def release_embedded_switch() -> None:
-    """Release one use of the switch this process started (from :func:`resolve_switch_over_group`
-    returning True); the last release stops it after a grace period."""
-    _EMBEDDED.release()
-
-
-def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
-                              ) -> tuple[tuple[Address, ...], bytes | None, bool]:
-    """Find the switch for a job over any process group (the DDP hooks' groups).
-
-    ``SWITCHML_SWITCH`` (and ``SWITCHML_SECRET``) win; otherwise rank 0 of ``pg`` acquires this
-    process's embedded switch and shares its address and secret with ``broadcast_object_list``
-    over ``pg`` (the backend's own groups use their store instead). A collective: every rank of
-    ``pg`` calls it.
-
-    Returns:
-        (the switch's address or its shards' as a tuple (``as_addresses``), secret, whether
-        this call acquired the embedded switch: then call :func:`release_embedded_switch` once
-        done with it).
-    """
-    configured = env.switch_addresses()
-    if configured is not None:
-        return as_addresses(configured), env.secret(), False
-    box: list[Any] = [None]
-    if rank == 0:
-        box[0] = _EMBEDDED.acquire()
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-    address, secret = box[0]
-    return (tuple(address),), secret, rank == 0  # type: ignore[return-value]
 
 
 def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,
@@ -903,7 +531,7 @@ def _create(store: dist.Store, rank: int, size: int,
             except Exception:  # noqa: BLE001 - best effort; the original error matters
                 pass
         if acquired:
-            _EMBEDDED.release()
+            EMBEDDED.release()
         raise
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch,
                               half_bits=half_bits, quorum=spec.quorum)

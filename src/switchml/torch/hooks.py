@@ -34,11 +34,11 @@ error feedback for SGD-like optimisers; use 32 for the first steps of very sensi
 chunks that fit the smallest MTU of any rank towards the switch, about 256 KiB in flight).
 
 The hooks share the backend's machinery (``switchml.torch.backend``): the switch is found by
-:func:`~switchml.torch.backend.resolve_switch_over_group` (``SWITCHML_SWITCH``, else rank 0's
+:func:`~switchml.torch.embedded.resolve_switch_over_group` (``SWITCHML_SWITCH``, else rank 0's
 embedded switch), the job is sized by :func:`~switchml.torch.backend.job_spec_for_ranks` from
-every rank's :func:`~switchml.torch.backend.local_mtu` (``SWITCHML_MTU``, ``SWITCHML_WINDOW`` and
-``SWITCHML_ELEMENTS_PER_PACKET`` apply), and buckets travel through
-:class:`~switchml.torch.backend.StagedTensor`.
+every rank's :func:`~switchml.transport.sockets.local_mtu` (``SWITCHML_MTU``,
+``SWITCHML_WINDOW`` and ``SWITCHML_ELEMENTS_PER_PACKET`` apply), and buckets travel through
+:class:`~switchml.torch.staging.StagedTensor`.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
@@ -52,17 +52,12 @@ from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
-from switchml.torch.backend import (
-    StagedTensor,
-    SwitchMLProcessGroup,
-    complete_elsewhere,
-    failable_future,
-    job_spec_for_ranks,
-    local_mtu,
-    release_embedded_switch,
-    resolve_switch_over_group,
-)
+from switchml.torch.backend import SwitchMLProcessGroup, job_spec_for_ranks
+from switchml.torch.embedded import release_embedded_switch, resolve_switch_over_group
+from switchml.torch.staging import StagedTensor
+from switchml.torch.works import complete_elsewhere, failable_future
 from switchml.transport.parallel import choose_threads, open_worker
+from switchml.transport.sockets import local_mtu
 
 __all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook",
            "noop_hook", "register_hook", "switchml_hook"]
