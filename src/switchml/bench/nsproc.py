@@ -185,7 +185,7 @@ def ps_server(a: dict[str, Any]) -> None:
     each of n workers; every worker pulls the sum."""
     from switchml.ps.allreduce import sum_server
     # The baseline of the aggregation design, inside the testbed's own namespaces: plain TCP
-    # (the links' TLS cost is measured on its own: experiments/ps_tls_cost.py).
+    # (the links' TLS cost was measured on its own: docs/decisions/0011-ps-tls-cost.md).
     server = sum_server(port=a["port"], workers=a["n"], insecure=True)
     print("ready", flush=True)
     c0 = _cpu()
