@@ -31,8 +31,9 @@ class _Embedded:
 
     Each group whose rank 0 is this process acquires it; the last release stops it after a
     grace period (peers may still be collecting their last results); a new group within the
-    grace period cancels the stop. It has a random secret, so that nobody else on the machine
-    can create jobs on it; ranks get the secret through the group's store.
+    grace period cancels the stop. It has a random secret, so that only whoever can read the
+    group's store can create jobs on it; ranks get the secret through that store, which torch
+    does not authenticate (the store is PyTorch's trust boundary: docs/torch.md).
     """
 
     def __init__(self) -> None:
