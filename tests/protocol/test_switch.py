@@ -518,15 +518,16 @@ BAD_CASES = {
 
 
 def _assert_only_unknown_job_echo(out, case, bad, addr):
-    """Bad datagrams get no answer, except an unknown job: one header-only UNKNOWN_JOB echo to
-    the sender (so a worker notices a restarted switch), never larger than the request; and a
-    member's chunk that disagrees with its round: one MISMATCH to that member."""
+    """Bad datagrams get no answer, except an unknown job, or a live one under another token
+    (the two must look the same to whoever lacks the token): one header-only UNKNOWN_JOB echo
+    to the sender (so a worker notices a restarted switch), never larger than the request; and
+    a member's chunk that disagrees with its round: one MISMATCH to that member."""
     if case == "inconsistent_chunk":
         # To the sender; the round's contributor (rank 0 of job a) is told once, the first time.
         assert out[0].addr == addr and all(o.header.type is MessageType.MISMATCH for o in out)
         assert [o.addr for o in out[1:]] in ([], [("a0", 1000)])
         return
-    if case != "unknown_job":
+    if case not in ("unknown_job", "bad_token"):
         assert out == []
         return
     assert len(out) == 1
@@ -641,12 +642,30 @@ def test_join_with_different_geometry_refused(sw, job2, info):
     assert job2.send(0, [1]) == []
 
 
-def test_join_with_wrong_token_for_existing_job_dropped(sw, job2):
+def _answers(sw, job, token, addr):
+    """What a stranger without the switch's secret gets for a JOIN of ``job`` under
+    ``token``: the CHALLENGE (its type), then, for a JOIN with that cookie and a proof under
+    a wrong secret, the answers' types and the REFUSED's reason."""
+    info = ControlInfo(2, 4, 8)
+    (ch,) = deliver(sw, pack_join(job=job, token=token, rank=0, info=info), addr)
+    out = deliver(sw, join_datagram(job_key(b"not the switch's secret", job, token), job=job,
+                                    token=token, rank=0, seq=0, info=info,
+                                    cookie=unpack_challenge(ch.payload)), addr)
+    return ch.header.type, [o.header.type for o in out], [o.payload.tobytes() for o in out]
+
+
+def test_join_with_wrong_token_for_existing_job_looks_like_an_unknown_job(sw, job2):
+    """A wrong-token JOIN once told live job ids from unused ones (it was dropped unanswered,
+    where an unknown id drew a challenge): a stranger learns nothing now, and the job is
+    untouched."""
     drain_events(sw)
-    hello = pack_join(job=7, token=TOKEN ^ 0xFF, rank=0, info=ControlInfo(2, 4, 8))
-    assert deliver(sw, hello, ("thief", 1)) == []  # not even a challenge
-    assert sw.drops == {"bad_token": 1}
-    assert drain_events(sw) == []
+    live = _answers(sw, 7, TOKEN ^ 0xFF, ("thief", 1))
+    unknown = _answers(sw, 4242, TOKEN ^ 0xFF, ("thief", 1))
+    assert live == unknown
+    assert live[:2] == (MessageType.CHALLENGE, [MessageType.REFUSED])
+    assert sw.drops == {"bad_proof": 2, "refused": 2}
+    assert 4242 not in sw.jobs
+    assert [type(e) for e in drain_events(sw)] == [JobRefused, JobRefused]
     # rank 0 still belongs to its original address
     assert job2.send(0, [1]) == []
     assert_result_to_all(job2, job2.send(1, [1]), [2], seq=0, chunk=0)
@@ -744,7 +763,9 @@ def test_leave_of_all_members_frees_slots(sw):
 
 
 def test_leave_with_wrong_token_or_address_keeps_job(sw, job2):
-    assert leave(sw, 7, TOKEN ^ 1, 0, job2.addrs[0], job2.cookies[0]) == []
+    # Answered as a LEAVE of an unknown job is (LEFT), and nothing changes
+    (o,) = leave(sw, 7, TOKEN ^ 1, 0, job2.addrs[0], job2.cookies[0])
+    assert o.header.type is MessageType.LEFT and o.header.token == TOKEN ^ 1
     assert sw.drops == {"bad_token": 1}
     # Right token, wrong address: acknowledged but the member stays.
     for rank in (0, 1):
@@ -900,11 +921,14 @@ def _check_one(sw: SwitchDataplane, data: bytes, addr) -> None:
         assert delta == 1 and sw.drops[exc.reason] >= 1
         assert out == []
         return
-    # Nothing about the victim job goes out without its token; only senders of this traffic
-    # (members of jobs it can reach) ever receive anything.
+    # Nothing about the victim job goes out without its token: a reply naming its job id only
+    # echoes the sender's own job id and token (as an unknown job's would), never the
+    # victim's token; only senders of this traffic (members of jobs it can reach) ever
+    # receive anything.
     for o in out:
-        assert o.header.job != VICTIM_JOB
-        assert o.header.token != VICTIM_TOKEN
+        if o.header.job == VICTIM_JOB:
+            assert (o.header.job, o.header.token) == (h.job, h.token)
+        assert o.header.token != VICTIM_TOKEN or h.token == VICTIM_TOKEN
         assert o.addr in HOSTILE_ADDRS
     if h.type is not MessageType.REQUEST or delta == 1:
         # Control replies and WAITING: to the sender. A refused chunk (MISMATCH) is also told
@@ -1086,3 +1110,15 @@ def test_operation_digest_must_match_and_is_echoed_in_the_result(sw, job2):
     out = job2.send(1, [2, 2], digest=0x11)  # the agreeing chunk still completes the round
     h = assert_result_to_all(job2, out, [3, 3], seq=0, chunk=0)
     assert h.digest == 0x11
+
+
+def test_a_secret_holders_join_under_another_token_is_told_the_id_is_taken():
+    """Whoever holds the switch's secret may create jobs: a JOIN it proves for a live job id
+    under another token is refused, saying so (it needs another id), and the job is kept."""
+    secret = b"s" * 32
+    sw = SwitchDataplane(SwitchConfig(pool_slots=64, secret=secret))
+    join(sw, 7, TOKEN, 0, ControlInfo(2, 4, 8), ("a0", 1000), secret=secret)
+    (o,) = join(sw, 7, TOKEN ^ 1, 0, ControlInfo(2, 4, 8), ("b0", 1000), secret=secret)
+    assert o.header.type is MessageType.REFUSED
+    assert "job 7 is in use with another token" in o.payload.tobytes().decode()
+    assert sw.jobs[7].num_workers == 2 and sw.drops == {"refused": 1}

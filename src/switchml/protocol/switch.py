@@ -696,7 +696,10 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
             self._unknown_job(f, addr)
             return None
         if token != job.token:
+            # Answered as an unknown job is: to whoever does not hold the token, a live job
+            # id and an unused one look the same.
             self._drops["bad_token"] += 1
+            self._unknown_job(f, addr)
             return None
         if rank >= job.num_workers:
             self._drops["bad_rank"] += 1

@@ -90,11 +90,11 @@ class SwitchControl:
             self._drops[exc.reason] += 1
             return
         job = self._jobs.get(h.job)
-        if job is not None and h.token != job.token:
-            self._drops["bad_token"] += 1
+        if cookie == NO_COOKIE:  # whatever the token: a live job id and an unused one look
+            self._challenge(h, addr, now)  # the same to whoever does not hold the token
             return
-        if cookie == NO_COOKIE:
-            self._challenge(h, addr, now)
+        if job is not None and h.token != job.token:
+            self._wrong_token_join(h, asked, cookie, proof, addr, now)
             return
         key = self._verify_join(h, job, asked, cookie, proof, addr, now)
         if key is None:
@@ -141,6 +141,16 @@ class SwitchControl:
                             "(unset SWITCHML_SECRET)"))
             return None
         return key
+
+    def _wrong_token_join(self, h: Header, asked: ControlInfo, cookie: bytes, proof: bytes,
+                          addr: Address, now: float) -> None:
+        """A JOIN with a cookie for a live job id but another token: checked, and counted,
+        as a JOIN that would create the job. Without the switch's secret its proof fails, and
+        the answer is an unknown job's; with it, the job id is taken, and the REFUSED says so
+        (a holder of the secret may create jobs, and needs another id)."""
+        if self._verify_join(h, None, asked, cookie, proof, addr, now) is not None:
+            self._refuse(h, addr, f"job {h.job} is in use with another token (draw a new "
+                         "job id)")
 
     def _join_member(self, h: Header, job: Job, asked: ControlInfo, cookie: bytes,
                      addr: Address, now: float) -> None:
@@ -252,10 +262,9 @@ class SwitchControl:
             self._drops[exc.reason] += 1
             return
         job = self._jobs.get(h.job)
-        if job is not None:
-            if h.token != job.token:
-                self._drops["bad_token"] += 1
-                return
+        if job is not None and h.token != job.token:
+            self._drops["bad_token"] += 1  # answered as for an unknown job, changing nothing
+        elif job is not None:
             if h.rank < job.num_workers and job.members[h.rank] == addr:
                 cookie = job.cookies[h.rank]
                 if cookie is None or not hmac.compare_digest(proof, leave_proof(
@@ -279,7 +288,11 @@ class SwitchControl:
             self._drops["unknown_job"] += 1
             self._unknown_job(HEADER.unpack_from(data), addr)
             return
-        if h.token != job.token or h.rank >= job.num_workers:
+        if h.token != job.token:  # answered as an unknown job is (no live-job oracle)
+            self._drops["bad_keepalive"] += 1
+            self._unknown_job(HEADER.unpack_from(data), addr)
+            return
+        if h.rank >= job.num_workers:
             self._drops["bad_keepalive"] += 1
             return
         member = job.members[h.rank]
