@@ -58,24 +58,14 @@ def _flat(model: nn.Module) -> np.ndarray:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
 
 
-def _run_dcs(make_outer, steps: int, inner_steps: int, outer_lr: float, momentum: float,
-             lr: float = 0.1) -> list[np.ndarray]:
-    """Every data centre (a thread) trains its batches with DiLoCo; their final params."""
-    models = [_model() for _ in range(DCS)]
-    out: dict[int, np.ndarray] = {}
+def _each_dc(train) -> None:
+    """``train(d)`` for every data centre, each in a thread of its own (their outer
+    all-reduces meet); re-raises what any of them raised."""
     errors: list[BaseException] = []
 
     def dc(d: int) -> None:
         try:
-            diloco = DiLoCo(models[d], outer=make_outer(d), dcs=DCS, inner_steps=inner_steps,
-                            outer_lr=outer_lr, outer_momentum=momentum)
-            opt = torch.optim.SGD(models[d].parameters(), lr=lr)
-            for x, y in _batches(d, steps):
-                opt.zero_grad()
-                nn.functional.cross_entropy(models[d](x), y).backward()
-                opt.step()
-                diloco.after_step()
-            out[d] = _flat(models[d])
+            train(d)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -85,6 +75,26 @@ def _run_dcs(make_outer, steps: int, inner_steps: int, outer_lr: float, momentum
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
+
+
+def _run_dcs(make_outer, steps: int, inner_steps: int, outer_lr: float, momentum: float,
+             lr: float = 0.1) -> list[np.ndarray]:
+    """Every data centre (a thread) trains its batches with DiLoCo; their final params."""
+    models = [_model() for _ in range(DCS)]
+    out: dict[int, np.ndarray] = {}
+
+    def train(d: int) -> None:
+        diloco = DiLoCo(models[d], outer=make_outer(d), dcs=DCS, inner_steps=inner_steps,
+                        outer_lr=outer_lr, outer_momentum=momentum)
+        opt = torch.optim.SGD(models[d].parameters(), lr=lr)
+        for x, y in _batches(d, steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(models[d](x), y).backward()
+            opt.step()
+            diloco.after_step()
+        out[d] = _flat(models[d])
+
+    _each_dc(train)
     return [out[d] for d in range(DCS)]
 
 
@@ -200,25 +210,16 @@ def _table_step(model: nn.Module, opt: torch.optim.Optimizer, row: int) -> None:
 
 def _run_tables(make_outer, **kw) -> list[_Table]:
     models = [_Table() for _ in range(DCS)]
-    errors: list[BaseException] = []
 
-    def dc(d: int) -> None:
-        try:
-            diloco = DiLoCo(models[d], outer=make_outer(d), dcs=DCS, inner_steps=4,
-                            outer_lr=1.0, outer_momentum=0.0, **kw)
-            opt = torch.optim.SGD(models[d].parameters(), lr=0.1)
-            for row in ROWS[d]:
-                _table_step(models[d], opt, row)
-                diloco.after_step()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def train(d: int) -> None:
+        diloco = DiLoCo(models[d], outer=make_outer(d), dcs=DCS, inner_steps=4, outer_lr=1.0,
+                        outer_momentum=0.0, **kw)
+        opt = torch.optim.SGD(models[d].parameters(), lr=0.1)
+        for row in ROWS[d]:
+            _table_step(models[d], opt, row)
+            diloco.after_step()
 
-    threads = [threading.Thread(target=dc, args=(d,)) for d in range(DCS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    _each_dc(train)
     return models
 
 
