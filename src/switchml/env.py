@@ -11,6 +11,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 |---|---|
 | ``SWITCHML_SWITCH`` | ``HOST:PORT`` of the switch (comma-separated: a sharded switch) |
 | ``SWITCHML_SECRET`` | the switch's secret: JOIN and LEAVE are proven with a key derived from it |
+| ``SWITCHML_JOB_KEY`` | one job's key instead (``switchml job-key``; ``WorkerConfig.job_key``) |
 | ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
@@ -34,6 +35,7 @@ import os
 from typing import TYPE_CHECKING
 
 from switchml.protocol.address import Address, parse_addresses
+from switchml.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from switchml.links import LinkSecurity
@@ -94,6 +96,24 @@ def secret() -> bytes | None:
     """``SWITCHML_SECRET``, as bytes."""
     value = _get("SWITCHML_SECRET")
     return value.encode() if value is not None else None
+
+
+def job_key() -> bytes | None:
+    """``SWITCHML_JOB_KEY``: one job's key (``switchml job-key``), as bytes.
+
+    Raises:
+        ConfigError: it is not 64 hex digits.
+    """
+    value = _get("SWITCHML_JOB_KEY")
+    if value is None:
+        return None
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigError("SWITCHML_JOB_KEY must be the 64 hex digits `switchml job-key` prints")
+    return key
 
 
 def link_security() -> LinkSecurity | None:

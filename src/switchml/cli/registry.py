@@ -28,6 +28,7 @@ COMMANDS: Mapping[str, str] = {
     "ps": "switchml.cli.ps",
     "sim": "switchml.cli.sim",
     "tls": "switchml.cli.tls",
+    "job-key": "switchml.cli.jobkey",
 }
 """``switchml COMMAND``: the module of each command."""
 

@@ -236,6 +236,12 @@ class WorkerConfig:
     secret: bytes | None = None
     """The switch's secret (``SwitchConfig.secret``): the job key that proves this rank's
     JOIN and LEAVE is derived from it (``auth.job_key``). None for an open switch."""
+    job_key: bytes | None = None
+    """This job's key, in place of ``secret`` (``auth.job_key`` of the switch's secret and the
+    job's id and token; ``switchml job-key`` prints it): a worker that holds only this can
+    create and join this job and no other, and its job holds at most the switch's
+    ``max_window`` slots, so a tenant's workers need not hold the switch-wide secret. One job
+    only: a rank on several I/O threads (a job per thread) needs the secret."""
     fast_retransmit: bool = False
     """Re-send a chunk as soon as a chunk sent later has its result (RACK, RFC 8985), instead of
     waiting for its timeout; the reorder window widens when a re-send proves spurious (a
@@ -296,5 +302,10 @@ class WorkerConfig:
                f"threads must be None or an integer in 1..{MAX_THREADS}, got {self.threads!r}")
         _check(isinstance(self.quorum_keep_bytes, int) and self.quorum_keep_bytes >= 0,
                f"quorum_keep_bytes must be an integer >= 0, got {self.quorum_keep_bytes!r}")
+        _check(self.job_key is None or (isinstance(self.job_key, bytes)
+                                        and len(self.job_key) == 32),
+               "job_key must be the 32 bytes `switchml job-key` prints (as hex)")
+        _check(self.job_key is None or self.secret is None,
+               "give either the switch's secret or a job key, not both")
         _check(self.leave_timeout_s > 0, f"leave_timeout_s must be > 0, got "
                f"{self.leave_timeout_s}")

@@ -133,7 +133,8 @@ class WorkerEndpoint(WorkerControl):
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
         self.config = config or WorkerConfig()
-        self._key = job_key(self.config.secret, spec.job_id, spec.token)
+        self._key = (self.config.job_key if self.config.job_key is not None
+                     else job_key(self.config.secret, spec.job_id, spec.token))
         self.state = WorkerState.NEW
         self.error: str | None = None
         self._seq = 0

@@ -29,7 +29,7 @@ import numpy as np
 from switchml.costs import load as load_costs
 from switchml.protocol.address import Address, as_addresses
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.errors import LocalProtocolError
+from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.parts import MAX_THREADS, check_threads, part_specs, split
 from switchml.protocol.session import prepare_submission
 from switchml.protocol.wire import elements_for_mtu
@@ -94,9 +94,9 @@ def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | N
     towards the switch (:func:`link_speed_bps`) runs at line rate, at ``ns_per_element`` per
     element sent and received (default: this machine's calibration, ``costs.load``, with
     1500-byte datagrams), and no more than this machine's ``cores`` (default: those this
-    process may run on) shared over its ``local_ranks``. Loopback, virtual interfaces and
-    unknown rates get one thread. ``rate_bps`` gives the link's rate instead of asking the
-    interface.
+    process may run on) shared over its ``local_ranks``. Loopback, virtual interfaces,
+    unknown rates and a config with a ``job_key`` get one thread. ``rate_bps`` gives the
+    link's rate instead of asking the interface.
 
     Raises:
         ConfigError: a requested count outside 1..MAX_THREADS.
@@ -105,6 +105,8 @@ def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | N
         if chosen is not None:
             check_threads(chosen)
             return chosen
+    if config is not None and config.job_key is not None:
+        return 1  # a job key proves one job, and threads make a job each
     if rate_bps is None:
         rates = [r for r in (link_speed_bps(a) for a in as_addresses(switch)) if r]
         rate_bps = max(rates) if rates else None
@@ -151,6 +153,10 @@ class ParallelClient:
     def __init__(self, switch: Address | Sequence[Address], spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, threads: int, **kwargs: Any) -> None:
         self.spec, self.rank, self.threads = spec, rank, threads
+        if threads > 1 and config is not None and config.job_key is not None:
+            raise ConfigError(f"threads={threads} makes a job per thread on the switch, and a "
+                              "job key proves one job: give the switch's secret instead, or "
+                              "use one thread")
         self.part_specs = part_specs(spec, threads)
         self.parts: list[WorkerClient] = []
         self._lock = threading.Lock()  # one operation's pieces queue in order on every part
