@@ -378,6 +378,10 @@ def run_geo_bench(cfg: GeoBenchConfig, progress: Any = None) -> list[dict[str, A
     from dataclasses import replace
 
     from switchml.testbed import GeoTestbed, GeoTopology, LinkSpec
+    if "torchft" in cfg.modes:
+        from switchml.bench.geo_torchft import available
+        if (missing := available()) is not None:
+            raise ValueError(f"mode torchft: {missing}")
     lan_link = LinkSpec(bandwidth_bps=cfg.lan_bps)
     rows = []
     for mode in cfg.modes:

@@ -16,12 +16,22 @@ router namespace; each data centre's store is a ``TCPStore`` served by its first
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from typing import Any
 
 LIGHTHOUSE_PORT = 29510
 STORE_PORT = 29520
+
+
+def lighthouse_path() -> str | None:
+    """``torchft_lighthouse``: on PATH, or beside this Python (a virtual environment's
+    scripts, when it is not activated)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    return shutil.which("torchft_lighthouse") or (beside if os.access(beside, os.X_OK)
+                                                  else None)
 
 
 def available() -> str | None:
@@ -30,7 +40,7 @@ def available() -> str | None:
         import torchft  # noqa: F401
     except ImportError as exc:
         return f"torchft is not installed ({exc}); pip install torchft==0.2.0"
-    if shutil.which("torchft_lighthouse") is None:
+    if lighthouse_path() is None:
         return "torchft_lighthouse is not on PATH (it comes with the torchft wheel)"
     return None
 
@@ -38,7 +48,7 @@ def available() -> str | None:
 def start_lighthouse(tb: Any, replicas: int) -> subprocess.Popen[Any]:
     """torchft's lighthouse in data centre 0's router, waiting for ``replicas`` replica groups
     (quorums are issued only when all of them are there: no data centre is ever left out)."""
-    return tb.popen(tb.dc_ns(0), [shutil.which("torchft_lighthouse") or "torchft_lighthouse",
+    return tb.popen(tb.dc_ns(0), [lighthouse_path() or "torchft_lighthouse",
                                   "--bind", f"0.0.0.0:{LIGHTHOUSE_PORT}",
                                   "--min_replicas", str(replicas),
                                   "--join_timeout_ms", "60000"],
