@@ -8,8 +8,9 @@ Every way this package starts a switch goes through here:
 - the PyTorch backend's embedded switch is ``switchml switch`` in a child process, started by
   :func:`start_switch_process`, which waits for the child's listening line
   (:mod:`switchml.control.announce`: a structured line, parsed, never matched as free text);
-- the benchmarks' :class:`switchml.bench.switchproc.SwitchProcess` builds its server with
-  :func:`build_server`.
+- the benchmarks' :class:`switchml.bench.switchproc.SwitchProcess`, and the testbed's switches
+  and rack switches (:mod:`switchml.bench.nsproc`, which announce themselves with the
+  command's listening line), build their servers with :func:`build_server`.
 
 A switch in the foreground serves until its stop event is set: by SIGINT/SIGTERM (the
 command's handlers), by a shard that died (the supervisor), or, with ``stop_on_stdin_eof``, once

@@ -41,3 +41,18 @@ def test_the_deadline_kills_everything(start):
     with pytest.raises(TestbedError, match="did not finish in 1 s"):
         _wait_all(procs, timeout_s=1)
     assert all(p.wait(timeout=5) is not None for p in procs)
+
+
+def test_a_testbed_server_is_ready_by_its_listening_line_or_ready_and_not_otherwise(start):
+    """A switch says it listens with ``switchml switch``'s line (``control.announce``, the
+    launchers' one contract); other servers say ``ready``; anything else is a failure."""
+    from switchml.bench.testbed import _expect_ready
+    for line in ("switchml switch listening on udp 0.0.0.0:48864", "ready"):
+        proc = start(f"print({line!r}); import time; time.sleep(0.2)")
+        assert _expect_ready(proc, "no", timeout_s=10) is proc
+        proc.wait(5)
+    for line in ("listening", "switchml switch listening on udp nowhere"):
+        proc = start(f"print({line!r})")
+        with pytest.raises(TestbedError, match="did not start"):
+            _expect_ready(proc, "the switch did not start", timeout_s=10)
+        proc.wait(5)

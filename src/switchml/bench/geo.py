@@ -212,11 +212,11 @@ def _worker_env(tb: Any, r: int, switched: bool) -> dict[str, str]:
 def _start_dc_switches(tb: Any, switches: list[Any]) -> None:
     """One software switch in every data centre's router, appended to ``switches`` as each
     starts (so that the caller stops those that did if a later one does not)."""
-    from switchml.bench.testbed import SWITCH_PORT, _start_server
+    from switchml.bench.testbed import SWITCH_PORT, start_switch
     for j in range(len(tb.geo.dcs)):
-        switches.append(_start_server(tb, tb.dc_ns(j), "switch", {"port": SWITCH_PORT},
-                                      f"the switch of data centre {j} did not start", 120,
-                                      RuntimeError))
+        switches.append(start_switch(tb, tb.dc_ns(j), SWITCH_PORT,
+                                     f"the switch of data centre {j} did not start", 120,
+                                     RuntimeError))
 
 
 def _stop_switches(switches: list[Any]) -> None:

@@ -1,10 +1,11 @@
 """Process bodies for testbed benchmarks, started inside namespaces as
 ``python -m switchml.bench.nsproc ROLE JSON``. Each prints one JSON line with its figures.
 
-Roles: ``switch`` (prints ``ready``, serves until stdin closes, then prints its counters and
-CPU), ``switchml`` / ``gloo`` / ``ps`` (a worker: warm-up, then timed all-reduces), and
-``ps-server`` (a TensorFlow-style parameter server: workers push their vector over TCP, it sums
-and every worker pulls the sum).
+Roles: ``switch`` and ``rack`` (built by ``service.build_server``, as ``switchml switch``
+builds one; they print the command's listening line, ``control.announce``, serve until stdin
+closes, then print their counters and CPU), ``switchml`` / ``gloo`` / ``ps`` (a worker:
+warm-up, then timed all-reduces), and ``ps-server`` (a TensorFlow-style parameter server:
+workers push their vector over TCP, it sums and every worker pulls the sum).
 """
 
 from __future__ import annotations
@@ -59,17 +60,25 @@ def init_group(backend: str, master: str, port: int, rank: int, world: int,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _switch_spec(a: dict[str, Any]) -> Any:
+    """The ``switchml switch`` options of a testbed switch: every address of its namespace (no
+    secret: the testbed's namespaces are its own), no metrics endpoint."""
+    from switchml.service import SwitchSpec
+    return SwitchSpec(host="0.0.0.0", port=a["port"], nack_gap=a.get("nack_gap", 4),
+                      batching=env.batching(), insecure=True, metrics_port=0)
+
+
 def switch(a: dict[str, Any]) -> None:
-    from switchml.protocol.config import SwitchConfig
-    from switchml.transport.udp import SwitchServer
+    """A switch, built as ``switchml switch`` builds one (``service.build_server``), that
+    announces itself with the command's listening line and serves until stdin closes."""
+    from switchml.control.announce import announce
+    from switchml.service import build_server
     if a.get("nice"):  # before any thread starts: every thread inherits it
         os.nice(a["nice"])
-    server = SwitchServer(host="0.0.0.0", port=a["port"],  # (in the testbed's namespace)
-                          config=SwitchConfig(nack_gap=a.get("nack_gap", 4)),
-                          batching=env.batching(), insecure=True)
+    server = build_server(_switch_spec(a), secret=None)
     server.start()
     c0 = _cpu()
-    print("ready", flush=True)
+    announce(server.address)
     sys.stdin.read()
     stats = server.stats()
     server.stop()
@@ -83,17 +92,17 @@ def switch(a: dict[str, Any]) -> None:
 def rack(a: dict[str, Any]) -> None:
     """A rack switch of a hierarchical job (``switchml switch --upstream``) for one job."""
     from switchml.control import decode_job_spec
+    from switchml.control.announce import announce
     from switchml.protocol.tree import RackAggregator, tree_specs
-    from switchml.transport.udp import SwitchServer
+    from switchml.service import build_server
     parent, child = tree_specs(decode_job_spec(a["spec"]), a["racks"])
     agg = RackAggregator(parent_spec=parent, child_spec=child, rack=a["rack"],
                          parent_address=(a["upstream"], a["upstream_port"]))
-    server = SwitchServer(host="0.0.0.0", port=a["port"], dataplane=agg,
-                          batching=env.batching(), insecure=True)  # (in a namespace)
+    server = build_server(_switch_spec(a), secret=None, rack=agg)
     server.start()
     server.run_command(agg.join)
     c0 = _cpu()
-    print("ready", flush=True)
+    announce(server.address)
     sys.stdin.read()
     stats = server.stats()
     server.stop()

@@ -40,7 +40,7 @@ from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 log = logging.getLogger(__name__)
 
 __all__ = ["C10D_ABORT", "DEFAULT_MTU", "TestbedBenchConfig", "elements_for_mtu",
-           "once_more_if_torch_aborted", "run_testbed_allreduce"]
+           "once_more_if_torch_aborted", "run_testbed_allreduce", "start_switch"]
 
 SWITCH_PORT = 48864
 SYSTEMS = ("switchml", "gloo", "ps", "floor")
@@ -201,11 +201,26 @@ def _start_server(tb: Testbed, ns: str, role: str, args: dict[str, Any], failure
     return _expect_ready(proc, failure, timeout_s, error)
 
 
+def start_switch(tb: Testbed, ns: str, port: int, failure: str, timeout_s: float = 60.0,
+                 error: type[Exception] = TestbedError) -> subprocess.Popen[str]:
+    """A testbed switch in namespace ``ns`` on ``port`` (``nsproc``'s ``switch`` role, built
+    as ``switchml switch`` builds one), once it listens; it stops when its stdin closes."""
+    return _start_server(tb, ns, "switch", {"port": port}, failure, timeout_s, error)
+
+
 def _expect_ready(proc: subprocess.Popen[str], failure: str, timeout_s: float = 60.0,
                   error: type[Exception] = TestbedError) -> subprocess.Popen[str]:
-    """``proc``, once its first line is ``ready``; ``error(failure)`` if it is not in time."""
-    if _read_line(proc, timeout_s).strip() != "ready":
-        raise error(failure)
+    """``proc``, once its first line says it is ready: a switch's listening line
+    (``control.announce``, parsed), another server's ``ready``; ``error(failure)`` if it is
+    not in time."""
+    from switchml.control.announce import parse_listening
+    line = _read_line(proc, timeout_s)
+    try:
+        ready = line.strip() == "ready" or parse_listening(line) is not None
+    except ValueError:  # a listening line with no address in it
+        ready = False
+    if not ready:
+        raise error(f"{failure} (its first line: {line.strip()[:200]!r})")
     return proc
 
 
