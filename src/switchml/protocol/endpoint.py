@@ -31,12 +31,11 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from switchml.protocol.address import Address
+from switchml.protocol.wire import Datagram
 
 __all__ = ["Batch", "Datagram", "Endpoint", "Transmit", "deliver_datagrams", "exchange",
            "flatten_runs"]
 
-Datagram = bytes | bytearray | memoryview
-"""What an endpoint takes and returns: bytes, or a view of a buffer."""
 
 
 class Batch(NamedTuple):

@@ -63,6 +63,7 @@ from switchml.protocol.wire import (
     MAGIC,
     VERSION,
     ControlInfo,
+    Datagram,
     ElementType,
     Field,
     MessageType,
@@ -174,7 +175,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
 
     # -- Endpoint contract -------------------------------------------------------------------
 
-    def receive_datagram(self, data: bytes | bytearray | memoryview | np.ndarray, addr: Address,
+    def receive_datagram(self, data: Datagram | np.ndarray, addr: Address,
                          now: float) -> None:
         """Process one datagram. Call ``datagrams_to_send`` afterwards: results are views of
         slot memory, valid until the next receive. Never raises for peer input: bad

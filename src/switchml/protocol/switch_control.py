@@ -23,6 +23,7 @@ from switchml.protocol.wire import (
     HEADER,
     NO_COOKIE,
     ControlInfo,
+    Datagram,
     ElementType,
     Header,
     MessageType,
@@ -73,7 +74,7 @@ class SwitchControl:
                        count=len(payload), elem=ElementType.BYTES)
         self._out.append((pack_header(reply) + payload, addr))
 
-    def _handle_join(self, h: Header, data: bytes | bytearray | memoryview, addr: Address,
+    def _handle_join(self, h: Header, data: Datagram, addr: Address,
                      now: float) -> None:
         """JOIN creates the job on first use (same token and geometry for every rank after),
         refreshes its lease (as KEEPALIVE does for idle workers), and carries in ``seq`` the
@@ -250,7 +251,7 @@ class SwitchControl:
                                        job.elements_per_packet))
         return job
 
-    def _handle_leave(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_leave(self, h: Header, data: Datagram,
                       addr: Address, now: float) -> None:
         """A member leaves, if its LEAVE comes from its address and proves the cookie its
         membership began with (else ``bad_leave``, and nothing changes); the job and its
@@ -280,7 +281,7 @@ class SwitchControl:
                        chunk=self.config.shard_index)
         self._out.append((pack_header(reply), addr))
 
-    def _handle_keepalive(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_keepalive(self, h: Header, data: Datagram,
                           addr: Address, now: float) -> None:
         """Renew the lease of a member's job; an unknown job is answered with UNKNOWN_JOB."""
         job = self._jobs.get(h.job)

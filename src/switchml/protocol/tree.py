@@ -62,6 +62,7 @@ from switchml.protocol.wire import (
     HEADER,
     NO_COOKIE,
     ControlInfo,
+    Datagram,
     Field,
     Flags,
     Header,
@@ -252,7 +253,7 @@ class RackAggregator:
 
     # -- Endpoint contract --------------------------------------------------------------------
 
-    def receive_datagram(self, data: bytes | bytearray | memoryview, addr: Address,
+    def receive_datagram(self, data: Datagram, addr: Address,
                          now: float) -> None:
         """Process one datagram (from the parent or a child). Call ``datagrams_to_send``."""
         if addr != self.parent_address:
@@ -460,7 +461,7 @@ class RackAggregator:
             for run in runs:
                 run.append(d)
 
-    def _from_parent_other(self, data: bytes | bytearray | memoryview, now: float) -> None:
+    def _from_parent_other(self, data: Datagram, now: float) -> None:
         try:
             h = unpack_header(data)
         except WireError:
@@ -472,17 +473,17 @@ class RackAggregator:
         if handler is not None:
             handler(h, data, now)
 
-    def _handle_stray_result(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_stray_result(self, h: Header, data: Datagram,
                              now: float) -> None:
         """A RESULT the relay kernel did not take (malformed for it): counted."""
         self._cnt[KR.RC.PARENT_DUPLICATES] += 1
 
-    def _handle_waiting(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_waiting(self, h: Header, data: Datagram,
                         now: float) -> None:
         bitmap = int.from_bytes(bytes(unpack_payload(data, h)), "little")
         self._waiting_for = [r for r in range(self.parent_spec.num_workers) if bitmap >> r & 1]
 
-    def _handle_nack(self, h: Header, data: bytes | bytearray | memoryview, now: float) -> None:
+    def _handle_nack(self, h: Header, data: Datagram, now: float) -> None:
         """The parent lacks a chunk of ours on that lane: re-send what is outstanding there."""
         if self.parent_slot_base is None:
             return
@@ -494,7 +495,7 @@ class RackAggregator:
             if self._ust[KR.U.STATE, v, lane] == KR.SENT:
                 self._resend(v, lane)
 
-    def _handle_challenge(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_challenge(self, h: Header, data: Datagram,
                           now: float) -> None:
         if self._join_at is None or h.rank != self.rack:
             return
@@ -504,7 +505,7 @@ class RackAggregator:
             return
         self._send_join(now, cookie)
 
-    def _handle_joined(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_joined(self, h: Header, data: Datagram,
                        now: float) -> None:
         if self._join_at is None:
             return
@@ -522,19 +523,19 @@ class RackAggregator:
             if job_bufs is not None:
                 self._send_up(done, len(done), job_bufs, now)
 
-    def _handle_refused(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_refused(self, h: Header, data: Datagram,
                         now: float) -> None:
         reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
         self._join_at = None
         self._fail(f"rack {self.rack}: parent switch at {self._parent_text} refused JOIN: "
                    f"{reason}")
 
-    def _handle_unknown_job(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_unknown_job(self, h: Header, data: Datagram,
                             now: float) -> None:
         self._fail(f"rack {self.rack}: the parent switch at {self._parent_text} lost job "
                    f"{self.parent_spec.job_id} (restarted?); the tree cannot continue")
 
-    def _handle_mismatch(self, h: Header, data: bytes | bytearray | memoryview,
+    def _handle_mismatch(self, h: Header, data: Datagram,
                          now: float) -> None:
         self._fail(f"rack {self.rack}: the parent switch at {self._parent_text} reports that "
                    f"the racks disagree about chunk {h.chunk} of operation {h.seq}")

@@ -21,7 +21,12 @@ import numpy as np
 
 from switchml.protocol.errors import WireError
 
+Datagram = bytes | bytearray | memoryview
+"""A datagram's bytes as endpoints take and return them: bytes, or a view of a buffer (one
+name for the type, in the lowest layer; ``endpoint.Datagram`` is this)."""
+
 __all__ = [
+    "Datagram",
     "AT",
     "EXP_ZERO",
     "HEADER",
@@ -243,7 +248,7 @@ def pack_header(h: Header) -> bytes:
     )
 
 
-def unpack_header(data: bytes | bytearray | memoryview) -> Header:
+def unpack_header(data: Datagram) -> Header:
     """Decode and validate the header of a whole datagram.
 
     Raises:
@@ -283,7 +288,7 @@ MAX_TRAILER = (1 << 16) // 8
 """The longest contributor bitmap a RESULT may carry (ranks are 16-bit)."""
 
 
-def contributors(data: bytes | bytearray | memoryview, header: Header) -> int | None:
+def contributors(data: Datagram, header: Header) -> int | None:
     """The bitmap (bit r: rank r) of the ranks a quorum job's RESULT holds, or None for a
     result of a job without a quorum (it holds every rank)."""
     if not header.flags & Flags.CONTRIBUTORS:
@@ -291,7 +296,7 @@ def contributors(data: bytes | bytearray | memoryview, header: Header) -> int | 
     return int.from_bytes(bytes(data[HEADER_SIZE + header.payload_bytes:]), "little")
 
 
-def unpack_payload(data: bytes | bytearray | memoryview, header: Header) -> np.ndarray:
+def unpack_payload(data: Datagram, header: Header) -> np.ndarray:
     """Return the payload as a read-only numpy view (int32 or uint8), without a copy."""
     dtype = {ElementType.INT32: np.dtype("<i4"), ElementType.INT16: np.dtype("<i2")}.get(
         header.elem, np.dtype(np.uint8))

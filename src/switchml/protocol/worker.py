@@ -57,6 +57,7 @@ from switchml.protocol.wire import (
     MAGIC,
     RESULT_FLAGS,
     VERSION,
+    Datagram,
     Flags,
     Header,
     MessageType,
@@ -88,8 +89,7 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("results_left_out", K.WC.LEFT_OUT), ("blocks_clamped", K.WC.CLAMPED))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
-_Data = bytes | bytearray | memoryview
-_Run = tuple[list[_Data], int, Address]
+_Run = tuple[list[Datagram], int, Address]
 """A GSO run: buffers whose bytes are datagrams of ``size`` bytes, and their destination."""
 RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes", "idle_probes",
                      "nacks_ignored", "waiting_received")
@@ -147,7 +147,7 @@ class WorkerEndpoint(WorkerControl):
         self._ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._ahead_bytes = 0
         self._feeding = False  # (``_feed_kept`` runs the receive path itself)
-        self._out: list[tuple[_Data, Address]] = []
+        self._out: list[tuple[Datagram, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
         self._next_set = np.zeros(spec.window, np.int64)  # per lane, kept across operations
@@ -312,7 +312,7 @@ class WorkerEndpoint(WorkerControl):
 
     # -- Endpoint contract -------------------------------------------------------------------
 
-    def receive_datagram(self, data: _Data, addr: Address, now: float) -> None:
+    def receive_datagram(self, data: Datagram, addr: Address, now: float) -> None:
         """Process one datagram from the switch. Call ``datagrams_to_send`` afterwards.
         Anything from another address is dropped (counted ``foreign_sender``): a result that
         carries the job's token is still only the switch's to give."""
@@ -385,7 +385,7 @@ class WorkerEndpoint(WorkerControl):
             return self._keepalive_at
         return None
 
-    def datagrams_to_send(self, now: float) -> list[tuple[_Data, Address]]:
+    def datagrams_to_send(self, now: float) -> list[tuple[Datagram, Address]]:
         """Return and forget the datagrams to send, in order. Requests are views of the lanes'
         transmit buffers, valid until the next receive call."""
         if self._op is not None and self._op.opv[K.OP.NQ]:
@@ -408,7 +408,7 @@ class WorkerEndpoint(WorkerControl):
         out, runs = self._runs_to_send(now, max_segments=gso[0], max_bytes=gso[1])
         return Transmit(out, {}, runs)
 
-    def _control_to_send(self) -> list[tuple[_Data, Address]]:
+    def _control_to_send(self) -> list[tuple[Datagram, Address]]:
         """Return and forget the datagrams queued out of the way (control messages, lanes
         spilled from a full queue), but not the operation's queued requests: for a transport
         whose compiled loop sends those (``transport/fastpath.py``), after these."""
@@ -418,7 +418,7 @@ class WorkerEndpoint(WorkerControl):
         return out
 
     def _runs_to_send(self, now: float, *, max_segments: int, max_bytes: int
-                      ) -> tuple[list[tuple[_Data, Address]], list[_Run]]:
+                      ) -> tuple[list[tuple[Datagram, Address]], list[_Run]]:
         """:meth:`datagrams_to_send` for a transport with UDP GSO: ``(datagrams, runs)``.
 
         ``datagrams`` (control messages, and anything queued out of the way) go first, one
@@ -445,7 +445,7 @@ class WorkerEndpoint(WorkerControl):
             if contiguous:
                 start = int(sendq[order[first]]) * stride
                 end = start + (count - 1) * stride + int(sendlen[sendq[order[first + count - 1]]])
-                bufs: list[_Data] = [op.txflat[start:end]]
+                bufs: list[Datagram] = [op.txflat[start:end]]
             else:
                 bufs = [op.datagram(i) for i in sendq[order[first:first + count]].tolist()]
             runs.append((bufs, size, shards[shard]))
@@ -581,7 +581,7 @@ class WorkerEndpoint(WorkerControl):
         elif code == K.WS.OP_COMPLETE:
             self._complete(op, now)
 
-    def _receive_other(self, data: _Data, now: float) -> None:
+    def _receive_other(self, data: Datagram, now: float) -> None:
         """Any datagram but a result of the operation in flight (control, errors, strays)."""
         try:
             h = unpack_header(data)
@@ -616,7 +616,7 @@ class WorkerEndpoint(WorkerControl):
             return None
         return op
 
-    def _handle_stray_result(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_stray_result(self, h: Header, data: Datagram, now: float) -> None:
         """A result while no operation is in flight, or one the kernel did not take: in a
         quorum job, one of an operation this rank has not started yet is kept for it (the
         others went on without this rank: ``_take_ahead``); anything else is stale."""
@@ -686,7 +686,7 @@ class WorkerEndpoint(WorkerControl):
                 (blob, starts[pick], lens[pick], chunks[pick]) if not pick.all()
                 else (blob, starts, lens, chunks))
 
-    def _handle_waiting(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_waiting(self, h: Header, data: Datagram, now: float) -> None:
         op = self._current_op(h, "stale_result")
         if op is None:
             return
@@ -709,7 +709,7 @@ class WorkerEndpoint(WorkerControl):
                        "request, no keep-alive) or which are no longer members: gone (dead, "
                        "or left); the operation cannot complete")
 
-    def _handle_nack(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_nack(self, h: Header, data: Datagram, now: float) -> None:
         """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
         what is outstanding on its lane now, by the kernel's rule (``kernels.take_nack``; the
         results kernel answers the NACKs it finds itself, without RACK). Like a RACK re-send,
@@ -722,7 +722,7 @@ class WorkerEndpoint(WorkerControl):
             i = self._send_chunk(op, p, now, retransmit=True, fast=True)
             K.mark_nack_resend(op.state, i, p, h.chunk)
 
-    def _handle_mismatch(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_mismatch(self, h: Header, data: Datagram, now: float) -> None:
         """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
         op = self._current_op(h, "stale_result")
         if op is None:

@@ -26,6 +26,7 @@ from switchml.protocol.operation import Operation
 from switchml.protocol.wire import (
     NO_COOKIE,
     ControlInfo,
+    Datagram,
     Header,
     MessageType,
     pack_header,
@@ -40,7 +41,6 @@ __all__ = ["EPOCH_SEQ_STRIDE", "ControlRetry", "WorkerControl"]
 EPOCH_SEQ_STRIDE = 2**16
 """After the switch lost the job, the operation restarts as ``seq + EPOCH_SEQ_STRIDE``: every rank
 computes the same number, and the switch drops anything older (docs/protocol.md, epochs)."""
-_Data = bytes | bytearray | memoryview
 
 
 class ControlRetry:
@@ -85,7 +85,7 @@ class WorkerControl:
     _epoch_seq: int
     _keepalive_at: float
     _op: Operation | None
-    _out: list[tuple[_Data, Address]]
+    _out: list[tuple[Datagram, Address]]
     _events: deque[Event]
     _control: ControlRetry
     _next_set: np.ndarray
@@ -111,7 +111,7 @@ class WorkerControl:
     def _begin(self, op: Operation, now: float) -> None:
         raise NotImplementedError
 
-    def _handle_challenge(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_challenge(self, h: Header, data: Datagram, now: float) -> None:
         """The switch (shard) asks this JOIN to prove itself: answer with its cookie and the
         proof under the job key, to the shard that asked (not retried: the next retry of the
         JOIN draws a new challenge)."""
@@ -133,7 +133,7 @@ class WorkerControl:
         self._counters["challenges_answered"] += 1
         self._out.append((self._join_datagram(cookie), self.switch_addresses[shard]))
 
-    def _handle_joined(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_joined(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.JOINED):
             return  # a late answer to a retried or keep-alive JOIN
         try:
@@ -161,7 +161,7 @@ class WorkerControl:
         self._keepalive_at = now + self.config.keepalive_s
         self._events.append(Joined(self.slot_base, info.window))
 
-    def _handle_refused(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_refused(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.JOIN_FAILED):
             self._drops["unexpected_control"] += 1
             return
@@ -178,7 +178,7 @@ class WorkerControl:
         self.error = reason
         self._events.append(JoinFailed(reason))
 
-    def _handle_unknown_job(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_unknown_job(self, h: Header, data: Datagram, now: float) -> None:
         """The switch has lost the job (restarted, lease expired) or we are behind its epoch."""
         st = self.state
         if st is WorkerState.BUSY and self._op is not None and h.seq == self._op.seq:
@@ -233,7 +233,7 @@ class WorkerControl:
         self._seq = (self._epoch_seq + 1) & 0xFFFFFFFF
         self._begin(op, now)
 
-    def _handle_left(self, h: Header, data: _Data, now: float) -> None:
+    def _handle_left(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.LEFT):
             self._drops["unexpected_control"] += 1
             return

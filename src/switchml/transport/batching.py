@@ -37,6 +37,7 @@ import numpy as np
 
 from switchml.protocol.address import Address
 from switchml.protocol.kernels import gro_segments, split_mmsg
+from switchml.protocol.wire import Datagram
 
 __all__ = ["BatchSender", "MultiReceiver", "SegmentReceiver", "enable_gro", "gso_supported",
            "open_receiver", "receive_segments", "recvmmsg_supported", "segments",
@@ -126,14 +127,14 @@ class BatchSender:
         self.raise_errors = raise_errors
         """Re-raise send errors other than a full buffer or ICMP port unreachable (a worker:
         e.g. ENETUNREACH should fail at once, not by timeout); else count them."""
-        self._queue: dict[Address | None, list[bytes | bytearray | memoryview]] = {}
+        self._queue: dict[Address | None, list[Datagram]] = {}
         self.calls = 0
         self.datagrams = 0
         self.errors = 0
         self.blocked = 0
         self.refused = 0
 
-    def add(self, data: bytes | bytearray | memoryview, addr: Address | None) -> None:
+    def add(self, data: Datagram, addr: Address | None) -> None:
         if not self.gso or len(data) > BATCH_MAX_DATAGRAM:
             self._send_one(data, addr)
             return
@@ -195,7 +196,7 @@ class BatchSender:
                         self._send_one(d, addr)
                     break
 
-    def send_run(self, buffers: list[bytes | bytearray | memoryview], size: int,
+    def send_run(self, buffers: list[Datagram], size: int,
                  addr: Address | None) -> None:
         """Send one GSO run, after what is queued: ``buffers``, gathered, are datagrams of
         ``size`` bytes (the last may be shorter), at most 64 and ``MAX_GSO_BYTES`` in all
@@ -210,7 +211,7 @@ class BatchSender:
             for d in _cut(buffers, size):
                 self._send_one(d, addr)
 
-    def _send_one(self, data: bytes | bytearray | memoryview, addr: Address | None) -> None:
+    def _send_one(self, data: Datagram, addr: Address | None) -> None:
         self.calls += 1
         self.datagrams += 1
         try:
@@ -227,7 +228,7 @@ class BatchSender:
                 raise
             self.errors += 1
 
-    def _send_run(self, run: list[bytes | bytearray | memoryview], size: int,
+    def _send_run(self, run: list[Datagram], size: int,
                   addr: Address | None) -> None:
         """One ``sendmsg`` with UDP_SEGMENT: ``run``'s buffers, gathered, cut into datagrams
         of ``size`` bytes by the kernel."""
@@ -260,7 +261,7 @@ class BatchSender:
                 self._send_one(d, addr)
 
 
-def _count(buffers: list[bytes | bytearray | memoryview], size: int) -> int:
+def _count(buffers: list[Datagram], size: int) -> int:
     """How many datagrams of ``size`` bytes the buffers hold (each buffer whole datagrams,
     the last datagram of each possibly shorter)."""
     if len(buffers) == 1:  # a planned contiguous run (the common case): no generator
@@ -268,8 +269,8 @@ def _count(buffers: list[bytes | bytearray | memoryview], size: int) -> int:
     return sum(-(-len(b) // size) for b in buffers) if size else len(buffers)
 
 
-def _cut(buffers: list[bytes | bytearray | memoryview], size: int
-         ) -> Iterator[bytes | bytearray | memoryview]:
+def _cut(buffers: list[Datagram], size: int
+         ) -> Iterator[Datagram]:
     """The datagrams of a GSO run, one by one (views, no copies)."""
     for b in buffers:
         if len(b) <= size:
