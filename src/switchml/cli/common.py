@@ -40,6 +40,21 @@ def env_default(dest: str, default: _T) -> str | _T:
     return env.flag_default(dest, default)  # type: ignore[return-value]
 
 
+def add_link_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                     mtu: bool = True) -> None:
+    """The emulated links' options, for every command that builds the testbed: ``--rate-mbit``,
+    ``--loss`` and (``mtu``) ``--mtu``, written once."""
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="link rate in Mbit/s, each way; 0 for unshaped (default 1000)")
+    parser.add_argument("--loss", type=float, default=0.0,
+                        help="loss rate per datagram on every link, 0..1 (default 0)")
+    if mtu:
+        parser.add_argument("--mtu", type=int, default=1500,
+                            help="link MTU in bytes; switchml's chunks are sized to fit it "
+                                 "(default 1500, Ethernet; 9000 for jumbo frames; veth takes "
+                                 "up to 65535 but that is not a real network)")
+
+
 def address(text: str) -> tuple[str, int]:
     """``HOST:PORT``."""
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, stop_on_signals, wait_for
+from switchml.cli.common import Subparsers, add_link_options, stop_on_signals, wait_for
 
 if TYPE_CHECKING:
     from switchml.testbed import GeoTopology, Topology
@@ -25,16 +25,11 @@ def add_parser(sub: Subparsers) -> None:
                     "print how to run things in it, and "
                     "tear it down on Ctrl-C or SIGTERM, removing exactly what it created.")
     tb.add_argument("--workers", "-n", type=int, default=4, help="worker hosts (default 4)")
-    tb.add_argument("--rate-mbit", type=float, default=1000.0,
-                    help="link rate in Mbit/s each way; 0 for unshaped (default 1000)")
-    tb.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
+    add_link_options(tb)
     tb.add_argument("--cleanup", action="store_true",
                     help="only remove what testbed runs killed before their teardown (kill "
                          "-9) left behind: their namespaces and the processes in them; every "
                          "new testbed also does this first")
-    tb.add_argument("--mtu", type=int, default=1500,
-                    help="link MTU in bytes (default 1500, Ethernet; 9000 for jumbo frames; "
-                         "veth takes up to 65535 but that is not a real network)")
     tb.add_argument("--dcs", default=None,
                     help="build the geo testbed instead: data centres x workers, e.g. 2x2 or "
                          "2,3 (workers on --rate-mbit LAN links, data centres joined by "

@@ -8,7 +8,15 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from switchml.cli.common import Subparsers, address, human, sigterm_interrupts, size, stdout_console
+from switchml.cli.common import (
+    Subparsers,
+    add_link_options,
+    address,
+    human,
+    sigterm_interrupts,
+    size,
+    stdout_console,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -92,10 +100,7 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                      help="switchml workers re-send a chunk as soon as a later chunk's result "
                           "arrives (RACK) instead of at its timeout (off by default: it did "
                           "not help on this testbed, see docs/benchmarks.md)")
-    tbg.add_argument("--rate-mbit", type=float, default=1000.0,
-                     help="link rate in Mbit/s, each direction (default 1000)")
-    tbg.add_argument("--loss", type=float, default=0.0,
-                     help="packet loss rate on every link, 0..1 (default 0)")
+    add_link_options(tbg, mtu=False)  # (--mtu is loopback's too: below)
     ar.add_argument("--mtu", type=int, default=None,
                     help="MTU in bytes that chunks must fit (no IP fragmentation). Testbed: "
                          "the link MTU (default 1500, Ethernet; 9000 for jumbo frames; veth "

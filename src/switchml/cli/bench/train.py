@@ -8,7 +8,13 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, sigterm_interrupts, stdout_console, write_json
+from switchml.cli.common import (
+    Subparsers,
+    add_link_options,
+    sigterm_interrupts,
+    stdout_console,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -67,13 +73,7 @@ def add_parser(bsub: Subparsers) -> None:
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
                          "forward, backward, optimizer and communication spans, and report the "
                          "fraction of communication hidden behind backward compute")
-    tr.add_argument("--rate-mbit", type=float, default=1000.0,
-                    help="link rate in Mbit/s (default 1000)")
-    tr.add_argument("--loss", type=float, default=0.0, help="loss rate per link (default 0)")
-    tr.add_argument("--mtu", type=int, default=1500,
-                    help="link MTU in bytes; switchml's chunks are sized to fit it (default "
-                         "1500, Ethernet; 9000 for jumbo frames; veth takes up to 65535 but "
-                         "that is not a real network)")
+    add_link_options(tr)
     tr.add_argument("--straggle-s", type=float, default=0.0, metavar="SECONDS",
                     help="a straggler: this many seconds of extra compute before a step's "
                          "forward on the straggling rank (default 0: none)")
