@@ -163,6 +163,7 @@ def test_default_links_have_ethernets_mtu():
 
 def test_switchml_is_exact_over_shaped_lossy_links(py):
     from switchml.control import encode_job_spec, new_job_spec
+    from switchml.control.announce import parse_listening
     n = 3
     spec = encode_job_spec(new_job_spec(n, window=8, elements_per_packet=2200))
     link = LinkSpec(bandwidth_bps=300e6, loss_rate=0.01, mtu=9000)
@@ -170,7 +171,8 @@ def test_switchml_is_exact_over_shaped_lossy_links(py):
         switch = tb.popen(tb.switch_ns, [sys.executable, "-m", "switchml.bench.nsproc", "switch",
                                          json.dumps({"port": 48864})],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert switch.stdout.readline().strip() == "ready"
+        # it says it listens as `switchml switch` does (control.announce)
+        assert parse_listening(switch.stdout.readline()) == ("0.0.0.0", 48864)
         procs = [tb.popen(tb.worker_ns(r), py(f"""
             import numpy as np
             from switchml.control import decode_job_spec
