@@ -191,14 +191,15 @@ class RowCounts:
     """How many data centres moved each row, summed by the outer all-reduce, packed ``per``
     to an element: an element is ``sum_i moved_i (dcs + 1)**i``, so the sum over data centres
     holds each row's count as a digit in base ``dcs + 1`` (no digit can carry). Packed values
-    stay below ``2**P`` with ``P = 15 - dcs.bit_length()``, the scale of a 16-bit wire at
-    ``dcs`` ranks (``quantize.scale_bits``): in a block of their own they are whole numbers
+    stay below ``2**P``, the scale of a 16-bit wire at ``dcs`` ranks
+    (``quantize.scale_bits``): in a block of their own they are whole numbers
     there, and in every exact sum, so the counts come back exact. 2 data centres: 8 rows an
     element; 4: 5; 8: 3; up to 127: 1."""
 
     def __init__(self, dcs: int) -> None:
+        from switchml.protocol.quantize import scale_bits
         self.base = dcs + 1
-        bits = 15 - dcs.bit_length()
+        bits = scale_bits(dcs, 16)
         self.per = 0
         while self.base ** (self.per + 1) <= 2 ** bits:
             self.per += 1
@@ -231,6 +232,7 @@ def switch_outer(switch: Any, *, dcs: int, dc: int, job_id: int, token: int, bit
     import dataclasses
 
     from switchml.control import new_job_spec
+    from switchml.protocol.operation import WIRE_BITS
     from switchml.transport.udp import WorkerClient
     spec = dataclasses.replace(new_job_spec(dcs, switch=switch, window=window,
                                             elements_per_packet=elements_per_packet),
@@ -244,8 +246,10 @@ def switch_outer(switch: Any, *, dcs: int, dc: int, job_id: int, token: int, bit
         res = residual.setdefault(x.size, np.zeros(x.size, np.float32))
         return client.allreduce(x + res, bits=16, residual=res)  # (res: this step's error)
 
-    # The elements under one block exponent: a packet's (twice as many at 16 bits)
-    outer.block = spec.elements_per_packet * 32 // bits  # type: ignore[attr-defined]
+    # The elements under one block exponent: a slot's, as the operation cuts them
+    # (``Operation.k``: twice a packet's int32 count at 16 bits)
+    outer.block = (spec.elements_per_packet * 4  # type: ignore[attr-defined]
+                   // WIRE_BITS[bits][1])
     outer.close = client.close  # type: ignore[attr-defined]
     outer.client = client  # type: ignore[attr-defined]
     return outer
