@@ -44,6 +44,8 @@ MODES = ("lan", "wan", "gaia", "diloco")
 ALL_MODES = (*MODES, "torchft")
 LOCAL_MODES = ("gaia", "diloco", "torchft")
 """Modes whose process groups are a data centre's, not every worker's."""
+DC_BACKEND_MODES = ("gaia", "diloco")
+"""Modes whose data-centre groups run on ``dc_backend`` (torchft's always on gloo)."""
 GAIA_PORT = 47100
 
 
@@ -259,7 +261,7 @@ def _run_mode_in(tb: Any, cfg: GeoBenchConfig, mode: str, common: dict[str, Any]
     from switchml.bench.testbed import _start_workers, _wait_all
     geo = tb.geo
     switches: list[Any] = []
-    switched = mode in ("gaia", "diloco") and cfg.dc_backend == "switchml"
+    switched = mode in DC_BACKEND_MODES and cfg.dc_backend == "switchml"
     lighthouse = None
     try:
         if switched or mode == "diloco":

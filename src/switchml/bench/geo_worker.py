@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from switchml.bench.geo import LOCAL_MODES
+from switchml.bench.geo import DC_BACKEND_MODES, LOCAL_MODES
 
 __all__ = ["geo_worker"]
 
@@ -19,7 +19,7 @@ def _join_group(a: dict[str, Any]) -> None:
     worker's (gloo)."""
     from switchml.bench.nsproc import init_group
     mode = a["mode"]
-    backend = a.get("dc_backend", "gloo") if mode in ("gaia", "diloco") else "gloo"
+    backend = a.get("dc_backend", "gloo") if mode in DC_BACKEND_MODES else "gloo"
     if backend == "switchml":
         import switchml.torch  # noqa: F401  # registers the backend
     # Rendezvous through a file every namespace sees (the hosts share a file system): torch's
