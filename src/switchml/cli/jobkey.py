@@ -50,14 +50,11 @@ def _bounded(text: str, bits: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the job key, or say why not (no secret: an open switch needs no key)."""
-    from switchml import env
     from switchml.protocol.auth import job_key
+    from switchml.service import SwitchSpec, switch_secret
 
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
-    else:
-        secret = env.secret()
+    # read as `switchml switch` reads it (the file, else SWITCHML_SECRET)
+    secret = switch_secret(SwitchSpec(secret_file=args.secret_file))
     if not secret:
         print("switchml job-key: no secret (--secret-file or SWITCHML_SECRET): an open switch "
               "takes any worker, and a job key would protect nothing", file=sys.stderr)
