@@ -40,6 +40,7 @@
 #define F_RESENT 8
 #define F_CONTRIBUTORS 16
 #define F_RETRY 32
+#define F_AUTH 64
 #define KNOWN_FLAGS 15
 #define RESULT_FLAGS 31
 #define REQUEST_FLAGS 47
@@ -207,6 +208,7 @@
 #define SS_MISMATCH 3
 #define SS_CONFLICT_ADDED 4
 #define SS_REPLIES_FULL 5
+#define SS_WAITING_GONE 6
 
 #define A_DROP_STALE 0
 #define A_START_ROUND 1

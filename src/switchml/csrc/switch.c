@@ -486,42 +486,53 @@ static inline void write_old(job_t *j, replies_t *rp, int64_t k, int64_t rank,
     rp->meta[k * 2 + 1] = size;
 }
 
-static inline void write_waiting(job_t *j, double now, replies_t *rp, int64_t k, int64_t rank,
+/* Whether the open round (v, s) misses a gone rank: silent for J_MEMBER_TIMEOUT_US. */
+static inline int waits_for_gone(job_t *j, double now, int64_t v, int64_t s)
+{
+    double quiet = now - (double)JV(j, J_MEMBER_TIMEOUT_US) * 1e-6;
+    for (int64_t q = 0; q < JV(j, J_N); q++)
+        if (!has_bit(j->seen, j, v, s, q) && j->heard[q] < quiet)
+            return 1;
+    return 0;
+}
+
+/* WAITING for a round that waits for no gone rank: the ranks missing, then an empty bitmap
+   (Python writes the WAITINGs that name gone ranks, sealed). */
+static inline void write_waiting(job_t *j, replies_t *rp, int64_t k, int64_t rank,
                                  const request_t *r)
 {
     int64_t v = r->v, s = r->s, n = JV(j, J_N), nb = (n + 7) / 8;
-    double quiet = now - (double)JV(j, J_MEMBER_TIMEOUT_US) * 1e-6;
     uint8_t *row = rp->rows + k * rp->rowlen;
     write_header(row, 0, T_WAITING, 0, v, rank, JV(j, J_JOB), JV(j, J_TOKEN), r->seq, r->chunk,
                  s + JV(j, J_SLOT_BASE), 2 * nb, E_BYTES, 0, EXP_ZERO, EXP_ZERO);
     memset(row + HDR, 0, (size_t)(2 * nb));
-    for (int64_t q = 0; q < n; q++) {
-        if (!has_bit(j->seen, j, v, s, q)) {
+    for (int64_t q = 0; q < n; q++)
+        if (!has_bit(j->seen, j, v, s, q))
             row[HDR + (q >> 3)] |= (uint8_t)(1 << (q & 7));
-            if (j->heard[q] < quiet)
-                row[HDR + nb + (q >> 3)] |= (uint8_t)(1 << (q & 7));
-        }
-    }
     rp->meta[k * 2] = rank;
     rp->meta[k * 2 + 1] = HDR + 2 * nb;
 }
 
-static inline int answer_resend(job_t *j, double now, replies_t *rp, int64_t k, int64_t rank,
-                                const request_t *r, int64_t action)
+/* Answer a re-sent request (aggregate.py's _answer_resend): SS_DONE when written, else what
+   Python answers instead (SS_WAITING_CONFLICT, SS_WAITING_GONE). */
+static inline int64_t answer_resend(job_t *j, double now, replies_t *rp, int64_t k,
+                                    int64_t rank, const request_t *r, int64_t action)
 {
     if (r->flags & F_RESENT)
         nack_was_needless(j);
     if (action == A_ANSWER_WAITING && any_bit(j->conflict, j, r->v, r->s))
-        return 0;
+        return SS_WAITING_CONFLICT;
+    if (action == A_ANSWER_WAITING && waits_for_gone(j, now, r->v, r->s))
+        return SS_WAITING_GONE;
     if (action == A_RESEND_RESULT || action == A_ANSWER_LATE) {
         write_resent(j, rp, k, rank, r);
         j->cnt[action == A_RESEND_RESULT ? SC_RESULTS_RESENT : SC_LATE_ANSWERED] += 1;
     } else {
-        write_waiting(j, now, rp, k, rank, r);
+        write_waiting(j, rp, k, rank, r);
         j->cnt[SC_WAITING_SENT] += 1;
         j->cnt[SC_DUPLICATE] += 1;
     }
-    return 1;
+    return SS_DONE;
 }
 
 /* Aggregate the REQUESTs of one job in a batch from datagram `start` on (aggregate.py's
@@ -575,8 +586,9 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
             continue;
         }
         if (action == A_RESEND_RESULT || action == A_ANSWER_WAITING || action == A_ANSWER_LATE) {
-            if (!answer_resend(j, now, rp, nnack, rank, &r, action)) {
-                code = SS_WAITING_CONFLICT;
+            int64_t stop = answer_resend(j, now, rp, nnack, rank, &r, action);
+            if (stop != SS_DONE) {
+                code = stop;
                 break;
             }
             nnack += 1;

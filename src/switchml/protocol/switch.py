@@ -37,6 +37,7 @@ class holds the state as arrays for it (``jobs.Job``) and handles what is rare i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -46,7 +47,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
-from switchml.protocol.auth import Challenges
+from switchml.protocol.auth import Challenges, job_key, seal_reply
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import WireError
@@ -149,6 +150,8 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         self.packets_out = 0
         self.mismatch_sent = 0
         self.challenges_sent = 0
+        self._strangers_key = functools.lru_cache(maxsize=256)(
+            functools.partial(job_key, self.config.secret))
         self.challenges = Challenges(self.config.join_challenge_s)
         """JOIN cookies (``auth.Challenges``): random per switch."""
         self._removed: dict[int, float] = {}  # job -> when it went, for a cookie's lifetime
@@ -170,6 +173,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         # The slot rule's answers that the kernel leaves to Python (slots.SlotAction).
         self._answers = {
             K.SS.WAITING_CONFLICT: self._waiting_conflict,
+            K.SS.WAITING_GONE: self._waiting_gone,
             K.SS.MISMATCH: self._refuse_mismatch,
         }
 
@@ -726,9 +730,18 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         return job
 
     def _unknown_job(self, f: tuple, addr: Address) -> None:
-        """Answer with UNKNOWN_JOB: a header-only echo, never larger than the request."""
-        self._out.append((HEADER.pack(MAGIC, VERSION, _UNKNOWN_JOB, 0, f[Field.SET],
-                                      f[Field.RANK], f[Field.JOB], f[Field.TOKEN], f[Field.SEQ],
-                                      f[Field.CHUNK], f[Field.SLOT], 0, _BYTES, 0, EXP_ZERO,
-                                      EXP_ZERO),
-                          addr))
+        """Answer with UNKNOWN_JOB: a header-only echo, sealed under the key of the job and
+        token it names (its tag in the header: never larger than the request)."""
+        self._out.append((seal_reply(self._reply_key(f[Field.JOB], f[Field.TOKEN]), HEADER.pack(
+            MAGIC, VERSION, _UNKNOWN_JOB, 0, f[Field.SET], f[Field.RANK], f[Field.JOB],
+            f[Field.TOKEN], f[Field.SEQ], 0, 0, 0, _BYTES, 0, EXP_ZERO, EXP_ZERO)), addr))
+
+    def _reply_key(self, job_id: int, token: int) -> bytes:
+        """The key a reply about (``job_id``, ``token``) is sealed under (``auth.seal_reply``):
+        the live job's, or, for a job id this switch does not hold under that token, the
+        key derived from them (remembered for the last 256 of them: a stranger's flood of
+        one id costs one derivation)."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.token == token:
+            return job.key
+        return self._strangers_key(job_id, token)

@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
-from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof
+from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof, seal_reply
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, MemberJoined
@@ -66,13 +66,18 @@ class SwitchControl:
     def _unknown_job(self, f: tuple, addr: Address) -> None:
         raise NotImplementedError
 
+    def _reply_key(self, job_id: int, token: int) -> bytes:
+        raise NotImplementedError
+
     def _refuse(self, h: Header, addr: Address, reason: str) -> None:
+        """REFUSED, sealed, echoing the JOIN's ``seq`` (its epoch)."""
         self._drops["refused"] += 1
         self._events.append(JobRefused(h.job, h.rank, addr, reason))
         payload = reason.encode()[:1024]
-        reply = Header(MessageType.REFUSED, h.job, rank=h.rank, token=h.token,
+        reply = Header(MessageType.REFUSED, h.job, rank=h.rank, token=h.token, seq=h.seq,
                        count=len(payload), elem=ElementType.BYTES)
-        self._out.append((pack_header(reply) + payload, addr))
+        self._out.append((seal_reply(self._reply_key(h.job, h.token),
+                                     pack_header(reply) + payload), addr))
 
     def _handle_join(self, h: Header, data: Datagram, addr: Address,
                      now: float) -> None:
@@ -186,9 +191,9 @@ class SwitchControl:
         if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
         job.last_seen = now
-        self._out.append((pack_joined(job=h.job, token=h.token, rank=h.rank,
-                                      shard=self.config.shard_index, info=job.info,
-                                      cookie=job.cookies[h.rank]), addr))
+        self._out.append((seal_reply(job.key, pack_joined(
+            job=h.job, token=h.token, rank=h.rank, shard=self.config.shard_index, info=job.info,
+            cookie=job.cookies[h.rank], seq=h.seq)), addr))
 
     def _challenge(self, h: Header, addr: Address, now: float) -> None:
         """Answer a JOIN with a cookie for its source address (no state is kept)."""
@@ -279,7 +284,8 @@ class SwitchControl:
                 self.remove_job(h.job, "left")
         reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token,
                        chunk=self.config.shard_index)
-        self._out.append((pack_header(reply), addr))
+        self._out.append((seal_reply(self._reply_key(h.job, h.token), pack_header(reply)),
+                          addr))
 
     def _handle_keepalive(self, h: Header, data: Datagram,
                           addr: Address, now: float) -> None:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from switchml.protocol.address import Address
+from switchml.protocol.auth import seal_reply
 from switchml.protocol.jobs import Job, bitmap, store_bitmap
+from switchml.protocol.kernels.layout import SC, J
 from switchml.protocol.wire import (
     ChunkShape,
     Field,
@@ -35,6 +39,8 @@ class SwitchReplies:
 
     _out: list[tuple[bytes | memoryview, Address]]
     _drops: Counter[str]
+    _cnt: np.ndarray
+    _now: float
     mismatch_sent: int
 
     def _mismatch(self, job: Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
@@ -75,13 +81,32 @@ class SwitchReplies:
         payload = pack_mismatch(theirs, mine, ranks, job.num_workers)
         reply = Header(MessageType.MISMATCH, job.job_id, rank=rank, token=job.token, seq=seq,
                        chunk=chunk, slot=slot, set_bit=v, count=len(payload))
-        self._out.append((pack_header(reply) + payload, addr))
+        self._out.append((seal_reply(job.key, pack_header(reply) + payload), addr))
         self.mismatch_sent += 1
 
     def _waiting_conflict(self, job: Job, f: tuple, addr: Address) -> None:
         """A retransmission into an open round that has refused ranks: it never completes;
         tell the sender which chunks were refused (the kernel answers WAITING otherwise)."""
         self._mismatch(job, f, addr, None)
+
+    def _waiting_gone(self, job: Job, f: tuple, addr: Address) -> None:
+        """A retransmission into an open round that waits for a rank the switch has not heard
+        from for ``member_timeout_s`` (dead, or left): WAITING with the ranks missing and
+        those of them gone, sealed (a worker fails an operation on it, so a stranger must not
+        be able to send one; the kernel answers the other WAITINGs itself)."""
+        rank, v, s = f[Field.RANK], f[Field.SET], f[Field.SLOT] - job.slot_base
+        n = job.num_workers
+        nb = (n + 7) // 8
+        missing = job.all_ranks & ~bitmap(job.seen[v, s])
+        quiet = self._now - float(job.jobv[J.MEMBER_TIMEOUT_US]) * 1e-6
+        gone = sum(1 << r for r in range(n) if missing >> r & 1 and job.heard[r] < quiet)
+        payload = missing.to_bytes(nb, "little") + gone.to_bytes(nb, "little")
+        reply = Header(MessageType.WAITING, job.job_id, rank=rank, token=job.token,
+                       seq=f[Field.SEQ], chunk=f[Field.CHUNK], slot=f[Field.SLOT], set_bit=v,
+                       count=len(payload))
+        self._out.append((seal_reply(job.key, pack_header(reply) + payload), addr))
+        self._cnt[SC.WAITING_SENT] += 1
+        self._cnt[SC.DUPLICATE] += 1
 
     def _refuse_mismatch(self, job: Job, f: tuple, addr: Address) -> None:
         """The chunk disagrees with its round: refuse it."""

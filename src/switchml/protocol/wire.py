@@ -28,6 +28,8 @@ name for the type, in the lowest layer; ``endpoint.Datagram`` is this)."""
 __all__ = [
     "Datagram",
     "AT",
+    "AUTH_TAG_SIZE",
+    "SEALED_TYPES",
     "EXP_ZERO",
     "HEADER",
     "HEADER_DTYPE",
@@ -169,6 +171,11 @@ class MessageType(IntEnum):
 
 DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
                         MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.NACK})
+SEALED_TYPES = frozenset({MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.JOINED,
+                          MessageType.LEFT, MessageType.REFUSED, MessageType.WAITING})
+"""The switch's replies that may carry ``Flags.AUTH`` (docs/protocol.md, "Sealed replies"):
+every one of them does, except a WAITING that names no gone rank (the compiled loop writes
+those, and a worker reads them as a hint only)."""
 
 
 class Flags(IntFlag):
@@ -190,6 +197,12 @@ class Flags(IntFlag):
     """Request of a quorum job: a retransmission. A quorum round that completed without the
     rank answers it with the stored result; a first transmission gets nothing back (the
     result's multicast reaches the rank anyway)."""
+    AUTH = 0x40
+    """A switch's reply that can end, redirect or fail what a worker does (the types of
+    :data:`SEALED_TYPES`) carries a MAC under the job key (``auth.seal_reply``): in a
+    16-byte trailer after the payload, or, for the header-only UNKNOWN_JOB, in the header
+    fields it does not use (``chunk``, ``slot``, ``exp_data``, ``exp_next``), so that it stays
+    no larger than the request it answers."""
 
 
 KNOWN_FLAGS = int(Flags.NONFINITE | Flags.HAS_DATA | Flags.HAS_EXP | Flags.RESENT)
@@ -199,6 +212,9 @@ REQUEST_FLAGS = KNOWN_FLAGS | int(Flags.RETRY)
 """The flag bits a REQUEST may carry."""
 RESULT_FLAGS = KNOWN_FLAGS | int(Flags.CONTRIBUTORS)
 """The flag bits a RESULT may carry."""
+AUTH_TAG_SIZE = 16
+"""The MAC trailer of a sealed reply (``Flags.AUTH``): keyed BLAKE2b under the job key, 128
+bits (``auth.seal_reply``)."""
 
 
 class ElementType(IntEnum):
@@ -210,6 +226,7 @@ class ElementType(IntEnum):
     """16-bit fixed point (the bandwidth-halving mode): twice the elements per slot."""
 
 
+_SEALED_FLAGS = KNOWN_FLAGS | int(Flags.AUTH)
 _ITEMSIZE = {ElementType.BYTES: 1, ElementType.INT32: 4, ElementType.INT16: 2}
 ITEMSIZE = {int(k): v for k, v in _ITEMSIZE.items()}
 _TYPES = {int(t): t for t in MessageType}
@@ -272,9 +289,12 @@ def unpack_header(data: Datagram) -> Header:
     if set_bit > 1:
         raise WireError("bad_set", str(set_bit))
     if flags & ~(RESULT_FLAGS if t is MessageType.RESULT else
-                 REQUEST_FLAGS if t is MessageType.REQUEST else KNOWN_FLAGS):
+                 REQUEST_FLAGS if t is MessageType.REQUEST else
+                 _SEALED_FLAGS if t in SEALED_TYPES else KNOWN_FLAGS):
         raise WireError("bad_flags", f"0x{flags:02x}")
     body = HEADER_SIZE + count * _ITEMSIZE[e]
+    if flags & Flags.AUTH and t is not MessageType.UNKNOWN_JOB:
+        body += AUTH_TAG_SIZE
     if (len(data) != body if not flags & Flags.CONTRIBUTORS
             else not body < len(data) <= body + MAX_TRAILER):
         raise WireError(
@@ -372,12 +392,12 @@ def unpack_join(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, 
 
 
 def pack_joined(*, job: int, token: int, rank: int, shard: int, info: ControlInfo,
-                cookie: bytes) -> bytes:
+                cookie: bytes, seq: int = 0) -> bytes:
     """A JOINED datagram: the granted geometry and the rank's membership cookie (header
-    ``chunk``: the index of the shard that answers)."""
+    ``chunk``: the index of the shard that answers; ``seq``: the JOIN's, its epoch)."""
     payload = pack_control_info(info) + cookie
-    return pack_header(Header(MessageType.JOINED, job, rank=rank, token=token, chunk=shard,
-                              count=len(payload), elem=ElementType.BYTES)) + payload
+    return pack_header(Header(MessageType.JOINED, job, rank=rank, token=token, seq=seq,
+                              chunk=shard, count=len(payload), elem=ElementType.BYTES)) + payload
 
 
 def pack_challenge(*, job: int, token: int, rank: int, shard: int, cookie: bytes) -> bytes:

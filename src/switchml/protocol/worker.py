@@ -37,7 +37,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import job_key
+from switchml.protocol.auth import job_key, reply_sealed
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float
 from switchml.protocol.endpoint import Batch, Transmit
@@ -56,6 +56,7 @@ from switchml.protocol.wire import (
     HEADER_SIZE,
     MAGIC,
     RESULT_FLAGS,
+    SEALED_TYPES,
     VERSION,
     Datagram,
     Flags,
@@ -150,6 +151,7 @@ class WorkerEndpoint(WorkerControl):
         self._out: list[tuple[Datagram, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
+        self._unsealed_refusal: str | None = None  # what a REFUSED we could not verify said
         self._next_set = np.zeros(spec.window, np.int64)  # per lane, kept across operations
         self._cnt = np.zeros(K.WC.N, np.int64)
         self.recovery = LossRecovery(self.config, self._cnt)
@@ -595,6 +597,18 @@ class WorkerEndpoint(WorkerControl):
         if handler is None:
             self._drops["unexpected_type"] += 1
             return
+        if ((h.type in SEALED_TYPES and h.type is not MessageType.WAITING
+             or h.flags & Flags.AUTH) and not reply_sealed(self._key, data, h)):
+            # Not the switch's (a stranger who knows the token, even from the switch's own
+            # address): it must not restart, fail or redirect anything. (A WAITING that
+            # names no gone rank is a hint, and comes from the compiled loop unsealed.)
+            self._drops["unauthenticated_reply"] += 1
+            if h.type is MessageType.REFUSED:  # kept for the JOIN's timeout to quote: the
+                # switch seals a refusal under the key of ITS secret, which a worker given
+                # another secret cannot verify
+                self._unsealed_refusal = bytes(unpack_payload(data, h))[:200].decode(
+                    "utf-8", "replace")
+            return
         handler(h, data, now)
 
     def _complete(self, op: Operation, now: float) -> None:
@@ -696,6 +710,9 @@ class WorkerEndpoint(WorkerControl):
         missing = int.from_bytes(raw[:nb], "little")
         self.recovery.on_waiting(op, h.chunk, missing, now)
         gone = int.from_bytes(raw[nb:2 * nb], "little") & missing
+        if gone and not h.flags & Flags.AUTH:  # only a sealed WAITING names gone ranks
+            self._drops["unauthenticated_gone"] += 1
+            gone = 0
         n, quorum = self.spec.num_workers, self.spec.quorum
         if gone and quorum is not None and n - gone.bit_count() >= quorum:
             # A quorum job: the ranks still alive can complete the round without the gone

@@ -81,6 +81,7 @@ class WorkerControl:
     _shards_left: set[int]
     _cookies: list[bytes | None]
     _key: bytes
+    _unsealed_refusal: str | None
     _seq: int
     _epoch_seq: int
     _keepalive_at: float
@@ -136,6 +137,9 @@ class WorkerControl:
     def _handle_joined(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.JOINED):
             return  # a late answer to a retried or keep-alive JOIN
+        if h.seq != self._epoch_seq:
+            self._drops["stale_joined"] += 1  # an answer to a JOIN of an earlier epoch
+            return
         try:
             info, cookie = unpack_joined(unpack_payload(data, h))
         except WireError as exc:
@@ -164,6 +168,9 @@ class WorkerControl:
     def _handle_refused(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.JOIN_FAILED):
             self._drops["unexpected_control"] += 1
+            return
+        if h.seq != self._epoch_seq:
+            self._drops["stale_refused"] += 1  # an answer to a JOIN of an earlier epoch
             return
         reason = bytes(unpack_payload(data, h)).decode("utf-8", "replace")
         self._join_failed(f"switch at {self._switch_text} refused JOIN: {reason}")
@@ -253,8 +260,12 @@ class WorkerControl:
             self._move(WorkerInput.LEFT)  # no answer to LEAVE: closed anyway
             self._events.append(Left())
         else:
+            said = ("" if self._unsealed_refusal is None else
+                    f"; a REFUSED that does not verify under this worker's job key (another "
+                    f"secret than the switch's, or forged) said: {self._unsealed_refusal}")
             self._join_failed(f"switch at {self._switch_text} did not answer JOIN for job "
-                              f"{self.spec.job_id} within {self.config.join_timeout_s:g} s")
+                              f"{self.spec.job_id} within {self.config.join_timeout_s:g} s"
+                              + said)
 
     def _join_datagram(self, cookie: bytes = NO_COOKIE) -> bytes:
         """JOIN of this rank on the current epoch: without a cookie, a request for a

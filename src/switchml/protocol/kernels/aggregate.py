@@ -524,15 +524,24 @@ def _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r):
     reply_meta[k, 0], reply_meta[k, 1] = rank, size
 
 
-def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
-    """Reply ``k``: WAITING, to a re-send into an open round that has this rank's data: the
-    ranks still missing, then those of them gone (silent for ``MEMBER_TIMEOUT_US``; a rank
-    that never joined counts from the job's creation), each a little-endian bitmap of
+def _waits_for_gone(jobv, seen, heard, now, v, s):
+    """Whether the open round ``(v, s)`` misses a rank that is gone: silent for
+    ``MEMBER_TIMEOUT_US`` (a rank that never joined counts from the job's creation)."""
+    quiet = now - jobv[J.MEMBER_TIMEOUT_US] * 1e-6
+    for q in range(jobv[J.N]):
+        if not _has_bit(seen, v, s, q) and heard[q] < quiet:
+            return True
+    return False
+
+
+def _write_waiting(jobv, seen, replies, reply_meta, k, rank, r):
+    """Reply ``k``: WAITING, to a re-send into an open round that has this rank's data and
+    waits for no gone rank: the ranks still missing, then an empty bitmap (of the gone ones:
+    the switch's Python side writes those WAITINGs, sealed), each a little-endian bitmap of
     ``ceil(N / 8)`` bytes."""
     v, s = r.v, r.s
     n = jobv[J.N]
     nb = (n + 7) // 8
-    quiet = now - jobv[J.MEMBER_TIMEOUT_US] * 1e-6
     row = replies[k]
     write_header(row, 0, T_WAITING, 0, v, rank, jobv[J.JOB], jobv[J.TOKEN], r.seq, r.chunk,
                  s + jobv[J.SLOT_BASE], 2 * nb, E_BYTES, 0, EXP_ZERO, EXP_ZERO)
@@ -541,8 +550,6 @@ def _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r):
     for q in range(n):
         if not _has_bit(seen, v, s, q):
             row[HDR + (q >> 3)] |= np.uint8(1 << (q & 7))
-            if heard[q] < quiet:
-                row[HDR + nb + (q >> 3)] |= np.uint8(1 << (q & 7))
     reply_meta[k, 0], reply_meta[k, 1] = rank, HDR + 2 * nb
 
 
@@ -550,20 +557,23 @@ def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_me
                    action, cnt):
     """A re-sent request (a timeout, a probe or a NACK: its round has this rank's data, or is
     complete), or a late one into a quorum round complete without it: write the answer as
-    reply ``k`` and return True, or return False when the round has refused ranks (Python
-    answers MISMATCH)."""
+    reply ``k`` and return ``SS.DONE``; or return what Python answers instead: the round has
+    refused ranks (``SS.WAITING_CONFLICT``: MISMATCH), or waits for a gone rank
+    (``SS.WAITING_GONE``: a sealed WAITING)."""
     if r.flags & F_RESENT:
         _nack_was_needless(jobv, cnt)  # the chunk NACKed as lost was in (reordered)
     if action == A_ANSWER_WAITING and _any_bit(conflict, r.v, r.s):
-        return False
+        return SS.WAITING_CONFLICT.value
+    if action == A_ANSWER_WAITING and _waits_for_gone(jobv, seen, heard, now, r.v, r.s):
+        return SS.WAITING_GONE.value
     if action == A_RESEND_RESULT or action == A_ANSWER_LATE:
         _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r)
         cnt[SC.RESULTS_RESENT if action == A_RESEND_RESULT else SC.LATE_ANSWERED] += 1
     else:
-        _write_waiting(jobv, seen, heard, now, replies, reply_meta, k, rank, r)
+        _write_waiting(jobv, seen, replies, reply_meta, k, rank, r)
         cnt[SC.WAITING_SENT] += 1
         cnt[SC.DUPLICATE] += 1
-    return True
+    return SS.DONE.value
 
 
 def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
@@ -620,9 +630,10 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             i += 1
             continue
         if action == A_RESEND_RESULT or action == A_ANSWER_WAITING or action == A_ANSWER_LATE:
-            if not _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies,
-                                  reply_meta, nnack, rank, r, action, cnt):
-                return i, ndone, nnack, SS.WAITING_CONFLICT.value
+            stop = _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies,
+                                  reply_meta, nnack, rank, r, action, cnt)
+            if stop != SS.DONE.value:
+                return i, ndone, nnack, stop
             nnack += 1
             i += 1
             if nnack == reply_meta.shape[0]:

@@ -248,6 +248,8 @@ class SS(IntEnum):
     MISMATCH = 3  # the chunk disagrees with the round: Python refuses it
     CONFLICT_ADDED = 4  # added to a round that has refused ranks: Python tells this rank
     REPLIES_FULL = 5  # the replies written fill their buffer: the caller sends them, calls again
+    WAITING_GONE = 6  # a retransmission into an open round that waits for a gone rank: Python
+    #                   answers WAITING, sealed (a worker fails its operation on it)
 
 
 MAX_BATCH = 4096
