@@ -32,6 +32,7 @@ from switchml.protocol.wire import (
     pack_leave,
     unpack_header,
     unpack_joined,
+    unpack_payload,
 )
 from switchml.protocol.wire import Field as F
 from switchml.transport.batching import (
@@ -218,7 +219,7 @@ class _Generator:
                     h = unpack_header(view[:nbytes])
                 except Exception:  # noqa: BLE001 - not ours; ask again
                     continue
-                body = bytes(view[HEADER_SIZE:nbytes])
+                body = bytes(unpack_payload(view[:nbytes], h))  # (not a sealed reply's tag)
                 if h.type is MessageType.REFUSED:
                     raise RuntimeError(f"{where} refused rank {rank}: "
                                        f"{body.decode(errors='replace')}")
@@ -232,7 +233,7 @@ class _Generator:
                         h = unpack_header(view[:nbytes])
                     except Exception:  # noqa: BLE001 - lost or not ours; JOIN again
                         continue
-                    body = bytes(view[HEADER_SIZE:nbytes])
+                    body = bytes(unpack_payload(view[:nbytes], h))
                 if h.type is MessageType.JOINED and h.job == self.job_id:
                     granted, self.cookies[j] = unpack_joined(body)
             self.slot_base[j] = granted.slot_base
