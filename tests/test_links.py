@@ -63,3 +63,33 @@ def test_credentials_are_private_and_never_overwritten(tmp_path) -> None:
     with pytest.raises(ConfigError, match="already holds TLS credentials; not overwriting"):
         links.make_credentials(d)
     assert (kd / "ca.key").read_bytes() == before[kd / "ca.key"]
+
+
+def test_a_peers_own_certificate_names_it_and_is_signed_by_the_jobs_ca(tmp_path) -> None:
+    """``issue_credentials``: DIR/ROLE-ID holds the CA, a key of its own (0600) and a
+    certificate that the CA signed and that names the peer (read back with cryptography);
+    nothing is overwritten, and a wrong role, id or missing CA is refused with the reason."""
+    x509 = pytest.importorskip("cryptography.x509", reason="making credentials needs it")
+    d = tmp_path / "job"
+    with pytest.raises(ConfigError, match="cannot read the CA .* switchml tls init"):
+        links.issue_credentials(d, "worker", 0)
+    links.make_credentials(d)
+    sec = links.issue_credentials(d, "worker", 3)
+    assert sec.cert == d / "worker-3" / "peer.pem"
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in sec.cert.parent.iterdir()} == {
+        "ca.pem": 0o644, "peer.pem": 0o644, "peer.key": 0o600}
+    assert (d / "worker-3" / "ca.pem").read_bytes() == (d / "ca.pem").read_bytes()
+    cert = x509.load_pem_x509_certificate(sec.cert.read_bytes())
+    ca = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["switchml:worker:3"]
+    shared = x509.load_pem_x509_certificate((d / "peer.pem").read_bytes())
+    with pytest.raises(x509.ExtensionNotFound):  # the shared certificate names nobody
+        shared.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    with pytest.raises(ConfigError, match="already exists; not overwriting"):
+        links.issue_credentials(d, "worker", 3)
+    with pytest.raises(ConfigError, match="role must be one of worker, server, dc"):
+        links.issue_credentials(d, "admin", 0)
+    with pytest.raises(ConfigError, match="id is >= 0"):
+        links.issue_credentials(d, "dc", -1)

@@ -11,11 +11,16 @@ Credentials are a directory (``SWITCHML_TLS_DIR``, or ``--tls-dir``) with three 
 ``ca.pem`` (the cluster's CA certificate), ``peer.pem`` and ``peer.key`` (this peer's
 certificate, signed by that CA, and its key). ``switchml tls init DIR`` makes a CA and one peer
 certificate that every process of a job shares (:func:`make_credentials`, with the
-``cryptography`` package); certificates per host, signed by the same CA with any tool, work
-the same. The CA's key is not needed at run time: keep it away from the peers.
+``cryptography`` package); ``switchml tls issue DIR ROLE ID`` makes one peer's own
+(:func:`issue_credentials`), which names its identity (``URI:switchml:worker:3``), and the
+other side of a link refuses a peer whose certificate names another identity than the id it
+claims (:func:`identity_conflict`): a parameter server checks its workers' ids, a worker its
+shard's, a Gaia leader the other data centres'. Certificates signed by the same CA with any
+tool work the same. The CA's key is not needed at run time: keep it away from the peers.
 
-What TLS does not cover: peers that hold a certificate are trusted members of the job (one can
-claim another's worker id, as a member of a switchml job can send wrong gradients).
+What TLS does not cover: peers that hold a certificate are trusted members of the job (with
+the shared certificate, one can claim another's worker id, as a member of a switchml job can
+send wrong gradients; with certificates of their own, only their own id).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from typing import Any
 
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["LinkSecurity", "WarningBudget", "ca_key_dir", "check_exposure", "is_loopback",
-           "make_credentials", "shutdown_descriptor"]
+__all__ = ["IDENTITY_ROLES", "LinkSecurity", "WarningBudget", "ca_key_dir", "check_exposure",
+           "identity_conflict", "is_loopback", "issue_credentials", "make_credentials",
+           "peer_identity", "shutdown_descriptor"]
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
 CA_KEY_FILE = "ca.key"
@@ -167,20 +173,15 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
     """Make a CA and one peer certificate signed by it: ``ca.pem``, ``peer.pem`` and
     ``peer.key`` in ``directory``, what every process of the job loads, and the CA's key,
     ``ca.key``, in a directory of its own beside it (:func:`ca_key_dir`; both created mode
-    0700, keys 0600). Needs the ``cryptography`` package.
+    0700, keys 0600). The shared certificate names no identity: any holder may claim any
+    worker or data-centre id; :func:`issue_credentials` makes certificates that bind one.
+    Needs the ``cryptography`` package.
 
     Raises:
         ConfigError: either directory already holds credentials, or ``cryptography`` is
             missing.
     """
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError as exc:
-        raise ConfigError("making TLS credentials needs the cryptography package "
-                          "(pip install 'switchml[tls]'), or make them with openssl") from exc
+    x509, hashes, _serialization, ec, NameOID = _crypto()
     d = Path(directory)
     kd = ca_key_dir(d)
     if (d / CA_FILE).exists() or (d / KEY_FILE).exists() or (kd / CA_KEY_FILE).exists():
@@ -198,22 +199,124 @@ def make_credentials(directory: str | os.PathLike[str], *, days: int = 365,
                                        encipher_only=False, decipher_only=False),
                          critical=True)
           .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    peer_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} peer")])
-    cert = (_certificate(peer_name, ca_name, key.public_key(), now=now, days=days)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
-                   encryption_algorithm=serialization.NoEncryption())
-    _write_new(d / CA_FILE, ca.public_bytes(pem), 0o644)
-    _write_new(kd / CA_KEY_FILE, ca_key.private_bytes(**private), 0o600)
-    _write_new(d / CERT_FILE, cert.public_bytes(pem), 0o644)
-    _write_new(d / KEY_FILE, key.private_bytes(**private), 0o600)
+    _write_new(kd / CA_KEY_FILE, _private_pem(ca_key), 0o600)
+    _write_peer(d, ca, ca_key, days=days, common_name=f"{name} peer", identity=None)
     return LinkSecurity.from_dir(d)
+
+
+IDENTITY_ROLES = ("worker", "server", "dc")
+"""What a certificate from :func:`issue_credentials` may name: a parameter-server worker, a
+parameter-server shard, or a Gaia data centre (its leader)."""
+_URI_PREFIX = "switchml:"
+
+
+def issue_credentials(directory: str | os.PathLike[str], role: str, index: int, *,
+                      days: int = 365) -> LinkSecurity:
+    """Issue one peer's own certificate, signed by the CA that :func:`make_credentials` made
+    for ``directory``: ``ca.pem``, ``peer.pem`` and ``peer.key`` in ``directory/ROLE-INDEX``
+    (mode 0700; the key 0600), which that peer alone loads. The certificate names its
+    identity (subject alternative name ``URI:switchml:ROLE:INDEX``), and the other side of
+    every link checks it against the id the peer claims (:func:`identity_conflict`): a
+    worker cannot say HELLO as another worker, nor a data centre as another.
+
+    Raises:
+        ConfigError: a role outside :data:`IDENTITY_ROLES`, a negative index, the CA's key
+            not in :func:`ca_key_dir` (``ca.key``), or that peer's directory already made.
+    """
+    if role not in IDENTITY_ROLES:
+        raise ConfigError(f"role must be one of {', '.join(IDENTITY_ROLES)}, got {role!r}")
+    if index < 0:
+        raise ConfigError(f"a {role} id is >= 0, got {index}")
+    x509, _hashes, serialization, _ec, _name = _crypto()
+    d = Path(directory)
+    key_file = ca_key_dir(d) / CA_KEY_FILE
+    try:
+        ca = x509.load_pem_x509_certificate((d / CA_FILE).read_bytes())
+        ca_key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the CA ({d / CA_FILE}, {key_file}) to sign with: "
+                          f"{exc} (make it with: switchml tls init {d})") from exc
+    out = d / f"{role}-{index}"
+    if out.exists():
+        raise ConfigError(f"{out} already exists; not overwriting its credentials")
+    out.mkdir(mode=0o700)
+    _write_new(out / CA_FILE, (d / CA_FILE).read_bytes(), 0o644)
+    _write_peer(out, ca, ca_key, days=days, common_name=f"switchml {role} {index}",
+                identity=(role, index))
+    return LinkSecurity.from_dir(out)
+
+
+def peer_identity(conn: socket.socket) -> tuple[str, int] | None:
+    """The identity (role, id) that the certificate of a TLS link's other side names, or None
+    (plain TCP, or a certificate that names none, as :func:`make_credentials`' shared one)."""
+    if not isinstance(conn, ssl.SSLSocket):
+        return None
+    cert = conn.getpeercert() or {}
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "URI" and value.startswith(_URI_PREFIX):
+            role, _, index = value[len(_URI_PREFIX):].partition(":")
+            if role in IDENTITY_ROLES and index.isdigit():
+                return role, int(index)
+    return None
+
+
+def identity_conflict(conn: socket.socket, role: str, index: int) -> str | None:
+    """Why the other side of ``conn`` may not be ``role`` ``index`` (its certificate names
+    another identity), or None: it names this one, or none at all."""
+    named = peer_identity(conn)
+    if named is None or named == (role, index):
+        return None
+    return (f"its certificate names {named[0]} {named[1]}, not {role} {index}: each peer "
+            "must use its own (switchml tls issue)")
+
+
+def _crypto() -> tuple[Any, Any, Any, Any, Any]:
+    """The ``cryptography`` modules certificates need, or ConfigError naming the package."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError as exc:
+        raise ConfigError("making TLS credentials needs the cryptography package "
+                          "(pip install 'switchml[tls]'), or make them with openssl") from exc
+    return x509, hashes, serialization, ec, NameOID
+
+
+def _private_pem(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    return key.private_bytes(encoding=serialization.Encoding.PEM,
+                             format=serialization.PrivateFormat.PKCS8,
+                             encryption_algorithm=serialization.NoEncryption())
+
+
+def _write_peer(d: Path, ca: Any, ca_key: Any, *, days: int, common_name: str,
+                identity: tuple[str, int] | None) -> None:
+    """A peer key and certificate signed by ``ca``: ``peer.pem`` and ``peer.key`` in ``d``
+    (and ``ca.pem``, unless it is there already), naming ``identity`` if given."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    builder = (_certificate(name, ca.subject, key.public_key(), now=now, days=days)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                     ExtendedKeyUsageOID.CLIENT_AUTH]),
+                              critical=False))
+    if identity is not None:
+        uri = f"{_URI_PREFIX}{identity[0]}:{identity[1]}"
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    pem = serialization.Encoding.PEM
+    if not (d / CA_FILE).exists():
+        _write_new(d / CA_FILE, ca.public_bytes(pem), 0o644)
+    _write_new(d / CERT_FILE, cert.public_bytes(pem), 0o644)
+    _write_new(d / KEY_FILE, _private_pem(key), 0o600)
 
 
 def _certificate(subject: Any, issuer: Any, public_key: Any, *, now: datetime.datetime,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,3 +28,18 @@ def test_init_needs_a_directory(parse, capsys):
     with pytest.raises(SystemExit):
         parse("tls")
     assert "required: SUBCOMMAND" in capsys.readouterr().err
+
+
+def test_issue_makes_one_peers_certificate(record, parse, capsys):
+    assert parse("tls", "issue", "d", "worker", "3").func is tls.run_issue
+    made = record(links, "issue_credentials",
+                  SimpleNamespace(ca=Path("d/worker-3/ca.pem"), cert=Path("d/worker-3/peer.pem"),
+                                  key=Path("d/worker-3/peer.key")))
+    assert main(["tls", "issue", "d", "worker", "3", "--days", "9"]) == 0
+    assert made.args == ("d", "worker", 3) and made.kwargs == {"days": 9}
+    assert ("made d/worker-3/peer.pem and d/worker-3/peer.key (with d/worker-3/ca.pem) for "
+            "worker 3: give that directory to that peer alone (--tls-dir d/worker-3)"
+            ) in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parse("tls", "issue", "d", "admin", "0")
+    assert "invalid choice: 'admin'" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from switchml.gaia.mirror import GaiaError, Mirror
 from switchml.gaia.rules import encode_announce, encode_sparse
-from switchml.links import LinkSecurity, check_exposure, make_credentials
+from switchml.links import LinkSecurity, check_exposure, issue_credentials, make_credentials
 from switchml.protocol.errors import ConfigError
 from switchml.ps.client import PSClient
 from switchml.ps.placement import place
@@ -36,13 +36,24 @@ def other_creds(tmp_path_factory) -> LinkSecurity:
     return make_credentials(tmp_path_factory.mktemp("tls") / "other")
 
 
-def _sum_two(server: ParameterServer, security: LinkSecurity | None) -> np.ndarray:
-    """Two workers push one vector each through ``server`` and pull the sum."""
+@pytest.fixture(scope="module")
+def own(tmp_path_factory) -> dict[tuple[str, int], LinkSecurity]:
+    """Certificates of their own (``switchml tls issue``), each naming one peer, from one CA."""
+    d = tmp_path_factory.mktemp("tls") / "own"
+    shared = make_credentials(d)
+    return {(role, i): issue_credentials(d, role, i)
+            for role in ("worker", "server", "dc") for i in range(2)} | {("shared", 0): shared}
+
+
+def _sum_two(server: ParameterServer, security: LinkSecurity | None | list) -> np.ndarray:
+    """Two workers push one vector each through ``server`` and pull the sum (``security``:
+    both workers', or one per worker)."""
     shards = place([("x", 6)], 1, max_shard_elements=6)
     out = {}
 
     def worker(w: int) -> None:
-        c = PSClient([server.address], worker=w, workers=2, timeout_s=10, security=security)
+        c = PSClient([server.address], worker=w, workers=2, timeout_s=10,
+                     security=security[w] if isinstance(security, list) else security)
         if w == 0:
             c.init(shards, {0: np.zeros(6, np.float32)})
         c.push(shards, 0, {0: np.full(6, w + 1.0, np.float32)})
@@ -95,6 +106,73 @@ def test_strangers_cannot_connect_to_a_tls_server_or_change_it(creds, other_cred
         assert st["refused_connections"] == 3 and st["shards"] == 0 and st["dead_workers"] == {}
         # The job itself is untouched: its sum is right (the stranger's 666 never landed).
         assert _sum_two(server, creds).tolist() == [3.0] * 6
+
+
+def test_a_worker_with_its_own_certificate_is_held_to_its_id(own):
+    """Workers and a shard with certificates of their own sum as before; a worker that says
+    HELLO under another worker's id than its certificate names is refused with the reason,
+    and so is a shard whose certificate names another shard; the shared certificate, which
+    names nobody, still works beside them."""
+    with _sum_server(security=own["server", 0]) as server:
+        assert _sum_two(server, [own["worker", 0], own["worker", 1]]).tolist() == [3.0] * 6
+        with pytest.raises(PSError, match="a HELLO as worker 0, but its certificate names "
+                                          "worker 1, not worker 0"):
+            PSClient([server.address], worker=0, workers=2, security=own["worker", 1],
+                     timeout_s=5, connect_timeout_s=5)
+        with pytest.raises(PSError, match="names dc 0, not worker 1"):
+            PSClient([server.address], worker=1, workers=2, security=own["dc", 0],
+                     timeout_s=5, connect_timeout_s=5)
+        assert server.stats()["shards"] == 1 and server.stats()["dead_workers"] == {}
+        assert _sum_two(server, [own["shared", 0], own["worker", 1]]).tolist() == [3.0] * 6
+    with _sum_server(security=own["server", 1]) as server:  # shard 1's, serving shard 0
+        with pytest.raises(PSError, match="is not shard 0: its certificate names server 1"):
+            PSClient([server.address], worker=0, workers=2, security=own["worker", 0],
+                     timeout_s=5, connect_timeout_s=5)
+
+
+def test_a_data_centre_with_its_own_certificate_is_held_to_its_id(free_ports, own):
+    """Gaia leaders with certificates of their own: a peer whose certificate names worker 0
+    says HELLO as data centre 1 and is refused (the leader goes on, and data centre 1's real
+    leader links after it); a leader that holds data centre 1's certificate as data centre 0
+    is refused by the other leader's link to it, naming it."""
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    m0 = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=10, security=own["dc", 0])
+    m0.listen()
+    impostor = own["worker", 0].client_context().wrap_socket(
+        socket.create_connection(leaders[0], timeout=5))
+    send_message(impostor, MessageType.HELLO, worker=1)
+    deadline = time.monotonic() + 5
+    while m0.stats()["protocol_errors"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    impostor.close()
+    assert m0.stats()["protocol_errors"] == 1
+    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=10, security=own["dc", 1])
+    t = threading.Thread(target=m1.start)
+    t.start()
+    m0.start()
+    t.join(10)
+    for m in (m0, m1):
+        m.expect_entries(10)
+    try:
+        got = []
+        m1.clock.finish()
+        m1.publish(1, np.array([4], np.int32), np.array([2.0], np.float32))
+        m0.clock.finish()
+        m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
+        assert got == [([4], [2.0])]
+    finally:
+        m0.close()
+        m1.close()
+
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    wrong = Mirror(dc=0, leaders=leaders, staleness=0, timeout_s=3, security=own["dc", 1])
+    wrong.listen()
+    with pytest.raises(GaiaError, match="is not data centre 0: its certificate names dc 1, "
+                                        "not dc 0"):
+        Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=3,
+               security=own["dc", 1]).start()
+    wrong.close()
 
 
 def test_nothing_listens_beyond_loopback_without_credentials(creds):

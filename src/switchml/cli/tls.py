@@ -6,7 +6,7 @@ import argparse
 
 from switchml.cli.common import Subparsers
 
-__all__ = ["add_parser", "run_init"]
+__all__ = ["add_parser", "run_init", "run_issue"]
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -25,6 +25,22 @@ def add_parser(sub: Subparsers) -> None:
     init.add_argument("dir", help="directory to create (mode 0700)")
     init.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
     init.set_defaults(func=run_init)
+    issue = tsub.add_parser(
+        "issue", help="make one peer's own certificate, naming its id",
+        description="Sign one peer's own certificate with the CA that 'tls init DIR' made: "
+                    "ca.pem, peer.pem and peer.key in DIR/ROLE-ID, which that peer alone "
+                    "loads. The certificate names the peer (URI:switchml:ROLE:ID), and the "
+                    "other side of every link refuses it under any other id: a parameter "
+                    "server checks its workers', a worker its shard's, a Gaia leader the "
+                    "other data centres'. A peer with the shared certificate of 'tls init' "
+                    "may claim any id.")
+    issue.add_argument("dir", help="the directory 'tls init' made (its CA key is in DIR-ca)")
+    issue.add_argument("role", choices=["worker", "server", "dc"],
+                       help="worker: a parameter-server worker; server: a parameter-server "
+                            "shard; dc: a Gaia data centre's leader")
+    issue.add_argument("id", type=int, help="the worker id, shard index or data-centre id")
+    issue.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
+    issue.set_defaults(func=run_issue)
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -34,4 +50,14 @@ def run_init(args: argparse.Namespace) -> int:
     sec = make_credentials(args.dir, days=args.days)
     print(f"made {sec.ca}, {sec.cert} and {sec.key}; the CA's key is in "
           f"{ca_key_dir(args.dir) / 'ca.key'}: keep it off the peers")
+    return 0
+
+
+def run_issue(args: argparse.Namespace) -> int:
+    """``switchml tls issue``: one peer's own certificate in DIR/ROLE-ID."""
+    from switchml.links import issue_credentials
+
+    sec = issue_credentials(args.dir, args.role, args.id, days=args.days)
+    print(f"made {sec.cert} and {sec.key} (with {sec.ca}) for {args.role} {args.id}: give "
+          f"that directory to that peer alone (--tls-dir {sec.cert.parent})")
     return 0

@@ -49,7 +49,13 @@ from switchml.gaia.rules import (
     layout_offsets,
     tensor_of,
 )
-from switchml.links import LinkSecurity, WarningBudget, check_exposure, shutdown_descriptor
+from switchml.links import (
+    LinkSecurity,
+    WarningBudget,
+    check_exposure,
+    identity_conflict,
+    shutdown_descriptor,
+)
 from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
 from switchml.ps.wire import (
@@ -170,6 +176,10 @@ class Mirror:
                     sock.close()
                     raise GaiaError(f"TLS with {self._name(j)} failed (credentials from the "
                                     f"same CA?): {exc}") from exc
+                wrong = identity_conflict(sock, "dc", j)
+                if wrong is not None:
+                    sock.close()
+                    raise GaiaError(f"{self._name(j)} is not data centre {j}: {wrong}")
             send_message(sock, MessageType.HELLO, worker=self.dc)
             self._out[j] = sock
             self._queues[j] = _Outbox()
@@ -293,6 +303,9 @@ class Mirror:
                 self._pending.pop(threading.current_thread(), None)
             if h.type != MessageType.HELLO or not 0 <= h.worker < len(self.leaders):
                 raise GaiaError(f"{h.type.name} (worker field {h.worker}) instead of a HELLO")
+            wrong = identity_conflict(conn, "dc", h.worker)
+            if wrong is not None:
+                raise GaiaError(f"a HELLO as data centre {h.worker}, but {wrong}")
             with self._cond:
                 if h.worker == self.dc or h.worker in self._linked:
                     raise GaiaError(f"a HELLO as data centre {h.worker}, which "

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from switchml.links import LinkSecurity
+from switchml.links import LinkSecurity, identity_conflict
 from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
 from switchml.ps.wire import (
@@ -83,6 +83,10 @@ class PSClient:
                 sock.close()
                 raise PSError(f"TLS with parameter server {self._name(i)} failed (is it "
                               f"started with credentials from the same CA?): {exc}") from exc
+            wrong = identity_conflict(sock, "server", i)
+            if wrong is not None:
+                sock.close()
+                raise PSError(f"parameter server {self._name(i)} is not shard {i}: {wrong}")
         opts = {} if workers is None else {"workers": workers}  # None: the server's count
         send_message(sock, MessageType.HELLO, worker=self.worker,
                      payload=json.dumps(opts).encode())

@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from switchml.links import LinkSecurity, WarningBudget, check_exposure, shutdown_descriptor
+from switchml.links import (
+    LinkSecurity,
+    WarningBudget,
+    check_exposure,
+    identity_conflict,
+    shutdown_descriptor,
+)
 from switchml.protocol.address import format_address
 from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
@@ -374,6 +380,9 @@ class ParameterServer:
                           f"was started for {self.config.workers}")
         if not 0 <= worker < self.config.workers:
             raise PSError(f"worker id {worker} out of range 0..{self.config.workers - 1}")
+        wrong = identity_conflict(conn, "worker", worker)
+        if wrong is not None:
+            raise PSError(f"a HELLO as worker {worker}, but {wrong}")
         with self._cond:
             if worker in self._live:  # refused without cutting the live one off
                 raise PSError(f"worker id {worker} is already connected (from "
