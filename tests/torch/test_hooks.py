@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import hook_procs
 import numpy as np
 import pytest
+from torch_procs import CTX
 
 from switchml.protocol.errors import ConfigError
-
-CTX = mp.get_context("spawn")
 
 
 def _ranks(target, args_of, world: int, timeout: float) -> list:

@@ -1,13 +1,13 @@
-"""Spawn harness and process bodies for the PyTorch backend tests.
+"""Process harness and process bodies for the PyTorch backend tests.
 
-Spawned children import this module by name (pytest puts ``tests/torch`` on ``sys.path`` and the
-spawn start method hands ``sys.path`` to the child), so process bodies live here and in the
-sibling modules (``backend_checks``, ``hybrid_procs``).
+Children import this module by name (pytest puts ``tests/torch`` on ``sys.path``, and the fork
+server that starts them has it), so process bodies live here and in the sibling modules
+(``backend_checks``, ``hybrid_procs``).
 
-Parent side: :class:`Procs` starts processes (``spawn``), tags every one of them with an
-environment variable that their own children (the embedded switch) inherit, gives every wait a
-hard deadline, and on exit kills whatever is left and reports leftover tagged processes, so a
-test can assert that no switch outlived its group.
+Parent side: :class:`Procs` starts processes (from a fork server: ``CTX``), tags every one of
+them with an environment variable that their own children (the embedded switch) inherit, gives
+every wait a hard deadline, and on exit kills whatever is left and reports leftover tagged
+processes, so a test can assert that no switch outlived its group.
 
 Child side: :func:`rank_main` sets ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and
 runs a body ``body(rank, world, q, *args)``; the body's return value (picklable, no tensors:
@@ -32,7 +32,14 @@ from collections.abc import Callable
 from typing import Any
 
 TAG_ENV = "SWITCHML_TORCH_TEST_TAG"
-CTX = mp.get_context("spawn")
+CTX = mp.get_context("forkserver")
+"""Ranks start from a fork server (one clean, single-threaded process, started at the first
+test that needs it) that has torch and switchml imported already: a rank starts in well under
+a second, where a spawned one imported torch afresh (3-4 s of the 2-core machine each). Each
+child takes its parent's environment as it is at the start (``_tagged_entry``), as a spawned
+one would."""
+CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "switchml.torch",
+                            "torch_procs", "backend_checks", "hybrid_procs", "hook_procs"])
 
 
 # -- parent side ---------------------------------------------------------------------------------
@@ -98,7 +105,8 @@ class Procs:
         return self.deadline - time.monotonic()
 
     def start(self, target: Callable[..., Any], *args: Any) -> Any:
-        p = CTX.Process(target=_tagged_entry, args=(self.tag, target, args), daemon=True)
+        p = CTX.Process(target=_tagged_entry, args=(self.tag, dict(os.environ), target, args),
+                        daemon=True)
         p.start()
         self.procs.append(p)
         return p
@@ -184,7 +192,10 @@ class Procs:
 
 # -- child side ----------------------------------------------------------------------------------
 
-def _tagged_entry(tag: str, target: Callable[..., Any], args: tuple) -> None:
+def _tagged_entry(tag: str, environ: dict[str, str], target: Callable[..., Any],
+                  args: tuple) -> None:
+    os.environ.clear()  # the parent's environment now, not the fork server's at its start
+    os.environ.update(environ)
     os.environ[TAG_ENV] = tag
     target(*args)
 
