@@ -22,7 +22,7 @@ from switchml import _switch as C
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.endpoint import exchange
-from switchml.protocol.kernels import aggregate, relay
+from switchml.protocol.kernels import aggregate, nacks, relay, runs
 from switchml.protocol.slots import action_table
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import MessageType
@@ -31,8 +31,8 @@ from switchml.sim.cluster import TreeCluster
 from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
 
 REFERENCE = {
-    "switch_requests": aggregate.switch_requests, "plan_result_runs": aggregate.plan_result_runs,
-    "log_releases": aggregate.log_releases, "request_framing": K.frames.request_framing,
+    "switch_requests": aggregate.switch_requests, "plan_result_runs": runs.plan_result_runs,
+    "log_releases": nacks.log_releases, "request_framing": K.frames.request_framing,
     "relay_up": relay.relay_up, "relay_down": relay.relay_down,
     "relay_next_due": relay.relay_next_due, "relay_due": relay.relay_due,
 }
@@ -158,7 +158,7 @@ def test_plan_result_runs_matches_the_reference(seed):
                     axis=1).astype(np.int64).reshape(n, 3)
     a, b = np.zeros((n, 4), np.int64), np.zeros((n, 4), np.int64)
     na = C.plan_result_runs(pend, n, stride, 8, 1200, a)
-    nb = aggregate.plan_result_runs(pend, n, stride, 8, 1200, b)
+    nb = runs.plan_result_runs(pend, n, stride, 8, 1200, b)
     assert na == nb and np.array_equal(a[:na], b[:nb])
 
 

@@ -27,7 +27,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import BFLOAT16, kernel_view
 from switchml.protocol.endpoint import exchange
-from switchml.protocol.kernels import frames, layout, numerics, stream, timers
+from switchml.protocol.kernels import frames, layout, numerics, runs, stream, timers
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.wire import MessageType
 from switchml.protocol.worker import WorkerEndpoint
@@ -98,7 +98,7 @@ REFERENCE = {
     "fire_timers": lambda st, now: timers.fire_timers(now, *_sending(st), st.sendq,
                                                       st.sendlen, st.picked, keep=st.keep),
     "next_deadline": lambda st: timers.next_deadline(st.lane, st.lanef, st.rtt),
-    "plan_runs": stream.plan_runs,
+    "plan_runs": runs.plan_runs,
     "probe_time": timers.probe_time, "block_exponents": numerics.block_exponents,
     "quantize_block": numerics.quantize_block, "dequantize_block": numerics.dequantize_block,
     "residual_block": numerics.residual_block,
@@ -414,7 +414,7 @@ def test_plan_runs_matches_the_reference(seed):
         a = (np.empty(nq, np.int64), np.empty((nq, 5), np.int64))
         b = (np.empty(nq, np.int64), np.empty((nq, 5), np.int64))
         na = C.plan_runs(sendq, nq, sendlen, stride, shards, 16, 20_000, *a)
-        nb = stream.plan_runs(sendq, nq, sendlen, stride, shards, 16, 20_000, *b)
+        nb = runs.plan_runs(sendq, nq, sendlen, stride, shards, 16, 20_000, *b)
         assert na == nb
         assert np.array_equal(a[0][:nq], b[0][:nq]) and np.array_equal(a[1][:na], b[1][:nb])
 

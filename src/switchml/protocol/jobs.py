@@ -167,7 +167,7 @@ class Job:
         # ``_archive``).
         self.bufs = np.zeros((2 + history, w,
                               HEADER_SIZE + 4 * self.elements_per_packet + trailer), np.uint8)
-        # Loss recovery (kernels.aggregate._behind_on): the last completions, and how far each rank
+        # Loss recovery (kernels.nacks._behind_on): the last completions, and how far each rank
         # has been checked against them.
         self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)
         self.cursor = np.zeros(self.num_workers, np.int64)

@@ -23,7 +23,7 @@ from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import EXP_ZERO, HEADER_SIZE, ElementType, operation_digest
 
-__all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "validate_arrays"]
+__all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
 
 WIRE_BITS = {32: (int(ElementType.INT32), 4), 16: (int(ElementType.INT16), 2)}
 """Wire width in bits -> (element type, bytes per element)."""
@@ -230,3 +230,25 @@ def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.n
     if not out.flags.writeable:
         raise LocalProtocolError("out must be writeable")
     return data.reshape(-1), out.reshape(-1)
+
+
+def check_wire(x: np.ndarray, o: np.ndarray, bits: int, residual: np.ndarray | None
+               ) -> np.ndarray | None:
+    """Check ``bits`` and ``residual`` against the data; return the flat residual."""
+    if bits not in WIRE_BITS:
+        raise LocalProtocolError(f"bits must be 32 or 16, got {bits}")
+    if bits != 32 and not is_float(x.dtype):
+        raise LocalProtocolError(f"bits={bits} is for float data; {x.dtype} is summed exactly "
+                                 "in 32 bits")
+    if residual is None:
+        return None
+    if (not isinstance(residual, np.ndarray) or residual.dtype.kind != "f"
+            or residual.size != x.size or not residual.flags.c_contiguous
+            or not residual.flags.writeable or not is_float(x.dtype)):
+        raise LocalProtocolError("residual must be a writeable C-contiguous float array "
+                                 "of data's size, for float data")
+    if np.may_share_memory(residual, x) or np.may_share_memory(residual, o):
+        # the kernels write it as they send: a re-send re-quantizes data, and a result
+        # lands in out
+        raise LocalProtocolError("residual must not share memory with data or out")
+    return residual.reshape(-1)

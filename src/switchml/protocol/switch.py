@@ -24,8 +24,9 @@ ahead of another on any slot, and a retransmission always finds its round or its
 
 Jobs are isolated: a datagram naming an unknown job, a wrong token, a rank outside the job, an
 address other than the one the rank joined from, or a slot outside the job's range is dropped and
-counted before it touches any state. The control plane (JOIN, LEAVE, KEEPALIVE) is
-``switch_control.py``, a base class of the switch.
+counted before it touches any state (``_admit``). The control plane (JOIN, LEAVE, KEEPALIVE)
+and those checks are ``switch_control.py``; the counters and job states, ``switch_stats.py``:
+base classes of the switch.
 
 Buffers: a result datagram is a memoryview of the slot's own buffer (header + accumulator), so
 multicasting costs no copy. It stays valid until the next receive call (``receive_datagram``,
@@ -41,31 +42,26 @@ import functools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
-from switchml.protocol.auth import Challenges, job_key, seal_reply
+from switchml.protocol.auth import Challenges, job_key
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobRemoved
-from switchml.protocol.jobs import Job, SlotAllocator, bitmap
+from switchml.protocol.jobs import Job, SlotAllocator
 from switchml.protocol.slots import action_table
 from switchml.protocol.switch_control import SwitchControl
 from switchml.protocol.switch_replies import SwitchReplies
+from switchml.protocol.switch_stats import SwitchStats
 from switchml.protocol.wire import (
     AT,
-    EXP_ZERO,
     HEADER,
     HEADER_SIZE,
-    MAGIC,
-    VERSION,
-    ControlInfo,
     Datagram,
-    ElementType,
     Field,
     MessageType,
     unpack_header,
@@ -73,17 +69,12 @@ from switchml.protocol.wire import (
 
 __all__ = ["SlotAllocator", "SwitchDataplane"]
 
-_UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
 _JOB_AT = AT["job"]
 HOT_JOBS = 4
 """Jobs a transport's compiled loop takes requests of at once (``fast_path_state``)."""
-_BYTES = int(ElementType.BYTES)
 
 _HALF = 2**31
 _MASK32 = 2**32 - 1
-_KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
-                 ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE),
-                 ("duplicate", K.SC.DUPLICATE))
 
 
 def _next_expiry(job: Job) -> float:
@@ -102,7 +93,7 @@ def _next_expiry(job: Job) -> float:
     return (int(st[K.S.OPENED_AT][ready].min()) + d) * 1e-6
 
 
-class SwitchDataplane(SwitchReplies, SwitchControl):
+class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
     """Aggregate chunks for many jobs; the sans-I/O switch.
 
     Drive it with the Endpoint contract: after ``receive_datagram`` or ``handle_timer``, drain
@@ -376,7 +367,7 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
 
     def _queue_replies(self, job: Job, n: int) -> None:
         """Send the replies the kernel wrote (``_reply_rows``, each to one rank): NACKs (the
-        switch lacks an earlier chunk of the rank's: ``kernels.aggregate._behind_on`` found
+        switch lacks an earlier chunk of the rank's: ``kernels.nacks._behind_on`` found
         it), RESENT results and WAITING (answers to re-sent requests)."""
         rows, members = self._reply_rows, job.members
         for k, (rank, length) in enumerate(self._reply_meta[:n].tolist()):
@@ -576,96 +567,6 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None
 
-    # -- Introspection -----------------------------------------------------------------------
-
-    @property
-    def jobs(self) -> dict[int, ControlInfo]:
-        """Job id -> geometry of every live job."""
-        return {j.job_id: j.info for j in self._jobs.values()}
-
-    @property
-    def drops(self) -> Counter[str]:
-        """A snapshot of the dropped datagrams by reason (``bad_magic``, ``unknown_job``,
-        ``bad_token``, ``stale``, ...)."""
-        return K.counter_snapshot(self._drops, self._cnt, _KERNEL_DROPS)
-
-    @property
-    def results_multicast(self) -> int:
-        return int(self._cnt[K.SC.MULTICAST])
-
-    @property
-    def rounds_abandoned(self) -> int:
-        return int(self._cnt[K.SC.ABANDONED])
-
-    @property
-    def results_resent(self) -> int:
-        """Re-sent requests into complete rounds, answered with the stored result."""
-        return int(self._cnt[K.SC.RESULTS_RESENT])
-
-    @property
-    def waiting_sent(self) -> int:
-        return int(self._cnt[K.SC.WAITING_SENT])
-
-    @property
-    def nacks_sent(self) -> int:
-        return int(self._cnt[K.SC.NACKS])
-
-    @property
-    def nacks_needless(self) -> int:
-        """Re-sends for a NACK that found their chunk already in (it was reordered)."""
-        return int(self._cnt[K.SC.NACKS_NEEDLESS])
-
-    def stats(self) -> dict[str, object]:
-        """A snapshot of the counters (for logs, ``switchml stats`` and tests)."""
-        return {
-            "packets_in": self.packets_in,
-            "packets_out": self.packets_out,
-            "results_multicast": self.results_multicast,
-            "results_resent": self.results_resent,
-            "late_contributions": int(self._cnt[K.SC.LATE_ANSWERED]),
-            "old_results_answered": int(self._cnt[K.SC.OLD_ANSWERED]),
-            "rounds_completed_at_deadline": int(self._cnt[K.SC.DEADLINE_COMPLETED]),
-            "waiting_sent": self.waiting_sent,
-            "mismatch_sent": self.mismatch_sent,
-            "nacks_sent": self.nacks_sent,
-            "nacks_needless": self.nacks_needless,
-            "challenges_sent": self.challenges_sent,
-            "rounds_abandoned": self.rounds_abandoned,
-            "drops": dict(self.drops),
-            "jobs": len(self._jobs),
-            "slots_in_use": self.config.pool_slots - self.allocator.free_slots,
-            "elements_aggregated": {j.job_id: j.elements_aggregated for j in self._jobs.values()},
-            "nack_gaps": {j.job_id: int(j.jobv[K.J.NACK_GAP]) for j in self._jobs.values()},
-            "memory_bytes": sum(j.memory_bytes() for j in self._jobs.values()),
-        }
-
-    def job_states(self, now: float) -> list[dict[str, Any]]:
-        """What each live job is doing, for ``switchml top`` and the metrics: its ranks and
-        joined members, its open rounds (slot sets holding some contributions and waiting for
-        others), and per rank missing from any of them how many it is missing from and how
-        long ago it last sent anything (``None``: never)."""
-        out = []
-        for job in self._jobs.values():
-            open_ = (job.st[K.S.SEQ] >= 0) & (job.st[K.S.MISSING] > 0)
-            missing: Counter[int] = Counter()
-            for v, s in zip(*np.nonzero(open_)):
-                absent = job.all_ranks & ~bitmap(job.seen[v, s])
-                missing.update(r for r in range(job.num_workers) if absent >> r & 1)
-            silent = {r: (None if not np.isfinite(job.heard[r]) else
-                          max(0.0, now - float(job.heard[r]))) for r in sorted(missing)}
-            out.append({"job": job.job_id, "ranks": job.num_workers,
-                        "members": sum(m is not None for m in job.members),
-                        "window": job.window, "open_rounds": int(open_.sum()),
-                        "quorum": job.quorum or job.num_workers,
-                        "elements_aggregated": job.elements_aggregated,
-                        "waiting_for": dict(sorted(missing.items())), "silent_s": silent})
-        return out
-
-    def job_buffers(self, job_id: int) -> np.ndarray | None:
-        """The result buffers ``[set, slot, byte]`` of a live job (a relay reads them)."""
-        job = self._jobs.get(job_id)
-        return None if job is None else job.bufs
-
     def remove_job(self, job_id: int, reason: str) -> bool:
         """Forget a job and free its slots (operator action or last LEAVE)."""
         job = self._jobs.pop(job_id, None)
@@ -684,64 +585,3 @@ class SwitchDataplane(SwitchReplies, SwitchControl):
         self._removed[job_id] = self._now
         self._events.append(JobRemoved(job_id, reason))
         return True
-
-    # -- Data --------------------------------------------------------------------------------
-
-    def _admit(self, f: tuple, addr: Address, now: float) -> Job | None:
-        """The isolation checks of a REQUEST (``f``: its header tuple), before it touches any
-        slot: its job, token, rank, the address the rank joined from, and its epoch. Returns
-        the job, or None when the request was dropped (and answered, where that helps).
-
-        The kernel repeats the job, token, rank and epoch checks for the datagrams after the
-        first of a buffer (a GRO buffer has one sender address, so one member check holds)."""
-        rank, job_id, token, seq = f[Field.RANK], f[Field.JOB], f[Field.TOKEN], f[Field.SEQ]
-        job = self._jobs.get(job_id)
-        if job is None:
-            self._drops["unknown_job"] += 1
-            self._unknown_job(f, addr)
-            return None
-        if token != job.token:
-            # Answered as an unknown job is: to whoever does not hold the token, a live job
-            # id and an unused one look the same.
-            self._drops["bad_token"] += 1
-            self._unknown_job(f, addr)
-            return None
-        if rank >= job.num_workers:
-            self._drops["bad_rank"] += 1
-            return None
-        member = job.members[rank]
-        if member != addr:
-            if member is None:
-                # Right token, but this rank has not joined this incarnation of the job (the
-                # switch restarted, or its lease expired and another rank re-created it).
-                self._drops["not_joined"] += 1
-                self._unknown_job(f, addr)
-            else:
-                self._drops["wrong_source"] += 1
-            return None
-        min_seq = job.min_seq
-        if min_seq is not None and ((seq - min_seq) & _MASK32) >= _HALF:
-            self._drops["stale_epoch"] += 1  # from before a restart: tell it to catch up
-            self._unknown_job(f, addr)
-            return None
-        job.last_seen = now
-        job.heard[rank] = now
-        job.started = True
-        return job
-
-    def _unknown_job(self, f: tuple, addr: Address) -> None:
-        """Answer with UNKNOWN_JOB: a header-only echo, sealed under the key of the job and
-        token it names (its tag in the header: never larger than the request)."""
-        self._out.append((seal_reply(self._reply_key(f[Field.JOB], f[Field.TOKEN]), HEADER.pack(
-            MAGIC, VERSION, _UNKNOWN_JOB, 0, f[Field.SET], f[Field.RANK], f[Field.JOB],
-            f[Field.TOKEN], f[Field.SEQ], 0, 0, 0, _BYTES, 0, EXP_ZERO, EXP_ZERO)), addr))
-
-    def _reply_key(self, job_id: int, token: int) -> bytes:
-        """The key a reply about (``job_id``, ``token``) is sealed under (``auth.seal_reply``):
-        the live job's, or, for a job id this switch does not hold under that token, the
-        key derived from them (remembered for the last 256 of them: a stranger's flood of
-        one id costs one derivation)."""
-        job = self._jobs.get(job_id)
-        if job is not None and job.token == token:
-            return job.key
-        return self._strangers_key(job_id, token)

@@ -25,6 +25,7 @@ from switchml.protocol.wire import (
     ControlInfo,
     Datagram,
     ElementType,
+    Field,
     Header,
     MessageType,
     pack_challenge,
@@ -312,3 +313,45 @@ class SwitchControl:
             return
         job.last_seen = now
         job.heard[h.rank] = now
+
+    def _admit(self, f: tuple, addr: Address, now: float) -> Job | None:
+        """The isolation checks of a REQUEST (``f``: its header tuple), before it touches any
+        slot: its job, token, rank, the address the rank joined from, and its epoch. Returns
+        the job, or None when the request was dropped (and answered, where that helps).
+
+        The kernel repeats the job, token, rank and epoch checks for the datagrams after the
+        first of a buffer (a GRO buffer has one sender address, so one member check holds)."""
+        rank, job_id, token, seq = f[Field.RANK], f[Field.JOB], f[Field.TOKEN], f[Field.SEQ]
+        job = self._jobs.get(job_id)
+        if job is None:
+            self._drops["unknown_job"] += 1
+            self._unknown_job(f, addr)
+            return None
+        if token != job.token:
+            # Answered as an unknown job is: to whoever does not hold the token, a live job
+            # id and an unused one look the same.
+            self._drops["bad_token"] += 1
+            self._unknown_job(f, addr)
+            return None
+        if rank >= job.num_workers:
+            self._drops["bad_rank"] += 1
+            return None
+        member = job.members[rank]
+        if member != addr:
+            if member is None:
+                # Right token, but this rank has not joined this incarnation of the job (the
+                # switch restarted, or its lease expired and another rank re-created it).
+                self._drops["not_joined"] += 1
+                self._unknown_job(f, addr)
+            else:
+                self._drops["wrong_source"] += 1
+            return None
+        min_seq = job.min_seq
+        if min_seq is not None and ((seq - min_seq) & _MASK32) >= _HALF:
+            self._drops["stale_epoch"] += 1  # from before a restart: tell it to catch up
+            self._unknown_job(f, addr)
+            return None
+        job.last_seen = now
+        job.heard[rank] = now
+        job.started = True
+        return job

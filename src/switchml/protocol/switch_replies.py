@@ -1,7 +1,9 @@
 """The switch's answers to what its kernel leaves to Python: chunks that disagree with their
-round (MISMATCH, to both sides), and a re-sent request into a round that has refused ranks.
-The kernel answers the other re-sent requests itself (``kernels.aggregate._answer_resend``:
-the stored result again, marked RESENT, or WAITING, naming the ranks still missing).
+round (MISMATCH, to both sides), a re-sent request into a round that has refused ranks, or
+that waits for a gone rank (WAITING, sealed), and a request for a job it does not hold
+(UNKNOWN_JOB, sealed: docs/protocol.md, "Sealed replies"). The kernel answers the other
+re-sent requests itself (``kernels.aggregate._answer_resend``: the stored result again,
+marked RESENT, or WAITING, naming the ranks still missing).
 
 Part of :class:`~switchml.protocol.switch.SwitchDataplane` (a base class of it, as
 ``switch_control.py`` is): rare events, handled in plain Python datagram by datagram
@@ -11,6 +13,7 @@ Part of :class:`~switchml.protocol.switch.SwitchDataplane` (a base class of it, 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,7 +22,12 @@ from switchml.protocol.auth import seal_reply
 from switchml.protocol.jobs import Job, bitmap, store_bitmap
 from switchml.protocol.kernels.layout import SC, J
 from switchml.protocol.wire import (
+    EXP_ZERO,
+    HEADER,
+    MAGIC,
+    VERSION,
     ChunkShape,
+    ElementType,
     Field,
     Flags,
     Header,
@@ -31,6 +39,8 @@ from switchml.protocol.wire import (
 __all__ = ["SwitchReplies"]
 
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
+_UNKNOWN_JOB = int(MessageType.UNKNOWN_JOB)
+_BYTES = int(ElementType.BYTES)
 
 
 class SwitchReplies:
@@ -41,6 +51,8 @@ class SwitchReplies:
     _drops: Counter[str]
     _cnt: np.ndarray
     _now: float
+    _jobs: dict[int, Job]
+    _strangers_key: Callable[[int, int], bytes]
     mismatch_sent: int
 
     def _mismatch(self, job: Job, f: tuple, addr: Address, refused: ChunkShape | None) -> None:
@@ -114,3 +126,20 @@ class SwitchReplies:
         self._mismatch(job, f, addr, ChunkShape(f[Field.COUNT], f[Field.ELEM],
                                                 f[Field.FLAGS] & _SHAPE_FLAGS,
                                                 f[Field.EXP_DATA], f[Field.DIGEST]))
+
+    def _unknown_job(self, f: tuple, addr: Address) -> None:
+        """Answer with UNKNOWN_JOB: a header-only echo, sealed under the key of the job and
+        token it names (its tag in the header: never larger than the request)."""
+        self._out.append((seal_reply(self._reply_key(f[Field.JOB], f[Field.TOKEN]), HEADER.pack(
+            MAGIC, VERSION, _UNKNOWN_JOB, 0, f[Field.SET], f[Field.RANK], f[Field.JOB],
+            f[Field.TOKEN], f[Field.SEQ], 0, 0, 0, _BYTES, 0, EXP_ZERO, EXP_ZERO)), addr))
+
+    def _reply_key(self, job_id: int, token: int) -> bytes:
+        """The key a reply about (``job_id``, ``token``) is sealed under (``auth.seal_reply``):
+        the live job's, or, for a job id this switch does not hold under that token, the
+        key derived from them (remembered for the last 256 of them: a stranger's flood of
+        one id costs one derivation)."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.token == token:
+            return job.key
+        return self._strangers_key(job_id, token)

@@ -25,7 +25,9 @@ with no progress for ``op_timeout_s`` fails with a reason naming the switch (no 
 or the silent ranks (the switch said, in WAITING replies, who has not contributed). After a
 failed operation the endpoint is in ``ERROR``: the job's slot state can no longer be trusted,
 so a new job must be joined. Joining, rejoining, keep-alives and leaving are
-``worker_control.py``, a base class of the endpoint.
+``worker_control.py``; the switch's other answers (WAITING, NACK, MISMATCH) and the sealed-reply
+check, ``worker_replies.py``; a quorum job's results kept for a rank behind,
+``worker_ahead.py``: base classes of the endpoint.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import job_key, reply_sealed
+from switchml.protocol.auth import job_key
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float
+from switchml.protocol.dtypes import SUPPORTED_DTYPES
 from switchml.protocol.endpoint import Batch, Transmit
-from switchml.protocol.errors import ConfigError, LocalProtocolError, WireError
+from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.events import (
     Event,
     Left,
@@ -49,32 +51,16 @@ from switchml.protocol.events import (
     OperationCompleted,
 )
 from switchml.protocol.lifecycle import WorkerInput, WorkerState, can, next_state
-from switchml.protocol.operation import WIRE_BITS, Operation, validate_arrays
+from switchml.protocol.operation import Operation, check_wire, validate_arrays
 from switchml.protocol.recovery import LossRecovery
-from switchml.protocol.wire import (
-    AT,
-    HEADER_SIZE,
-    MAGIC,
-    RESULT_FLAGS,
-    SEALED_TYPES,
-    VERSION,
-    Datagram,
-    Flags,
-    Header,
-    MessageType,
-    unpack_header,
-    unpack_mismatch,
-    unpack_payload,
-)
+from switchml.protocol.wire import Datagram, MessageType
+from switchml.protocol.worker_ahead import WorkerAhead
 from switchml.protocol.worker_control import EPOCH_SEQ_STRIDE, ControlRetry, WorkerControl
+from switchml.protocol.worker_replies import WorkerReplies
 
 __all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerEndpoint",
            "WorkerState", "validate_arrays"]
 
-_MASK32 = 0xFFFFFFFF
-_HALF = 1 << 31
-_HDR = HEADER_SIZE
-_MAGIC, _VERSION, _RESULT_FLAGS = MAGIC, VERSION, RESULT_FLAGS
 
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
 _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
@@ -98,7 +84,7 @@ RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_prob
 them summed over the workers)."""
 
 
-class WorkerEndpoint(WorkerControl):
+class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
     """One rank of a job: join, run all-reduce operations one at a time, leave.
 
     Endpoint contract (``protocol/endpoint.py``): after every call that takes ``now``, drain
@@ -211,7 +197,7 @@ class WorkerEndpoint(WorkerControl):
         if not can(self.state, WorkerInput.START):
             next_state(self.state, WorkerInput.START, self.error or "")  # raises
         x, o = validate_arrays(data, out)
-        residual = self._check_wire(x, o, bits, residual)
+        residual = check_wire(x, o, bits, residual)
         # In place, the kernels keep each input block as they send it (a restart needs the
         # input, and results overwrite it), in a buffer this endpoint keeps.
         keep = (self._keep_buffer(x) if self.config.max_restarts and np.may_share_memory(x, o)
@@ -243,28 +229,6 @@ class WorkerEndpoint(WorkerControl):
             self._kept = np.empty(x.nbytes, np.uint8)
         return self._kept[:x.nbytes].view(x.dtype)
 
-    @staticmethod
-    def _check_wire(x: np.ndarray, o: np.ndarray, bits: int, residual: np.ndarray | None
-                    ) -> np.ndarray | None:
-        """Check ``bits`` and ``residual`` against the data; return the flat residual."""
-        if bits not in WIRE_BITS:
-            raise LocalProtocolError(f"bits must be 32 or 16, got {bits}")
-        if bits != 32 and not is_float(x.dtype):
-            raise LocalProtocolError(f"bits={bits} is for float data; {x.dtype} is summed exactly "
-                                     "in 32 bits")
-        if residual is None:
-            return None
-        if (not isinstance(residual, np.ndarray) or residual.dtype.kind != "f"
-                or residual.size != x.size or not residual.flags.c_contiguous
-                or not residual.flags.writeable or not is_float(x.dtype)):
-            raise LocalProtocolError("residual must be a writeable C-contiguous float array "
-                                     "of data's size, for float data")
-        if np.may_share_memory(residual, x) or np.may_share_memory(residual, o):
-            # the kernels write it as they send: a re-send re-quantizes data, and a result
-            # lands in out
-            raise LocalProtocolError("residual must not share memory with data or out")
-        return residual.reshape(-1)
-
     def _begin(self, op: Operation, now: float) -> None:
         """Make ``op`` the operation in flight and send its first window."""
         if self._op is not None:
@@ -278,25 +242,6 @@ class WorkerEndpoint(WorkerControl):
                 self.recovery.on_sent(op, i, now)
         if self._ahead:
             self._take_ahead(op, now)
-
-    def _take_ahead(self, op: Operation, now: float, drop_older: bool = True) -> None:
-        """A quorum job's rank that fell behind: the results of ``op`` the switch multicast
-        before this rank needed them go through the results kernel now, in chunk order (each
-        releases its lane's next chunk, whose result follows). Kept results of earlier
-        operations are dropped (``drop_older``)."""
-        mine = self._ahead.pop(op.seq, [])
-        for seq in [s for s in self._ahead if drop_older and ((op.seq - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
-        if not mine:
-            return
-        self._ahead_bytes -= sum(int(p[2].sum()) for p in mine)
-        buf = np.concatenate([p[0] for p in mine])
-        offsets = np.cumsum([0] + [p[0].size for p in mine[:-1]])
-        starts = np.concatenate([p[1] + o for p, o in zip(mine, offsets)])
-        lens = np.concatenate([p[2] for p in mine])
-        order = np.argsort(np.concatenate([p[3] for p in mine]), kind="stable")
-        self._counters["results_taken_ahead"] += int(order.size)
-        self._receive(buf, starts[order], lens[order], int(order.size), now)
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -512,24 +457,6 @@ class WorkerEndpoint(WorkerControl):
         if op is not None and not self._feeding and self._ahead.get(op.seq):
             self._feed_kept(op, now)
 
-    def _feed_kept(self, op: Operation, now: float) -> None:
-        """Kept results of the operation in flight whose lane has reached their chunk go
-        through the results kernel, in chunk order (each releases its lane's next chunk,
-        whose kept result may follow): a rank the quorum left behind catches up from what it
-        was multicast. The kernel hands back those still ahead, kept again."""
-        self._feeding = True
-        try:
-            while self._op is op and (pieces := self._ahead.get(op.seq)):
-                chunks = np.concatenate([p[3] for p in pieces])
-                if not (op.lane[K.LN.CHUNK][chunks % op.E] == chunks).any():
-                    return
-                before = int(self._cnt[K.WC.RESULTS])
-                self._take_ahead(op, now, drop_older=False)
-                if int(self._cnt[K.WC.RESULTS]) == before:
-                    return
-        finally:
-            self._feeding = False
-
     def _receive_batch(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                        count: int, now: float) -> None:
         """``_receive``'s loop."""
@@ -583,34 +510,6 @@ class WorkerEndpoint(WorkerControl):
         elif code == K.WS.OP_COMPLETE:
             self._complete(op, now)
 
-    def _receive_other(self, data: Datagram, now: float) -> None:
-        """Any datagram but a result of the operation in flight (control, errors, strays)."""
-        try:
-            h = unpack_header(data)
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        if h.job != self.spec.job_id or h.token != self.spec.token:
-            self._drops["foreign"] += 1
-            return
-        handler = self._handlers.get(h.type)
-        if handler is None:
-            self._drops["unexpected_type"] += 1
-            return
-        if ((h.type in SEALED_TYPES and h.type is not MessageType.WAITING
-             or h.flags & Flags.AUTH) and not reply_sealed(self._key, data, h)):
-            # Not the switch's (a stranger who knows the token, even from the switch's own
-            # address): it must not restart, fail or redirect anything. (A WAITING that
-            # names no gone rank is a hint, and comes from the compiled loop unsealed.)
-            self._drops["unauthenticated_reply"] += 1
-            if h.type is MessageType.REFUSED:  # kept for the JOIN's timeout to quote: the
-                # switch seals a refusal under the key of ITS secret, which a worker given
-                # another secret cannot verify
-                self._unsealed_refusal = bytes(unpack_payload(data, h))[:200].decode(
-                    "utf-8", "replace")
-            return
-        handler(h, data, now)
-
     def _complete(self, op: Operation, now: float) -> None:
         """The operation's last result arrived (the kernel took it)."""
         self._spill(op)
@@ -621,146 +520,6 @@ class WorkerEndpoint(WorkerControl):
         self._keepalive_at = now + self.config.keepalive_s
         self._counters["operations_completed"] += 1
         self._events.append(OperationCompleted(op.seq, op.contrib, op.k))
-
-    def _current_op(self, h: Header, stale: str) -> Operation | None:
-        """The operation in flight if ``h`` is about it; else count ``stale`` and None."""
-        op = self._op
-        if op is None or h.seq != op.seq or self.state is not WorkerState.BUSY:
-            self._drops[stale] += 1
-            return None
-        return op
-
-    def _handle_stray_result(self, h: Header, data: Datagram, now: float) -> None:
-        """A result while no operation is in flight, or one the kernel did not take: in a
-        quorum job, one of an operation this rank has not started yet is kept for it (the
-        others went on without this rank: ``_take_ahead``); anything else is stale."""
-        if (self.spec.quorum and h.flags & Flags.CONTRIBUTORS
-                and ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD):
-            raw = np.frombuffer(bytes(data), np.uint8)
-            one = np.zeros(1, np.int64)
-            self._store_ahead(raw, one, one + raw.size, one + h.seq, one + h.chunk)
-            return
-        self._drops["stale_result"] += 1
-
-    def _keep_ahead(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, i: int,
-                    count: int) -> np.ndarray | None:
-        """The results of later operations among datagrams ``i`` .. ``count - 1`` of a batch
-        (a quorum job's rank behind the others gets them by multicast): checked and kept all
-        at once, with numpy, not one by one. Returns the mask of the other datagrams (what
-        the caller goes on with), or None when there were none."""
-        s, ln = starts[i:count], lens[i:count]
-        trailer = (self.spec.num_workers + 7) // 8
-        at = np.where(ln >= _HDR, s, 0)  # (a short datagram's fields are read from 0: masked)
-
-        def u(off: int, width: int) -> np.ndarray:
-            v = np.zeros(at.size, np.uint64)
-            for b in range(width):
-                v |= buf[at + off + b].astype(np.uint64) << np.uint64(8 * b)
-            return v
-
-        flags, elem = buf[at + AT["flags"]], buf[at + AT["elem"]]
-        isz = np.where(elem == 1, 4, np.where(elem == 2, 2, 0))
-        seq = u(AT["seq"], 4).astype(np.int64)
-        chunk = u(AT["chunk"], 4).astype(np.int64)
-        ahead = ((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD  # a later operation
-        op = self._op
-        if op is not None and self.state is WorkerState.BUSY:  # this one, a lane's later chunk
-            reached = op.lane[K.LN.CHUNK][chunk % op.E]
-            ahead |= (seq == op.seq) & (chunk < op.T) & (reached >= 0) & (reached < chunk)
-        ok = ((ln >= _HDR) & (u(AT["magic"], 2) == _MAGIC) & (buf[at + AT["version"]] == _VERSION)
-              & (buf[at + AT["type"]] == int(MessageType.RESULT))
-              & ((flags & (0xFF ^ _RESULT_FLAGS)) == 0) & ((flags & int(Flags.CONTRIBUTORS)) != 0)
-              & (buf[at + AT["set"]] <= 1) & (isz > 0)
-              & (u(AT["job"], 4) == self.spec.job_id) & (u(AT["token"], 8) == self.spec.token)
-              & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer) & ahead)
-        if not ok.any():
-            return None
-        s, ln = s[ok], ln[ok]
-        # One copy of the span they lie in (a receive batch is one buffer, mostly of them):
-        # a memcpy, where gathering datagram by datagram cost more than the step's compute.
-        lo = int(s.min())
-        blob = buf[lo:int((s + ln).max())].copy()
-        self._store_ahead(blob, s - lo, ln.copy(), seq[ok], chunk[ok])
-        return ~ok
-
-    def _store_ahead(self, blob: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-                     seqs: np.ndarray, chunks: np.ndarray) -> None:
-        """Keep results (``blob[starts[j]:][:lens[j]]``, of operation ``seqs[j]``, chunk
-        ``chunks[j]``) for when this rank starts their operations, within
-        ``quorum_keep_bytes``."""
-        size = int(lens.sum())  # (counted by the results: a blob may hold others between them)
-        if self._ahead_bytes + size > self.config.quorum_keep_bytes:
-            self._drops["ahead_dropped"] += int(starts.size)
-            return
-        self._ahead_bytes += size
-        self._counters["results_kept_ahead"] += int(starts.size)
-        for seq in np.unique(seqs).tolist():
-            pick = seqs == seq
-            self._ahead.setdefault(seq, []).append(
-                (blob, starts[pick], lens[pick], chunks[pick]) if not pick.all()
-                else (blob, starts, lens, chunks))
-
-    def _handle_waiting(self, h: Header, data: Datagram, now: float) -> None:
-        op = self._current_op(h, "stale_result")
-        if op is None:
-            return
-        self._counters["waiting_received"] += 1
-        raw = bytes(unpack_payload(data, h))
-        nb = (self.spec.num_workers + 7) // 8
-        missing = int.from_bytes(raw[:nb], "little")
-        self.recovery.on_waiting(op, h.chunk, missing, now)
-        gone = int.from_bytes(raw[nb:2 * nb], "little") & missing
-        if gone and not h.flags & Flags.AUTH:  # only a sealed WAITING names gone ranks
-            self._drops["unauthenticated_gone"] += 1
-            gone = 0
-        n, quorum = self.spec.num_workers, self.spec.quorum
-        if gone and quorum is not None and n - gone.bit_count() >= quorum:
-            # A quorum job: the ranks still alive can complete the round without the gone
-            # ones (the round has the others' chunks, or will).
-            self._counters["waiting_for_gone_ranks"] += 1
-        elif gone:
-            ranks = [r for r in range(self.spec.num_workers) if gone >> r & 1]
-            self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): "
-                       f"the switch at {self._switch_text} waits for rank(s) {ranks}, which "
-                       "it has heard nothing from for longer than its member timeout (no "
-                       "request, no keep-alive) or which are no longer members: gone (dead, "
-                       "or left); the operation cannot complete")
-
-    def _handle_nack(self, h: Header, data: Datagram, now: float) -> None:
-        """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send
-        what is outstanding on its lane now, by the kernel's rule (``kernels.take_nack``; the
-        results kernel answers the NACKs it finds itself, without RACK). Like a RACK re-send,
-        it does not back the lane's timeout off."""
-        op = self._current_op(h, "stale_nack")
-        if op is None:
-            return
-        p = int(K.take_nack(op.state, h.chunk, h.slot, now))
-        if p >= 0:
-            i = self._send_chunk(op, p, now, retransmit=True, fast=True)
-            K.mark_nack_resend(op.state, i, p, h.chunk)
-
-    def _handle_mismatch(self, h: Header, data: Datagram, now: float) -> None:
-        """The ranks disagree about a chunk of this operation: it can never complete; fail now."""
-        op = self._current_op(h, "stale_result")
-        if op is None:
-            return
-        try:
-            m = unpack_mismatch(unpack_payload(data, h))
-        except WireError as exc:
-            self._drops[exc.reason] += 1
-            return
-        ranks = [r for r in range(self.spec.num_workers) if m.ranks >> r & 1]
-        self._counters["mismatch_received"] += 1
-        if m.theirs.digest != m.mine.digest:
-            what = (f"rank(s) {ranks} are in another operation (digest 0x{m.theirs.digest:02x}; "
-                    f"this rank's, 0x{m.mine.digest:02x}, is {op.describe()}): another size, "
-                    "float against integer data, or other bits")
-        else:
-            what = (f"about chunk {h.chunk}, rank(s) {ranks} sent {m.theirs.describe()}; this "
-                    f"rank sent {m.mine.describe()} ({op.describe()})")
-        self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): the ranks "
-                   f"disagree: {what}. Every rank must issue the same operations, with the "
-                   "same size, dtype and bits, in the same order", disagree=True)
 
     # -- Timers and failure ------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed
 from switchml.protocol.worker import RECOVERY_COUNTERS, WorkerEndpoint
 from switchml.sim.cluster import SPINE, TreeCluster, rack_address, worker_address
 from switchml.sim.config import IP_UDP_BYTES, SimConfig, SimLink
-from switchml.sim.timing import LinkStats, SimReport
+from switchml.sim.report import LinkStats, SimReport
 from switchml.transport.engine import EventEngine
 
 __all__ = ["ExactNetwork", "run_exact"]

@@ -18,7 +18,8 @@ from typing import Any
 from switchml.protocol.errors import ConfigError
 from switchml.sim.config import LinkFailure, SimConfig, SimLink
 from switchml.sim.exact import run_exact
-from switchml.sim.timing import SimReport, run_timing
+from switchml.sim.report import SimReport
+from switchml.sim.timing import run_timing
 
 __all__ = ["compare_with_testbed", "format_table", "parse_failure", "plot_reports",
            "run_config", "write_json"]

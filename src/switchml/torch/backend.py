@@ -39,7 +39,6 @@ import secrets
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -48,11 +47,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env
-from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.control import decode_job_spec, encode_job_spec
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
-from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import SwitchMLError
-from switchml.protocol.wire import elements_for_mtu
 from switchml.torch import flight
 from switchml.torch.embedded import (
     EMBEDDED,
@@ -63,6 +61,7 @@ from switchml.torch.embedded import (
 )
 from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.flight import FlightRecorder
+from switchml.torch.jobspec import job_spec_for_ranks, local_ranks
 from switchml.torch.staging import HALF, StagedTensor, StagingPool, wire_bits
 from switchml.torch.works import (
     SwitchMLWork,
@@ -89,7 +88,6 @@ _STORE_JOB_KEY = "switchml/job"
 _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
 _SUPPORTED = {torch.float32, torch.float64, torch.int32, torch.int64} | HALF
-
 
 
 class SwitchMLProcessGroup(dist.ProcessGroup):
@@ -454,36 +452,6 @@ def _resolve_switch(store: dist.Store, rank: int
     return (address,), store.get(f"{key}/secret"), False
 
 
-def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = None,
-                       elements_per_packet: int | None = None,
-                       quorum: int | None = None, quorum_min: int | None = None,
-                       quorum_deadline_s: float | None = None) -> JobSpec:
-    """A new switch job for ``size`` ranks whose MTUs towards the switch are ``mtus``.
-
-    Chunks fit the smallest MTU of any rank (no IP fragmentation on any path), unless
-    ``elements_per_packet`` or ``SWITCHML_ELEMENTS_PER_PACKET`` says otherwise; the window is
-    ``window``, else ``SWITCHML_WINDOW``, else :func:`switchml.control.new_job_spec`'s default for
-    the chunk size. Called by the group's rank 0, which shares the result with the others.
-    ``quorum``, ``quorum_min``, ``quorum_deadline_s``: ``JobSpec``'s (with a quorum, chunks
-    leave room for the results' bitmap).
-    """
-    trailer = (size + 7) // 8 if quorum else 0
-    k = (elements_per_packet or env.elements_per_packet()
-         or elements_for_mtu(min(mtus), trailer=trailer))
-    spec = new_job_spec(size, window=window if window is not None else env.window(),
-                        elements_per_packet=k, quorum=quorum)
-    if quorum_deadline_s is not None:
-        spec = dataclasses.replace(spec, quorum_min=quorum_min,
-                                   quorum_deadline_s=quorum_deadline_s)
-    return spec
-
-
-def _local_ranks(size: int) -> int:
-    """The ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; else all of them, the
-    cautious guess): the cores are shared among them."""
-    return max(1, env.local_world_size() or size)
-
-
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""
@@ -499,7 +467,7 @@ def _create(store: dist.Store, rank: int, size: int,
         # ... and the I/O threads it would use; the group uses the fewest any rank asked for
         # (every rank must split its job into the same parts).
         store.set(f"switchml/{_incarnation}/threads/{rank}", str(choose_threads(
-            switch, requested=env.threads(), local_ranks=_local_ranks(size))))
+            switch, requested=env.threads(), local_ranks=local_ranks(size))))
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             store.set(f"{key}/failover", env.failover())

@@ -35,7 +35,7 @@ chunks that fit the smallest MTU of any rank towards the switch, about 256 KiB i
 
 The hooks share the backend's machinery (``switchml.torch.backend``): the switch is found by
 :func:`~switchml.torch.embedded.resolve_switch_over_group` (``SWITCHML_SWITCH``, else rank 0's
-embedded switch), the job is sized by :func:`~switchml.torch.backend.job_spec_for_ranks` from
+embedded switch), the job is sized by :func:`~switchml.torch.jobspec.job_spec_for_ranks` from
 every rank's :func:`~switchml.transport.sockets.local_mtu` (``SWITCHML_MTU``,
 ``SWITCHML_WINDOW`` and ``SWITCHML_ELEMENTS_PER_PACKET`` apply), and buckets travel through
 :class:`~switchml.torch.staging.StagedTensor`.
@@ -52,8 +52,9 @@ from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
-from switchml.torch.backend import SwitchMLProcessGroup, job_spec_for_ranks
+from switchml.torch.backend import SwitchMLProcessGroup
 from switchml.torch.embedded import release_embedded_switch, resolve_switch_over_group
+from switchml.torch.jobspec import job_spec_for_ranks
 from switchml.torch.staging import StagedTensor
 from switchml.torch.works import complete_elsewhere, failable_future
 from switchml.transport.parallel import choose_threads, open_worker
@@ -75,7 +76,7 @@ class SwitchMLHookState:
         bits: 32, or 16 (half the bytes on the wire, with error feedback).
         window, elements_per_packet: the switch job's geometry (W slots, k int32 per slot);
             default: k fits the smallest MTU of any rank towards the switch, W keeps about
-            256 KiB in flight (see :func:`switchml.torch.backend.job_spec_for_ranks`).
+            256 KiB in flight (see :func:`switchml.torch.jobspec.job_spec_for_ranks`).
         op_timeout_s: a bucket fails if no progress for this long (a dead peer or switch).
 
     Raises:

@@ -22,12 +22,12 @@ messages, malformed datagrams, another job in the same buffer, disagreeing ranks
 side (``switch.py``, ``worker.py``) handles that one datagram and calls the kernel again for the
 rest, so datagrams are always processed in order and each rule exists once in production.
 
-The modules of this package (``aggregate.py``, ``relay.py``, ``stream.py``, ``numerics.py``,
-``timers.py``, ``frames.py``) are the same rules in plain Python: the reference the C is
-tested against, rule for rule, on crafted, hostile and random batches and whole lossy jobs
-(``tests/protocol/test_switch_kernels.py``, ``test_worker_kernels.py``); no endpoint runs
-them. ``layout.py`` is the one table of the state's fields and codes, from which
-``csrc/layout.h`` is generated.
+The modules of this package (``aggregate.py`` with ``nacks.py`` and ``bitmaps.py``,
+``relay.py``, ``stream.py``, ``numerics.py``, ``timers.py``, ``runs.py``, ``frames.py``) are the
+same rules in plain Python: the reference the C is tested against, rule for rule, on crafted,
+hostile and random batches and whole lossy jobs (``tests/protocol/test_switch_kernels.py``,
+``test_worker_kernels.py``); no endpoint runs them. ``layout.py`` is the one table of the
+state's fields and codes, from which ``csrc/layout.h`` is generated.
 """
 
 from switchml.protocol.kernels.aggregate import (

@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from switchml.protocol.kernels.bitmaps import any_bit, clear_bit, has_bit
 from switchml.protocol.kernels.frames import (
     E_BYTES,
     E_INT32,
     EPOCH_TRAIL,
     EXP_ZERO,
     F_CONTRIBUTORS,
-    F_HAS_EXP,
     F_NONFINITE,
     F_RESENT,
     F_RETRY,
@@ -47,7 +47,6 @@ from switchml.protocol.kernels.frames import (
     HDR,
     MASK32,
     SHAPE_FLAGS,
-    T_NACK,
     T_RESULT,
     T_WAITING,
     copy_bytes,
@@ -57,6 +56,12 @@ from switchml.protocol.kernels.frames import (
     u16,
     u32,
     write_header,
+)
+from switchml.protocol.kernels.nacks import (
+    _behind_on,
+    _log_release,
+    _nack_was_needless,
+    _write_nack,
 )
 from switchml.protocol.slots import SlotAction
 
@@ -113,23 +118,6 @@ class Request(NamedTuple):
     itemsize: int
 
 
-# -- bitmaps ------------------------------------------------------------------------------------
-
-def _clear_bit(bm, v, s, rank):
-    bm[v, s, rank >> 6] &= ~(np.uint64(1) << np.uint64(rank & 63))
-
-
-def _has_bit(bm, v, s, rank):
-    return (bm[v, s, rank >> 6] >> np.uint64(rank & 63)) & np.uint64(1) != 0
-
-
-def _any_bit(bm, v, s):
-    for w in range(bm.shape[2]):
-        if bm[v, s, w] != 0:
-            return True
-    return False
-
-
 # -- the slot rule ------------------------------------------------------------------------------
 
 def _parse(d, o, base):
@@ -167,7 +155,7 @@ def _action(jobv, st, seen, rules, r, rank):
     contributed = complete = 0
     agrees = 1
     if order == 1:
-        contributed = 1 if _has_bit(seen, r.v, r.s, rank) else 0
+        contributed = 1 if has_bit(seen, r.v, r.s, rank) else 0
         complete = 1 if st[S.MISSING, r.v, r.s] == 0 else 0
         if not contributed and not complete:
             agrees = 1 if _agrees(st, r) else 0
@@ -257,9 +245,9 @@ def _add(st, seen, conflict, bufs, r, rank, pay):
     if r.exp_next > st[S.EXP_NEXT, v, s]:
         st[S.EXP_NEXT, v, s] = r.exp_next
     st[S.MISSING, v, s] -= 1
-    if _any_bit(conflict, v, s):  # this chunk agrees, but others did not
-        _clear_bit(conflict, v, s, rank)
-        return _any_bit(conflict, v, s)
+    if any_bit(conflict, v, s):  # this chunk agrees, but others did not
+        clear_bit(conflict, v, s, rank)
+        return any_bit(conflict, v, s)
     return False
 
 
@@ -320,135 +308,6 @@ def expire_rounds(jobv, st, seen, conflict, bufs, clog, cursor, mkeys, heard, no
     return nd
 
 
-def log_releases(jobv, st, clog, sendq, nsend):
-    """A relay multicast the results of rounds ``sendq[:nsend]`` (rows ``(set, slot, ...)``)
-    of a job with ``LOG_AT_RELEASE``: log them now, in the order the children get them.
-    The NACK rule assumes the log's order is the order results reach the ranks, which for a
-    rack switch is the parent's order, not the order its own rounds completed in."""
-    for q in range(nsend):
-        v, s = sendq[q, 0], sendq[q, 1]
-        _log_release(jobv, st, clog, v, s, st[S.SEQ, v, s], st[S.CHUNK, v, s])
-
-
-def _log_release(jobv, st, clog, v, s, seq, chunk):
-    """Stamp a round's results going out (``S.DONE_AT``) and log it for NACKs."""
-    stamp = jobv[J.COMPLETIONS] + 1
-    jobv[J.COMPLETIONS] = stamp
-    st[S.DONE_AT, v, s] = stamp
-    if (jobv[J.NACK_GAP] > jobv[J.NACK_BASE_GAP]
-            and stamp - jobv[J.NACK_CALM_FROM] >= jobv[J.NACK_CALM]):
-        # No needless NACK for NACK_CALM completions: the network stopped reordering (or
-        # never did: a widening can also come from a race), so the widened gap halves back.
-        # Counted in completions, not in needed NACKs: a gap widened far enough sends none.
-        jobv[J.NACK_GAP] = max(jobv[J.NACK_BASE_GAP], jobv[J.NACK_GAP] // 2)
-        jobv[J.NACK_CALM_FROM] = stamp
-    e = stamp % clog.shape[0]
-    clog[e, 0], clog[e, 1], clog[e, 2] = seq, chunk, s
-    # Whether the round releases a chunk: float chunks carry the look-ahead exponent exactly
-    # when a chunk follows on the lane (chunk < L, so chunk + E < T = L + E); an operation is
-    # float once a round with an exponent completed; integer chunks do not say.
-    if st[S.FLAGS, v, s] & F_HAS_EXP:
-        jobv[J.FLOAT_SEQ] = seq
-        clog[e, 3] = 1
-    else:
-        clog[e, 3] = 0 if jobv[J.FLOAT_SEQ] == seq else 2
-
-
-# -- switch-driven loss recovery ----------------------------------------------------------------
-
-def _find_round(st, sp, seq, chunk):
-    """The set of relative slot ``sp`` that holds round ``(seq, chunk)``, or -1."""
-    for u in range(2):
-        if st[S.SEQ, u, sp] == seq and st[S.CHUNK, u, sp] == chunk:
-            return u
-    return -1
-
-
-def _lacks(jobv, st, seen, rank, seq, p, sp):
-    """Whether ``rank`` has not delivered chunk ``p`` of operation ``seq`` (relative slot
-    ``sp``): the lane neither holds round ``p`` with the rank in it (or, in a quorum job,
-    complete without it: the rank was late and gets the result) nor has moved past it."""
-    for u in range(2):
-        cur = st[S.SEQ, u, sp]
-        if cur < 0:
-            continue
-        if cur == seq:
-            c = st[S.CHUNK, u, sp]
-            if c > p or (c == p and (_has_bit(seen, u, sp, rank)
-                                     or (jobv[J.QUORUM] > 0 and st[S.MISSING, u, sp] == 0))):
-                return False
-        elif ((cur - seq) & MASK32) < HALF:
-            return False  # a later operation already uses the slot
-    return True
-
-
-def _nack(jobv, chunk, slot):
-    jobv[J.NACK_CHUNK] = chunk
-    jobv[J.NACK_SLOT] = slot
-    return True
-
-
-def _behind_in_first_window(jobv, st, seen, rank, seq, chunk, s, E):
-    """The first window (chunks ``0 .. E-1``) goes out at once in chunk order, so chunk
-    ``chunk - NACK_GAP * SHARDS`` (a lane of this shard) should have arrived before it."""
-    stride = jobv[J.SHARDS]  # this shard has the lanes congruent to chunk mod stride
-    p = chunk - jobv[J.NACK_GAP] * stride
-    if p >= 0 and (E == 0 or p < E) and p != s and p % stride == s % stride:
-        if _lacks(jobv, st, seen, rank, seq, p, p):
-            return _nack(jobv, p, p)
-    return False
-
-
-def _behind_on(jobv, st, seen, clog, cursor, rank, r):
-    """Switch-driven loss recovery: chunk ``r.chunk`` of ``rank`` was just added; find a
-    chunk of the same operation the rank should have delivered before it and has not.
-    Writes it to ``jobv[NACK_CHUNK]``/``[NACK_SLOT]`` and returns True, or False.
-
-    A worker sends a chunk when the result of the chunk before it on the same lane (its
-    *release*) arrives, in the order results arrive, and requests and results each travel
-    one path in order. So every chunk released by a round that completed before this chunk's
-    release should have arrived before this chunk. The switch stamps completions with a
-    counter and logs them (``clog``, a ring: seq, chunk, slot, and whether the round releases
-    a chunk: 1 yes, 0 no, 2 unknown); ``cursor[rank]`` is how far the rank has been
-    checked, so each completion is looked at once per rank (O(1) per request). A chunk that
-    should be here and is not: its request was lost, or the result releasing it was. Either
-    way the rank is told at once (a NACK) and re-sends what it has outstanding on that lane;
-    the switch answers a re-sent request from its round or the shadow copy, as any
-    retransmission. ``NACK_GAP`` completions of slack tolerate reordering inside the network.
-
-    Lanes: chunk ``c`` goes to slot ``c mod E`` (E <= window lanes), and ``chunk - s`` is a
-    multiple of E, which gives E once the chunk is past the first window."""
-    gap = jobv[J.NACK_GAP]
-    if gap <= 0:
-        return False
-    seq, chunk, s = r.seq, r.chunk, r.s
-    window = jobv[J.WINDOW]
-    d = chunk - s
-    E = window if d >= window else d  # 0: this chunk is in the first window, E unknown
-    if _behind_in_first_window(jobv, st, seen, rank, seq, chunk, s, E):
-        return True
-    if E == 0:
-        return False
-    u = _find_round(st, s, seq, chunk - E)
-    if u < 0 or st[S.MISSING, u, s] != 0:
-        return False
-    limit = st[S.DONE_AT, u, s] - gap  # completions before this chunk's release, less slack
-    size = clog.shape[0]
-    c = max(cursor[rank], jobv[J.COMPLETIONS] - size)
-    found = False
-    while c < limit and not found:
-        e = (c + 1) % size
-        if clog[e, 0] == seq and clog[e, 3] != 0:
-            released = clog[e, 1] + E  # the chunk that completion released
-            if clog[e, 3] == 2 and released >= chunk:
-                break  # integers: it may be past the end; judge it when a later chunk comes
-            if _lacks(jobv, st, seen, rank, seq, released, clog[e, 2]):
-                found = _nack(jobv, released, clog[e, 2])
-        c += 1
-    cursor[rank] = c
-    return found
-
-
 # -- the batch ----------------------------------------------------------------------------------
 
 def _member_request(d, o, ln, sender, jobv, mkeys):
@@ -461,14 +320,6 @@ def _member_request(d, o, ln, sender, jobv, mkeys):
         return False
     rank = u16(d, o + H_RANK)
     return rank < jobv[J.N] and mkeys[rank] == sender
-
-
-def _write_nack(jobv, replies, reply_meta, k, rank, seq):
-    """Reply ``k``: a NACK, telling ``rank`` the chunk ``_behind_on`` found (header only)."""
-    write_header(replies[k], 0, T_NACK, 0, 0, rank, jobv[J.JOB], jobv[J.TOKEN], seq,
-                 jobv[J.NACK_CHUNK], jobv[J.SLOT_BASE] + jobv[J.NACK_SLOT], 0, E_BYTES, 0,
-                 EXP_ZERO, EXP_ZERO)
-    reply_meta[k, 0], reply_meta[k, 1] = rank, HDR
 
 
 def _before_epoch(jobv, seq):
@@ -497,22 +348,6 @@ def _outside(jobv, r, cnt):
     return False
 
 
-def _nack_was_needless(jobv, cnt):
-    """A re-send answering a NACK found its chunk already in: the chunk had been reordered,
-    not lost. Widen the job's gap (as RACK widens its reorder window), so a network that
-    reorders costs a few needless re-sends, not one per datagram. At most once per window of
-    completions: the NACKs of one reordering episode, sent before the gap widened, come back
-    needless together and must count once. It halves back after ``NACK_CALM`` completions
-    without one (``_log_release``)."""
-    cnt[SC.NACKS_NEEDLESS] += 1
-    now = jobv[J.COMPLETIONS]
-    jobv[J.NACK_CALM_FROM] = now
-    gap = jobv[J.NACK_GAP]
-    if gap > 0 and now - jobv[J.NACK_WIDENED_AT] >= jobv[J.WINDOW]:
-        jobv[J.NACK_GAP] = max(jobv[J.NACK_BASE_GAP], min(2 * gap, jobv[J.NACK_CAP]))
-        jobv[J.NACK_WIDENED_AT] = now
-
-
 def _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r):
     """Reply ``k``: the stored result of the request's round again, marked RESENT (the result
     was lost on its way to this rank, or the rank is late for a quorum round)."""
@@ -529,7 +364,7 @@ def _waits_for_gone(jobv, seen, heard, now, v, s):
     ``MEMBER_TIMEOUT_US`` (a rank that never joined counts from the job's creation)."""
     quiet = now - jobv[J.MEMBER_TIMEOUT_US] * 1e-6
     for q in range(jobv[J.N]):
-        if not _has_bit(seen, v, s, q) and heard[q] < quiet:
+        if not has_bit(seen, v, s, q) and heard[q] < quiet:
             return True
     return False
 
@@ -548,7 +383,7 @@ def _write_waiting(jobv, seen, replies, reply_meta, k, rank, r):
     for b in range(2 * nb):
         row[HDR + b] = 0
     for q in range(n):
-        if not _has_bit(seen, v, s, q):
+        if not has_bit(seen, v, s, q):
             row[HDR + (q >> 3)] |= np.uint8(1 << (q & 7))
     reply_meta[k, 0], reply_meta[k, 1] = rank, HDR + 2 * nb
 
@@ -562,7 +397,7 @@ def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_me
     (``SS.WAITING_GONE``: a sealed WAITING)."""
     if r.flags & F_RESENT:
         _nack_was_needless(jobv, cnt)  # the chunk NACKed as lost was in (reordered)
-    if action == A_ANSWER_WAITING and _any_bit(conflict, r.v, r.s):
+    if action == A_ANSWER_WAITING and any_bit(conflict, r.v, r.s):
         return SS.WAITING_CONFLICT.value
     if action == A_ANSWER_WAITING and _waits_for_gone(jobv, seen, heard, now, r.v, r.s):
         return SS.WAITING_GONE.value
@@ -648,7 +483,7 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
                          else jobv[J.N], r, rank, pay, now, cnt)
         else:
             conflicted = _add(st, seen, conflict, bufs, r, rank, pay)
-        _clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
+        clear_bit(seen, 1 - r.v, r.s, rank)  # frees the rank from the slot's other set
         if _behind_on(jobv, st, seen, clog, cursor, rank, r):
             _write_nack(jobv, replies, reply_meta, nnack, rank, r.seq)
             cnt[SC.NACKS] += 1
@@ -663,36 +498,3 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             return i, ndone, nnack, SS.REPLIES_FULL.value
     return i, ndone, nnack, SS.DONE.value
 
-
-def plan_result_runs(pend, n, stride, max_segments, max_bytes, runs):
-    """Cut a job's completed rounds ``pend[:n]`` (rows ``(set, slot, length)``, in the order
-    they completed) into UDP GSO runs; return how many.
-
-    A run holds up to ``max_segments`` results and ``max_bytes`` bytes of one length (the last
-    may be shorter). ``runs[r] = (first, count, size, contiguous)``: its results are
-    ``pend[first : first + count]``; contiguous: consecutive slots of one set, full
-    ``stride``-byte rows but the last, so the run is one slice of the set's buffers (the
-    kernel reads it with no gathering); otherwise its results are gathered (under loss rounds
-    complete out of slot order, and scattered results are still one system call). Every
-    member gets the same runs (a multicast)."""
-    nr = 0
-    i = 0
-    while i < n:
-        size = pend[i, 2]
-        contig = size == stride
-        count = 1
-        j = i + 1
-        while j < n and count < max_segments and (count + 1) * size <= max_bytes:
-            ln = pend[j, 2]
-            if ln > size:
-                break
-            if contig and (pend[j, 0] != pend[j - 1, 0] or pend[j, 1] != pend[j - 1, 1] + 1):
-                contig = False  # not the next slot: the run gathers its results
-            count += 1
-            j += 1
-            if ln < size:  # a short result ends its run
-                break
-        runs[nr, 0], runs[nr, 1], runs[nr, 2], runs[nr, 3] = i, count, size, contig
-        nr += 1
-        i = j
-    return nr

@@ -1,0 +1,164 @@
+"""A quorum job's rank that fell behind: the results the switch multicast before this rank needed
+them are kept, checked all at once, and fed through the results kernel when the rank's
+operation reaches them (docs/protocol.md section 7, "A rank behind").
+
+Part of :class:`~switchml.protocol.worker.WorkerEndpoint` (a base class of it, as
+``worker_control.py`` is), split off so that the data path's module stays readable.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from switchml.protocol import kernels as K
+from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.lifecycle import WorkerState
+from switchml.protocol.operation import Operation
+from switchml.protocol.wire import (
+    AT,
+    HEADER_SIZE,
+    MAGIC,
+    RESULT_FLAGS,
+    VERSION,
+    Datagram,
+    Flags,
+    Header,
+    MessageType,
+)
+
+__all__ = ["WorkerAhead"]
+
+_MASK32 = 0xFFFFFFFF
+_HALF = 1 << 31
+_HDR = HEADER_SIZE
+_MAGIC, _VERSION, _RESULT_FLAGS = MAGIC, VERSION, RESULT_FLAGS
+
+
+class WorkerAhead:
+    """Results of later operations, kept for a rank behind (``WorkerEndpoint``'s base class).
+    Uses the worker's state (declared below) and its ``_receive``."""
+
+    spec: JobSpec
+    config: WorkerConfig
+    state: WorkerState
+    _op: Operation | None
+    _seq: int
+    _ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]
+    _ahead_bytes: int
+    _feeding: bool
+    _cnt: np.ndarray
+    _counters: Counter[str]
+    _drops: Counter[str]
+
+    def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
+                 now: float) -> None:
+        raise NotImplementedError
+
+    def _take_ahead(self, op: Operation, now: float, drop_older: bool = True) -> None:
+        """A quorum job's rank that fell behind: the results of ``op`` the switch multicast
+        before this rank needed them go through the results kernel now, in chunk order (each
+        releases its lane's next chunk, whose result follows). Kept results of earlier
+        operations are dropped (``drop_older``)."""
+        mine = self._ahead.pop(op.seq, [])
+        for seq in [s for s in self._ahead if drop_older and ((op.seq - s) & _MASK32) < _HALF]:
+            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
+        if not mine:
+            return
+        self._ahead_bytes -= sum(int(p[2].sum()) for p in mine)
+        buf = np.concatenate([p[0] for p in mine])
+        offsets = np.cumsum([0] + [p[0].size for p in mine[:-1]])
+        starts = np.concatenate([p[1] + o for p, o in zip(mine, offsets)])
+        lens = np.concatenate([p[2] for p in mine])
+        order = np.argsort(np.concatenate([p[3] for p in mine]), kind="stable")
+        self._counters["results_taken_ahead"] += int(order.size)
+        self._receive(buf, starts[order], lens[order], int(order.size), now)
+
+    def _feed_kept(self, op: Operation, now: float) -> None:
+        """Kept results of the operation in flight whose lane has reached their chunk go
+        through the results kernel, in chunk order (each releases its lane's next chunk,
+        whose kept result may follow): a rank the quorum left behind catches up from what it
+        was multicast. The kernel hands back those still ahead, kept again."""
+        self._feeding = True
+        try:
+            while self._op is op and (pieces := self._ahead.get(op.seq)):
+                chunks = np.concatenate([p[3] for p in pieces])
+                if not (op.lane[K.LN.CHUNK][chunks % op.E] == chunks).any():
+                    return
+                before = int(self._cnt[K.WC.RESULTS])
+                self._take_ahead(op, now, drop_older=False)
+                if int(self._cnt[K.WC.RESULTS]) == before:
+                    return
+        finally:
+            self._feeding = False
+
+    def _handle_stray_result(self, h: Header, data: Datagram, now: float) -> None:
+        """A result while no operation is in flight, or one the kernel did not take: in a
+        quorum job, one of an operation this rank has not started yet is kept for it (the
+        others went on without this rank: ``_take_ahead``); anything else is stale."""
+        if (self.spec.quorum and h.flags & Flags.CONTRIBUTORS
+                and ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD):
+            raw = np.frombuffer(bytes(data), np.uint8)
+            one = np.zeros(1, np.int64)
+            self._store_ahead(raw, one, one + raw.size, one + h.seq, one + h.chunk)
+            return
+        self._drops["stale_result"] += 1
+
+    def _keep_ahead(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, i: int,
+                    count: int) -> np.ndarray | None:
+        """The results of later operations among datagrams ``i`` .. ``count - 1`` of a batch
+        (a quorum job's rank behind the others gets them by multicast): checked and kept all
+        at once, with numpy, not one by one. Returns the mask of the other datagrams (what
+        the caller goes on with), or None when there were none."""
+        s, ln = starts[i:count], lens[i:count]
+        trailer = (self.spec.num_workers + 7) // 8
+        at = np.where(ln >= _HDR, s, 0)  # (a short datagram's fields are read from 0: masked)
+
+        def u(off: int, width: int) -> np.ndarray:
+            v = np.zeros(at.size, np.uint64)
+            for b in range(width):
+                v |= buf[at + off + b].astype(np.uint64) << np.uint64(8 * b)
+            return v
+
+        flags, elem = buf[at + AT["flags"]], buf[at + AT["elem"]]
+        isz = np.where(elem == 1, 4, np.where(elem == 2, 2, 0))
+        seq = u(AT["seq"], 4).astype(np.int64)
+        chunk = u(AT["chunk"], 4).astype(np.int64)
+        ahead = ((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD  # a later operation
+        op = self._op
+        if op is not None and self.state is WorkerState.BUSY:  # this one, a lane's later chunk
+            reached = op.lane[K.LN.CHUNK][chunk % op.E]
+            ahead |= (seq == op.seq) & (chunk < op.T) & (reached >= 0) & (reached < chunk)
+        ok = ((ln >= _HDR) & (u(AT["magic"], 2) == _MAGIC) & (buf[at + AT["version"]] == _VERSION)
+              & (buf[at + AT["type"]] == int(MessageType.RESULT))
+              & ((flags & (0xFF ^ _RESULT_FLAGS)) == 0) & ((flags & int(Flags.CONTRIBUTORS)) != 0)
+              & (buf[at + AT["set"]] <= 1) & (isz > 0)
+              & (u(AT["job"], 4) == self.spec.job_id) & (u(AT["token"], 8) == self.spec.token)
+              & (ln == _HDR + isz * u(AT["count"], 2).astype(np.int64) + trailer) & ahead)
+        if not ok.any():
+            return None
+        s, ln = s[ok], ln[ok]
+        # One copy of the span they lie in (a receive batch is one buffer, mostly of them):
+        # a memcpy, where gathering datagram by datagram cost more than the step's compute.
+        lo = int(s.min())
+        blob = buf[lo:int((s + ln).max())].copy()
+        self._store_ahead(blob, s - lo, ln.copy(), seq[ok], chunk[ok])
+        return ~ok
+
+    def _store_ahead(self, blob: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                     seqs: np.ndarray, chunks: np.ndarray) -> None:
+        """Keep results (``blob[starts[j]:][:lens[j]]``, of operation ``seqs[j]``, chunk
+        ``chunks[j]``) for when this rank starts their operations, within
+        ``quorum_keep_bytes``."""
+        size = int(lens.sum())  # (counted by the results: a blob may hold others between them)
+        if self._ahead_bytes + size > self.config.quorum_keep_bytes:
+            self._drops["ahead_dropped"] += int(starts.size)
+            return
+        self._ahead_bytes += size
+        self._counters["results_kept_ahead"] += int(starts.size)
+        for seq in np.unique(seqs).tolist():
+            pick = seqs == seq
+            self._ahead.setdefault(seq, []).append(
+                (blob, starts[pick], lens[pick], chunks[pick]) if not pick.all()
+                else (blob, starts, lens, chunks))
