@@ -11,11 +11,12 @@ proves nothing. A message that changes who is in a job (JOIN, LEAVE) must prove 
   address a moment ago; a LEAVE names the cookie of the membership it ends.
 
 The cookie is stateless (the switch keeps nothing per unanswered JOIN, as DTLS's
-HelloVerifyRequest and QUIC's Retry): ``issue time | HMAC(switch-local key, time | address |
-job | rank)``, good for ``lifetime_s``. A JOIN captured and replayed from another address
-carries a cookie made for the first address (``bad_cookie``); replayed later from the same
-address, an expired one (``stale_cookie``); and a proof that anyone without ``K`` can forge
-would need ``K``. Keys, cookies and proofs are Python's ``hmac`` with SHA-256.
+HelloVerifyRequest and QUIC's Retry): ``issue time | MAC(switch-local key, time | address |
+job | rank)`` (keyed BLAKE2b), good for ``lifetime_s``. A JOIN captured and replayed from
+another address carries a cookie made for the first address (``bad_cookie``); replayed later
+from the same address, an expired one (``stale_cookie``); and a proof that anyone without
+``K`` can forge would need ``K``. Keys and proofs are Python's ``hmac`` with SHA-256;
+cookies and sealed replies, keyed BLAKE2b (``hashlib``).
 
 **Sealed replies.** The switch's answers that can end, redirect or fail what a worker does
 (UNKNOWN_JOB, MISMATCH, JOINED, LEFT, REFUSED, and a WAITING that names gone ranks:
@@ -159,8 +160,11 @@ class Challenges:
         self._key = key if key is not None else secrets.token_bytes(32)
 
     def _tag(self, issued_us: int, addr: Address, job: int, rank: int) -> bytes:
-        return _mac(self._key, _COOKIE_TIME.pack(issued_us), repr(addr).encode(),
-                    struct.pack("<IH", job, rank))[:_MAC_SIZE]
+        # Keyed BLAKE2b, not HMAC-SHA256: a stranger's JOIN costs the switch one of these
+        # (0.5 against 1.5 µs here), and the cookie is only ever checked by this switch.
+        return hashlib.blake2b(_COOKIE_TIME.pack(issued_us) + repr(addr).encode()
+                               + struct.pack("<IH", job, rank), key=self._key,
+                               digest_size=_MAC_SIZE, person=b"switchml cookie").digest()
 
     def issue(self, now: float, addr: Address, job: int, rank: int) -> bytes:
         """A cookie for a JOIN of (``job``, ``rank``) from ``addr`` at time ``now``."""

@@ -383,6 +383,8 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
 
     def _receive_other(self, data: memoryview, addr: Address, now: float) -> None:
         """Control messages and malformed datagrams."""
+        if self._stranger_join(data, addr, now):
+            return
         try:
             h = unpack_header(data)
         except WireError as exc:

@@ -20,8 +20,13 @@ from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, MemberJoined
 from switchml.protocol.jobs import Job, SlotAllocator
 from switchml.protocol.wire import (
+    COOKIE_AT,
+    COOKIE_SIZE,
     HEADER,
+    JOIN_BYTES,
+    MAGIC,
     NO_COOKIE,
+    VERSION,
     ControlInfo,
     Datagram,
     ElementType,
@@ -38,6 +43,7 @@ from switchml.protocol.wire import (
 
 __all__ = ["SwitchControl"]
 
+_JOIN, _BYTES = int(MessageType.JOIN), int(ElementType.BYTES)
 _HALF = 2**31
 _MASK32 = 2**32 - 1
 
@@ -79,6 +85,35 @@ class SwitchControl:
                        count=len(payload), elem=ElementType.BYTES)
         self._out.append((seal_reply(self._reply_key(h.job, h.token),
                                      pack_header(reply) + payload), addr))
+
+    def _stranger_join(self, data: Datagram, addr: Address, now: float) -> bool:
+        """The stateless part of a JOIN, from its raw bytes before anything is decoded (a
+        stranger's JOIN costs the switch this and nothing more): one without a cookie is
+        answered with a CHALLENGE, one whose cookie was not made here for this address a
+        moment ago is dropped (``bad_cookie``, ``stale_cookie``: challenged again). True when
+        that handled it; False for anything else (a JOIN with a fresh cookie of ours, or
+        malformed: ``_handle_join`` and the strict decoder judge it)."""
+        if len(data) != JOIN_BYTES:
+            return False
+        f = HEADER.unpack_from(data)
+        if (f[Field.MAGIC] != MAGIC or f[Field.VERSION] != VERSION or f[Field.TYPE] != _JOIN
+                or f[Field.FLAGS] or f[Field.SET] > 1 or f[Field.ELEM] != _BYTES):
+            return False
+        cookie = bytes(data[COOKIE_AT:COOKIE_AT + COOKIE_SIZE])
+        job, token, rank = f[Field.JOB], f[Field.TOKEN], f[Field.RANK]
+        if cookie != NO_COOKIE:
+            problem = self.challenges.check(cookie, now, addr, job, rank)
+            if problem is None:
+                return False
+            self._drops[problem] += 1
+            if problem != "stale_cookie":  # a slow worker asks again; a replay gets nowhere
+                return True
+        self.challenges_sent += 1
+        self._out.append((pack_challenge(job=job, token=token, rank=rank,
+                                         shard=self.config.shard_index,
+                                         cookie=self.challenges.issue(now, addr, job, rank)),
+                          addr))
+        return True
 
     def _handle_join(self, h: Header, data: Datagram, addr: Address,
                      now: float) -> None:

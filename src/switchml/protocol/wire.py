@@ -401,9 +401,17 @@ def pack_joined(*, job: int, token: int, rank: int, shard: int, info: ControlInf
 
 
 def pack_challenge(*, job: int, token: int, rank: int, shard: int, cookie: bytes) -> bytes:
-    """A CHALLENGE datagram (header ``chunk``: the shard index), 64 bytes."""
-    return pack_header(Header(MessageType.CHALLENGE, job, rank=rank, token=token, chunk=shard,
-                              count=COOKIE_SIZE, elem=ElementType.BYTES)) + cookie
+    """A CHALLENGE datagram (header ``chunk``: the shard index), 64 bytes. (Packed field by
+    field, not through :class:`Header`: a switch answers every stranger's JOIN with one.)"""
+    return HEADER.pack(MAGIC, VERSION, _CHALLENGE, 0, 0, rank, job, token, 0, shard, 0,
+                       COOKIE_SIZE, _BYTES, 0, EXP_ZERO, EXP_ZERO) + cookie
+
+
+_CHALLENGE, _BYTES = int(MessageType.CHALLENGE), int(ElementType.BYTES)
+JOIN_BYTES = HEADER_SIZE + _JOIN_SIZE
+"""A JOIN datagram's length (always: ``pack_join``)."""
+COOKIE_AT = HEADER_SIZE + _CONTROL.size
+"""Where a JOIN's cookie starts."""
 
 
 def unpack_challenge(payload: bytes | memoryview | np.ndarray) -> bytes:
