@@ -31,10 +31,11 @@ def test_a_shard_runs_the_same_switch_on_its_own_port():
         "--member-timeout-s", "3.0", "--quorum-history", "5", "--metrics-port", "9110",
         "--stop-on-stdin-eof"]
     tail = service.shard_argv(SwitchSpec(metrics_port=0, secret_file="/s", insecure=True,
-                                         mtu=9000, batching=False), 0, 2)
+                                         mtu=9000, batching=False, tenant_slots=32), 0, 2)
     assert tail[tail.index("--metrics-port") + 1] == "0"
-    assert tail[-6:] == ["--secret-file", "/s", "--insecure", "--mtu", "9000",
-                         "--no-batching"]
+    assert tail[-8:] == ["--tenant-slots", "32", "--secret-file", "/s", "--insecure", "--mtu",
+                         "9000", "--no-batching"]
+    assert service._switch_config(SwitchSpec(tenant_slots=32), None).tenant_slots == 32
 
 
 def test_shard_count():

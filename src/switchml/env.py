@@ -12,6 +12,8 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``SWITCHML_SWITCH`` | ``HOST:PORT`` of the switch (comma-separated: a sharded switch) |
 | ``SWITCHML_SECRET`` | the switch's secret: JOIN and LEAVE are proven with a key derived from it |
 | ``SWITCHML_JOB_KEY`` | one job's key instead (``switchml job-key``; ``WorkerConfig.job_key``) |
+| ``SWITCHML_TENANT`` | torch: draw groups' job ids from this tenant's range |
+| ``SWITCHML_TENANT_KEY`` | its key instead of the secret (``switchml job-key --tenant``) |
 | ``SWITCHML_MTU`` | the path MTU to size chunks for (default: the route's) |
 | ``SWITCHML_WINDOW`` | slots per job (default: from the chunk size) |
 | ``SWITCHML_ELEMENTS_PER_PACKET`` | the chunk size outright |
@@ -113,6 +115,45 @@ def job_key() -> bytes | None:
         key = b""
     if len(key) != 32:
         raise ConfigError("SWITCHML_JOB_KEY must be the 64 hex digits `switchml job-key` prints")
+    return key
+
+
+def tenant() -> int | None:
+    """``SWITCHML_TENANT``: the tenant whose range of job ids new jobs are drawn from.
+
+    Raises:
+        ConfigError: not a whole number in 0 .. ``auth.MAX_TENANT``.
+    """
+    from switchml.protocol.auth import MAX_TENANT
+    value = _get("SWITCHML_TENANT")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) > MAX_TENANT:
+        raise ConfigError(f"SWITCHML_TENANT must be a tenant number in 0..{MAX_TENANT}, got "
+                          f"{value!r}")
+    return int(value)
+
+
+def tenant_key() -> bytes | None:
+    """``SWITCHML_TENANT_KEY``: a tenant's key (``switchml job-key --tenant``), as bytes;
+    it needs ``SWITCHML_TENANT``, the tenant it is the key of.
+
+    Raises:
+        ConfigError: not 64 hex digits, or SWITCHML_TENANT unset.
+    """
+    value = _get("SWITCHML_TENANT_KEY")
+    if value is None:
+        return None
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigError("SWITCHML_TENANT_KEY must be the 64 hex digits `switchml job-key "
+                          "--tenant` prints")
+    if tenant() is None:
+        raise ConfigError("SWITCHML_TENANT_KEY needs SWITCHML_TENANT, the tenant it is the key "
+                          "of (its jobs' ids are drawn from that tenant's range)")
     return key
 
 

@@ -70,6 +70,7 @@ class SwitchSpec:
     member_timeout_s: float = 20.0
     nack_gap: int = 4
     quorum_history: int = 16
+    tenant_slots: int | None = None
     secret_file: str | None = None
     insecure: bool = False
     metrics_port: int = 9109
@@ -127,7 +128,8 @@ def _switch_config(spec: SwitchSpec, secret: bytes | None, **extra: Any) -> Any:
     return SwitchConfig(pool_slots=spec.pool_slots, lease_timeout_s=spec.lease_timeout_s,
                         secret=secret, nack_gap=spec.nack_gap,
                         member_timeout_s=spec.member_timeout_s,
-                        quorum_history=spec.quorum_history, **extra)
+                        quorum_history=spec.quorum_history,
+                        tenant_slots=spec.tenant_slots, **extra)
 
 
 def rack_aggregator(spec: SwitchSpec, secret: bytes | None) -> RackAggregator:
@@ -260,6 +262,8 @@ def shard_argv(spec: SwitchSpec, i: int, shards: int) -> list[str]:
             "--quorum-history", str(spec.quorum_history),
             "--metrics-port", str(spec.metrics_port + i if spec.metrics_port else 0),
             "--stop-on-stdin-eof"]
+    if spec.tenant_slots is not None:
+        argv += ["--tenant-slots", str(spec.tenant_slots)]
     if spec.secret_file:
         argv += ["--secret-file", spec.secret_file]
     if spec.insecure:

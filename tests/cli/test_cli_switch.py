@@ -30,10 +30,12 @@ def test_every_flag_lands_in_its_field(parse):
         "--pool-slots", "64", "--stats-interval-s", "2", "--lease-timeout-s", "5",
         "--member-timeout-s", "3", "--nack-gap", "0", "--secret-file", "/s", "--insecure",
         "--metrics-port", "0", "--mtu", "1500", "--no-batching", "--stop-on-stdin-eof",
-        "--shard", "1/4", "--upstream", "10.0.0.1:48864", "--rack", "0/2", "--job", "J"))
+        "--shard", "1/4", "--upstream", "10.0.0.1:48864", "--rack", "0/2", "--job", "J",
+        "--tenant-slots", "48"))
     assert spec == SwitchSpec(
         host="0.0.0.0", port=9000, pool_slots=64, stats_interval_s=2.0, lease_timeout_s=5.0,
         member_timeout_s=3.0, nack_gap=0, secret_file="/s", insecure=True, metrics_port=0,
+        tenant_slots=48,
         mtu=1500, batching=False, stop_on_stdin_eof=True, shard=(1, 4),
         upstream=("10.0.0.1", 48864), rack=(0, 2), job="J", log_level="warning")
 

@@ -148,3 +148,22 @@ def test_a_stalled_collective_is_logged_recorded_and_dumped_on_a_signal():
     assert res["after"][-1]["state"] == "done" and res["after"][-1]["numel"] == 50000
     dumped = [json.loads(line) for line in res["dump"].splitlines()]
     assert {(d["rank"], d["seq"], d["state"]) for d in dumped} >= {(0, 1, "pending")}
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_a_tenants_key_make_their_groups_job_in_its_range():
+    """SWITCHML_TENANT and SWITCHML_TENANT_KEY: the group's job id is drawn from the tenant's
+    range and its ranks prove it with the tenant's key, never the switch's secret (which they
+    do not hold); the sum is right."""
+    from switchml.protocol.auth import tenant_key, tenant_of
+    secret = b"a shared switch's secret, 32 b.."
+    with tp.Procs(deadline_s=75) as procs:
+        procs.start(tp.switch_server_body, procs.q, 0, secret)
+        kind, address, _pid = procs.get(timeout=30)
+        assert kind == "switch"
+        env = {"SWITCHML_SWITCH": f"{address[0]}:{address[1]}", "SWITCHML_TENANT": "5",
+               "SWITCHML_TENANT_KEY": tenant_key(secret, 5).hex()}
+        procs.start_ranks(tp.tenant_body, 2, env=env)
+        results = procs.results(2, timeout=60)
+    assert [results[r]["sum"] for r in (0, 1)] == [[3.0] * 3] * 2  # 1 + 2, by hand
+    assert results[0]["job"] == results[1]["job"] and tenant_of(results[0]["job"]) == 5

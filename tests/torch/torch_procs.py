@@ -344,11 +344,13 @@ def dying_rank_body(rank: int, world: int, q: Any, mode: str, die_rank: int, die
     return {"step": None, "error": None, "seconds": None}
 
 
-def switch_server_body(q: Any, port: int = 0) -> None:
+def switch_server_body(q: Any, port: int = 0, secret: bytes | None = None) -> None:
     """A SwitchServer in a process of its own (SIGKILLed by the test)."""
+    from switchml.protocol.config import SwitchConfig
     from switchml.transport.udp import SwitchServer
 
-    server = SwitchServer(host="127.0.0.1", port=port).start()
+    server = SwitchServer(host="127.0.0.1", port=port,
+                          config=SwitchConfig(secret=secret)).start()
     q.put(("switch", server.address, os.getpid()))
     time.sleep(120)
 
@@ -379,6 +381,20 @@ def switch_loss_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[st
             q.put(("progress", rank, i))
         time.sleep(0.01)
     return {"ok_ops": i, "error": None, "when": time.time(), "switch": switch}
+
+
+def tenant_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """One all-reduce on the default group (SWITCHML_TENANT and SWITCHML_TENANT_KEY set by the
+    test): its sum, and the group's job id."""
+    import torch
+    import torch.distributed as dist
+
+    _init("switchml", timeout_s=20)
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    job = dist.distributed_c10d._get_default_group().client.spec.job_id
+    dist.destroy_process_group()
+    return {"sum": x.tolist()[:3], "job": job}
 
 
 def subgroup_owner_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, Any]:

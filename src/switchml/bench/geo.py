@@ -171,10 +171,11 @@ def _mode_args(cfg: GeoBenchConfig, geo: Any, mode: str, port: int) -> dict[str,
 def _outer_job(geo: Any) -> dict[str, Any]:
     """DiLoCo's outer all-reduce: a job of the data centres' leaders at the switch in data
     centre 0's router, sized for the smaller of the LAN's and the WAN's MTU."""
+    from switchml.control import new_job_id
     from switchml.protocol.config import default_window
     from switchml.protocol.wire import elements_for_mtu
     k = elements_for_mtu(min(geo.lan.mtu, geo.wan.mtu))
-    return {"outer_job": secrets.randbits(32), "outer_token": secrets.randbits(64),
+    return {"outer_job": new_job_id(), "outer_token": secrets.randbits(64),
             "outer_k": k, "outer_window": default_window(k)}
 
 

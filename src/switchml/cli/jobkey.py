@@ -1,5 +1,6 @@
-"""``switchml job-key``: the key of one job, for a tenant's workers that must not hold the
-switch's secret (``WorkerConfig.job_key``, ``SWITCHML_JOB_KEY``)."""
+"""``switchml job-key``: the key of one job, or of a tenant (a range of job ids), for workers
+that must not hold the switch's secret (``WorkerConfig.job_key``, ``SWITCHML_JOB_KEY``;
+``WorkerConfig.tenant_key``, ``SWITCHML_TENANT_KEY``)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,26 @@ def add_parser(sub: Subparsers) -> None:
                     "holds at most the switch's --max-window slots: give each tenant its jobs' "
                     "keys, never the secret (docs/operations.md). One I/O thread per rank: "
                     "several threads make a job each, which needs the secret.")
-    p.add_argument("--job", type=_u32, required=True, help="the job id (0 .. 2^32-1)")
-    p.add_argument("--token", type=_u64, required=True,
+    p.add_argument("--job", type=_u32, help="the job id (0 .. 2^32-1)")
+    p.add_argument("--token", type=_u64,
                    help="the job's token (0 .. 2^64-1; decimal, or hex with 0x)")
+    p.add_argument("--tenant", type=_tenant,
+                   help="print tenant T's key instead (0 .. 2047; no --job or --token): its "
+                        "holder creates and joins any job of the tenant's range of ids "
+                        "(2^31 + T * 2^20 .. + 2^20 - 1: control.new_job_spec(tenant=T); "
+                        "SWITCHML_TENANT and SWITCHML_TENANT_KEY under torch), within the "
+                        "switch's --tenant-slots, and no other job")
     p.add_argument("--secret-file", help="file holding the switch's secret (default: "
                                          "SWITCHML_SECRET)")
     p.set_defaults(func=run)
+
+
+def _tenant(text: str) -> int:
+    from switchml.protocol.auth import MAX_TENANT
+    value = _bounded(text, 32)
+    if value > MAX_TENANT:
+        raise argparse.ArgumentTypeError(f"must be in 0 .. {MAX_TENANT}, got {value}")
+    return value
 
 
 def _u32(text: str) -> int:
@@ -49,9 +64,16 @@ def _bounded(text: str, bits: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the job key, or say why not (no secret: an open switch needs no key)."""
-    from switchml.protocol.auth import job_key
+    """Print the job's (or tenant's) key, or say why not (no secret: an open switch needs
+    no key)."""
+    from switchml.protocol.auth import key_for, tenant_key
     from switchml.service import SwitchSpec, switch_secret
+
+    if (args.tenant is None) == (args.job is None or args.token is None) or (
+            args.tenant is not None and (args.job, args.token) != (None, None)):
+        print("switchml job-key: give --job and --token (one job's key), or --tenant alone "
+              "(a tenant's)", file=sys.stderr)
+        return 2
 
     # read as `switchml switch` reads it (the file, else SWITCHML_SECRET)
     secret = switch_secret(SwitchSpec(secret_file=args.secret_file))
@@ -59,5 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print("switchml job-key: no secret (--secret-file or SWITCHML_SECRET): an open switch "
               "takes any worker, and a job key would protect nothing", file=sys.stderr)
         return 2
-    print(job_key(secret, args.job, args.token).hex())
+    if args.tenant is not None:
+        print(tenant_key(secret, args.tenant).hex())
+        return 0
+    print(key_for(secret, args.job, args.token).hex())
     return 0

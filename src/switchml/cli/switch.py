@@ -48,6 +48,11 @@ def add_parser(sub: Subparsers) -> None:
                     help="quorum jobs: earlier rounds kept per slot, so that a rank the quorum "
                          "left behind gets their results (each costs a job its window's slot "
                          "memory once more; default 16)")
+    sw.add_argument("--tenant-slots", type=int,
+                    default=_optional_int(env_default("tenant_slots", None)),
+                    help="the most slots one tenant's jobs (job ids of its range: switchml "
+                         "job-key --tenant) may hold at once; a JOIN that would create a job "
+                         "beyond it is refused (default: no quota)")
     sw.add_argument("--secret-file", default=env_default("secret_file", None),
                     help="file holding the secret needed to create jobs (workers pass it in "
                          "SWITCHML_SECRET); SWITCHML_SECRET also works here")
@@ -101,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> SwitchSpec:
         host=args.host, port=args.port, pool_slots=args.pool_slots,
         stats_interval_s=args.stats_interval_s, lease_timeout_s=args.lease_timeout_s,
         member_timeout_s=args.member_timeout_s, nack_gap=args.nack_gap,
-        quorum_history=args.quorum_history,
+        quorum_history=args.quorum_history, tenant_slots=args.tenant_slots,
         secret_file=args.secret_file, insecure=args.insecure, metrics_port=args.metrics_port,
         mtu=args.mtu, batching=not args.no_batching and env.batching(),
         stop_on_stdin_eof=args.stop_on_stdin_eof, shards=args.shards, shard=args.shard,
@@ -114,3 +119,7 @@ def run(args: argparse.Namespace) -> int:
     spec = config_from_args(args)
     return service.serve(spec, stop_on_signals(
         "stopping" if spec.shards == 1 else "stopping the shards"))
+
+
+def _optional_int(text: str | None) -> int | None:
+    return None if text in (None, "") else int(text)

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Sequence
 
 from switchml.protocol.address import Address
+from switchml.protocol.auth import TENANT_SHIFT, tenant_job_id
 from switchml.protocol.config import JobSpec, default_window
 from switchml.protocol.errors import ConfigError
 from switchml.protocol.wire import elements_for_mtu
@@ -34,7 +35,7 @@ ETHERNET_MTU = 1500
 def new_job_spec(num_workers: int, *, window: int | None = None,
                  elements_per_packet: int | None = None,
                  switch: Address | Sequence[Address] | None = None,
-                 quorum: int | None = None) -> JobSpec:
+                 quorum: int | None = None, tenant: int | None = None) -> JobSpec:
     """Return a JobSpec with a fresh random job id and an unguessable token.
 
     Every rank's datagrams (the numpy ``WorkerClient``'s as the torch backend's) carry
@@ -57,6 +58,10 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
     ``quorum``: ``JobSpec.quorum`` (a quorum job's results carry a bitmap of ``ceil(n / 8)``
     bytes after the payload; the chunk sized from an MTU leaves room for it).
 
+    ``tenant``: draw the id from that tenant's range (``auth.tenant_job_id``), for ranks that
+    hold its key (``WorkerConfig.tenant_key``); else from the ids outside every tenant's
+    (below 2^31), whose keys derive from the switch's secret.
+
     Example::
 
         spec = new_job_spec(2, switch=("127.0.0.1", 48864))   # loopback: 16366 elements
@@ -65,10 +70,18 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
         trailer = (num_workers + 7) // 8 if quorum else 0
         elements_per_packet = (elements_for_mtu(ETHERNET_MTU, trailer=trailer) if switch is None
                                else elements_per_packet_for(switch, trailer=trailer))
-    return JobSpec(job_id=secrets.randbits(32), token=secrets.randbits(64),
+    return JobSpec(job_id=new_job_id(tenant), token=secrets.randbits(64),
                    num_workers=num_workers,
                    window=default_window(elements_per_packet) if window is None else window,
                    elements_per_packet=elements_per_packet, quorum=quorum)
+
+
+def new_job_id(tenant: int | None = None) -> int:
+    """A random job id: of ``tenant``'s range (``auth.tenant_job_id``), or, without one, below
+    2^31 (outside every tenant's range: its key derives from the switch's secret)."""
+    if tenant is None:
+        return secrets.randbits(31)
+    return tenant_job_id(tenant, secrets.randbits(TENANT_SHIFT))
 
 
 def encode_job_spec(spec: JobSpec) -> str:

@@ -50,8 +50,9 @@ from switchml.protocol.wire import (
     pack_join,
 )
 
-__all__ = ["Challenges", "job_key", "join_datagram", "join_proof", "leave_proof",
-           "reply_sealed", "seal_reply"]
+__all__ = ["MAX_TENANT", "TENANT_JOBS", "Challenges", "job_key", "join_datagram", "join_proof",
+           "key_for", "leave_proof", "reply_sealed", "seal_reply", "tenant_job_id", "tenant_key",
+           "tenant_of", "worker_key"]
 
 _LABEL = b"switchml job key v1"
 _COOKIE_TIME = struct.Struct("<Q")
@@ -63,10 +64,60 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 def job_key(secret: bytes | None, job: int, token: int) -> bytes:
-    """The key that proves membership of job ``job``: HMAC-SHA256 of its id and token under
-    the switch's ``secret`` (empty for an open switch). Every rank derives it from the secret
-    it was given; it never travels."""
+    """HMAC-SHA256 of a job's id and token under ``secret`` (empty for an open switch): the
+    key of a job outside every tenant's range, under the switch's secret; of a tenant's job,
+    under its tenant's key (:func:`key_for` picks). It never travels."""
     return _mac(secret or b"", _LABEL, struct.pack("<IQ", job, token))
+
+
+TENANT_JOBS = 1 << 31
+"""Job ids with this bit set belong to a tenant: bits 20-30 are its number (0 .. 2047), bits
+0-19 the job's. Their keys derive from the tenant's key (:func:`tenant_key`), which a tenant's
+workers may hold in place of the switch's secret; other ids' keys derive from the secret."""
+TENANT_SHIFT = 20
+MAX_TENANT = (1 << (31 - TENANT_SHIFT)) - 1
+
+
+def tenant_of(job: int) -> int | None:
+    """The tenant whose range job id ``job`` is in, or None (an id outside every tenant's)."""
+    return (job >> TENANT_SHIFT) & MAX_TENANT if job & TENANT_JOBS else None
+
+
+def tenant_job_id(tenant: int, n: int) -> int:
+    """Job ``n`` (0 .. 2^20 - 1) of ``tenant``'s range of ids."""
+    if not 0 <= tenant <= MAX_TENANT or not 0 <= n < 1 << TENANT_SHIFT:
+        raise ValueError(f"tenant must be in 0..{MAX_TENANT} and n in 0..2^{TENANT_SHIFT}-1, "
+                         f"got {tenant}, {n}")
+    return TENANT_JOBS | tenant << TENANT_SHIFT | n
+
+
+def tenant_key(secret: bytes | None, tenant: int) -> bytes:
+    """A tenant's key: HMAC-SHA256 of its number under the switch's ``secret``. Its holder
+    derives the key of every job in the tenant's range (:func:`tenant_job_id`), and of no
+    other job, and the switch counts the tenant's jobs' slots against its quota
+    (``SwitchConfig.tenant_slots``)."""
+    if not 0 <= tenant <= MAX_TENANT:
+        raise ValueError(f"tenant must be in 0..{MAX_TENANT}, got {tenant}")
+    return _mac(secret or b"", b"switchml tenant key v1", struct.pack("<H", tenant))
+
+
+def key_for(secret: bytes | None, job: int, token: int) -> bytes:
+    """The key of job ``job`` under token ``token``, as the switch whose secret is ``secret``
+    derives it: a tenant's job under its tenant's key, any other under the secret."""
+    tenant = tenant_of(job)
+    return job_key(secret if tenant is None else tenant_key(secret, tenant), job, token)
+
+
+def worker_key(job: int, token: int, *, secret: bytes | None = None,
+               job_key_: bytes | None = None, tenant_key_: bytes | None = None) -> bytes:
+    """The job key a rank proves its JOIN and LEAVE with, from what it was given: the job's
+    own key, its tenant's key, or the switch's secret (``WorkerConfig``'s ``job_key``,
+    ``tenant_key``, ``secret``; none: an open switch)."""
+    if job_key_ is not None:
+        return job_key_
+    if tenant_key_ is not None:
+        return job_key(tenant_key_, job, token)
+    return key_for(secret, job, token)
 
 
 def join_proof(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,

@@ -41,6 +41,10 @@ class SwitchConfig:
     joins or leaves a job. None: an open switch (the empty secret), which authenticates only
     against those who never saw a job's token. Required when the switch listens beyond
     loopback."""
+    tenant_slots: int | None = None
+    """The most slots the jobs of one tenant (a range of job ids: ``auth.TENANT_JOBS``) may
+    hold at once; a JOIN that would create one more job beyond it is refused. None: no quota
+    (each job still holds at most ``max_window``)."""
     member_timeout_s: float = 20.0
     """A member the switch has heard nothing from (no request, no keep-alive: workers send one
     every ``keepalive_s``, 5 s, while idle) for this long is reported gone in the WAITING
@@ -77,6 +81,9 @@ class SwitchConfig:
 
     def __post_init__(self) -> None:
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
+        _check(self.tenant_slots is None
+               or (isinstance(self.tenant_slots, int) and self.tenant_slots >= 1),
+               f"tenant_slots must be None or an integer >= 1, got {self.tenant_slots!r}")
         _check(self.nack_log_windows >= 1,
                f"nack_log_windows must be >= 1, got {self.nack_log_windows}")
         _check(self.nack_calm >= 1, f"nack_calm must be >= 1, got {self.nack_calm}")
@@ -242,6 +249,11 @@ class WorkerConfig:
     create and join this job and no other, and its job holds at most the switch's
     ``max_window`` slots, so a tenant's workers need not hold the switch-wide secret. One job
     only: a rank on several I/O threads (a job per thread) needs the secret."""
+    tenant_key: bytes | None = None
+    """A tenant's key, in place of ``secret`` (``auth.tenant_key``; ``switchml job-key
+    --tenant T`` prints it): a worker that holds only this can create and join the jobs of its
+    tenant's range of ids (``auth.tenant_job_id``; ``control.new_job_spec(tenant=T)`` draws
+    one) and no other, within the tenant's slot quota (``SwitchConfig.tenant_slots``)."""
     fast_retransmit: bool = False
     """Re-send a chunk as soon as a chunk sent later has its result (RACK, RFC 8985), instead of
     waiting for its timeout; the reorder window widens when a re-send proves spurious (a
@@ -305,7 +317,10 @@ class WorkerConfig:
         _check(self.job_key is None or (isinstance(self.job_key, bytes)
                                         and len(self.job_key) == 32),
                "job_key must be the 32 bytes `switchml job-key` prints (as hex)")
-        _check(self.job_key is None or self.secret is None,
-               "give either the switch's secret or a job key, not both")
+        _check(self.tenant_key is None or (isinstance(self.tenant_key, bytes)
+                                           and len(self.tenant_key) == 32),
+               "tenant_key must be the 32 bytes `switchml job-key --tenant` prints (as hex)")
+        _check(sum(k is not None for k in (self.secret, self.job_key, self.tenant_key)) <= 1,
+               "give one of the switch's secret, a job key or a tenant key, not several")
         _check(self.leave_timeout_s > 0, f"leave_timeout_s must be > 0, got "
                f"{self.leave_timeout_s}")

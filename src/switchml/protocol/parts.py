@@ -25,6 +25,7 @@ import hashlib
 import struct
 from dataclasses import replace
 
+from switchml.protocol.auth import TENANT_JOBS
 from switchml.protocol.config import MAX_THREADS, JobSpec
 from switchml.protocol.errors import ConfigError
 
@@ -45,7 +46,9 @@ def part_window(spec: JobSpec, threads: int) -> int:
 def part_specs(spec: JobSpec, threads: int) -> list[JobSpec]:
     """The jobs of ``spec``'s ``threads`` parts; ``[spec]`` for one thread.
 
-    Part ``t > 0`` gets job id and token from ``BLAKE2b(token, "part" | t)``; every part gets
+    Part ``t > 0`` gets job id and token from ``BLAKE2b(token, "part" | t)``, the id's top bit
+    cleared (outside every tenant's range, ``auth.TENANT_JOBS``: a part's key derives from the
+    switch's secret, and no tenant's quota counts it); every part gets
     ``part_window`` slots, the same ``num_workers``, chunk size and fixed-point scale.
 
     Raises:
@@ -61,7 +64,7 @@ def part_specs(spec: JobSpec, threads: int) -> list[JobSpec]:
         digest = hashlib.blake2b(b"switchml part" + struct.pack("<IH", spec.job_id, t),
                                  key=key, digest_size=12).digest()
         job_id, token = struct.unpack("<IQ", digest)
-        specs.append(replace(spec, job_id=job_id, token=token, window=window))
+        specs.append(replace(spec, job_id=job_id & ~TENANT_JOBS, token=token, window=window))
     return specs
 
 

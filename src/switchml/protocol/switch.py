@@ -47,7 +47,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
-from switchml.protocol.auth import Challenges, job_key
+from switchml.protocol.auth import Challenges, key_for
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import WireError
@@ -142,7 +142,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         self.mismatch_sent = 0
         self.challenges_sent = 0
         self._strangers_key = functools.lru_cache(maxsize=256)(
-            functools.partial(job_key, self.config.secret))
+            functools.partial(key_for, self.config.secret))
         self.challenges = Challenges(self.config.join_challenge_s)
         """JOIN cookies (``auth.Challenges``): random per switch."""
         self._removed: dict[int, float] = {}  # job -> when it went, for a cookie's lifetime

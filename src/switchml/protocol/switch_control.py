@@ -14,7 +14,14 @@ from collections import Counter, deque
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
-from switchml.protocol.auth import Challenges, job_key, join_proof, leave_proof, seal_reply
+from switchml.protocol.auth import (
+    Challenges,
+    join_proof,
+    key_for,
+    leave_proof,
+    seal_reply,
+    tenant_of,
+)
 from switchml.protocol.config import SwitchConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, MemberJoined
@@ -171,7 +178,7 @@ class SwitchControl:
             # from the member's own address within the cookie's lifetime.
             self._drops["spent_cookie"] += 1
             return None
-        key = job.key if job is not None else job_key(self.config.secret, h.job, h.token)
+        key = job.key if job is not None else key_for(self.config.secret, h.job, h.token)
         if not hmac.compare_digest(proof, join_proof(key, job=h.job, token=h.token,
                                                      rank=h.rank, seq=h.seq, info=asked,
                                                      cookie=cookie)):
@@ -257,6 +264,11 @@ class SwitchControl:
                        f"{asked.deadline_us} us")
         elif asked.quorum and h.job in self.relayed_jobs:
             problem = "a job relayed to a parent switch (a rack's) cannot have a quorum"
+        elif (tenant := tenant_of(h.job)) is not None and cfg.tenant_slots is not None:
+            held = sum(j.window for j in self._jobs.values() if tenant_of(j.job_id) == tenant)
+            if held + asked.window > cfg.tenant_slots:
+                problem = (f"tenant {tenant} holds {held} slots in its other jobs; {asked.window} "
+                           f"more would pass its quota of {cfg.tenant_slots}")
         if problem is not None:
             self._refuse(h, addr, problem)
             return None

@@ -49,7 +49,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
-from switchml.protocol.auth import job_key, join_datagram, reply_sealed
+from switchml.protocol.auth import join_datagram, key_for, reply_sealed
 from switchml.protocol.config import JobSpec, SwitchConfig
 from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
@@ -105,7 +105,7 @@ class TreeConfig:
     """JOIN to the parent is re-sent after this long while unanswered. Default 0.2 s."""
     secret: bytes | None = None
     """The parent switch's secret: the rack proves its JOIN of the parent job with the job key
-    derived from it (``auth.job_key``). None for an open parent switch."""
+    derived from it (``auth.key_for``). None for an open parent switch."""
 
     def __post_init__(self) -> None:
         if not 0 < self.rto_s <= self.max_rto_s:
@@ -183,7 +183,7 @@ class RackAggregator:
         self.rack = rack
         self.parent_address = parent_address
         self.config = config or TreeConfig()
-        self._key = job_key(self.config.secret, parent_spec.job_id, parent_spec.token)
+        self._key = key_for(self.config.secret, parent_spec.job_id, parent_spec.token)
         self.switch = SwitchDataplane(switch_config)
         self.switch.on_completed = self._relay_up
         self.switch.relayed_jobs.add(child_spec.job_id)

@@ -39,7 +39,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import job_key
+from switchml.protocol.auth import worker_key
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import SUPPORTED_DTYPES
 from switchml.protocol.endpoint import Batch, Transmit
@@ -120,8 +120,9 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
         self.config = config or WorkerConfig()
-        self._key = (self.config.job_key if self.config.job_key is not None
-                     else job_key(self.config.secret, spec.job_id, spec.token))
+        self._key = worker_key(spec.job_id, spec.token, secret=self.config.secret,
+                               job_key_=self.config.job_key,
+                               tenant_key_=self.config.tenant_key)
         self.state = WorkerState.NEW
         self.error: str | None = None
         self._seq = 0

@@ -47,10 +47,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env
-from switchml.control import decode_job_spec, encode_job_spec
+from switchml.control import decode_job_spec, encode_job_spec, new_job_id
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
 from switchml.protocol.config import WorkerConfig
-from switchml.protocol.errors import SwitchMLError
+from switchml.protocol.errors import ConfigError, SwitchMLError
 from switchml.torch import flight
 from switchml.torch.embedded import (
     EMBEDDED,
@@ -459,6 +459,11 @@ def _create(store: dist.Store, rank: int, size: int,
     if not dist.is_initialized():
         _incarnation += 1  # a (re)created world: never read keys of an earlier one
     switch, secret, acquired = _resolve_switch(store, rank)
+    tenant_key = env.tenant_key()  # (a tenant's ranks hold its key, not the switch's secret)
+    if tenant_key is not None and env.switch_addresses() is None:
+        raise ConfigError("SWITCHML_TENANT_KEY is a key of a shared switch: set SWITCHML_SWITCH "
+                          "(the embedded switch has a secret of its own)")
+    tenant = env.tenant() if tenant_key is not None else None
     gloo: Any = None
     try:
         key = f"switchml/{_incarnation}/job"
@@ -466,15 +471,15 @@ def _create(store: dist.Store, rank: int, size: int,
         store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
         # ... and the I/O threads it would use; the group uses the fewest any rank asked for
         # (every rank must split its job into the same parts).
-        store.set(f"switchml/{_incarnation}/threads/{rank}", str(choose_threads(
-            switch, requested=env.threads(), local_ranks=local_ranks(size))))
+        store.set(f"switchml/{_incarnation}/threads/{rank}", str(1 if tenant_key else (
+            choose_threads(switch, requested=env.threads(), local_ranks=local_ranks(size)))))
         if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
             store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
             store.set(f"{key}/failover", env.failover())
             store.set(f"{key}/failover_probe_s", str(env.failover_probe_s()))
             spec = job_spec_for_ranks(size, (
                 int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
-                **_group_quorum(size))
+                tenant=tenant, **_group_quorum(size))
             store.set(key, encode_job_spec(spec))
         else:
             spec = decode_job_spec(store.get(key).decode())
@@ -486,7 +491,9 @@ def _create(store: dist.Store, rank: int, size: int,
         gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
-                              join_timeout_s=seconds, secret=secret)
+                              join_timeout_s=seconds,
+                              secret=None if tenant_key is not None else secret,
+                              tenant_key=tenant_key)
         threads = min(int(store.get(f"switchml/{_incarnation}/threads/{r}").decode())
                       for r in range(size))
         client = open_worker(switch, spec, rank, config, threads=threads,
@@ -513,7 +520,7 @@ def _create(store: dist.Store, rank: int, size: int,
         def open_job(text: str | None) -> tuple[WorkerClient | ParallelClient, str]:
             """Join a fresh job like the group's (rank 0: a new one; others: rank 0's)."""
             job = decode_job_spec(text) if text else dataclasses.replace(
-                spec, job_id=secrets.randbits(32), token=secrets.randbits(64))
+                spec, job_id=new_job_id(tenant), token=secrets.randbits(64))
             return (open_worker(switch, job, rank, probe_config, threads=threads,
                                 batching=env.batching()), encode_job_spec(job))
 

@@ -105,8 +105,8 @@ def choose_threads(switch: Address | Sequence[Address], config: WorkerConfig | N
         if chosen is not None:
             check_threads(chosen)
             return chosen
-    if config is not None and config.job_key is not None:
-        return 1  # a job key proves one job, and threads make a job each
+    if config is not None and (config.job_key is not None or config.tenant_key is not None):
+        return 1  # a job (or tenant) key proves the job's id, and threads make a job each
     if rate_bps is None:
         rates = [r for r in (link_speed_bps(a) for a in as_addresses(switch)) if r]
         rate_bps = max(rates) if rates else None
@@ -153,10 +153,11 @@ class ParallelClient:
     def __init__(self, switch: Address | Sequence[Address], spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, threads: int, **kwargs: Any) -> None:
         self.spec, self.rank, self.threads = spec, rank, threads
-        if threads > 1 and config is not None and config.job_key is not None:
+        if threads > 1 and config is not None and (config.job_key is not None
+                                                    or config.tenant_key is not None):
             raise ConfigError(f"threads={threads} makes a job per thread on the switch, and a "
-                              "job key proves one job: give the switch's secret instead, or "
-                              "use one thread")
+                              "job (or tenant) key proves one job's id: give the switch's "
+                              "secret instead, or use one thread")
         self.part_specs = part_specs(spec, threads)
         self.parts: list[WorkerClient] = []
         self._lock = threading.Lock()  # one operation's pieces queue in order on every part

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from switchml.protocol.address import format_address
-from switchml.protocol.auth import job_key, join_datagram, leave_proof
+from switchml.protocol.auth import join_datagram, key_for, leave_proof
 from switchml.protocol.wire import (
     AT,
     EXP_ZERO,
@@ -193,7 +193,7 @@ class _Generator:
         silence, naming the shard."""
         cfg = self.cfg
         info = ControlInfo(cfg.workers, cfg.window, cfg.elements_per_packet)
-        key = job_key(None, self.job_id, self.token)
+        key = key_for(None, self.job_id, self.token)
         deadline = time.monotonic() + timeout_s
         buf = bytearray(RECV_BUFFER_BYTES)
         view = memoryview(buf)
@@ -249,7 +249,7 @@ class _Generator:
     def leave(self) -> None:
         for j, sock in enumerate(self.socks):
             try:
-                proof = leave_proof(job_key(None, self.job_id, self.token), job=self.job_id,
+                proof = leave_proof(key_for(None, self.job_id, self.token), job=self.job_id,
                                     token=self.token, rank=self.rank_of[j],
                                     cookie=self.cookies[j])
                 sock.send(pack_leave(job=self.job_id, token=self.token, rank=self.rank_of[j],
