@@ -106,7 +106,13 @@ def job_key() -> bytes | None:
     Raises:
         ConfigError: it is not 64 hex digits.
     """
-    value = _get("SWITCHML_JOB_KEY")
+    return _hex_key("SWITCHML_JOB_KEY", "`switchml job-key`")
+
+
+def _hex_key(name: str, printer: str) -> bytes | None:
+    """A 32-byte key given as 64 hex digits in ``name`` (None: unset); ConfigError naming
+    ``printer``, the command that prints it, otherwise."""
+    value = _get(name)
     if value is None:
         return None
     try:
@@ -114,7 +120,7 @@ def job_key() -> bytes | None:
     except ValueError:
         key = b""
     if len(key) != 32:
-        raise ConfigError("SWITCHML_JOB_KEY must be the 64 hex digits `switchml job-key` prints")
+        raise ConfigError(f"{name} must be the 64 hex digits {printer} prints")
     return key
 
 
@@ -141,16 +147,9 @@ def tenant_key() -> bytes | None:
     Raises:
         ConfigError: not 64 hex digits, or SWITCHML_TENANT unset.
     """
-    value = _get("SWITCHML_TENANT_KEY")
-    if value is None:
+    key = _hex_key("SWITCHML_TENANT_KEY", "`switchml job-key --tenant`")
+    if key is None:
         return None
-    try:
-        key = bytes.fromhex(value)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise ConfigError("SWITCHML_TENANT_KEY must be the 64 hex digits `switchml job-key "
-                          "--tenant` prints")
     if tenant() is None:
         raise ConfigError("SWITCHML_TENANT_KEY needs SWITCHML_TENANT, the tenant it is the key "
                           "of (its jobs' ids are drawn from that tenant's range)")
