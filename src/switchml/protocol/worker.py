@@ -105,8 +105,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
                  config: WorkerConfig | None = None) -> None:
         if not 0 <= rank < spec.num_workers:
             raise LocalProtocolError(f"rank must be in 0..{spec.num_workers - 1}, got {rank}")
-        self.spec = spec
-        self.rank = rank
+        self.spec, self.rank = spec, rank
         # One switch, or the shards of a sharded switch (lane i goes to shard i mod S).
         try:
             shards = as_addresses(switch_address)
@@ -120,9 +119,9 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
         self.config = config or WorkerConfig()
-        self._key = worker_key(spec.job_id, spec.token, secret=self.config.secret,
-                               job_key_=self.config.job_key,
-                               tenant_key_=self.config.tenant_key)
+        cfg = self.config  # the key this rank proves its JOIN and LEAVE with
+        self._key = worker_key(spec.job_id, spec.token, secret=cfg.secret,
+                               job_key_=cfg.job_key, tenant_key_=cfg.tenant_key)
         self.state = WorkerState.NEW
         self.error: str | None = None
         self._seq = 0
