@@ -49,7 +49,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_id
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
-from switchml.protocol.config import WorkerConfig
+from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import ConfigError, SwitchMLError
 from switchml.torch import flight
 from switchml.torch.embedded import (
@@ -512,26 +512,8 @@ def _create(store: dist.Store, rank: int, size: int,
                               half_bits=half_bits, quorum=spec.quorum)
     pg.owns_switch = acquired
     if store.get(f"{key}/failover").decode() == "gloo":
-        keep = env.failover_keep_bytes()
-        if keep is None:  # on one thread without a quorum, no rank is two all-reduces ahead
-            keep = 0 if spec.quorum is None and threads == 1 else 256 * 2**20
-        probe_config = dataclasses.replace(config, join_timeout_s=min(seconds, 2.0))
-
-        def open_job(text: str | None) -> tuple[WorkerClient | ParallelClient, str]:
-            """Join a fresh job like the group's (rank 0: a new one; others: rank 0's)."""
-            job = decode_job_spec(text) if text else dataclasses.replace(
-                spec, job_id=new_job_id(tenant), token=secrets.randbits(64))
-            return (open_worker(switch, job, rank, probe_config, threads=threads,
-                                batching=env.batching()), encode_job_spec(job))
-
-        back = SwitchBack(probe=lambda: open_job(None), join=lambda text: open_job(text)[0],
-                          install=pg._install_client, submit=pg._submit,
-                          close=lambda c: c.close())
-        pg.failover = Failover(store, rank, size, timeout, keep_bytes=keep,
-                               close_switch=lambda: pg.client.close(),
-                               recycle=pg._staging.give,
-                               prefix=f"switchml/{_incarnation}/failover", back=back,
-                               probe_s=float(store.get(f"{key}/failover_probe_s").decode()))
+        pg.failover = _failover(pg, store, rank, size, timeout, spec, config, threads, tenant,
+                                probe_s=float(store.get(f"{key}/failover_probe_s").decode()))
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
         flight.install_signal(name)
@@ -541,6 +523,30 @@ def _create(store: dist.Store, rank: int, size: int,
     cpu = torch.device("cpu")
     pg._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, gloo)
     return pg
+
+
+def _failover(pg: SwitchMLProcessGroup, store: dist.Store, rank: int, size: int,
+              timeout: datetime.timedelta, spec: JobSpec, config: WorkerConfig, threads: int,
+              tenant: int | None, *, probe_s: float) -> Failover:
+    """``SWITCHML_FAILOVER=gloo`` (rank 0's setting): the group's switch-over to gloo, and its
+    way back to a fresh job of the same shape at the same switch (``torch/failover.py``)."""
+    keep = env.failover_keep_bytes()
+    if keep is None:  # on one thread without a quorum, no rank is two all-reduces ahead
+        keep = 0 if spec.quorum is None and threads == 1 else 256 * 2**20
+    probe_config = dataclasses.replace(config, join_timeout_s=min(config.op_timeout_s, 2.0))
+
+    def open_job(text: str | None) -> tuple[WorkerClient | ParallelClient, str]:
+        """Join a fresh job like the group's (rank 0: a new one; others: rank 0's)."""
+        job = decode_job_spec(text) if text else dataclasses.replace(
+            spec, job_id=new_job_id(tenant), token=secrets.randbits(64))
+        return (open_worker(pg.switch, job, rank, probe_config, threads=threads,
+                            batching=env.batching()), encode_job_spec(job))
+
+    back = SwitchBack(probe=lambda: open_job(None), join=lambda text: open_job(text)[0],
+                      install=pg._install_client, submit=pg._submit, close=lambda c: c.close())
+    return Failover(store, rank, size, timeout, keep_bytes=keep,
+                    close_switch=lambda: pg.client.close(), recycle=pg._staging.give,
+                    prefix=f"switchml/{_incarnation}/failover", back=back, probe_s=probe_s)
 
 
 _next_quorum = threading.local()

@@ -34,68 +34,84 @@ def add_parser(bsub: Subparsers) -> None:
                     "tradeoff.png (accuracy and time against WAN bytes). Gaia runs at the "
                     "library's defaults (S = 1% decaying, staleness 2). About 2 minutes at "
                     "the defaults (one seed). Needs root.")
-    geo.add_argument("--dcs", default="2x2", help="data centres x workers (default 2x2)")
-    geo.add_argument("--wan-mbit", type=float, default=50.0, help="WAN Mbit/s (default 50)")
-    geo.add_argument("--wan-rtt-ms", type=float, default=0.0,
-                     help="round trip added between data centres, ms (default 0: the links' "
-                          "own; a user-space delay line in the WAN core: docs/geo.md)")
-    geo.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
-    geo.add_argument("--modes", default="lan,wan,gaia,diloco",
-                     help="comma list of lan, wan, gaia, diloco, torchft (default the first "
-                          "four; torchft: torchft's DiLoCo across, with its Manager over gloo "
-                          "and torchft_lighthouse, the same outer step as diloco, 32-bit; "
-                          "needs pip install torchft==0.2.0)")
-    geo.add_argument("--model", choices=tuple(MODEL_DEFAULTS), default="mf",
-                     help="mf: matrix factorisation of implicit feedback, 68k parameters, "
-                          "plain SGD (Gaia's kind of workload); cnn: a CNN on digits, 560k "
-                          "parameters; mlp: an MLP on digits (default mf)")
-    geo.add_argument("--steps", type=int, help="steps per run (default: the model's, "
-                                               "mf 800, cnn 150)")
-    geo.add_argument("--batch", type=int, help="samples per worker (mf 64, cnn 32)")
-    geo.add_argument("--lr", type=float, help="learning rate of synchronous training "
-                                              "(mf 50, cnn 0.05)")
-    geo.add_argument("--momentum", type=float, help="SGD momentum (mf 0, cnn 0.9)")
-    geo.add_argument("--target", type=float,
-                     help="target held-out accuracy (mf 0.88, cnn 0.95)")
-    geo.add_argument("--eval-every", type=int, help="steps (mf 20, cnn 5)")
-    geo.add_argument("--threshold", type=float, default=0.01,
-                     help="Gaia's significance threshold S (default 0.01, the library's; on "
-                          "the cnn, a run this short sends about half the entries at it, "
-                          "and 0.1 without decay saves more: docs/geo.md)")
-    geo.add_argument("--thresholds", type=_fractions, default=(),
-                     help="run Gaia once at each of these thresholds (comma list, e.g. "
-                          "0,0.01,0.1,0.3) instead of --threshold, and plot final accuracy "
-                          "against WAN bytes (tradeoff.png)")
-    geo.add_argument("--decay", action=argparse.BooleanOptionalAction, default=True,
-                     help="decay the threshold as S/sqrt(t) (default on, the library's)")
-    geo.add_argument("--staleness", type=int, default=2,
-                     help="mirror clock: clocks a data centre may run ahead (default 2)")
-    geo.add_argument("--gaia-lr-scale", type=float, default=None,
-                     help="Gaia's learning rate factor (default 1/data centres)")
-    geo.add_argument("--dc-backend", choices=("gloo", "switchml"), default="gloo",
-                     help="Gaia's synchronous training inside a data centre: DDP over gloo, "
-                          "or over switchml with a switch in each data centre's router "
-                          "(default gloo, as the other two modes)")
-    geo.add_argument("--inner-steps", type=int, default=50,
-                     help="DiLoCo: local steps between outer steps (default 50)")
-    geo.add_argument("--outer-lr", type=float, default=1.0,
-                     help="DiLoCo: the outer step's learning rate (default 1: with no "
-                          "momentum, the mean of the models; the paper's is 0.7)")
-    geo.add_argument("--outer-momentum", type=float, default=0.0,
-                     help="DiLoCo: the outer step's Nesterov momentum (default 0; the "
-                          "paper's is 0.9, which diverged on mf: docs/geo.md, section 3)")
-    geo.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
-                     help="DiLoCo: bits per element of the outer all-reduce (default 16)")
-    geo.add_argument("--embedding-rows", action="store_true",
-                     help="DiLoCo: average an embedding row over the data centres that moved "
-                          "it (default: over all of them, the paper's and torchft's rule; "
-                          "docs/geo.md, section 3)")
+    _network_options(geo.add_argument_group("the geo testbed"))
+    _training_options(geo.add_argument_group("training (every mode)"))
+    _gaia_options(geo.add_argument_group("Gaia (mode gaia)"))
+    _diloco_options(geo.add_argument_group("DiLoCo (modes diloco and torchft)"))
     geo.add_argument("--seeds", type=int, default=1,
                      help="runs per mode (seeds 0 .. N-1); a mode's row is their mean "
                           "(default 1)")
     geo.add_argument("--out", default="switchml-geo", help="output folder (default "
                                                            "switchml-geo)")
     geo.set_defaults(func=run)
+
+
+def _network_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--dcs", default="2x2", help="data centres x workers (default 2x2)")
+    g.add_argument("--wan-mbit", type=float, default=50.0, help="WAN Mbit/s (default 50)")
+    g.add_argument("--wan-rtt-ms", type=float, default=0.0,
+                     help="round trip added between data centres, ms (default 0: the links' "
+                          "own; a user-space delay line in the WAN core: docs/geo.md)")
+    g.add_argument("--lan-mbit", type=float, default=1000.0, help="LAN Mbit/s (default 1000)")
+
+
+def _training_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--modes", default="lan,wan,gaia,diloco",
+                     help="comma list of lan, wan, gaia, diloco, torchft (default the first "
+                          "four; torchft: torchft's DiLoCo across, with its Manager over gloo "
+                          "and torchft_lighthouse, the same outer step as diloco, 32-bit; "
+                          "needs pip install torchft==0.2.0)")
+    g.add_argument("--model", choices=tuple(MODEL_DEFAULTS), default="mf",
+                     help="mf: matrix factorisation of implicit feedback, 68k parameters, "
+                          "plain SGD (Gaia's kind of workload); cnn: a CNN on digits, 560k "
+                          "parameters; mlp: an MLP on digits (default mf)")
+    g.add_argument("--steps", type=int, help="steps per run (default: the model's, "
+                                               "mf 800, cnn 150)")
+    g.add_argument("--batch", type=int, help="samples per worker (mf 64, cnn 32)")
+    g.add_argument("--lr", type=float, help="learning rate of synchronous training "
+                                              "(mf 50, cnn 0.05)")
+    g.add_argument("--momentum", type=float, help="SGD momentum (mf 0, cnn 0.9)")
+    g.add_argument("--target", type=float,
+                     help="target held-out accuracy (mf 0.88, cnn 0.95)")
+    g.add_argument("--eval-every", type=int, help="steps (mf 20, cnn 5)")
+
+
+def _gaia_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--threshold", type=float, default=0.01,
+                     help="Gaia's significance threshold S (default 0.01, the library's; on "
+                          "the cnn, a run this short sends about half the entries at it, "
+                          "and 0.1 without decay saves more: docs/geo.md)")
+    g.add_argument("--thresholds", type=_fractions, default=(),
+                     help="run Gaia once at each of these thresholds (comma list, e.g. "
+                          "0,0.01,0.1,0.3) instead of --threshold, and plot final accuracy "
+                          "against WAN bytes (tradeoff.png)")
+    g.add_argument("--decay", action=argparse.BooleanOptionalAction, default=True,
+                     help="decay the threshold as S/sqrt(t) (default on, the library's)")
+    g.add_argument("--staleness", type=int, default=2,
+                     help="mirror clock: clocks a data centre may run ahead (default 2)")
+    g.add_argument("--gaia-lr-scale", type=float, default=None,
+                     help="Gaia's learning rate factor (default 1/data centres)")
+    g.add_argument("--dc-backend", choices=("gloo", "switchml"), default="gloo",
+                     help="Gaia's synchronous training inside a data centre: DDP over gloo, "
+                          "or over switchml with a switch in each data centre's router "
+                          "(default gloo, as the other two modes)")
+
+
+def _diloco_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--inner-steps", type=int, default=50,
+                     help="DiLoCo: local steps between outer steps (default 50)")
+    g.add_argument("--outer-lr", type=float, default=1.0,
+                     help="DiLoCo: the outer step's learning rate (default 1: with no "
+                          "momentum, the mean of the models; the paper's is 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=0.0,
+                     help="DiLoCo: the outer step's Nesterov momentum (default 0; the "
+                          "paper's is 0.9, which diverged on mf: docs/geo.md, section 3)")
+    g.add_argument("--outer-bits", type=int, choices=(16, 32), default=16,
+                     help="DiLoCo: bits per element of the outer all-reduce (default 16)")
+    g.add_argument("--embedding-rows", action="store_true",
+                     help="DiLoCo: average an embedding row over the data centres that moved "
+                          "it (default: over all of them, the paper's and torchft's rule; "
+                          "docs/geo.md, section 3)")
 
 
 def config_from_args(args: argparse.Namespace) -> GeoBenchConfig:

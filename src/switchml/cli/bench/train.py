@@ -74,31 +74,35 @@ def add_parser(bsub: Subparsers) -> None:
                          "forward, backward, optimizer and communication spans, and report the "
                          "fraction of communication hidden behind backward compute")
     add_link_options(tr)
-    tr.add_argument("--straggle-s", type=float, default=0.0, metavar="SECONDS",
-                    help="a straggler: this many seconds of extra compute before a step's "
-                         "forward on the straggling rank (default 0: none)")
-    tr.add_argument("--straggle-every", type=int, default=0, metavar="N",
-                    help="0: the last rank straggles at every step (persistent, the default); "
-                         "N: at one step in N on average a rank drawn at random does "
-                         "(transient)")
-    tr.add_argument("--quorum", type=int, default=None, metavar="K",
-                    help="the switchml-quorum system's quorum: each round completes with K "
-                         "ranks (default: workers - 1)")
-    tr.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
-                    help="kill the switch (SIGKILL) as rank 0 starts this step of each "
-                         "switchml-failover run; the rows give the step times around it and "
-                         "the final metric (default 0: never)")
-    tr.add_argument("--switch-back-after", type=float, default=0.0, metavar="SECONDS",
-                    help="with --kill-switch-at: start a new switch at the same address this "
-                         "long after the kill (the group probes every 2 s and goes back to "
-                         "it; the rows give the steps on gloo and the step time after) "
-                         "(default 0: not)")
+    _fault_options(tr.add_argument_group("faults (stragglers, a killed switch)"))
     tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
                     "bytes per step and step time per system to PNG's name + '-bytes'; with "
                     "--trace, rank 0's last two steps to + '-timeline')")
     tr.set_defaults(func=run)
+
+
+def _fault_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--straggle-s", type=float, default=0.0, metavar="SECONDS",
+                    help="a straggler: this many seconds of extra compute before a step's "
+                         "forward on the straggling rank (default 0: none)")
+    g.add_argument("--straggle-every", type=int, default=0, metavar="N",
+                    help="0: the last rank straggles at every step (persistent, the default); "
+                         "N: at one step in N on average a rank drawn at random does "
+                         "(transient)")
+    g.add_argument("--quorum", type=int, default=None, metavar="K",
+                    help="the switchml-quorum system's quorum: each round completes with K "
+                         "ranks (default: workers - 1)")
+    g.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
+                    help="kill the switch (SIGKILL) as rank 0 starts this step of each "
+                         "switchml-failover run; the rows give the step times around it and "
+                         "the final metric (default 0: never)")
+    g.add_argument("--switch-back-after", type=float, default=0.0, metavar="SECONDS",
+                    help="with --kill-switch-at: start a new switch at the same address this "
+                         "long after the kill (the group probes every 2 s and goes back to "
+                         "it; the rows give the steps on gloo and the step time after) "
+                         "(default 0: not)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
