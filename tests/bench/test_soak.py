@@ -39,3 +39,19 @@ def test_fuzz_run_drops_every_hostile_kind_and_the_job_stays_exact():
     assert r["jobs_at_end"] == 0  # the JOIN flood created no job (the switch has a secret)
     rss = [m[1] for m in r["memory"]]
     assert max(rss) - rss[0] < 64 * 2**20, rss
+
+
+@pytest.mark.slow
+def test_a_join_flood_is_answered_or_dropped_and_the_job_goes_on_exactly():
+    """``bench fuzz --joins``: well-formed JOINs of new jobs, by turns asking for a challenge
+    and carrying a forged cookie, at a switch with a secret while a job runs: half draw a
+    CHALLENGE, half are dropped (``bad_cookie``), no job is created, the job's results stay
+    exact, and the report gives its rate alone and during the flood."""
+    r = run_fuzz(FuzzConfig(datagrams=4000, senders=1, rate_per_sender=2000.0, seed=5,
+                            joins=True))
+    assert r["datagrams_sent"] == 4000 and r["internal_errors"] == 0
+    assert r["legit_operations"] > 0 and r["legit_wrong_results"] == 0
+    assert r["drops"].get("bad_cookie", 0) >= 1900, r["drops"]  # the forged half, about
+    assert r["jobs_at_end"] == 0
+    assert r["legit_elements_per_s_alone"] > 0 and r["legit_elements_per_s_during"] > 0
+    assert 0 < r["flood_datagrams_per_s"] <= 2000 * 1.2

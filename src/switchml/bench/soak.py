@@ -27,7 +27,9 @@ import numpy as np
 
 from switchml.bench.switchproc import SwitchProcess
 from switchml.protocol.wire import (
+    COOKIE_SIZE,
     HEADER_SIZE,
+    PROOF_SIZE,
     ControlInfo,
     ElementType,
     Flags,
@@ -35,6 +37,7 @@ from switchml.protocol.wire import (
     MessageType,
     pack_control_info,
     pack_header,
+    pack_join,
 )
 
 __all__ = ["FuzzConfig", "SoakConfig", "run_fuzz", "run_soak"]
@@ -246,17 +249,25 @@ def _header(**fields: int) -> bytes:
 
 
 def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
-                 rate: float, done: Any) -> None:
+                 rate: float, done: Any, joins: bool = False) -> None:
     """Send ``count`` hostile datagrams of every kind at about ``rate`` per second (paced so
-    that the switch reads them rather than the kernel dropping them at its socket)."""
+    that the switch reads them rather than the kernel dropping them at its socket); with
+    ``joins``, only well-formed JOINs of random new jobs, by turns asking for a challenge and
+    answering one with a forged cookie (what a flood that means to cost the switch sends)."""
     rng = random.Random(seed)
     t0 = time.monotonic()
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
     kinds = 0
     data_flag = int(Flags.HAS_DATA)
+    info = ControlInfo(num_workers=4, window=64, elements_per_packet=358)
     for i in range(count):
         kind = i % 7
-        if kind == 0:  # random bytes
+        if joins:
+            data = pack_join(job=rng.getrandbits(32), token=rng.getrandbits(64), rank=0,
+                             info=info, **({} if i % 2 else {
+                                 "cookie": rng.randbytes(COOKIE_SIZE),
+                                 "proof": rng.randbytes(PROOF_SIZE)}))
+        elif kind == 0:  # random bytes
             data = rng.randbytes(rng.randrange(0, 1500))
         elif kind == 1:  # truncated header
             data = _header(job=live_job)[:rng.randrange(HEADER_SIZE)]
@@ -296,7 +307,7 @@ def _fuzz_sender(address: tuple[str, int], count: int, seed: int, live_job: int,
                 time.sleep(ahead)
     for s in socks:
         s.close()
-    done.put(kinds)
+    done.put((kinds, t0, time.monotonic()))  # (CLOCK_MONOTONIC: one clock for every process)
 
 
 def _legit_worker(switch: tuple[str, int], spec_text: str, rank: int, secret: bytes | None,
@@ -331,6 +342,10 @@ class FuzzConfig:
     secret: bool = True
     """Run the switch with a job-creation secret (as it must be when exposed). Without it, the
     JOIN flood creates jobs until the pool is full: memory stays bounded by the pool."""
+    joins: bool = False
+    """Send only well-formed JOINs of new jobs (half asking for a challenge, half with a
+    forged cookie) instead of the seven hostile kinds: the flood issue 36 measures against
+    the job's rate."""
 
 
 def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
@@ -349,21 +364,30 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
     try:
         for p in workers:
             p.start()
+        time.sleep(1.0)
+        quiet = _job_elements(switch, spec.job_id)  # the job alone, for 2 s
         time.sleep(2.0)
+        flood = _job_elements(switch, spec.job_id)
         memory.append(_rss_sample(switch, start))
         per_sender = cfg.datagrams // cfg.senders
         senders = [ctx.Process(target=_fuzz_sender, args=(
             switch.address, per_sender, cfg.seed + i, spec.job_id,
-            cfg.rate_per_sender or float("inf"), done), daemon=True)
+            cfg.rate_per_sender or float("inf"), done, cfg.joins), daemon=True)
             for i in range(cfg.senders)]
         for p in senders:
             p.start()
+        samples = [flood]
         while any(p.is_alive() for p in senders):
-            time.sleep(1.0)
+            time.sleep(0.5)
+            samples.append(_job_elements(switch, spec.job_id))
             memory.append(_rss_sample(switch, start))
             if progress is not None:
                 progress(switch.stats())
-        sent = sum(done.get(timeout=10) for _ in senders)
+        reports = [done.get(timeout=10) for _ in senders]
+        sent = sum(r[0] for r in reports)
+        # The job's rate while every sender was sending (not while they were starting).
+        lo, hi = max(r[1] for r in reports), min(r[2] for r in reports)
+        during = [x for x in samples if lo <= x[0] <= hi] or samples[-2:]
         time.sleep(1.0)
         stop.set()
         legit = [results.get(timeout=60) for _ in workers]
@@ -387,4 +411,18 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
         "memory": memory,
         "jobs_at_end": stats["jobs"],
         "seconds": round(time.monotonic() - start, 1),
+        "legit_elements_per_s_alone": _rate(quiet, flood),
+        "legit_elements_per_s_during": _rate(during[0], during[-1]),
+        "flood_datagrams_per_s": sent / max(max(r[2] for r in reports)
+                                           - min(r[1] for r in reports), 1e-9),
     }
+
+
+def _job_elements(switch: SwitchProcess, job_id: int) -> tuple[float, int]:
+    """(now, the elements the switch has aggregated for the job so far)."""
+    counts = switch.stats()["elements_aggregated"]
+    return time.monotonic(), int(counts.get(job_id, counts.get(str(job_id), 0)))
+
+
+def _rate(a: tuple[float, int], b: tuple[float, int]) -> float:
+    return (b[1] - a[1]) / max(b[0] - a[0], 1e-9)

@@ -29,6 +29,10 @@ def add_parser(bsub: Subparsers) -> None:
     fz.add_argument("--no-secret", action="store_true",
                     help="run the switch without a job-creation secret (JOIN floods then fill "
                          "the pool, which bounds the memory)")
+    fz.add_argument("--joins", action="store_true",
+                    help="send only well-formed JOINs of new jobs, half asking for a "
+                         "challenge and half with a forged cookie (a flood meant to cost the "
+                         "switch CPU), and report the job's rate alone and during the flood")
     fz.add_argument("--json", metavar="PATH", help="write the report as JSON")
     fz.set_defaults(func=run)
 
@@ -37,7 +41,8 @@ def config_from_args(args: argparse.Namespace) -> FuzzConfig:
     """The fuzzing run ``args`` describe."""
     from switchml.bench.soak import FuzzConfig
     return FuzzConfig(datagrams=args.datagrams, senders=args.senders,
-                      rate_per_sender=args.rate, secret=not args.no_secret)
+                      rate_per_sender=args.rate, secret=not args.no_secret,
+                      joins=args.joins)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             f"fuzzing: switch received {st['packets_in']:,} datagrams, dropped "
             f"{sum(st['drops'].values()):,}"))
     rss = [m[1] for m in rep["memory"]]
+    alone, during = rep["legit_elements_per_s_alone"], rep["legit_elements_per_s_during"]
     t = figure_table(
         f"fuzz: {rep['datagrams_sent']:,} hostile datagrams in {rep['seconds']} s", (
             ("switch datagrams received", f"{rep['switch_packets_in']:,}"),
@@ -63,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
              f"{len(rep['legit_errors'])}"),
             ("switch RSS before / max / after (MiB)",
              f"{rss[0] / 2**20:.1f} / {max(rss) / 2**20:.1f} / {rss[-1] / 2**20:.1f}"),
-            ("jobs at end", rep["jobs_at_end"])))
+            ("jobs at end", rep["jobs_at_end"]),
+            ("flood: hostile datagrams/s", f"{rep['flood_datagrams_per_s']:,.0f}"),
+            ("job: elements/s alone / during the flood",
+             f"{alone:,.0f} / {during:,.0f} ({during / max(alone, 1):.2f}x)")))
     for reason, n in sorted(rep["drops"].items(), key=lambda kv: -kv[1]):
         t.add_row(f"drops: {reason}", f"{n:,}")
     stdout_console().print(t)
