@@ -115,11 +115,7 @@ class SwitchControl:
             self._drops[problem] += 1
             if problem != "stale_cookie":  # a slow worker asks again; a replay gets nowhere
                 return True
-        self.challenges_sent += 1
-        self._out.append((pack_challenge(job=job, token=token, rank=rank,
-                                         shard=self.config.shard_index,
-                                         cookie=self.challenges.issue(now, addr, job, rank)),
-                          addr))
+        self._challenge(job, token, rank, addr, now)
         return True
 
     def _handle_join(self, h: Header, data: Datagram, addr: Address,
@@ -139,8 +135,8 @@ class SwitchControl:
             self._drops[exc.reason] += 1
             return
         job = self._jobs.get(h.job)
-        if cookie == NO_COOKIE:  # whatever the token: a live job id and an unused one look
-            self._challenge(h, addr, now)  # the same to whoever does not hold the token
+        if cookie == NO_COOKIE:  # whatever the token: a live job id and an unused one look the
+            self._challenge(h.job, h.token, h.rank, addr, now)  # same to whoever lacks it
             return
         if job is not None and h.token != job.token:
             self._wrong_token_join(h, asked, cookie, proof, addr, now)
@@ -167,7 +163,7 @@ class SwitchControl:
         if problem is not None:
             self._drops[problem] += 1
             if problem == "stale_cookie":  # a slow worker asks again; a replay gets nowhere
-                self._challenge(h, addr, now)
+                self._challenge(h.job, h.token, h.rank, addr, now)
             return None
         if job is None:
             ended = self._removed.get(h.job)
@@ -238,11 +234,11 @@ class SwitchControl:
             job=h.job, token=h.token, rank=h.rank, shard=self.config.shard_index, info=job.info,
             cookie=job.cookies[h.rank], seq=h.seq)), addr))
 
-    def _challenge(self, h: Header, addr: Address, now: float) -> None:
+    def _challenge(self, job: int, token: int, rank: int, addr: Address, now: float) -> None:
         """Answer a JOIN with a cookie for its source address (no state is kept)."""
         self.challenges_sent += 1
-        cookie = self.challenges.issue(now, addr, h.job, h.rank)
-        self._out.append((pack_challenge(job=h.job, token=h.token, rank=h.rank,
+        cookie = self.challenges.issue(now, addr, job, rank)
+        self._out.append((pack_challenge(job=job, token=token, rank=rank,
                                          shard=self.config.shard_index, cookie=cookie), addr))
 
     def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:

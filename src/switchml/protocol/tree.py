@@ -49,7 +49,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, format_address
-from switchml.protocol.auth import join_datagram, key_for, reply_sealed
+from switchml.protocol.auth import join_datagram, key_for, reply_forged
 from switchml.protocol.config import JobSpec, SwitchConfig
 from switchml.protocol.endpoint import Batch, Transmit, flatten_runs
 from switchml.protocol.errors import ConfigError, WireError
@@ -61,7 +61,6 @@ from switchml.protocol.wire import (
     AT,
     HEADER,
     NO_COOKIE,
-    SEALED_TYPES,
     ControlInfo,
     Datagram,
     Field,
@@ -470,8 +469,7 @@ class RackAggregator:
         p = self.parent_spec
         if h.job != p.job_id or h.token != p.token:
             return
-        if ((h.type in SEALED_TYPES and h.type is not MessageType.WAITING
-             or h.flags & Flags.AUTH) and not reply_sealed(self._key, data, h)):
+        if reply_forged(self._key, data, h):
             self._counters["unauthenticated_reply"] += 1  # not the parent's (auth.py)
             return
         handler = self._handlers.get(h.type)

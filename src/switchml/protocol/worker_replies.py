@@ -1,7 +1,7 @@
 """A worker's answers from the switch about the operation in flight, other than its results:
 WAITING (the ranks a round still waits for), NACK (a chunk the switch lacks) and MISMATCH (the
 ranks disagree), and the dispatch of every datagram that is not a result the kernel took,
-after the sealed-reply check (``auth.reply_sealed``: docs/protocol.md, "Sealed replies").
+after the sealed-reply check (``auth.reply_forged``: docs/protocol.md, "Sealed replies").
 
 Part of :class:`~switchml.protocol.worker.WorkerEndpoint` (a base class of it, as
 ``worker_control.py`` is).
@@ -13,14 +13,13 @@ from collections import Counter
 from collections.abc import Callable
 
 from switchml.protocol import kernels as K
-from switchml.protocol.auth import reply_sealed
+from switchml.protocol.auth import reply_forged
 from switchml.protocol.config import JobSpec
 from switchml.protocol.errors import WireError
 from switchml.protocol.lifecycle import WorkerInput, WorkerState
 from switchml.protocol.operation import Operation
 from switchml.protocol.recovery import LossRecovery
 from switchml.protocol.wire import (
-    SEALED_TYPES,
     Datagram,
     Flags,
     Header,
@@ -72,8 +71,7 @@ class WorkerReplies:
         if handler is None:
             self._drops["unexpected_type"] += 1
             return
-        if ((h.type in SEALED_TYPES and h.type is not MessageType.WAITING
-             or h.flags & Flags.AUTH) and not reply_sealed(self._key, data, h)):
+        if reply_forged(self._key, data, h):
             # Not the switch's (a stranger who knows the token, even from the switch's own
             # address): it must not restart, fail or redirect anything. (A WAITING that
             # names no gone rank is a hint, and comes from the compiled loop unsealed.)
