@@ -154,13 +154,7 @@ def test_a_data_centre_with_its_own_certificate_is_held_to_its_id(free_ports, ow
     for m in (m0, m1):
         m.expect_entries(10)
     try:
-        got = []
-        m1.clock.finish()
-        m1.publish(1, np.array([4], np.int32), np.array([2.0], np.float32))
-        m0.clock.finish()
-        m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
-        assert got == [([4], [2.0])]
+        assert _exchange_one(m1, m0, [4], [2.0]) == [([4], [2.0])]
     finally:
         m0.close()
         m1.close()
@@ -350,6 +344,19 @@ def _mirrors(free_ports, security=None, timeout_s=10.0):
     return m0, m1, leaders
 
 
+def _exchange_one(sender: Mirror, receiver: Mirror, idx: list[int], values: list[float]
+                  ) -> list[tuple[list[int], list[float]]]:
+    """One clock: ``sender`` publishes ``values`` at ``idx``, ``receiver`` nothing; what
+    ``receiver``'s exchange applied, as (indices, values) lists."""
+    got: list[tuple[list[int], list[float]]] = []
+    sender.clock.finish()
+    sender.publish(1, np.array(idx, np.int32), np.array(values, np.float32))
+    receiver.clock.finish()
+    receiver.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
+    receiver.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
+    return got
+
+
 def test_gaia_leaders_exchange_over_tls_and_refuse_strangers(free_ports, creds, other_creds):
     m0, m1, leaders = _mirrors(free_ports, creds)
     try:
@@ -362,13 +369,7 @@ def test_gaia_leaders_exchange_over_tls_and_refuse_strangers(free_ports, creds, 
         s = socket.create_connection(leaders[0], timeout=5)
         send_message(s, MessageType.HELLO, worker=1)
         s.close()
-        got = []
-        m1.clock.finish()
-        m1.publish(1, np.array([2, 5], np.int32), np.array([0.5, -1.0], np.float32))
-        m0.clock.finish()
-        m0.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        m0.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
-        assert got == [([2, 5], [0.5, -1.0])]
+        assert _exchange_one(m1, m0, [2, 5], [0.5, -1.0]) == [([2, 5], [0.5, -1.0])]
         deadline = time.monotonic() + 5
         while m0.stats()["refused_links"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -564,13 +565,7 @@ def test_a_hundred_idle_strangers_never_keep_gaia_leaders_apart(free_ports, cred
         assert not t.is_alive() and time.monotonic() - t0 < HELLO_TIMEOUT_S
         for m in (m0, m1):
             m.expect_entries(10)
-        got = []
-        m0.clock.finish()
-        m0.publish(1, np.array([3], np.int32), np.array([1.5], np.float32))
-        m1.clock.finish()
-        m1.publish(1, np.zeros(0, np.int32), np.zeros(0, np.float32))
-        m1.exchange(lambda i, v: got.append((i.tolist(), v.tolist())), everyone=True)
-        assert got == [([3], [1.5])]
+        assert _exchange_one(m0, m1, [3], [1.5]) == [([3], [1.5])]
         assert m1.pending_evicted > 0
         m0.close()
         m1.close()
