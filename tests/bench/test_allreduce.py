@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from switchml.bench.allreduce import parse_size
+from switchml.bench.allreduce import BenchConfig, parse_size, run_benchmark
 
 
 @pytest.mark.parametrize("text,value", [("64MiB", 64 * 2**20), ("1k", 1000), ("4096", 4096),
@@ -36,3 +37,25 @@ def test_bench_allreduce_small_run_writes_json(tmp_path, run_switchml):
     assert sm["max_rel_error"] is not None and sm["max_rel_error"] < 1e-6
     assert len(sm["cpu_percent"]) == 2
     assert systems["gloo"]["ate_per_s"] > 0
+
+
+def test_a_sharded_benchmark_switch_serves_a_rank_on_every_shard():
+    # Two shards, a rank on two threads: its lanes stripe over both, and the sum is right (the
+    # worker checks against n(n+1)/2 times its base vector, computed apart from the protocol).
+    cfg = BenchConfig(workers=1, sizes_bytes=(1 << 20,), iters=2, warmup=1, shards=2, threads=2,
+                      baselines=(), timeout_s=120)
+    results, stats = run_benchmark(cfg)
+    (row,) = results
+    assert row.max_rel_error is not None and row.max_rel_error < 1e-6
+    assert [s["packets_in"] > 0 for s in stats["shards"]] == [True, True]
+
+
+def test_a_worker_that_fails_before_the_timed_loop_ends_the_benchmark_at_once():
+    # The failing rank breaks the start barrier: the others and the parent stop waiting for it
+    # (they waited the whole timeout before).
+    cfg = BenchConfig(workers=2, sizes_bytes=(1 << 20,), iters=1, warmup=0, baselines=(),
+                      switch=(("no-such-host.invalid", 9),), timeout_s=120)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker failed: gaierror"):
+        run_benchmark(cfg)
+    assert time.monotonic() - t0 < cfg.timeout_s / 4

@@ -20,6 +20,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,7 +56,10 @@ class BenchConfig:
     sizes_bytes: tuple[int, ...] = (64 * 2**20,)
     iters: int = 5
     warmup: int = 2
-    switch: tuple[str, int] | None = None
+    switch: tuple[tuple[str, int], ...] | None = None
+    """A running switch's addresses (its shards' when sharded); None starts ``shards`` here."""
+    shards: int = 1
+    """Switch processes the benchmark starts (a sharded switch: workers stripe their lanes)."""
     window: int | None = None
     """Slots per job; default from the chunk size (``protocol.config.default_window``)."""
     elements_per_packet: int = 16366
@@ -76,6 +80,11 @@ class BenchConfig:
         if self.bits not in (32, 16):
             raise ValueError(f"--bits must be 32 or 16, got {self.bits}")
         check_threads(self.threads)
+        if self.shards < 1:
+            raise ValueError(f"--shards must be >= 1, got {self.shards}")
+        if self.switch is not None and self.shards != 1:
+            raise ValueError("--shards starts the benchmark's own switch; with --switch, list "
+                             "the running switch's shards instead")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
         unknown = set(self.baselines) - {"gloo"}
@@ -111,7 +120,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: int,
+def _switchml_worker(rank: int, spec_text: str, switch: Sequence[tuple[str, int]], numel: int,
                      warmup: int, iters: int, barrier: Any, results: Any,
                      batching: bool = True, bits: int = 32, secret: bytes | None = None,
                      threads: int = 1) -> None:
@@ -138,7 +147,8 @@ def _switchml_worker(rank: int, spec_text: str, switch: tuple[str, int], numel: 
             scale = np.max(np.abs(expected)) or 1.0
             err = float(np.max(np.abs(out - expected)) / scale)
             results.put((rank, elapsed, cpu, err, w.counters, None, busy))
-    except BaseException as exc:  # report, don't hang the parent
+    except BaseException as exc:  # report, don't hang the parent (nor the others at the barrier)
+        barrier.abort()
         results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
 
 
@@ -162,6 +172,7 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: i
         dist.destroy_process_group()
         results.put((rank, elapsed, cpu, None, {}, None, busy))
     except BaseException as exc:
+        barrier.abort()
         results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
 
 
@@ -190,7 +201,8 @@ def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[t
     return sorted(rows, key=lambda r: r[0])
 
 
-def _measure(system: str, cfg: BenchConfig, size: int, switch: tuple[str, int] | None,
+def _measure(system: str, cfg: BenchConfig, size: int,
+             switch: Sequence[tuple[str, int]] | None,
              ctx: Any, switch_cpu: Any = None) -> Measurement:
     n = cfg.workers
     numel = size // 4
@@ -254,22 +266,31 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
     ``progress``: optional callable(str) told what runs next.
     """
     ctx = mp.get_context("spawn")
-    own = SwitchProcess(ctx, batching=cfg.batching) if cfg.switch is None else None
-    switch = own.address if own is not None else cfg.switch
+    own: list[SwitchProcess] = []
     out: list[Measurement] = []
     switch_stats: dict[str, Any] = {}
     try:
+        if cfg.switch is None:
+            for i in range(cfg.shards):
+                own.append(SwitchProcess(ctx, batching=cfg.batching, shard=(i, cfg.shards)))
+        switch = [p.address for p in own] if own else list(cfg.switch or ())
+
+        def switch_cpu() -> float:  # every shard's CPU seconds, summed
+            return sum(p.cpu_s() for p in own)
+
         for size in cfg.sizes_bytes:
             for system in ("switchml", *cfg.baselines):
                 if progress is not None:
                     progress(f"{system} n={cfg.workers} size={size} B")
                 out.append(_measure(system, cfg, size, switch, ctx,
-                                    own.cpu_s if own is not None else None))
-        if own is not None:
-            switch_stats = own.stats()
+                                    switch_cpu if own else None))
+        if len(own) == 1:
+            switch_stats = own[0].stats()
+        elif own:
+            switch_stats = {"shards": [p.stats() for p in own]}
     finally:
-        if own is not None:
-            own.stop()
+        for p in own:
+            p.stop()
     return out, switch_stats
 
 

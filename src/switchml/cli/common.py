@@ -15,15 +15,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from switchml import env
-from switchml.protocol.address import parse_address
+from switchml.protocol.address import parse_address, parse_addresses
 from switchml.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["SIGNAL_POLL_S", "Subparsers", "address", "env_default", "figure_table", "human",
-           "shard", "sigterm_interrupts", "size", "stdout_console", "stop_on_signals",
+__all__ = ["SIGNAL_POLL_S", "Subparsers", "address", "addresses", "env_default", "figure_table",
+           "human", "shard", "sigterm_interrupts", "size", "stdout_console", "stop_on_signals",
            "wait_for", "write_json"]
 
 log = logging.getLogger("switchml")
@@ -59,6 +59,14 @@ def address(text: str) -> tuple[str, int]:
     """``HOST:PORT``."""
     try:
         return parse_address(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def addresses(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT[,HOST:PORT...]``: a switch, or a sharded switch's shards."""
+    try:
+        return parse_addresses(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

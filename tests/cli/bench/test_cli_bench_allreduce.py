@@ -21,9 +21,20 @@ def test_loopback_flags_become_the_bench_config(parse):
                  "--timeout-s", "30")
     assert args.func is allreduce.run
     assert allreduce.config_from_args(args) == BenchConfig(
-        workers=2, sizes_bytes=(1 << 20, 4096), iters=3, warmup=0, switch=("10.0.0.1", 9),
+        workers=2, sizes_bytes=(1 << 20, 4096), iters=3, warmup=0, switch=(("10.0.0.1", 9),),
         window=8, elements_per_packet=256, bits=16, baselines=(), timeout_s=30.0,
         batching=False)
+
+
+def test_a_sharded_switch_is_named_by_its_shards_or_started_with_shards(parse):
+    args = parse("bench", "allreduce", "--switch", "10.0.0.1:9,10.0.0.2:10", "--mtu", "1500")
+    assert allreduce.config_from_args(args).switch == (("10.0.0.1", 9), ("10.0.0.2", 10))
+    assert allreduce.config_from_args(parse("bench", "allreduce", "--shards", "3")).shards == 3
+    with pytest.raises(ValueError, match="--shards starts the benchmark's own switch"):
+        allreduce.config_from_args(parse("bench", "allreduce", "--shards", "2", "--switch",
+                                         "10.0.0.1:9"))
+    with pytest.raises(ValueError, match="--shards must be >= 1"):
+        allreduce.config_from_args(parse("bench", "allreduce", "--shards", "0"))
 
 
 def test_the_chunk_fits_the_mtu_by_default(parse):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from switchml.cli.common import (
     Subparsers,
     add_link_options,
-    address,
+    addresses,
     human,
     sigterm_interrupts,
     size,
@@ -40,8 +40,13 @@ def add_parser(bsub: Subparsers) -> None:
                          "several (default 64MiB)")
     ar.add_argument("--iters", type=int, default=5, help="timed operations per size (default 5)")
     ar.add_argument("--warmup", type=int, default=2, help="untimed operations first (default 2)")
-    ar.add_argument("--switch", type=address, default=None,
-                    help="HOST:PORT of a running switch (default: start one for the benchmark)")
+    ar.add_argument("--switch", type=addresses, default=None,
+                    help="HOST:PORT of a running switch, or its shards' HOST:PORT,HOST:PORT,... "
+                         "(default: start one for the benchmark)")
+    ar.add_argument("--shards", type=int, default=1,
+                    help="switch processes the benchmark starts, one shard each: a worker "
+                         "stripes its lanes over them, so the switch uses that many cores "
+                         "(loopback only; default 1)")
     ar.add_argument("--window", type=int, default=None,
                     help="slots per job, W (default: about 256 KiB in flight per worker: 128 "
                          "at MTU 1500, 29 at 9000, 16 for 64 KB datagrams)")
@@ -120,9 +125,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
     return BenchConfig(
         workers=args.workers, sizes_bytes=tuple(args.sizes or [64 * 2**20]), iters=args.iters,
-        warmup=args.warmup, switch=args.switch, window=args.window,
+        warmup=args.warmup, switch=tuple(args.switch) if args.switch else None,
+        shards=args.shards, window=args.window,
         elements_per_packet=args.elements_per_packet or elements_per_packet_for(
-            args.switch or ("127.0.0.1", 1), args.mtu), bits=args.bits,
+            args.switch[0] if args.switch else ("127.0.0.1", 1), args.mtu), bits=args.bits,
         baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
         batching=not args.no_batching, threads=args.threads)
 
