@@ -591,7 +591,12 @@ def new_quorum_group(quorum: int, ranks: list[int] | None = None,
 
 
 def register() -> None:
-    """Register the "switchml" backend with torch.distributed (idempotent)."""
+    """Register the "switchml" backend with torch.distributed (idempotent), for CPU and CUDA
+    tensors (CUDA's are staged through pinned host memory).
+
+    It asks nothing of CUDA: ``torch.cuda.is_available()`` initializes the driver, after which
+    no forked child can use CUDA ("Cannot re-initialize CUDA in forked subprocess"), and this
+    runs at ``import switchml.torch``. Naming "cuda" on a machine without it is torch's own
+    default for a backend registered without devices."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=devices)
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
