@@ -26,7 +26,7 @@ def test_parts_are_distinct_jobs_sharing_the_window_and_everything_else():
     assert (parts[0].job_id, parts[0].token) == (SPEC.job_id, SPEC.token)
     assert len({p.job_id for p in parts}) == 3 and len({p.token for p in parts}) == 3
     for p in parts:
-        assert p.window == 4 // 3 == 1
+        assert p.window == 4  # below the 16-slot floor: each part keeps the job's window
         assert (p.num_workers, p.elements_per_packet, p.scale_count) == (4, 10, 4)
 
 
@@ -46,14 +46,26 @@ def test_another_token_names_other_parts():
     assert part_specs(other, 2)[1].job_id != part_specs(SPEC, 2)[1].job_id
 
 
+@pytest.mark.parametrize(("window", "threads", "expected"), [
+    (128, 1, 128), (128, 2, 64), (128, 4, 32), (128, 8, 16), (128, 16, 16),  # W / T, then 16
+    (40, 2, 20), (40, 3, 16), (29, 2, 16), (16, 8, 16),  # floor(W / T) below 16: 16
+    (4, 3, 4), (1, 8, 1),  # a window below 16: every part keeps all of it
+])
+def test_a_part_keeps_its_share_of_the_window_but_at_least_16_slots(window, threads, expected):
+    spec = JobSpec(job_id=1, token=2, num_workers=2, window=window, elements_per_packet=10)
+    assert part_window(spec, threads) == expected
+
+
 @pytest.mark.parametrize(("size", "threads", "bits", "expected"), [
-    (100, 2, 32, [(0, 50), (50, 100)]),      # 10 blocks of 10, part window 2: both parts
-    (35, 2, 32, [(0, 20), (20, 35)]),        # 4 blocks: 2 each, the last one short
-    (25, 2, 32, [(0, 25)]),                  # 3 blocks < 2 part windows: part 0 alone
+    # SPEC: blocks of 10 elements at 32 bits, part window 4 (the job's whole window)
+    (100, 2, 32, [(0, 50), (50, 100)]),      # 10 blocks: 2 part windows and more: both parts
+    (130, 3, 32, [(0, 50), (50, 100), (100, 130)]),  # 13 blocks: 5 each, the last one short
+    (35, 2, 32, [(0, 35)]),                  # 4 blocks < 2 part windows: part 0 alone
     (0, 2, 32, [(0, 0)]),                    # empty: part 0, empty
-    (100, 2, 16, [(0, 60), (60, 100)]),      # 16 bits: blocks of 20, 5 blocks: 3 + 2
-    (100, 4, 32, [(0, 30), (30, 60), (60, 90), (90, 100)]),  # window 1 each: 10 blocks / 4
-    (40, 4, 32, [(0, 10), (10, 20), (20, 30), (30, 40)]),
+    (100, 2, 16, [(0, 100)]),                # 16 bits: blocks of 20, 5 blocks: part 0 alone
+    (200, 2, 16, [(0, 100), (100, 200)]),    # 10 blocks of 20: 5 + 5
+    (100, 4, 32, [(0, 50), (50, 100)]),      # 10 blocks / 4 per part: 2 parts of 4
+    (160, 4, 32, [(0, 40), (40, 80), (80, 120), (120, 160)]),
 ])
 def test_split_by_hand(size, threads, bits, expected):
     assert split(size, SPEC, threads, bits) == expected

@@ -526,3 +526,22 @@ def test_half_results_are_rounded_once_not_through_float32(dtype, step, sign):
     q[0] -= sign * 2  # just below the half-way point: down to 1
     dequantize_into(out, q, 1, 1)
     assert float(out[0]) == sign * 1.0
+
+
+def test_bfloat16_needs_no_numpy_finfo_for_it(monkeypatch):
+    # np.finfo(bfloat16) raised "not compatible with finfo" under numpy 2.5 (seen on a GPU
+    # machine's image): the limits come from ml_dtypes.finfo, which knows its own types.
+    from switchml.transport.memory import MemoryCluster
+
+    real = np.finfo
+
+    def refusing(dtype):
+        if np.dtype(dtype) == BFLOAT16:
+            raise ValueError("data type dtype(bfloat16) not compatible with finfo")
+        return real(dtype)
+
+    monkeypatch.setattr(np, "finfo", refusing)
+    xs = [np.full(1000, v, BFLOAT16) for v in (1.5, -0.25, 3.0)]
+    out = MemoryCluster(num_workers=3, window=4, elements_per_packet=256).allreduce(xs)
+    for o in out:
+        assert o.dtype == BFLOAT16 and np.all(o.astype(np.float32) == 4.25)

@@ -18,7 +18,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec
-from switchml.protocol.dtypes import SUPPORTED_DTYPES, is_float, kernel_view
+from switchml.protocol.dtypes import SUPPORTED_DTYPES, finfo, is_float, kernel_view
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import EXP_ZERO, HEADER_SIZE, ElementType, operation_digest
@@ -72,7 +72,7 @@ class Operation:
         self.T = self.L + self.E if self.is_float else self.L
         self.stride = HEADER_SIZE + self.k * self.itemsize  # a lane's datagram, at most
         self._stage(x, out, residual)
-        info = np.finfo(out.dtype) if self.is_float else None
+        info = finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
         self.opv = self._scalars(spec, rank, slot_bases, info)
         self.lane = np.zeros((K.LN_FIELDS, self.E), np.int64)

@@ -3,7 +3,7 @@
 One worker core carries about 4 Gbit/s of elements (docs/benchmarks.md), so a worker on a faster
 link splits every operation over ``T`` **parts**, each driven by its own I/O thread with its own
 socket (``transport/parallel.py``). Each part is a job of its own on the switch, with its share
-of the window; so the switch, the wire and every per-packet rule are exactly those of a job
+of the window (:func:`part_window`); so the switch, the wire and every per-packet rule are exactly those of a job
 with one thread (SwitchML's client splits its slots over worker threads the same way).
 
 What every rank must agree on, computed here from what they already share:
@@ -29,7 +29,16 @@ from switchml.protocol.auth import TENANT_JOBS
 from switchml.protocol.config import MAX_THREADS, JobSpec
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["MAX_THREADS", "block_elements", "check_threads", "part_specs", "split"]
+__all__ = ["MAX_THREADS", "MIN_PART_WINDOW", "block_elements", "check_threads", "part_specs",
+           "part_window", "split"]
+
+MIN_PART_WINDOW = 16
+"""Slots a part keeps whatever ``T`` (the job's whole window when that is smaller): the floor
+of ``config.default_window``. One thread needs its round trip covered at its own rate; on 16
+cores (64 KB datagrams, a 16-slot job) 4 threads of 4 slots each all-reduced 3.1e8 elements/s,
+of 16 each 6.6e8 (docs/benchmarks.md, "A rank on several threads").
+"""
+
 
 def check_threads(threads: object) -> None:
     """Raise ConfigError unless ``threads`` is an integer in 1..MAX_THREADS."""
@@ -38,9 +47,12 @@ def check_threads(threads: object) -> None:
 
 
 def part_window(spec: JobSpec, threads: int) -> int:
-    """Slots of each part: the job's window shared out (at least 1 each)."""
+    """Slots of each part: the job's window ``W`` shared out, but at least
+    ``min(W, MIN_PART_WINDOW)``: ``max(floor(W / T), min(W, 16))``. So a job holds up to
+    ``T x 16`` slots of the switch's pool when ``W / T`` falls below 16 (MTU 1500's default
+    ``W = 128`` shares out to 16 at ``T = 8``, and holds 128 slots for any ``T``)."""
     check_threads(threads)
-    return max(1, spec.window // threads)
+    return max(spec.window // threads, min(spec.window, MIN_PART_WINDOW))
 
 
 def part_specs(spec: JobSpec, threads: int) -> list[JobSpec]:

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from switchml.protocol import kernels
-from switchml.protocol.dtypes import kernel_view
+from switchml.protocol.dtypes import finfo, kernel_view
 from switchml.protocol.wire import EXP_ZERO
 
 __all__ = ["block_exponent", "dequantize_into", "error_bound", "quantize", "residual_into",
@@ -88,7 +88,7 @@ def dequantize_into(out: np.ndarray, q: np.ndarray, emax: int, num_workers: int,
     clamped to +-max; sums further out are
     genuine overflows and stay inf.
     """
-    info = np.finfo(out.dtype)
+    info = finfo(out.dtype)
     edge = emax + num_workers.bit_length() >= info.maxexp
     flat = out.reshape(-1)
     direct = flat.flags.c_contiguous and np.shares_memory(flat, out)
