@@ -7,13 +7,14 @@
 #   2. `switchml calibrate` and `switchml plan` from that machine's costs;
 #   3. one rank through a 4-shard switch on loopback at T = 1, 2, 4, 8 threads (and T = 8
 #      through 1 shard: the switch's core binding), the job's default window shared by T;
-#      then ("window") the same with 16 slots per thread (64 KB datagrams) and 29 (MTU 9000);
+#      ("threads9000") the same at MTU 9000; ("window") with 16 slots per thread (64 KB
+#      datagrams) and 29 (MTU 9000), whatever the job's default;
 #   4. 4 ranks against gloo on loopback, T = 1 and 2, through 1 and 4 shards;
 #   5. where ip, tc and nft exist: the testbed, 2 workers at 10 Gbit/s, MTU 9000, T = 1 and 2.
 # Every step is bounded by `timeout`; OUTDIR/multicore.tgz is rewritten after each one, so a
 # run stopped early still returns what it measured. SCALE=small runs tiny sizes (a dry run).
 set -u
-out=${1:?OUTDIR}; scale=${2:-full}; groups=" ${3:-cuda calibrate threads window gloo testbed} "
+out=${1:?OUTDIR}; scale=${2:-full}; groups=" ${3:-cuda calibrate threads threads9000 window gloo testbed} "
 on() { [[ "$groups" == *" $1 "* ]]; }
 r=/tmp/multicore; rm -rf "$r"; mkdir -p "$r"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -22,7 +23,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; local t0=$(date +
   timeout -k 5 "$limit" "$@" > "$r/$name.log" 2>&1; local rc=$?
   echo "   rc=$rc in $(( $(date +%s) - t0 )) s"; tail -n 25 "$r/$name.log"; snap; }
 if [ "$scale" = small ]; then big=16MiB; mid=4MiB; iters=2; else big=256MiB; mid=64MiB; iters=6; fi
-{ nproc; python3 -V; python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"
+{ nproc; python3 -V; python3 -c "import torch, numpy, ml_dtypes; print('torch', torch.__version__, torch.cuda.is_available(), 'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__)"
   nvidia-smi -L 2>/dev/null; grep -m1 "model name" /proc/cpuinfo; uptime
   for t in ip tc nft ethtool gcc; do echo "$t: $(command -v $t || echo missing)"; done
 } > "$r/machine.txt" 2>&1
@@ -39,6 +40,11 @@ for t in 1 2 4 8; do on threads || break
 done
 on threads && step loopback-n1-T8-S1 120 python3 -m switchml bench allreduce -n 1 --size $big \
   --iters $iters --no-gloo --threads 8 --json "$r/loopback-n1-T8-S1.json"
+for t in 1 2 4 8; do on threads9000 || break
+  step "loopback-n1-mtu9000-T$t-S4" 120 python3 -m switchml bench allreduce -n 1 --size $big \
+    --iters $iters --no-gloo --threads $t --shards 4 --mtu 9000 \
+    --json "$r/loopback-n1-mtu9000-T$t-S4.json"
+done
 for mw in "65536 16" "9000 29"; do on window || break; set -- $mw
   for t in 1 2 4 8; do
     step "loopback-n1-mtu$1-T$t-W$(( $2 * t ))-S4" 120 python3 -m switchml bench allreduce -n 1 \
