@@ -504,9 +504,11 @@ def _train_sharded(net: Any, rank: int, steps: int) -> list[float]:
 
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
+    device = next(net.parameters()).device  # fully_shard puts them on a GPU where there is one
     losses = []
     for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        x = torch.randn(8, 16, generator=g).to(device)
+        y = torch.randn(8, 4, generator=g).to(device)
         loss = torch.nn.functional.mse_loss(net(x), y)
         opt.zero_grad()
         loss.backward()

@@ -7,14 +7,15 @@
 #   2. `switchml calibrate` and `switchml plan` from that machine's costs;
 #   3. one rank through a 4-shard switch on loopback at T = 1, 2, 4, 8 threads (and T = 8
 #      through 1 shard: the switch's core binding), the job's default window shared by T;
-#      ("threads9000") the same at MTU 9000; ("window") with 16 slots per thread (64 KB
+#      ("threads9000") the same at MTU 9000; ("fastpath") T = 1, 2, 4 through one shard, where
+#      the worker's compiled loop runs (it needs one switch address); ("window") with 16 slots per thread (64 KB
 #      datagrams) and 29 (MTU 9000), whatever the job's default;
 #   4. 4 ranks against gloo on loopback, T = 1 and 2, through 1 and 4 shards;
 #   5. where ip, tc and nft exist: the testbed, 2 workers at 10 Gbit/s, MTU 9000, T = 1 and 2.
 # Every step is bounded by `timeout`; OUTDIR/multicore.tgz is rewritten after each one, so a
 # run stopped early still returns what it measured. SCALE=small runs tiny sizes (a dry run).
 set -u
-out=${1:?OUTDIR}; scale=${2:-full}; groups=" ${3:-cuda calibrate threads threads9000 window gloo testbed} "
+out=${1:?OUTDIR}; scale=${2:-full}; groups=" ${3:-cuda calibrate threads threads9000 fastpath window gloo testbed} "
 on() { [[ "$groups" == *" $1 "* ]]; }
 r=/tmp/multicore; rm -rf "$r"; mkdir -p "$r"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -44,6 +45,12 @@ for t in 1 2 4 8; do on threads9000 || break
   step "loopback-n1-mtu9000-T$t-S4" 120 python3 -m switchml bench allreduce -n 1 --size $big \
     --iters $iters --no-gloo --threads $t --shards 4 --mtu 9000 \
     --json "$r/loopback-n1-mtu9000-T$t-S4.json"
+done
+for mtu in 65536 9000; do on fastpath || break  # one shard: the worker's compiled loop runs
+  for t in 1 2 4; do
+    step "loopback-n1-mtu$mtu-T$t-S1" 120 python3 -m switchml bench allreduce -n 1 --size $big \
+      --iters $iters --no-gloo --threads $t --mtu $mtu --json "$r/loopback-n1-mtu$mtu-T$t-S1.json"
+  done
 done
 for mw in "65536 16" "9000 29"; do on window || break; set -- $mw
   for t in 1 2 4 8; do
