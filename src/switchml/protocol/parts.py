@@ -3,8 +3,9 @@
 One worker core carries about 4 Gbit/s of elements (docs/benchmarks.md), so a worker on a faster
 link splits every operation over ``T`` **parts**, each driven by its own I/O thread with its own
 socket (``transport/parallel.py``). Each part is a job of its own on the switch, with its share
-of the window (:func:`part_window`); so the switch, the wire and every per-packet rule are exactly those of a job
-with one thread (SwitchML's client splits its slots over worker threads the same way).
+of the window (:func:`part_window`); so the switch, the wire and every per-packet rule are
+exactly those of a job with one thread (SwitchML's client splits its slots over worker threads
+the same way).
 
 What every rank must agree on, computed here from what they already share:
 
