@@ -36,7 +36,8 @@ def test_bad_arguments_say_what_is_wrong(capsys):
     assert "bad size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "allreduce", "--switch", "nohostport"])
-    assert "must be HOST:PORT, got 'nohostport'" in capsys.readouterr().err
+    assert "must be HOST:PORT (or a comma-separated list of a sharded switch's shards), " \
+           "got 'nohostport'" in capsys.readouterr().err
     assert main(["bench", "allreduce", "--workers", "0"]) == 2
     assert "--workers must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -486,8 +486,15 @@ def test_inconsistent_state_is_refused_not_written_past():
     state[0][K.OP.T] -= 50
     st = C.OpState(*state)
     state[0][K.OP.NQ] = len(state[15]) + 1
+    no_shards = (np.zeros((0, 16), np.uint8), np.zeros(0, np.int64))
     with pytest.raises(ValueError, match="send queue"):
-        C.send_queued(st, -1, 16, 60_000, np.zeros(layout.ST.N, np.int64))
+        C.send_queued(st, -1, 16, 60_000, np.zeros(layout.ST.N, np.int64), *no_shards)
+    state[0][K.OP.NQ] = 0  # a sharded switch's addresses: one sender number per 16-byte row
+    for dests, allowed in ((np.zeros((2, 16), np.uint8), np.zeros(1, np.int64)),
+                           (np.zeros((2, 8), np.uint8), np.zeros(2, np.int64)),
+                           (np.zeros((1, 16), np.uint8), np.zeros(1, np.int64))):
+        with pytest.raises(ValueError, match="dests must be 16-byte sockaddr_in rows"):
+            C.send_queued(st, -1, 16, 60_000, np.zeros(layout.ST.N, np.int64), dests, allowed)
     msgs, names, control = (np.zeros((4, 64), np.uint8), np.zeros((4, 16), np.uint8),
                             np.zeros((4, 32), np.uint8))
     out = np.zeros(8, np.int64)

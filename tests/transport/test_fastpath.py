@@ -28,24 +28,32 @@ def _inputs(n: int, numel: int, dtype, seed: int) -> list[np.ndarray]:
 
 
 def _run(monkeypatch, *, fast: bool, loss: float, dtype, bits: int, n: int = 3,
-         numel: int = 60_000, ops: int = 2):
-    """Every rank's outputs and counters, through a switch that loses ``loss`` both ways."""
+         numel: int = 60_000, ops: int = 2, shards: int = 1):
+    """Every rank's outputs and counters, through a switch (of ``shards`` shards) that loses
+    ``loss`` both ways."""
     monkeypatch.setenv("SWITCHML_FASTPATH", "1" if fast else "0")
-    dp = SwitchDataplane(SwitchConfig(nack_gap=4))
-    if loss:
-        dp = LossyEndpoint(dp, loss, seed=7)
+    servers = []
+    for i in range(shards):
+        dp = SwitchDataplane(SwitchConfig(nack_gap=4, shard_index=i, shard_count=shards))
+        if loss:
+            dp = LossyEndpoint(dp, loss, seed=7 + i)
+        servers.append(SwitchServer(host="127.0.0.1", port=0, dataplane=dp).start())
     spec = new_job_spec(n, window=16, elements_per_packet=358)
     xs = _inputs(n, numel, dtype, seed=1)
     outs: dict[int, list[np.ndarray]] = {}
     counters: dict[int, dict] = {}
-    with SwitchServer(host="127.0.0.1", port=0, dataplane=dp) as server:
+    addresses = [s.address for s in servers]
+    try:
         def rank(r: int) -> None:
             cfg = WorkerConfig(op_timeout_s=30, min_rto_s=0.005)
-            with WorkerClient(server.address, spec, r, cfg) as w:
+            with WorkerClient(addresses if shards > 1 else addresses[0], spec, r, cfg) as w:
                 outs[r] = [w.allreduce(xs[r], bits=bits) for _ in range(ops)]
                 counters[r] = w.counters
                 assert (w._fast is not None) == fast
         _each_rank(n, rank)
+    finally:
+        for s in servers:
+            s.stop()
     return xs, outs, counters
 
 
@@ -66,12 +74,17 @@ def _each_rank(n: int, rank) -> None:  # type: ignore[no-untyped-def]
     assert not errors, errors
 
 
-@pytest.mark.parametrize("dtype,bits", [(np.float32, 32), (np.int32, 32), (np.float64, 16)])
+@pytest.mark.parametrize("dtype,bits,shards", [(np.float32, 32, 1), (np.int32, 32, 1),
+                                               (np.float64, 16, 1), (np.float32, 32, 3)])
 @pytest.mark.parametrize("loss", [0.0, 0.03])
-def test_the_compiled_loop_gives_what_the_python_pump_gives(monkeypatch, dtype, bits, loss):
+def test_the_compiled_loop_gives_what_the_python_pump_gives(monkeypatch, dtype, bits, shards,
+                                                           loss):
+    # With 3 shards the loop sends each lane's requests to its shard (lane i to shard i mod 3)
+    # and takes results from the three addresses on an unconnected socket.
     xs, fast_outs, fast_counters = _run(monkeypatch, fast=True, loss=loss, dtype=dtype,
-                                        bits=bits)
-    _, slow_outs, _ = _run(monkeypatch, fast=False, loss=loss, dtype=dtype, bits=bits)
+                                        bits=bits, shards=shards)
+    _, slow_outs, _ = _run(monkeypatch, fast=False, loss=loss, dtype=dtype, bits=bits,
+                           shards=shards)
     total = np.sum([x.astype(np.float64) for x in xs], axis=0)
     for r in fast_outs:
         for op, (a, b) in enumerate(zip(fast_outs[r], slow_outs[r])):

@@ -893,6 +893,24 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
     return i;
 }
 
+/* The first i in start..count-1 whose sender is none of allowed[:nallowed], or count. */
+static int64_t first_foreign(const int64_t *senders, int64_t start, int64_t count,
+                             const int64_t *allowed, int64_t nallowed)
+{
+    int64_t i;
+    for (i = start; i < count; i++) {
+        int ok = 0;
+        for (int64_t j = 0; j < nallowed; j++)
+            if (allowed[j] == senders[i]) {
+                ok = 1;
+                break;
+            }
+        if (!ok)
+            break;
+    }
+    return i < count ? i : count;
+}
+
 /* Cut the queued lanes sendq[:nq] into UDP GSO runs (stream.py's plan_runs); runs[r] =
    (first, count, size, contiguous, shard). */
 static int64_t plan_runs(const int64_t *sendq, int64_t nq, const int64_t *sendlen, int64_t stride,
@@ -1030,17 +1048,23 @@ typedef struct {
     int fd;
     int64_t stride, max_segments, max_bytes;
     int64_t *order, *runs, *stats;
+    /* The switch's addresses: one (a connected socket: dests NULL), or a sharded switch's S
+       shards, lane i's requests to shard i mod S (dests: S sockaddr_in rows of 16 bytes) and
+       datagrams taken only from their sender numbers (allowed: S of them, split_mmsg's). */
+    int64_t shards;
+    const uint8_t *dests;
+    const int64_t *allowed;
     struct iovec iov[MAX_IOV];
 } sender_t;
 
-/* Send the queued lanes as GSO runs on the connected socket; 0 (and the unsent lanes left
-   queued, in order) at the first failed sendmsg. */
+/* Send the queued lanes as GSO runs, one switch's or each to its shard; 0 (and the unsent
+   lanes left queued, in order) at the first failed sendmsg. */
 static int send_queued(op_t *o, sender_t *s)
 {
     int64_t nq = OPV(o, OP_NQ);
     if (nq == 0)
         return 1;
-    int64_t nr = plan_runs(o->sendq, nq, o->sendlen, s->stride, 1, s->max_segments,
+    int64_t nr = plan_runs(o->sendq, nq, o->sendlen, s->stride, s->shards, s->max_segments,
                            s->max_bytes, s->order, s->runs);
     for (int64_t r = 0; r < nr; r++) {
         int64_t first = s->runs[r * 5], count = s->runs[r * 5 + 1];
@@ -1060,7 +1084,8 @@ static int send_queued(op_t *o, sender_t *s)
             }
             niov = (size_t)count;
         }
-        if (send_run(s->fd, NULL, s->iov, niov, count, size) < 0) {
+        const void *dest = s->dests ? s->dests + 16 * s->runs[r * 5 + 4] : NULL;
+        if (send_run(s->fd, dest, s->iov, niov, count, size) < 0) {
             s->stats[ST_ERRNO] = errno;
             int64_t keep = 0; /* keep what is unsent, in queue order, for Python to send */
             for (int64_t q = first; q < nq; q++)
@@ -1136,9 +1161,14 @@ static int pump(op_t *o, sender_t *s, receiver_t *rx, double op_timeout_s, int64
         int64_t nseg = split_mmsg(rx, n);
         double now = now_s();
         idle_since = now;
+        int64_t mine = nseg; /* an unconnected socket: up to the first datagram of a stranger */
+        if (s->dests)
+            mine = first_foreign(rx->senders, 0, nseg, s->allowed, s->shards);
         int64_t code;
-        int64_t i = worker_results(o, rx->buf, rx->buf_n, rx->starts, rx->lens, nseg, 0,
+        int64_t i = worker_results(o, rx->buf, rx->buf_n, rx->starts, rx->lens, mine, 0,
                                    nseg + 1, now, &code);
+        if (code == WS_DONE && mine < nseg)
+            code = WS_OTHER; /* Python's receive_many drops and counts it, and goes on */
         if (!send_queued(o, s)) {
             if (code != WS_DONE) {
                 *at = i, *nseg_out = nseg, *code_out = code;
@@ -1742,23 +1772,9 @@ static PyObject *py_first_foreign(PyObject *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_ValueError, "first_foreign: count or nallowed exceed the arrays");
         goto fail;
     }
-    {
-        const int64_t *senders = sv->buf, *allowed = av->buf;
-        for (i = start; i < count; i++) {
-            int ok = 0;
-            for (int64_t j = 0; j < nallowed; j++)
-                if (allowed[j] == senders[i]) {
-                    ok = 1;
-                    break;
-                }
-            if (!ok)
-                break;
-        }
-        if (i > count)
-            i = count;
-    }
+    i = first_foreign(sv->buf, start, count, av->buf, nallowed);
     release(&b);
-    return PyLong_FromLongLong(i < count ? i : count);
+    return PyLong_FromLongLong(i);
 fail:
     release(&b);
     return NULL;
@@ -1787,6 +1803,31 @@ static int get_sender(PyObject *const *args, OpStateObject *st, sender_t *s, buf
     s->stride = st->stride;
     s->order = st->order;
     s->runs = st->runs;
+    s->shards = 1;
+    return 0;
+}
+
+#define MAX_SHARDS 4096
+
+/* The switch's addresses for the sender: dests, S sockaddr_in rows (16 bytes each; none for
+   one switch on a connected socket), and allowed, the S sender numbers datagrams may come
+   from (split_mmsg's: IPv4 address << 16 | port). */
+static int get_shards(bufs_t *b, PyObject *dests, PyObject *allowed, sender_t *s)
+{
+    Py_buffer *dv, *av;
+    if (!(dv = getbuf(b, dests, "dests", B(K_U8), 0))) return -1;
+    if (!(av = getbuf(b, allowed, "allowed", B(K_I64), 0))) return -1;
+    if (dv->len == 0)
+        return 0; /* one switch, a connected socket */
+    int64_t n = av->len / 8;
+    if (n < 2 || n > MAX_SHARDS || dv->len != 16 * n) {
+        PyErr_SetString(PyExc_ValueError, "dests must be 16-byte sockaddr_in rows, one per "
+                        "shard (2 or more), and allowed one sender number per shard");
+        return -1;
+    }
+    s->shards = n;
+    s->dests = dv->buf;
+    s->allowed = av->buf;
     return 0;
 }
 
@@ -1807,11 +1848,11 @@ bad:
     return -1;
 }
 
-/* send_queued(state, fd, max_segments, max_bytes, stats) -> bool: the queued lanes as GSO
-   runs on the connected socket */
+/* send_queued(state, fd, max_segments, max_bytes, stats, dests, allowed) -> bool: the
+   queued lanes as GSO runs, to the one switch (no dests) or each to its shard */
 static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(5);
+    NEED(7);
     bufs_t b = {.n = 0};
     op_t *o;
     int r;
@@ -1819,6 +1860,7 @@ static PyObject *py_send_queued(PyObject *self, PyObject *const *args, Py_ssize_
     if (!(o = state_of(args[0]))) return NULL;
     if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
     if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
+    if (get_shards(&b, args[5], args[6], s) < 0) goto fail;
     if (check_queue(o) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS
     r = send_queued(o, s);
@@ -1834,11 +1876,12 @@ fail:
 
 /* pump(state, fd, max_segments, max_bytes, stats, op_timeout_s,                       (0-5)
         wake_fd, msgs_addr, count, raw, msg_len_at, controllen_at, names, control,
-        slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders)    (the receiver: 6-21)
+        slot_bytes, gro, sol_udp, udp_gro, buf, starts, lens, senders,   (the receiver: 6-21)
+        dests, allowed)                                               (the shards: 22-23)
    -> (why, at, nseg, code) */
 static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NEED(22);
+    NEED(24);
     bufs_t b = {.n = 0};
     op_t *o;
     receiver_t rx;
@@ -1850,6 +1893,7 @@ static PyObject *py_pump(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (!(s = PyMem_Malloc(sizeof(sender_t)))) return PyErr_NoMemory();
     memset(&rx, 0, sizeof rx);
     if (get_sender(args + 1, (OpStateObject *)args[0], s, &b) < 0) goto fail;
+    if (get_shards(&b, args[22], args[23], s) < 0) goto fail;
     if (check_queue(o) < 0) goto fail;
     F64(op_timeout_s, 5);
     rx.fd = s->fd;
@@ -1904,8 +1948,8 @@ static PyMethodDef methods[] = {
     M(first_foreign,
       "first_foreign(senders, start, count, allowed, nallowed) -> index"),
     M(send_queued,
-      "send_queued(state, fd, max_segments, max_bytes, stats) -> bool: send the queued lanes "
-      "as GSO runs"),
+      "send_queued(state, fd, max_segments, max_bytes, stats, dests, allowed) -> bool: send "
+      "the queued lanes as GSO runs"),
     M(pump,
       "pump(...) -> (why, at, nseg, code): the worker's compiled receive-and-send loop"),
     {NULL, NULL, 0, NULL},

@@ -438,11 +438,11 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         and send requests as ``receive_many`` and ``poll_transmit`` would: ``(operation,
         op_timeout_s)``, the operation's kernels' hand-off being ``operation.state``
         (``kernels.OpState``); None when only the Python path may run (no operation in flight,
-        RACK on, or a sharded switch). The loop runs the same kernels and returns to Python for
-        anything they leave to it."""
+        or RACK on). The loop runs the same kernels and returns to Python for anything they
+        leave to it (with a sharded switch, a datagram from none of its addresses too)."""
         op = self._op
         if (op is None or self.state is not WorkerState.BUSY or self.recovery.fast_retransmit
-                or len(self.switch_addresses) > 1 or self._ahead.get(op.seq)):
+                or self._ahead.get(op.seq)):
             return None  # (kept results of it: a lane reaching one takes it here, in Python)
         return op, self.config.op_timeout_s
 

@@ -41,7 +41,7 @@ from switchml.protocol.wire import Datagram
 
 __all__ = ["BatchSender", "MultiReceiver", "SegmentReceiver", "enable_gro", "gso_supported",
            "open_receiver", "receive_segments", "recvmmsg_supported", "segments",
-           "RECV_BUFFER_BYTES"]
+           "sender_key", "write_sockaddr", "RECV_BUFFER_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +410,23 @@ class MultiReceiver:
             addr = (socket.inet_ntoa((key >> 16).to_bytes(4, "big")), key & 0xFFFF)
             self._addresses[key] = addr
         return addr
+
+
+def sender_key(address: Address) -> int:
+    """The sender number ``split_mmsg`` gives a datagram from ``address`` (IPv4 ``host``,
+    ``port``): the address, big-endian, above the port; :meth:`MultiReceiver.address_of`
+    inverts it."""
+    host, port = address
+    return int.from_bytes(socket.inet_aton(host), "big") << 16 | port
+
+
+def write_sockaddr(names: np.ndarray, i: int, host: str, port: int) -> None:
+    """Row ``i`` of ``names`` (uint8, 16 columns) as the ``struct sockaddr_in`` of ``host``
+    (IPv4) and ``port``, for a compiled ``sendmsg``."""
+    names[i, 0:2] = (socket.AF_INET, 0)  # sin_family, little-endian
+    names[i, 2:4] = (port >> 8, port & 0xFF)  # network order
+    names[i, 4:8] = np.frombuffer(socket.inet_aton(host), np.uint8)
+    names[i, 8:16] = 0
 
 
 class SegmentReceiver:

@@ -13,19 +13,23 @@ is due (``fire_timers``: timeouts and the idle probe), and, when the socket is e
 saying where it stopped, for a datagram the kernel leaves to Python (control, WAITING, the
 operation's last result, a full send queue), the operation's own timeout, a command, a failed
 system call (with its errno), or after 1 s idle (``MAX_WAIT_S`` in csrc/worker.c); Python goes
-on exactly as it would have. Only for one switch address (a connected socket) and without RACK
-(its transmission log is Python's); elsewhere the Python pump runs alone. ``switchpath.py`` is
+on exactly as it would have. For one switch (a connected socket: the kernel drops anyone
+else's datagrams) or a sharded one (each GSO run to its lanes' shard; a datagram from none of
+the shards goes back to Python, which drops and counts it); not with RACK (its transmission
+log is Python's), where the Python pump runs alone. ``switchpath.py`` is
 the switch's counterpart.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from switchml import _worker as C
+from switchml.protocol.address import Address
 from switchml.protocol.kernels.layout import FP, ST
 
 __all__ = ["FP", "FastPath", "ST", "available"]
@@ -38,12 +42,20 @@ def available() -> bool:
 
 class FastPath:
     """The compiled loop's fixed arguments for one worker socket and receiver: its socket,
-    the inbox's wake-up pipe, and the receiver's ``recvmmsg`` buffers (``struct mmsghdr``
-    array, names, control messages, the batch arrays)."""
+    the inbox's wake-up pipe, the receiver's ``recvmmsg`` buffers (``struct mmsghdr``
+    array, names, control messages, the batch arrays), and, for a sharded switch
+    (``shards``: its S addresses, IPv4), where each lane's requests go (shard ``i mod S``)
+    and whom results may come from (the socket is not connected: a datagram of anyone else
+    goes back to Python, which drops and counts it)."""
 
     def __init__(self, sock: Any, rx: Any, wake_fd: int, *, max_segments: int,
-                 max_bytes: int) -> None:
-        from switchml.transport.batching import SOL_UDP, UDP_GRO
+                 max_bytes: int, shards: Sequence[Address] = ()) -> None:
+        from switchml.transport.batching import SOL_UDP, UDP_GRO, sender_key, write_sockaddr
+        self.dests = np.zeros((len(shards) if len(shards) > 1 else 0, 16), np.uint8)
+        for i, (host, port) in enumerate(shards if len(shards) > 1 else ()):
+            write_sockaddr(self.dests, i, host, port)
+        self.allowed = np.array([sender_key(a) for a in shards] if len(shards) > 1 else [],
+                                np.int64)
         self.fd = sock.fileno()
         self.wake_fd = wake_fd
         self.max_segments, self.max_bytes = max_segments, max_bytes
@@ -59,7 +71,7 @@ class FastPath:
         ``lens``/``senders``): Python does what it asks
         (``WorkerEndpoint.after_results_kernel``) and goes on from there."""
         return C.pump(op.state, self.fd, self.max_segments, self.max_bytes, self.stats,
-                      float(op_timeout_s), *self._rx_args)
+                      float(op_timeout_s), *self._rx_args, self.dests, self.allowed)
 
     def send(self, state: Any) -> bool:
         """Send an operation's queued requests (its ``kernels.OpState``: a worker's
@@ -68,4 +80,4 @@ class FastPath:
         starts, what its receive or timers released). False at a failed ``sendmsg``
         (``stats[ERRNO]``; the unsent lanes stay queued, in order, for Python's sender)."""
         return bool(C.send_queued(state, self.fd, self.max_segments, self.max_bytes,
-                                  self.stats))
+                                  self.stats, self.dests, self.allowed))

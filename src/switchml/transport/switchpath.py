@@ -18,7 +18,6 @@ take requests, up to ``HOT_JOBS``, whose datagrams may interleave in a batch): a
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ import numpy as np
 from switchml import _switch as C
 from switchml.protocol.kernels.layout import MAX_BATCH, SP, XC
 from switchml.protocol.switch import HOT_JOBS
+from switchml.transport.batching import write_sockaddr
 
 __all__ = ["SC", "SP", "ResultSender", "SwitchFastPath"]
 
@@ -35,12 +35,6 @@ SC = XC
 
 _JOB_ARRAYS = ("jobv", "st", "seen", "conflict", "bufs", "clog", "cursor", "mkeys", "heard")
 """A job's arrays the compiled loop takes, with its members' addresses, per hot job."""
-
-
-def _sockaddr(names: np.ndarray, i: int, host: str, port: int) -> None:
-    names[i, 0:2] = (2, 0)  # AF_INET, little-endian
-    names[i, 2:4] = (port >> 8, port & 0xFF)  # network order
-    names[i, 4:8] = np.frombuffer(socket.inet_aton(host), np.uint8)
 
 
 class ResultSender:
@@ -64,7 +58,7 @@ class ResultSender:
         names = np.zeros((len(job.members), 16), np.uint8)
         for rank, member in enumerate(job.members):
             if member is not None:
-                _sockaddr(names, rank, *member)
+                write_sockaddr(names, rank, *member)
         if len(self._names) > 4096:  # jobs come and go: keep it bounded
             self._names.clear()
         self._names[job.job_id] = (key, names)

@@ -113,12 +113,14 @@ class WorkerClient:
         # One switch: the socket is connected to it, so the kernel drops datagrams from anyone
         # else; a sharded switch's socket is not, and the core checks every sender.
         self._peer = None if sharded else self.switch
-        # The compiled receive-and-send loop: one switch (a connected socket), recvmmsg, GSO.
+        # The compiled receive-and-send loop (recvmmsg, GSO): to one switch on the connected
+        # socket, or each lane to its shard, taking results from the shards alone.
         self._inbox = Inbox()
         self._fast = (FastPath(self.sock, self._rx, self._inbox.fileno(),
-                               max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES)
-                      if (not sharded and isinstance(self._rx, MultiReceiver)
-                          and self._sender.gso and env.fast_path() and fastpath_available())
+                               max_segments=MAX_SEGMENTS, max_bytes=MAX_GSO_BYTES,
+                               shards=self.switches)
+                      if (isinstance(self._rx, MultiReceiver) and self._sender.gso
+                          and env.fast_path() and fastpath_available())
                       else None)
         self.icmp_errors = self.send_blocked = self.recv_calls = 0
         self._joined = threading.Event()
