@@ -144,8 +144,17 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
             hybrid.remove()
         finally:
             dist.destroy_process_group()
-    # The hooks' and the rebuild's work per element, timed in every process at once (as the
-    # ranks of a job do it).
+    return _profile_doc(model, batch or work.batch, task.model, hybrid, samples, passed,
+                        locked, barrier)
+
+
+def _profile_doc(model: str, batch: int, net: Any, hybrid: _HybridRecorder,
+                 samples: list[tuple], passed: list[float], locked: list[float],
+                 barrier: Any) -> dict[str, Any]:
+    """:func:`_profile_here`'s report from its steps' samples (the steps after the bucket
+    rebuild), the hooks' and the rebuild's work per element timed in every process at once
+    (as the ranks of a job do it, after the ``barrier``), and the step periods alone and in
+    lockstep."""
     kept = samples[2:] if len(samples) > 3 else samples[-1:]  # after the bucket rebuild
     hybrid_doc = hybrid.summary([s[4] for s in kept])
     if barrier is not None:
@@ -157,8 +166,8 @@ def _profile_here(model: str, batch: int | None, steps: int, seed: int,
     layout = kept[-1][3]
     ready = [statistics.median(s[3][i][1] for s in kept if len(s[3]) == len(layout))
              for i in range(len(layout))]
-    return {"model": model, "batch": batch or work.batch,
-            "params": sum(p.numel() for p in task.model.parameters()),
+    return {"model": model, "batch": batch,
+            "params": sum(p.numel() for p in net.parameters()),
             "forward_s": statistics.median(s[0] for s in kept),
             "backward_s": statistics.median(s[1] for s in kept),
             "optimizer_s": statistics.median(s[2] for s in kept),
@@ -279,24 +288,11 @@ def _profile_child(index: int, args: tuple[str, int | None, int, int], barrier: 
         out.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: int = 1,
-            seed: int = 0, timeout_s: float = 600.0) -> Profile:
-    """Profile ``steps`` steps of workload ``model`` (``switchml.workloads``); with
-    ``colocated`` > 1, that many processes profile at once and the medians across them are
-    kept (compute as it runs when that many workers share this machine), and they wait for
-    each other in as many steps again (``Profile.lockstep_s``)."""
-    from switchml import workloads
-    workloads.get(model)  # a wrong name fails here, not in a child
-    if steps < 2 or colocated < 1:
-        raise ValueError(f"steps must be >= 2 and colocated >= 1, got {steps}, {colocated}")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    barrier = ctx.Barrier(colocated, timeout=timeout_s) if colocated > 1 else None
-    procs = [ctx.Process(target=_profile_child,
-                         args=(i, (model, batch, steps, seed + i), barrier, out), daemon=True)
-             for i in range(colocated)]
-    for p in procs:
-        p.start()
+def _collect_profiles(model: str, procs: list[Any], out: Any, barrier: Any,
+                      timeout_s: float) -> list[dict[str, Any]]:
+    """Every profiling process's report, in the order they came; a child that failed, died
+    without a word or outlasted ``timeout_s`` fails the profile (releasing the others from
+    the barrier). The children are joined (killed if they linger) either way."""
     docs: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
 
@@ -332,6 +328,28 @@ def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    return docs
+
+
+def profile(model: str, batch: int | None = None, *, steps: int = 8, colocated: int = 1,
+            seed: int = 0, timeout_s: float = 600.0) -> Profile:
+    """Profile ``steps`` steps of workload ``model`` (``switchml.workloads``); with
+    ``colocated`` > 1, that many processes profile at once and the medians across them are
+    kept (compute as it runs when that many workers share this machine), and they wait for
+    each other in as many steps again (``Profile.lockstep_s``)."""
+    from switchml import workloads
+    workloads.get(model)  # a wrong name fails here, not in a child
+    if steps < 2 or colocated < 1:
+        raise ValueError(f"steps must be >= 2 and colocated >= 1, got {steps}, {colocated}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    barrier = ctx.Barrier(colocated, timeout=timeout_s) if colocated > 1 else None
+    procs = [ctx.Process(target=_profile_child,
+                         args=(i, (model, batch, steps, seed + i), barrier, out), daemon=True)
+             for i in range(colocated)]
+    for p in procs:
+        p.start()
+    docs = _collect_profiles(model, procs, out, barrier, timeout_s)
     first = docs[0]
     buckets = [Bucket(b["numel"], statistics.median(d["buckets"][i]["ready_s"] for d in docs))
                for i, b in enumerate(first["buckets"])]

@@ -74,6 +74,7 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
         errors: list = []
         started = threading.Barrier(N + 1)
         stop = threading.Event()
+        flooded = threading.Event()  # every forgery sent once: the operations start after
 
         def rank(r: int) -> None:
             try:
@@ -81,6 +82,7 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
                                   WorkerConfig(op_timeout_s=20)) as w:
                     clients[r] = w
                     started.wait(30)
+                    flooded.wait(30)  # (fast operations could end before the first forgery)
                     for op in range(OPS):
                         x = np.full(SIZE, (r + 1) * (op + 1), np.int32)
                         outs[r].append(w.allreduce(x))
@@ -111,6 +113,7 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
                                 s.sendto(d, ("127.0.0.1", p[1]))
                         if stop.is_set():
                             return
+                    flooded.set()  # (and on: the forgeries go on during the operations)
 
         forger = threading.Thread(target=forge)
         forger.start()

@@ -374,42 +374,52 @@ def train(a: dict[str, Any]) -> None:
         timeline = Timeline()
         ddp = hybridtrain.wrap(model, mode, timeline, hook=a.get("hook"))
         recorder = hybridtrain.StepRecorder(model, timeline)
-    dev = a.get("dev")
     if a.get("lr"):
         work = dataclasses.replace(work, lr=a["lr"])
     opt = work.optimizer(ddp.parameters())
     dist.barrier()
     run = _steps(a, ddp, opt, task, model, recorder)
+    extra = _train_report(a, ddp, model, run, recorder, replica)
+    dist.destroy_process_group()
+    _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
+           "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
+           "straggled_steps": run["straggled_steps"], "on_gloo": run["on_gloo"],
+           "cpu_s": _cpu() - run["c0"], **extra})
+
+
+def _train_report(a: dict[str, Any], ddp: Any, model: Any, run: dict[str, Any],
+                  recorder: Any, replica: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`train` reports beside its losses and times, measured over the run's second
+    half: the parameters, the bytes predicted and carried per step, the machine's CPU per
+    step, the recorder's timeline summary, HSDP's replica all-reduces and the failover."""
+    from switchml.bench import hybridtrain
+    mode, steps = a.get("mode", "ddp"), a["steps"] - run["half"]
     params = sum(p.numel() for p in model.parameters())
     if mode == "hsdp":  # (full sizes: the parameters are shards)
         params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
                      for p in model.parameters())
-    extra: dict[str, Any] = {"mode": mode}
+    extra: dict[str, Any] = {"mode": mode, "params": params}
     if mode != "hsdp":
         extra["predicted_bytes_per_step"] = hybridtrain.predicted_bytes(
-            ddp, model, world=n, mtu=a.get("mtu", 1500), hook=a.get("hook"))
-    if dev:
-        extra["link_bytes_per_step"] = (hybridtrain.link_bytes(dev) - run["bytes_half"]) / (
-            a["steps"] - run["half"])
+            ddp, model, world=a["n"], mtu=a.get("mtu", 1500), hook=a.get("hook"))
+    if a.get("dev"):
+        extra["link_bytes_per_step"] = (hybridtrain.link_bytes(a["dev"])
+                                        - run["bytes_half"]) / steps
     if run["machine_busy_s"] is not None:  # (the whole machine: every rank sees the same)
-        extra["machine_cpu_s_per_step"] = run["machine_busy_s"] / (a["steps"] - run["half"])
+        extra["machine_cpu_s_per_step"] = run["machine_busy_s"] / steps
     if recorder is not None:
-        summary = recorder.summary(since_s=run["half_s"], rank=rank)
+        summary = recorder.summary(since_s=run["half_s"], rank=a["rank"])
         if not a.get("trace"):
             summary.pop("events")
         extra.update(summary)
     if replica:
         spans = [d for t, d in replica["calls"] if t >= run["half_s"]]
-        extra["replica_allreduce_s_per_step"] = sum(spans) / (a["steps"] - run["half"])
+        extra["replica_allreduce_s_per_step"] = sum(spans) / steps
         extra["replica_allreduce_calls"] = len(spans)
     if a["backend"] == "switchml":
         from switchml.torch import stats as switchml_stats
         extra["failover"] = switchml_stats().get("failover")
-    dist.destroy_process_group()
-    _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
-           "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
-           "straggled_steps": run["straggled_steps"], "on_gloo": run["on_gloo"],
-           "cpu_s": _cpu() - run["c0"], "params": params, **extra})
+    return extra
 
 
 ROLES["train"] = train

@@ -369,21 +369,8 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
         time.sleep(2.0)
         flood = _job_elements(switch, spec.job_id)
         memory.append(_rss_sample(switch, start))
-        per_sender = cfg.datagrams // cfg.senders
-        senders = [ctx.Process(target=_fuzz_sender, args=(
-            switch.address, per_sender, cfg.seed + i, spec.job_id,
-            cfg.rate_per_sender or float("inf"), done, cfg.joins), daemon=True)
-            for i in range(cfg.senders)]
-        for p in senders:
-            p.start()
-        samples = [flood]
-        while any(p.is_alive() for p in senders):
-            time.sleep(0.5)
-            samples.append(_job_elements(switch, spec.job_id))
-            memory.append(_rss_sample(switch, start))
-            if progress is not None:
-                progress(switch.stats())
-        reports = [done.get(timeout=10) for _ in senders]
+        samples, reports = _flood(cfg, ctx, switch, spec.job_id, done, flood, memory, start,
+                                  progress)
         sent = sum(r[0] for r in reports)
         # The job's rate while every sender was sending (not while they were starting).
         lo, hi = max(r[1] for r in reports), min(r[2] for r in reports)
@@ -416,6 +403,29 @@ def run_fuzz(cfg: FuzzConfig, progress: Any = None) -> dict[str, Any]:
         "flood_datagrams_per_s": sent / max(max(r[2] for r in reports)
                                            - min(r[1] for r in reports), 1e-9),
     }
+
+
+def _flood(cfg: FuzzConfig, ctx: Any, switch: SwitchProcess, job_id: int, done: Any,
+           first: tuple[float, int], memory: list[tuple[float, int]], start: float,
+           progress: Any) -> tuple[list[tuple[float, int]], list[tuple]]:
+    """Run ``cfg.senders`` fuzzing processes against ``switch`` until they are done, sampling
+    the job's elements (from ``first``) and the switch's memory every 0.5 s; return the
+    samples and each sender's report (datagrams sent, start, end)."""
+    per_sender = cfg.datagrams // cfg.senders
+    senders = [ctx.Process(target=_fuzz_sender, args=(
+        switch.address, per_sender, cfg.seed + i, job_id,
+        cfg.rate_per_sender or float("inf"), done, cfg.joins), daemon=True)
+        for i in range(cfg.senders)]
+    for p in senders:
+        p.start()
+    samples = [first]
+    while any(p.is_alive() for p in senders):
+        time.sleep(0.5)
+        samples.append(_job_elements(switch, job_id))
+        memory.append(_rss_sample(switch, start))
+        if progress is not None:
+            progress(switch.stats())
+    return samples, [done.get(timeout=10) for _ in senders]
 
 
 def _job_elements(switch: SwitchProcess, job_id: int) -> tuple[float, int]:

@@ -198,24 +198,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     half = len(times) // 2
     step_s = (times[-1] - times[half - 1]) / (len(times) - half)
     evals = lead.get("evals") or []
-    killed: dict[str, Any] = {}
-    if kill:  # the steps around the switch's death (training time, evaluation left out)
-        durations = np.diff([0.0, *times])
-        before, after = durations[2:cfg.kill_switch_at], durations[cfg.kill_switch_at:]
-        worst = int(after.argmax())
-        killed = {"before_kill_step_s": float(np.median(before)) if before.size else None,
-                  "kill_stall_s": float(after[worst]),
-                  "after_kill_step_s": (float(np.median(after[worst + 1:]))
-                                        if worst + 1 < after.size else None)}
-        on_gloo = lead.get("on_gloo") or []
-        if cfg.switch_back_after_s and on_gloo:
-            # steps that ended on gloo, then the steps after the group went back
-            gloo_steps = [s for s, g in enumerate(on_gloo) if g]
-            last = gloo_steps[-1] if gloo_steps else None
-            back = durations[last + 2:] if last is not None else np.array([])
-            killed.update(steps_on_gloo=len(gloo_steps), back_at_step=(
-                last + 1 if last is not None and last + 1 < len(on_gloo) else None),
-                back_step_s=float(np.median(back)) if back.size else None)
+    killed = _around_the_kill(cfg, times, lead.get("on_gloo") or []) if kill else {}
     return {
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
@@ -234,6 +217,29 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         **({"replica_allreduce_s": sum(o["replica_allreduce_s_per_step"] for o in out)
             / len(out)} if "replica_allreduce_s_per_step" in lead else {}),
     }
+
+
+def _around_the_kill(cfg: TrainBenchConfig, times: list[float], on_gloo: list[bool]
+                     ) -> dict[str, Any]:
+    """The steps around the switch's death (training time, evaluation left out): the median
+    step before, the worst stall after, the median step after that; with a way back, the
+    steps that ended on gloo and the steps after the group went back to the switch."""
+    durations = np.diff([0.0, *times])
+    before, after = durations[2:cfg.kill_switch_at], durations[cfg.kill_switch_at:]
+    worst = int(after.argmax())
+    killed: dict[str, Any] = {
+        "before_kill_step_s": float(np.median(before)) if before.size else None,
+        "kill_stall_s": float(after[worst]),
+        "after_kill_step_s": (float(np.median(after[worst + 1:]))
+                              if worst + 1 < after.size else None)}
+    if cfg.switch_back_after_s and on_gloo:
+        gloo_steps = [s for s, g in enumerate(on_gloo) if g]
+        last = gloo_steps[-1] if gloo_steps else None
+        back = durations[last + 2:] if last is not None else np.array([])
+        killed.update(steps_on_gloo=len(gloo_steps), back_at_step=(
+            last + 1 if last is not None and last + 1 < len(on_gloo) else None),
+            back_step_s=float(np.median(back)) if back.size else None)
+    return killed
 
 
 def _machine_cpu(lead: dict[str, Any], step_s: float) -> dict[str, float]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from switchml.cli.common import Subparsers, stdout_console, write_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["add_parser", "run"]
 
@@ -59,30 +63,13 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``switchml predict``: one table of predictions (or of predictions against a run)."""
-    import json
-
     from rich.console import Console
     from rich.table import Table
 
     from switchml import predict as P
     console = Console(stderr=True)
     if args.against:
-        with open(args.against) as f:
-            rows = json.load(f)["results"]
-        with console.status("profiling") as status:
-            checked = P.validate(rows, progress=status.update)
-        table = Table(title=f"predicted against measured step times ({args.against})")
-        for col in ("model", "system", "workers", "Mbit/s", "measured (ms)", "predicted (ms)",
-                    "error"):
-            table.add_column(col, justify="right")
-        for c in checked:
-            table.add_row(c["model"], c["system"], str(c["workers"]),
-                          f"{c['rate_bps'] / 1e6:g}", f"{1e3 * c['measured_step_s']:.0f}",
-                          f"{1e3 * c['predicted_step_s']:.0f}", f"{c['error']:+.0%}")
-        stdout_console().print(table)
-        if args.json:
-            write_json(args.json, {"against": args.against, "rows": checked})
-        return 0
+        return _run_against(args, console)
     with console.status(f"profiling {args.model} ({args.colocated} at once)"):
         prof = P.profile(args.model, args.batch, steps=args.steps, colocated=args.colocated)
     from switchml.costs import load
@@ -118,4 +105,30 @@ def run(args: argparse.Namespace) -> int:
                                               "costs": res.costs.to_dict()},
                                 "predictions": [dict(vars(p), comm_share=p.comm_share,
                                                      bound_by=p.bound_by) for p in preds]})
+    return 0
+
+
+def _run_against(args: argparse.Namespace, console: Console) -> int:
+    """``switchml predict --against RUN.json``: each row of a ``bench train`` run, predicted
+    and measured."""
+    import json
+
+    from rich.table import Table
+
+    from switchml import predict as P
+    with open(args.against) as f:
+        rows = json.load(f)["results"]
+    with console.status("profiling") as status:
+        checked = P.validate(rows, progress=status.update)
+    table = Table(title=f"predicted against measured step times ({args.against})")
+    for col in ("model", "system", "workers", "Mbit/s", "measured (ms)", "predicted (ms)",
+                "error"):
+        table.add_column(col, justify="right")
+    for c in checked:
+        table.add_row(c["model"], c["system"], str(c["workers"]),
+                      f"{c['rate_bps'] / 1e6:g}", f"{1e3 * c['measured_step_s']:.0f}",
+                      f"{1e3 * c['predicted_step_s']:.0f}", f"{c['error']:+.0%}")
+    stdout_console().print(table)
+    if args.json:
+        write_json(args.json, {"against": args.against, "rows": checked})
     return 0

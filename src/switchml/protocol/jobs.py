@@ -6,6 +6,7 @@ A job holds ``window`` slots of the pool, each with two sets; the compiled kerne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,6 +205,21 @@ class Job:
     def info(self) -> ControlInfo:
         return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base,
                            self.quorum, self.quorum_min, self.deadline_us)
+
+    def next_expiry(self) -> float:
+        """When a quorum job's deadline completes a round next (the switch's clock, seconds),
+        or inf: the earliest-opened open round that already has ``QUORUM_MIN`` contributions
+        (one with fewer waits for another, and the timer is read again after every batch)."""
+        jobv, st = self.jobv, self.st
+        d = int(jobv[K.J.DEADLINE_US])
+        if d <= 0:
+            return math.inf
+        missing = st[K.S.MISSING]
+        ready = ((st[K.S.SEQ] >= 0) & (missing > 0)
+                 & (jobv[K.J.QUORUM] - missing >= jobv[K.J.QUORUM_MIN]))
+        if not ready.any():
+            return math.inf
+        return (int(st[K.S.OPENED_AT][ready].min()) + d) * 1e-6
 
     def memory_bytes(self) -> int:
         return int(self.bufs.nbytes)

@@ -39,7 +39,6 @@ class holds the state as arrays for it (``jobs.Job``) and handles what is rare i
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
@@ -69,28 +68,14 @@ from switchml.protocol.wire import (
 
 __all__ = ["SlotAllocator", "SwitchDataplane"]
 
+_OTHER = object()  # _check_in_python: the datagram was not a request, and was handled
+
 _JOB_AT = AT["job"]
 HOT_JOBS = 4
 """Jobs a transport's compiled loop takes requests of at once (``fast_path_state``)."""
 
 _HALF = 2**31
 _MASK32 = 2**32 - 1
-
-
-def _next_expiry(job: Job) -> float:
-    """When a quorum job's deadline completes a round next (the switch's clock, seconds), or
-    inf: the earliest-opened open round that already has ``QUORUM_MIN`` contributions (one
-    with fewer waits for another, and the timer is read again after every batch)."""
-    jobv, st = job.jobv, job.st
-    d = int(jobv[K.J.DEADLINE_US])
-    if d <= 0:
-        return math.inf
-    missing = st[K.S.MISSING]
-    ready = ((st[K.S.SEQ] >= 0) & (missing > 0)
-             & (jobv[K.J.QUORUM] - missing >= jobv[K.J.QUORUM_MIN]))
-    if not ready.any():
-        return math.inf
-    return (int(st[K.S.OPENED_AT][ready].min()) + d) * 1e-6
 
 
 class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
@@ -236,28 +221,44 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
                         job, switched_at = other, j
                         continue
             # Datagram i is not a request of a known member of ``job``: check it in Python.
-            o = int(starts[i])
-            end = o + int(lens[i])
-            addr = address_of(int(senders[i]))
-            f = self._request_fields(buf, view, o, end)
-            if f is None:
-                self._receive_other(view[o:end], addr, now)
+            admitted = self._check_in_python(buf, view, starts, lens, senders, i, address_of,
+                                             now, stable)
+            if admitted is None:  # dropped
+                i += 1
+            elif admitted is _OTHER:  # not a request: handled
                 job = self._hot  # (a LEAVE or a lease may have removed it)
                 i += 1
-                continue
-            admitted = self._admit(f, addr, now)
-            if admitted is None:
-                i += 1
-                continue
-            admitted.mkeys[f[Field.RANK]] = senders[i]
-            if not stable:
-                self._learned.append(admitted)
-            job = self._hot = admitted
-            self._warm_job(admitted)
-            admitted_at = i  # the kernel takes it from here
+            else:
+                job = admitted
+                admitted_at = i  # the kernel takes it from here
         if self._learned:
             self._forget_senders(self._learned)
             self._learned.clear()
+
+    def _check_in_python(self, buf: np.ndarray, view: memoryview, starts: np.ndarray,
+                         lens: np.ndarray, senders: np.ndarray, i: int,
+                         address_of: Callable[[int], Address], now: float,
+                         stable: bool) -> Job | object | None:
+        """Datagram ``i``, which no kernel call took: anything but a request is handled here
+        (``_OTHER``); a request of a member ``_admit`` admits teaches its job the member's
+        sender number and becomes the hot job (returned: the kernel takes the datagram next);
+        None: dropped."""
+        o = int(starts[i])
+        end = o + int(lens[i])
+        addr = address_of(int(senders[i]))
+        f = self._request_fields(buf, view, o, end)
+        if f is None:
+            self._receive_other(view[o:end], addr, now)
+            return _OTHER
+        admitted = self._admit(f, addr, now)
+        if admitted is None:
+            return None
+        admitted.mkeys[f[Field.RANK]] = senders[i]
+        if not stable:
+            self._learned.append(admitted)
+        self._hot = admitted
+        self._warm_job(admitted)
+        return admitted
 
     def _known_job_at(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray,
                       i: int) -> Job | None:
@@ -435,7 +436,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         and expire the leases of jobs that have been silent for ``lease_timeout_s``."""
         self._now = now
         for job in self._jobs.values():
-            if job.jobv[K.J.DEADLINE_US] > 0 and _next_expiry(job) <= now:
+            if job.jobv[K.J.DEADLINE_US] > 0 and job.next_expiry() <= now:
                 ndone = K.expire_rounds(job.jobv, job.st, job.seen, job.conflict, job.bufs,
                                         job.clog, job.cursor, job.mkeys, job.heard, now,
                                         self._cnt, self._done)
@@ -459,7 +460,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         if not self._jobs:
             return None
         return min(min(j.last_seen for j in self._jobs.values()) + self.config.lease_timeout_s,
-                   min(_next_expiry(j) for j in self._jobs.values()))
+                   min(j.next_expiry() for j in self._jobs.values()))
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes | memoryview, Address]]:
         """Return and forget the datagrams to send: replies in order, then results (in order

@@ -295,17 +295,10 @@ class ParameterServer:
         worker = -1
         try:
             if self._tls is not None and self.security is not None:
-                raw = conn
-                try:
-                    conn = self.security.accept(raw, self._tls, self.config.hello_timeout_s)
-                    with self._cond:  # stop() shuts the TLS socket down (raw is detached)
-                        self._conns = [(conn if c is raw else c, t) for c, t in self._conns]
-                except (OSError, ValueError) as exc:
-                    with self._cond:
-                        self.counters["refused_connections"] += 1
-                    self._warn.warn("ps%d: refused a connection from %s: TLS handshake "
-                                    "failed: %s", self.index, peer, exc)
+                tls = self._handshake(conn, peer)
+                if tls is None:
                     return
+                conn = tls
             conn.settimeout(self.config.hello_timeout_s)  # until its HELLO
             while True:
                 try:
@@ -332,22 +325,8 @@ class ParameterServer:
                         self._pending.pop(threading.current_thread(), None)
                 elif worker < 0:
                     raise PSError(f"{h.type.name} before HELLO")
-                elif h.type == MessageType.INIT:
-                    self._handle_init(worker, h.shard, payload)
-                elif h.type == MessageType.PUSH:
-                    self._handle_push(worker, h.shard, h.step, payload)
-                elif h.type == MessageType.PULL:
-                    self._handle_pull(conn, h.shard, h.step)
-                elif h.type == MessageType.STATS:
-                    send_message(conn, MessageType.STATS,
-                                 payload=json.dumps(self.stats()).encode())
-                elif h.type == MessageType.BYE:
-                    with self._cond:
-                        self._finished.add(worker)
-                        self._cond.notify_all()
-                    return
-                else:
-                    raise PSError(f"unexpected {h.type.name} from worker {worker}")
+                elif self._handle(conn, worker, h, payload):
+                    return  # BYE
         except (ConnectionError, OSError) as exc:
             if worker >= 0 and not self._stopping:
                 log.warning("ps%d: worker %d died: %s", self.index, worker, exc)
@@ -366,6 +345,44 @@ class ParameterServer:
                 if worker >= 0 and self._live.get(worker) == peer:
                     del self._live[worker]
             conn.close()
+
+    def _handshake(self, raw: socket.socket, peer: str) -> socket.socket | None:
+        """The TLS server side of a new connection within the HELLO timeout: the TLS socket
+        (which ``stop()`` shuts down from then on), or None, refused and counted."""
+        assert self._tls is not None and self.security is not None
+        try:
+            conn = self.security.accept(raw, self._tls, self.config.hello_timeout_s)
+        except (OSError, ValueError) as exc:
+            with self._cond:
+                self.counters["refused_connections"] += 1
+            self._warn.warn("ps%d: refused a connection from %s: TLS handshake failed: %s",
+                            self.index, peer, exc)
+            return None
+        with self._cond:  # (raw is detached)
+            self._conns = [(conn if c is raw else c, t) for c, t in self._conns]
+        return conn
+
+    def _handle(self, conn: socket.socket, worker: int, h: Any, payload: Any) -> bool:
+        """One message of a worker after its HELLO; whether it said BYE.
+
+        Raises:
+            PSError: a message type a worker does not send (HELLO is the caller's)."""
+        if h.type == MessageType.INIT:
+            self._handle_init(worker, h.shard, payload)
+        elif h.type == MessageType.PUSH:
+            self._handle_push(worker, h.shard, h.step, payload)
+        elif h.type == MessageType.PULL:
+            self._handle_pull(conn, h.shard, h.step)
+        elif h.type == MessageType.STATS:
+            send_message(conn, MessageType.STATS, payload=json.dumps(self.stats()).encode())
+        elif h.type == MessageType.BYE:
+            with self._cond:
+                self._finished.add(worker)
+                self._cond.notify_all()
+            return True
+        else:
+            raise PSError(f"unexpected {h.type.name} from worker {worker}")
+        return False
 
     def _handle_hello(self, conn: socket.socket, worker: int, payload: bytes,
                       peer: str) -> int:

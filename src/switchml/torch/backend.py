@@ -61,7 +61,7 @@ from switchml.torch.embedded import (
 )
 from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.flight import FlightRecorder
-from switchml.torch.jobspec import job_spec_for_ranks, local_ranks
+from switchml.torch.jobspec import agree_on_job, job_spec_for_ranks
 from switchml.torch.staging import HALF, StagedTensor, StagingPool, wire_bits
 from switchml.torch.works import (
     SwitchMLWork,
@@ -72,7 +72,7 @@ from switchml.torch.works import (
     gather_opts,
     scatter_opts,
 )
-from switchml.transport.parallel import ParallelClient, choose_threads, open_worker
+from switchml.transport.parallel import ParallelClient, open_worker
 from switchml.transport.sockets import local_mtu
 from switchml.transport.udp import AllreduceHandle, WorkerClient
 
@@ -197,7 +197,6 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         once all are done, with the first error unless the failover takes the operation
         over. Raises RuntimeError where the client refuses it (not after a switch-over)."""
         fo = self.failover
-        size, average, done = self.size(), pending.average, pending.done
         # With failover, a failed operation must leave its inputs whole. The worker puts an
         # in-place input back itself when its operation fails; but an operation of several
         # tensors, or cut in parts over several threads, may have some complete (written)
@@ -215,31 +214,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         lock = threading.Lock()
 
         def settle(error: BaseException | None) -> None:
-            """Every part is done (``error``: the first failure): write the tensors, or fail."""
-            kept: list[torch.Tensor] = []
-            if error is None:
-                try:
-                    for plan, handle in zip(plans, handles, strict=True):
-                        assert handle is not None  # (every part succeeded)
-                        counts = handle.contributors  # per block, in a quorum group
-                        if counts is not None:
-                            self._note_contributors(counts)
-                        final = plan.finish(size, average, counts, handle.block,
-                                            keep=fo is not None)
-                        if final is not None:
-                            kept.append(final)
-                except Exception as exc:  # surfaced through the future
-                    error = exc
-            if error is None:
-                if fo is not None:
-                    fo.completed(pending.seq, kept)
-                done(None)
-                return
-            for plan in plans:
-                plan.release()
-            if fo is not None and fo.failed(pending, error):
-                return  # the failover completes it, over gloo
-            done(error)
+            self._settle(pending, plans, handles, error)
 
         def on_done(handle: AllreduceHandle, i: int) -> None:
             handles[i] = handle
@@ -274,6 +249,36 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 last = state["left"] == 0
             if last:
                 settle(state["error"])
+
+    def _settle(self, pending: PendingOp, plans: list[StagedTensor],
+                handles: list[AllreduceHandle | None], error: BaseException | None) -> None:
+        """Every part of ``pending`` is done (``error``: the first failure): write the
+        tensors and complete it, or fail it (the failover taking it over where it can)."""
+        fo = self.failover
+        kept: list[torch.Tensor] = []
+        if error is None:
+            try:
+                for plan, handle in zip(plans, handles, strict=True):
+                    assert handle is not None  # (every part succeeded)
+                    counts = handle.contributors  # per block, in a quorum group
+                    if counts is not None:
+                        self._note_contributors(counts)
+                    final = plan.finish(self.size(), pending.average, counts, handle.block,
+                                        keep=fo is not None)
+                    if final is not None:
+                        kept.append(final)
+            except Exception as exc:  # surfaced through the future
+                error = exc
+        if error is None:
+            if fo is not None:
+                fo.completed(pending.seq, kept)
+            pending.done(None)
+            return
+        for plan in plans:
+            plan.release()
+        if fo is not None and fo.failed(pending, error):
+            return  # the failover completes it, over gloo
+        pending.done(error)
 
     def _install_client(self, client: WorkerClient | ParallelClient) -> None:
         """All-reduces go through ``client`` from now on (the failover went back to the
@@ -465,37 +470,17 @@ def _create(store: dist.Store, rank: int, size: int,
                           "(the embedded switch has a secret of its own)")
     tenant = env.tenant() if tenant_key is not None else None
     gloo: Any = None
+    key = f"switchml/{_incarnation}/job"
     try:
-        key = f"switchml/{_incarnation}/job"
-        # Every rank publishes its MTU towards the switch; rank 0 sizes the job's chunks.
-        store.set(f"switchml/{_incarnation}/mtu/{rank}", str(local_mtu(switch)))
-        # ... and the I/O threads it would use; the group uses the fewest any rank asked for
-        # (every rank must split its job into the same parts).
-        store.set(f"switchml/{_incarnation}/threads/{rank}", str(1 if tenant_key else (
-            choose_threads(switch, requested=env.threads(), local_ranks=local_ranks(size)))))
-        if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
-            store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
-            store.set(f"{key}/failover", env.failover())
-            store.set(f"{key}/failover_probe_s", str(env.failover_probe_s()))
-            spec = job_spec_for_ranks(size, (
-                int(store.get(f"switchml/{_incarnation}/mtu/{r}").decode()) for r in range(size)),
-                tenant=tenant, **_group_quorum(size))
-            store.set(key, encode_job_spec(spec))
-        else:
-            spec = decode_job_spec(store.get(key).decode())
-        group_half = store.get(f"{key}/half_bits").decode()
-        if rank and env.half_bits_text() not in ("", group_half):
-            log.warning("switchml rank %d: SWITCHML_HALF_BITS is %r here, but rank 0's (%s) "
-                        "rules the group", rank, env.half_bits_text(), group_half)
-        half_bits = None if group_half == "auto" else int(group_half)
+        spec, half_bits, threads = agree_on_job(
+            store, f"switchml/{_incarnation}", key, rank, size, switch, tenant=tenant,
+            one_thread=tenant_key is not None, quorum=_group_quorum(size))
         gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
                               join_timeout_s=seconds,
                               secret=None if tenant_key is not None else secret,
                               tenant_key=tenant_key)
-        threads = min(int(store.get(f"switchml/{_incarnation}/threads/{r}").decode())
-                      for r in range(size))
         client = open_worker(switch, spec, rank, config, threads=threads,
                              batching=env.batching())
     except BaseException:

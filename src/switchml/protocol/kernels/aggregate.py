@@ -411,6 +411,9 @@ def _answer_resend(jobv, st, seen, conflict, bufs, heard, now, replies, reply_me
     return SS.DONE.value
 
 
+# Over 60 lines on purpose: the per-packet rule in one piece, read line by line against
+# csrc/switch.c's switch_requests (the compiled copy it is the reference for); cut up,
+# the two would no longer line up.
 def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, conflict, bufs,
                     clog, cursor, mkeys, heard, rules, cnt, done, replies, reply_meta):
     """Aggregate the REQUESTs of one job in a batch of datagrams, from datagram ``start`` on.

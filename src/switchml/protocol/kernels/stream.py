@@ -87,6 +87,9 @@ def keep_block(x, lo, count, keep):
         keep[lo:lo + count] = x[lo:lo + count]
 
 
+# Over 60 lines on purpose: the per-packet rule in one piece, read line by line against
+# csrc/worker.c's build_request (the compiled copy it is the reference for); cut up,
+# the two would no longer line up.
 def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                   residual, keep=None):
     """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
@@ -484,6 +487,9 @@ def _probe_tail(opv, lane, lanef, rtt, now, cnt):
     opv[OP.TAIL_HEAD] = h
 
 
+# Over 60 lines on purpose: the per-packet rule in one piece, read line by line against
+# csrc/worker.c's worker_results (the compiled copy it is the reference for); cut up,
+# the two would no longer line up.
 def worker_results(d, starts, lens, nseg, start, limit, now, opv, lane, lanef, rtt, next_set,
                    exps, nonf, x, xbits, out, res, tx8, tx16, tx32, cnt, sendq, sendlen,
                    scratch, keep=None, contrib=None):
