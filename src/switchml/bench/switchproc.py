@@ -55,9 +55,14 @@ class SwitchProcess:
                                 args=(child, lease_timeout_s, secret, batching, shard),
                                 daemon=True)
         self.proc.start()
-        if not self._conn.poll(30):
-            self.proc.kill()
-            raise RuntimeError("the switch process did not start within 30 s")
+        deadline = time.monotonic() + 30.0
+        while not self._conn.poll(0.1):  # its address, once listening
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the switch process exited with code {self.proc.exitcode} "
+                                   "before it listened (its error is above)")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("the switch process did not start within 30 s")
         self.address: tuple[str, int] = tuple(self._conn.recv())
 
     def stats(self) -> dict[str, Any]:
