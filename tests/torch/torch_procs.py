@@ -232,7 +232,7 @@ def exit_now(q: Any, msg: tuple | None = None, code: int = 0) -> None:
 
 # -- body: DDP training on gloo, switchml, switchml ----------------------------------------------
 
-def _ddp_train(rank: int, steps: int) -> dict[str, Any]:
+def _ddp_train(rank: int, steps: int, hook: str | None = None) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -242,6 +242,9 @@ def _ddp_train(rank: int, steps: int) -> dict[str, Any]:
                                 torch.nn.Linear(64, 3))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+    if hook is not None:
+        from switchml.torch.hooks import register_hook
+        register_hook(ddp, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -773,10 +776,11 @@ def quorum_dying_body(rank: int, world: int, q: Any, die_rank: int, die_step: in
 
 
 def failover_body(rank: int, world: int, q: Any, timeout_s: float, ops: int,
-                  switch_for: dict[int, str]) -> dict[str, Any]:
+                  switch_for: dict[int, str], hook: str | None = None) -> dict[str, Any]:
     """``ops`` all-reduces (SUM and AVG, one chunk and many) with exact expected sums, 50 ms
     apart, through an external switch the test kills once every rank reported op 5; then
-    DDP training. ``switch_for``: another switch address for some ranks (a relay)."""
+    DDP training (with ``hook``, a DDP hook by name). ``switch_for``: another switch address
+    for some ranks (a relay)."""
     import torch
     import torch.distributed as dist
 
@@ -802,7 +806,7 @@ def failover_body(rank: int, world: int, q: Any, timeout_s: float, ops: int,
         if i == 5:
             q.put(("progress", rank, i))
         time.sleep(0.05)
-    run = _ddp_train(rank, 3)
+    run = _ddp_train(rank, 3, hook)
     run.update(exact=exact, seconds=seconds, stats=stt.stats())
     dist.destroy_process_group()
     return run

@@ -42,6 +42,7 @@ every rank's :func:`~switchml.transport.sockets.local_mtu` (``SWITCHML_MTU``,
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as objects.
+import logging
 from enum import Enum
 from typing import Any
 
@@ -59,6 +60,8 @@ from switchml.torch.staging import StagedTensor
 from switchml.torch.works import complete_elsewhere, failable_future
 from switchml.transport.parallel import choose_threads, open_worker
 from switchml.transport.sockets import local_mtu
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HookName", "SwitchMLHookState", "allreduce_hook", "hook_for", "lockstep_hook",
            "noop_hook", "register_hook", "switchml_hook"]
@@ -87,7 +90,7 @@ class SwitchMLHookState:
         # tuned by users
         "bits", "process_group",
         # internal
-        "client", "world_size", "_owns_client", "_owns_switch", "residuals",
+        "client", "world_size", "_owns_client", "_owns_switch", "residuals", "group",
         # stats
         "buckets", "bytes_sent",
     )
@@ -106,8 +109,15 @@ class SwitchMLHookState:
         self.buckets = 0
         self.bytes_sent = 0
         self._owns_switch = self._owns_client = False
+        self.group: SwitchMLProcessGroup | None = None
         if isinstance(pg, SwitchMLProcessGroup):
             self.client = pg.client  # the group's own switch job
+            self.group = pg
+            if pg.failover is not None and bits == 16:
+                log.warning("switchml16 hook on a group with SWITCHML_FAILOVER: the 16-bit "
+                            "buckets go through the switch job directly, and fail when the "
+                            "switch does (the group's own all-reduces, and the 32-bit hook's, "
+                            "go over gloo then)")
             return
         rank = dist.get_rank(pg)
         switch, secret, self._owns_switch = resolve_switch_over_group(pg, rank)
@@ -156,6 +166,13 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     # 1. The flat bucket, divided by the world size (DDP does not pre-divide).
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
+    if state.bits == 32 and state.group is not None and state.group.failover is not None:
+        # A switchml group that fails over to gloo: through the group's own all-reduce (the
+        # same switch job, the same 32 bits), which goes over gloo when the switch is gone.
+        state.buckets += 1
+        state.bytes_sent += buffer.numel() * 4
+        fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
     # 2. A float32 contiguous CPU array to send (staged if the bucket is anything else).
     staged = StagedTensor(buffer, dtype=torch.float32)
     work = staged.flat
