@@ -20,7 +20,8 @@ import numpy as np
 from switchml.protocol.address import Address
 from switchml.protocol.auth import seal_reply
 from switchml.protocol.jobs import Job, bitmap, store_bitmap
-from switchml.protocol.kernels.layout import SC, J
+from switchml.protocol.kernels.aggregate import gone_ranks
+from switchml.protocol.kernels.layout import SC
 from switchml.protocol.wire import (
     EXP_ZERO,
     HEADER,
@@ -110,8 +111,7 @@ class SwitchReplies:
         n = job.num_workers
         nb = (n + 7) // 8
         missing = job.all_ranks & ~bitmap(job.seen[v, s])
-        quiet = self._now - float(job.jobv[J.MEMBER_TIMEOUT_US]) * 1e-6
-        gone = sum(1 << r for r in range(n) if missing >> r & 1 and job.heard[r] < quiet)
+        gone = gone_ranks(job.jobv, job.seen, job.heard, self._now, v, s)
         payload = missing.to_bytes(nb, "little") + gone.to_bytes(nb, "little")
         reply = Header(MessageType.WAITING, job.job_id, rank=rank, token=job.token,
                        seq=f[Field.SEQ], chunk=f[Field.CHUNK], slot=f[Field.SLOT], set_bit=v,

@@ -359,14 +359,22 @@ def _write_resent(jobv, st, bufs, replies, reply_meta, k, rank, r):
     reply_meta[k, 0], reply_meta[k, 1] = rank, size
 
 
-def _waits_for_gone(jobv, seen, heard, now, v, s):
-    """Whether the open round ``(v, s)`` misses a rank that is gone: silent for
-    ``MEMBER_TIMEOUT_US`` (a rank that never joined counts from the job's creation)."""
+def gone_ranks(jobv, seen, heard, now, v, s):
+    """The ranks the open round ``(v, s)`` misses that are gone, as a bitmap (bit ``q``: rank
+    ``q``): silent for ``MEMBER_TIMEOUT_US`` (a rank that never joined counts from the job's
+    creation). The rule (``csrc/switch.c``'s ``waits_for_gone``) for the kernel and for the
+    sealed WAITING the switch's Python writes (``switch_replies.py``)."""
     quiet = now - jobv[J.MEMBER_TIMEOUT_US] * 1e-6
+    gone = 0
     for q in range(jobv[J.N]):
         if not has_bit(seen, v, s, q) and heard[q] < quiet:
-            return True
-    return False
+            gone |= 1 << q
+    return gone
+
+
+def _waits_for_gone(jobv, seen, heard, now, v, s):
+    """Whether the open round ``(v, s)`` misses a rank that is gone (:func:`gone_ranks`)."""
+    return gone_ranks(jobv, seen, heard, now, v, s) != 0
 
 
 def _write_waiting(jobv, seen, replies, reply_meta, k, rank, r):
