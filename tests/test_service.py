@@ -28,7 +28,8 @@ def test_a_shard_runs_the_same_switch_on_its_own_port():
         sys.executable, "-m", "switchml", "--log-level", "warning", "switch",
         "--host", "127.0.0.1", "--port", "9001", "--shard", "1/3", "--pool-slots", "64",
         "--lease-timeout-s", "5.0", "--nack-gap", "2", "--stats-interval-s", "1.0",
-        "--member-timeout-s", "3.0", "--quorum-history", "5", "--metrics-port", "9110",
+        "--member-timeout-s", "3.0", "--challenges-per-s", "4096.0", "--quorum-history", "5",
+        "--metrics-port", "9110",
         "--stop-on-stdin-eof"]
     tail = service.shard_argv(SwitchSpec(metrics_port=0, secret_file="/s", insecure=True,
                                          mtu=9000, batching=False, tenant_slots=32), 0, 2)

@@ -68,6 +68,7 @@ class SwitchSpec:
     stats_interval_s: float = 0.0
     lease_timeout_s: float = 30.0
     member_timeout_s: float = 20.0
+    challenges_per_s: float | None = 4096.0
     nack_gap: int = 4
     quorum_history: int = 16
     tenant_slots: int | None = None
@@ -128,6 +129,7 @@ def _switch_config(spec: SwitchSpec, secret: bytes | None, **extra: Any) -> Any:
     return SwitchConfig(pool_slots=spec.pool_slots, lease_timeout_s=spec.lease_timeout_s,
                         secret=secret, nack_gap=spec.nack_gap,
                         member_timeout_s=spec.member_timeout_s,
+                        challenges_per_s=spec.challenges_per_s,
                         quorum_history=spec.quorum_history,
                         tenant_slots=spec.tenant_slots, **extra)
 
@@ -259,6 +261,7 @@ def shard_argv(spec: SwitchSpec, i: int, shards: int) -> list[str]:
             "--pool-slots", str(spec.pool_slots), "--lease-timeout-s", str(spec.lease_timeout_s),
             "--nack-gap", str(spec.nack_gap), "--stats-interval-s", str(spec.stats_interval_s),
             "--member-timeout-s", str(spec.member_timeout_s),
+            "--challenges-per-s", str(spec.challenges_per_s or 0),
             "--quorum-history", str(spec.quorum_history),
             "--metrics-port", str(spec.metrics_port + i if spec.metrics_port else 0),
             "--stop-on-stdin-eof"]

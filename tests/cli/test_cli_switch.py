@@ -31,11 +31,11 @@ def test_every_flag_lands_in_its_field(parse):
         "--member-timeout-s", "3", "--nack-gap", "0", "--secret-file", "/s", "--insecure",
         "--metrics-port", "0", "--mtu", "1500", "--no-batching", "--stop-on-stdin-eof",
         "--shard", "1/4", "--upstream", "10.0.0.1:48864", "--rack", "0/2", "--job", "J",
-        "--tenant-slots", "48"))
+        "--tenant-slots", "48", "--challenges-per-s", "100"))
     assert spec == SwitchSpec(
         host="0.0.0.0", port=9000, pool_slots=64, stats_interval_s=2.0, lease_timeout_s=5.0,
         member_timeout_s=3.0, nack_gap=0, secret_file="/s", insecure=True, metrics_port=0,
-        tenant_slots=48,
+        tenant_slots=48, challenges_per_s=100.0,
         mtu=1500, batching=False, stop_on_stdin_eof=True, shard=(1, 4),
         upstream=("10.0.0.1", 48864), rack=(0, 2), job="J", log_level="warning")
 
@@ -46,6 +46,8 @@ def test_defaults_come_from_the_environment(monkeypatch, parse):
     monkeypatch.setenv("SWITCHML_GSO", "0")
     spec = cmd.config_from_args(parse("switch"))
     assert (spec.port, spec.pool_slots, spec.batching) == (9001, 8, False)
+    assert cmd.config_from_args(parse("switch", "--challenges-per-s", "0")).challenges_per_s \
+        is None  # (0: no budget)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -22,7 +22,7 @@ from switchml.protocol.config import JobSpec, SwitchConfig, WorkerConfig
 from switchml.protocol.endpoint import exchange
 from switchml.protocol.events import MemberJoined
 from switchml.protocol.switch import SwitchDataplane
-from switchml.protocol.wire import ControlInfo, MessageType, unpack_header
+from switchml.protocol.wire import ControlInfo, MessageType, pack_join, unpack_header
 from switchml.protocol.worker import WorkerEndpoint, WorkerState
 
 SA = ("switch", 1)
@@ -252,3 +252,37 @@ def test_a_stale_challenge_answer_draws_a_fresh_challenge_and_the_worker_joins()
     w.receive_datagram(bytes(again), SA, 1.0)
     exchange({SA: sw, ADDRS[0]: w}, 1.0)
     assert w.state is WorkerState.READY
+
+
+def test_challenges_beyond_the_budget_are_dropped_and_counted_then_refill():
+    # A token bucket of 10 a second: 50 cookie-less JOINs from 50 (spoofable) sources at one
+    # instant draw 10 CHALLENGEs; half a second later 5 more; a second later 10, not 15.
+    sw = SwitchDataplane(SwitchConfig(challenges_per_s=10))
+    info = ControlInfo(2, 4, 8)
+
+    def flood(now: float, count: int) -> int:
+        for i in range(count):
+            sw.receive_datagram(pack_join(job=7, token=9, rank=0, info=info), (f"v{i}", 1),
+                                now=now)
+        return sum(1 for d, _ in sw.datagrams_to_send(now) if d[3] == MessageType.CHALLENGE)
+
+    assert flood(100.0, 50) == 10
+    assert sw.stats()["drops"]["challenge_budget"] == 40
+    assert flood(100.5, 50) == 5
+    assert flood(102.0, 50) == 10  # (the bucket holds one second's worth)
+    assert sw.stats()["challenges_sent"] == 25
+
+
+def test_a_worker_turned_away_by_the_budget_joins_when_it_refills():
+    # Every token spent by a flood: the worker's cookie-less JOIN is dropped; it asks again
+    # after its retry interval, gets its CHALLENGE from the refilled bucket and joins.
+    from switchml.transport.memory import MemoryCluster
+    sw = SwitchDataplane(SwitchConfig(challenges_per_s=2))
+    c = MemoryCluster(num_workers=1, window=4, switch=sw)
+    for i in range(2):
+        sw.receive_datagram(pack_join(job=7, token=9, rank=0, info=ControlInfo(1, 4, 8)),
+                            (f"v{i}", 1), now=0.0)
+    sw.datagrams_to_send(0.0)
+    c.join()
+    assert sw.stats()["drops"]["challenge_budget"] >= 1
+    assert np.array_equal(c.allreduce([np.arange(5, dtype=np.int32)])[0], np.arange(5))

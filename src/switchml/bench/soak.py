@@ -320,12 +320,17 @@ def _legit_worker(switch: tuple[str, int], spec_text: str, rank: int, secret: by
     error = None
     try:
         with WorkerClient(switch, spec, rank, WorkerConfig(op_timeout_s=30, secret=secret)) as w:
-            op = 0
-            while not stop.is_set():
-                out = w.allreduce(_input(7, op, rank, 20_000))
-                wrong += not np.array_equal(out, _expected(7, op, spec.num_workers, 20_000))
+            op, stopping = 0, False
+            while not stopping:
+                # The last element carries "stop" through the sum: every rank stops after the
+                # same operation (a rank that stopped alone left the other waiting for it).
+                x = np.append(_input(7, op, rank, 20_000), np.int32(stop.is_set()))
+                out = w.allreduce(x)
+                wrong += not np.array_equal(out[:-1],
+                                            _expected(7, op, spec.num_workers, 20_000))
                 done += 1
                 op += 1
+                stopping = bool(out[-1])
     except BaseException as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
     results.put((rank, done, wrong, error))

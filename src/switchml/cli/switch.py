@@ -39,6 +39,12 @@ def add_parser(sub: Subparsers) -> None:
                     default=float(env_default("member_timeout_s", 20.0)),
                     help="a member silent this long (no request, no keep-alive) is reported "
                          "gone to its peers, which then fail at once naming it (default 20)")
+    sw.add_argument("--challenges-per-s", type=float,
+                    default=float(env_default("challenges_per_s", 4096.0)),
+                    help="the most JOIN challenges answered per second (bursts of as many): a "
+                         "flood of JOINs from spoofed sources draws no more than this back, and "
+                         "beyond it a JOIN is dropped and its worker asks again; 0: no budget "
+                         "(default 4096)")
     sw.add_argument("--nack-gap", type=int, default=int(env_default("nack_gap", 4)),
                     help="loss recovery: tell a worker at once that a chunk of its is missing "
                          "when its later chunks arrive, tolerating this much reordering "
@@ -106,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> SwitchSpec:
         host=args.host, port=args.port, pool_slots=args.pool_slots,
         stats_interval_s=args.stats_interval_s, lease_timeout_s=args.lease_timeout_s,
         member_timeout_s=args.member_timeout_s, nack_gap=args.nack_gap,
+        challenges_per_s=args.challenges_per_s or None,
         quorum_history=args.quorum_history, tenant_slots=args.tenant_slots,
         secret_file=args.secret_file, insecure=args.insecure, metrics_port=args.metrics_port,
         mtu=args.mtu, batching=not args.no_batching and env.batching(),

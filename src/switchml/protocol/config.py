@@ -53,6 +53,13 @@ class SwitchConfig:
     join_challenge_s: float = 5.0
     """How long a JOIN challenge's cookie stays good (a JOIN's round trip, with margin). A
     JOIN captured and replayed later than this changes nothing. Default 5 s."""
+    challenges_per_s: float | None = 4096.0
+    """The most CHALLENGE replies the switch sends per second, in bursts of up to as many
+    (a token bucket): a flood of JOINs from spoofed sources gets no more than this back at
+    whoever it names, and costs the switch no more cookies. Beyond it a JOIN without a
+    cookie is dropped (``challenge_budget``) and its worker asks again after its retry
+    interval. Every rank of a 4,096-rank job starting at once gets one in its first second.
+    None: no budget. Default 4096."""
     nack_gap: int = 4
     """Switch-driven loss recovery: when a rank's chunk ``p + nack_gap`` arrives and its chunk
     ``p`` has not (its request was lost, or the result that releases it), the switch sends
@@ -98,6 +105,8 @@ class SwitchConfig:
                f"{self.join_challenge_s}")
         _check(self.member_timeout_s > 0, f"member_timeout_s must be > 0, got "
                f"{self.member_timeout_s}")
+        _check(self.challenges_per_s is None or self.challenges_per_s >= 1,
+               f"challenges_per_s must be None or >= 1, got {self.challenges_per_s!r}")
         _check(self.secret is None or len(self.secret) >= 16,
                "secret must be at least 16 bytes (use a random one)")
         _check(self.pool_slots >= 1, f"pool_slots must be >= 1, got {self.pool_slots}")

@@ -130,6 +130,8 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
             functools.partial(key_for, self.config.secret))
         self.challenges = Challenges(self.config.join_challenge_s)
         """JOIN cookies (``auth.Challenges``): random per switch."""
+        self._challenge_tokens = (float(self.config.challenges_per_s or 0.0), 0.0)
+        """The CHALLENGE budget's bucket: (tokens, when last filled)."""
         self._removed: dict[int, float] = {}  # job -> when it went, for a cookie's lifetime
         self._now = 0.0
         self._handlers = {

@@ -66,6 +66,7 @@ class SwitchControl:
     allocator: SlotAllocator
     challenges: Challenges
     challenges_sent: int
+    _challenge_tokens: tuple[float, float]
     relayed_jobs: set[int]
     _jobs: dict[int, Job]
     _out: list[tuple[bytes | memoryview, Address]]
@@ -235,7 +236,18 @@ class SwitchControl:
             cookie=job.cookies[h.rank], seq=h.seq)), addr))
 
     def _challenge(self, job: int, token: int, rank: int, addr: Address, now: float) -> None:
-        """Answer a JOIN with a cookie for its source address (no state is kept)."""
+        """Answer a JOIN with a cookie for its source address (no state is kept), within the
+        budget (``SwitchConfig.challenges_per_s``: a token bucket; beyond it the JOIN is
+        dropped, ``challenge_budget``)."""
+        rate = self.config.challenges_per_s
+        if rate is not None:
+            tokens, at = self._challenge_tokens
+            tokens = min(rate, tokens + (now - at) * rate) if now > at else tokens
+            if tokens < 1.0:
+                self._challenge_tokens = (tokens, max(now, at))
+                self._drops["challenge_budget"] += 1
+                return
+            self._challenge_tokens = (tokens - 1.0, max(now, at))
         self.challenges_sent += 1
         cookie = self.challenges.issue(now, addr, job, rank)
         self._out.append((pack_challenge(job=job, token=token, rank=rank,
