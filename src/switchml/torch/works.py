@@ -18,11 +18,15 @@ __all__ = ["SwitchMLWork", "all_of", "complete_elsewhere", "error_of", "failable
 
 class SwitchMLWork(dist.Work):
     """A pending collective: ``wait()`` raises if the operation failed (unlike a bare future)
-    and honours its timeout."""
+    and honours its timeout. ``parts``: the works it stands for (``all_of``), each waited
+    for too: a gloo work on CUDA tensors makes the caller's stream wait for its copy back
+    to the device in its own ``wait()``, which its future alone does not."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(self, future: torch.futures.Future[Any],
+                 parts: list[dist.Work] | None = None) -> None:
         super().__init__()
         self._future = future
+        self._parts = parts or []
         self._event = threading.Event()
         future.add_done_callback(lambda _f: self._event.set())
 
@@ -31,6 +35,8 @@ class SwitchMLWork(dist.Work):
         if seconds > 0 and not self._event.wait(seconds):
             raise RuntimeError(f"switchml collective not done after {seconds:g} s")
         self._future.wait()  # raises the operation's error
+        for part in self._parts:
+            part.wait()
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
@@ -65,7 +71,8 @@ def all_of(works: list[dist.Work], value: Any) -> dist.Work:
             w.value()  # raises the first failure
         return value
 
-    return SwitchMLWork(torch.futures.collect_all([w.get_future() for w in works]).then(result))
+    return SwitchMLWork(torch.futures.collect_all([w.get_future() for w in works]).then(result),
+                        parts=works)
 
 
 def gather_opts(opts: Any) -> Any:
