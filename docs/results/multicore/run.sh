@@ -2,7 +2,8 @@
 # The multi-core checks (issue 34, item 5; the CUDA tests): run once on a lent 16-core GPU
 # machine, from the repository root, as `bash docs/results/multicore/run.sh OUTDIR [SCALE]`.
 # It builds the C data plane in place (no pip install: that machine has no registry), then runs
-# the groups named in GROUPS (default all: cuda calibrate threads window gloo testbed):
+# the groups named in GROUPS (default all but "smoke", CI's: cuda calibrate threads threads9000
+# fastpath window gloo testbed):
 #   1. the CUDA tests (tests/torch/test_cuda.py, the FSDP tests, which run FSDP1 on a GPU);
 #   2. `switchml calibrate` and `switchml plan` from that machine's costs;
 #   3. one rank through a 4-shard switch on loopback at T = 1, 2, 4, 8 threads (and T = 8
@@ -62,6 +63,10 @@ done
 for ts in "1 1" "1 4" "2 4"; do on gloo || break; set -- $ts
   step "loopback-n4-T$1-S$2" 180 python3 -m switchml bench allreduce -n 4 --size $mid \
     --iters $iters --threads $1 --shards $2 --json "$r/loopback-n4-T$1-S$2.json"
+done
+for t in 1 2; do on smoke || break  # (CI runs this group, small, so that the script keeps working)
+  step "smoke-T$t-S2" 60 python3 -m switchml bench allreduce -n 1 --size $mid --iters 1 \
+    --warmup 1 --no-gloo --threads $t --shards 2 --json "$r/smoke-T$t-S2.json"
 done
 # 5. Where the machine has the testbed's tools: two workers at 10 Gbit/s, MTU 9000, T = 1 and 2.
 if on testbed && [ "$(id -u)" = 0 ] && command -v ip && command -v tc && command -v nft; then
