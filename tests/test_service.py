@@ -37,6 +37,8 @@ def test_a_shard_runs_the_same_switch_on_its_own_port():
     assert tail[-8:] == ["--tenant-slots", "32", "--secret-file", "/s", "--insecure", "--mtu",
                          "9000", "--no-batching"]
     assert service._switch_config(SwitchSpec(tenant_slots=32), None).tenant_slots == 32
+    assert service._switch_config(SwitchSpec(challenges_per_s=0), None).challenges_per_s \
+        is None  # 0: no budget, in process as on the command line
 
 
 def test_shard_count():

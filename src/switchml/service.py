@@ -129,7 +129,7 @@ def _switch_config(spec: SwitchSpec, secret: bytes | None, **extra: Any) -> Any:
     return SwitchConfig(pool_slots=spec.pool_slots, lease_timeout_s=spec.lease_timeout_s,
                         secret=secret, nack_gap=spec.nack_gap,
                         member_timeout_s=spec.member_timeout_s,
-                        challenges_per_s=spec.challenges_per_s,
+                        challenges_per_s=spec.challenges_per_s or None,  # (0: none)
                         quorum_history=spec.quorum_history,
                         tenant_slots=spec.tenant_slots, **extra)
 

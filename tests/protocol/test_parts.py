@@ -50,6 +50,8 @@ def test_another_token_names_other_parts():
     (128, 1, 128), (128, 2, 64), (128, 4, 32), (128, 8, 16), (128, 16, 16),  # W / T, then 16
     (40, 2, 20), (40, 3, 16), (29, 2, 16), (16, 8, 16),  # floor(W / T) below 16: 16
     (4, 3, 4), (1, 8, 1),  # a window below 16: every part keeps all of it
+    (16, 32, 8), (16, 64, 4), (1, 64, 1),  # past 16 threads: 256 slots in all at the most
+    (1024, 64, 16),  # (a window that large shares out above the floor)
 ])
 def test_a_part_keeps_its_share_of_the_window_but_at_least_16_slots(window, threads, expected):
     spec = JobSpec(job_id=1, token=2, num_workers=2, window=window, elements_per_packet=10)

@@ -248,6 +248,26 @@ def _copy(state):
     return arrays
 
 
+def test_a_failed_sharded_send_keeps_every_unsent_lane_once():
+    # With shards the planned order is not the queue's (lanes by shard: 1, 3 to shard 1 and
+    # 0 to shard 0 come out as 0, 1, 3): a failed sendmsg (a bad socket here; a full buffer on
+    # a real link) must leave each queued lane queued once. Rebuilt in place, lane 1 was lost
+    # and lane 0 left twice.
+    w, _ = _operation(np.float32, 32, False)
+    state = _copy(_state(w))
+    st = C.OpState(*state)
+    opv, sendq = state[0], state[15]
+    opv[K.OP.NQ] = 3
+    sendq[:3] = [1, 0, 3]
+    dests = np.zeros((2, 16), np.uint8)
+    dests[:, 0] = 2  # AF_INET
+    allowed = np.array([1, 2], np.int64)
+    stats = np.zeros(layout.ST.N, np.int64)
+    assert C.send_queued(st, -1, 16, 60_000, stats, dests, allowed) is False
+    assert stats[layout.ST.ERRNO] != 0
+    assert opv[K.OP.NQ] == 3 and sorted(sendq[:3].tolist()) == [0, 1, 3]
+
+
 def _mutations(results: list[bytes], rng: np.random.Generator) -> list[bytes]:
     out = []
     for d in results:

@@ -1058,7 +1058,7 @@ typedef struct {
 } sender_t;
 
 /* Send the queued lanes as GSO runs, one switch's or each to its shard; 0 (and the unsent
-   lanes left queued, in order) at the first failed sendmsg. */
+   lanes left queued, in the order planned) at the first failed sendmsg. */
 static int send_queued(op_t *o, sender_t *s)
 {
     int64_t nq = OPV(o, OP_NQ);
@@ -1087,9 +1087,14 @@ static int send_queued(op_t *o, sender_t *s)
         const void *dest = s->dests ? s->dests + 16 * s->runs[r * 5 + 4] : NULL;
         if (send_run(s->fd, dest, s->iov, niov, count, size) < 0) {
             s->stats[ST_ERRNO] = errno;
-            int64_t keep = 0; /* keep what is unsent, in queue order, for Python to send */
+            /* Keep what is unsent, in the order planned, for Python to send: the lanes first
+               (order[q] names a queue entry, which with several shards may lie before q and
+               be overwritten by the copy below), then back into the queue. */
             for (int64_t q = first; q < nq; q++)
-                o->sendq[keep++] = o->sendq[s->order[q]];
+                s->order[q] = o->sendq[s->order[q]];
+            int64_t keep = 0;
+            for (int64_t q = first; q < nq; q++)
+                o->sendq[keep++] = s->order[q];
             OPV(o, OP_NQ) = keep;
             return 0;
         }

@@ -30,8 +30,8 @@ from switchml.protocol.auth import TENANT_JOBS
 from switchml.protocol.config import MAX_THREADS, JobSpec
 from switchml.protocol.errors import ConfigError
 
-__all__ = ["MAX_THREADS", "MIN_PART_WINDOW", "block_elements", "check_threads", "part_specs",
-           "part_window", "split"]
+__all__ = ["MAX_THREADS", "MIN_PART_WINDOW", "PARTS_SLOTS", "block_elements", "check_threads",
+           "part_specs", "part_window", "split"]
 
 MIN_PART_WINDOW = 16
 """Slots a part keeps whatever ``T`` (the job's whole window when that is smaller): the floor
@@ -39,6 +39,10 @@ of ``config.default_window``. One thread needs its round trip covered at its own
 cores (64 KB datagrams, a 16-slot job) 4 threads of 4 slots each all-reduced 3.1e8 elements/s,
 of 16 each 6.6e8 (docs/benchmarks.md, "A rank on several threads").
 """
+PARTS_SLOTS = 256
+"""The most slots the floor gives a rank's parts together (``SwitchConfig.max_window``'s
+default, what one job may hold): past 16 threads the floor shrinks, so that 64 threads of a
+small job do not take a whole 1,024-slot pool."""
 
 
 def check_threads(threads: object) -> None:
@@ -49,11 +53,13 @@ def check_threads(threads: object) -> None:
 
 def part_window(spec: JobSpec, threads: int) -> int:
     """Slots of each part: the job's window ``W`` shared out, but at least
-    ``min(W, MIN_PART_WINDOW)``: ``max(floor(W / T), min(W, 16))``. So a job holds up to
-    ``T x 16`` slots of the switch's pool when ``W / T`` falls below 16 (MTU 1500's default
+    ``min(W, MIN_PART_WINDOW, floor(PARTS_SLOTS / T))``: ``max(floor(W / T), min(W, 16,
+    floor(256 / T)))``. So a job holds up to ``T x 16`` slots of the switch's pool when
+    ``W / T`` falls below 16, and never more than ``max(W, 256)`` (MTU 1500's default
     ``W = 128`` shares out to 16 at ``T = 8``, and holds 128 slots for any ``T``)."""
     check_threads(threads)
-    return max(spec.window // threads, min(spec.window, MIN_PART_WINDOW))
+    floor = min(spec.window, MIN_PART_WINDOW, max(1, PARTS_SLOTS // threads))
+    return max(spec.window // threads, floor)
 
 
 def part_specs(spec: JobSpec, threads: int) -> list[JobSpec]:

@@ -166,9 +166,12 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     # 1. The flat bucket, divided by the world size (DDP does not pre-divide).
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
-    if state.bits == 32 and state.group is not None and state.group.failover is not None:
+    if (state.bits == 32 and buffer.dtype == torch.float32 and state.group is not None
+            and state.group.failover is not None):
         # A switchml group that fails over to gloo: through the group's own all-reduce (the
-        # same switch job, the same 32 bits), which goes over gloo when the switch is gone.
+        # same switch job, the same 32 bits for float32), which goes over gloo when the
+        # switch is gone. (A half-type bucket takes the path below: the group would send it
+        # in 16 bits without error feedback.)
         state.buckets += 1
         state.bytes_sent += buffer.numel() * 4
         fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
