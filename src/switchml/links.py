@@ -40,7 +40,7 @@ from typing import Any
 from switchml.protocol.errors import ConfigError
 
 __all__ = ["IDENTITY_ROLES", "LinkSecurity", "WarningBudget", "ca_key_dir", "check_exposure",
-           "identity_conflict", "is_loopback", "issue_credentials", "make_credentials",
+           "dial", "identity_conflict", "is_loopback", "issue_credentials", "make_credentials",
            "peer_identity", "shutdown_descriptor"]
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.pem", "peer.pem", "peer.key"
@@ -268,6 +268,40 @@ def identity_conflict(conn: socket.socket, role: str, index: int) -> str | None:
         return None
     return (f"its certificate names {named[0]} {named[1]}, not {role} {index}: each peer "
             "must use its own (switchml tls issue)")
+
+
+def dial(addr: tuple[str, int], *, what: str, connect_timeout_s: float, io_timeout_s: float,
+         retry_s: float, security: LinkSecurity | None, ctx: ssl.SSLContext | None,
+         role: str, index: int, claims: str, error: type[Exception]) -> socket.socket:
+    """A link to peer ``role`` ``index`` (``what``, for messages) at ``addr``: connect, retrying
+    every ``retry_s`` until ``connect_timeout_s`` (it may still be starting); then TCP_NODELAY,
+    ``io_timeout_s`` for every later read and write and, with ``security`` and ``ctx``, TLS and
+    the check that the peer's certificate names that identity (``claims`` says what it would
+    not be, e.g. "shard 0"). Each failure raises ``error`` naming the peer."""
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(addr, timeout=max(0.1, min(5.0, connect_timeout_s)))
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise error(f"cannot reach {what} within {connect_timeout_s:g} s: {exc}") from exc
+            time.sleep(retry_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(io_timeout_s)
+    if security is None or ctx is None:
+        return sock
+    try:
+        tls = security.connect(sock, ctx)
+    except (OSError, ValueError) as exc:
+        sock.close()
+        raise error(f"TLS with {what} failed (is it started with credentials from the same "
+                    f"CA?): {exc}") from exc
+    wrong = identity_conflict(tls, role, index)
+    if wrong is not None:
+        tls.close()
+        raise error(f"{what} is not {claims}: {wrong}")
+    return tls
 
 
 def _crypto() -> tuple[Any, Any, Any, Any, Any]:

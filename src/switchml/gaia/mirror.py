@@ -53,6 +53,7 @@ from switchml.links import (
     LinkSecurity,
     WarningBudget,
     check_exposure,
+    dial,
     identity_conflict,
     shutdown_descriptor,
 )
@@ -157,29 +158,10 @@ class Mirror:
         for j, addr in enumerate(self.leaders):
             if j == self.dc:
                 continue
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    sock = socket.create_connection(addr, timeout=5)
-                    break
-                except OSError as exc:
-                    if time.monotonic() > deadline:
-                        raise GaiaError(f"cannot reach {self._name(j)} within "
-                                        f"{self.timeout_s:g} s: {exc}") from exc
-                    time.sleep(0.2)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.timeout_s)
-            if self.security is not None and self._client_tls is not None:
-                try:
-                    sock = self.security.connect(sock, self._client_tls)
-                except (OSError, ValueError) as exc:
-                    sock.close()
-                    raise GaiaError(f"TLS with {self._name(j)} failed (credentials from the "
-                                    f"same CA?): {exc}") from exc
-                wrong = identity_conflict(sock, "dc", j)
-                if wrong is not None:
-                    sock.close()
-                    raise GaiaError(f"{self._name(j)} is not data centre {j}: {wrong}")
+            sock = dial(addr, what=self._name(j), connect_timeout_s=self.timeout_s,
+                        io_timeout_s=self.timeout_s, retry_s=0.2, security=self.security,
+                        ctx=self._client_tls, role="dc", index=j, claims=f"data centre {j}",
+                        error=GaiaError)
             send_message(sock, MessageType.HELLO, worker=self.dc)
             self._out[j] = sock
             self._queues[j] = _Outbox()

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from switchml.links import LinkSecurity, identity_conflict
+from switchml.links import LinkSecurity, dial
 from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
 from switchml.ps.wire import (
@@ -64,29 +63,11 @@ class PSClient:
 
     def _connect(self, i: int, addr: Address, workers: int | None, timeout_s: float,
                  connect_timeout_s: float) -> socket.socket:
-        deadline = time.monotonic() + connect_timeout_s
-        while True:  # servers may still be starting: retry until the deadline
-            try:
-                sock = socket.create_connection(addr, timeout=max(0.1, connect_timeout_s))
-                break
-            except OSError as exc:
-                if time.monotonic() > deadline:
-                    raise PSError(f"cannot reach parameter server {self._name(i)} within "
-                                  f"{connect_timeout_s:g} s: {exc}") from exc
-                time.sleep(0.1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(timeout_s)
-        if self._tls is not None and self.security is not None:
-            try:
-                sock = self.security.connect(sock, self._tls)
-            except (OSError, ValueError) as exc:
-                sock.close()
-                raise PSError(f"TLS with parameter server {self._name(i)} failed (is it "
-                              f"started with credentials from the same CA?): {exc}") from exc
-            wrong = identity_conflict(sock, "server", i)
-            if wrong is not None:
-                sock.close()
-                raise PSError(f"parameter server {self._name(i)} is not shard {i}: {wrong}")
+        # servers may still be starting: dial retries until the deadline
+        sock = dial(addr, what=f"parameter server {self._name(i)}",
+                    connect_timeout_s=connect_timeout_s, io_timeout_s=timeout_s, retry_s=0.1,
+                    security=self.security, ctx=self._tls, role="server", index=i,
+                    claims=f"shard {i}", error=PSError)
         opts = {} if workers is None else {"workers": workers}  # None: the server's count
         send_message(sock, MessageType.HELLO, worker=self.worker,
                      payload=json.dumps(opts).encode())

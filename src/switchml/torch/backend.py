@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_id
-from switchml.protocol.address import Address, as_addresses, format_address, parse_address
+from switchml.protocol.address import Address, format_address
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import ConfigError, SwitchMLError
 from switchml.torch import flight
@@ -56,12 +56,13 @@ from switchml.torch.embedded import (
     EMBEDDED,
     embedded_switch_pid,
     release_embedded_switch,
-    resolve_switch_over_group,
+    resolve_switch,
     stop_embedded_switch,
 )
 from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.flight import FlightRecorder
 from switchml.torch.jobspec import agree_on_job, job_spec_for_ranks
+from switchml.torch.rendezvous import StoreExchange
 from switchml.torch.staging import HALF, StagedTensor, StagingPool, wire_bits
 from switchml.torch.works import (
     SwitchMLWork,
@@ -79,12 +80,10 @@ from switchml.transport.udp import AllreduceHandle, WorkerClient
 __all__ = ["StagedTensor", "StagingPool", "SwitchMLProcessGroup", "SwitchMLWork",
            "complete_elsewhere", "embedded_switch_pid", "failable_future", "job_spec_for_ranks",
            "local_mtu", "new_quorum_group", "register", "release_embedded_switch",
-           "resolve_switch_over_group", "stats", "stop_embedded_switch", "wire_bits"]
+           "resolve_switch", "stats", "stop_embedded_switch", "wire_bits"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
-_STORE_SWITCH_KEY = "switchml/switch"
-_STORE_JOB_KEY = "switchml/job"
 _RedOp = dist.ReduceOp.RedOpType
 _SWITCH_OPS = {_RedOp.SUM, _RedOp.AVG}
 _SUPPORTED = {torch.float32, torch.float64, torch.int32, torch.int64} | HALF
@@ -436,45 +435,24 @@ def dump_flight_records(file: Any = None) -> None:
 _SIGNAL_INSTALLED = False
 _incarnation = 0  # how many times this process created a default group: keys stay fresh
 
-def _resolve_switch(store: dist.Store, rank: int
-                    ) -> tuple[tuple[Address, ...], bytes | None, bool]:
-    """Return (switch address or shards, secret, whether this call acquired the embedded
-    switch).
-
-    SWITCHML_SWITCH wins; otherwise rank 0 acquires this process's embedded switch and
-    publishes its address and secret in the group's store; other ranks always read them there.
-    """
-    configured = env.switch_addresses()
-    if configured is not None:
-        return as_addresses(configured), env.secret(), False
-    key = f"switchml/{_incarnation}"
-    if rank == 0:
-        address, secret = EMBEDDED.acquire()
-        store.set(f"{key}/switch", format_address(address))
-        store.set(f"{key}/secret", secret)
-        return (address,), secret, True
-    address = parse_address(store.get(f"{key}/switch").decode(), what="the group's switch")
-    return (address,), store.get(f"{key}/secret"), False
-
-
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> SwitchMLProcessGroup:
     """The creator torch calls for every "switchml" group (default group and new_group)."""
     global _incarnation
     if not dist.is_initialized():
         _incarnation += 1  # a (re)created world: never read keys of an earlier one
-    switch, secret, acquired = _resolve_switch(store, rank)
+    exchange = StoreExchange(store, f"switchml/{_incarnation}", rank, size)
+    switch, secret, acquired = resolve_switch(exchange)
     tenant_key = env.tenant_key()  # (a tenant's ranks hold its key, not the switch's secret)
     if tenant_key is not None and env.switch_addresses() is None:
         raise ConfigError("SWITCHML_TENANT_KEY is a key of a shared switch: set SWITCHML_SWITCH "
                           "(the embedded switch has a secret of its own)")
     tenant = env.tenant() if tenant_key is not None else None
     gloo: Any = None
-    key = f"switchml/{_incarnation}/job"
     try:
-        spec, half_bits, threads = agree_on_job(
-            store, f"switchml/{_incarnation}", key, rank, size, switch, tenant=tenant,
-            one_thread=tenant_key is not None, quorum=_group_quorum(size))
+        agreed = agree_on_job(exchange, switch, tenant=tenant, one_thread=tenant_key is not None,
+                              quorum=_group_quorum(size))
+        spec, half_bits, threads = agreed.spec, agreed.half_bits, agreed.threads
         gloo = ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         seconds = max(timeout.total_seconds(), 2.0)
         config = WorkerConfig(op_timeout_s=seconds, max_rto_s=min(1.0, seconds / 2),
@@ -496,9 +474,9 @@ def _create(store: dist.Store, rank: int, size: int,
     pg = SwitchMLProcessGroup(rank=rank, size=size, client=client, gloo=gloo, switch=switch,
                               half_bits=half_bits, quorum=spec.quorum)
     pg.owns_switch = acquired
-    if store.get(f"{key}/failover").decode() == "gloo":
+    if agreed.failover == "gloo":
         pg.failover = _failover(pg, store, rank, size, timeout, spec, config, threads, tenant,
-                                probe_s=float(store.get(f"{key}/failover_probe_s").decode()))
+                                probe_s=agreed.failover_probe_s)
     flight.watch(pg, env.stall_log_s() or 30.0)
     if (name := env.flight_signal()) is not None and not _SIGNAL_INSTALLED:
         flight.install_signal(name)

@@ -1,7 +1,7 @@
 """The software switch a rank 0 starts when no ``SWITCHML_SWITCH`` is set: shared by this
 process's groups, reference-counted, stopped a grace period after its last group is gone; and
-how the ranks of a group find it (``resolve_switch_over_group``, for the DDP hooks' groups; the
-backend's own groups use their store: ``backend._resolve_switch``)."""
+how the ranks of a group find it (:func:`resolve_switch`, over the group's store or its
+collectives: ``rendezvous.py``)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ import os
 import secrets
 import subprocess
 import threading
-from typing import Any
-
-import torch.distributed as dist
 
 from switchml import env, service
-from switchml.protocol.address import Address, as_addresses
+from switchml.protocol.address import Address, as_addresses, format_address, parse_address
+from switchml.torch.rendezvous import Exchange
 
 __all__ = ["EMBEDDED", "embedded_switch_pid", "release_embedded_switch",
-           "resolve_switch_over_group", "stop_embedded_switch"]
+           "resolve_switch", "stop_embedded_switch"]
 
 log = logging.getLogger(__name__)
 _SWITCH_GRACE_S = 2.0
@@ -116,19 +114,17 @@ def embedded_switch_pid() -> int | None:
 
 
 def release_embedded_switch() -> None:
-    """Release one use of the switch this process started (from :func:`resolve_switch_over_group`
+    """Release one use of the switch this process started (from :func:`resolve_switch`
     returning True); the last release stops it after a grace period."""
     EMBEDDED.release()
 
 
-def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
-                              ) -> tuple[tuple[Address, ...], bytes | None, bool]:
-    """Find the switch for a job over any process group (the DDP hooks' groups).
+def resolve_switch(exchange: Exchange) -> tuple[tuple[Address, ...], bytes | None, bool]:
+    """Find the switch for a group's job: a collective over ``exchange`` (its store, or its own
+    collectives), every rank calls it.
 
-    ``SWITCHML_SWITCH`` (and ``SWITCHML_SECRET``) win; otherwise rank 0 of ``pg`` acquires this
-    process's embedded switch and shares its address and secret with ``broadcast_object_list``
-    over ``pg`` (the backend's own groups use their store instead). A collective: every rank of
-    ``pg`` calls it.
+    ``SWITCHML_SWITCH`` (and ``SWITCHML_SECRET``) win; otherwise rank 0 acquires this process's
+    embedded switch and shares its address and secret with the others.
 
     Returns:
         (the switch's address or its shards' as a tuple (``as_addresses``), secret, whether
@@ -138,9 +134,15 @@ def resolve_switch_over_group(pg: dist.ProcessGroup, rank: int
     configured = env.switch_addresses()
     if configured is not None:
         return as_addresses(configured), env.secret(), False
-    box: list[Any] = [None]
-    if rank == 0:
-        box[0] = EMBEDDED.acquire()
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-    address, secret = box[0]
-    return (tuple(address),), secret, rank == 0  # type: ignore[return-value]
+    mine = None
+    if exchange.rank == 0:
+        address, secret = EMBEDDED.acquire()
+        mine = f"{format_address(address)} {secret.hex()}"
+    try:
+        where, secret_hex = exchange.share("switch", mine).split(" ")
+        switch = parse_address(where, what="the group's switch")
+    except BaseException:
+        if exchange.rank == 0:
+            EMBEDDED.release()
+        raise
+    return (switch,), bytes.fromhex(secret_hex), exchange.rank == 0

@@ -34,7 +34,7 @@ error feedback for SGD-like optimisers; use 32 for the first steps of very sensi
 chunks that fit the smallest MTU of any rank towards the switch, about 256 KiB in flight).
 
 The hooks share the backend's machinery (``switchml.torch.backend``): the switch is found by
-:func:`~switchml.torch.embedded.resolve_switch_over_group` (``SWITCHML_SWITCH``, else rank 0's
+:func:`~switchml.torch.embedded.resolve_switch` (``SWITCHML_SWITCH``, else rank 0's
 embedded switch), the job is sized by :func:`~switchml.torch.jobspec.job_spec_for_ranks` from
 every rank's :func:`~switchml.transport.sockets.local_mtu` (``SWITCHML_MTU``,
 ``SWITCHML_WINDOW`` and ``SWITCHML_ELEMENTS_PER_PACKET`` apply), and buckets travel through
@@ -50,16 +50,15 @@ import torch
 import torch.distributed as dist
 
 from switchml import env
-from switchml.control import decode_job_spec, encode_job_spec
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError
 from switchml.torch.backend import SwitchMLProcessGroup
-from switchml.torch.embedded import release_embedded_switch, resolve_switch_over_group
-from switchml.torch.jobspec import job_spec_for_ranks
+from switchml.torch.embedded import release_embedded_switch, resolve_switch
+from switchml.torch.jobspec import agree_on_job
+from switchml.torch.rendezvous import GroupExchange
 from switchml.torch.staging import StagedTensor
 from switchml.torch.works import complete_elsewhere, failable_future
-from switchml.transport.parallel import choose_threads, open_worker
-from switchml.transport.sockets import local_mtu
+from switchml.transport.parallel import open_worker
 
 log = logging.getLogger(__name__)
 
@@ -119,24 +118,16 @@ class SwitchMLHookState:
                             "switch does (the group's own all-reduces, and the 32-bit hook's, "
                             "go over gloo then)")
             return
-        rank = dist.get_rank(pg)
-        switch, secret, self._owns_switch = resolve_switch_over_group(pg, rank)
+        exchange = GroupExchange(pg)
+        switch, secret, self._owns_switch = resolve_switch(exchange)
         try:
-            # The backend's rule: chunks fit the smallest MTU of any rank towards the switch.
-            mtus: list[Any] = [None] * self.world_size
-            dist.all_gather_object(mtus, local_mtu(switch), group=pg)
-            box: list[Any] = [encode_job_spec(job_spec_for_ranks(
-                self.world_size, mtus, window=window, elements_per_packet=elements_per_packet))
-                if rank == 0 else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-            # The I/O threads: the fewest any rank asks for (all split the job alike).
-            wants: list[Any] = [None] * self.world_size
-            dist.all_gather_object(wants, choose_threads(
-                switch, requested=env.threads(),
-                local_ranks=env.local_world_size() or self.world_size), group=pg)
-            self.client = open_worker(switch, decode_job_spec(box[0]), rank, WorkerConfig(
+            # The backend's rules: chunks fit the smallest MTU of any rank towards the switch;
+            # the I/O threads are the fewest any rank asks for (all split the job alike).
+            agreed = agree_on_job(exchange, switch, window=window,
+                                  elements_per_packet=elements_per_packet)
+            self.client = open_worker(switch, agreed.spec, exchange.rank, WorkerConfig(
                 op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
-                threads=min(wants), batching=env.batching())
+                threads=agreed.threads, batching=env.batching())
         except BaseException:
             self.close()  # the embedded switch, if this rank acquired it
             raise

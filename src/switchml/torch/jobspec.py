@@ -1,11 +1,13 @@
-"""How a "switchml" group sizes its switch job (rank 0 decides, and shares the spec through the
-group's store, ``backend._create``; the DDP hook's state through its group, ``hooks.py``):
+"""How a "switchml" group sizes its switch job (rank 0 decides, and shares the spec through an
+``Exchange``: the group's store for ``backend._create``, the group's collectives for a DDP hook
+on another backend's group, ``hooks.py``):
 chunks that fit the smallest MTU of any rank towards the switch, the window, the quorum; and
 how many ranks share this machine's cores."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -14,10 +16,11 @@ from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import JobSpec
 from switchml.protocol.wire import elements_for_mtu
+from switchml.torch.rendezvous import Exchange
 from switchml.transport.parallel import choose_threads
 from switchml.transport.sockets import local_mtu
 
-__all__ = ["agree_on_job", "job_spec_for_ranks", "local_ranks"]
+__all__ = ["Agreement", "agree_on_job", "job_spec_for_ranks", "local_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -53,32 +56,47 @@ def local_ranks(size: int) -> int:
     return max(1, env.local_world_size() or size)
 
 
-def agree_on_job(store: Any, prefix: str, key: str, rank: int, size: int, switch: Any, *,
-                 tenant: int | None, one_thread: bool, quorum: dict[str, Any]
-                 ) -> tuple[JobSpec, int | None, int]:
-    """What a new "switchml" group's ranks agree on through its ``store`` (keys under
-    ``prefix``; the job's under ``key``): the job (rank 0 sizes its chunks to the smallest MTU
-    any rank has towards ``switch``, with ``quorum``, ``job_spec_for_ranks``'s quorum
-    arguments), the half-type wire width and the failover (rank 0's settings rule), and the
-    I/O threads (the fewest any rank asks for: every rank must split its job into the same
-    parts; ``one_thread``: this rank asks for one). Returns (spec, half bits or None for the
-    automatic choice, threads)."""
-    store.set(f"{prefix}/mtu/{rank}", str(local_mtu(switch)))
-    store.set(f"{prefix}/threads/{rank}", str(1 if one_thread else (
-        choose_threads(switch, requested=env.threads(), local_ranks=local_ranks(size)))))
-    if rank == 0:  # rank 0's setting rules the group (checked here, raising if wrong)
-        store.set(f"{key}/half_bits", str(env.half_bits() or "auto"))
-        store.set(f"{key}/failover", env.failover())
-        store.set(f"{key}/failover_probe_s", str(env.failover_probe_s()))
-        spec = job_spec_for_ranks(size, (
-            int(store.get(f"{prefix}/mtu/{r}").decode()) for r in range(size)),
-            tenant=tenant, **quorum)
-        store.set(key, encode_job_spec(spec))
-    else:
-        spec = decode_job_spec(store.get(key).decode())
-    group_half = store.get(f"{key}/half_bits").decode()
-    if rank and env.half_bits_text() not in ("", group_half):
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What a group's ranks agreed on for its switch job (:func:`agree_on_job`)."""
+
+    spec: JobSpec
+    half_bits: int | None  # None: the automatic choice per dtype
+    threads: int
+    failover: str  # SWITCHML_FAILOVER on rank 0: "gloo" or "off"
+    failover_probe_s: float
+
+
+def agree_on_job(exchange: Exchange, switch: Any, *, tenant: int | None = None,
+                 one_thread: bool = False, quorum: dict[str, Any] | None = None,
+                 window: int | None = None, elements_per_packet: int | None = None
+                 ) -> Agreement:
+    """What a new group's ranks agree on through ``exchange`` (a collective):
+
+    - the job: rank 0 sizes its chunks to the smallest MTU any rank has towards ``switch``
+      (``job_spec_for_ranks``, with ``quorum``'s arguments, ``window``, ``elements_per_packet``
+      and ``tenant``);
+    - the half-type wire width and the failover: rank 0's settings rule the group;
+    - the I/O threads: the fewest any rank asks for (every rank must split its job into the
+      same parts; ``one_thread``: this rank asks for one).
+    """
+    mtus = exchange.gather("mtu", str(local_mtu(switch)))
+    wants = exchange.gather("threads", str(1 if one_thread else (
+        choose_threads(switch, requested=env.threads(), local_ranks=local_ranks(exchange.size)))))
+    mine = None
+    if exchange.rank == 0:  # rank 0's settings rule the group (checked here, raising if wrong)
+        spec = job_spec_for_ranks(exchange.size, (int(m) for m in mtus), window=window,
+                                  elements_per_packet=elements_per_packet, tenant=tenant,
+                                  **(quorum or {}))
+        mine = json.dumps({"job": encode_job_spec(spec), "half_bits": env.half_bits() or "auto",
+                           "failover": env.failover(),
+                           "failover_probe_s": env.failover_probe_s()})
+    rules = json.loads(exchange.share("job", mine))
+    group_half = str(rules["half_bits"])
+    if exchange.rank and env.half_bits_text() not in ("", group_half):
         log.warning("switchml rank %d: SWITCHML_HALF_BITS is %r here, but rank 0's (%s) "
-                    "rules the group", rank, env.half_bits_text(), group_half)
-    threads = min(int(store.get(f"{prefix}/threads/{r}").decode()) for r in range(size))
-    return spec, (None if group_half == "auto" else int(group_half)), threads
+                    "rules the group", exchange.rank, env.half_bits_text(), group_half)
+    return Agreement(spec=decode_job_spec(rules["job"]),
+                     half_bits=None if group_half == "auto" else int(group_half),
+                     threads=min(int(w) for w in wants), failover=str(rules["failover"]),
+                     failover_probe_s=float(rules["failover_probe_s"]))
