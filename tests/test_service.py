@@ -46,7 +46,7 @@ def test_shard_count():
     assert service.shard_count(SwitchSpec(shards=0)) == (os.cpu_count() or 1)
     assert service.shard_count(SwitchSpec(shards=3, shard=None)) == 3
     assert service.shard_count(SwitchSpec(shard=(0, 2))) == 1
-    with pytest.raises(ValueError, match="--shards must be >= 0"):
+    with pytest.raises(ValueError, match="SwitchSpec.shards must be >= 0"):
         service.shard_count(SwitchSpec(shards=-2))
     with pytest.raises(ValueError, match="not both"):
         service.shard_count(SwitchSpec(shards=2, shard=(0, 2)))
@@ -98,7 +98,7 @@ def test_serve_announces_its_address_and_stops_when_told(capsys):
 
 
 def test_serve_refuses_shards_without_a_fixed_port():
-    with pytest.raises(ValueError, match="--shards needs a fixed --port"):
+    with pytest.raises(ValueError, match=r"SwitchSpec.shards needs a fixed SwitchSpec.port"):
         service.serve(SwitchSpec(port=0, shards=2), threading.Event())
 
 

@@ -39,7 +39,8 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.epochs < 1 or self.batch_size < 1:
-            raise ValueError("--workers, --epochs and --batch-size must be >= 1")
+            raise ValueError("DemoConfig.workers, DemoConfig.epochs and DemoConfig.batch_size "
+                             "must be >= 1")
         unknown = set(self.backends) - {"gloo", "switchml"}
         if unknown:
             raise ValueError(f"unknown backend(s) {sorted(unknown)}; known: gloo, switchml")

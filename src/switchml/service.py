@@ -105,7 +105,8 @@ def switch_secret(spec: SwitchSpec) -> bytes | None:
     from switchml.transport.sockets import resolves_to_loopback
     if secret is None and not resolves_to_loopback(spec.host) and not spec.insecure:
         raise ValueError(f"listening on {spec.host} exposes job creation to the network: give "
-                         "--secret-file (or SWITCHML_SECRET), or --insecure to allow it anyway")
+                         "SwitchSpec.secret_file (or SWITCHML_SECRET), or SwitchSpec.insecure to "
+                         "allow it anyway")
     return secret
 
 
@@ -117,9 +118,11 @@ def shard_count(spec: SwitchSpec) -> int:
     """
     shards = spec.shards if spec.shards > 0 else (os.cpu_count() or 1)
     if spec.shards < 0:
-        raise ValueError(f"--shards must be >= 0, got {spec.shards}")
+        raise ValueError(f"SwitchSpec.shards must be >= 0, got {spec.shards}")
     if shards > 1 and spec.shard is not None:
-        raise ValueError("give --shards (run them all here) or --shard I/S (one), not both")
+        raise ValueError("give SwitchSpec.shards (run them all here) or SwitchSpec.shard I/S "
+                         "(one), "
+                         "not both")
     return shards
 
 
@@ -145,7 +148,7 @@ def rack_aggregator(spec: SwitchSpec, secret: bytes | None) -> RackAggregator:
     from switchml.control import decode_job_spec, encode_job_spec
     from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
     if spec.rack is None or spec.job is None or spec.upstream is None:
-        raise ValueError("--upstream needs --rack I/R and --job SPEC")
+        raise ValueError("SwitchSpec.upstream needs SwitchSpec.rack I/R and SwitchSpec.job SPEC")
     parent, child = tree_specs(decode_job_spec(spec.job), spec.rack[1])
     rack = RackAggregator(parent_spec=parent, child_spec=child, rack=spec.rack[0],
                           parent_address=(socket.gethostbyname(spec.upstream[0]),
@@ -287,7 +290,8 @@ def _serve_shards(spec: SwitchSpec, shards: int, stop: threading.Event) -> int:
         ValueError: ``spec.port`` is 0 (shard i listens on port + i).
     """
     if spec.port == 0:
-        raise ValueError("--shards needs a fixed --port (shard i listens on PORT+i)")
+        raise ValueError("SwitchSpec.shards needs a fixed SwitchSpec.port (shard i listens on "
+                         "PORT+i)")
     addrs = ",".join(f"{spec.host}:{spec.port + i}" for i in range(shards))
     # Said before the shards start, so that it is the first line (the shards print theirs).
     print(f"switchml switch: {shards} shards on udp {addrs} (workers: SWITCHML_SWITCH={addrs})",

@@ -32,9 +32,9 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(dcs=(4,))
     with pytest.raises(ValueError, match="accuracy in"):
         GeoBenchConfig(target_accuracy=95)
-    with pytest.raises(ValueError, match="inner-steps"):
+    with pytest.raises(ValueError, match="GeoBenchConfig.inner_steps must be >= 1"):
         GeoBenchConfig(inner_steps=0)
-    with pytest.raises(ValueError, match="outer-bits"):
+    with pytest.raises(ValueError, match="GeoBenchConfig.outer_bits 16 or 32"):
         GeoBenchConfig(outer_bits=8)
     with pytest.raises(ValueError, match="unknown model 'resnet'.*mf"):
         GeoBenchConfig(model="resnet")
@@ -44,7 +44,7 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(momentum=-0.1)
     with pytest.raises(ValueError, match="thresholds are Gaia's"):
         GeoBenchConfig(modes=("wan",), thresholds=(0.1, 0.3))
-    with pytest.raises(ValueError, match="wan-rtt-ms must be in"):
+    with pytest.raises(ValueError, match="GeoBenchConfig.wan_rtt_s must be in"):
         GeoBenchConfig(wan_rtt_s=-0.05)
 
 

@@ -41,14 +41,14 @@ def test_config_and_wrap_reject_unknown_names():
         TrainBenchConfig(systems=("gloo", "nccl"))
     with pytest.raises(ValueError, match="unknown workload 'resnet'"):
         TrainBenchConfig(models=("resnet",))
-    with pytest.raises(ValueError, match="--batch"):
+    with pytest.raises(ValueError, match="TrainBenchConfig.batch"):
         TrainBenchConfig(batch=0)
-    with pytest.raises(ValueError, match="--kill-switch-at must be a step in 1..59"):
+    with pytest.raises(ValueError, match="TrainBenchConfig.kill_switch_at must be a step in 1..59"):
         TrainBenchConfig(kill_switch_at=60)
     with pytest.raises(ValueError, match="switchml would fail once the switch is gone"):
         TrainBenchConfig(systems=("gloo", "switchml"), kill_switch_at=5)
     TrainBenchConfig(systems=("gloo", "switchml-failover"), kill_switch_at=5)  # fine
-    with pytest.raises(ValueError, match="--switch-back-after needs --kill-switch-at"):
+    with pytest.raises(ValueError, match="TrainBenchConfig.switch_back_after_s needs TrainBenchConfig.kill_switch_at"):
         TrainBenchConfig(switch_back_after_s=5.0)
     with pytest.raises(ValueError, match="unknown mode"):
         wrap(None, "fsdp", None)

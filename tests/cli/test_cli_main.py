@@ -116,3 +116,21 @@ def test_python_m_switchml_and_the_console_script_run_main(run_switchml):
     assert script.load() is main
     res = run_switchml("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"switchml {__version__}"
+
+
+def test_library_errors_name_fields_and_the_command_line_names_options(capsys):
+    """The library's config names its own field; the same error through ``switchml`` names
+    the option that sets it; a field no option sets keeps the library's name."""
+    from switchml.bench.allreduce import BenchConfig
+    from switchml.cli import as_options
+    with pytest.raises(ValueError, match=r"^BenchConfig\.workers must be >= 1, got 0$"):
+        BenchConfig(workers=0)
+    assert main(["bench", "allreduce", "--workers", "0"]) == 2
+    assert "switchml: error: --workers must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["switch", "--shards", "-1", "--port", "0", "--metrics-port", "0"]) == 2
+    assert "switchml: error: --shards must be >= 0, got -1" in capsys.readouterr().err
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    allreduce = bench._subparsers._group_actions[0].choices["allreduce"]  # type: ignore[union-attr]
+    assert as_options("BenchConfig.iters and TrainBenchConfig.kill_switch_at and "
+                      "BenchConfig.no_such_field", [allreduce]) == \
+        "--iters and TrainBenchConfig.kill_switch_at and BenchConfig.no_such_field"

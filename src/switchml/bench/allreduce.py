@@ -76,17 +76,17 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+            raise ValueError(f"BenchConfig.workers must be >= 1, got {self.workers}")
         if self.bits not in (32, 16):
-            raise ValueError(f"--bits must be 32 or 16, got {self.bits}")
+            raise ValueError(f"BenchConfig.bits must be 32 or 16, got {self.bits}")
         check_threads(self.threads)
         if self.shards < 1:
-            raise ValueError(f"--shards must be >= 1, got {self.shards}")
+            raise ValueError(f"BenchConfig.shards must be >= 1, got {self.shards}")
         if self.switch is not None and self.shards != 1:
-            raise ValueError("--shards starts the benchmark's own switch; with --switch, list "
-                             "the running switch's shards instead")
+            raise ValueError("BenchConfig.shards starts the benchmark's own switch; with "
+                             "BenchConfig.switch, list the running switch's shards instead")
         if self.iters < 1 or self.warmup < 0:
-            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+            raise ValueError("BenchConfig.iters must be >= 1 and BenchConfig.warmup >= 0")
         unknown = set(self.baselines) - {"gloo"}
         if unknown:
             raise ValueError(f"unknown baseline(s) {sorted(unknown)}; known: gloo")

@@ -129,21 +129,25 @@ class GeoBenchConfig:
             raise ValueError(f"unknown mode(s) {sorted(unknown)}; known: "
                              f"{', '.join(ALL_MODES)}")
         if len(self.dcs) < 2:
-            raise ValueError(f"--dcs needs at least two data centres, got {self.dcs}")
+            raise ValueError(f"GeoBenchConfig.dcs needs at least two data centres, got {self.dcs}")
         if self.steps < 2 or self.eval_every < 1 or self.batch < 1 or self.seeds < 1:
-            raise ValueError("--steps must be >= 2, --eval-every, --batch and --seeds >= 1")
+            raise ValueError("GeoBenchConfig.steps must be >= 2, GeoBenchConfig.eval_every, "
+                             "GeoBenchConfig.batch and GeoBenchConfig.seeds >= 1")
         if not 0 < self.target_accuracy <= 1:
-            raise ValueError("--target must be an accuracy in (0, 1]")
+            raise ValueError("GeoBenchConfig.target_accuracy must be an accuracy in (0, 1]")
         if self.inner_steps < 1 or self.outer_bits not in (16, 32):
-            raise ValueError("--inner-steps must be >= 1 and --outer-bits 16 or 32")
+            raise ValueError("GeoBenchConfig.inner_steps must be >= 1 and "
+                             "GeoBenchConfig.outer_bits "
+                             "16 or 32")
         if any(not 0 <= t <= 1 for t in (self.threshold, *self.thresholds)):
             raise ValueError("Gaia's thresholds are fractions in [0, 1]")
         if self.thresholds and "gaia" not in self.modes:
-            raise ValueError("--thresholds are Gaia's: add gaia to --modes")
+            raise ValueError("GeoBenchConfig.thresholds are Gaia's: add gaia to "
+                             "GeoBenchConfig.modes")
         if not 0 <= self.wan_rtt_s <= 10:
-            raise ValueError(f"--wan-rtt-ms must be in 0..10000, got {self.wan_rtt_s * 1000:g}")
+            raise ValueError(f"GeoBenchConfig.wan_rtt_s must be in 0..10 s, got {self.wan_rtt_s:g}")
         if self.momentum < 0 or self.lr <= 0:
-            raise ValueError("--lr must be > 0 and --momentum >= 0")
+            raise ValueError("GeoBenchConfig.lr must be > 0 and GeoBenchConfig.momentum >= 0")
 
 # -- the driver --------------------------------------------------------------------------------
 

@@ -101,24 +101,29 @@ class TestbedBenchConfig:
         if unknown:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
         if self.jobs < 1 or self.workers % self.jobs or self.workers // self.jobs < 2:
-            raise ValueError(f"jobs must divide the {self.workers} workers into jobs of at "
+            raise ValueError(f"TestbedBenchConfig.jobs must divide the {self.workers} workers "
+                             f"into jobs of at "
                              f"least 2, got {self.jobs}")
         check_threads(self.threads)
         if self.residual and self.bits != 16:
-            raise ValueError("--residual is the 16-bit hook's error feedback: it needs --bits 16")
+            raise ValueError("TestbedBenchConfig.residual is the 16-bit hook's error feedback: it "
+                             "needs TestbedBenchConfig.bits 16")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"TestbedBenchConfig.dtype must be one of {', '.join(DTYPES)}, got "
+                             f"{self.dtype!r}")
         if self.through_torch and (set(self.systems) - {"switchml", "gloo"} or self.jobs > 1
                                    or self.bits != 32 or self.residual):
             raise ValueError(f"through torch (dtype {self.dtype}) only the systems switchml and "
                              "gloo run, one job, and the backend sets the wire width (no "
-                             "--bits, --residual)")
+                             "TestbedBenchConfig.bits, TestbedBenchConfig.residual)")
         n, ops = self.workers, self.warmup + self.iters
         if self.dtype == "float16" and n * (n + 1) / 2 * n ** (ops - 1) > 65504:
             raise ValueError(f"float16: {ops} in-place sums of {n} workers' values overflow "
-                             "float16; take fewer --warmup/--iters")
+                             "float16; take fewer "
+                             "TestbedBenchConfig.warmup/TestbedBenchConfig.iters")
         if self.jobs > 1 and set(self.systems) - {"switchml", "gloo"}:
-            raise ValueError("with jobs > 1, only the systems switchml and gloo run, got "
+            raise ValueError("with TestbedBenchConfig.jobs > 1, only the systems switchml and "
+                             "gloo run, got "
                              f"{', '.join(self.systems)}")
 
     def job_of(self, worker: int) -> tuple[int, int]:
@@ -520,7 +525,9 @@ def run_testbed_tree(cfg: TestbedBenchConfig, racks: int, progress: Any = None
     alone on a plain switch in their rack's router (``switchml-rack``: one rack's line rate)."""
     from switchml.testbed import GeoTestbed, GeoTopology
     if cfg.loss_rate > 0:
-        raise ValueError("--loss with --racks: the tree testbed applies no loss yet; "
+        raise ValueError("TestbedBenchConfig.loss_rate with racks: the tree testbed applies no "
+                         "loss "
+                         "yet; "
                          "simulate a lossy tree instead: switchml sim --racks R --loss L "
                          "--mode exact")
     per = cfg.workers

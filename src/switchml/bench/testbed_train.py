@@ -97,24 +97,30 @@ class TrainBenchConfig:
             raise ValueError(f"unknown system(s) {sorted(bad)}; known: "
                              f"{', '.join(TRAIN_SYSTEMS)}")
         if self.batch is not None and self.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {self.batch}")
+            raise ValueError(f"TrainBenchConfig.batch must be >= 1, got {self.batch}")
         if self.steps < 2:
-            raise ValueError("--steps must be >= 2")
+            raise ValueError(f"TrainBenchConfig.steps must be >= 2, got {self.steps}")
         if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+            raise ValueError(f"TrainBenchConfig.eval_every must be >= 0, got {self.eval_every}")
         if self.straggle_s < 0 or self.straggle_every < 0:
-            raise ValueError("--straggle-s and --straggle-every must be >= 0")
+            raise ValueError("TrainBenchConfig.straggle_s and TrainBenchConfig.straggle_every "
+                             "must be >= 0")
         if self.quorum is not None and not 1 <= self.quorum <= self.workers:
-            raise ValueError(f"--quorum must be in 1..{self.workers}, got {self.quorum}")
+            raise ValueError(f"TrainBenchConfig.quorum must be in 1..{self.workers}, got "
+                             f"{self.quorum}")
         if self.switch_back_after_s < 0 or (self.switch_back_after_s and not self.kill_switch_at):
-            raise ValueError("--switch-back-after needs --kill-switch-at, and seconds >= 0")
+            raise ValueError("TrainBenchConfig.switch_back_after_s needs "
+                             "TrainBenchConfig.kill_switch_at, "
+                             "and seconds >= 0")
         if not 0 <= self.kill_switch_at < self.steps:
-            raise ValueError(f"--kill-switch-at must be a step in 1..{self.steps - 1} (or 0: "
+            raise ValueError("TrainBenchConfig.kill_switch_at must be a step in "
+                             f"1..{self.steps - 1} (or 0: "
                              f"never), got {self.kill_switch_at}")
         doomed = [s for s in self.systems
                   if TRAIN_SYSTEMS[s][0] == "switchml" and s != "switchml-failover"]
         if self.kill_switch_at and doomed:
-            raise ValueError(f"--kill-switch-at: {', '.join(doomed)} would fail once the switch "
+            raise ValueError(f"TrainBenchConfig.kill_switch_at: {', '.join(doomed)} would fail "
+                             f"once the switch "
                              "is gone (after the group's timeout); run gloo and "
                              "switchml-failover")
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +39,7 @@ from switchml.cli.common import env_default
 from switchml.cli.registry import COMMANDS, add_commands
 from switchml.protocol.errors import SwitchMLError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["as_options", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,15 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``switchml`` command line ``argv`` (default ``sys.argv[1:]``); its exit status:
     the command's, or 2 for bad arguments or an error the command reports."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         status: int = args.func(args)
     except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
-        print(f"switchml: error: {exc}", file=sys.stderr)
+        print(f"switchml: error: {as_options(str(exc), _chosen(parser, args))}",
+              file=sys.stderr)
         return 2
     return status
+
+
+_FIELD = re.compile(r"\b[A-Z]\w*(?:Config|Spec)\.([a-z_][a-z0-9_]*)\b")
+
+
+def as_options(message: str, parsers: Sequence[argparse.ArgumentParser]) -> str:
+    """``message`` with each library field it names (``BenchConfig.workers``) replaced by the
+    option of ``parsers`` that sets it (``--workers``); a field no option sets stays as it is.
+    The library's errors name its fields; the command line's user sees its options."""
+    flags = {a.dest: next((o for o in a.option_strings if o.startswith("--")),
+                          a.option_strings[0])
+             for p in parsers for a in p._actions if a.option_strings}
+    return _FIELD.sub(lambda m: flags.get(m.group(1), m.group(0)), message)
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace
+            ) -> list[argparse.ArgumentParser]:
+    """The parser and the subcommands' parsers ``args`` came through."""
+    chain = [parser]
+    while True:
+        sub = next((a for a in chain[-1]._actions
+                    if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, sub.dest, None) if sub is not None else None
+        if sub is None or name not in sub.choices:
+            return chain
+        chain.append(sub.choices[name])
 
 
 if __name__ == "__main__":

@@ -56,11 +56,12 @@ class PSRunConfig:
         ServerConfig(self.workers, self.backup, self.mode, self.optimizer, self.lr,
                      self.momentum, self.timeout_s)  # validates
         if self.servers < 1 or self.steps < 1 or self.batch < 1:
-            raise ConfigError("--servers, --steps and --batch must be >= 1")
+            raise ConfigError("PSRunConfig.servers, PSRunConfig.steps and PSRunConfig.batch "
+                              "must be >= 1")
         if self.model not in ("mlp", "cnn"):
             raise ConfigError(f"unknown model {self.model!r}; known: mlp, cnn")
         if self.slow_worker is not None and not 0 <= self.slow_worker < self.workers:
-            raise ConfigError(f"--slow-worker must be in 0..{self.workers - 1}")
+            raise ConfigError(f"PSRunConfig.slow_worker must be in 0..{self.workers - 1}")
 
     def server_config(self) -> ServerConfig:
         return ServerConfig(self.workers, self.backup, self.mode, self.optimizer, self.lr,

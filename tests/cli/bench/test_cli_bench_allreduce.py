@@ -30,10 +30,10 @@ def test_a_sharded_switch_is_named_by_its_shards_or_started_with_shards(parse):
     args = parse("bench", "allreduce", "--switch", "10.0.0.1:9,10.0.0.2:10", "--mtu", "1500")
     assert allreduce.config_from_args(args).switch == (("10.0.0.1", 9), ("10.0.0.2", 10))
     assert allreduce.config_from_args(parse("bench", "allreduce", "--shards", "3")).shards == 3
-    with pytest.raises(ValueError, match="--shards starts the benchmark's own switch"):
+    with pytest.raises(ValueError, match="BenchConfig.shards starts the benchmark's own switch"):
         allreduce.config_from_args(parse("bench", "allreduce", "--shards", "2", "--switch",
                                          "10.0.0.1:9"))
-    with pytest.raises(ValueError, match="--shards must be >= 1"):
+    with pytest.raises(ValueError, match="BenchConfig.shards must be >= 1"):
         allreduce.config_from_args(parse("bench", "allreduce", "--shards", "0"))
 
 
@@ -118,7 +118,7 @@ def test_a_bad_bit_width_is_refused(parse, capsys):
 def test_the_hooks_residual_is_a_16_bit_testbed_option(parse):
     args = parse("bench", "allreduce", "--testbed", "--bits", "16", "--residual")
     assert allreduce.testbed_config_from_args(args).residual is True
-    with pytest.raises(ValueError, match="needs --bits 16"):
+    with pytest.raises(ValueError, match="needs TestbedBenchConfig.bits 16"):
         allreduce.testbed_config_from_args(parse("bench", "allreduce", "--testbed",
                                                  "--residual"))
     with pytest.raises(SystemExit, match="needs --testbed"):

@@ -41,31 +41,35 @@ class SwitchCapConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= _MAX_WORKERS:
-            raise ValueError(f"--workers must be in 1..{_MAX_WORKERS}, got {self.workers}")
+            raise ValueError(f"SwitchCapConfig.workers must be in 1..{_MAX_WORKERS}, got "
+                             f"{self.workers}")
         if not 1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET:
-            raise ValueError(f"--elements-per-packet must be in 1..{MAX_ELEMENTS_PER_PACKET} "
+            raise ValueError("SwitchCapConfig.elements_per_packet must be in "
+                             f"1..{MAX_ELEMENTS_PER_PACKET} "
                              f"(int32 elements in one UDP datagram), got "
                              f"{self.elements_per_packet}")
         if not 1 <= self.window <= _MAX_WINDOW:
-            raise ValueError(f"--window must be in 1..{_MAX_WINDOW} (the switch's default "
-                             f"max_window), got {self.window}")
+            raise ValueError(f"SwitchCapConfig.window must be in 1..{_MAX_WINDOW} (the switch's "
+                             f"default max_window), got {self.window}")
         if not 1 <= self.shards <= _MAX_SHARDS:
-            raise ValueError(f"--shards must be in 1..{_MAX_SHARDS}, got {self.shards}")
+            raise ValueError(f"SwitchCapConfig.shards must be in 1..{_MAX_SHARDS}, got "
+                             f"{self.shards}")
         if self.shards > self.window:
-            raise ValueError(f"--shards ({self.shards}) must be at most --window "
-                             f"({self.window}): every shard needs a lane")
+            raise ValueError(f"SwitchCapConfig.shards ({self.shards}) must be at most "
+                             f"SwitchCapConfig.window ({self.window}): every shard needs a lane")
         if not 0 <= self.generators <= self.shards:
-            raise ValueError(f"--generators must be in 0..--shards ({self.shards}), got "
-                             f"{self.generators}")
+            raise ValueError(f"SwitchCapConfig.generators must be in 0..SwitchCapConfig.shards "
+                             f"({self.shards}), got {self.generators}")
         if self.workers * -(-self.shards // (self.generators or self.shards)) > _MAX_WORKERS:
-            raise ValueError(f"--workers x shards per generator must be at most "
+            raise ValueError(f"SwitchCapConfig.workers x shards per generator must be at most "
                              f"{_MAX_WORKERS} sockets in one generator")
         if not 0 < self.seconds <= _MAX_SECONDS:
-            raise ValueError(f"--seconds must be in (0, {_MAX_SECONDS:g}], got {self.seconds}")
+            raise ValueError(f"SwitchCapConfig.seconds must be in (0, {_MAX_SECONDS:g}], got "
+                             f"{self.seconds}")
         if (self.warmup_s < 0 or self.drain_s < 0 or self.rto_s <= 0
                 or self.first_result_timeout_s <= 0):
-            raise ValueError("warmup_s and drain_s must be >= 0, rto_s and "
-                             "first_result_timeout_s > 0")
+            raise ValueError("SwitchCapConfig.warmup_s and SwitchCapConfig.drain_s must be >= 0, "
+                             "SwitchCapConfig.rto_s and SwitchCapConfig.first_result_timeout_s > 0")
 
     @property
     def datagram_bytes(self) -> int:
