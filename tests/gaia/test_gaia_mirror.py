@@ -59,7 +59,7 @@ def test_two_data_centres_train_and_share_only_significant_entries(free_ports, r
             acc = float((model(xte).argmax(1) == yte).float().mean())
         out[j] = {"acc": acc, "sent": gaia.entries_published, "applied": gaia.entries_applied,
                   "n": gaia._prev.size, "clocks": list(mirror.clock.clocks),
-                  "bytes": mirror.bytes_sent, "flat": gaia._flat()}
+                  "bytes": mirror.counters["bytes_sent"], "flat": gaia._flat()}
         mirror.close()
 
     run_threads(dc, 2, 60)

@@ -108,9 +108,15 @@ class Mirror:
         """Where each tensor of the model starts in the flat vector, and its end
         (``expect_layout``)."""
         self._layout = threading.Event()
-        self.refused_links = 0
-        self.pending_evicted = 0  # links closed before their HELLO to make room
-        self.protocol_errors = 0
+        self.counters: dict[str, float] = {
+            "bytes_sent": 0, "updates_received": 0, "entries_received": 0, "wait_s": 0.0,
+            "barrier_waits": 0,  # readers that waited for an announced update (wait_tensors)
+            "barrier_timeouts": 0,  # readers that went on without it after the bound
+            "refused_connections": 0, "protocol_errors": 0,
+            "pending_evicted": 0,  # links closed before their HELLO to make room
+        }
+        """What this leader counted, named as the parameter server's ``counters`` are
+        (:meth:`stats` returns them)."""
         self._linked: set[int] = set()  # data centres whose incoming link said HELLO
         self._listening = False
         self._warn = WarningBudget(log)
@@ -124,19 +130,11 @@ class Mirror:
         self.timeout_s = timeout_s
         self.clock = MirrorClock(len(leaders), dc, staleness=staleness)
         self.barrier = SelectiveBarrier()
-        self.bytes_sent = 0
-        self.updates_received = 0
-        self.entries_received = 0
-        self.wait_s = 0.0
         self._cond = threading.Condition()
         self._inbox: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self._errors: dict[int, str] = {}
         self._out: dict[int, socket.socket] = {}
         self._queues: dict[int, _Outbox] = {}
-        self.barrier_waits = 0
-        """Readers that waited for an announced update (``wait_tensors``)."""
-        self.barrier_timeouts = 0
-        """Readers that went on without it after the bound."""
         self._senders: list[threading.Thread] = []
         self._lsock = socket.socket()
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -192,11 +190,11 @@ class Mirror:
                 self._receivers = [r for r in self._receivers if r.is_alive()]
                 full = len(self._receivers) - len(self._pending) >= self._max_links
                 if full:
-                    self.refused_links += 1
+                    self.counters["refused_connections"] += 1
                 else:
                     if len(self._pending) >= self._max_links:  # strangers: the oldest goes
                         shutdown_descriptor(self._pending.pop(next(iter(self._pending))))
-                        self.pending_evicted += 1
+                        self.counters["pending_evicted"] += 1
                     self._pending[t] = conn.fileno()
                     self._receivers.append(t)
                     t.start()
@@ -216,7 +214,7 @@ class Mirror:
                     send_message(sock, MessageType.BYE, worker=self.dc)
                     return
                 mtype, flags, clock, payload = item
-                self.bytes_sent += send_message(sock, mtype, worker=self.dc, step=clock,
+                self.counters["bytes_sent"] += send_message(sock, mtype, worker=self.dc, step=clock,
                                                 flags=flags, payload=payload)
         except OSError as exc:
             with self._cond:
@@ -273,7 +271,7 @@ class Mirror:
                     conn = self.security.accept(conn, self._server_tls, HELLO_TIMEOUT_S)
                 except (OSError, ValueError) as exc:
                     with self._cond:
-                        self.refused_links += 1
+                        self.counters["refused_connections"] += 1
                     self._warn.warn("Gaia leader %d refused a connection: TLS handshake "
                                     "failed: %s", self.dc, exc)
                     return
@@ -298,7 +296,8 @@ class Mirror:
             self._receive_from(conn, j)
         except (OSError, ConnectionError, GaiaError, PSError, ValueError) as exc:
             with self._cond:
-                self.protocol_errors += isinstance(exc, GaiaError | PSError | ValueError)
+                self.counters["protocol_errors"] += isinstance(exc, GaiaError | PSError
+                                                               | ValueError)
                 if j >= 0:
                     self._errors[j] = f"{self._name(j)}: {exc}"
                     self._cond.notify_all()
@@ -401,8 +400,8 @@ class Mirror:
                 continue
             apply(idx, vals)
             self.barrier.applied(j, clock, idx.size)
-            self.entries_received += idx.size
-            self.updates_received += (j, clock) not in self.barrier.pending
+            self.counters["entries_received"] += idx.size
+            self.counters["updates_received"] += (j, clock) not in self.barrier.pending
         self._inbox = later
 
     def _wait(self, done: Callable[[], bool], apply: Callable[[np.ndarray, np.ndarray], None],
@@ -449,7 +448,7 @@ class Mirror:
                 who = sorted({j for j, _ in self.barrier.pending} | set(behind))
                 raise GaiaError(f"data centre {self.dc} waited {self.timeout_s:g} s for "
                                 + ", ".join(self._name(j) for j in who))
-        self.wait_s += time.monotonic() - t0
+        self.counters["wait_s"] += time.monotonic() - t0
 
     def wait_tensors(self, tensors: Iterable[int], apply: Callable[[np.ndarray, np.ndarray],
                      None], *, timeout_s: float) -> set[int]:
@@ -467,12 +466,12 @@ class Mirror:
             mine = self.clock.clocks[self.dc]
             if not self.barrier.blocked(want, up_to=mine) and not self._inbox:
                 return set()
-            self.barrier_waits += 1
+            self.counters["barrier_waits"] += 1
             self._wait(lambda: not self.barrier.blocked(want, up_to=mine), apply,
                        t0 + timeout_s)
             still = self.barrier.blocked(want, up_to=mine)
-            self.barrier_timeouts += bool(still)
-        self.wait_s += time.monotonic() - t0
+            self.counters["barrier_timeouts"] += bool(still)
+        self.counters["wait_s"] += time.monotonic() - t0
         return still
 
     def close(self) -> None:
@@ -489,11 +488,7 @@ class Mirror:
             pass
 
     def stats(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent, "updates_received": self.updates_received,
-                "entries_received": self.entries_received, "wait_s": self.wait_s,
-                "barrier_waits": self.barrier_waits, "barrier_timeouts": self.barrier_timeouts,
-                "clocks": list(self.clock.clocks), "refused_links": self.refused_links,
-                "protocol_errors": self.protocol_errors}
+        return {**self.counters, "clocks": list(self.clock.clocks)}
 
 
 class _Link:
