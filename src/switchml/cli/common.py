@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from switchml import env
@@ -22,13 +23,19 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["SIGNAL_POLL_S", "Subparsers", "address", "addresses", "env_default", "figure_table",
-           "human", "shard", "sigterm_interrupts", "size", "stdout_console", "stop_on_signals",
-           "wait_for", "write_json"]
+__all__ = ["SIGNAL_POLL_S", "ParserOrGroup", "Subparsers", "add_calibration_option",
+           "add_host_option", "add_insecure_option", "add_json_option", "add_link_options",
+           "add_metrics_options", "add_mtu_option", "add_nack_gap_option", "add_rate_option",
+           "add_seed_option", "add_shards_option", "add_threads_option", "add_workers_option",
+           "address", "addresses", "env_default", "figure_table", "human", "shard",
+           "sigterm_interrupts", "size", "stdout_console", "stop_on_signals", "wait_for",
+           "write_json"]
 
 log = logging.getLogger("switchml")
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+ParserOrGroup: TypeAlias = "argparse.ArgumentParser | argparse._ArgumentGroup"
+"""Where a command's options go: its parser, or one of its argument groups."""
 
 SIGNAL_POLL_S = 0.5
 
@@ -40,19 +47,96 @@ def env_default(dest: str, default: _T) -> str | _T:
     return env.flag_default(dest, default)  # type: ignore[return-value]
 
 
-def add_link_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
-                     mtu: bool = True) -> None:
+_LINK_RATE_HELP = "link rate in Mbit/s, each way; 0 for unshaped (default 1000)"
+_LINK_MTU_HELP = ("link MTU in bytes; switchml's chunks are sized to fit it (default 1500, "
+                  "Ethernet; 9000 for jumbo frames; veth takes up to 65535 but that is not a "
+                  "real network)")
+
+
+def add_link_options(parser: ParserOrGroup, *, mtu: bool = True) -> None:
     """The emulated links' options, for every command that builds the testbed: ``--rate-mbit``,
     ``--loss`` and (``mtu``) ``--mtu``, written once."""
-    parser.add_argument("--rate-mbit", type=float, default=1000.0,
-                        help="link rate in Mbit/s, each way; 0 for unshaped (default 1000)")
+    add_rate_option(parser)
     parser.add_argument("--loss", type=float, default=0.0,
                         help="loss rate per datagram on every link, 0..1 (default 0)")
     if mtu:
-        parser.add_argument("--mtu", type=int, default=1500,
-                            help="link MTU in bytes; switchml's chunks are sized to fit it "
-                                 "(default 1500, Ethernet; 9000 for jumbo frames; veth takes "
-                                 "up to 65535 but that is not a real network)")
+        add_mtu_option(parser)
+
+
+def add_rate_option(parser: ParserOrGroup, *, help: str = _LINK_RATE_HELP) -> None:
+    """``--rate-mbit``: a link's rate in Mbit/s (default 1000). ``help`` defaults to the
+    emulated links' wording (:func:`add_link_options`); a model of links says its own."""
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help=help)
+
+
+def add_mtu_option(parser: ParserOrGroup, *, help: str = _LINK_MTU_HELP) -> None:
+    """``--mtu``: the path MTU in bytes that switchml's chunks fit (default 1500); ``help``
+    defaults to the emulated links' wording."""
+    parser.add_argument("--mtu", type=int, default=1500, help=help)
+
+
+def add_workers_option(parser: ParserOrGroup, what: str = "workers", *,
+                       default: int = 4) -> None:
+    """``--workers``/``-n``: how many workers (ranks) take part; the help reads
+    ``"<what> (default <default>)"``."""
+    parser.add_argument("--workers", "-n", type=int, default=default,
+                        help=f"{what} (default {default})")
+
+
+def add_threads_option(parser: ParserOrGroup, *, help: str) -> None:
+    """``--threads``: I/O threads per switchml worker, each with its own socket (default 1)."""
+    parser.add_argument("--threads", type=int, default=1, help=help)
+
+
+def add_shards_option(parser: ParserOrGroup, *, help: str, metavar: str | None = None) -> None:
+    """``--shards``: switch processes (shards) that a job's lanes are striped over, a core
+    each (default 1)."""
+    parser.add_argument("--shards", type=int, default=1, metavar=metavar, help=help)
+
+
+def add_nack_gap_option(parser: ParserOrGroup, *, help: str, default: int = 4) -> None:
+    """``--nack-gap``: the switch's loss recovery, how many completions a missing chunk may
+    lag before the switch NACKs its worker (0: off; default 4, the switch's)."""
+    parser.add_argument("--nack-gap", type=int, default=default, help=help)
+
+
+def add_calibration_option(parser: ParserOrGroup, *, help: str) -> None:
+    """``--calibration JSON``: a file of CPU costs from ``switchml calibrate`` (default: the
+    one it wrote, where there is one)."""
+    parser.add_argument("--calibration", type=Path, default=None, metavar="JSON", help=help)
+
+
+def add_seed_option(parser: ParserOrGroup, *, help: str) -> None:
+    """``--seed``: the seed of the command's random draws (default 0)."""
+    parser.add_argument("--seed", type=int, default=0, help=help)
+
+
+def add_host_option(parser: ParserOrGroup, *, help: str, default: str = "127.0.0.1") -> None:
+    """``--host``: the address a server listens on; loopback unless told otherwise (beyond
+    loopback it needs its protection, or :func:`add_insecure_option`'s ``--insecure``)."""
+    parser.add_argument("--host", default=default, help=help)
+
+
+def add_insecure_option(parser: ParserOrGroup, *, help: str) -> None:
+    """``--insecure``: let a server listen beyond loopback without its protection (a secret,
+    TLS)."""
+    parser.add_argument("--insecure", action="store_true", help=help)
+
+
+def add_metrics_options(parser: ParserOrGroup) -> None:
+    """``--url`` (a running switch's Prometheus endpoint, or a sharded switch's, summed; also
+    ``SWITCHML_STATS_URL``) and ``--interval-s``, for the commands that watch a switch."""
+    parser.add_argument("--url", default=env_default("stats_url", "http://127.0.0.1:9109/metrics"),
+                        help="the switch's metrics URL (default http://127.0.0.1:9109/metrics); "
+                             "a sharded switch: every shard's URL, comma-separated (summed)")
+    parser.add_argument("--interval-s", type=float, default=1.0,
+                        help="refresh period in seconds (default 1)")
+
+
+def add_json_option(parser: ParserOrGroup, what: str) -> None:
+    """``--json PATH``: write the command's results as JSON; the help reads
+    ``"write <what> as JSON"`` (e.g. ``what="the figures"``)."""
+    parser.add_argument("--json", metavar="PATH", help=f"write {what} as JSON")
 
 
 def address(text: str) -> tuple[str, int]:

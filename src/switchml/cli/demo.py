@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from switchml.cli.common import Subparsers, stdout_console
+from switchml.cli.common import Subparsers, add_workers_option, stdout_console
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -24,7 +24,7 @@ def add_parser(sub: Subparsers) -> None:
         description="Train a small CNN on scikit-learn's digits with DistributedDataParallel in "
                     "N worker processes, once on gloo and once on switchml (embedded switch, no "
                     "set-up); print a table and save loss curves (PNG) and figures (JSON).")
-    demo.add_argument("--workers", "-n", type=int, default=4, help="worker processes (default 4)")
+    add_workers_option(demo, "worker processes")
     demo.add_argument("--epochs", type=int, default=8, help="passes over the data (default 8)")
     demo.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")

@@ -4,9 +4,15 @@ model."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from switchml.cli.common import Subparsers, size
+from switchml.cli.common import (
+    Subparsers,
+    add_calibration_option,
+    add_json_option,
+    add_mtu_option,
+    add_workers_option,
+    size,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -23,19 +29,19 @@ def add_parser(sub: Subparsers) -> None:
                     "ran) and checked with the timing simulator; with the predicted all-reduce\n"
                     "time against gloo's ring on the same links (charged its CPU too).",
         epilog="Example: switchml plan --workers 8 --rate-gbit 10 --rate-gbit 100")
-    pl.add_argument("--workers", "-n", type=int, default=8, help="workers (default 8)")
+    add_workers_option(pl, default=8)
     pl.add_argument("--rate-gbit", type=float, action="append", dest="rates",
                     help="link rate in Gbit/s; repeatable (default 10, 25 and 100)")
-    pl.add_argument("--mtu", type=int, default=1500, help="path MTU (default 1500)")
+    add_mtu_option(pl, help="path MTU (default 1500)")
     pl.add_argument("--share", type=float, default=0.9,
                     help="the share of line rate (B/32 elements/s) to reach (default 0.9)")
     pl.add_argument("--size", type=size, default=64 << 20,
                     help="the all-reduce to plan for (default 64MiB)")
     pl.add_argument("--cores-per-host", type=int, default=16,
                     help="cores per switch host, one shard each (default 16)")
-    pl.add_argument("--calibration", type=Path, default=None, metavar="JSON",
-                    help="a calibration file (default: the one `switchml calibrate` wrote)")
-    pl.add_argument("--json", metavar="PATH", help="write the plans as JSON")
+    add_calibration_option(pl, help="a calibration file (default: the one "
+                                    "`switchml calibrate` wrote)")
+    add_json_option(pl, "the plans")
     pl.set_defaults(func=run)
 
 

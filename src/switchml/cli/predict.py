@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, stdout_console, write_json
+from switchml.cli.common import (
+    Subparsers,
+    add_calibration_option,
+    add_json_option,
+    add_mtu_option,
+    add_rate_option,
+    add_shards_option,
+    add_threads_option,
+    add_workers_option,
+    stdout_console,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -38,18 +48,14 @@ def add_parser(sub: Subparsers) -> None:
                     help="a workload or module:factory (default ncf)")
     pr.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the "
                     "workload's own)")
-    pr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
-    pr.add_argument("--rate-mbit", type=float, default=1000.0,
-                    help="link rate in Mbit/s (default 1000)")
-    pr.add_argument("--mtu", type=int, default=1500, help="path MTU (default 1500)")
-    pr.add_argument("--threads", type=int, default=1,
-                    help="switchml I/O threads per worker (default 1; `switchml plan` says how "
-                         "many a rate needs)")
-    pr.add_argument("--shards", type=int, default=1,
-                    help="switch shards, a core each (default 1)")
-    pr.add_argument("--calibration", type=Path, default=None, metavar="JSON",
-                    help="CPU costs (default: the file `switchml calibrate` wrote, else the "
-                         "reference machine's)")
+    add_workers_option(pr)
+    add_rate_option(pr, help="link rate in Mbit/s (default 1000)")
+    add_mtu_option(pr, help="path MTU (default 1500)")
+    add_threads_option(pr, help="switchml I/O threads per worker (default 1; `switchml plan` says "
+                                "how many a rate needs)")
+    add_shards_option(pr, help="switch shards, a core each (default 1)")
+    add_calibration_option(pr, help="CPU costs (default: the file `switchml calibrate` wrote, "
+                                    "else the reference machine's)")
     pr.add_argument("--colocated", type=int, default=1, metavar="K",
                     help="profile K processes at once: the workers share this machine's cores "
                          "(as on the testbed), default 1 (each worker has a host of its own)")
@@ -57,7 +63,7 @@ def add_parser(sub: Subparsers) -> None:
     pr.add_argument("--against", metavar="JSON",
                     help="a 'switchml bench train --json' file: predict each of its rows "
                          "(profiling as many processes at once as the run had workers)")
-    pr.add_argument("--json", metavar="PATH", help="write the profile and predictions as JSON")
+    add_json_option(pr, "the profile and predictions")
     pr.set_defaults(func=run)
 
 

@@ -11,6 +11,11 @@ from typing import TYPE_CHECKING
 from switchml.cli.common import (
     SIGNAL_POLL_S,
     Subparsers,
+    add_host_option,
+    add_insecure_option,
+    add_json_option,
+    add_seed_option,
+    add_workers_option,
     env_default,
     stop_on_signals,
     write_json,
@@ -44,17 +49,15 @@ def _add_server_parser(sub: Subparsers) -> None:
                          description="Serve until SIGINT/SIGTERM (or, with --exit-when-done, "
                                      "until every worker said goodbye or died).")
     srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="listen address (default 127.0.0.1; beyond loopback it needs "
-                          "--tls-dir or --insecure)")
+    add_host_option(srv, help="listen address (default 127.0.0.1; beyond loopback it needs "
+                              "--tls-dir or --insecure)")
     srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
     srv.add_argument("--tls-dir", default=env_default("tls_dir", None),
                      help="mutual-TLS credentials (ca.pem, peer.pem, peer.key; 'switchml tls "
                           "init DIR' makes them): only peers with a certificate of the same CA "
                           "connect, and all traffic is encrypted (env SWITCHML_TLS_DIR)")
-    srv.add_argument("--insecure", action="store_true",
-                     help="allow plain TCP beyond loopback (anyone who reaches the port can "
-                          "set parameters and read them)")
+    add_insecure_option(srv, help="allow plain TCP beyond loopback (anyone who reaches the port "
+                                  "can set parameters and read them)")
     srv.add_argument("--exit-when-done", action="store_true",
                      help="exit when every worker said goodbye or died")
     _add_training_args(srv)
@@ -75,13 +78,13 @@ def _add_train_parser(sub: Subparsers) -> None:
     tr.add_argument("--batch", type=int, default=32, help="samples per worker (default 32)")
     tr.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
                     help="mlp (19k parameters) or cnn (560k) (default mlp)")
-    tr.add_argument("--seed", type=int, default=0, help="seed of model and data (default 0)")
+    add_seed_option(tr, help="seed of model and data (default 0)")
     tr.add_argument("--max-shard-elements", type=int, default=1 << 17,
                     help="split tensors above this many elements (default 131072)")
     tr.add_argument("--slow-worker", type=int, default=None,
                     help="make this worker a straggler (sleeps --slow-s per step)")
     tr.add_argument("--slow-s", type=float, default=0.05, help="straggler delay (default 0.05)")
-    tr.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_json_option(tr, "the figures")
     tr.add_argument("--tls", action="store_true",
                     help="mutual TLS on every link, with credentials made for this run")
     _add_training_args(tr)
@@ -90,7 +93,7 @@ def _add_train_parser(sub: Subparsers) -> None:
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     """The options a parameter server and a training run share: workers, rule, optimizer."""
-    p.add_argument("--workers", "-n", type=int, default=4, help="workers N (default 4)")
+    add_workers_option(p, "workers N")
     p.add_argument("--backup", "-b", type=int, default=0,
                    help="backup workers b: each step uses the first N-b gradients "
                         "(default 0)")

@@ -5,10 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, size
+from switchml.cli.common import (
+    Subparsers,
+    add_calibration_option,
+    add_json_option,
+    add_mtu_option,
+    add_nack_gap_option,
+    add_rate_option,
+    add_seed_option,
+    add_shards_option,
+    add_threads_option,
+    size,
+)
 from switchml.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,8 +63,7 @@ def _add_network_args(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--mode", choices=("timing", "exact"), default="timing",
                      help="timing: modelled protocol, no payloads; exact: the real endpoints "
                           "and data, every sum checked (default timing)")
-    sim.add_argument("--rate-mbit", type=float, default=1000.0,
-                     help="worker link rate in Mbit/s, each direction (default 1000)")
+    add_rate_option(sim, help="worker link rate in Mbit/s, each direction (default 1000)")
     sim.add_argument("--spine-rate-mbit", type=float, default=None,
                      help="rack-to-spine link rate in Mbit/s (default: --rate-mbit)")
     sim.add_argument("--delay-us", type=float, default=0.0,
@@ -62,8 +71,7 @@ def _add_network_args(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--queue-ms", type=float, default=20.0,
                      help="queue limit per link as milliseconds of its rate (default 20, the "
                           "testbed's tbf latency)")
-    sim.add_argument("--mtu", type=int, default=1500,
-                     help="path MTU in bytes; chunks fit it (358 int32 at 1500) (default 1500)")
+    add_mtu_option(sim, help="path MTU in bytes; chunks fit it (358 int32 at 1500) (default 1500)")
     sim.add_argument("--window", type=int, default=None,
                      help="slots per job W (default: about 256 KiB in flight, 128 at MTU 1500)")
     sim.add_argument("--loss", type=float, action="append", dest="losses",
@@ -85,17 +93,13 @@ def _add_scenario_args(sim: argparse.ArgumentParser) -> None:
                      help="charge each worker and the switch the CPU costs `switchml "
                           "calibrate` measured (per datagram and per element; the reference "
                           "machine's where it never ran) instead of --host-cost-us")
-    sim.add_argument("--calibration", metavar="JSON", type=Path, default=None,
-                     help="with --calibrated: this calibration file (default: the one "
-                          "`switchml calibrate` wrote)")
-    sim.add_argument("--threads", type=int, default=1,
-                     help="with --calibrated: I/O threads per worker (default 1)")
-    sim.add_argument("--shards", type=int, default=1,
-                     help="with --calibrated: switch shards, a core each (default 1)")
-    sim.add_argument("--nack-gap", type=int, default=4,
-                     help="switch-driven loss recovery: NACK a rank whose chunk released this "
-                          "many completions earlier is missing (0: off, loss waits for a "
-                          "timeout) (default 4, the switch's default)")
+    add_calibration_option(sim, help="with --calibrated: this calibration file (default: the one "
+                                     "`switchml calibrate` wrote)")
+    add_threads_option(sim, help="with --calibrated: I/O threads per worker (default 1)")
+    add_shards_option(sim, help="with --calibrated: switch shards, a core each (default 1)")
+    add_nack_gap_option(sim, help="switch-driven loss recovery: NACK a rank whose chunk released "
+                                  "this many completions earlier is missing (0: off, loss waits "
+                                  "for a timeout) (default 4, the switch's default)")
     sim.add_argument("--switch-delay-us", type=float, default=0.0,
                      help="fixed processing delay per switch in microseconds (default 0)")
     sim.add_argument("--stragglers", type=int, default=0,
@@ -107,11 +111,11 @@ def _add_scenario_args(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--fail-link", action="append", default=[], metavar="KIND:I@SECONDS",
                      help="a link fails, both ways, at a virtual time: worker:3@0.05 or "
                           "rack:1@0.1; repeatable")
-    sim.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    add_seed_option(sim, help="seed of every random draw (default 0)")
     sim.add_argument("--compare", nargs="+", metavar="TESTBED_JSON",
                      help="instead: simulate every loss-free switchml row of these testbed "
                           "JSON files (same n, rate, MTU, size) and print sim / testbed")
-    sim.add_argument("--json", metavar="PATH", help="write every run as JSON")
+    add_json_option(sim, "every run")
     sim.add_argument("--plot", metavar="PNG",
                      help="plot ATE/s against n (with the bounds) and/or against loss")
     sim.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, env_default
+from switchml.cli.common import Subparsers, add_metrics_options
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -20,11 +20,7 @@ def add_parser(sub: Subparsers) -> None:
         "stats", help="live counters of a running switch",
         description="Show a running switch's counters (like a hardware switch's port counters) "
                     "from its Prometheus endpoint, refreshed every --interval-s.")
-    stats.add_argument("--url", default=env_default("stats_url", "http://127.0.0.1:9109/metrics"),
-                       help="the switch's metrics URL (default http://127.0.0.1:9109/metrics); "
-                            "a sharded switch: every shard's URL, comma-separated (summed)")
-    stats.add_argument("--interval-s", type=float, default=1.0,
-                       help="refresh period in seconds (default 1)")
+    add_metrics_options(stats)
     stats.add_argument("--once", action="store_true", help="print one table and exit")
     stats.set_defaults(func=run)
 

@@ -10,7 +10,17 @@ import argparse
 from typing import TYPE_CHECKING
 
 from switchml import env
-from switchml.cli.common import Subparsers, address, env_default, shard, stop_on_signals
+from switchml.cli.common import (
+    Subparsers,
+    add_host_option,
+    add_insecure_option,
+    add_nack_gap_option,
+    add_shards_option,
+    address,
+    env_default,
+    shard,
+    stop_on_signals,
+)
 
 if TYPE_CHECKING:
     from switchml.service import SwitchSpec
@@ -23,7 +33,7 @@ def add_parser(sub: Subparsers) -> None:
     sw = sub.add_parser("switch", help="run a software switch in the foreground",
                         description="Run a software switch until SIGINT/SIGTERM. Jobs register "
                                     "themselves with their first JOIN; see docs/protocol.md.")
-    sw.add_argument("--host", default=env_default("host", "127.0.0.1"),
+    add_host_option(sw, default=env_default("host", "127.0.0.1"),
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     sw.add_argument("--port", type=int, default=int(env_default("port", 48864)),
                     help="UDP port (default 48864; 0 picks a free one)")
@@ -45,10 +55,11 @@ def add_parser(sub: Subparsers) -> None:
                          "flood of JOINs from spoofed sources draws no more than this back, and "
                          "beyond it a JOIN is dropped and its worker asks again; 0: no budget "
                          "(default 4096)")
-    sw.add_argument("--nack-gap", type=int, default=int(env_default("nack_gap", 4)),
-                    help="loss recovery: tell a worker at once that a chunk of its is missing "
-                         "when its later chunks arrive, tolerating this much reordering "
-                         "(completions); 0 leaves recovery to the workers' timeouts (default 4)")
+    add_nack_gap_option(sw, default=int(env_default("nack_gap", 4)),
+                        help="loss recovery: tell a worker at once that a chunk of its is missing "
+                             "when its later chunks arrive, tolerating this much reordering "
+                             "(completions); 0 leaves recovery to the workers' timeouts "
+                             "(default 4)")
     sw.add_argument("--quorum-history", type=int,
                     default=int(env_default("quorum_history", 16)),
                     help="quorum jobs: earlier rounds kept per slot, so that a rank the quorum "
@@ -62,9 +73,8 @@ def add_parser(sub: Subparsers) -> None:
     sw.add_argument("--secret-file", default=env_default("secret_file", None),
                     help="file holding the secret needed to create jobs (workers pass it in "
                          "SWITCHML_SECRET); SWITCHML_SECRET also works here")
-    sw.add_argument("--insecure", action="store_true",
-                    help="allow listening beyond loopback without a secret (anyone who can "
-                         "reach the port can then create jobs)")
+    add_insecure_option(sw, help="allow listening beyond loopback without a secret (anyone who "
+                                 "can reach the port can then create jobs)")
     sw.add_argument("--metrics-port", type=int,
                     default=int(env_default("metrics_port", 9109)),
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
@@ -85,11 +95,11 @@ def add_parser(sub: Subparsers) -> None:
 
 def _add_topology_args(sw: argparse.ArgumentParser) -> None:
     """The switch's sharding (``--shards``, ``--shard``) and rack (``--upstream``) options."""
-    sw.add_argument("--shards", type=int, default=1, metavar="S",
-                    help="run S switch processes (0: one per core) on ports PORT .. PORT+S-1 "
-                         "(metrics on METRICS_PORT+i): workers stripe every job's lanes over "
-                         "them (give them all: SWITCHML_SWITCH=h:p,h:p+1,...), so one job uses "
-                         "every shard's core (default 1)")
+    add_shards_option(sw, metavar="S",
+                      help="run S switch processes (0: one per core) on ports PORT .. PORT+S-1 "
+                           "(metrics on METRICS_PORT+i): workers stripe every job's lanes over "
+                           "them (give them all: SWITCHML_SWITCH=h:p,h:p+1,...), so one job uses "
+                           "every shard's core (default 1)")
     sw.add_argument("--upstream", type=address, default=None, metavar="HOST:PORT",
                     help="run as the rack switch of a hierarchical job: aggregate this rack's "
                          "workers and send every partial sum to the parent (spine) switch at "

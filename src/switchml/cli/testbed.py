@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, add_link_options, stop_on_signals, wait_for
+from switchml.cli.common import (
+    Subparsers,
+    add_link_options,
+    add_workers_option,
+    stop_on_signals,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     from switchml.testbed import GeoTopology, Topology
@@ -24,7 +30,7 @@ def add_parser(sub: Subparsers) -> None:
                     "both ways, nftables loss per datagram once per link, UDP GSO/GRO on), "
                     "print how to run things in it, and "
                     "tear it down on Ctrl-C or SIGTERM, removing exactly what it created.")
-    tb.add_argument("--workers", "-n", type=int, default=4, help="worker hosts (default 4)")
+    add_workers_option(tb, "worker hosts")
     add_link_options(tb)
     tb.add_argument("--cleanup", action="store_true",
                     help="only remove what testbed runs killed before their teardown (kill "

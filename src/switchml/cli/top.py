@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from switchml.cli.common import Subparsers, env_default
+from switchml.cli.common import Subparsers, add_metrics_options
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -31,11 +31,7 @@ def add_parser(sub: Subparsers) -> None:
                     "aggregated per second, its open rounds, and the ranks those rounds wait\n"
                     "for, with how long each has been silent. Ctrl-C quits.",
         epilog="Example: switchml top --url http://127.0.0.1:9109/metrics")
-    top.add_argument("--url", default=env_default("stats_url", "http://127.0.0.1:9109/metrics"),
-                     help="the switch's metrics URL (default http://127.0.0.1:9109/metrics); a "
-                          "sharded switch: every shard's URL, comma-separated (summed)")
-    top.add_argument("--interval-s", type=float, default=1.0,
-                     help="refresh period in seconds (default 1)")
+    add_metrics_options(top)
     top.add_argument("--once", action="store_true",
                      help="print one frame (two readings, --interval-s apart) and exit")
     top.set_defaults(func=run)

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from switchml.cli.common import (
     Subparsers,
+    add_json_option,
     add_link_options,
+    add_nack_gap_option,
+    add_shards_option,
+    add_threads_option,
+    add_workers_option,
     addresses,
     human,
     sigterm_interrupts,
@@ -34,7 +39,7 @@ def add_parser(bsub: Subparsers) -> None:
         description="Run N worker processes on this machine and measure all-reduce throughput "
                     "in ATE/s (aggregated tensor elements per second, per worker) for switchml "
                     "and for torch.distributed gloo (ring all-reduce) in the same run.")
-    ar.add_argument("--workers", "-n", type=int, default=4, help="worker processes (default 4)")
+    add_workers_option(ar, "worker processes")
     ar.add_argument("--size", type=size, action="append", dest="sizes",
                     help="tensor size in bytes of float32, with unit (e.g. 64MiB); repeat for "
                          "several (default 64MiB)")
@@ -43,10 +48,9 @@ def add_parser(bsub: Subparsers) -> None:
     ar.add_argument("--switch", type=addresses, default=None,
                     help="HOST:PORT of a running switch, or its shards' HOST:PORT,HOST:PORT,... "
                          "(default: start one for the benchmark)")
-    ar.add_argument("--shards", type=int, default=1,
-                    help="switch processes the benchmark starts, one shard each: a worker "
-                         "stripes its lanes over them, so the switch uses that many cores "
-                         "(loopback only; default 1)")
+    add_shards_option(ar, help="switch processes the benchmark starts, one shard each: a worker "
+                               "stripes its lanes over them, so the switch uses that many cores "
+                               "(loopback only; default 1)")
     ar.add_argument("--window", type=int, default=None,
                     help="slots per job, W (default: about 256 KiB in flight per worker: 128 "
                          "at MTU 1500, 29 at 9000, 16 for 64 KB datagrams)")
@@ -59,16 +63,15 @@ def add_parser(bsub: Subparsers) -> None:
     ar.add_argument("--residual", action="store_true",
                     help="with --testbed --bits 16: each worker keeps a float32 rounding "
                          "residual (error feedback), as the 16-bit DDP hook does")
-    ar.add_argument("--threads", type=int, default=1,
-                    help="I/O threads per switchml worker, each with its own socket and share "
-                         "of the window (one core carries about 4 Gbit/s; results are "
-                         "bit-identical for any count) (default 1)")
+    add_threads_option(ar, help="I/O threads per switchml worker, each with its own socket and "
+                                "share of the window (one core carries about 4 Gbit/s; results "
+                                "are bit-identical for any count) (default 1)")
     ar.add_argument("--no-gloo", action="store_true", help="skip the gloo baseline")
     ar.add_argument("--no-batching", action="store_true",
                     help="switch and workers make one system call per datagram (no UDP "
                          "GSO/GRO): the baseline for small packets")
     _add_testbed_args(ar)
-    ar.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_json_option(ar, "the figures")
     ar.add_argument("--timeout-s", type=float, default=600.0,
                     help="give up on a measurement after this long (default 600)")
     ar.set_defaults(func=run)
@@ -98,9 +101,8 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
     tbg.add_argument("--torch", action="store_true",
                      help="switchml through its torch backend for float32 too (dist.all_reduce "
                           "on a \"switchml\" group), beside the worker library's rows")
-    tbg.add_argument("--nack-gap", type=int, default=4,
-                     help="the switch's NACK gap (0: loss recovery by timeouts alone; compare "
-                          "the two in one session) (default 4)")
+    add_nack_gap_option(tbg, help="the switch's NACK gap (0: loss recovery by timeouts alone; "
+                                  "compare the two in one session) (default 4)")
     tbg.add_argument("--fast-retransmit", action="store_true",
                      help="switchml workers re-send a chunk as soon as a later chunk's result "
                           "arrives (RACK) instead of at its timeout (off by default: it did "

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, figure_table, stdout_console, write_json
+from switchml.cli.common import (
+    Subparsers,
+    add_json_option,
+    figure_table,
+    stdout_console,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from switchml.bench.soak import FuzzConfig
@@ -33,7 +39,7 @@ def add_parser(bsub: Subparsers) -> None:
                     help="send only well-formed JOINs of new jobs, half asking for a "
                          "challenge and half with a forged cookie (a flood meant to cost the "
                          "switch CPU), and report the job's rate alone and during the flood")
-    fz.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    add_json_option(fz, "the report")
     fz.set_defaults(func=run)
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, figure_table, stdout_console, write_json
+from switchml.cli.common import (
+    Subparsers,
+    add_json_option,
+    add_seed_option,
+    figure_table,
+    stdout_console,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from switchml.bench.soak import SoakConfig
@@ -28,8 +35,8 @@ def add_parser(bsub: Subparsers) -> None:
                     help="datagram loss rate in each direction, 0..1 (default 0.01)")
     so.add_argument("--churn-interval-s", type=float, default=5.0,
                     help="stop or kill one job this often (default 5)")
-    so.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    so.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    add_seed_option(so, help="random seed (default 0)")
+    add_json_option(so, "the report")
     so.set_defaults(func=run)
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from switchml.cli.common import Subparsers, figure_table, sigterm_interrupts, stdout_console
+from switchml.cli.common import (
+    Subparsers,
+    add_json_option,
+    add_shards_option,
+    add_workers_option,
+    figure_table,
+    sigterm_interrupts,
+    stdout_console,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,7 +37,7 @@ def add_parser(bsub: Subparsers) -> None:
                     "S of the job, one generator per shard feeds them, and the figures are "
                     "given per shard and summed; compare S = 1, 2, ... on a machine with 2S "
                     "cores to see how capacity grows with shards.")
-    sc.add_argument("--workers", "-n", type=int, default=4, help="ranks in the job (default 4)")
+    add_workers_option(sc, "ranks in the job")
     sc.add_argument("--elements-per-packet", "-k", type=int, default=256,
                     help="int32 elements per request, K (default 256 = 1 KiB payload; 358 fits "
                          "a 1500-byte MTU, 2200 a 9000-byte one)")
@@ -39,13 +47,13 @@ def add_parser(bsub: Subparsers) -> None:
                     help="measured interval in seconds, after 0.5 s of warm-up (default 5)")
     sc.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                     help="UDP GSO/GRO in the switch and the generator (default on)")
-    sc.add_argument("--shards", type=int, default=1, metavar="S",
-                    help="switch processes the job's lanes are striped over (default 1; W "
-                         "must be at least S)")
+    add_shards_option(sc, metavar="S",
+                      help="switch processes the job's lanes are striped over (default 1; W must "
+                           "be at least S)")
     sc.add_argument("--generators", type=int, default=0, metavar="G",
                     help="generator processes, each feeding S/G of the shards (default 0: "
                          "one per shard)")
-    sc.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_json_option(sc, "the figures")
     sc.set_defaults(func=run)
 
 

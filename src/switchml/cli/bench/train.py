@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 from switchml.cli.common import (
     Subparsers,
+    add_json_option,
     add_link_options,
+    add_workers_option,
     sigterm_interrupts,
     stdout_console,
     write_json,
@@ -46,7 +48,7 @@ def add_parser(bsub: Subparsers) -> None:
                     "one at every bucket, as a synchronous all-reduce makes them.",
         epilog="Workloads: " + "; ".join(f"{w}: {workloads.get(w).summary}"
                                           for w in workloads.NAMES))
-    tr.add_argument("--workers", "-n", type=int, default=4, help="workers (default 4)")
+    add_workers_option(tr)
     tr.add_argument("--model", action="append", choices=list(workloads.NAMES),
                     help="workload to train (repeatable; default ncf and cnn)")
     tr.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -75,7 +77,7 @@ def add_parser(bsub: Subparsers) -> None:
                          "fraction of communication hidden behind backward compute")
     add_link_options(tr)
     _fault_options(tr.add_argument_group("faults (stragglers, a killed switch)"))
-    tr.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    add_json_option(tr, "the rows")
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
                     "bytes per step and step time per system to PNG's name + '-bytes'; with "
