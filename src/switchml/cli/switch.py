@@ -65,16 +65,7 @@ def add_parser(sub: Subparsers) -> None:
                     help="quorum jobs: earlier rounds kept per slot, so that a rank the quorum "
                          "left behind gets their results (each costs a job its window's slot "
                          "memory once more; default 16)")
-    sw.add_argument("--tenant-slots", type=int,
-                    default=_optional_int(env_default("tenant_slots", None)),
-                    help="the most slots one tenant's jobs (job ids of its range: switchml "
-                         "job-key --tenant) may hold at once; a JOIN that would create a job "
-                         "beyond it is refused (default: no quota)")
-    sw.add_argument("--secret-file", default=env_default("secret_file", None),
-                    help="file holding the secret needed to create jobs (workers pass it in "
-                         "SWITCHML_SECRET); SWITCHML_SECRET also works here")
-    add_insecure_option(sw, help="allow listening beyond loopback without a secret (anyone who "
-                                 "can reach the port can then create jobs)")
+    _add_admission_args(sw)
     sw.add_argument("--metrics-port", type=int,
                     default=int(env_default("metrics_port", 9109)),
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
@@ -91,6 +82,20 @@ def add_parser(sub: Subparsers) -> None:
                          "embedded switch, so it dies with the process that started it)")
     _add_topology_args(sw)
     sw.set_defaults(func=run)
+
+
+def _add_admission_args(sw: argparse.ArgumentParser) -> None:
+    """Who may create jobs on the switch, and how many slots a tenant's may hold."""
+    sw.add_argument("--tenant-slots", type=int,
+                    default=_optional_int(env_default("tenant_slots", None)),
+                    help="the most slots one tenant's jobs (job ids of its range: switchml "
+                         "job-key --tenant) may hold at once; a JOIN that would create a job "
+                         "beyond it is refused (default: no quota)")
+    sw.add_argument("--secret-file", default=env_default("secret_file", None),
+                    help="file holding the secret needed to create jobs (workers pass it in "
+                         "SWITCHML_SECRET); SWITCHML_SECRET also works here")
+    add_insecure_option(sw, help="allow listening beyond loopback without a secret (anyone who "
+                                 "can reach the port can then create jobs)")
 
 
 def _add_topology_args(sw: argparse.ArgumentParser) -> None:

@@ -87,9 +87,6 @@ def keep_block(x, lo, count, keep):
         keep[lo:lo + count] = x[lo:lo + count]
 
 
-# Over 60 lines on purpose: the per-packet rule in one piece, read line by line against
-# csrc/worker.c's build_request (the compiled copy it is the reference for); cut up,
-# the two would no longer line up.
 def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16, tx32, cnt,
                   residual, keep=None):
     """Write packet ``p`` (lane ``i``) into the lane's row of the transmit buffer (``tx8``,
@@ -111,10 +108,8 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
     count = 0
     if opv[OP.IS_FLOAT]:
         if p < L:
-            # The block's exponent is computed when its first packet is built (and again,
-            # identically, for a retransmission), not for the whole tensor up front: a pass
-            # over 64 MiB held every rank ~30 ms before its first packet, and ranks that
-            # finished it at different times timed each other out.
+            # The block's exponent, when its first packet is built (not for the whole tensor
+            # up front: 64 MiB held a rank ~30 ms, and ranks timed each other out).
             exponent_of_bits(xbits, x, p * k, min(p * k + k, x.size), p, exps, nonf)
             exp_next = exps[p]
             flags |= F_HAS_EXP
@@ -126,27 +121,16 @@ def build_request(p, i, set_bit, opv, lane, exps, nonf, x, xbits, res, tx8, tx16
             bad = nonf[blk] != 0
             keep_block(x, lo, count, keep)
             # A quorum round that completed without this rank agreed an exponent without its
-            # own: the block goes clamped to the agreed scale (never in a job without a
-            # quorum, where the agreed exponent is the max over every rank's).
-            clamp = exps[blk] != EXP_ZERO and exps[blk] > exp_data
-            if clamp:
+            # own: the block goes clamped to the agreed scale (never without a quorum).
+            tx = tx32 if itemsize == 4 else tx16
+            qo = (base + HDR) // itemsize
+            if exps[blk] != EXP_ZERO and exps[blk] > exp_data:
+                quantize_clamped(x, lo, count, exp_data, opv[OP.P], tx, qo)
                 cnt[WC.CLAMPED] += 1
-            if itemsize == 4:
-                qo = (base + HDR) // 4
-                if clamp:
-                    quantize_clamped(x, lo, count, exp_data, opv[OP.P], tx32, qo)
-                else:
-                    quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx32, qo)
-                if residual:
-                    residual_into(x, lo, count, tx32, qo, exp_data, opv[OP.P], res)
             else:
-                qo = (base + HDR) // 2
-                if clamp:
-                    quantize_clamped(x, lo, count, exp_data, opv[OP.P], tx16, qo)
-                else:
-                    quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx16, qo)
-                if residual:
-                    residual_into(x, lo, count, tx16, qo, exp_data, opv[OP.P], res)
+                quantize_into(x, lo, count, exp_data, opv[OP.P], bad, tx, qo)
+            if residual:
+                residual_into(x, lo, count, tx, qo, exp_data, opv[OP.P], res)
             flags |= F_HAS_DATA | (F_NONFINITE if bad else 0)
     else:
         lo = p * k
