@@ -37,7 +37,7 @@ MIN_PART_WINDOW = 16
 """Slots a part keeps whatever ``T`` (the job's whole window when that is smaller): the floor
 of ``config.default_window``. One thread needs its round trip covered at its own rate; on 16
 cores (64 KB datagrams, a 16-slot job) 4 threads of 4 slots each all-reduced 3.1e8 elements/s,
-of 16 each 6.6e8 (docs/benchmarks.md, "A rank on several threads").
+of 16 each 6.6e8 (docs/results/multicore/README.md, run2).
 """
 PARTS_SLOTS = 256
 """The most slots the floor gives a rank's parts together (``SwitchConfig.max_window``'s

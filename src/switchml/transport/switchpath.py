@@ -1,6 +1,6 @@
 """The switch's receive-aggregate-send loop, compiled, and its send of results.
 
-The budget of a testbed run (docs/benchmarks.md, section 0) put the interpreter at about three
+The budget of a testbed run (docs/decisions/0002-cpu-budget.md) put the interpreter at about three
 times the compiled aggregation in the switch process: per wake-up, ``recvmmsg`` through ctypes,
 the batch, the dataplane's Python around its kernel, the results' send. While jobs stream,
 every wake-up is the same, so the compiled loop (``src/switchml/csrc/switch.c``'s

@@ -229,7 +229,7 @@ def residual_into(x, lo, count, q, qo, emax, n_bits, r):
     if -1000 < shift < 1000:
         # q * 2**shift is exact in float64 (an integer of at most 31 bits times a power of
         # two in range), as ldexp's is, and a multiply the loop vectorises: ldexp per element
-        # cost the 16-bit DDP hook about 20 ns per element (docs/benchmarks.md, section 0).
+        # cost the 16-bit DDP hook about 20 ns per element (measured when it was replaced).
         f = 2.0 ** shift
         for j in range(count):
             v = np.float64(x[_ix(lo + j)]) - np.float64(q[_ix(qo + j)]) * f
