@@ -18,5 +18,6 @@ if os.environ.get("SWITCHML_PORTABLE", "") not in ("1", "true", "yes"):
 HEADERS = ["src/switchml/csrc/layout.h", "src/switchml/csrc/common.h"]
 setup(ext_modules=[
     Extension(f"switchml._{name}", sources=[f"src/switchml/csrc/{name}.c"], depends=HEADERS,
-              include_dirs=["src/switchml/csrc"], extra_compile_args=flags)
+              include_dirs=["src/switchml/csrc"], extra_compile_args=flags,
+              libraries=["crypto"])
     for name in ("worker", "switch")])

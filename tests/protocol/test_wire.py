@@ -228,9 +228,17 @@ def test_bad_set(set_bit):
     assert _reason(_raw(set_bit=set_bit)) == "bad_set"
 
 
-@pytest.mark.parametrize("flags", [0x10, 0x40, 0x80, 0xFF])
+@pytest.mark.parametrize("flags", [0x10, 0x80, 0xFF])
 def test_bad_flags(flags):
     assert _reason(_raw(flags=flags)) == "bad_flags"  # (a REQUEST's)
+
+
+@pytest.mark.parametrize("mtype", [MessageType.REQUEST, MessageType.RESULT])
+def test_an_authenticated_jobs_data_carries_its_mac_after_the_payload(mtype):
+    """AUTH on a REQUEST or RESULT: 16 bytes of MAC follow the payload, outside ``count``."""
+    assert _reason(_raw(mtype=int(mtype), flags=0x40)) == "length_mismatch"
+    assert unpack_header(_raw(mtype=int(mtype), flags=0x40) + bytes(16)).flags == 0x40
+    assert _reason(_raw(mtype=int(MessageType.NACK), flags=0x40) + bytes(16)) == "bad_flags"
 
 
 @pytest.mark.parametrize(("mtype", "flags", "ok"), [
@@ -281,9 +289,9 @@ def test_wire_error_hierarchy_and_message():
 
 def test_control_info_golden_and_round_trip():
     info = ControlInfo(num_workers=40, window=16, elements_per_packet=16366, slot_base=4000,
-                       quorum=37, quorum_min=20, deadline_us=250000)
+                       quorum=37, quorum_min=20, deadline_us=250000, options=1)
     raw = pack_control_info(info)
-    assert raw == struct.pack("<IIIIIII", 40, 16, 16366, 4000, 37, 20, 250000)
+    assert raw == struct.pack("<IIIIIIII", 40, 16, 16366, 4000, 37, 20, 250000, 1)
     assert unpack_control_info(raw) == info
     assert unpack_control_info(memoryview(raw)) == info
     assert unpack_control_info(np.frombuffer(raw, dtype=np.uint8)) == info
@@ -292,7 +300,7 @@ def test_control_info_golden_and_round_trip():
 
 def test_control_info_inside_a_datagram():
     info = ControlInfo(2, 8, 64, 0)
-    h = Header(MessageType.JOIN, job=5, rank=1, token=99, count=28, elem=ElementType.BYTES)
+    h = Header(MessageType.JOIN, job=5, rank=1, token=99, count=32, elem=ElementType.BYTES)
     data = pack_header(h) + pack_control_info(info)
     got = unpack_header(data)
     assert unpack_control_info(unpack_payload(data, got)) == info
@@ -304,20 +312,20 @@ def test_join_joined_challenge_and_leave_golden_bytes():
     cookie, proof = bytes(range(24)), bytes(range(100, 132))
     join = wire.pack_join(job=5, token=0x1122, rank=3, seq=7, info=info, cookie=cookie,
                           proof=proof)
-    assert len(join) == 124
-    assert join[40:] == struct.pack("<IIIIIII", 4, 16, 358, 0, 0, 0, 0) + cookie + proof
+    assert len(join) == 128
+    assert join[40:] == struct.pack("<IIIIIIII", 4, 16, 358, 0, 0, 0, 0, 0) + cookie + proof
     h = unpack_header(join)
     assert (h.type, h.job, h.rank, h.token, h.seq, h.count) == (MessageType.JOIN, 5, 3, 0x1122,
-                                                                  7, 84)
+                                                                  7, 88)
     assert wire.unpack_join(unpack_payload(join, h)) == (info, cookie, proof)
     hello = wire.pack_join(job=5, token=0x1122, rank=3, info=info)
-    assert hello[40 + 28:] == bytes(56)  # no cookie, no proof: asks for a challenge
+    assert hello[40 + 32:] == bytes(56)  # no cookie, no proof: asks for a challenge
     challenge = wire.pack_challenge(job=5, token=0x1122, rank=3, shard=2, cookie=cookie)
     assert len(challenge) == 64 < len(hello)  # never amplifies a spoofed JOIN
     assert challenge[24:28] == (2).to_bytes(4, "little") and challenge[40:] == cookie
     joined = wire.pack_joined(job=5, token=0x1122, rank=3, shard=0,
-                              info=ControlInfo(4, 16, 358, 64, 3), cookie=cookie)
-    assert joined[40:] == struct.pack("<IIIIIII", 4, 16, 358, 64, 3, 0, 0) + cookie
+                              info=ControlInfo(4, 16, 358, 64, 3, options=1), cookie=cookie)
+    assert joined[40:] == struct.pack("<IIIIIIII", 4, 16, 358, 64, 3, 0, 0, 1) + cookie
     leave = wire.pack_leave(job=5, token=0x1122, rank=3, proof=proof)
     assert leave[40:] == proof and unpack_header(leave).count == 32
     for raw, unpack in ((join[40:-1], wire.unpack_join), (joined[40:] + b"x", wire.unpack_joined),
@@ -327,7 +335,7 @@ def test_join_joined_challenge_and_leave_golden_bytes():
         assert e.value.reason == "bad_control"
 
 
-@pytest.mark.parametrize("size", [0, 16, 20, 27, 29])
+@pytest.mark.parametrize("size", [0, 16, 20, 28, 31, 33])
 def test_bad_control(size):
     with pytest.raises(WireError) as info:
         unpack_control_info(bytes(size))

@@ -13,10 +13,12 @@ against the exact expected sum every time (``max_rel_error``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import resource
+import secrets
 import socket
 import threading
 import time
@@ -73,10 +75,17 @@ class BenchConfig:
     """The secret of an external switch (``switch``) that has one: creating the job needs it."""
     threads: int = 1
     """I/O threads per switchml worker (``transport/parallel.py``)."""
+    auth_data: bool = False
+    """switchml's job authenticates its data plane (``JobSpec.auth_data``); the benchmark's
+    own switch gets a secret of this run's (an outside one needs ``secret``), and
+    ``elements_per_packet`` must leave room for the 16-byte MAC."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"BenchConfig.workers must be >= 1, got {self.workers}")
+        if self.auth_data and self.switch is not None and self.secret is None:
+            raise ValueError("BenchConfig.auth_data through an outside switch needs its "
+                             "BenchConfig.secret")
         if self.bits not in (32, 16):
             raise ValueError(f"BenchConfig.bits must be 32 or 16, got {self.bits}")
         check_threads(self.threads)
@@ -211,7 +220,8 @@ def _measure(system: str, cfg: BenchConfig, size: int,
     if system == "switchml":
         from switchml.control import encode_job_spec, new_job_spec
         spec = encode_job_spec(new_job_spec(n, window=cfg.window,
-                                            elements_per_packet=cfg.elements_per_packet))
+                                            elements_per_packet=cfg.elements_per_packet,
+                                            auth_data=cfg.auth_data))
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
                                                             cfg.iters, barrier, results,
                                                             cfg.batching, cfg.bits,
@@ -269,10 +279,13 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
     own: list[SwitchProcess] = []
     out: list[Measurement] = []
     switch_stats: dict[str, Any] = {}
+    if cfg.auth_data and cfg.switch is None:  # the switch's secret: this run's own
+        cfg = dataclasses.replace(cfg, secret=secrets.token_bytes(32))
     try:
         if cfg.switch is None:
             for i in range(cfg.shards):
-                own.append(SwitchProcess(ctx, batching=cfg.batching, shard=(i, cfg.shards)))
+                own.append(SwitchProcess(ctx, batching=cfg.batching, shard=(i, cfg.shards),
+                                         secret=cfg.secret))
         switch = [p.address for p in own] if own else list(cfg.switch or ())
 
         def switch_cpu() -> float:  # every shard's CPU seconds, summed
@@ -298,7 +311,7 @@ def write_json(path: str, cfg: BenchConfig, results: list[Measurement],
                switch_stats: dict[str, Any]) -> None:
     doc = {
         "benchmark": "allreduce",
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "secret": "(given)" if cfg.secret else None},  # not kept
         "switch_stats": switch_stats,
         "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
         "results": [asdict(m) for m in results],

@@ -75,7 +75,8 @@ def switch(a: dict[str, Any]) -> None:
     from switchml.service import build_server
     if a.get("nice"):  # before any thread starts: every thread inherits it
         os.nice(a["nice"])
-    server = build_server(_switch_spec(a), secret=None)
+    secret = bytes.fromhex(a["secret"]) if a.get("secret") else None  # (authenticated jobs)
+    server = build_server(_switch_spec(a), secret=secret)
     server.start()
     c0 = _cpu()
     announce(server.address)
@@ -118,8 +119,8 @@ def switchml(a: dict[str, Any]) -> None:
     offset = a.get("offset", 0)  # per job, where jobs share the switch: a mix-up shows
     x = np.full(a["numel"], a["rank"] + 1.0 + offset, dtype=np.float32)
     out = np.empty_like(x)
-    cfg = WorkerConfig(op_timeout_s=60.0,
-                       fast_retransmit=a.get("fast_retransmit", False))
+    cfg = WorkerConfig(op_timeout_s=60.0, fast_retransmit=a.get("fast_retransmit", False),
+                       secret=bytes.fromhex(a["secret"]) if a.get("secret") else None)
     with open_worker((a["switch"], a["port"]), spec, a["rank"], cfg,
                      threads=a.get("threads", 1), batching=env.batching()) as w:
         bits = a.get("bits", 32)

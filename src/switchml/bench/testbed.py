@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from switchml.bench.cpu import cpu_per_gelem, proc_cpu_s
 from switchml.protocol.config import default_window
 from switchml.protocol.parts import check_threads
-from switchml.protocol.wire import elements_for_mtu
+from switchml.protocol.wire import AUTH_TAG_SIZE, elements_for_mtu
 from switchml.protocol.worker import RECOVERY_COUNTERS
 from switchml.testbed import LinkSpec, Testbed, TestbedError, Topology
 
@@ -90,6 +90,10 @@ class TestbedBenchConfig:
     torch: bool = False
     """switchml through its torch backend whatever the type (float32 too): what a
     ``dist.all_reduce`` costs beside the worker library's own rows."""
+    auth_data: bool = False
+    """switchml's jobs authenticate their data plane (``JobSpec.auth_data``: a MAC on every
+    request and result; the switch gets a secret of this run's); its chunks leave room for
+    the MAC. The worker library's rows only."""
 
     @property
     def through_torch(self) -> bool:
@@ -121,6 +125,9 @@ class TestbedBenchConfig:
             raise ValueError(f"float16: {ops} in-place sums of {n} workers' values overflow "
                              "float16; take fewer "
                              "TestbedBenchConfig.warmup/TestbedBenchConfig.iters")
+        if self.auth_data and self.through_torch:
+            raise ValueError("TestbedBenchConfig.auth_data is for the worker library's rows, "
+                             "not through torch")
         if self.jobs > 1 and set(self.systems) - {"switchml", "gloo"}:
             raise ValueError("with TestbedBenchConfig.jobs > 1, only the systems switchml and "
                              "gloo run, got "
@@ -132,8 +139,9 @@ class TestbedBenchConfig:
 
     @property
     def elements_per_packet(self) -> int:
-        """The largest chunk that fits the MTU (:func:`elements_for_mtu`)."""
-        return elements_for_mtu(self.mtu)
+        """The largest chunk that fits the MTU (:func:`elements_for_mtu`), an authenticated
+        job's MAC included."""
+        return elements_for_mtu(self.mtu, trailer=AUTH_TAG_SIZE if self.auth_data else 0)
 
 
 def _nsproc(role: str, args: dict[str, Any]) -> list[str]:
@@ -284,12 +292,15 @@ def _switchml_extra(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
-                  switch_pid: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """switchml's workers through the switch: their rows, and the switch's CPU with theirs."""
+                  switch_pid: int, secret: bytes | None = None
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """switchml's workers through the switch: their rows, and the switch's CPU with theirs.
+    ``secret``: the switch's (its workers need it to create their jobs)."""
     from switchml.control import encode_job_spec, new_job_spec
     topo = tb.topology
     specs = [encode_job_spec(new_job_spec(cfg.workers // cfg.jobs, window=cfg.window,
-                                          elements_per_packet=cfg.elements_per_packet))
+                                          elements_per_packet=cfg.elements_per_packet,
+                                          auth_data=cfg.auth_data))
              for _ in range(cfg.jobs)]
     cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
     if cfg.through_torch:
@@ -302,7 +313,7 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
         **common, "spec": specs[cfg.job_of(i)[0]], "rank": cfg.job_of(i)[1],
         "switch": topo.switch_ip(i), "port": SWITCH_PORT, "offset": 100 * cfg.job_of(i)[0],
         "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits, "residual": cfg.residual,
-        "threads": cfg.threads}))
+        "threads": cfg.threads, "secret": secret.hex() if secret else None}))
     rows = _wait_all(procs, cfg.timeout_s)
     switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
     return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
@@ -417,13 +428,13 @@ def _run_floor(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
 
 
 def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
-             switch_pid: int) -> dict[str, Any]:
+             switch_pid: int, secret: bytes | None = None) -> dict[str, Any]:
     """One all-reduce measurement of ``system`` at ``size`` bytes: its result row."""
     common = {"numel": size // 4, "warmup": cfg.warmup, "iters": cfg.iters,
               "dtype": cfg.dtype}
     extra: dict[str, Any] = {}
     if system == "switchml":
-        rows, extra = _run_switchml(tb, cfg, common, switch_pid)
+        rows, extra = _run_switchml(tb, cfg, common, switch_pid, secret)
     elif system == "gloo":
         rows = _run_gloo(tb, cfg, common)
     elif system == "floor":
@@ -432,15 +443,20 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
         rows, extra = _run_ps(tb, cfg, common)
     return {**_ate_row(cfg, system, cfg.workers // cfg.jobs, size, rows, cfg.loss_rate),
             "jobs": cfg.jobs, "dtype": cfg.dtype, "through_torch": cfg.through_torch,
+            "auth_data": cfg.auth_data and system == "switchml",
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 
 
-def _start_switch(tb: Testbed, nack_gap: int = 4, nice: int = 0) -> subprocess.Popen[str]:
+def _start_switch(tb: Testbed, nack_gap: int = 4, nice: int = 0,
+                  secret: bytes | None = None) -> subprocess.Popen[str]:
     """Start the software switch in the switch namespace; it stops when its stdin closes.
-    ``nice``: its scheduling niceness (negative: ahead of the workers for the CPU)."""
+    ``nice``: its scheduling niceness (negative: ahead of the workers for the CPU).
+    ``secret``: the switch's (a throwaway of one run, on the command line of a process in the
+    testbed's own namespace)."""
     return _start_server(tb, tb.switch_ns, "switch",
-                         {"port": SWITCH_PORT, "nack_gap": nack_gap, "nice": nice},
+                         {"port": SWITCH_PORT, "nack_gap": nack_gap, "nice": nice,
+                          "secret": secret.hex() if secret else None},
                          "the switch did not start in its namespace")
 
 
@@ -553,14 +569,15 @@ def run_testbed_allreduce(cfg: TestbedBenchConfig, progress: Any = None
     """Build the testbed, run every (size, system), tear it down; return the rows."""
     topo = _topology(cfg.workers, cfg.rate_bps, cfg.loss_rate, cfg.mtu)
     rows: list[dict[str, Any]] = []
+    secret = secrets.token_bytes(32) if cfg.auth_data else None
     with Testbed(topo) as tb:
-        switch = _start_switch(tb, cfg.nack_gap)
+        switch = _start_switch(tb, cfg.nack_gap, secret=secret)
         for size in cfg.sizes_bytes:
             for system in cfg.systems:
                 if progress is not None:
                     progress(f"{system}, n={cfg.workers}, {size} B, "
                              f"{cfg.rate_bps / 1e6:g} Mbit/s, loss {cfg.loss_rate:g}")
-                rows.append(_measure(tb, cfg, system, size, switch.pid))
+                rows.append(_measure(tb, cfg, system, size, switch.pid, secret))
         line = _stop_servers([switch])[0]
         if not line:
             raise TestbedError("the switch did not report its counters when stopped")

@@ -22,7 +22,7 @@ from switchml.protocol.address import Address
 from switchml.protocol.auth import TENANT_SHIFT, tenant_job_id
 from switchml.protocol.config import JobSpec, default_window
 from switchml.protocol.errors import ConfigError
-from switchml.protocol.wire import elements_for_mtu
+from switchml.protocol.wire import AUTH_TAG_SIZE, elements_for_mtu
 from switchml.transport.sockets import elements_per_packet_for
 
 __all__ = ["decode_job_spec", "encode_job_spec", "new_job_spec"]
@@ -35,7 +35,8 @@ ETHERNET_MTU = 1500
 def new_job_spec(num_workers: int, *, window: int | None = None,
                  elements_per_packet: int | None = None,
                  switch: Address | Sequence[Address] | None = None,
-                 quorum: int | None = None, tenant: int | None = None) -> JobSpec:
+                 quorum: int | None = None, tenant: int | None = None,
+                 auth_data: bool = False) -> JobSpec:
     """Return a JobSpec with a fresh random job id and an unguessable token.
 
     Every rank's datagrams (the numpy ``WorkerClient``'s as the torch backend's) carry
@@ -58,6 +59,9 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
     ``quorum``: ``JobSpec.quorum`` (a quorum job's results carry a bitmap of ``ceil(n / 8)``
     bytes after the payload; the chunk sized from an MTU leaves room for it).
 
+    ``auth_data``: ``JobSpec.auth_data`` (its requests and results carry a 16-byte MAC after
+    the payload; the chunk sized from an MTU leaves room for it: 354 elements at 1500).
+
     ``tenant``: draw the id from that tenant's range (``auth.tenant_job_id``), for ranks that
     hold its key (``WorkerConfig.tenant_key``); else from the ids outside every tenant's
     (below 2^31), whose keys derive from the switch's secret.
@@ -67,13 +71,13 @@ def new_job_spec(num_workers: int, *, window: int | None = None,
         spec = new_job_spec(2, switch=("127.0.0.1", 48864))   # loopback: 16366 elements
     """
     if elements_per_packet is None:
-        trailer = (num_workers + 7) // 8 if quorum else 0
+        trailer = ((num_workers + 7) // 8 if quorum else 0) + (AUTH_TAG_SIZE if auth_data else 0)
         elements_per_packet = (elements_for_mtu(ETHERNET_MTU, trailer=trailer) if switch is None
                                else elements_per_packet_for(switch, trailer=trailer))
     return JobSpec(job_id=new_job_id(tenant), token=secrets.randbits(64),
                    num_workers=num_workers,
                    window=default_window(elements_per_packet) if window is None else window,
-                   elements_per_packet=elements_per_packet, quorum=quorum)
+                   elements_per_packet=elements_per_packet, quorum=quorum, auth_data=auth_data)
 
 
 def new_job_id(tenant: int | None = None) -> int:
@@ -87,7 +91,8 @@ def new_job_id(tenant: int | None = None) -> int:
 def encode_job_spec(spec: JobSpec) -> str:
     """Encode as ``job_id:token:n:window:k`` (hex token), for environment variables, with
     ``:scale_workers`` appended when it is set, then ``:q<quorum>`` when that is, then
-    ``:m<quorum_min>:d<deadline in microseconds>`` with a deadline."""
+    ``:m<quorum_min>:d<deadline in microseconds>`` with a deadline, then ``:a`` for an
+    authenticated data plane (``auth_data``)."""
     text = (f"{spec.job_id}:{spec.token:016x}:{spec.num_workers}:{spec.window}:"
             f"{spec.elements_per_packet}")
     if spec.scale_workers is not None:
@@ -96,6 +101,8 @@ def encode_job_spec(spec: JobSpec) -> str:
         text += f":q{spec.quorum}"
     if spec.quorum_deadline_s is not None:
         text += f":m{spec.quorum_min}:d{round(spec.quorum_deadline_s * 1e6)}"
+    if spec.auth_data:
+        text += ":a"
     return text
 
 
@@ -103,13 +110,14 @@ def decode_job_spec(text: str) -> JobSpec:
     """Inverse of :func:`encode_job_spec`; raises ConfigError with the reason."""
     parts = text.strip().split(":")
     tagged: dict[str, str] = {}
-    while len(parts) > 5 and parts[-1][:1] in ("q", "m", "d") and parts[-1][:1] not in tagged:
+    while (len(parts) > 5 and parts[-1][:1] in ("q", "m", "d", "a")
+           and parts[-1][:1] not in tagged):
         tag = parts.pop()
         tagged[tag[0]] = tag[1:]
     quorum = tagged.get("q")
     if len(parts) not in (5, 6):
-        raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers][:q<quorum>], got "
-                          f"{text!r}")
+        raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers][:q<quorum>][:a], "
+                          f"got {text!r}")
     try:
         job_id, n, window, k = int(parts[0]), int(parts[2]), int(parts[3]), int(parts[4])
         token = int(parts[1], 16)
@@ -121,4 +129,5 @@ def decode_job_spec(text: str) -> JobSpec:
         raise ConfigError(f"bad job spec {text!r}: {exc}") from exc
     return JobSpec(job_id=job_id, token=token, num_workers=n, window=window,
                    elements_per_packet=k, scale_workers=scale, quorum=quorum,
-                   quorum_min=qmin, quorum_deadline_s=deadline)
+                   quorum_min=qmin, quorum_deadline_s=deadline,
+                   auth_data=tagged.get("a") == "")

@@ -42,6 +42,7 @@
 #define F_RETRY 32
 #define F_AUTH 64
 #define KNOWN_FLAGS 15
+#define DATA_TAG 16
 #define RESULT_FLAGS 31
 #define REQUEST_FLAGS 47
 #define E_BYTES 0
@@ -78,6 +79,9 @@
 #define OP_NQ 19
 #define OP_PY_NACKS 20
 #define OP_TRAILER 21
+#define OP_AUTH 22
+#define OP_MAC_K0 23
+#define OP_MAC_K1 24
 
 #define R_SRTT 0
 #define R_RTTVAR 1
@@ -126,7 +130,8 @@
 #define WC_IDLE_PROBES 14
 #define WC_LEFT_OUT 15
 #define WC_CLAMPED 16
-#define WC_N 17
+#define WC_BAD_MAC 17
+#define WC_N 18
 
 #define WS_DONE 0
 #define WS_OTHER 1
@@ -172,6 +177,9 @@
 #define J_HISTORY 23
 #define J_QUORUM_MIN 24
 #define J_DEADLINE_US 25
+#define J_AUTH 26
+#define J_MAC_K0 27
+#define J_MAC_K1 28
 
 #define S_SEQ 0
 #define S_CHUNK 1
@@ -200,7 +208,8 @@
 #define SC_LATE_ANSWERED 11
 #define SC_OLD_ANSWERED 12
 #define SC_DEADLINE_COMPLETED 13
-#define SC_N 14
+#define SC_BAD_MAC 14
+#define SC_N 15
 
 #define SS_DONE 0
 #define SS_OTHER 1
@@ -256,11 +265,11 @@
 #define SP_ERRNO 4
 #define SP_N 5
 
-#define O_FIELDS 22
+#define O_FIELDS 25
 #define R_FIELDS 16
 #define LN_FIELDS 8
 #define LNF_FIELDS 3
-#define J_FIELDS 26
+#define J_FIELDS 29
 #define S_FIELDS 12
 #define RV_FIELDS 7
 #define U_FIELDS 6

@@ -76,8 +76,11 @@ static inline int request_framing(const uint8_t *d, int64_t o, int64_t n)
     if (n < HDR || rd_u16(d, o + H_MAGIC) != MAGIC || d[o + H_VERSION] != VERSION
         || d[o + H_TYPE] != T_REQUEST)
         return 0;
-    if (d[o + H_SET] > 1 || ((int64_t)d[o + H_FLAGS] & ~(int64_t)REQUEST_FLAGS) != 0)
+    int64_t flags = d[o + H_FLAGS];
+    if (d[o + H_SET] > 1 || (flags & ~(int64_t)(REQUEST_FLAGS | F_AUTH)) != 0)
         return 0;
+    if (flags & F_AUTH) /* an authenticated job's: the MAC follows the payload */
+        n -= DATA_TAG;
     int64_t elem = d[o + H_ELEM];
     if (elem == E_INT32)
         return n == HDR + 4 * rd_u16(d, o + H_COUNT);
@@ -149,7 +152,15 @@ static inline int64_t micros(double t)
 static inline int64_t result_size(const job_t *j, int64_t v, int64_t s)
 {
     return HDR + (STV(j, S_ELEM, v, s) == E_INT32 ? 4 : 2) * STV(j, S_COUNT, v, s)
-           + JV(j, J_TRAILER);
+           + JV(j, J_TRAILER) + (JV(j, J_AUTH) ? DATA_TAG : 0);
+}
+
+/* An authenticated job's datagram at row, of n bytes with its tag: sealed again (after a
+   change to its header). */
+static inline void reseal(const job_t *j, uint8_t *row, int64_t n)
+{
+    if (JV(j, J_AUTH))
+        seal_data(JV(j, J_MAC_K0), JV(j, J_MAC_K1), row, n - DATA_TAG);
 }
 
 /* A quorum job's complete round about to be overwritten: its result into the slot's history
@@ -274,6 +285,10 @@ static inline void complete_round(job_t *j, int64_t v, int64_t s, int64_t rank, 
     write_header(BUF(j, v, s), 0, T_RESULT, flags, v, rank, JV(j, J_JOB), JV(j, J_TOKEN), seq,
                  chunk, s + JV(j, J_SLOT_BASE), count, elem, STV(j, S_DIGEST, v, s),
                  STV(j, S_EXP_DATA, v, s), STV(j, S_EXP_NEXT, v, s));
+    if (JV(j, J_AUTH)) {
+        seal_data(JV(j, J_MAC_K0), JV(j, J_MAC_K1), BUF(j, v, s), size + trailer);
+        trailer += DATA_TAG;
+    }
     if (JV(j, J_LOG_AT_RELEASE))
         STV(j, S_DONE_AT, v, s) = -1; /* not released yet: no chunk can follow it */
     else
@@ -405,7 +420,8 @@ static inline int behind_on(job_t *j, int64_t rank, const request_t *r)
 static inline int member_request(const uint8_t *d, int64_t o, int64_t ln, int64_t sender,
                                  const job_t *j)
 {
-    if (sender < 0 || !request_framing(d, o, ln))
+    if (sender < 0 || !request_framing(d, o, ln)
+        || (d[o + H_FLAGS] & F_AUTH) != (JV(j, J_AUTH) ? F_AUTH : 0))
         return 0;
     if (rd_u32(d, o + H_JOB) != JV(j, J_JOB) || rd_i64(d, o + H_TOKEN) != JV(j, J_TOKEN))
         return 0;
@@ -469,6 +485,7 @@ static inline void write_resent(job_t *j, replies_t *rp, int64_t k, int64_t rank
     uint8_t *row = rp->rows + k * rp->rowlen;
     memcpy(row, BUF(j, v, s), (size_t)size);
     row[H_FLAGS] |= F_RESENT;
+    reseal(j, row, size);
     rp->meta[k * 2] = rank;
     rp->meta[k * 2 + 1] = size;
 }
@@ -478,10 +495,12 @@ static inline void write_old(job_t *j, replies_t *rp, int64_t k, int64_t rank,
                              const request_t *r, int64_t hrow)
 {
     const uint8_t *b = BUF(j, hrow, r->s);
-    int64_t size = HDR + (b[H_ELEM] == E_INT32 ? 4 : 2) * rd_u16(b, H_COUNT) + JV(j, J_TRAILER);
+    int64_t size = HDR + (b[H_ELEM] == E_INT32 ? 4 : 2) * rd_u16(b, H_COUNT) + JV(j, J_TRAILER)
+                   + (JV(j, J_AUTH) ? DATA_TAG : 0);
     uint8_t *row = rp->rows + k * rp->rowlen;
     memcpy(row, b, (size_t)size);
     row[H_FLAGS] |= F_RESENT;
+    reseal(j, row, size);
     rp->meta[k * 2] = rank;
     rp->meta[k * 2 + 1] = size;
 }
@@ -548,6 +567,11 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
         if (o < 0 || ln < 0 || ln > dn - o || !member_request(d, o, ln, srcs[i], j)) {
             code = SS_OTHER;
             break;
+        }
+        if (JV(j, J_AUTH) && !data_sealed(JV(j, J_MAC_K0), JV(j, J_MAC_K1), d + o, ln)) {
+            j->cnt[SC_BAD_MAC] += 1; /* forged or damaged: dropped before it touches state */
+            i += 1;
+            continue;
         }
         request_t r = parse(d, o, JV(j, J_SLOT_BASE));
         if (before_epoch(j, r.seq)) {
@@ -1105,6 +1129,29 @@ fail:
     return NULL;
 }
 
+/* data_sealed(jobv, d) -> bool: whether d, a datagram of the authenticated job jobv with its
+   MAC, verifies (the admission of a member's first request, in Python) */
+static PyObject *py_data_sealed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(2);
+    bufs_t b = {.n = 0};
+    Py_buffer *jv, *d;
+    int r = 0;
+    ARR(jv, 0, "jobv", B(K_I64), 0);
+    ARR(d, 1, "d", B(K_U8), 0);
+    if (jv->len / 8 < J_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "data_sealed: jobv is shorter than J_FIELDS");
+        goto fail;
+    }
+    const int64_t *v = jv->buf;
+    r = v[J_AUTH] && data_sealed(v[J_MAC_K0], v[J_MAC_K1], d->buf, d->len);
+    release(&b);
+    return PyBool_FromLong(r);
+fail:
+    release(&b);
+    return NULL;
+}
+
 static int get_relay(bufs_t *b, PyObject *const *args, int rv_at, int ust_at, int ut_at,
                      relay_t *r)
 {
@@ -1484,6 +1531,7 @@ static PyMethodDef methods[] = {
       "now, cnt, done) -> ndone: complete a quorum job's rounds at their deadline"),
     M(log_releases, "log_releases(jobv, st, clog, sendq, nsend)"),
     M(request_framing, "request_framing(d, o, n) -> bool"),
+    M(data_sealed, "data_sealed(jobv, d) -> bool"),
     M(relay_up, "relay_up(done, ndone, bufs, rv, up, ust, utimes, now, rto, cnt, sendq) -> n"),
     M(relay_down, "relay_down(d, starts, lens, nseg, start, rv, ust, down, cnt, sendq) "
       "-> (next, nsend)"),

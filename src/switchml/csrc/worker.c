@@ -473,7 +473,7 @@ static void residual_into(const void *x, int xk, int64_t lo, int64_t count, cons
 
 static inline int64_t lane_row(const op_t *o, int64_t i)
 {
-    return i * (HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE));
+    return i * (HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE) + (OPV(o, OP_AUTH) ? DATA_TAG : 0));
 }
 
 /* An in-place operation's input block x[lo:lo+count] into keep, as the block is sent: its
@@ -535,6 +535,17 @@ static int64_t build_request(op_t *o, int64_t p, int64_t i, int64_t set_bit, int
     return HDR + count * itemsize;
 }
 
+/* An authenticated job's request: lane i's datagram sealed (its MAC after the payload, in
+   sendlen); after every change to its header. Nothing for other jobs. */
+static inline void seal_lane(op_t *o, int64_t i)
+{
+    if (!OPV(o, OP_AUTH))
+        return;
+    int64_t n = o->sendlen[i] - (o->tx8[lane_row(o, i) + H_FLAGS] & F_AUTH ? DATA_TAG : 0);
+    seal_data(OPV(o, OP_MAC_K0), OPV(o, OP_MAC_K1), o->tx8 + lane_row(o, i), n);
+    o->sendlen[i] = n + DATA_TAG;
+}
+
 /* Start (or re-send) packet p on its lane (i = p mod E): lane bookkeeping, build, deadline.
    fast: a NACK or RACK re-send (no timeout backoff). Returns the lane; the caller queues it. */
 static int64_t send_chunk(op_t *o, int64_t p, int retransmit, int fast, double now)
@@ -570,6 +581,7 @@ static int64_t send_chunk(op_t *o, int64_t p, int retransmit, int fast, double n
     o->sendlen[i] = n;
     if (retransmit && OPV(o, OP_TRAILER)) /* a quorum job's round may be complete: answer it */
         o->tx8[lane_row(o, i) + H_FLAGS] |= F_RETRY;
+    seal_lane(o, i);
     if (retransmit)
         o->cnt[WC_PAYLOAD_RESENT] += n - HDR;
     else
@@ -617,8 +629,9 @@ static inline int64_t result_length(const uint8_t *d, int64_t o, int64_t ln, con
         return 0;
     /* a quorum job's results (OP_TRAILER > 0) end in their contributor bitmap; others never */
     int64_t trailer = OPV(op, OP_TRAILER), flags = d[o + H_FLAGS];
-    if (d[o + H_SET] > 1 || (flags & ~(int64_t)(trailer ? RESULT_FLAGS : KNOWN_FLAGS)) != 0
-        || (trailer && !(flags & F_CONTRIBUTORS)))
+    int64_t auth = OPV(op, OP_AUTH) ? F_AUTH : 0; /* an authenticated job's: always sealed */
+    if (d[o + H_SET] > 1 || (flags & ~(int64_t)((trailer ? RESULT_FLAGS : KNOWN_FLAGS) | auth))
+        || (trailer && !(flags & F_CONTRIBUTORS)) || (flags & F_AUTH) != auth)
         return 0;
     int64_t elem = d[o + H_ELEM], isz;
     if (elem == E_INT32)
@@ -627,7 +640,7 @@ static inline int64_t result_length(const uint8_t *d, int64_t o, int64_t ln, con
         isz = 2;
     else
         return 0;
-    if (ln != HDR + isz * rd_u16(d, o + H_COUNT) + trailer)
+    if (ln != HDR + isz * rd_u16(d, o + H_COUNT) + trailer + (auth ? DATA_TAG : 0))
         return 0;
     if (rd_u32(d, o + H_JOB) != OPV(op, OP_JOB) || rd_i64(d, o + H_TOKEN) != OPV(op, OP_TOKEN))
         return 0;
@@ -666,8 +679,10 @@ static int64_t take_nack(op_t *o, int64_t chunk, int64_t slot, double now)
 /* Lane i re-sent p for a NACK of chunk: its first re-send carries RESENT. */
 static inline void mark_nack_resend(op_t *o, int64_t i, int64_t p, int64_t chunk)
 {
-    if (p == chunk && LANE(o, LN_XMITS, i) == 1)
+    if (p == chunk && LANE(o, LN_XMITS, i) == 1) {
         o->tx8[lane_row(o, i) + H_FLAGS] |= F_RESENT;
+        seal_lane(o, i);
+    }
 }
 
 /* Whether the result at d[off:] is ahead of this quorum job's rank: of a later operation (up
@@ -855,6 +870,10 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
             return i;
         }
         i += 1;
+        if (OPV(o, OP_AUTH) && !data_sealed(OPV(o, OP_MAC_K0), OPV(o, OP_MAC_K1), d + off, ln)) {
+            o->cnt[WC_BAD_MAC] += 1; /* forged or damaged: dropped before it is read */
+            continue;
+        }
         int64_t li = lane_of(d, off, o);
         if (li < 0)
             continue;
@@ -1323,7 +1342,8 @@ static PyObject *opstate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->runs = v->buf;
     if (arg_i64(a[20], &self->stride) < 0)
         goto fail;
-    if (self->stride != HDR + self->o.opv[OP_K] * self->o.opv[OP_ITEMSIZE]) {
+    if (self->stride != HDR + self->o.opv[OP_K] * self->o.opv[OP_ITEMSIZE]
+                            + (self->o.opv[OP_AUTH] ? DATA_TAG : 0)) {
         PyErr_SetString(PyExc_ValueError, "OpState: stride is not the operation's datagram size");
         goto fail;
     }
@@ -1916,7 +1936,33 @@ fail:
     return NULL;
 }
 
+/* data_mac(key, d) -> bytes: the authenticated data plane's MAC of d under a 16-byte key
+   (common.h's data_mac: SipHash-2-4, 128 bits) */
+static PyObject *py_data_mac(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED(2);
+    bufs_t b = {.n = 0};
+    Py_buffer *k, *d;
+    uint8_t tag[DATA_TAG];
+    ARR(k, 0, "key", B(K_U8), 0);
+    ARR(d, 1, "d", B(K_U8), 0);
+    if (k->len != 16) {
+        PyErr_SetString(PyExc_ValueError, "data_mac: the key must be 16 bytes");
+        goto fail;
+    }
+    if (!data_mac(k->buf, d->buf, d->len, tag)) {
+        PyErr_SetString(PyExc_RuntimeError, "data_mac: OpenSSL's SIPHASH failed");
+        goto fail;
+    }
+    release(&b);
+    return PyBytes_FromStringAndSize((const char *)tag, DATA_TAG);
+fail:
+    release(&b);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    M(data_mac, "data_mac(key, d) -> bytes"),
     M(worker_results,
       "worker_results(state, d, starts, lens, nseg, start, limit, now) -> (next, code): take "
       "the RESULTs of a batch (kernels/stream.py)"),

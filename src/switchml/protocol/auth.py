@@ -51,8 +51,8 @@ from switchml.protocol.wire import (
     pack_join,
 )
 
-__all__ = ["MAX_TENANT", "TENANT_JOBS", "Challenges", "job_key", "join_datagram", "join_proof",
-           "key_for", "leave_proof", "reply_forged", "reply_sealed", "seal_reply",
+__all__ = ["MAX_TENANT", "TENANT_JOBS", "Challenges", "data_key", "job_key", "join_datagram",
+           "join_proof", "key_for", "leave_proof", "reply_forged", "reply_sealed", "seal_reply",
            "tenant_job_id", "tenant_key", "tenant_of", "worker_key"]
 
 _LABEL = b"switchml job key v1"
@@ -119,6 +119,13 @@ def worker_key(job: int, token: int, *, secret: bytes | None = None,
     if tenant_key_ is not None:
         return job_key(tenant_key_, job, token)
     return key_for(secret, job, token)
+
+
+def data_key(key: bytes) -> bytes:
+    """An authenticated job's data key (``JobSpec.auth_data``): the 16 bytes its REQUESTs and
+    RESULTs are MACed under (SipHash-2-4, in the compiled kernels), HMAC-SHA256 of a label
+    under the job key, truncated; every member and the switch derive it, nobody sends it."""
+    return _mac(key, b"switchml data key v1")[:16]
 
 
 def join_proof(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,

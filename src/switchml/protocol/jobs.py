@@ -13,7 +13,10 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
+from switchml.protocol.auth import data_key
 from switchml.protocol.wire import (
+    AUTH_DATA,
+    AUTH_TAG_SIZE,
     EXP_ZERO,
     HEADER_SIZE,
     ChunkShape,
@@ -111,6 +114,7 @@ class Job:
     history: int = 0  # quorum jobs: earlier rounds kept per slot (SwitchConfig.quorum_history)
     quorum_min: int = 0  # JobSpec.quorum_min: the ranks a round needs at the deadline
     deadline_us: int = 0  # JobSpec.quorum_deadline_s, in microseconds (0: none)
+    auth: bool = False  # JobSpec.auth_data: requests and results carry a MAC (use_key's)
     reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -155,8 +159,11 @@ class Job:
         history = self.history if self.quorum else 0
         jobv[K.J.QUORUM], jobv[K.J.TRAILER], jobv[K.J.HISTORY] = self.quorum, trailer, history
         jobv[K.J.QUORUM_MIN], jobv[K.J.DEADLINE_US] = self.quorum_min, self.deadline_us
+        jobv[K.J.AUTH] = int(self.auth)
+        tag = AUTH_TAG_SIZE if self.auth else 0  # after an authenticated job's results
         self.jobv = jobv
-        self.reply_bytes = K.reply_row_bytes(self.num_workers, self.elements_per_packet) + trailer
+        self.reply_bytes = (K.reply_row_bytes(self.num_workers, self.elements_per_packet)
+                            + trailer + tag)
         self.st = np.zeros((K.S_FIELDS, 2, w), np.int64)
         self.st[K.S.SEQ] = -1
         self.st[K.S.ELEM] = _INT32
@@ -167,7 +174,8 @@ class Job:
         # The two sets' result datagrams, then a quorum job's history rows (kernels'
         # ``_archive``).
         self.bufs = np.zeros((2 + history, w,
-                              HEADER_SIZE + 4 * self.elements_per_packet + trailer), np.uint8)
+                              HEADER_SIZE + 4 * self.elements_per_packet + trailer + tag),
+                             np.uint8)
         # Loss recovery (kernels.nacks._behind_on): the last completions, and how far each rank
         # has been checked against them.
         self.clog = np.full((self.nack_log_windows * w, 4), -1, np.int64)
@@ -204,7 +212,16 @@ class Job:
     @property
     def info(self) -> ControlInfo:
         return ControlInfo(self.num_workers, self.window, self.elements_per_packet, self.slot_base,
-                           self.quorum, self.quorum_min, self.deadline_us)
+                           self.quorum, self.quorum_min, self.deadline_us,
+                           AUTH_DATA if self.auth else 0)
+
+    def use_key(self, key: bytes) -> None:
+        """The job key (JOIN and LEAVE proofs, sealed replies); an authenticated job's kernel
+        gets its data key from it (``auth.data_key``)."""
+        self.key = key
+        if self.auth:
+            k0, k1 = np.frombuffer(data_key(key), np.int64)
+            self.jobv[K.J.MAC_K0], self.jobv[K.J.MAC_K1] = k0, k1
 
     def next_expiry(self) -> float:
         """When a quorum job's deadline completes a round next (the switch's clock, seconds),

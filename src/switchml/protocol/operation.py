@@ -21,7 +21,13 @@ from switchml.protocol.config import JobSpec
 from switchml.protocol.dtypes import SUPPORTED_DTYPES, finfo, is_float, kernel_view
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import scale_bits
-from switchml.protocol.wire import EXP_ZERO, HEADER_SIZE, ElementType, operation_digest
+from switchml.protocol.wire import (
+    AUTH_TAG_SIZE,
+    EXP_ZERO,
+    HEADER_SIZE,
+    ElementType,
+    operation_digest,
+)
 
 __all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
 
@@ -46,7 +52,7 @@ class Operation:
     """
 
     __slots__ = (
-        "E", "L", "T", "bits", "contrib", "digest", "elem", "exps", "fmax", "in_place",
+        "E", "L", "T", "bits", "contrib", "data_key", "digest", "elem", "exps", "fmax", "in_place",
         "is_float", "itemsize", "k",
         "keep", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
         "restarts", "run_order", "runs", "sendlen", "sendq", "seq", "spurious",
@@ -55,8 +61,15 @@ class Operation:
 
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,
-                 residual: np.ndarray | None = None, keep: np.ndarray | None = None) -> None:
+                 residual: np.ndarray | None = None, keep: np.ndarray | None = None,
+                 data_key: bytes | None = None) -> None:
         self.seq, self.x, self.out, self.keep = seq, x, out, keep
+        self.data_key = data_key
+        """An authenticated job's data key (``spec.auth_data``: its requests and results
+        carry a MAC under it, ``auth.data_key``)."""
+        if spec.auth_data and (data_key is None or len(data_key) != 16):
+            raise LocalProtocolError("an authenticated job (auth_data) needs its 16-byte "
+                                     "data key")
         self.in_place = keep is not None
         """The caller's input is ``out`` (kept block by block in ``keep``, or, restarted,
         whole in ``x``): a failure puts it back (:meth:`restore_input`)."""
@@ -70,7 +83,9 @@ class Operation:
         self.L = -(-x.size // self.k)
         self.E = min(spec.window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
-        self.stride = HEADER_SIZE + self.k * self.itemsize  # a lane's datagram, at most
+        # A lane's datagram, at most (an authenticated job's with its MAC).
+        self.stride = HEADER_SIZE + self.k * self.itemsize + (AUTH_TAG_SIZE if spec.auth_data
+                                                              else 0)
         self._stage(x, out, residual)
         info = finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
@@ -151,6 +166,9 @@ class Operation:
         opv[K.OP.IS_FLOAT] = self.is_float
         opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
         opv[K.OP.TRAILER] = (spec.num_workers + 7) // 8 if spec.quorum else 0
+        if self.data_key is not None and spec.auth_data:
+            opv[K.OP.AUTH] = 1
+            opv[K.OP.MAC_K0], opv[K.OP.MAC_K1] = np.frombuffer(self.data_key, np.int64)
         return opv
 
     def restarted(self, seq: int, spec: JobSpec, rank: int,
@@ -164,7 +182,8 @@ class Operation:
             np.copyto(self.keep, x, where=~landed)
             x = self.keep
         op = Operation(seq=seq, x=x, out=self.out, spec=spec, rank=rank,
-                       slot_bases=slot_bases, bits=self.bits, residual=self.residual)
+                       slot_bases=slot_bases, bits=self.bits, residual=self.residual,
+                       data_key=self.data_key)
         op.restarts = self.restarts + 1
         op.in_place = self.in_place
         return op

@@ -252,7 +252,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         if f is None:
             self._receive_other(view[o:end], addr, now)
             return _OTHER
-        admitted = self._admit(f, addr, now)
+        admitted = self._admit(f, addr, now, view[o:end])
         if admitted is None:
             return None
         admitted.mkeys[f[Field.RANK]] = senders[i]

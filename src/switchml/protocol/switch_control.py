@@ -27,6 +27,7 @@ from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, JobCreated, JobRefused, MemberJoined
 from switchml.protocol.jobs import Job, SlotAllocator
 from switchml.protocol.wire import (
+    AUTH_DATA,
     COOKIE_AT,
     COOKIE_SIZE,
     HEADER,
@@ -38,6 +39,7 @@ from switchml.protocol.wire import (
     Datagram,
     ElementType,
     Field,
+    Flags,
     Header,
     MessageType,
     pack_challenge,
@@ -153,7 +155,7 @@ class SwitchControl:
             job = self._create_job(h, asked, addr)
             if job is None:
                 return
-            job.key = key
+            job.use_key(key)
         self._join_member(h, job, asked, cookie, addr, now)
 
     def _verify_join(self, h: Header, job: Job | None, asked: ControlInfo, cookie: bytes,
@@ -203,16 +205,17 @@ class SwitchControl:
         """A proven JOIN of ``job``: check its geometry and rank, record the member (a new
         address only while the job has not started), raise the epoch, answer JOINED."""
         if (asked.num_workers, asked.window, asked.elements_per_packet, asked.quorum,
-                asked.quorum_min, asked.deadline_us) != (
+                asked.quorum_min, asked.deadline_us, asked.options) != (
                 job.num_workers, job.window, job.elements_per_packet, job.quorum,
-                job.quorum_min, job.deadline_us):
+                job.quorum_min, job.deadline_us, job.info.options):
             self._refuse(h, addr, f"job {h.job} exists with n={job.num_workers} "
                          f"window={job.window} elements_per_packet={job.elements_per_packet} "
                          f"quorum={job.quorum or 'none'} (at {job.deadline_us} us: "
-                         f"{job.quorum_min}); asked n={asked.num_workers} "
-                         f"window={asked.window} elements_per_packet={asked.elements_per_packet} "
-                         f"quorum={asked.quorum or 'none'} (at {asked.deadline_us} us: "
-                         f"{asked.quorum_min})")
+                         f"{job.quorum_min}){' auth_data' if job.auth else ''}; asked "
+                         f"n={asked.num_workers} window={asked.window} elements_per_packet="
+                         f"{asked.elements_per_packet} quorum={asked.quorum or 'none'} (at "
+                         f"{asked.deadline_us} us: {asked.quorum_min})"
+                         f"{' auth_data' if asked.options & AUTH_DATA else ''}")
             return
         if h.rank >= job.num_workers:
             self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
@@ -272,6 +275,13 @@ class SwitchControl:
                        f"{asked.deadline_us} us")
         elif asked.quorum and h.job in self.relayed_jobs:
             problem = "a job relayed to a parent switch (a rack's) cannot have a quorum"
+        elif asked.options & ~AUTH_DATA:
+            problem = f"unknown job options 0x{asked.options:x} (this switch knows auth_data, 0x1)"
+        elif asked.options & AUTH_DATA and (asked.quorum or h.job in self.relayed_jobs):
+            problem = "an authenticated data plane (auth_data) has no quorum or parent switch yet"
+        elif asked.options & AUTH_DATA and cfg.secret is None:
+            problem = ("an authenticated data plane (auth_data) needs a switch with a secret: an "
+                       "open switch's job keys derive from values any datagram shows")
         elif (tenant := tenant_of(h.job)) is not None and cfg.tenant_slots is not None:
             held = sum(j.window for j in self._jobs.values() if tenant_of(j.job_id) == tenant)
             if held + asked.window > cfg.tenant_slots:
@@ -292,7 +302,7 @@ class SwitchControl:
                       nack_log_windows=cfg.nack_log_windows,
                       member_timeout_s=cfg.member_timeout_s, quorum=asked.quorum,
                       history=cfg.quorum_history, quorum_min=asked.quorum_min,
-                      deadline_us=asked.deadline_us)
+                      deadline_us=asked.deadline_us, auth=bool(asked.options & AUTH_DATA))
             # NACKs assume every rank is in every round; a quorum job's late ranks are not, and
             # one rank's lost request stalls no round there: its loss recovery is the workers'
             # re-sends (RETRY), answered from the round, the shadow set or the slot's history.
@@ -369,7 +379,8 @@ class SwitchControl:
         job.last_seen = now
         job.heard[h.rank] = now
 
-    def _admit(self, f: tuple, addr: Address, now: float) -> Job | None:
+    def _admit(self, f: tuple, addr: Address, now: float, data: Datagram | None = None
+               ) -> Job | None:
         """The isolation checks of a REQUEST (``f``: its header tuple), before it touches any
         slot: its job, token, rank, the address the rank joined from, and its epoch. Returns
         the job, or None when the request was dropped (and answered, where that helps).
@@ -391,6 +402,13 @@ class SwitchControl:
         if rank >= job.num_workers:
             self._drops["bad_rank"] += 1
             return None
+        if job.auth or f[Field.FLAGS] & Flags.AUTH:
+            # An authenticated job's request answers nothing, and changes nothing, unless its
+            # MAC verifies (the kernel checks it again for the datagrams after this one).
+            if not (job.auth and f[Field.FLAGS] & Flags.AUTH and data is not None
+                    and K.data_sealed(job.jobv, data)):
+                self._drops["bad_mac"] += 1
+                return None
         member = job.members[rank]
         if member != addr:
             if member is None:

@@ -21,7 +21,7 @@ __all__ = ["SwitchStats"]
 
 _KERNEL_DROPS = (("stale", K.SC.STALE), ("bad_slot", K.SC.BAD_SLOT),
                  ("bad_payload", K.SC.BAD_PAYLOAD), ("late_duplicate", K.SC.LATE_DUPLICATE),
-                 ("duplicate", K.SC.DUPLICATE))
+                 ("duplicate", K.SC.DUPLICATE), ("bad_mac", K.SC.BAD_MAC))
 """The kernel's drop counters (``kernels.SC``) by the names ``drops`` reports."""
 
 

@@ -28,6 +28,7 @@ name for the type, in the lowest layer; ``endpoint.Datagram`` is this)."""
 __all__ = [
     "Datagram",
     "AT",
+    "AUTH_DATA",
     "AUTH_TAG_SIZE",
     "SEALED_TYPES",
     "EXP_ZERO",
@@ -198,7 +199,10 @@ class Flags(IntFlag):
     rank answers it with the stored result; a first transmission gets nothing back (the
     result's multicast reaches the rank anyway)."""
     AUTH = 0x40
-    """A switch's reply that can end, redirect or fail what a worker does (the types of
+    """A MAC follows: on a REQUEST or RESULT of an authenticated job (``JobSpec.auth_data``),
+    its data MAC (SipHash-2-4, 128 bits, under the job's data key: ``auth.data_key``, computed
+    by the compiled kernels, ``csrc/common.h``); on a switch's reply that can end, redirect or
+    fail what a worker does (the types of
     :data:`SEALED_TYPES`) carries a MAC under the job key (``auth.seal_reply``): in a
     16-byte trailer after the payload, or, for the header-only UNKNOWN_JOB, in the header
     fields it does not use (``chunk``, ``slot``, ``exp_data``, ``exp_next``), so that it stays
@@ -226,7 +230,8 @@ class ElementType(IntEnum):
     """16-bit fixed point (the bandwidth-halving mode): twice the elements per slot."""
 
 
-_SEALED_FLAGS = KNOWN_FLAGS | int(Flags.AUTH)
+_AUTH = int(Flags.AUTH)
+_SEALED_FLAGS = KNOWN_FLAGS | _AUTH
 _ITEMSIZE = {ElementType.BYTES: 1, ElementType.INT32: 4, ElementType.INT16: 2}
 ITEMSIZE = {int(k): v for k, v in _ITEMSIZE.items()}
 _TYPES = {int(t): t for t in MessageType}
@@ -288,8 +293,8 @@ def unpack_header(data: Datagram) -> Header:
         raise WireError("bad_elem", str(elem))
     if set_bit > 1:
         raise WireError("bad_set", str(set_bit))
-    if flags & ~(RESULT_FLAGS if t is MessageType.RESULT else
-                 REQUEST_FLAGS if t is MessageType.REQUEST else
+    if flags & ~(RESULT_FLAGS | _AUTH if t is MessageType.RESULT else
+                 REQUEST_FLAGS | _AUTH if t is MessageType.REQUEST else
                  _SEALED_FLAGS if t in SEALED_TYPES else KNOWN_FLAGS):
         raise WireError("bad_flags", f"0x{flags:02x}")
     body = HEADER_SIZE + count * _ITEMSIZE[e]
@@ -337,9 +342,14 @@ class ControlInfo:
     """``JobSpec.quorum_min``: the ranks a round needs at the deadline (0: no deadline)."""
     deadline_us: int = 0
     """``JobSpec.quorum_deadline_s`` in microseconds (0: none)."""
+    options: int = 0
+    """Bit 0 (:data:`AUTH_DATA`): the job's data plane is authenticated (``JobSpec.auth_data``:
+    every REQUEST and RESULT carries a MAC). Other bits must be 0."""
 
 
-_CONTROL = struct.Struct("<IIIIIII")
+AUTH_DATA = 1
+"""``ControlInfo.options``: an authenticated data plane."""
+_CONTROL = struct.Struct("<IIIIIIII")
 COOKIE_SIZE = 24
 """A JOIN challenge's cookie: issue time (uint64, microseconds) and a 16-byte MAC."""
 NO_COOKIE = bytes(COOKIE_SIZE)
@@ -352,7 +362,7 @@ _JOINED_SIZE = _CONTROL.size + COOKIE_SIZE
 
 def pack_control_info(info: ControlInfo) -> bytes:
     return _CONTROL.pack(info.num_workers, info.window, info.elements_per_packet, info.slot_base,
-                         info.quorum, info.quorum_min, info.deadline_us)
+                         info.quorum, info.quorum_min, info.deadline_us, info.options)
 
 
 def unpack_control_info(payload: bytes | memoryview | np.ndarray) -> ControlInfo:

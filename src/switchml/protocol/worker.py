@@ -39,7 +39,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import worker_key
+from switchml.protocol.auth import data_key, worker_key
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import SUPPORTED_DTYPES
 from switchml.protocol.endpoint import Batch, Transmit
@@ -75,7 +75,8 @@ _KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PA
                     ("idle_probes", K.WC.IDLE_PROBES),
                     ("results_left_out", K.WC.LEFT_OUT), ("blocks_clamped", K.WC.CLAMPED))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
-                 ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT))
+                 ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT),
+                 ("bad_mac", K.WC.BAD_MAC))
 _Run = tuple[list[Datagram], int, Address]
 """A GSO run: buffers whose bytes are datagrams of ``size`` bytes, and their destination."""
 RECOVERY_COUNTERS = ("nack_retransmissions", "timer_retransmissions", "tail_probes", "idle_probes",
@@ -211,7 +212,8 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         # Built first: if allocating it fails (MemoryError), nothing has changed, the
         # sequence number included (the ranks must stay in step).
         op = Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
-                       slot_bases=self.slot_bases, bits=bits, residual=residual, keep=keep)
+                       slot_bases=self.slot_bases, bits=bits, residual=residual, keep=keep,
+                       data_key=data_key(self._key) if self.spec.auth_data else None)
         op.opv[K.OP.PY_NACKS] = self.recovery.fast_retransmit  # RACK logs its re-sends
         self._seq = (seq + 1) & 0xFFFFFFFF
         self._move(WorkerInput.START)

@@ -24,6 +24,7 @@ from switchml.protocol.events import Event, Joined, JoinFailed, Left, OperationR
 from switchml.protocol.lifecycle import WorkerInput, WorkerState, can
 from switchml.protocol.operation import Operation
 from switchml.protocol.wire import (
+    AUTH_DATA,
     NO_COOKIE,
     ControlInfo,
     Datagram,
@@ -278,7 +279,8 @@ class WorkerControl:
                                               quorum=spec.quorum or 0,
                                               quorum_min=spec.quorum_min or 0,
                                               deadline_us=round(1e6 * (spec.quorum_deadline_s
-                                                                       or 0))))
+                                                                       or 0)),
+                                              options=AUTH_DATA if spec.auth_data else 0))
 
     def _send_join(self, now: float) -> None:
         datagram = self._join_datagram()

@@ -131,14 +131,17 @@ class MemoryCluster:
                  worker_config: WorkerConfig | Sequence[WorkerConfig | None] | None = None,
                  switch: SwitchDataplane | None = None, fabric: MemoryFabric | None = None,
                  shards: int = 1, quorum: int | None = None,
-                 quorum_min: int | None = None, quorum_deadline_s: float | None = None) -> None:
+                 quorum_min: int | None = None, quorum_deadline_s: float | None = None,
+                 auth_data: bool = False) -> None:
         """``worker_config``: one for every rank, or a list of one per rank. ``shards``: a
         sharded switch of that many shard endpoints at ports 48864 + i (``shard_switches``,
-        ``shard_addresses``; ``switch`` is shard 0). ``quorum``, ``quorum_min`` and
-        ``quorum_deadline_s``: ``JobSpec``'s."""
+        ``shard_addresses``; ``switch`` is shard 0). ``quorum``, ``quorum_min``,
+        ``quorum_deadline_s`` and ``auth_data``: ``JobSpec``'s (``auth_data`` needs a
+        ``switch`` and ``worker_config`` with a secret)."""
         self.spec = JobSpec(job_id=job_id, token=token, num_workers=num_workers, window=window,
                             elements_per_packet=elements_per_packet, quorum=quorum,
-                            quorum_min=quorum_min, quorum_deadline_s=quorum_deadline_s)
+                            quorum_min=quorum_min, quorum_deadline_s=quorum_deadline_s,
+                            auth_data=auth_data)
         self.fabric = fabric or MemoryFabric(faults or FaultModel(), seed)
         if switch is None and self.SWITCH in self.fabric.endpoints:
             switch = self.fabric.endpoints[self.SWITCH]  # type: ignore[assignment]

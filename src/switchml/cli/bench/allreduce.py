@@ -63,6 +63,10 @@ def add_parser(bsub: Subparsers) -> None:
     ar.add_argument("--residual", action="store_true",
                     help="with --testbed --bits 16: each worker keeps a float32 rounding "
                          "residual (error feedback), as the 16-bit DDP hook does")
+    ar.add_argument("--auth-data", action="store_true",
+                    help="switchml's job authenticates its data plane: a 16-byte MAC on every "
+                         "request and result (the benchmark's switch gets a secret of the "
+                         "run's own; chunks leave room for the MAC: 354 elements at MTU 1500)")
     add_threads_option(ar, help="I/O threads per switchml worker, each with its own socket and "
                                 "share of the window (one core carries about 4 Gbit/s; results "
                                 "are bit-identical for any count) (default 1)")
@@ -123,6 +127,7 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The loopback benchmark ``args`` describe (chunks sized to the switch's route MTU)."""
     from switchml.bench.allreduce import BenchConfig
+    from switchml.protocol.wire import AUTH_TAG_SIZE
     from switchml.transport.udp import elements_per_packet_for
 
     return BenchConfig(
@@ -130,9 +135,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, switch=tuple(args.switch) if args.switch else None,
         shards=args.shards, window=args.window,
         elements_per_packet=args.elements_per_packet or elements_per_packet_for(
-            args.switch[0] if args.switch else ("127.0.0.1", 1), args.mtu), bits=args.bits,
+            args.switch[0] if args.switch else ("127.0.0.1", 1), args.mtu,
+            trailer=AUTH_TAG_SIZE if args.auth_data else 0), bits=args.bits,
         baselines=() if args.no_gloo else ("gloo",), timeout_s=args.timeout_s,
-        batching=not args.no_batching, threads=args.threads)
+        batching=not args.no_batching, threads=args.threads, auth_data=args.auth_data)
 
 
 def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
@@ -147,7 +153,7 @@ def testbed_config_from_args(args: argparse.Namespace) -> TestbedBenchConfig:
         window=args.window, timeout_s=args.timeout_s,
         fast_retransmit=args.fast_retransmit, bits=args.bits, nack_gap=args.nack_gap,
         jobs=args.jobs, residual=args.residual, dtype=args.dtype,
-        torch=args.torch, threads=args.threads)
+        torch=args.torch, threads=args.threads, auth_data=args.auth_data)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -116,6 +116,7 @@ relay_due = _s.relay_due
 relay_next_due = _s.relay_next_due
 relay_up = _s.relay_up
 request_framing = _s.request_framing
+data_sealed = _s.data_sealed
 switch_requests = _s.switch_requests
 del _s
 
@@ -125,6 +126,7 @@ _w = _load("worker", {"O_FIELDS": O_FIELDS, "R_FIELDS": R_FIELDS, "LN_FIELDS": L
                        "QUORUM_AHEAD": QUORUM_AHEAD})
 OpState = _w.OpState
 block_exponents = _w.block_exponents
+data_mac = _w.data_mac
 dequantize_block = _w.dequantize_block
 fire_timers = _w.fire_timers
 first_foreign = _w.first_foreign
@@ -148,7 +150,8 @@ __all__ = [
     "LN", "LNF_FIELDS", "LN_FIELDS", "MAGIC", "MAX_BATCH", "OP", "O_FIELDS", "OpState",
     "PROBE_LANES", "QUORUM_AHEAD", "R", "REPLIES_PER_CALL",
     "R_FIELDS", "S", "SC", "SS", "S_FIELDS", "T_NACK", "T_REQUEST", "T_RESULT", "T_WAITING",
-    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot",
+    "VERSION", "WC", "WS", "as_buffer", "block_exponents", "counter_snapshot", "data_mac",
+    "data_sealed",
     "dequantize_block", "expire_rounds", "fire_timers", "first_foreign", "gro_segments", "i16",
     "i64",
     "log_releases", "mark_nack_resend", "next_deadline", "plan_result_runs", "plan_runs",

@@ -32,6 +32,8 @@ F_HAS_EXP = 0x04
 F_RESENT = 0x08
 F_CONTRIBUTORS = 0x10
 F_RETRY = 0x20
+F_AUTH = 0x40
+DATA_TAG = 16  # an authenticated job's MAC after the payload (csrc/common.h's seal_data)
 RESULT_FLAGS = 0x1F
 REQUEST_FLAGS = 0x2F
 SHAPE_FLAGS = F_HAS_DATA | F_HAS_EXP
@@ -117,8 +119,11 @@ def request_framing(d, o, n):
     if (n < HDR or u16(d, o + H_MAGIC) != MAGIC or d[o + H_VERSION] != VERSION
             or d[o + H_TYPE] != T_REQUEST):
         return False
-    if d[o + H_SET] > 1 or (np.int64(d[o + H_FLAGS]) & ~REQUEST_FLAGS) != 0:
+    flags = np.int64(d[o + H_FLAGS])
+    if d[o + H_SET] > 1 or (flags & ~(REQUEST_FLAGS | F_AUTH)) != 0:
         return False
+    if flags & F_AUTH:  # an authenticated job's: the MAC follows the payload
+        n -= DATA_TAG
     elem = d[o + H_ELEM]
     if elem == E_INT32:
         return n == HDR + 4 * u16(d, o + H_COUNT)

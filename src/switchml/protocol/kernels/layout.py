@@ -46,9 +46,12 @@ class OP(IntEnum):
     NQ = 19  # lanes queued to send: ``sendq[:NQ]`` (drained by the endpoint's caller)
     PY_NACKS = 20  # 1: NACKs go to Python (RACK keeps its transmission log there)
     TRAILER = 21  # a quorum job's results end in a contributor bitmap of this many bytes; else 0
+    AUTH = 22  # 1: the job's data plane is authenticated (requests and results carry a MAC)
+    MAC_K0 = 23  # its data key, bytes 0-7 (little-endian, signed reinterpretation)
+    MAC_K1 = 24  # ... bytes 8-15
 
 
-O_FIELDS = 22
+O_FIELDS = 25
 
 
 class R(IntEnum):
@@ -120,7 +123,8 @@ class WC(IntEnum):
     IDLE_PROBES = 14  # chunks re-sent by the idle probe (``fire_timers``)
     LEFT_OUT = 15  # quorum results that do not hold this rank (it was late for the round)
     CLAMPED = 16  # blocks sent clamped: this rank's exponent was left out of the agreed one
-    N = 17
+    BAD_MAC = 17  # results of an authenticated job whose MAC did not verify (dropped)
+    N = 18
 
 
 
@@ -193,9 +197,12 @@ class J(IntEnum):
     HISTORY = 23  # quorum jobs: earlier rounds kept per slot, in ``bufs[2:]`` (else 0)
     QUORUM_MIN = 24  # quorum jobs with a deadline: a round completes at it with this many
     DEADLINE_US = 25  # ... this long after its first contribution (microseconds; 0: none)
+    AUTH = 26  # 1: the job's data plane is authenticated (JobSpec.auth_data)
+    MAC_K0 = 27  # its data key, bytes 0-7 (little-endian, signed reinterpretation)
+    MAC_K1 = 28  # ... bytes 8-15
 
 
-J_FIELDS = 26
+J_FIELDS = 29
 
 
 class S(IntEnum):
@@ -235,7 +242,8 @@ class SC(IntEnum):
     LATE_ANSWERED = 11  # first contributions to rounds complete without them (quorum jobs)
     OLD_ANSWERED = 12  # requests of earlier rounds answered from the history (quorum jobs)
     DEADLINE_COMPLETED = 13  # rounds a quorum job's deadline completed with fewer than k
-    N = 14
+    BAD_MAC = 14  # requests whose MAC did not verify, or whose AUTH flag is not their job's
+    N = 15
 
 
 class SS(IntEnum):
@@ -354,6 +362,7 @@ def c_header() -> str:
         if f.name != "NONE":
             put(f"F_{f.name}", f)
     put("KNOWN_FLAGS", wire.KNOWN_FLAGS)
+    put("DATA_TAG", wire.AUTH_TAG_SIZE)
     put("RESULT_FLAGS", wire.RESULT_FLAGS)
     put("REQUEST_FLAGS", wire.REQUEST_FLAGS)
     for e in wire.ElementType:

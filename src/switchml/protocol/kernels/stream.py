@@ -14,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from switchml.protocol.kernels.frames import (
+    DATA_TAG,
     E_INT16,
     E_INT32,
     EXP_ZERO,
+    F_AUTH,
     F_CONTRIBUTORS,
     F_HAS_DATA,
     F_HAS_EXP,
@@ -75,8 +77,8 @@ from switchml.protocol.kernels.numerics import (
 
 def lane_row(i, opv):
     """Where lane ``i``'s datagram starts in the transmit buffer: each lane has a row of one
-    full datagram (header and ``K`` elements)."""
-    return i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE])
+    full datagram (header, ``K`` elements and, for an authenticated job, its MAC)."""
+    return i * (HDR + opv[OP.K] * opv[OP.ITEMSIZE] + (DATA_TAG if opv[OP.AUTH] else 0))
 
 
 def keep_block(x, lo, count, keep):
@@ -235,8 +237,9 @@ def _result_length(d, o, ln, opv):
         return 0
     trailer = opv[OP.TRAILER]
     flags = np.int64(d[o + H_FLAGS])
-    if (d[o + H_SET] > 1 or (flags & ~(RESULT_FLAGS if trailer else KNOWN_FLAGS)) != 0
-            or (trailer and not flags & F_CONTRIBUTORS)):
+    auth = F_AUTH if opv[OP.AUTH] else 0  # an authenticated job's: always sealed
+    if (d[o + H_SET] > 1 or (flags & ~((RESULT_FLAGS if trailer else KNOWN_FLAGS) | auth)) != 0
+            or (trailer and not flags & F_CONTRIBUTORS) or (flags & F_AUTH) != auth):
         return 0
     elem = np.int64(d[o + H_ELEM])
     if elem == E_INT32:
@@ -245,7 +248,7 @@ def _result_length(d, o, ln, opv):
         isz = 2
     else:
         return 0
-    if ln != HDR + isz * u16(d, o + H_COUNT) + trailer:
+    if ln != HDR + isz * u16(d, o + H_COUNT) + trailer + (DATA_TAG if auth else 0):
         return 0
     if u32(d, o + H_JOB) != opv[OP.JOB] or i64(d, o + H_TOKEN) != opv[OP.TOKEN]:
         return 0
