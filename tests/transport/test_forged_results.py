@@ -133,3 +133,75 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize("shards", [2, 1])
+def test_forged_results_from_the_switchs_own_address_change_no_sum_of_an_authenticated_job(
+        shards) -> None:
+    """The authenticated data plane (``JobSpec.auth_data``): RESULTs of 666 from the switch's
+    spoofed address, with AUTH and a tag that is not the job's, or without AUTH, while the
+    ranks all-reduce: every sum is right, and the ranks dropped the forgeries (``bad_mac``)."""
+    if os.geteuid() != 0:
+        pytest.skip("spoofing the switch's source address needs a raw socket (root)")
+    secret = b"forged-results-auth-data-secret"
+    servers = [SwitchServer(port=0, config=SwitchConfig(shard_index=i, shard_count=shards,
+                                                        secret=secret)).start()
+               for i in range(shards)]
+    try:
+        addrs = [s.address for s in servers]
+        spec = new_job_spec(N, window=W, elements_per_packet=K, auth_data=True)
+        clients: list = [None] * N
+        outs: dict[int, list] = {r: [] for r in range(N)}
+        errors: list = []
+        started = threading.Barrier(N + 1)
+        stop, flooded = threading.Event(), threading.Event()
+
+        def rank(r: int) -> None:
+            try:
+                with WorkerClient(addrs if shards > 1 else addrs[0], spec, r,
+                                  WorkerConfig(op_timeout_s=20, secret=secret)) as w:
+                    clients[r] = w
+                    started.wait(30)
+                    flooded.wait(30)
+                    for op in range(OPS):
+                        outs[r].append(w.allreduce(np.full(SIZE, (r + 1) * (op + 1), np.int32)))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(f"rank {r}: {exc!r}")
+                started.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(N)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        results = [d for d in _forgeries(spec.job_id, spec.token, range(OPS + 1))
+                   if d[3] == MessageType.RESULT]
+        tagged = [bytes([*d[:4], d[4] | 0x40, *d[5:]]) + os.urandom(16) for d in results]
+        ports = [c.sock.getsockname()[1] for c in clients]
+
+        def forge() -> None:
+            with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:
+                while not stop.is_set():
+                    for d in tagged + results:
+                        for p in ports:
+                            s.sendto(_spoofed(addrs[p % shards], ("127.0.0.1", p), d),
+                                     ("127.0.0.1", 0))
+                        if stop.is_set():
+                            return
+                    flooded.set()
+
+        forger = threading.Thread(target=forge)
+        forger.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        forger.join(10)
+        assert not errors, errors
+        for r in range(N):
+            assert len(outs[r]) == OPS
+            for op, out in enumerate(outs[r]):
+                np.testing.assert_array_equal(out, np.full(SIZE, 3 * (op + 1), np.int32))
+        assert all(c.endpoint.drops["bad_mac"] > 0 for c in clients), \
+            [dict(c.endpoint.drops) for c in clients]
+    finally:
+        for s in servers:
+            s.stop()
