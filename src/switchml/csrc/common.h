@@ -158,18 +158,23 @@ static inline void write_header(uint8_t *d, int64_t o, int64_t mtype, int64_t fl
 static int data_mac(const uint8_t *key, const uint8_t *d, int64_t n, uint8_t *tag)
 {
     static __thread EVP_MAC_CTX *ctx = NULL;
+    size_t out = 0;
     if (ctx == NULL) {
         EVP_MAC *mac = EVP_MAC_fetch(NULL, "SIPHASH", NULL);
         if (mac == NULL)
             return 0;
-        ctx = EVP_MAC_CTX_new(mac);
+        EVP_MAC_CTX *c = EVP_MAC_CTX_new(mac);
         EVP_MAC_free(mac); /* the context keeps its own reference */
-        if (ctx == NULL)
+        size_t size = DATA_TAG; /* kept across EVP_MAC_init calls with a new key */
+        OSSL_PARAM params[2] = {OSSL_PARAM_construct_size_t("size", &size),
+                                OSSL_PARAM_construct_end()};
+        if (c == NULL || !EVP_MAC_CTX_set_params(c, params)) {
+            EVP_MAC_CTX_free(c);
             return 0;
+        }
+        ctx = c;
     }
-    size_t size = DATA_TAG, out = 0;
-    OSSL_PARAM params[2] = {OSSL_PARAM_construct_size_t("size", &size), OSSL_PARAM_construct_end()};
-    return EVP_MAC_init(ctx, key, 16, params) && EVP_MAC_update(ctx, d, (size_t)n)
+    return EVP_MAC_init(ctx, key, 16, NULL) && EVP_MAC_update(ctx, d, (size_t)n)
            && EVP_MAC_final(ctx, tag, &out, DATA_TAG) && out == DATA_TAG;
 }
 
