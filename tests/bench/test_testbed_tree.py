@@ -9,7 +9,8 @@ import pytest
 def test_loss_on_the_tree_testbed_is_refused_not_ignored():
     """The tree testbed applies no loss: asking for it says so (before building anything)
     instead of measuring loss-free links under a lossy label."""
-    from switchml.bench.testbed import TestbedBenchConfig, run_testbed_tree
+    from switchml.bench.testbed import TestbedBenchConfig
+    from switchml.bench.testbed_tree import run_testbed_tree
     cfg = TestbedBenchConfig(workers=2, sizes_bytes=(1 << 20,), loss_rate=0.01)
     with pytest.raises(ValueError, match="the tree testbed applies no loss"):
         run_testbed_tree(cfg, racks=2)
@@ -19,7 +20,8 @@ def test_loss_on_the_tree_testbed_is_refused_not_ignored():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_racks_under_a_spine_sum_exactly_on_the_testbed():
-    from switchml.bench.testbed import TestbedBenchConfig, run_testbed_tree
+    from switchml.bench.testbed import TestbedBenchConfig
+    from switchml.bench.testbed_tree import run_testbed_tree
     cfg = TestbedBenchConfig(workers=2, sizes_bytes=(1 << 20,), iters=2, warmup=1,
                              systems=("switchml",), rate_bps=1e9, mtu=1500)
     rows = run_testbed_tree(cfg, racks=2)

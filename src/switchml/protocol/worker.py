@@ -63,17 +63,14 @@ __all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerE
 
 
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
-_KERNEL_COUNTERS = (("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
-                    ("payload_bytes_sent", K.WC.PAYLOAD_BYTES),
-                    ("payload_bytes_resent", K.WC.PAYLOAD_RESENT),
-                    ("retransmissions", K.WC.RETRANSMISSIONS),
-                    ("spurious_fast_retransmissions", K.WC.SPURIOUS),
-                    ("tail_probes", K.WC.TAIL_PROBES),
-                    ("nack_retransmissions", K.WC.NACK_RESENDS),
-                    ("nacks_ignored", K.WC.NACKS_IGNORED),
-                    ("timer_retransmissions", K.WC.TIMER_RESENDS),
-                    ("idle_probes", K.WC.IDLE_PROBES),
-                    ("results_left_out", K.WC.LEFT_OUT), ("blocks_clamped", K.WC.CLAMPED))
+_KERNEL_COUNTERS = (
+    ("results_received", K.WC.RESULTS), ("packets_sent", K.WC.PACKETS_SENT),
+    ("payload_bytes_sent", K.WC.PAYLOAD_BYTES), ("payload_bytes_resent", K.WC.PAYLOAD_RESENT),
+    ("retransmissions", K.WC.RETRANSMISSIONS), ("spurious_fast_retransmissions", K.WC.SPURIOUS),
+    ("tail_probes", K.WC.TAIL_PROBES), ("nack_retransmissions", K.WC.NACK_RESENDS),
+    ("nacks_ignored", K.WC.NACKS_IGNORED), ("timer_retransmissions", K.WC.TIMER_RESENDS),
+    ("idle_probes", K.WC.IDLE_PROBES), ("results_left_out", K.WC.LEFT_OUT),
+    ("blocks_clamped", K.WC.CLAMPED))
 _KERNEL_DROPS = (("stale_result", K.WC.STALE_RESULT), ("duplicate_result", K.WC.DUPLICATE_RESULT),
                  ("bad_slot", K.WC.BAD_SLOT), ("bad_count", K.WC.BAD_COUNT),
                  ("bad_mac", K.WC.BAD_MAC))

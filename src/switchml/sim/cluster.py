@@ -25,7 +25,7 @@ from switchml.protocol.session import WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.tree import RackAggregator, TreeConfig, TreeFailed, UpstreamJoined
 from switchml.protocol.worker import WorkerEndpoint
-from switchml.transport.handles import AllreduceHandle
+from switchml.transport.handles import AllreduceHandle, OutOfPlace
 
 __all__ = ["SPINE", "TreeCluster", "rack_address", "worker_address"]
 
@@ -40,7 +40,7 @@ def worker_address(rank: int) -> Address:
     return (f"worker{rank}", 4000 + rank)
 
 
-class TreeCluster:
+class TreeCluster(OutOfPlace):
     """``racks`` rack switches of ``workers_per_rack`` workers each under one spine switch;
     global rank ``g`` is worker ``g % workers_per_rack`` of rack ``g // workers_per_rack``.
     Every worker quantises for all ``racks * workers_per_rack`` workers."""
@@ -158,9 +158,3 @@ class TreeCluster:
         self.net.run(until)
         for h in handles:
             h.result()
-
-    def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Sum the arrays (one per global rank) out of place; return each rank's result."""
-        outs = [np.empty_like(a) for a in arrays]
-        self.wait(self.start(arrays, outs))
-        return outs

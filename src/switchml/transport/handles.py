@@ -18,7 +18,7 @@ import numpy as np
 
 from switchml.protocol.session import OperationHandle
 
-__all__ = ["AllreduceHandle"]
+__all__ = ["AllreduceHandle", "OutOfPlace"]
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +68,20 @@ class AllreduceHandle(OperationHandle):
             fn(self)
         except Exception:  # a user's callback must not kill the I/O thread
             log.exception("all-reduce done callback failed")
+
+
+class OutOfPlace:
+    """``allreduce`` out of place, for an in-process cluster of ranks (the in-memory fabric's,
+    the simulator's tree) that has ``start(arrays, outs)`` and ``wait(handles)``."""
+
+    def start(self, arrays: Any, outs: Any = None) -> Any:
+        raise NotImplementedError
+
+    def wait(self, handles: Any) -> None:
+        raise NotImplementedError
+
+    def allreduce(self, arrays: Any) -> list[np.ndarray]:
+        """Sum the arrays (one per rank) out of place; return each rank's result."""
+        outs = [np.empty_like(a) for a in arrays]
+        self.wait(self.start(arrays, outs))
+        return outs

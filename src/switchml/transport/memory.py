@@ -27,7 +27,7 @@ from switchml.protocol.session import WorkerSession
 from switchml.protocol.switch import SwitchDataplane
 from switchml.protocol.worker import WorkerEndpoint
 from switchml.transport.engine import EndpointTimers, EventEngine
-from switchml.transport.handles import AllreduceHandle
+from switchml.transport.handles import AllreduceHandle, OutOfPlace
 
 __all__ = ["EndpointTimers", "FaultModel", "MemoryCluster", "MemoryFabric"]
 
@@ -109,7 +109,7 @@ class MemoryFabric(EventEngine):
         return delay
 
 
-class MemoryCluster:
+class MemoryCluster(OutOfPlace):
     """One switch and the n workers of one job on a :class:`MemoryFabric`; each worker is
     driven through a :class:`~switchml.protocol.session.WorkerSession`, so operations queue
     and hand out the same handles as over UDP (``AllreduceHandle``; ``wait`` runs the
@@ -240,9 +240,3 @@ class MemoryCluster:
         self.fabric.run(self._all(lambda h: h.done(), handles))
         for h in handles:
             h.result()
-
-    def allreduce(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Sum the arrays (one per rank) out of place; return each rank's result."""
-        outs = [np.empty_like(a) for a in arrays]
-        self.wait(self.start(arrays, outs))
-        return outs

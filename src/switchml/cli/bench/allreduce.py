@@ -218,7 +218,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("building the testbed") as status:
         if args.racks > 1:
-            from switchml.bench.testbed import run_testbed_tree
+            from switchml.bench.testbed_tree import run_testbed_tree
             rows = run_testbed_tree(cfg, args.racks, progress=lambda what: status.update(
                 f"measuring {what}"))
         else:
