@@ -205,9 +205,9 @@ def test_join_proofs_are_the_documented_hmacs():
     assert auth.job_key(None, 9, 0xABCDEF) == mac(b"", b"switchml job key v1"
                                                   + struct.pack("<IQ", 9, 0xABCDEF))
     cookie = bytes(range(24))
-    info = ControlInfo(4, 16, 358, quorum=3, quorum_min=2, deadline_us=5000)
-    want = mac(key, b"JOIN" + struct.pack("<IQHIIIIIII", 9, 0xABCDEF, 3, 65536, 4, 16, 358, 3,
-                                          2, 5000) + cookie)
+    info = ControlInfo(4, 16, 358, quorum=3, quorum_min=2, deadline_us=5000, options=1)
+    want = mac(key, b"JOIN" + struct.pack("<IQHIIIIIIII", 9, 0xABCDEF, 3, 65536, 4, 16, 358, 3,
+                                          2, 5000, 1) + cookie)
     assert auth.join_proof(key, job=9, token=0xABCDEF, rank=3, seq=65536, info=info,
                            cookie=cookie) == want
     assert auth.leave_proof(key, job=9, token=0xABCDEF, rank=3, cookie=cookie) == mac(

@@ -324,8 +324,11 @@ def test_join_joined_challenge_and_leave_golden_bytes():
     assert len(challenge) == 64 < len(hello)  # never amplifies a spoofed JOIN
     assert challenge[24:28] == (2).to_bytes(4, "little") and challenge[40:] == cookie
     joined = wire.pack_joined(job=5, token=0x1122, rank=3, shard=0,
-                              info=ControlInfo(4, 16, 358, 64, 3, options=1), cookie=cookie)
-    assert joined[40:] == struct.pack("<IIIIIIII", 4, 16, 358, 64, 3, 0, 0, 1) + cookie
+                              info=ControlInfo(4, 16, 358, 64, 3, options=1), cookie=cookie,
+                              incarnation=bytes(range(200, 216)))
+    assert joined[40:] == (struct.pack("<IIIIIIII", 4, 16, 358, 64, 3, 0, 0, 1) + cookie
+                           + bytes(range(200, 216)))
+    assert wire.joined_incarnation(joined[40:]) == bytes(range(200, 216))
     leave = wire.pack_leave(job=5, token=0x1122, rank=3, proof=proof)
     assert leave[40:] == proof and unpack_header(leave).count == 32
     for raw, unpack in ((join[40:-1], wire.unpack_join), (joined[40:] + b"x", wire.unpack_joined),

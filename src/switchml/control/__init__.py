@@ -115,6 +115,9 @@ def decode_job_spec(text: str) -> JobSpec:
         tag = parts.pop()
         tagged[tag[0]] = tag[1:]
     quorum = tagged.get("q")
+    if tagged.get("a", "") != "":  # (a typo must not turn the MAC off)
+        raise ConfigError(f"bad job spec {text!r}: the tag of an authenticated data plane is "
+                          f"':a', got ':a{tagged['a']}'")
     if len(parts) not in (5, 6):
         raise ConfigError(f"expected job_id:token:n:window:k[:scale_workers][:q<quorum>][:a], "
                           f"got {text!r}")

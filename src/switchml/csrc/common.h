@@ -191,15 +191,18 @@ static inline int seal_data(int64_t k0, int64_t k1, uint8_t *d, int64_t n)
     uint8_t key[16];
     data_key(k0, k1, key);
     d[H_FLAGS] |= F_AUTH;
-    return data_mac(key, d, n, d + n);
+    if (data_mac(key, d, n, d + n))
+        return 1;
+    memset(d + n, 0, DATA_TAG); /* OpenSSL failed: a tag that verifies nowhere, never old bytes */
+    return 0;
 }
 
 /* Whether d[0:n] (tag included) carries AUTH and a tag that verifies under the key. */
 static inline int data_sealed(int64_t k0, int64_t k1, const uint8_t *d, int64_t n)
 {
     uint8_t key[16], tag[DATA_TAG];
-    if (n < HDR + DATA_TAG || !(d[H_FLAGS] & F_AUTH))
-        return 0;
+    if (n < HDR + DATA_TAG || !(d[H_FLAGS] & F_AUTH) || (k0 == 0 && k1 == 0))
+        return 0; /* (an all-zero key: never set, so nothing verifies under it) */
     data_key(k0, k1, key);
     return data_mac(key, d, n - DATA_TAG, tag)
            && CRYPTO_memcmp(tag, d + n - DATA_TAG, DATA_TAG) == 0;

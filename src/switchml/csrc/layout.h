@@ -80,8 +80,6 @@
 #define OP_PY_NACKS 20
 #define OP_TRAILER 21
 #define OP_AUTH 22
-#define OP_MAC_K0 23
-#define OP_MAC_K1 24
 
 #define R_SRTT 0
 #define R_RTTVAR 1
@@ -108,6 +106,8 @@
 #define LN_FAST 5
 #define LN_SLOT 6
 #define LN_TAIL_ORDER 7
+#define LN_MAC_K0 8
+#define LN_MAC_K1 9
 
 #define LF_SENT_AT 0
 #define LF_XMIT_AT 1
@@ -265,9 +265,9 @@
 #define SP_ERRNO 4
 #define SP_N 5
 
-#define O_FIELDS 25
+#define O_FIELDS 23
 #define R_FIELDS 16
-#define LN_FIELDS 8
+#define LN_FIELDS 10
 #define LNF_FIELDS 3
 #define J_FIELDS 29
 #define S_FIELDS 12

@@ -924,7 +924,8 @@ static int get_job(bufs_t *b, PyObject *const *args, int at, job_t *j)
     if (n < 1 || n > 64 * j->words || j->jobv[J_WINDOW] > j->W || j->jobv[J_WINDOW] < 0
         || j->jobv[J_MAX_BYTES] > j->stride - HDR || j->jobv[J_SHARDS] < 1
         || j->jobv[J_TRAILER] < 0 || j->jobv[J_TRAILER] > 8 * j->words
-        || j->jobv[J_MAX_BYTES] + j->jobv[J_TRAILER] > j->stride - HDR
+        || j->jobv[J_MAX_BYTES] + j->jobv[J_TRAILER] + (j->jobv[J_AUTH] ? DATA_TAG : 0)
+               > j->stride - HDR
         || j->jobv[J_QUORUM] < 0 || j->jobv[J_QUORUM] > n
         || j->jobv[J_HISTORY] != j->nsets - 2)
         goto bad;

@@ -542,7 +542,7 @@ static inline void seal_lane(op_t *o, int64_t i)
     if (!OPV(o, OP_AUTH))
         return;
     int64_t n = o->sendlen[i] - (o->tx8[lane_row(o, i) + H_FLAGS] & F_AUTH ? DATA_TAG : 0);
-    seal_data(OPV(o, OP_MAC_K0), OPV(o, OP_MAC_K1), o->tx8 + lane_row(o, i), n);
+    seal_data(LANE(o, LN_MAC_K0, i), LANE(o, LN_MAC_K1, i), o->tx8 + lane_row(o, i), n);
     o->sendlen[i] = n + DATA_TAG;
 }
 
@@ -870,9 +870,12 @@ static int64_t worker_results(op_t *o, const uint8_t *d, int64_t dn, const int64
             return i;
         }
         i += 1;
-        if (OPV(o, OP_AUTH) && !data_sealed(OPV(o, OP_MAC_K0), OPV(o, OP_MAC_K1), d + off, ln)) {
-            o->cnt[WC_BAD_MAC] += 1; /* forged or damaged: dropped before it is read */
-            continue;
+        if (OPV(o, OP_AUTH)) { /* under the key of the shard the chunk's lane talks to */
+            int64_t li = rd_u32(d, off + H_CHUNK) % OPV(o, OP_E);
+            if (!data_sealed(LANE(o, LN_MAC_K0, li), LANE(o, LN_MAC_K1, li), d + off, ln)) {
+                o->cnt[WC_BAD_MAC] += 1; /* forged or damaged: dropped before it is read */
+                continue;
+            }
         }
         int64_t li = lane_of(d, off, o);
         if (li < 0)
@@ -1264,7 +1267,8 @@ static int get_op(bufs_t *b, PyObject *const *args, int at, int with_out, int wi
     /* What the kernels index must lie within the arrays: the lanes' rows, the blocks. */
     int64_t k = o->opv[OP_K], isz = o->opv[OP_ITEMSIZE], E = o->opv[OP_E];
     int64_t L = o->opv[OP_L];
-    if (E < 1 || E > o->nl || k < 1 || (isz != 2 && isz != 4) || ntx < o->nl * (HDR + k * isz)
+    int64_t row = HDR + k * isz + (o->opv[OP_AUTH] ? DATA_TAG : 0);
+    if (E < 1 || E > o->nl || k < 1 || (isz != 2 && isz != 4) || ntx < o->nl * row
         || (o->opv[OP_IS_FLOAT] && (nexps < L || o->xk == K_I32 || (with_out && o->ok == K_I32)))
         || (!o->opv[OP_IS_FLOAT] && (o->xk != K_I32 || isz != 4 || (with_out && o->ok != K_I32)))
         || L * k < o->xn || (L > 0 && (L - 1) * k >= o->xn)

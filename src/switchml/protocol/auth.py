@@ -121,20 +121,24 @@ def worker_key(job: int, token: int, *, secret: bytes | None = None,
     return key_for(secret, job, token)
 
 
-def data_key(key: bytes) -> bytes:
-    """An authenticated job's data key (``JobSpec.auth_data``): the 16 bytes its REQUESTs and
-    RESULTs are MACed under (SipHash-2-4, in the compiled kernels), HMAC-SHA256 of a label
-    under the job key, truncated; every member and the switch derive it, nobody sends it."""
-    return _mac(key, b"switchml data key v1")[:16]
+def data_key(key: bytes, incarnation: bytes) -> bytes:
+    """An authenticated job's data key (``JobSpec.auth_data``) on one switch (shard): the 16
+    bytes its REQUESTs, RESULTs and KEEPALIVEs are MACed under (SipHash-2-4, in the compiled
+    kernels), HMAC-SHA256 of a label and the job's ``incarnation`` there (``wire.
+    joined_incarnation``: new at every creation of the job) under the job key, truncated.
+    Every member and the switch derive it; nobody sends it. The incarnation makes a datagram
+    captured from an earlier run of the same job id and token verify under no later key."""
+    return _mac(key, b"switchml data key v1", incarnation)[:16]
 
 
 def join_proof(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,
                cookie: bytes) -> bytes:
     """A JOIN's proof: the job key over everything the JOIN asks for and the switch's cookie."""
-    return _mac(key, b"JOIN", struct.pack("<IQHIIIIIII", job, token, rank, seq,
+    return _mac(key, b"JOIN", struct.pack("<IQHIIIIIIII", job, token, rank, seq,
                                           info.num_workers, info.window,
                                           info.elements_per_packet, info.quorum,
-                                          info.quorum_min, info.deadline_us), cookie)
+                                          info.quorum_min, info.deadline_us, info.options),
+                cookie)
 
 
 def join_datagram(key: bytes, *, job: int, token: int, rank: int, seq: int, info: ControlInfo,
@@ -207,6 +211,8 @@ def reply_forged(key: bytes, data: Datagram, header: Header) -> bool:
     """True if a worker (or a rack towards its parent) must drop this reply from its switch:
     it is of a type that is always sealed (``wire.SEALED_TYPES`` but an unsealed WAITING, a
     hint), or it says it is sealed, and it does not verify under the job key ``key``."""
+    if header.type in (MessageType.RESULT, MessageType.REQUEST):
+        return False  # an authenticated job's data MAC: the kernels check it (data_key)
     must = (header.type in SEALED_TYPES and header.type is not MessageType.WAITING
             or header.flags & Flags.AUTH)
     return bool(must) and not reply_sealed(key, data, header)

@@ -115,6 +115,7 @@ class Job:
     quorum_min: int = 0  # JobSpec.quorum_min: the ranks a round needs at the deadline
     deadline_us: int = 0  # JobSpec.quorum_deadline_s, in microseconds (0: none)
     auth: bool = False  # JobSpec.auth_data: requests and results carry a MAC (use_key's)
+    incarnation: bytes = bytes(16)  # new at every creation (JOINED says it): the MAC's salt
     reply_bytes: int = 0  # a row of the kernel's replies for this job (kernels.reply_row_bytes)
     last_seen: float = 0.0  # ``now`` of the last valid datagram: the lease
     started: bool = False  # a request was accepted (membership is then fixed)
@@ -215,12 +216,18 @@ class Job:
                            self.quorum, self.quorum_min, self.deadline_us,
                            AUTH_DATA if self.auth else 0)
 
+    def renew(self, now: float) -> None:
+        """The kernel took requests of the job: its lease runs from ``now``; an authenticated
+        job's from the last request whose MAC verified (``heard``: the kernel stamps a rank
+        only then), so that forged requests it dropped renew nothing."""
+        self.last_seen = max(self.last_seen, float(self.heard.max())) if self.auth else now
+
     def use_key(self, key: bytes) -> None:
         """The job key (JOIN and LEAVE proofs, sealed replies); an authenticated job's kernel
         gets its data key from it (``auth.data_key``)."""
         self.key = key
         if self.auth:
-            k0, k1 = np.frombuffer(data_key(key), np.int64)
+            k0, k1 = np.frombuffer(data_key(key, self.incarnation), np.int64)
             self.jobv[K.J.MAC_K0], self.jobv[K.J.MAC_K1] = k0, k1
 
     def next_expiry(self) -> float:

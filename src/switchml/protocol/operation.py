@@ -52,7 +52,7 @@ class Operation:
     """
 
     __slots__ = (
-        "E", "L", "T", "bits", "contrib", "data_key", "digest", "elem", "exps", "fmax", "in_place",
+        "E", "L", "T", "bits", "contrib", "data_keys", "digest", "elem", "exps", "fmax", "in_place",
         "is_float", "itemsize", "k",
         "keep", "lane", "lanef", "nonf", "opv", "out", "outk", "picked", "res", "residual",
         "restarts", "run_order", "runs", "sendlen", "sendq", "seq", "spurious",
@@ -62,14 +62,15 @@ class Operation:
     def __init__(self, *, seq: int, x: np.ndarray, out: np.ndarray, spec: JobSpec, rank: int,
                  slot_bases: Sequence[int], bits: int = 32,
                  residual: np.ndarray | None = None, keep: np.ndarray | None = None,
-                 data_key: bytes | None = None) -> None:
+                 data_keys: Sequence[bytes | None] | None = None) -> None:
         self.seq, self.x, self.out, self.keep = seq, x, out, keep
-        self.data_key = data_key
-        """An authenticated job's data key (``spec.auth_data``: its requests and results
-        carry a MAC under it, ``auth.data_key``)."""
-        if spec.auth_data and (data_key is None or len(data_key) != 16):
-            raise LocalProtocolError("an authenticated job (auth_data) needs its 16-byte "
-                                     "data key")
+        self.data_keys = data_keys
+        """An authenticated job's data key on each shard (``spec.auth_data``: its requests and
+        results carry a MAC under it, ``auth.data_key``): lane i's is shard i mod S's."""
+        if spec.auth_data and (not data_keys or len(data_keys) != len(slot_bases)
+                               or any(k is None or len(k) != 16 for k in data_keys)):
+            raise LocalProtocolError("an authenticated job (auth_data) needs a 16-byte data "
+                                     "key per shard")
         self.in_place = keep is not None
         """The caller's input is ``out`` (kept block by block in ``keep``, or, restarted,
         whole in ``x``): a failure puts it back (:meth:`restore_input`)."""
@@ -96,12 +97,16 @@ class Operation:
         # Lane i goes to shard i mod S, on that shard's slot i (each shard grants a base).
         lanes = np.arange(self.E)
         self.lane[K.LN.SLOT] = np.asarray(slot_bases, np.int64)[lanes % len(slot_bases)] + lanes
+        if spec.auth_data and data_keys:  # and its requests and results that shard's MAC key
+            keys = np.frombuffer(b"".join(k or b"" for k in data_keys), np.int64).reshape(-1, 2)
+            self.lane[K.LN.MAC_K0] = keys[lanes % len(data_keys), 0]
+            self.lane[K.LN.MAC_K1] = keys[lanes % len(data_keys), 1]
         self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
         # Block exponents are computed as packets are built (kernels.build_request).
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
         self.contrib = np.zeros(self.L, np.int64) if spec.quorum else None
         self.nonf = np.zeros(self.L if self.is_float else 0, np.uint8)
-        self.txbuf = np.empty((self.E, self.stride), np.uint8)
+        self.txbuf = np.zeros((self.E, self.stride), np.uint8)  # (never old heap bytes out)
         self.tx8 = self.txbuf.reshape(-1)  # the kernels' views: bytes, int16, int32
         self.tx16 = self.tx8.view(np.int16)
         self.tx32 = self.tx8.view(np.int32)
@@ -166,13 +171,11 @@ class Operation:
         opv[K.OP.IS_FLOAT] = self.is_float
         opv[K.OP.EDGE_EXP] = (info.maxexp - scale.bit_length()) if info is not None else 0
         opv[K.OP.TRAILER] = (spec.num_workers + 7) // 8 if spec.quorum else 0
-        if self.data_key is not None and spec.auth_data:
-            opv[K.OP.AUTH] = 1
-            opv[K.OP.MAC_K0], opv[K.OP.MAC_K1] = np.frombuffer(self.data_key, np.int64)
+        opv[K.OP.AUTH] = int(spec.auth_data)
         return opv
 
-    def restarted(self, seq: int, spec: JobSpec, rank: int,
-                  slot_bases: Sequence[int]) -> Operation:
+    def restarted(self, seq: int, spec: JobSpec, rank: int, slot_bases: Sequence[int],
+                  data_keys: Sequence[bytes | None] | None = None) -> Operation:
         """The same operation from its input, as ``seq`` on a new epoch. In place (``keep``),
         the input is ``keep`` where a block's result has landed in ``x`` and ``x`` elsewhere;
         rebuilt into ``keep``, it is the restarted operation's input (apart from its output)."""
@@ -183,7 +186,7 @@ class Operation:
             x = self.keep
         op = Operation(seq=seq, x=x, out=self.out, spec=spec, rank=rank,
                        slot_bases=slot_bases, bits=self.bits, residual=self.residual,
-                       data_key=self.data_key)
+                       data_keys=data_keys)
         op.restarts = self.restarts + 1
         op.in_place = self.in_place
         return op

@@ -289,7 +289,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
             job.conflict, job.bufs, job.clog, job.cursor, job.mkeys, job.heard, self._rules,
             self._cnt, self._done, self._replies_for(job), self._reply_meta)
         if nxt > i or code != K.SS.OTHER:
-            job.last_seen = now
+            job.renew(now)
             job.started = True
             self._warm_job(job)
         if nreply:
@@ -330,7 +330,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         for job, n in zip(jobs, taken):
             if n:
                 self.packets_in += n
-                job.last_seen = now
+                job.renew(now)
                 job.started = True
         self.packets_out += results_out + replies
 

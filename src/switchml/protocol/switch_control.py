@@ -28,11 +28,15 @@ from switchml.protocol.events import Event, JobCreated, JobRefused, MemberJoined
 from switchml.protocol.jobs import Job, SlotAllocator
 from switchml.protocol.wire import (
     AUTH_DATA,
+    AUTH_TAG_SIZE,
     COOKIE_AT,
     COOKIE_SIZE,
     HEADER,
+    HEADER_SIZE,
+    INCARNATION_SIZE,
     JOIN_BYTES,
     MAGIC,
+    MAX_DATAGRAM_BYTES,
     NO_COOKIE,
     VERSION,
     ControlInfo,
@@ -155,6 +159,7 @@ class SwitchControl:
             job = self._create_job(h, asked, addr)
             if job is None:
                 return
+            job.incarnation = cookie[COOKIE_SIZE - INCARNATION_SIZE:]  # its MAC: new each time
             job.use_key(key)
         self._join_member(h, job, asked, cookie, addr, now)
 
@@ -236,7 +241,7 @@ class SwitchControl:
         job.last_seen = now
         self._out.append((seal_reply(job.key, pack_joined(
             job=h.job, token=h.token, rank=h.rank, shard=self.config.shard_index, info=job.info,
-            cookie=job.cookies[h.rank], seq=h.seq)), addr))
+            cookie=job.cookies[h.rank], seq=h.seq, incarnation=job.incarnation)), addr))
 
     def _challenge(self, job: int, token: int, rank: int, addr: Address, now: float) -> None:
         """Answer a JOIN with a cookie for its source address (no state is kept), within the
@@ -279,6 +284,11 @@ class SwitchControl:
             problem = f"unknown job options 0x{asked.options:x} (this switch knows auth_data, 0x1)"
         elif asked.options & AUTH_DATA and (asked.quorum or h.job in self.relayed_jobs):
             problem = "an authenticated data plane (auth_data) has no quorum or parent switch yet"
+        elif (asked.options & AUTH_DATA and HEADER_SIZE + 4 * asked.elements_per_packet
+              + AUTH_TAG_SIZE > MAX_DATAGRAM_BYTES):
+            problem = (f"an authenticated job's datagrams carry a {AUTH_TAG_SIZE}-byte MAC: "
+                       f"elements_per_packet must be at most "
+                       f"{(MAX_DATAGRAM_BYTES - HEADER_SIZE - AUTH_TAG_SIZE) // 4}")
         elif asked.options & AUTH_DATA and cfg.secret is None:
             problem = ("an authenticated data plane (auth_data) needs a switch with a secret: an "
                        "open switch's job keys derive from values any datagram shows")
@@ -375,6 +385,10 @@ class SwitchControl:
             return
         if member != addr:
             self._drops["bad_keepalive"] += 1
+            return
+        if (job.auth or h.flags & Flags.AUTH) and not (job.auth and K.data_sealed(job.jobv,
+                                                                                   data)):
+            self._drops["bad_mac"] += 1  # an authenticated job's keep-alive carries its MAC
             return
         job.last_seen = now
         job.heard[h.rank] = now

@@ -36,6 +36,7 @@ __all__ = [
     "HEADER_DTYPE",
     "HEADER_FIELDS",
     "HEADER_SIZE",
+    "INCARNATION_SIZE",
     "KNOWN_FLAGS",
     "MAX_TRAILER",
     "contributors",
@@ -69,6 +70,7 @@ __all__ = [
     "unpack_control_info",
     "unpack_header",
     "unpack_join",
+    "joined_incarnation",
     "unpack_joined",
     "unpack_leave",
     "unpack_mismatch",
@@ -295,6 +297,7 @@ def unpack_header(data: Datagram) -> Header:
         raise WireError("bad_set", str(set_bit))
     if flags & ~(RESULT_FLAGS | _AUTH if t is MessageType.RESULT else
                  REQUEST_FLAGS | _AUTH if t is MessageType.REQUEST else
+                 KNOWN_FLAGS | _AUTH if t is MessageType.KEEPALIVE else
                  _SEALED_FLAGS if t in SEALED_TYPES else KNOWN_FLAGS):
         raise WireError("bad_flags", f"0x{flags:02x}")
     body = HEADER_SIZE + count * _ITEMSIZE[e]
@@ -357,7 +360,10 @@ NO_COOKIE = bytes(COOKIE_SIZE)
 PROOF_SIZE = 32
 """HMAC-SHA256 proofs of JOIN and LEAVE (``protocol/auth.py``)."""
 _JOIN_SIZE = _CONTROL.size + COOKIE_SIZE + PROOF_SIZE
-_JOINED_SIZE = _CONTROL.size + COOKIE_SIZE
+INCARNATION_SIZE = 16
+"""A JOINED's last bytes: the job's incarnation on the switch that answers (the MAC part of the
+cookie that created it: new at every creation), salting an authenticated job's data key."""
+_JOINED_SIZE = _CONTROL.size + COOKIE_SIZE + INCARNATION_SIZE
 
 
 def pack_control_info(info: ControlInfo) -> bytes:
@@ -402,10 +408,14 @@ def unpack_join(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, 
 
 
 def pack_joined(*, job: int, token: int, rank: int, shard: int, info: ControlInfo,
-                cookie: bytes, seq: int = 0) -> bytes:
-    """A JOINED datagram: the granted geometry and the rank's membership cookie (header
-    ``chunk``: the index of the shard that answers; ``seq``: the JOIN's, its epoch)."""
-    payload = pack_control_info(info) + cookie
+                cookie: bytes, seq: int = 0, incarnation: bytes = bytes(INCARNATION_SIZE)
+                ) -> bytes:
+    """A JOINED datagram: the granted geometry, the rank's membership cookie and the job's
+    incarnation (header ``chunk``: the index of the shard that answers; ``seq``: the JOIN's,
+    its epoch)."""
+    if len(incarnation) != INCARNATION_SIZE:
+        raise ValueError(f"incarnation must be {INCARNATION_SIZE} bytes")
+    payload = pack_control_info(info) + cookie + incarnation
     return pack_header(Header(MessageType.JOINED, job, rank=rank, token=token, seq=seq,
                               chunk=shard, count=len(payload), elem=ElementType.BYTES)) + payload
 
@@ -430,9 +440,17 @@ def unpack_challenge(payload: bytes | memoryview | np.ndarray) -> bytes:
 
 
 def unpack_joined(payload: bytes | memoryview | np.ndarray) -> tuple[ControlInfo, bytes]:
-    """Decode a JOINED payload: (granted ControlInfo, membership cookie)."""
+    """Decode a JOINED payload: (granted ControlInfo, membership cookie); its incarnation:
+    :func:`joined_incarnation`."""
     raw = _sized(payload, _JOINED_SIZE, "JOINED")
-    return ControlInfo(*_CONTROL.unpack(raw[:_CONTROL.size])), raw[_CONTROL.size:]
+    return (ControlInfo(*_CONTROL.unpack(raw[:_CONTROL.size])),
+            raw[_CONTROL.size:_CONTROL.size + COOKIE_SIZE])
+
+
+def joined_incarnation(payload: bytes | memoryview | np.ndarray) -> bytes:
+    """The job's incarnation a JOINED payload names (its last :data:`INCARNATION_SIZE`
+    bytes)."""
+    return _sized(payload, _JOINED_SIZE, "JOINED")[-INCARNATION_SIZE:]
 
 
 def pack_leave(*, job: int, token: int, rank: int, proof: bytes) -> bytes:

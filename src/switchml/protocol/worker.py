@@ -39,7 +39,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
-from switchml.protocol.auth import data_key, worker_key
+from switchml.protocol.auth import worker_key
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.dtypes import SUPPORTED_DTYPES
 from switchml.protocol.endpoint import Batch, Transmit
@@ -116,6 +116,8 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
+        # An authenticated job's data key on each shard (its incarnation's: JOINED says it).
+        self._data_keys: list[bytes | None] = [None] * len(shards)
         self.config = config or WorkerConfig()
         cfg = self.config  # the key this rank proves its JOIN and LEAVE with
         self._key = worker_key(spec.job_id, spec.token, secret=cfg.secret,
@@ -210,7 +212,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         # sequence number included (the ranks must stay in step).
         op = Operation(seq=seq, x=x, out=o, spec=self.spec, rank=self.rank,
                        slot_bases=self.slot_bases, bits=bits, residual=residual, keep=keep,
-                       data_key=data_key(self._key) if self.spec.auth_data else None)
+                       data_keys=self._data_keys if self.spec.auth_data else None)
         op.opv[K.OP.PY_NACKS] = self.recovery.fast_retransmit  # RACK logs its re-sends
         self._seq = (seq + 1) & 0xFFFFFFFF
         self._move(WorkerInput.START)

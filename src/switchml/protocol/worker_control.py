@@ -16,8 +16,9 @@ from collections import Counter, deque
 
 import numpy as np
 
+from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
-from switchml.protocol.auth import join_datagram, leave_proof
+from switchml.protocol.auth import data_key, join_datagram, leave_proof
 from switchml.protocol.config import JobSpec, WorkerConfig
 from switchml.protocol.errors import WireError
 from switchml.protocol.events import Event, Joined, JoinFailed, Left, OperationRestarted
@@ -28,8 +29,10 @@ from switchml.protocol.wire import (
     NO_COOKIE,
     ControlInfo,
     Datagram,
+    Flags,
     Header,
     MessageType,
+    joined_incarnation,
     pack_header,
     pack_leave,
     unpack_challenge,
@@ -81,6 +84,7 @@ class WorkerControl:
     _shard_bases: list[int | None]
     _shards_left: set[int]
     _cookies: list[bytes | None]
+    _data_keys: list[bytes | None]
     _key: bytes
     _unsealed_refusal: str | None
     _seq: int
@@ -147,8 +151,9 @@ class WorkerControl:
             self._drops[exc.reason] += 1
             return
         spec = self.spec
-        if (info.num_workers, info.window, info.elements_per_packet) != (
-                spec.num_workers, spec.window, spec.elements_per_packet):
+        if (info.num_workers, info.window, info.elements_per_packet, info.options) != (
+                spec.num_workers, spec.window, spec.elements_per_packet,
+                AUTH_DATA if spec.auth_data else 0):
             self._join_failed(f"switch granted {info}, which does not match the job spec")
             return
         shard = h.chunk if len(self._shard_bases) > 1 else 0  # a shard says which it is
@@ -157,6 +162,8 @@ class WorkerControl:
             return
         self._shard_bases[shard] = info.slot_base
         self._cookies[shard] = cookie
+        self._data_keys[shard] = (data_key(self._key, joined_incarnation(unpack_payload(data, h)))
+                                  if spec.auth_data else None)
         if any(b is None for b in self._shard_bases):
             return  # other shards still to answer
         if self.state is WorkerState.REJOINING:
@@ -232,7 +239,8 @@ class WorkerControl:
         old = self._op
         assert old is not None
         try:
-            op = old.restarted(self._epoch_seq, self.spec, self.rank, self.slot_bases)
+            op = old.restarted(self._epoch_seq, self.spec, self.rank, self.slot_bases,
+                               self._data_keys)
         except MemoryError:
             self._fail(f"operation {old.seq}: no memory to restart it after the switch lost "
                        "the job")
@@ -290,10 +298,13 @@ class WorkerControl:
         self._control.sent(now)
 
     def _send_keepalive(self, now: float) -> None:
-        header = Header(MessageType.KEEPALIVE, self.spec.job_id, rank=self.rank,
-                        token=self.spec.token, seq=self._epoch_seq)
-        datagram = pack_header(header)
-        self._out.extend((datagram, a) for a in self.switch_addresses)
+        auth = int(Flags.AUTH) if self.spec.auth_data else 0
+        datagram = pack_header(Header(MessageType.KEEPALIVE, self.spec.job_id, rank=self.rank,
+                                      token=self.spec.token, seq=self._epoch_seq, flags=auth))
+        for key, a in zip(self._data_keys, self.switch_addresses, strict=True):
+            # An authenticated job's keep-alive renews liveness only with its MAC (each
+            # shard's key: its incarnation's).
+            self._out.append((datagram + K.data_mac(key, datagram) if key else datagram, a))
         self._keepalive_at = now + self.config.keepalive_s
 
     def _send_leave(self, now: float) -> None:

@@ -47,11 +47,9 @@ class OP(IntEnum):
     PY_NACKS = 20  # 1: NACKs go to Python (RACK keeps its transmission log there)
     TRAILER = 21  # a quorum job's results end in a contributor bitmap of this many bytes; else 0
     AUTH = 22  # 1: the job's data plane is authenticated (requests and results carry a MAC)
-    MAC_K0 = 23  # its data key, bytes 0-7 (little-endian, signed reinterpretation)
-    MAC_K1 = 24  # ... bytes 8-15
 
 
-O_FIELDS = 25
+O_FIELDS = 23
 
 
 class R(IntEnum):
@@ -89,6 +87,8 @@ class LN(IntEnum):
     FAST = 5  # the current chunk was re-sent by RACK
     SLOT = 6  # the lane's slot on its switch (shard): that shard's slot base + lane
     TAIL_ORDER = 7  # not a lane's field: the lanes in the order they sent their last chunk
+    MAC_K0 = 8  # an authenticated job's data key on the lane's shard, bytes 0-7 (LE, signed)
+    MAC_K1 = 9  # ... bytes 8-15
 
 
 class LF(IntEnum):
@@ -99,7 +99,7 @@ class LF(IntEnum):
     DEADLINE = 2
 
 
-LN_FIELDS = 8
+LN_FIELDS = 10
 LNF_FIELDS = 3
 
 
