@@ -22,6 +22,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 | ``LOCAL_WORLD_SIZE`` | torch (set by torchrun): ranks on this machine, which share its cores |
 | ``SWITCHML_HALF_BITS`` | torch: wire bits of float16/bfloat16 all-reduces (auto, 16, 32) |
 | ``SWITCHML_QUORUM`` | torch: the default group's quorum k (rounds complete with k ranks) |
+| ``SWITCHML_AUTH_DATA`` | torch: ``1``: groups' jobs authenticate their data plane (rank 0's) |
 | ``SWITCHML_GSO`` | ``0`` turns UDP GSO/GRO and recvmmsg batching off |
 | ``SWITCHML_DC`` | this worker's data centre, by index (Gaia: ``switchml.gaia.connect``) |
 | ``SWITCHML_DC_LEADERS`` | the data centres' leaders, ``host:port,...`` in index order (Gaia) |
@@ -245,6 +246,17 @@ def quorum() -> int | None:
     if k < 1:
         raise ValueError(f"SWITCHML_QUORUM must be a positive integer (or all), got {value!r}")
     return k
+
+
+def auth_data() -> bool:
+    """``SWITCHML_AUTH_DATA``: ``1``/``yes``/``on``/``true`` makes a torch group's switch job
+    authenticate its data plane (``JobSpec.auth_data``); ``0`` or unset: not."""
+    value = (_get("SWITCHML_AUTH_DATA") or "0").strip().lower()
+    if value in ("0", "no", "off", "false"):
+        return False
+    if value in ("1", "yes", "on", "true"):
+        return True
+    raise ValueError(f"SWITCHML_AUTH_DATA must be 1 or 0, got {value!r}")
 
 
 def batching() -> bool:

@@ -150,6 +150,21 @@ def test_a_stalled_collective_is_logged_recorded_and_dumped_on_a_signal():
     assert {(d["rank"], d["seq"], d["state"]) for d in dumped} >= {(0, 1, "pending")}
 
 
+def test_a_group_with_auth_data_runs_an_authenticated_job_through_its_embedded_switch():
+    """SWITCHML_AUTH_DATA=1: the default group's job carries a MAC on every request and
+    result (its chunks leave room for it: 354 int32 at MTU 1500), through the switch rank 0
+    embeds (it has a secret), and sums as without it: float and int32, by hand."""
+    with tp.Procs(60) as procs:
+        procs.start_ranks(tp.auth_data_body, 2, env={"SWITCHML_AUTH_DATA": "1",
+                                                     "SWITCHML_MTU": "1500"})
+        results = procs.results(2, timeout=60)
+    for r in (0, 1):
+        got = results[r]
+        assert got["auth"] is True and got["k"] == 354 and got["bad_mac"] == 0
+        assert got["x"] == [0.0, 3.0, 6.0, 9.0] and got["x_last"] == 4999.0 * 3
+        assert got["y"] == [3, 3, 3]
+
+
 @pytest.mark.timeout(90)
 def test_ranks_with_a_tenants_key_make_their_groups_job_in_its_range():
     """SWITCHML_TENANT and SWITCHML_TENANT_KEY: the group's job id is drawn from the tenant's

@@ -400,6 +400,25 @@ def tenant_body(rank: int, world: int, q: Any) -> dict[str, Any]:
     return {"sum": x.tolist()[:3], "job": job}
 
 
+def auth_data_body(rank: int, world: int, q: Any) -> dict[str, Any]:
+    """Two all-reduces on the default group (SWITCHML_AUTH_DATA set by the test): their sums,
+    whether the group's job authenticates its data plane, and the worker's MAC drops."""
+    import torch
+    import torch.distributed as dist
+
+    _init("switchml", timeout_s=20)
+    x = torch.arange(5000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(x)
+    y = torch.full((3,), rank + 1, dtype=torch.int32)
+    dist.all_reduce(y)
+    client = dist.distributed_c10d._get_default_group().client
+    out = {"x": x[:4].tolist(), "x_last": float(x[-1]), "y": y.tolist(),
+           "auth": client.spec.auth_data, "k": client.spec.elements_per_packet,
+           "bad_mac": client.endpoint.drops["bad_mac"]}
+    dist.destroy_process_group()
+    return out
+
+
 def subgroup_owner_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, Any]:
     """Default group gloo; two switchml subgroups; the one that started the switch is
     destroyed; the other one all-reduces 3 s later."""

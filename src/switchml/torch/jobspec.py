@@ -15,7 +15,7 @@ from typing import Any
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import JobSpec
-from switchml.protocol.wire import elements_for_mtu
+from switchml.protocol.wire import AUTH_TAG_SIZE, elements_for_mtu
 from switchml.torch.rendezvous import Exchange
 from switchml.transport.parallel import choose_threads
 from switchml.transport.sockets import local_mtu
@@ -29,7 +29,7 @@ def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = N
                        elements_per_packet: int | None = None,
                        quorum: int | None = None, quorum_min: int | None = None,
                        quorum_deadline_s: float | None = None,
-                       tenant: int | None = None) -> JobSpec:
+                       tenant: int | None = None, auth_data: bool = False) -> JobSpec:
     """A new switch job for ``size`` ranks whose MTUs towards the switch are ``mtus``.
 
     Chunks fit the smallest MTU of any rank (no IP fragmentation on any path), unless
@@ -38,12 +38,14 @@ def job_spec_for_ranks(size: int, mtus: Iterable[int], *, window: int | None = N
     the chunk size. Called by the group's rank 0, which shares the result with the others.
     ``quorum``, ``quorum_min``, ``quorum_deadline_s``: ``JobSpec``'s (with a quorum, chunks
     leave room for the results' bitmap). ``tenant``: the job's id is drawn from its range.
+    ``auth_data``: ``JobSpec``'s (chunks leave room for the MAC).
     """
-    trailer = (size + 7) // 8 if quorum else 0
+    trailer = ((size + 7) // 8 if quorum else 0) + (AUTH_TAG_SIZE if auth_data else 0)
     k = (elements_per_packet or env.elements_per_packet()
          or elements_for_mtu(min(mtus), trailer=trailer))
     spec = new_job_spec(size, window=window if window is not None else env.window(),
-                        elements_per_packet=k, quorum=quorum, tenant=tenant)
+                        elements_per_packet=k, quorum=quorum, tenant=tenant,
+                        auth_data=auth_data)
     if quorum_deadline_s is not None:
         spec = dataclasses.replace(spec, quorum_min=quorum_min,
                                    quorum_deadline_s=quorum_deadline_s)
@@ -76,7 +78,8 @@ def agree_on_job(exchange: Exchange, switch: Any, *, tenant: int | None = None,
     - the job: rank 0 sizes its chunks to the smallest MTU any rank has towards ``switch``
       (``job_spec_for_ranks``, with ``quorum``'s arguments, ``window``, ``elements_per_packet``
       and ``tenant``);
-    - the half-type wire width and the failover: rank 0's settings rule the group;
+    - the half-type wire width, the failover and the authenticated data plane
+      (``SWITCHML_AUTH_DATA``): rank 0's settings rule the group;
     - the I/O threads: the fewest any rank asks for (every rank must split its job into the
       same parts; ``one_thread``: this rank asks for one).
     """
@@ -87,7 +90,7 @@ def agree_on_job(exchange: Exchange, switch: Any, *, tenant: int | None = None,
     if exchange.rank == 0:  # rank 0's settings rule the group (checked here, raising if wrong)
         spec = job_spec_for_ranks(exchange.size, (int(m) for m in mtus), window=window,
                                   elements_per_packet=elements_per_packet, tenant=tenant,
-                                  **(quorum or {}))
+                                  auth_data=env.auth_data(), **(quorum or {}))
         mine = json.dumps({"job": encode_job_spec(spec), "half_bits": env.half_bits() or "auto",
                            "failover": env.failover(),
                            "failover_probe_s": env.failover_probe_s()})
