@@ -262,14 +262,22 @@ def test_a_request_captured_in_an_earlier_run_of_the_job_verifies_no_more():
 
 
 def test_keepalives_of_an_authenticated_job_renew_liveness_only_with_their_mac():
+    """How long the switch has not heard from a rank that a round waits for (what it
+    reports, and what fails its peers after ``member_timeout_s``) moves with a sealed
+    keep-alive, not with a forged one from the rank's own address."""
     sw = _switch()
     (a0, a1), slot, key = _auth_job(sw)
+    deliver(sw, _seal(key, request(JOB, TOKEN, 0, slot, 0, 0, 0, [1, 2])), a0)  # waits for 1
+
+    def silent(now: float) -> float:
+        (state,) = sw.job_states(now)
+        return state["silent_s"][1]
+
     plain = pack_header(Header(MessageType.KEEPALIVE, JOB, rank=1, token=TOKEN))
     sw.receive_datagram(plain, a1, now=50.0)
-    assert sw.drops["bad_mac"] == 1
-    sealed = _seal(key, plain)
-    sw.receive_datagram(sealed, a1, now=60.0)
-    assert sw.drops["bad_mac"] == 1 and sw.drops["bad_keepalive"] == 0
+    assert sw.drops["bad_mac"] == 1 and silent(60.0) == pytest.approx(60.0)  # heard at 0
+    sw.receive_datagram(_seal(key, plain), a1, now=60.0)
+    assert sw.drops["bad_mac"] == 1 and silent(60.0) == pytest.approx(0.0)
 
 
 def test_an_authenticated_jobs_choice_is_proven_and_checked():

@@ -191,10 +191,11 @@ static inline int seal_data(int64_t k0, int64_t k1, uint8_t *d, int64_t n)
     uint8_t key[16];
     data_key(k0, k1, key);
     d[H_FLAGS] |= F_AUTH;
-    if (data_mac(key, d, n, d + n))
-        return 1;
-    memset(d + n, 0, DATA_TAG); /* OpenSSL failed: a tag that verifies nowhere, never old bytes */
-    return 0;
+    int ok = data_mac(key, d, n, d + n);
+    OPENSSL_cleanse(key, sizeof key);
+    if (!ok) /* OpenSSL failed: a tag that verifies nowhere, never old bytes */
+        memset(d + n, 0, DATA_TAG);
+    return ok;
 }
 
 /* Whether d[0:n] (tag included) carries AUTH and a tag that verifies under the key. */
@@ -204,8 +205,10 @@ static inline int data_sealed(int64_t k0, int64_t k1, const uint8_t *d, int64_t 
     if (n < HDR + DATA_TAG || !(d[H_FLAGS] & F_AUTH) || (k0 == 0 && k1 == 0))
         return 0; /* (an all-zero key: never set, so nothing verifies under it) */
     data_key(k0, k1, key);
-    return data_mac(key, d, n - DATA_TAG, tag)
-           && CRYPTO_memcmp(tag, d + n - DATA_TAG, DATA_TAG) == 0;
+    int ok = data_mac(key, d, n - DATA_TAG, tag)
+             && CRYPTO_memcmp(tag, d + n - DATA_TAG, DATA_TAG) == 0;
+    OPENSSL_cleanse(key, sizeof key);
+    return ok;
 }
 
 
