@@ -38,6 +38,10 @@ def test_silent_job_loses_its_slots_after_the_lease():
     assert 20.0 < c.fabric.now <= 24.0 + 1e-6  # last keep-alive + 3 s lease
     removed = [e for e in c.fabric.events[c.SWITCH] if isinstance(e, JobRemoved)]
     assert removed and "lease expired" in removed[0].reason
+    # What the switch counted (its stats and metrics): two ranks joined, none left, one
+    # job's lease expired.
+    got = sw.stats()
+    assert (got["members_joined"], got["members_left"], got["jobs_expired"]) == (2, 0, 1)
     # A new job fits in the freed pool.
     d = MemoryCluster(num_workers=1, window=8, job_id=99, fabric=c.fabric)
     assert np.array_equal(d.allreduce([np.arange(5, dtype=np.int32)])[0], np.arange(5))

@@ -320,6 +320,8 @@ def test_the_metrics_show_the_quorum_and_the_late_ranks_answers():
     assert 'switchml_job_quorum{job_id="9"} 2.0' in text
     assert "switchml_late_contributions_total 1.0" in text
     assert "switchml_old_results_answered_total 0.0" in text
+    assert "switchml_members_joined_total 3.0" in text  # the job's three ranks
+    assert "switchml_members_left_total 0.0" in text and "switchml_jobs_expired_total 0.0" in text
 
 
 def _ahead_setup(keep_bytes: int = 256 * 2**20):

@@ -751,6 +751,7 @@ def test_leave_of_all_members_frees_slots(sw):
     assert o.header.type is MessageType.LEFT
     st_ = sw.stats()
     assert st_["jobs"] == 0 and st_["slots_in_use"] == 0 and st_["memory_bytes"] == 0
+    assert (st_["members_joined"], st_["members_left"], st_["jobs_expired"]) == (2, 2, 0)
     assert sw.jobs == {}
     refused, removed = drain_events(sw)
     assert isinstance(refused, JobRefused) and refused.job_id == 12

@@ -19,6 +19,8 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_waiting_sent_total`` | counter | |
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
+| ``switchml_members_joined_total``, ``_members_left_total`` (LEAVE),
+  ``switchml_jobs_expired_total`` (every member silent for the lease) | counter | |
 | ``switchml_drops_total`` | counter | ``reason`` |
 | ``switchml_elements_aggregated_total`` | counter | ``job_id`` |
 | ``switchml_jobs``, ``switchml_slots_in_use``, ``switchml_pool_slots`` | gauge | |
@@ -66,8 +68,14 @@ class SwitchCollector:
                 ("switchml_mismatch_sent", "mismatch_sent",
                  "MISMATCH answers: ranks sent a chunk with different shapes"),
                 ("switchml_nacks_sent", "nacks_sent",
-                 "NACKs: a rank's later chunks arrived before an earlier one (loss recovery)")):
-            yield CounterMetricFamily(name, doc, value=s[key])
+                 "NACKs: a rank's later chunks arrived before an earlier one (loss recovery)"),
+                ("switchml_members_joined", "members_joined",
+                 "Ranks that joined a job (a new membership: first JOIN, or from a new address "
+                 "before the job started)"),
+                ("switchml_members_left", "members_left", "Ranks that left a job (LEAVE)"),
+                ("switchml_jobs_expired", "jobs_expired",
+                 "Jobs removed because every member went silent for the lease")):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         drops = CounterMetricFamily("switchml_drops", "Dropped datagrams", labels=["reason"])
         for reason, n in sorted(s["drops"].items()):
             drops.add_metric([reason], n)

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <math.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -153,6 +154,12 @@ static inline void write_header(uint8_t *d, int64_t o, int64_t mtype, int64_t fl
    header with AUTH set included). One implementation, used by both modules' kernels and, for
    Python, by data_mac. */
 
+/* Each thread's MAC context is freed when the thread exits (an I/O thread of a closed job). */
+static pthread_key_t mac_ctx_key;
+static pthread_once_t mac_ctx_once = PTHREAD_ONCE_INIT;
+static void free_mac_ctx(void *ctx) { EVP_MAC_CTX_free(ctx); }
+static void make_mac_ctx_key(void) { pthread_key_create(&mac_ctx_key, free_mac_ctx); }
+
 /* The MAC of d[0:n] under key (16 bytes) into tag (DATA_TAG bytes); 0 on an OpenSSL failure.
    A context per thread (the kernels run without the GIL, on several I/O threads). */
 static int data_mac(const uint8_t *key, const uint8_t *d, int64_t n, uint8_t *tag)
@@ -172,6 +179,8 @@ static int data_mac(const uint8_t *key, const uint8_t *d, int64_t n, uint8_t *ta
             EVP_MAC_CTX_free(c);
             return 0;
         }
+        pthread_once(&mac_ctx_once, make_mac_ctx_key);
+        pthread_setspecific(mac_ctx_key, c); /* freed at the thread's exit */
         ctx = c;
     }
     return EVP_MAC_init(ctx, key, 16, NULL) && EVP_MAC_update(ctx, d, (size_t)n)

@@ -105,6 +105,9 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         self._pending: list[Job] = []  # jobs with results queued
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
+        # Membership: ranks that joined (a new membership) and left (a LEAVE), jobs whose
+        # lease expired (their members went silent).
+        self._membership: Counter[str] = Counter()
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
         self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
         self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # _runs_to_send's plan
@@ -447,6 +450,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         lease = self.config.lease_timeout_s
         for job in [j for j in self._jobs.values() if j.last_seen + lease <= now]:
             self.remove_job(job.job_id, f"lease expired after {lease:g} s of silence")
+            self._membership["jobs_expired"] += 1
 
     def timer_granularity(self) -> float:
         """How long a driver may go without reading ``get_timer`` again: a round that gains

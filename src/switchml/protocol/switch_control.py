@@ -78,6 +78,7 @@ class SwitchControl:
     _out: list[tuple[bytes | memoryview, Address]]
     _events: deque[Event]
     _drops: Counter[str]
+    _membership: Counter[str]
     _removed: dict[int, float]
     _now: float
 
@@ -236,6 +237,7 @@ class SwitchControl:
             job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
             job.heard[h.rank] = now
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
+            self._membership["members_joined"] += 1
         if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
         job.last_seen = now
@@ -356,6 +358,7 @@ class SwitchControl:
                 job.set_member(h.rank, None)
                 job.cookies[h.rank] = None
                 job.left_at[h.rank] = now  # JOINs challenged before now are spent
+                self._membership["members_left"] += 1
             if all(m is None for m in job.members):
                 self.remove_job(h.job, "left")
         reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token,

@@ -36,6 +36,7 @@ class SwitchStats:
     challenges_sent: int
     _jobs: dict[int, Job]
     _drops: Counter[str]
+    _membership: Counter[str]
     _cnt: np.ndarray
 
     @property
@@ -91,6 +92,9 @@ class SwitchStats:
             "nacks_needless": self.nacks_needless,
             "challenges_sent": self.challenges_sent,
             "rounds_abandoned": self.rounds_abandoned,
+            "members_joined": self._membership["members_joined"],
+            "members_left": self._membership["members_left"],
+            "jobs_expired": self._membership["jobs_expired"],
             "drops": dict(self.drops),
             "jobs": len(self._jobs),
             "slots_in_use": self.config.pool_slots - self.allocator.free_slots,
