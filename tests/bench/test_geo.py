@@ -44,7 +44,7 @@ def test_config_rejects_what_it_cannot_run():
         GeoBenchConfig(momentum=-0.1)
     with pytest.raises(ValueError, match="thresholds are Gaia's"):
         GeoBenchConfig(modes=("wan",), thresholds=(0.1, 0.3))
-    with pytest.raises(ValueError, match="GeoBenchConfig.wan_rtt_s must be in"):
+    with pytest.raises(ValueError, match="GeoBenchConfig.wan_rtt_s must be 0 to 10 s"):
         GeoBenchConfig(wan_rtt_s=-0.05)
 
 

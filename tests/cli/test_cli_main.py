@@ -134,3 +134,14 @@ def test_library_errors_name_fields_and_the_command_line_names_options(capsys):
     assert as_options("BenchConfig.iters and TrainBenchConfig.kill_switch_at and "
                       "BenchConfig.no_such_field", [allreduce]) == \
         "--iters and TrainBenchConfig.kill_switch_at and BenchConfig.no_such_field"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "geo", "--wan-rtt-ms", "20000"], "--wan-rtt-ms must be 0 to 10 s (10000 ms), got "
+                                                "20000 ms"),
+    (["bench", "geo", "--target", "95"], "--target must be an accuracy in (0, 1]"),
+    (["bench", "train", "--switch-back-after", "5"], "--switch-back-after needs --kill-switch-at"),
+])
+def test_fields_whose_option_is_named_otherwise_still_read_as_the_option(argv, message, capsys):
+    assert main(argv) == 2
+    assert f"switchml: error: {message}" in capsys.readouterr().err

@@ -150,6 +150,20 @@ def test_a_stalled_collective_is_logged_recorded_and_dumped_on_a_signal():
     assert {(d["rank"], d["seq"], d["state"]) for d in dumped} >= {(0, 1, "pending")}
 
 
+def test_a_setting_rank_0_refuses_fails_every_rank_at_once_naming_it():
+    """SWITCHML_AUTH_DATA=1 with a quorum is refused when rank 0 sizes the job; the other
+    ranks are told so at once, not after the group's timeout."""
+    timeout_s = 120.0
+    with tp.Procs(60) as procs:
+        procs.start_ranks(tp.rank0_refuses_body, 2, timeout_s,
+                          env={"SWITCHML_AUTH_DATA": "1", "SWITCHML_QUORUM": "1"})
+        results = procs.results(2, timeout=60)
+    assert "auth_data with a quorum" in results[0]["error"]
+    assert "rank 0 could not size the group's switch job" in results[1]["error"]
+    assert "auth_data with a quorum" in results[1]["error"]
+    assert max(results[r]["took_s"] for r in (0, 1)) < timeout_s / 4
+
+
 def test_a_group_with_auth_data_runs_an_authenticated_job_through_its_embedded_switch():
     """SWITCHML_AUTH_DATA=1: the default group's job carries a MAC on every request and
     result (its chunks leave room for it: 354 int32 at MTU 1500), through the switch rank 0

@@ -419,6 +419,18 @@ def auth_data_body(rank: int, world: int, q: Any) -> dict[str, Any]:
     return out
 
 
+def rank0_refuses_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, Any]:
+    """Form the default group with a setting rank 0 refuses (the test's environment): what
+    each rank raised, and how long it took."""
+    import time as _time
+    t0 = _time.monotonic()
+    try:
+        _init("switchml", timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(exc).__name__}: {exc}", "took_s": _time.monotonic() - t0}
+    return {"error": None, "took_s": _time.monotonic() - t0}
+
+
 def subgroup_owner_body(rank: int, world: int, q: Any, timeout_s: float) -> dict[str, Any]:
     """Default group gloo; two switchml subgroups; the one that started the switch is
     destroyed; the other one all-reduces 3 s later."""

@@ -145,7 +145,8 @@ class GeoBenchConfig:
             raise ValueError("GeoBenchConfig.thresholds are Gaia's: add gaia to "
                              "GeoBenchConfig.modes")
         if not 0 <= self.wan_rtt_s <= 10:
-            raise ValueError(f"GeoBenchConfig.wan_rtt_s must be in 0..10 s, got {self.wan_rtt_s:g}")
+            raise ValueError(f"GeoBenchConfig.wan_rtt_s must be 0 to 10 s (10000 ms), got "
+                             f"{self.wan_rtt_s * 1000:g} ms")
         if self.momentum < 0 or self.lr <= 0:
             raise ValueError("GeoBenchConfig.lr must be > 0 and GeoBenchConfig.momentum >= 0")
 

@@ -77,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _FIELD = re.compile(r"\b[A-Z]\w*(?:Config|Spec)\.([a-z_][a-z0-9_]*)\b")
+_RENAMED = {"target_accuracy": "target", "wan_rtt_s": "wan_rtt_ms",
+            "switch_back_after_s": "switch_back_after", "loss_rate": "loss"}
+"""Library fields whose option's ``dest`` has another name (a unit in the name, or short)."""
 
 
 def as_options(message: str, parsers: Sequence[argparse.ArgumentParser]) -> str:
@@ -86,7 +89,8 @@ def as_options(message: str, parsers: Sequence[argparse.ArgumentParser]) -> str:
     flags = {a.dest: next((o for o in a.option_strings if o.startswith("--")),
                           a.option_strings[0])
              for p in parsers for a in p._actions if a.option_strings}
-    return _FIELD.sub(lambda m: flags.get(m.group(1), m.group(0)), message)
+    return _FIELD.sub(lambda m: flags.get(m.group(1)) or flags.get(_RENAMED.get(m.group(1), ""))
+                      or m.group(0), message)
 
 
 def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace

@@ -57,6 +57,7 @@ from switchml.torch.embedded import (
     embedded_switch_pid,
     release_embedded_switch,
     resolve_switch,
+    resolve_switch_over_group,
     stop_embedded_switch,
 )
 from switchml.torch.failover import Failover, PendingOp, SwitchBack
@@ -80,7 +81,8 @@ from switchml.transport.udp import AllreduceHandle, WorkerClient
 __all__ = ["StagedTensor", "StagingPool", "SwitchMLProcessGroup", "SwitchMLWork",
            "complete_elsewhere", "embedded_switch_pid", "failable_future", "job_spec_for_ranks",
            "local_mtu", "new_quorum_group", "register", "release_embedded_switch",
-           "resolve_switch", "stats", "stop_embedded_switch", "wire_bits"]
+           "resolve_switch", "resolve_switch_over_group", "stats", "stop_embedded_switch",
+           "wire_bits"]
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "switchml"
@@ -441,13 +443,13 @@ def _create(store: dist.Store, rank: int, size: int,
     global _incarnation
     if not dist.is_initialized():
         _incarnation += 1  # a (re)created world: never read keys of an earlier one
-    exchange = StoreExchange(store, f"switchml/{_incarnation}", rank, size)
-    switch, secret, acquired = resolve_switch(exchange)
     tenant_key = env.tenant_key()  # (a tenant's ranks hold its key, not the switch's secret)
     if tenant_key is not None and env.switch_addresses() is None:
         raise ConfigError("SWITCHML_TENANT_KEY is a key of a shared switch: set SWITCHML_SWITCH "
                           "(the embedded switch has a secret of its own)")
     tenant = env.tenant() if tenant_key is not None else None
+    exchange = StoreExchange(store, f"switchml/{_incarnation}", rank, size)
+    switch, secret, acquired = resolve_switch(exchange)  # (checks first: nothing to release)
     gloo: Any = None
     try:
         agreed = agree_on_job(exchange, switch, tenant=tenant, one_thread=tenant_key is not None,

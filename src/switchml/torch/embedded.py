@@ -11,13 +11,15 @@ import os
 import secrets
 import subprocess
 import threading
+from typing import Any
 
 from switchml import env, service
 from switchml.protocol.address import Address, as_addresses, format_address, parse_address
+from switchml.protocol.errors import ConfigError
 from switchml.torch.rendezvous import Exchange
 
 __all__ = ["EMBEDDED", "embedded_switch_pid", "release_embedded_switch",
-           "resolve_switch", "stop_embedded_switch"]
+           "resolve_switch", "resolve_switch_over_group", "stop_embedded_switch"]
 
 log = logging.getLogger(__name__)
 _SWITCH_GRACE_S = 2.0
@@ -134,15 +136,32 @@ def resolve_switch(exchange: Exchange) -> tuple[tuple[Address, ...], bytes | Non
     configured = env.switch_addresses()
     if configured is not None:
         return as_addresses(configured), env.secret(), False
-    mine = None
+    mine, failure = None, None
     if exchange.rank == 0:
-        address, secret = EMBEDDED.acquire()
-        mine = f"{format_address(address)} {secret.hex()}"
+        try:
+            address, secret = EMBEDDED.acquire()
+            mine = f"{format_address(address)} {secret.hex()}"
+        except Exception as exc:  # told to every rank (they would wait out the timeout)
+            failure, mine = exc, f"! {type(exc).__name__}: {exc}"
+    if failure is not None:
+        exchange.share("switch", mine)
+        raise failure
     try:
-        where, secret_hex = exchange.share("switch", mine).split(" ")
-        switch = parse_address(where, what="the group's switch")
+        text = exchange.share("switch", mine)
+        if text.startswith("! "):
+            raise ConfigError(f"rank 0 could not start the group's switch: {text[2:]}")
+        where, secret_hex = text.split(" ")
+        switch, secret = parse_address(where, what="the group's switch"), bytes.fromhex(secret_hex)
     except BaseException:
         if exchange.rank == 0:
             EMBEDDED.release()
         raise
-    return (switch,), bytes.fromhex(secret_hex), exchange.rank == 0
+    return (switch,), secret, exchange.rank == 0
+
+
+def resolve_switch_over_group(pg: Any, rank: int) -> tuple[tuple[Address, ...], bytes | None,
+                                                             bool]:
+    """:func:`resolve_switch` over ``pg``'s own collectives (``rank``: this process's in
+    ``pg``, as the group itself says). Kept for callers of the earlier public helper."""
+    from switchml.torch.rendezvous import GroupExchange
+    return resolve_switch(GroupExchange(pg))

@@ -124,7 +124,7 @@ class SwitchMLHookState:
             # The backend's rules: chunks fit the smallest MTU of any rank towards the switch;
             # the I/O threads are the fewest any rank asks for (all split the job alike).
             agreed = agree_on_job(exchange, switch, window=window,
-                                  elements_per_packet=elements_per_packet)
+                                  elements_per_packet=elements_per_packet, group_settings=False)
             self.client = open_worker(switch, agreed.spec, exchange.rank, WorkerConfig(
                 op_timeout_s=op_timeout_s, join_timeout_s=op_timeout_s, secret=secret),
                 threads=agreed.threads, batching=env.batching())

@@ -15,6 +15,7 @@ from typing import Any
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.protocol.config import JobSpec
+from switchml.protocol.errors import ConfigError
 from switchml.protocol.wire import AUTH_TAG_SIZE, elements_for_mtu
 from switchml.torch.rendezvous import Exchange
 from switchml.transport.parallel import choose_threads
@@ -71,8 +72,8 @@ class Agreement:
 
 def agree_on_job(exchange: Exchange, switch: Any, *, tenant: int | None = None,
                  one_thread: bool = False, quorum: dict[str, Any] | None = None,
-                 window: int | None = None, elements_per_packet: int | None = None
-                 ) -> Agreement:
+                 window: int | None = None, elements_per_packet: int | None = None,
+                 group_settings: bool = True) -> Agreement:
     """What a new group's ranks agree on through ``exchange`` (a collective):
 
     - the job: rank 0 sizes its chunks to the smallest MTU any rank has towards ``switch``
@@ -82,21 +83,36 @@ def agree_on_job(exchange: Exchange, switch: Any, *, tenant: int | None = None,
       (``SWITCHML_AUTH_DATA``): rank 0's settings rule the group;
     - the I/O threads: the fewest any rank asks for (every rank must split its job into the
       same parts; ``one_thread``: this rank asks for one).
+
+    ``group_settings``: read rank 0's half-type width and failover (a "switchml" group's);
+    False for a DDP hook on another backend's group, which has neither. If rank 0 cannot size
+    the job (a wrong setting), every rank raises at once, naming rank 0's reason, instead of
+    the others waiting out the group's timeout.
     """
     mtus = exchange.gather("mtu", str(local_mtu(switch)))
     wants = exchange.gather("threads", str(1 if one_thread else (
         choose_threads(switch, requested=env.threads(), local_ranks=local_ranks(exchange.size)))))
-    mine = None
+    mine, failure = None, None
     if exchange.rank == 0:  # rank 0's settings rule the group (checked here, raising if wrong)
-        spec = job_spec_for_ranks(exchange.size, (int(m) for m in mtus), window=window,
-                                  elements_per_packet=elements_per_packet, tenant=tenant,
-                                  auth_data=env.auth_data(), **(quorum or {}))
-        mine = json.dumps({"job": encode_job_spec(spec), "half_bits": env.half_bits() or "auto",
-                           "failover": env.failover(),
-                           "failover_probe_s": env.failover_probe_s()})
+        try:
+            spec = job_spec_for_ranks(exchange.size, (int(m) for m in mtus), window=window,
+                                      elements_per_packet=elements_per_packet, tenant=tenant,
+                                      auth_data=env.auth_data(), **(quorum or {}))
+            mine = json.dumps({
+                "job": encode_job_spec(spec),
+                "half_bits": (env.half_bits() or "auto") if group_settings else "auto",
+                "failover": env.failover() if group_settings else "off",
+                "failover_probe_s": env.failover_probe_s() if group_settings else 0.0})
+        except Exception as exc:  # told to every rank, then raised here
+            failure = exc
+            mine = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
     rules = json.loads(exchange.share("job", mine))
+    if "error" in rules:
+        if failure is not None:
+            raise failure
+        raise ConfigError(f"rank 0 could not size the group's switch job: {rules['error']}")
     group_half = str(rules["half_bits"])
-    if exchange.rank and env.half_bits_text() not in ("", group_half):
+    if group_settings and exchange.rank and env.half_bits_text() not in ("", group_half):
         log.warning("switchml rank %d: SWITCHML_HALF_BITS is %r here, but rank 0's (%s) "
                     "rules the group", exchange.rank, env.half_bits_text(), group_half)
     return Agreement(spec=decode_job_spec(rules["job"]),

@@ -64,9 +64,18 @@ class GroupExchange:
             raise ValueError(f"rank 0 must share a value for {name!r}")
         box: list[Any] = [value if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-        return str(box[0])
+        return _text(name, box[0])
 
     def gather(self, name: str, value: str) -> list[str]:
         values: list[Any] = [None] * self.size
         dist.all_gather_object(values, value, group=self.pg)
-        return [str(v) for v in values]
+        return [_text(name, v) for v in values]
+
+
+def _text(name: str, value: Any) -> str:
+    """A value the ranks exchanged, which must be text (a rank that called another exchange,
+    or none, sends something else)."""
+    if not isinstance(value, str):
+        raise RuntimeError(f"the group's ranks disagree about {name!r}: got {value!r} where text "
+                           "was expected (do all ranks set the same SWITCHML_SWITCH?)")
+    return value
