@@ -38,6 +38,19 @@ _NO_RESIDUAL = {np.dtype(np.float32): np.empty(0, np.float32),
 """The kernels' residual argument where there is none, of the input's residual type."""
 
 
+def _checked_keys(spec: JobSpec, data_keys: Sequence[bytes | None] | None,
+                  shards: int) -> list[bytes] | None:
+    """An authenticated job's data keys, one of 16 bytes per shard (else LocalProtocolError);
+    None for a job without a MAC."""
+    if not spec.auth_data:
+        return None
+    if not data_keys or len(data_keys) != shards or any(k is None or len(k) != 16
+                                                        for k in data_keys):
+        raise LocalProtocolError("an authenticated job (auth_data) needs a 16-byte data key per "
+                                 "shard")
+    return [bytes(k) for k in data_keys if k is not None]
+
+
 class Operation:
     """State of the operation in flight.
 
@@ -64,13 +77,8 @@ class Operation:
                  residual: np.ndarray | None = None, keep: np.ndarray | None = None,
                  data_keys: Sequence[bytes | None] | None = None) -> None:
         self.seq, self.x, self.out, self.keep = seq, x, out, keep
-        self.data_keys = data_keys
-        """An authenticated job's data key on each shard (``spec.auth_data``: its requests and
-        results carry a MAC under it, ``auth.data_key``): lane i's is shard i mod S's."""
-        if spec.auth_data and (not data_keys or len(data_keys) != len(slot_bases)
-                               or any(k is None or len(k) != 16 for k in data_keys)):
-            raise LocalProtocolError("an authenticated job (auth_data) needs a 16-byte data "
-                                     "key per shard")
+        self.data_keys = _checked_keys(spec, data_keys, len(slot_bases))
+        """``spec.auth_data``: its data key on each shard (lane i's: shard i mod S's)."""
         self.in_place = keep is not None
         """The caller's input is ``out`` (kept block by block in ``keep``, or, restarted,
         whole in ``x``): a failure puts it back (:meth:`restore_input`)."""
@@ -84,9 +92,8 @@ class Operation:
         self.L = -(-x.size // self.k)
         self.E = min(spec.window, self.L)
         self.T = self.L + self.E if self.is_float else self.L
-        # A lane's datagram, at most (an authenticated job's with its MAC).
-        self.stride = HEADER_SIZE + self.k * self.itemsize + (AUTH_TAG_SIZE if spec.auth_data
-                                                              else 0)
+        tag = AUTH_TAG_SIZE if spec.auth_data else 0  # (an authenticated job's MAC)
+        self.stride = HEADER_SIZE + self.k * self.itemsize + tag  # a lane's datagram, at most
         self._stage(x, out, residual)
         info = finfo(out.dtype) if self.is_float else None
         self.fmax = float(info.max) if info is not None else 0.0
@@ -97,10 +104,10 @@ class Operation:
         # Lane i goes to shard i mod S, on that shard's slot i (each shard grants a base).
         lanes = np.arange(self.E)
         self.lane[K.LN.SLOT] = np.asarray(slot_bases, np.int64)[lanes % len(slot_bases)] + lanes
-        if spec.auth_data and data_keys:  # and its requests and results that shard's MAC key
-            keys = np.frombuffer(b"".join(k or b"" for k in data_keys), np.int64).reshape(-1, 2)
-            self.lane[K.LN.MAC_K0] = keys[lanes % len(data_keys), 0]
-            self.lane[K.LN.MAC_K1] = keys[lanes % len(data_keys), 1]
+        if self.data_keys:  # and its requests and results that shard's MAC key
+            keys = np.frombuffer(b"".join(self.data_keys), np.int64).reshape(-1, 2)
+            self.lane[K.LN.MAC_K0] = keys[lanes % len(keys), 0]
+            self.lane[K.LN.MAC_K1] = keys[lanes % len(keys), 1]
         self.lanef = np.zeros((K.LNF_FIELDS, self.E), np.float64)
         # Block exponents are computed as packets are built (kernels.build_request).
         self.exps = np.empty(self.L if self.is_float else 0, np.int64)
@@ -119,8 +126,7 @@ class Operation:
         self.picked = np.empty(K.PROBE_LANES, np.int64)  # the idle probe's lanes (fire_timers)
         self.run_order = np.empty(self.sendq.size, np.int64)
         self.runs = np.empty((self.sendq.size, 5), np.int64)
-        # Transmissions in time order, (time, lane, chunk, xmits), for RACK loss detection
-        # (recovery.py; kept with fast_retransmit on only).
+        # Transmissions in time order, (time, lane, chunk, xmits): RACK's (recovery.py).
         self.xmit_order: deque[tuple[float, int, int, int]] = deque()
         self.spurious = 0  # the spurious RACK re-send count when the operation started
         self.waiting_missing = 0  # the ranks the switch last said it waits for (a bitmap)

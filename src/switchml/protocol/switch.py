@@ -99,23 +99,20 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         self.allocator = SlotAllocator(self.config.pool_slots)
         self._jobs: dict[int, Job] = {}
         self._out: list[tuple[bytes | memoryview, Address]] = []
-        # Results, per destination in order (a run of them to one member is one GSO send):
-        # queued per job as rows (``Job.pend``), made into views only by ``_output_runs``.
+        # Results per destination in order (a run to one member: one GSO send), queued per job
+        # as rows (``Job.pend``), made into views only by ``_output_runs``.
         self._runs: dict[Address, list[memoryview]] = {}
         self._pending: list[Job] = []  # jobs with results queued
         self._events: deque[Event] = deque()
         self._drops: Counter[str] = Counter()
-        # Membership: ranks that joined (a new membership) and left (a LEAVE), jobs whose
-        # lease expired (their members went silent).
-        self._membership: Counter[str] = Counter()
+        self._membership: Counter[str] = Counter()  # members joined and left, jobs expired
         self._cnt = np.zeros(K.SC.N, np.int64)  # the kernel's counters (kernels.SC)
         self._done = np.empty((K.MAX_BATCH, 3), np.int64)  # rounds one call completes
         self._run_rows = np.empty((K.MAX_BATCH, 4), np.int64)  # _runs_to_send's plan
         self._starts = np.empty(1, np.int64)  # receive_datagram's batch of one
         self._lens = np.empty(1, np.int64)
         self._one_sender = np.zeros(1, np.int64)
-        # The kernel's replies to one rank (NACK, RESENT, WAITING): rows of the largest job's
-        # reply_bytes, and (rank, length) of each.
+        # The kernel's replies (NACK, RESENT, WAITING): rows of the largest job's reply_bytes.
         self._reply_rows = np.empty((K.REPLIES_PER_CALL, HEADER_SIZE), np.uint8)
         self._reply_meta = np.empty((K.REPLIES_PER_CALL, 2), np.int64)
         self._hot: Job | None = None  # the job of the last request admitted

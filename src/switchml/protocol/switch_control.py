@@ -263,7 +263,8 @@ class SwitchControl:
         self._out.append((pack_challenge(job=job, token=token, rank=rank,
                                          shard=self.config.shard_index, cookie=cookie), addr))
 
-    def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:
+    def _job_problem(self, h: Header, asked: ControlInfo) -> str | None:
+        """Why a new job of geometry ``asked`` cannot be created here, or None."""
         cfg = self.config
         problem = None
         if not 1 <= asked.num_workers <= cfg.max_workers:
@@ -299,6 +300,11 @@ class SwitchControl:
             if held + asked.window > cfg.tenant_slots:
                 problem = (f"tenant {tenant} holds {held} slots in its other jobs; {asked.window} "
                            f"more would pass its quota of {cfg.tenant_slots}")
+        return problem
+
+    def _create_job(self, h: Header, asked: ControlInfo, addr: Address) -> Job | None:
+        cfg = self.config
+        problem = self._job_problem(h, asked)
         if problem is not None:
             self._refuse(h, addr, problem)
             return None

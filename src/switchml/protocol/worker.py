@@ -116,8 +116,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._shard_bases: list[int | None] = [None] * len(shards)
         self._shards_left: set[int] = set()
         self._cookies: list[bytes | None] = [None] * len(shards)  # each shard's JOINED cookie
-        # An authenticated job's data key on each shard (its incarnation's: JOINED says it).
-        self._data_keys: list[bytes | None] = [None] * len(shards)
+        self._data_keys: list[bytes | None] = [None] * len(shards)  # (auth_data: JOINED's)
         self.config = config or WorkerConfig()
         cfg = self.config  # the key this rank proves its JOIN and LEAVE with
         self._key = worker_key(spec.job_id, spec.token, secret=cfg.secret,
