@@ -21,6 +21,7 @@ from switchml.protocol.wire import (
     HEADER_SIZE,
     ChunkShape,
     ControlInfo,
+    Datagram,
     ElementType,
     Flags,
 )
@@ -29,6 +30,7 @@ __all__ = ["Job", "SlotAllocator", "bitmap", "store_bitmap"]
 
 _INT32 = int(ElementType.INT32)
 _SHAPE_FLAGS = int(Flags.HAS_DATA | Flags.HAS_EXP)
+_AUTH = int(Flags.AUTH)
 
 
 class SlotAllocator:
@@ -221,6 +223,14 @@ class Job:
         job's from the last request whose MAC verified (``heard``: the kernel stamps a rank
         only then), so that forged requests it dropped renew nothing."""
         self.last_seen = max(self.last_seen, float(self.heard.max())) if self.auth else now
+
+    def mac_ok(self, flags: int, data: Datagram | None) -> bool:
+        """Whether a datagram of this job with header ``flags`` passes the data MAC rule: an
+        authenticated job's carries ``AUTH`` and a MAC that verifies (``data``: the datagram,
+        MAC included), any other job's carries no ``AUTH``."""
+        if not self.auth:
+            return not flags & _AUTH
+        return bool(flags & _AUTH) and data is not None and K.data_sealed(self.jobv, data)
 
     def use_key(self, key: bytes) -> None:
         """The job key (JOIN and LEAVE proofs, sealed replies); an authenticated job's kernel

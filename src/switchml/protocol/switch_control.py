@@ -43,7 +43,6 @@ from switchml.protocol.wire import (
     Datagram,
     ElementType,
     Field,
-    Flags,
     Header,
     MessageType,
     pack_challenge,
@@ -395,9 +394,8 @@ class SwitchControl:
         if member != addr:
             self._drops["bad_keepalive"] += 1
             return
-        if (job.auth or h.flags & Flags.AUTH) and not (job.auth and K.data_sealed(job.jobv,
-                                                                                   data)):
-            self._drops["bad_mac"] += 1  # an authenticated job's keep-alive carries its MAC
+        if not job.mac_ok(h.flags, data):  # an authenticated job's keep-alive carries its MAC
+            self._drops["bad_mac"] += 1
             return
         job.last_seen = now
         job.heard[h.rank] = now
@@ -425,13 +423,11 @@ class SwitchControl:
         if rank >= job.num_workers:
             self._drops["bad_rank"] += 1
             return None
-        if job.auth or f[Field.FLAGS] & Flags.AUTH:
+        if not job.mac_ok(f[Field.FLAGS], data):
             # An authenticated job's request answers nothing, and changes nothing, unless its
             # MAC verifies (the kernel checks it again for the datagrams after this one).
-            if not (job.auth and f[Field.FLAGS] & Flags.AUTH and data is not None
-                    and K.data_sealed(job.jobv, data)):
-                self._drops["bad_mac"] += 1
-                return None
+            self._drops["bad_mac"] += 1
+            return None
         member = job.members[rank]
         if member != addr:
             if member is None:
