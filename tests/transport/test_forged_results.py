@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -59,17 +60,18 @@ def _spoofed(src: tuple[str, int], dst: tuple[str, int], payload: bytes) -> byte
     return ip + udp
 
 
-@pytest.mark.parametrize("shards", [2, 1])
-@pytest.mark.parametrize("spoof", [False, True], ids=["stranger", "switch-address-spoofed"])
-def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof) -> None:
-    if spoof and os.geteuid() != 0:
-        pytest.skip("spoofing the switch's source address needs a raw socket (root)")
-    servers = [SwitchServer(port=0, config=SwitchConfig(shard_index=i, shard_count=shards))
-               .start() for i in range(shards)]
+def _allreduce_under_forgeries(shards: int, spec, forged: Callable[[object], list[bytes]], *,
+                               spoof: bool, secret: bytes | None = None) -> list:
+    """``N`` ranks of ``spec`` all-reduce ``OPS`` times through ``shards`` switch processes
+    while ``forged(spec)``'s datagrams go to their ports without pause, from a stranger's
+    socket, or (``spoof``, root) from the switch's (shard 0's) own address; every sum is
+    checked by hand (rank r sends (r + 1)(op + 1)). Returns the ranks' clients, closed."""
+    servers = [SwitchServer(port=0, config=SwitchConfig(shard_index=i, shard_count=shards,
+                                                        secret=secret)).start()
+               for i in range(shards)]
     try:
         addrs = [s.address for s in servers]
-        spec = new_job_spec(N, window=W, elements_per_packet=K)
-        clients = [None] * N
+        clients: list = [None] * N
         outs: dict[int, list] = {r: [] for r in range(N)}
         errors: list = []
         started = threading.Barrier(N + 1)
@@ -79,13 +81,12 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
         def rank(r: int) -> None:
             try:
                 with WorkerClient(addrs if shards > 1 else addrs[0], spec, r,
-                                  WorkerConfig(op_timeout_s=20)) as w:
+                                  WorkerConfig(op_timeout_s=20, secret=secret)) as w:
                     clients[r] = w
                     started.wait(30)
                     flooded.wait(30)  # (fast operations could end before the first forgery)
                     for op in range(OPS):
-                        x = np.full(SIZE, (r + 1) * (op + 1), np.int32)
-                        outs[r].append(w.allreduce(x))
+                        outs[r].append(w.allreduce(np.full(SIZE, (r + 1) * (op + 1), np.int32)))
             except BaseException as exc:  # noqa: BLE001
                 errors.append(f"rank {r}: {exc!r}")
                 started.abort()
@@ -94,23 +95,21 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
         for t in threads:
             t.start()
         started.wait(30)
-        forged = _forgeries(spec.job_id, spec.token, range(OPS + 1))
-        if spoof:  # (a RESULT from the switch's address would be taken: not authenticated)
-            forged = [d for d in forged if d[3] != MessageType.RESULT]
-        ports = [c.sock.getsockname() for c in clients]
+        datagrams = forged(spec)
+        ports = [c.sock.getsockname()[1] for c in clients]
 
         def forge() -> None:
             kind = ((socket.SOCK_RAW, socket.IPPROTO_RAW) if spoof
                     else (socket.SOCK_DGRAM, 0))
             with socket.socket(socket.AF_INET, *kind) as s:
                 while not stop.is_set():
-                    for d in forged:
+                    for d in datagrams:
                         for p in ports:
                             if spoof:  # from the switch's (shard 0's) own address
-                                s.sendto(_spoofed(addrs[0], ("127.0.0.1", p[1]), d),
+                                s.sendto(_spoofed(addrs[0], ("127.0.0.1", p), d),
                                          ("127.0.0.1", 0))
                             else:
-                                s.sendto(d, ("127.0.0.1", p[1]))
+                                s.sendto(d, ("127.0.0.1", p))
                         if stop.is_set():
                             return
                     flooded.set()  # (and on: the forgeries go on during the operations)
@@ -123,16 +122,33 @@ def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof
         forger.join(10)
         assert not errors, errors
         for r in range(N):
+            assert len(outs[r]) == OPS
             for op, out in enumerate(outs[r]):
                 np.testing.assert_array_equal(out, np.full(SIZE, 3 * (op + 1), np.int32))
-        if spoof:  # every rank saw them, from the switch's address, and dropped them
-            for c in clients:
-                assert c.endpoint.drops["unauthenticated_reply"] > 0, c.endpoint.drops
-        elif shards > 1:  # (one switch: the connected socket's kernel drops them unseen)
-            assert sum(c.endpoint.drops["foreign_sender"] for c in clients) > 0
+        return clients
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize("shards", [2, 1])
+@pytest.mark.parametrize("spoof", [False, True], ids=["stranger", "switch-address-spoofed"])
+def test_forged_results_and_control_from_a_stranger_change_nothing(shards, spoof) -> None:
+    if spoof and os.geteuid() != 0:
+        pytest.skip("spoofing the switch's source address needs a raw socket (root)")
+
+    def forged(spec) -> list[bytes]:
+        out = _forgeries(spec.job_id, spec.token, range(OPS + 1))
+        # (a RESULT from the switch's address is taken by a job without auth_data)
+        return [d for d in out if d[3] != MessageType.RESULT] if spoof else out
+
+    clients = _allreduce_under_forgeries(shards, new_job_spec(N, window=W, elements_per_packet=K),
+                                         forged, spoof=spoof)
+    if spoof:  # every rank saw them, from the switch's address, and dropped them
+        for c in clients:
+            assert c.endpoint.drops["unauthenticated_reply"] > 0, c.endpoint.drops
+    elif shards > 1:  # (one switch: the connected socket's kernel drops them unseen)
+        assert sum(c.endpoint.drops["foreign_sender"] for c in clients) > 0
 
 
 @pytest.mark.parametrize("shards", [2, 1])
@@ -143,65 +159,14 @@ def test_forged_results_from_the_switchs_own_address_change_no_sum_of_an_authent
     ranks all-reduce: every sum is right, and the ranks dropped the forgeries (``bad_mac``)."""
     if os.geteuid() != 0:
         pytest.skip("spoofing the switch's source address needs a raw socket (root)")
-    secret = b"forged-results-auth-data-secret"
-    servers = [SwitchServer(port=0, config=SwitchConfig(shard_index=i, shard_count=shards,
-                                                        secret=secret)).start()
-               for i in range(shards)]
-    try:
-        addrs = [s.address for s in servers]
-        spec = new_job_spec(N, window=W, elements_per_packet=K, auth_data=True)
-        clients: list = [None] * N
-        outs: dict[int, list] = {r: [] for r in range(N)}
-        errors: list = []
-        started = threading.Barrier(N + 1)
-        stop, flooded = threading.Event(), threading.Event()
 
-        def rank(r: int) -> None:
-            try:
-                with WorkerClient(addrs if shards > 1 else addrs[0], spec, r,
-                                  WorkerConfig(op_timeout_s=20, secret=secret)) as w:
-                    clients[r] = w
-                    started.wait(30)
-                    flooded.wait(30)
-                    for op in range(OPS):
-                        outs[r].append(w.allreduce(np.full(SIZE, (r + 1) * (op + 1), np.int32)))
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(f"rank {r}: {exc!r}")
-                started.abort()
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(N)]
-        for t in threads:
-            t.start()
-        started.wait(30)
+    def forged(spec) -> list[bytes]:
         results = [d for d in _forgeries(spec.job_id, spec.token, range(OPS + 1))
                    if d[3] == MessageType.RESULT]
-        tagged = [bytes([*d[:4], d[4] | 0x40, *d[5:]]) + os.urandom(16) for d in results]
-        ports = [c.sock.getsockname()[1] for c in clients]
+        return [bytes([*d[:4], d[4] | 0x40, *d[5:]]) + os.urandom(16) for d in results] + results
 
-        def forge() -> None:
-            with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:
-                while not stop.is_set():
-                    for d in tagged + results:
-                        for p in ports:
-                            s.sendto(_spoofed(addrs[p % shards], ("127.0.0.1", p), d),
-                                     ("127.0.0.1", 0))
-                        if stop.is_set():
-                            return
-                    flooded.set()
-
-        forger = threading.Thread(target=forge)
-        forger.start()
-        for t in threads:
-            t.join(120)
-        stop.set()
-        forger.join(10)
-        assert not errors, errors
-        for r in range(N):
-            assert len(outs[r]) == OPS
-            for op, out in enumerate(outs[r]):
-                np.testing.assert_array_equal(out, np.full(SIZE, 3 * (op + 1), np.int32))
-        assert all(c.endpoint.drops["bad_mac"] > 0 for c in clients), \
-            [dict(c.endpoint.drops) for c in clients]
-    finally:
-        for s in servers:
-            s.stop()
+    spec = new_job_spec(N, window=W, elements_per_packet=K, auth_data=True)
+    clients = _allreduce_under_forgeries(shards, spec, forged, spoof=True,
+                                         secret=b"forged-results-auth-data-secret")
+    assert all(c.endpoint.drops["bad_mac"] > 0 for c in clients), \
+        [dict(c.endpoint.drops) for c in clients]
