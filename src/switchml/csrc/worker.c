@@ -471,9 +471,16 @@ static void residual_into(const void *x, int xk, int64_t lo, int64_t count, cons
 
 /* ---- requests (stream.py) -------------------------------------------------------------- */
 
+/* A lane's row in the transmit buffer: one full datagram (an authenticated job's with its MAC);
+   what opv's operation asks of the buffers Python allocates. */
+static inline int64_t row_bytes(const int64_t *opv)
+{
+    return HDR + opv[OP_K] * opv[OP_ITEMSIZE] + (opv[OP_AUTH] ? DATA_TAG : 0);
+}
+
 static inline int64_t lane_row(const op_t *o, int64_t i)
 {
-    return i * (HDR + OPV(o, OP_K) * OPV(o, OP_ITEMSIZE) + (OPV(o, OP_AUTH) ? DATA_TAG : 0));
+    return i * row_bytes(o->opv);
 }
 
 /* An in-place operation's input block x[lo:lo+count] into keep, as the block is sent: its
@@ -1267,8 +1274,7 @@ static int get_op(bufs_t *b, PyObject *const *args, int at, int with_out, int wi
     /* What the kernels index must lie within the arrays: the lanes' rows, the blocks. */
     int64_t k = o->opv[OP_K], isz = o->opv[OP_ITEMSIZE], E = o->opv[OP_E];
     int64_t L = o->opv[OP_L];
-    int64_t row = HDR + k * isz + (o->opv[OP_AUTH] ? DATA_TAG : 0);
-    if (E < 1 || E > o->nl || k < 1 || (isz != 2 && isz != 4) || ntx < o->nl * row
+    if (E < 1 || E > o->nl || k < 1 || (isz != 2 && isz != 4) || ntx < o->nl * row_bytes(o->opv)
         || (o->opv[OP_IS_FLOAT] && (nexps < L || o->xk == K_I32 || (with_out && o->ok == K_I32)))
         || (!o->opv[OP_IS_FLOAT] && (o->xk != K_I32 || isz != 4 || (with_out && o->ok != K_I32)))
         || L * k < o->xn || (L > 0 && (L - 1) * k >= o->xn)
@@ -1346,8 +1352,7 @@ static PyObject *opstate_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->runs = v->buf;
     if (arg_i64(a[20], &self->stride) < 0)
         goto fail;
-    if (self->stride != HDR + self->o.opv[OP_K] * self->o.opv[OP_ITEMSIZE]
-                            + (self->o.opv[OP_AUTH] ? DATA_TAG : 0)) {
+    if (self->stride != row_bytes(self->o.opv)) {
         PyErr_SetString(PyExc_ValueError, "OpState: stride is not the operation's datagram size");
         goto fail;
     }
