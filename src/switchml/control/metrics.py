@@ -20,6 +20,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
 | ``switchml_members_joined_total``, ``_members_left_total`` (LEAVE),
+  ``_members_replaced_total`` (a quorum job's rank joined running, from a new address),
   ``switchml_jobs_expired_total`` (every member silent for the lease) | counter | |
 | ``switchml_drops_total`` | counter | ``reason`` |
 | ``switchml_elements_aggregated_total`` | counter | ``job_id`` |
@@ -70,9 +71,12 @@ class SwitchCollector:
                 ("switchml_nacks_sent", "nacks_sent",
                  "NACKs: a rank's later chunks arrived before an earlier one (loss recovery)"),
                 ("switchml_members_joined", "members_joined",
-                 "Ranks that joined a job (a new membership: first JOIN, or from a new address "
-                 "before the job started)"),
+                 "Ranks that joined a job (a new membership: a first JOIN, a JOIN from a new "
+                 "address before the job started, or a quorum job's replacement)"),
                 ("switchml_members_left", "members_left", "Ranks that left a job (LEAVE)"),
+                ("switchml_members_replaced", "members_replaced",
+                 "Ranks of a running quorum job that joined again from a new address (a "
+                 "replacement took the rank's place)"),
                 ("switchml_jobs_expired", "jobs_expired",
                  "Jobs removed because every member went silent for the lease")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))

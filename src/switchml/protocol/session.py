@@ -211,9 +211,10 @@ class WorkerSession:
 
     # -- user commands -------------------------------------------------------------------------
 
-    def join(self, now: float) -> None:
-        """Join the job (the worker's JOIN). Call ``datagrams_to_send`` afterwards."""
-        self.endpoint.join(now)
+    def join(self, now: float, *, late: bool = False) -> None:
+        """Join the job (the worker's JOIN; ``late``: a running quorum job, see
+        ``WorkerEndpoint.join``). Call ``datagrams_to_send`` afterwards."""
+        self.endpoint.join(now, late=late)
         self._settle(now)
 
     def submit(self, data: np.ndarray, out: np.ndarray | None = None, *, now: float,

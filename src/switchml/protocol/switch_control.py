@@ -208,7 +208,8 @@ class SwitchControl:
     def _join_member(self, h: Header, job: Job, asked: ControlInfo, cookie: bytes,
                      addr: Address, now: float) -> None:
         """A proven JOIN of ``job``: check its geometry and rank, record the member (a new
-        address only while the job has not started), raise the epoch, answer JOINED."""
+        address only while the job has not started, or, in a quorum job, in place of the
+        rank's old one: a replacement), raise the epoch, answer JOINED."""
         if (asked.num_workers, asked.window, asked.elements_per_packet, asked.quorum,
                 asked.quorum_min, asked.deadline_us, asked.options) != (
                 job.num_workers, job.window, job.elements_per_packet, job.quorum,
@@ -226,18 +227,26 @@ class SwitchControl:
             self._refuse(h, addr, f"rank {h.rank} outside job {h.job} of {job.num_workers}")
             return
         old = job.members[h.rank]
+        replaced = False
         if old != addr:
             if old is not None and job.started:
-                self._refuse(h, addr, f"rank {h.rank} of job {h.job} is joined from "
-                             f"{format_address(old)} and the job is running; a restarted worker "
-                             "cannot take over its state: start a new job")
-                return
+                if not job.quorum:
+                    self._refuse(h, addr, f"rank {h.rank} of job {h.job} is joined from "
+                                 f"{format_address(old)} and the job is running; a restarted "
+                                 "worker cannot take over its state: start a new job (or give "
+                                 "the job a quorum: a replacement can join one running)")
+                    return
+                # A quorum job's rounds go on without the rank: a replacement (its key proved
+                # it) takes the rank's place from here, and the old address is dropped.
+                replaced = True
+                self._membership["members_replaced"] += 1
             job.set_member(h.rank, addr)
             job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
             job.heard[h.rank] = now
             self._events.append(MemberJoined(job.job_id, h.rank, addr))
             self._membership["members_joined"] += 1
-        if h.seq and (job.min_seq is None or ((h.seq - job.min_seq) & _MASK32) < _HALF):
+        if h.seq and not replaced and (job.min_seq is None
+                                       or ((h.seq - job.min_seq) & _MASK32) < _HALF):
             job.min_seq = h.seq  # a new epoch: older requests are stale from now on
         job.last_seen = now
         self._out.append((seal_reply(job.key, pack_joined(

@@ -94,6 +94,7 @@ class SwitchStats:
             "rounds_abandoned": self.rounds_abandoned,
             "members_joined": self._membership["members_joined"],
             "members_left": self._membership["members_left"],
+            "members_replaced": self._membership["members_replaced"],
             "jobs_expired": self._membership["jobs_expired"],
             "drops": dict(self.drops),
             "jobs": len(self._jobs),

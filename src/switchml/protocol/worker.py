@@ -162,16 +162,6 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
 
     # -- User commands -----------------------------------------------------------------------
 
-    def join(self, now: float) -> None:
-        """Send JOIN (retried until answered or ``join_timeout_s``). Call ``datagrams_to_send``.
-
-        Raises:
-            LocalProtocolError: if already joined or closed.
-        """
-        self._move(WorkerInput.JOIN)
-        self._control.start(now, self.config.join_timeout_s)
-        self._send_join(now)
-
     def start_allreduce(self, data: np.ndarray, out: np.ndarray, now: float, *, bits: int = 32,
                         residual: np.ndarray | None = None) -> int:
         """Start summing ``data`` over all ranks into ``out`` (may be ``data`` itself).
@@ -191,10 +181,14 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         Raises:
             LocalProtocolError: not ready (joining, busy, failed, closed), unsupported dtype,
                 size or dtype mismatch between ``data`` and ``out``, a non-contiguous or
-                read-only output, ``bits=16`` on integers, or a bad ``residual``.
+                read-only output, ``bits=16`` on integers, or a bad ``residual``; a rank that
+                joined a running job and has not resumed.
         """
         if not can(self.state, WorkerInput.START):
             next_state(self.state, WorkerInput.START, self.error or "")  # raises
+        if self._late:
+            raise LocalProtocolError("this rank joined a running job: resume(position) from a "
+                                     "live rank before its first operation")
         x, o = validate_arrays(data, out)
         residual = check_wire(x, o, bits, residual)
         # In place, the kernels keep each input block as they send it (a restart needs the

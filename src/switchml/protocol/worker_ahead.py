@@ -1,6 +1,8 @@
 """A quorum job's rank that fell behind: the results the switch multicast before this rank needed
 them are kept, checked all at once, and fed through the results kernel when the rank's
-operation reaches them (docs/protocol.md section 7, "A rank behind").
+operation reaches them (docs/protocol.md section 7, "A rank behind"). A rank that joins a
+running quorum job (a replacement for one that died) is such a rank until it takes a live
+rank's :class:`Position` (``resume``; section 7, "Joining a running job").
 
 Part of :class:`~switchml.protocol.worker.WorkerEndpoint` (a base class of it, as
 ``worker_control.py`` is), split off so that the data path's module stays readable.
@@ -8,12 +10,15 @@ Part of :class:`~switchml.protocol.worker.WorkerEndpoint` (a base class of it, a
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec, WorkerConfig
+from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.lifecycle import WorkerState
 from switchml.protocol.operation import Operation
 from switchml.protocol.wire import (
@@ -28,7 +33,7 @@ from switchml.protocol.wire import (
     MessageType,
 )
 
-__all__ = ["WorkerAhead"]
+__all__ = ["Position", "WorkerAhead"]
 
 _MASK32 = 0xFFFFFFFF
 _HALF = 1 << 31
@@ -36,9 +41,73 @@ _HDR = HEADER_SIZE
 _MAGIC, _VERSION, _RESULT_FLAGS = MAGIC, VERSION, RESULT_FLAGS
 
 
+_POSITION_MAGIC = b"SMP1"
+_PART = struct.Struct("<II")  # a part's next sequence number, its lanes
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank stands in its job between operations: per part of the job (one, without
+    I/O threads: ``protocol/parts.py``), the sequence number of its next operation and each
+    lane's next set (0 or 1, one byte per lane). Ranks that completed the same operations
+    stand at the same position, so a live rank's (``WorkerEndpoint.position``) is where a rank
+    joining a running quorum job starts (``resume``). ``to_bytes`` and ``from_bytes`` carry it
+    between processes."""
+
+    seqs: tuple[int, ...]
+    sets: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seqs or len(self.seqs) != len(self.sets):
+            raise ValueError(f"a position needs one sequence number and one set of lanes per "
+                             f"part, at least one part; got {len(self.seqs)} and "
+                             f"{len(self.sets)}")
+        for seq, sets in zip(self.seqs, self.sets):
+            if not 0 <= seq <= _MASK32:
+                raise ValueError(f"a position's sequence number is a uint32, got {seq}")
+            if not sets or set(sets) - {0, 1}:
+                raise ValueError("a position's lanes each hold a set, 0 or 1")
+
+    @classmethod
+    def of_parts(cls, parts: list[Position]) -> Position:
+        """The position of a rank whose parts stand at ``parts`` (one part each)."""
+        return cls(tuple(s for p in parts for s in p.seqs),
+                   tuple(b for p in parts for b in p.sets))
+
+    def part(self, t: int) -> Position:
+        """Part ``t``'s position alone."""
+        return Position((self.seqs[t],), (self.sets[t],))
+
+    def to_bytes(self) -> bytes:
+        return _POSITION_MAGIC + b"".join(
+            _PART.pack(seq, len(sets)) + sets for seq, sets in zip(self.seqs, self.sets))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Position:
+        """The position ``to_bytes`` wrote. Raises ValueError, saying what is wrong, for
+        anything else."""
+        data = bytes(data)
+        if data[:4] != _POSITION_MAGIC:
+            raise ValueError("not a switchml position (it starts with another magic)")
+        seqs, sets, at = [], [], 4
+        while at < len(data):
+            if len(data) - at < _PART.size:
+                raise ValueError(f"a truncated position: {len(data) - at} bytes left of a part")
+            seq, lanes = _PART.unpack_from(data, at)
+            at += _PART.size
+            if lanes > len(data) - at:
+                raise ValueError(f"a truncated position: a part of {lanes} lanes has "
+                                 f"{len(data) - at} bytes")
+            seqs.append(seq)
+            sets.append(data[at:at + lanes])
+            at += lanes
+        return cls(tuple(seqs), tuple(sets))
+
+
 class WorkerAhead:
-    """Results of later operations, kept for a rank behind (``WorkerEndpoint``'s base class).
-    Uses the worker's state (declared below) and its ``_receive``."""
+    """Results of later operations, kept for a rank behind (``WorkerEndpoint``'s base class),
+    and a rank's :class:`Position`, taken from a live rank by one that joined late. Uses the
+    worker's state (declared below) and its ``_receive``."""
 
     spec: JobSpec
     config: WorkerConfig
@@ -51,6 +120,59 @@ class WorkerAhead:
     _cnt: np.ndarray
     _counters: Counter[str]
     _drops: Counter[str]
+    _next_set: np.ndarray
+    _late = False
+    """Joined a running quorum job (``join(late=True)``) and not resumed yet: results of any
+    operation are kept, since this rank does not know yet where the others stand."""
+
+    def position(self) -> Position:
+        """Where this rank stands: take it between operations (joined, none in flight), and
+        hand it to a rank joining the running job, with the state the operations so far
+        produced (a model's parameters), for its ``resume``.
+
+        Raises:
+            LocalProtocolError: an operation is in flight, the rank is not joined, or it
+                joined late and has not resumed.
+        """
+        if self.state is not WorkerState.READY or self._op is not None:
+            raise LocalProtocolError(f"a position is taken between operations, joined and "
+                                     f"idle; this rank is {self.state.value}")
+        if self._late:
+            raise LocalProtocolError("this rank joined a running job and has not resumed: it "
+                                     "has no position yet")
+        return Position((self._seq,), (self._next_set.astype(np.uint8).tobytes(),))
+
+    def resume(self, position: Position) -> None:
+        """Start where a live rank stands (its ``position``): this rank joined a running
+        quorum job (``join(now, late=True)``) and has run no operation. Its next operation
+        is the live rank's next; results kept meanwhile of earlier operations are dropped
+        (the live rank's state holds them), those of later ones are kept for it.
+
+        Raises:
+            LocalProtocolError: the rank did not join late, has resumed already, is not
+                joined, or ``position`` is not of this job's geometry (one part, ``window``
+                lanes).
+        """
+        if not self._late:
+            raise LocalProtocolError("resume is for a rank that joined a running quorum job "
+                                     "(join(now, late=True)), once, before its first "
+                                     "operation")
+        if self.state is not WorkerState.READY:
+            raise LocalProtocolError(f"resume needs a joined, idle rank; this rank is "
+                                     f"{self.state.value}")
+        if len(position.seqs) != 1:
+            raise LocalProtocolError(f"a position of {len(position.seqs)} parts; this "
+                                     "endpoint is one part of its job (give it .part(t))")
+        sets = np.frombuffer(position.sets[0], np.uint8)
+        if sets.size != self._next_set.size:
+            raise LocalProtocolError(f"a position of {sets.size} lanes; this job's window is "
+                                     f"{self._next_set.size}")
+        self._seq = position.seqs[0]
+        self._next_set[:] = sets
+        self._late = False
+        for seq in [s for s in self._ahead if 0 < ((self._seq - s) & _MASK32) < _HALF]:
+            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
+        self._counters["resumed"] += 1
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
                  now: float) -> None:
@@ -98,7 +220,7 @@ class WorkerAhead:
         quorum job, one of an operation this rank has not started yet is kept for it (the
         others went on without this rank: ``_take_ahead``); anything else is stale."""
         if (self.spec.quorum and h.flags & Flags.CONTRIBUTORS
-                and ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD):
+                and (self._late or ((h.seq - self._seq) & _MASK32) < K.QUORUM_AHEAD)):
             raw = np.frombuffer(bytes(data), np.uint8)
             one = np.zeros(1, np.int64)
             self._store_ahead(raw, one, one + raw.size, one + h.seq, one + h.chunk)
@@ -126,6 +248,8 @@ class WorkerAhead:
         seq = u(AT["seq"], 4).astype(np.int64)
         chunk = u(AT["chunk"], 4).astype(np.int64)
         ahead = ((seq - self._seq) & _MASK32) < K.QUORUM_AHEAD  # a later operation
+        if self._late:  # (where the others stand is not known yet: any operation's)
+            ahead[:] = True
         op = self._op
         if op is not None and self.state is WorkerState.BUSY:  # this one, a lane's later chunk
             reached = op.lane[K.LN.CHUNK][chunk % op.E]

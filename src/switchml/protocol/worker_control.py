@@ -20,7 +20,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address
 from switchml.protocol.auth import data_key, join_datagram, leave_proof
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.errors import WireError
+from switchml.protocol.errors import LocalProtocolError, WireError
 from switchml.protocol.events import Event, Joined, JoinFailed, Left, OperationRestarted
 from switchml.protocol.lifecycle import WorkerInput, WorkerState, can
 from switchml.protocol.operation import Operation
@@ -89,6 +89,7 @@ class WorkerControl:
     _unsealed_refusal: str | None
     _seq: int
     _epoch_seq: int
+    _late: bool
     _keepalive_at: float
     _op: Operation | None
     _out: list[tuple[Datagram, Address]]
@@ -116,6 +117,27 @@ class WorkerControl:
 
     def _begin(self, op: Operation, now: float) -> None:
         raise NotImplementedError
+
+    def join(self, now: float, *, late: bool = False) -> None:
+        """Send JOIN (retried until answered or ``join_timeout_s``). Call ``datagrams_to_send``.
+
+        ``late``: this rank joins a quorum job that is running (a replacement for a rank that
+        died, or one that fell too far behind, from a new address): the switch takes it in
+        place of the rank's old address, and it keeps every result it is sent until it
+        ``resume``s from a live rank's ``position`` (docs/protocol.md section 7).
+
+        Raises:
+            LocalProtocolError: if already joined or closed, or ``late`` for a job without a
+                quorum (its rounds wait for every rank: a rank cannot join one running).
+        """
+        if late and not self.spec.quorum:
+            raise LocalProtocolError("only a quorum job can take a rank while it runs (its "
+                                     "rounds go on without a rank that joins late); this job "
+                                     "has no quorum")
+        self._move(WorkerInput.JOIN)
+        self._late = late
+        self._control.start(now, self.config.join_timeout_s)
+        self._send_join(now)
 
     def _handle_challenge(self, h: Header, data: Datagram, now: float) -> None:
         """The switch (shard) asks this JOIN to prove itself: answer with its cookie and the

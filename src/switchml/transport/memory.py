@@ -182,9 +182,11 @@ class MemoryCluster(OutOfPlace):
                 raise SwitchMLError(s.error)
         self._joined = True
 
-    def restart_worker(self, rank: int, address: Address) -> WorkerEndpoint:
+    def restart_worker(self, rank: int, address: Address, *, late: bool = False
+                       ) -> WorkerEndpoint:
         """Rank ``rank`` restarts as a new process at ``address`` (the old one is detached):
-        a new worker with the same spec joins. Returns its endpoint."""
+        a new worker with the same spec joins (``late``: the running quorum job, see
+        ``WorkerEndpoint.join``). Returns its endpoint."""
         self.fabric.detach(self.addresses[rank])
         old = self.workers[rank]
         w = WorkerEndpoint(spec=self.spec, rank=rank, switch_address=old.switch_addresses,
@@ -192,7 +194,7 @@ class MemoryCluster(OutOfPlace):
         self.addresses[rank], self.workers[rank] = address, w
         self.sessions[rank] = WorkerSession(w, handle_type=AllreduceHandle)
         self.fabric.attach(address, self.sessions[rank])
-        self.sessions[rank].join(self.fabric.now)
+        self.sessions[rank].join(self.fabric.now, late=late)
         self.fabric.flush(address)
         return w
 

@@ -33,6 +33,7 @@ from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.parts import MAX_THREADS, check_threads, part_specs, split
 from switchml.protocol.session import prepare_submission
 from switchml.protocol.wire import elements_for_mtu
+from switchml.protocol.worker_ahead import Position
 from switchml.transport.handles import AllreduceHandle
 from switchml.transport.udp import WorkerClient
 
@@ -247,6 +248,23 @@ class ParallelClient:
         if refused:  # (outside the lock: the handle's callbacks may issue operations)
             handle.resolve(errors[0])
         return handle
+
+    def position(self) -> Position:
+        """Where this rank stands, every part (``WorkerClient.position``)."""
+        with self._lock:
+            return Position.of_parts([c.position() for c in self.parts])
+
+    def resume(self, position: Position) -> None:
+        """Start every part where a live rank's stand (``WorkerClient.resume``; the client
+        joined with ``late_join=True``). Raises LocalProtocolError for a position of another
+        thread count."""
+        if len(position.seqs) != len(self.parts):
+            raise LocalProtocolError(f"a position of {len(position.seqs)} parts; this rank "
+                                     f"runs {len(self.parts)} (every rank needs the same "
+                                     "threads)")
+        with self._lock:
+            for t, c in enumerate(self.parts):
+                c.resume(position.part(t))
 
     def close(self) -> None:
         """Leave every part's job and stop the threads (pending operations fail)."""

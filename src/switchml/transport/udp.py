@@ -26,6 +26,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +39,7 @@ from switchml.protocol.errors import LocalProtocolError, OperationFailed
 from switchml.protocol.events import OperationRestarted
 from switchml.protocol.session import WorkerSession, prepare_submission
 from switchml.protocol.worker import WorkerEndpoint, WorkerState
+from switchml.protocol.worker_ahead import Position
 from switchml.transport.batching import (
     MAX_GSO_BYTES,
     MAX_SEGMENTS,
@@ -62,6 +65,15 @@ __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient",
            "elements_per_packet_for", "path_mtu"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class _Call:
+    """A call to run on the I/O thread (the endpoint's state is that thread's), and its
+    outcome."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.future = fn, Future()  # type: Future[Any]
 
 
 class WorkerClient:
@@ -86,15 +98,25 @@ class WorkerClient:
         with WorkerClient(switch, spec, rank=0) as w:
             total = w.allreduce(np.ones(1_000_000, np.float32))
 
+    ``late_join``: this rank joins a running quorum job (a replacement for a rank that died):
+    take a live rank's ``position()`` with its state, then ``resume(position)`` before the
+    first all-reduce (docs/protocol.md section 7, "Joining a running job").
+
     Raises (constructor):
         OperationFailed: the switch refused or did not answer the JOIN in ``join_timeout_s``.
         TransportError: no socket towards the switch.
+        LocalProtocolError: ``late_join`` for a job without a quorum.
     """
 
     def __init__(self, switch: Address | Sequence[Address], spec: JobSpec, rank: int,
                  config: WorkerConfig | None = None, *, bind_host: str | None = None,
                  buffer_bytes: int = SOCKET_BUFFER_BYTES, batching: bool = True,
-                 wrap: Callable[[WorkerSession], Endpoint] | None = None) -> None:
+                 wrap: Callable[[WorkerSession], Endpoint] | None = None,
+                 late_join: bool = False) -> None:
+        if late_join and not spec.quorum:
+            raise LocalProtocolError("late_join: only a quorum job can take a rank while it "
+                                     "runs; this job has no quorum")
+        self._late_join = late_join
         self.switches: list[Address] = [(socket.gethostbyname(h), int(p))
                                         for h, p in as_addresses(switch)]
         self.switch = self.switches[0]
@@ -165,6 +187,38 @@ class WorkerClient:
             raise LocalProtocolError("client is closed") from None
         return sub.handle  # type: ignore[return-value]
 
+    def position(self) -> Position:
+        """Where this rank stands, between all-reduces (wait for every handle first): hand
+        it, with the state the all-reduces so far produced, to a rank that joins the running
+        job (``late_join``) for its ``resume``. Raises LocalProtocolError with an all-reduce
+        in flight or queued, or if the client failed or closed."""
+        return self._on_io_thread(self._idle_position)
+
+    def _idle_position(self) -> Position:
+        if self.session.busy:
+            raise LocalProtocolError("a position is taken between all-reduces: wait for "
+                                     "every handle first")
+        return self.endpoint.position()
+
+    def resume(self, position: Position) -> None:
+        """Start where a live rank stands (its ``position()``), once, after joining with
+        ``late_join`` and before the first all-reduce. Raises LocalProtocolError otherwise,
+        or for a position of another job's geometry."""
+        self._on_io_thread(lambda: self.endpoint.resume(position))
+
+    def _on_io_thread(self, fn: Callable[[], _T]) -> _T:
+        call = _Call(fn)
+
+        def healthy() -> None:
+            if self.session.error is not None:
+                raise LocalProtocolError(f"client failed earlier: {self.session.error}")
+
+        try:
+            self._inbox.put(call, check=healthy)
+        except RuntimeError:
+            raise LocalProtocolError("client is closed") from None
+        return call.future.result()  # type: ignore[no-any-return]
+
     def close(self) -> None:
         """Leave the job and stop the I/O thread. Idempotent; pending operations fail. Safe
         from any thread, including a done-callback on the I/O thread (which then only asks
@@ -207,7 +261,7 @@ class WorkerClient:
     def _run(self) -> None:
         reason = "client closed"
         try:
-            self.session.join(time.monotonic())
+            self.session.join(time.monotonic(), late=self._late_join)
             self._pump()
         except Exception as exc:  # never let the thread die silently
             log.exception("worker %d I/O thread failed", self.rank)
@@ -218,7 +272,9 @@ class WorkerClient:
             self._joined.set()
             self.session.fail_all(reason)
             for sub in self._inbox.drain():
-                if sub is not Inbox.CLOSE:
+                if isinstance(sub, _Call):
+                    sub.future.set_exception(LocalProtocolError(f"client stopped: {reason}"))
+                elif sub is not Inbox.CLOSE:
                     sub.handle.resolve(OperationFailed(reason))
             self.sock.close()
             self._inbox.release()
@@ -252,6 +308,12 @@ class WorkerClient:
         for sub in items:
             if sub is Inbox.CLOSE:
                 self.session.close(time.monotonic())
+                continue
+            if isinstance(sub, _Call):
+                try:
+                    sub.future.set_result(sub.fn())
+                except Exception as exc:  # noqa: BLE001 - the caller's to see
+                    sub.future.set_exception(exc)
                 continue
             try:
                 self.session.enqueue(sub, time.monotonic())
