@@ -1,0 +1,297 @@
+"""Replicas that come and go: data-parallel training through a quorum job that a replacement
+joins while it runs (docs/torch.md, "A replacement joins a running job").
+
+Each rank is a replica group of its own, as torchft's are: its own ``torchrun`` (which restarts
+it when it dies), DDP over a one-process gloo group (nothing collective in its constructor
+reaches the other replicas), and :func:`live_hook` averaging every gradient bucket across the
+replicas through one quorum job on the switch. A rank that dies holds nobody up: the others'
+rounds complete with ``quorum`` ranks. Its replacement joins the job while it runs
+(``WorkerClient(late_join=True)``), asks through a store every replica reaches for the live
+state, and a live rank sends it, at its next step boundary, with its position in the job
+(``WorkerClient.position``): the replacement resumes there and contributes from that step on.
+
+Example (every replica, and each replacement with ``replacement=True``)::
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    store = dist.TCPStore(host, port, is_master=False)     # shared by the replicas
+    live = LiveQuorum(store, rank, world, quorum=world - 1, replacement=restarted)
+    step = 0
+    if live.state is not None:                             # a replacement: the live state
+        model.load_state_dict(live.state["model"]); opt.load_state_dict(live.state["opt"])
+        step = live.state["step"]
+    ddp = DistributedDataParallel(model)
+    live.register(ddp)                                     # live_hook, per bucket
+    if live.state is not None:                             # DDP's buckets as the others'
+        live.warm_up(lambda: loss_of(ddp, a_batch))
+    while step < steps:
+        ...forward, backward, opt.step()...
+        step += 1
+        live.serve(lambda: {"model": model.state_dict(), "opt": opt.state_dict(),
+                            "step": step})
+"""
+
+# No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import datetime
+import io
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from switchml import env
+from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
+from switchml.protocol.address import Address, parse_addresses
+from switchml.protocol.config import WorkerConfig
+from switchml.protocol.errors import ConfigError, OperationFailed
+from switchml.protocol.worker_ahead import Position
+from switchml.torch.staging import StagedTensor
+from switchml.torch.works import complete_elsewhere, failable_future
+from switchml.transport.udp import WorkerClient
+
+__all__ = ["LiveQuorum", "live_hook"]
+
+log = logging.getLogger(__name__)
+_LEN = struct.Struct("<I")
+
+
+class LiveQuorum:
+    """One replica's part in a quorum job that replicas may join while it runs.
+
+    Args:
+        store: a ``torch.distributed.Store`` every replica reaches (a ``TCPStore``): the job's
+            spec, replacements' requests and the state sent to them go through it.
+        rank, world: this replica's rank and the number of replicas.
+        quorum: a round completes with this many ranks (``JobSpec.quorum``).
+        switch: the switch's address (or ``"HOST:PORT[,...]"``); default ``SWITCHML_SWITCH``.
+            It must outlive any rank
+            (an embedded switch dies with its rank), so one is required.
+        replacement: this process replaces a rank of the running job: it joins late, asks for
+            the live state, and finds it in :attr:`state`.
+        timeout_s: an all-reduce without progress for this long fails; a replacement waits
+            this long for the state; the others this long for rank 0's spec.
+        prefix: the store keys' prefix (one per job sharing a store).
+
+    Raises:
+        ConfigError: bad arguments, no switch, or a job in the store of another geometry.
+        OperationFailed: the switch refused the JOIN, or no live rank sent the state in time.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world: int, quorum: int, *,
+                 switch: str | Address | Sequence[Address] | None = None,
+                 replacement: bool = False,
+                 timeout_s: float = 60.0, window: int | None = None,
+                 elements_per_packet: int | None = None, prefix: str = "switchml/live") -> None:
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
+        if not 1 <= quorum <= world:
+            raise ConfigError(f"quorum must be in 1..{world}, got {quorum}")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if isinstance(switch, str):
+            switch = parse_addresses(switch, what="switch")
+        switch = switch if switch is not None else env.switch_addresses()
+        if switch is None:
+            raise ConfigError("LiveQuorum needs a switch that outlives every rank: pass switch= "
+                              "or set SWITCHML_SWITCH (an embedded switch dies with its rank)")
+        self.store, self.rank, self.world, self.quorum = store, rank, world, quorum
+        self.timeout_s, self.prefix = timeout_s, prefix
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        key = f"{prefix}/spec"
+        if rank == 0 and not replacement:
+            spec = new_job_spec(world, switch=switch, quorum=quorum, window=window,
+                                elements_per_packet=elements_per_packet)
+            store.set(key, encode_job_spec(spec))
+        else:
+            spec = decode_job_spec(store.get(key).decode())
+            if (spec.num_workers, spec.quorum) != (world, quorum):
+                raise ConfigError(f"the store's job has {spec.num_workers} ranks and quorum "
+                                  f"{spec.quorum}; this rank asked {world} and {quorum}")
+        self.spec = spec
+        self.client = WorkerClient(switch, spec, rank, WorkerConfig(
+            op_timeout_s=timeout_s, join_timeout_s=timeout_s, secret=env.secret()),
+            late_join=replacement)
+        self._seen = 0  # replacements' requests looked at (``serve``)
+        self.served = 0
+        self.partial = 0  # all-reduces whose sum lacked some rank
+        self.joined_after_s: float | None = None
+        """A replacement: seconds from its JOIN to having the state and its position."""
+        self._index: dict[int, int] = {}  # id of a parameter -> its place in the model
+        self._layouts: dict[int, tuple[int, ...]] = {}  # DDP's buckets, as parameters' places
+        self._expected: dict[int, tuple[int, ...]] | None = None  # a replacement: the donor's
+        self._local = False  # ``warm_up``: the hook all-reduces nothing
+        self._params: list[torch.nn.Parameter] = []
+        self.state: dict[str, Any] | None = None
+        """A replacement's state, as the live rank's ``serve`` sent it; None otherwise."""
+        if replacement:
+            t0 = time.monotonic()
+            try:
+                self.state = self._fetch_state()
+            except BaseException:
+                self.client.close()
+                raise
+            self.joined_after_s = time.monotonic() - t0
+
+    # -- a replacement ---------------------------------------------------------------------
+
+    def _fetch_state(self) -> dict[str, Any]:
+        nonce = os.urandom(8).hex()
+        number = self.store.add(f"{self.prefix}/joins", 1)
+        self.store.set(f"{self.prefix}/join/{number}", f"{self.rank}:{nonce}")
+        key = f"{self.prefix}/state/{nonce}"
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # the store's timeout error (its type varies by store)
+            raise OperationFailed(f"rank {self.rank} joined the running job, but no live rank "
+                                  f"sent the state within {self.timeout_s:g} s (every live "
+                                  f"rank calls serve() at its step boundaries): {exc}"
+                                  ) from None
+        blob = self.store.get(key)
+        self.store.delete_key(key)
+        if len(blob) < _LEN.size or _LEN.unpack_from(blob)[0] > len(blob) - _LEN.size:
+            raise OperationFailed("the state a live rank sent is truncated")
+        (n,) = _LEN.unpack_from(blob)
+        try:
+            position = Position.from_bytes(blob[_LEN.size:_LEN.size + n])
+        except ValueError as exc:
+            raise OperationFailed(f"the state a live rank sent: {exc}") from None
+        at = _LEN.size + n
+        if len(blob) - at < _LEN.size or _LEN.unpack_from(blob, at)[0] > len(blob) - at - 4:
+            raise OperationFailed("the state a live rank sent is truncated")
+        (m,) = _LEN.unpack_from(blob, at)
+        try:
+            layouts = json.loads(blob[at + 4:at + 4 + m])
+            self._expected = {int(k): tuple(int(i) for i in v) for k, v in layouts.items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise OperationFailed(f"the state a live rank sent: its bucket layouts: {exc}"
+                                  ) from None
+        self.client.resume(position)
+        state = torch.load(io.BytesIO(blob[at + 4 + m:]), weights_only=True)
+        log.info("rank %d resumed the running job at operation %d", self.rank,
+                 position.seqs[0])
+        return state  # type: ignore[no-any-return]
+
+    # -- every live rank -------------------------------------------------------------------
+
+    def serve(self, state: Callable[[], dict[str, Any]]) -> bool:
+        """Call at every step boundary (every all-reduce of the step done: after DDP's
+        backward and the optimizer's step). If a replacement asked for the live state, the
+        first live rank to see the request sends it ``state()`` (tensors, numbers, dicts:
+        what ``torch.load(weights_only=True)`` reads, e.g. the model's and optimizer's
+        ``state_dict`` and the step) with this rank's position. One store round trip when
+        nobody asked. Returns whether this rank sent a state."""
+        asked = self.store.add(f"{self.prefix}/joins", 0)
+        sent = False
+        while self._seen < asked:
+            self._seen += 1
+            n = self._seen
+            mine = str(self.rank).encode()
+            claim = self.store.compare_set(f"{self.prefix}/claim/{n}", b"", mine)
+            if claim != mine:
+                continue  # another live rank serves it
+            who, nonce = self.store.get(f"{self.prefix}/join/{n}").decode().split(":")
+            position = self.client.position().to_bytes()
+            layouts = json.dumps({str(k): v for k, v in self._layouts.items()}).encode()
+            buf = io.BytesIO()
+            torch.save(state(), buf)
+            self.store.set(f"{self.prefix}/state/{nonce}",
+                           _LEN.pack(len(position)) + position + _LEN.pack(len(layouts))
+                           + layouts + buf.getvalue())
+            self.served += 1
+            sent = True
+            log.info("rank %d sent the live state to a replacement of rank %s", self.rank, who)
+        return sent
+
+    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Register :func:`live_hook` on ``ddp`` (a DDP over this replica's own one-process
+        group). The hook notes how DDP laid its buckets out, which a replacement must match
+        (``warm_up``)."""
+        self._params = list(ddp.module.parameters())
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        ddp.register_comm_hook(self, live_hook)
+
+    def warm_up(self, run: Callable[[], torch.Tensor]) -> None:
+        """A replacement, before its first step: one forward and backward through the DDP
+        model (``run()`` returns a loss) that all-reduces nothing, after which the gradients
+        are dropped. DDP lays its buckets out in parameter order at its first step and in the
+        order gradients became ready from its second: the live replicas did their first step
+        together long ago, and a replacement's first all-reduce must have their layout (the
+        hook refuses another rather than sum mismatched gradients)."""
+        if not self._index:
+            raise ConfigError("warm_up needs the DDP model registered first (live.register)")
+        self._local = True
+        try:
+            loss = run()
+            loss.backward()
+        finally:
+            self._local = False
+        for p in self._params:
+            p.grad = None
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` (float32, CPU) across the replicas, in place: each element is
+        divided by the ranks its sum holds. Returns it."""
+        staged = StagedTensor(tensor, dtype=torch.float32)
+        h = self.client.allreduce_async(staged.array, staged.array)
+        h.wait()
+        self._finish(staged, h)
+        return tensor
+
+    def _finish(self, staged: StagedTensor, handle: Any) -> None:
+        counts = handle.contributors
+        if counts is not None and counts.size and int(np.min(counts)) < self.world:
+            self.partial += 1
+        staged.finish(self.world, True, counts, handle.block)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's worker counters, the states it served and its partial sums."""
+        return {**self.client.counters, "states_served": self.served,
+                "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s}
+
+    def close(self) -> None:
+        """Leave the job."""
+        self.client.close()
+
+
+def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average a gradient bucket across the replicas through
+    ``state``'s quorum job (each element divided by the ranks its sum holds). Register it on
+    a DDP over this replica's own one-process group with ``live.register(ddp)``."""
+    buffer = bucket.buffer()
+    completer, future = failable_future()
+    if state._local:  # (``warm_up``)
+        completer.set_result(buffer)
+        return future
+    layout = tuple(state._index.get(id(p), -1) for p in bucket.parameters())
+    expected = state._expected.get(bucket.index()) if state._expected is not None else None
+    if expected is not None and expected != layout:
+        completer.set_result(RuntimeError(
+            f"switchml live hook: DDP's bucket {bucket.index()} holds parameters {layout[:8]}"
+            f"..., the live replicas' {expected[:8]}...: a replacement's DDP lays its buckets "
+            "out as the others' only from its second step (call live.warm_up before the "
+            "first)"))
+        return future
+    state._layouts[bucket.index()] = layout
+    staged = StagedTensor(buffer, dtype=torch.float32)
+    handle = state.client.allreduce_async(staged.array, staged.array)
+
+    def done(h: Any) -> None:
+        error = h.exception()
+        if error is None:
+            try:
+                state._finish(staged, h)
+            except Exception as exc:  # never leave DDP waiting on a future nobody completes
+                error = exc
+        if error is not None:
+            complete_elsewhere(completer, RuntimeError(f"switchml live hook failed: {error}"))
+            return
+        complete_elsewhere(completer, buffer)
+
+    handle.add_done_callback(done)
+    return future

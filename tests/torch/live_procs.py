@@ -1,0 +1,83 @@
+"""Process bodies for ``test_torch_live.py``: replicas of one job, each its own process with
+a one-process gloo group, averaging through a quorum job (``switchml.torch.live``)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from typing import Any
+
+
+def replica_main(q: Any, rank: int, world: int, store_port: int, switch: str, steps: int,
+                 die_step: int | None, replacement: bool, pace_s: float,
+                 warm_up: bool = True) -> None:
+    """Train ``steps`` steps (SGD with momentum, so the optimizer's state matters) and report
+    ``("result", rank, ...)``; with ``die_step``, exit abruptly before that step's backward
+    (after saying ``("died", rank, step)``); a ``replacement`` starts from the live state.
+    The original replicas sleep ``pace_s`` before each step (so that a replacement finds
+    the job running)."""
+    from torch_procs import exit_now
+    try:
+        q.put(("result", rank, _train(q, rank, world, store_port, switch, steps, die_step,
+                                      replacement, pace_s, warm_up)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put(("error", rank, traceback.format_exc()))
+    exit_now(q)
+
+
+def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: int,
+           die_step: int | None, replacement: bool, pace_s: float, warm_up: bool
+           ) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_procs import exit_now
+
+    from switchml.torch.live import LiveQuorum
+
+    t_start = time.monotonic()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    live = LiveQuorum(store, rank, world, world - 1, switch=switch, replacement=replacement,
+                      timeout_s=20.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = 0
+    if live.state is not None:
+        model.load_state_dict(live.state["model"])
+        opt.load_state_dict(live.state["opt"])
+        step = live.state["step"]
+    start_step = step
+    ddp = DDP(model)
+    live.register(ddp)
+    if replacement and warm_up:
+        live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
+    step_s, first_step_done_s = [], None
+    while step < steps:
+        if rank == 0 and step == 2:
+            q.put(("progress", rank, step))
+        if not replacement and pace_s:
+            time.sleep(pace_s)
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
+        opt.zero_grad()
+        loss = ddp(x).square().mean()
+        if step == die_step and not replacement:
+            exit_now(q, ("died", rank, step))
+        t0 = time.monotonic()
+        loss.backward()
+        opt.step()
+        step_s.append(time.monotonic() - t0)
+        step += 1
+        if first_step_done_s is None:
+            first_step_done_s = time.monotonic() - t_start
+        live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
+                                      "step": step})
+    params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    stats = live.stats()
+    live.close()
+    return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats,
+            "first_step_done_s": first_step_done_s}

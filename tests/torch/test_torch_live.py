@@ -1,0 +1,64 @@
+"""A replica dies mid-training and a replacement joins the running job
+(``switchml.torch.live``): the others never wait for it, the replacement starts from a live
+rank's model and optimizer state and position, contributes from then on, and every replica
+ends with the same parameters, bit for bit. Each fails on a switch that refuses a rank joining
+a running job (before live membership, every job did)."""
+
+from __future__ import annotations
+
+import datetime
+
+import live_procs
+import pytest
+import torch_procs as tp
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]  # process groups
+
+WORLD, STEPS, DIE_STEP = 4, 100, 4
+
+
+def test_a_replacement_joins_the_running_job_with_the_live_state():
+    """Four replicas (quorum 3) train; rank 3 dies at step 4. A first replacement starts
+    without ``LiveQuorum.warm_up``: its DDP holds its first step's buckets in parameter order,
+    the live replicas theirs in gradient order, of the same size, so that summed, elements
+    would be other parameters' gradients; the hook refuses it, naming the remedy, and it
+    exits. A second, with ``warm_up``, joins and finishes the run."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    final: dict[int, tuple[str, object]] = {}
+    with tp.Procs(deadline_s=120) as procs:
+        procs.start(tp.switch_server_body, procs.q, 0)
+        kind, address, _pid = procs.get(timeout=30)
+        assert kind == "switch"
+        switch = f"{address[0]}:{address[1]}"
+        for r in range(WORLD):
+            procs.start(live_procs.replica_main, procs.q, r, WORLD, store.port, switch, STEPS,
+                        DIE_STEP if r == 3 else None, False, 0.05)
+        for warm_up in (False, True):
+            msg = procs.get(timeout=60)
+            while msg[0] == "progress" or msg[0] == "result":
+                final[msg[1]] = (msg[0], msg[2]) if msg[0] == "result" else final.get(msg[1])
+                msg = procs.get(timeout=60)
+            assert msg[1] == 3 and msg[0] == ("error" if warm_up else "died"), msg
+            if warm_up:
+                assert "live.warm_up" in msg[2], msg  # the first replacement's refusal
+            procs.start(live_procs.replica_main, procs.q, 3, WORLD, store.port, switch, STEPS,
+                        None, True, 0.0, warm_up)
+        while len([r for r in final if final[r]]) < WORLD:
+            msg = procs.get(timeout=90)
+            if msg[0] in ("result", "error"):
+                final[msg[1]] = (msg[0], msg[2])
+    assert all(kind == "result" for kind, _ in final.values()), final
+    res = {r: v for r, (_, v) in final.items()}
+    new = res[3]
+    assert DIE_STEP < new["start_step"] < STEPS  # it started from the live state, mid-run
+    assert new["stats"]["joined_after_s"] < 20.0  # (the state came within the timeout)
+    for r in range(WORLD):
+        assert res[r]["params"].tobytes() == res[0]["params"].tobytes(), r
+    for r in (0, 1, 2):
+        assert max(res[r]["step_s"]) < 2.0, res[r]["step_s"]  # nobody waited for rank 3
+    assert sum(res[r]["stats"]["states_served"] for r in (0, 1, 2)) == 2
+    # It contributed: once caught up (the others sleep before each step; it does not), its
+    # chunks open the rounds.
+    assert new["stats"]["results_left_out"] < new["stats"]["results_received"] / 2, new["stats"]
