@@ -11,6 +11,7 @@ workers push their vector over TCP, it sums and every worker pulls the sum).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import resource
@@ -244,16 +245,19 @@ ROLES = {"rack": rack, "switch": switch, "switchml": switchml, "gloo": gloo,
 
 
 def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
-           recorder: Any) -> dict[str, Any]:
+           recorder: Any, live: Any = None, start: int = 0) -> dict[str, Any]:
     """The training steps: losses, training time at each step (evaluation excluded), the
     metric every ``eval_every`` steps and at the end, and where the measured second half
     (after warm-up and bucket rebuilding) starts in time and in link bytes, and the whole
     machine's busy CPU-seconds over that half (``machine_busy_s``; None without /proc/stat),
     less what the machine spent while this rank evaluated (the ranks evaluate at the same
-    steps; time another rank spent evaluating outside this rank's window stays counted)."""
+    steps; time another rank spent evaluating outside this rank's window stays counted).
+    ``live`` (``switchml-live``): the replica's ``LiveQuorum``, which serves a replacement the
+    state after every step; ``start``: the first step (a replacement's, from that state); the
+    rank exits abruptly as step ``die_at`` begins."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
-    losses, times, evals = [], [], []
+    losses, times, evals, walls = [], [], [], []
     t0 = time.perf_counter()
     c0 = _cpu()
     paused = 0.0  # seconds spent evaluating, left out of the training time
@@ -264,7 +268,9 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     straggler = _straggler(a)
     straggled = 0
     on_gloo: list[bool] = []
-    for step in range(a["steps"]):
+    for step in range(start, a["steps"]):
+        if step == a.get("die_at"):
+            os._exit(0)  # a worker dies (no LEAVE, nothing flushed)
         if step == half:
             half_s, bytes_half = time.perf_counter(), hybridtrain.link_bytes(dev) if dev else 0
             busy_half = machine_busy_s() or None  # (0.0: no /proc/stat)
@@ -279,6 +285,10 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             from switchml.torch import stats as switchml_stats
             on_gloo.append(bool((switchml_stats().get("failover") or {}).get("active")))
         times.append(end - t0 - paused)
+        walls.append(time.time())
+        if live is not None:
+            live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
+                                          "step": step + 1})
         if recorder is not None:
             recorder.forward(f0, b0)
             recorder.backward_done(b0, o0)
@@ -292,7 +302,8 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             if step >= half:
                 busy_evals += machine_busy_s() - u0
     elapsed, busy_end = time.perf_counter() - t0, machine_busy_s()
-    return {"losses": losses, "times": times, "evals": evals, "elapsed_s": elapsed,
+    return {"losses": losses, "times": times, "walls": walls, "evals": evals,
+            "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
             "bytes_half": bytes_half, "straggled_steps": straggled, "on_gloo": on_gloo,
             "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
@@ -344,6 +355,23 @@ def _hsdp(model: Any, n: int, shard: int, replica: dict[str, Any]) -> Any:
     return fully_shard(model, mesh=mesh)
 
 
+def _live(a: dict[str, Any]) -> Any:
+    """``switchml-live``: this replica's own one-process gloo group, and its part in the quorum
+    job replicas join while it runs (``switchml.torch.live``; its store a file every namespace
+    sees, as the other systems' process groups use)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from switchml.torch.live import LiveQuorum
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    store = dist.FileStore(f"{a['store_file']}-live", -1)
+    store.set_timeout(datetime.timedelta(seconds=a.get("timeout_s", 120)))
+    return LiveQuorum(store, a["rank"], a["n"], a["quorum"],
+                      replacement=bool(a.get("replacement")), timeout_s=a.get("timeout_s", 120),
+                      window=a.get("window"), elements_per_packet=a.get("k"))
+
+
 def train(a: dict[str, Any]) -> None:
     """DDP (or, with ``mode`` "hybrid", HybridDataParallel) training of one workload
     (``switchml.workloads``) on one backend, with ``hook`` (a DDP communication hook by name:
@@ -361,8 +389,10 @@ def train(a: dict[str, Any]) -> None:
     if a["backend"] == "switchml":
         import switchml.torch  # noqa: F401
     rank, n = a["rank"], a["n"]
-    init_group(a["backend"], a["master"], a["port"], rank, n, a.get("timeout_s", 120),
-               a.get("store_file"))
+    live = _live(a) if a["backend"] == "switchml-live" else None
+    if live is None:
+        init_group(a["backend"], a["master"], a["port"], rank, n, a.get("timeout_s", 120),
+                   a.get("store_file"))
     work = workloads.get(a["model"])
     torch.manual_seed(0)
     task = work.build(a.get("batch"), seed=1000 + rank)
@@ -371,6 +401,11 @@ def train(a: dict[str, Any]) -> None:
     replica: dict[str, Any] = {}
     if mode == "hsdp":
         ddp, recorder = _hsdp(model, n, a.get("shard", 2), replica), None
+    elif live is not None:  # DDP over this replica's own group, averaged through the job
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        live.register(ddp)
+        recorder = hybridtrain.StepRecorder(model, Timeline())
     else:
         timeline = Timeline()
         ddp = hybridtrain.wrap(model, mode, timeline, hook=a.get("hook"))
@@ -378,9 +413,21 @@ def train(a: dict[str, Any]) -> None:
     if a.get("lr"):
         work = dataclasses.replace(work, lr=a["lr"])
     opt = work.optimizer(ddp.parameters())
+    start = 0
+    if live is not None and live.state is not None:  # a replacement: the live state
+        model.load_state_dict(live.state["model"])
+        opt.load_state_dict(live.state["opt"])
+        start = live.state["step"]
+        x, y = task.batch_of(start)
+        live.warm_up(lambda: task.loss_fn(ddp(x), y))
     dist.barrier()
-    run = _steps(a, ddp, opt, task, model, recorder)
+    run = _steps(a, ddp, opt, task, model, recorder, live, start)
     extra = _train_report(a, ddp, model, run, recorder, replica)
+    if live is not None:
+        extra.update(live=live.stats(), start_step=start, walls=run["walls"],
+                     params_digest=hashlib.sha256(b"".join(
+                         p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
+        live.close()
     dist.destroy_process_group()
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],

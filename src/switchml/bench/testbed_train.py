@@ -11,12 +11,15 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from switchml.bench import testbed_live
 from switchml.bench.testbed import (
     DEFAULT_MTU,
     SWITCH_PORT,
@@ -32,6 +35,7 @@ from switchml.bench.testbed import (
 from switchml.protocol.config import default_window
 from switchml.protocol.wire import elements_for_mtu
 from switchml.testbed import Testbed
+from switchml.testbed.netns import TestbedError
 
 __all__ = ["TRAIN_SYSTEMS", "TrainBenchConfig", "add_ideal", "add_time_to_target", "plot_bytes",
            "plot_timeline", "plot_training", "run_testbed_train", "write_trace"]
@@ -81,6 +85,11 @@ class TrainBenchConfig:
     a rank drawn at random (the same draw on every rank) straggles (transient)."""
     quorum: int | None = None
     """``switchml-quorum``'s quorum; None: ``workers - 1``."""
+    kill_worker_at: int = 0
+    """``switchml-live``: the last rank exits abruptly as this step begins, and a replacement
+    starts ``replace_after_s`` later, joins the running job and takes a live rank's state;
+    0: never."""
+    replace_after_s: float = 3.0
     kill_switch_at: int = 0
     """Kill the switch (SIGKILL) as rank 0 starts this step of each run on a switchml system;
     0: never. The switch is started again for the next run."""
@@ -116,6 +125,10 @@ class TrainBenchConfig:
             raise ValueError("TrainBenchConfig.kill_switch_at must be a step in "
                              f"1..{self.steps - 1} (or 0: "
                              f"never), got {self.kill_switch_at}")
+        if not 0 <= self.kill_worker_at < self.steps or self.replace_after_s < 0:
+            raise ValueError(f"TrainBenchConfig.kill_worker_at must be a step in 1.."
+                             f"{self.steps - 1} (or 0: never), and replace_after_s >= 0; got "
+                             f"{self.kill_worker_at} and {self.replace_after_s}")
         doomed = [s for s in self.systems
                   if TRAIN_SYSTEMS[s][0] == "switchml" and s != "switchml-failover"]
         if self.kill_switch_at and doomed:
@@ -137,7 +150,8 @@ TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "l
                  "hybrid": ("switchml", "hybrid", None),
                  "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None),
                  "switchml-quorum": ("switchml", "ddp", "quorum"),
-                 "switchml-failover": ("switchml", "ddp", None)}
+                 "switchml-failover": ("switchml", "ddp", None),
+                 "switchml-live": ("switchml-live", "ddp", "live")}
 """system -> (backend, mode, DDP communication hook)."""
 SILENT = frozenset({"noop", "lockstep"})
 FAILOVER_TIMEOUT_S = 10.0
@@ -173,7 +187,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     ``switch_pid``: the switch, which rank 0 kills at ``cfg.kill_switch_at``."""
     from switchml import workloads
     backend, mode, hook = TRAIN_SYSTEMS[system]
-    quorum = cfg.quorum_k if hook == "quorum" else None
+    live = hook == "live"
+    quorum = cfg.quorum_k if hook in ("quorum", "live") else None
     failover = system == "switchml-failover"
     kill = bool(cfg.kill_switch_at and backend == "switchml" and switch_pid)
     # (a quorum job's results carry a bitmap of the ranks: chunks leave room for it)
@@ -183,7 +198,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     batch = cfg.batch or work.batch
     port = 33000 + secrets.randbelow(20000)
     with _store_dir() as store:
-        procs = _start_workers(tb, range(cfg.workers), lambda r: _nsproc("train", {
+        def argv_of(r: int, replacement: bool = False) -> list[str]:
+            return _nsproc("train", {
             "backend": backend, "model": model, "rank": r, "n": cfg.workers,
             "master": topo.worker_ip(0), "port": port, "steps": cfg.steps,
             "batch": batch, "mode": mode, "hook": hook, "trace": cfg.trace,
@@ -192,10 +208,22 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
             "straggle_every": cfg.straggle_every,
             "timeout_s": FAILOVER_TIMEOUT_S if failover else 120.0, "track_failover": failover,
             **({"kill_switch_at": cfg.kill_switch_at, "kill_switch_pid": switch_pid}
-               if kill and r == 0 else {})}),
-            lambda r: _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
-                                    cfg.window or default_window(k), k, quorum, failover,
-                                    2.0 if failover and cfg.switch_back_after_s else 0.0))
+               if kill and r == 0 else {}),
+            **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
+                "replacement": replacement} if live else {}),
+            **({"die_at": cfg.kill_worker_at} if live and cfg.kill_worker_at
+               and r == cfg.workers - 1 and not replacement else {})})
+
+        def env_of(r: int) -> dict[str, str]:
+            return _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
+                                 cfg.window or default_window(k), k,
+                                 quorum if not live else None, failover,
+                                 2.0 if failover and cfg.switch_back_after_s else 0.0)
+        procs = _start_workers(tb, range(cfg.workers), argv_of, env_of)
+        replaced: dict[str, Any] = {}
+        if live and cfg.kill_worker_at:
+            procs = procs[:-1] + [_replace_when_dead(tb, cfg, procs[-1], argv_of, env_of,
+                                                     replaced)]
         out = _wait_all(procs, cfg.timeout_s)
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding); the times leave
@@ -205,6 +233,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     step_s = (times[-1] - times[half - 1]) / (len(times) - half)
     evals = lead.get("evals") or []
     killed = _around_the_kill(cfg, times, lead.get("on_gloo") or []) if kill else {}
+    if replaced:
+        killed = testbed_live.around_the_replacement(cfg, out, replaced)
     return {
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
@@ -223,6 +253,26 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         **({"replica_allreduce_s": sum(o["replica_allreduce_s_per_step"] for o in out)
             / len(out)} if "replica_allreduce_s_per_step" in lead else {}),
     }
+
+
+def _replace_when_dead(tb: Testbed, cfg: TrainBenchConfig, dying: subprocess.Popen[str],
+                       argv_of: Any, env_of: Any, replaced: dict[str, Any]
+                       ) -> subprocess.Popen[str]:
+    """Wait for the last rank to die (``kill_worker_at``), then ``replace_after_s``, and start
+    its replacement; ``replaced`` gets the wall-clock times of both."""
+    r = cfg.workers - 1
+    try:
+        dying.communicate(timeout=cfg.timeout_s)
+    except subprocess.TimeoutExpired:
+        dying.kill()
+        raise TestbedError(f"rank {r} did not die at step {cfg.kill_worker_at}") from None
+    if dying.returncode != 0:
+        raise TestbedError(f"rank {r} failed before step {cfg.kill_worker_at} "
+                           f"(exit {dying.returncode})")
+    replaced["died_wall"] = time.time()
+    time.sleep(cfg.replace_after_s)
+    replaced["started_wall"] = time.time()
+    return _start_workers(tb, [r], lambda _: argv_of(r, True), env_of)[0]
 
 
 def _around_the_kill(cfg: TrainBenchConfig, times: list[float], on_gloo: list[bool]

@@ -69,8 +69,10 @@ def add_parser(bsub: Subparsers) -> None:
                          "(DDP on a switchml group with a quorum, --quorum, and its quorum "
                          "hook: a straggler does not set the pace), switchml-failover "
                          "(DDP on switchml with SWITCHML_FAILOVER=gloo and a 10 s group "
-                         "timeout: goes on over gloo when the switch dies) (default "
-                         "noop,gloo,switchml)")
+                         "timeout: goes on over gloo when the switch dies), switchml-live "
+                         "(each rank a replica of its own, DDP averaged through a quorum job "
+                         "a replacement can join while it runs: switchml.torch.live; with "
+                         "--kill-worker-at) (default noop,gloo,switchml)")
     tr.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace (JSON, open in ui.perfetto.dev) of every rank's "
                          "forward, backward, optimizer and communication spans, and report the "
@@ -96,6 +98,15 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--quorum", type=int, default=None, metavar="K",
                     help="the switchml-quorum system's quorum: each round completes with K "
                          "ranks (default: workers - 1)")
+    g.add_argument("--kill-worker-at", type=int, default=0, metavar="STEP",
+                    help="switchml-live: the last rank exits abruptly as this step begins; "
+                         "a replacement starts --replace-after seconds later, joins the "
+                         "running job with a live rank's state; the rows give the live ranks' "
+                         "worst step after the death, when the replacement's first step ended "
+                         "and its share of the sums (default 0: never)")
+    g.add_argument("--replace-after", type=float, default=3.0, metavar="SECONDS",
+                    help="with --kill-worker-at: seconds from the death to the replacement's "
+                         "start (default 3)")
     g.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
                     help="kill the switch (SIGKILL) as rank 0 starts this step of each "
                          "switchml-failover run; the rows give the step times around it and "
@@ -118,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             trace=bool(args.trace), straggle_s=args.straggle_s,
                             straggle_every=args.straggle_every, quorum=args.quorum,
                             kill_switch_at=args.kill_switch_at,
+                            kill_worker_at=args.kill_worker_at,
+                            replace_after_s=args.replace_after,
                             switch_back_after_s=args.switch_back_after)
 
 
@@ -136,6 +149,16 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         for d in r.get("decisions", []):
             console.print(f"{r['model']} {r['system']}: {d}")
+        if r.get("kill_worker_at"):
+            console.print(
+                f"{r['model']} {r['system']}: rank {r['workers'] - 1} died at step "
+                f"{r['kill_worker_at']}; the others' steps took {_ms(r['before_kill_step_s'])} "
+                f"before, the longest {_ms(r['kill_stall_s'])} after; its replacement started "
+                f"{r['replace_after_s']:g} s later, had the state after "
+                f"{r['replacement_state_s'] or 0:.2f} s and ended its first step (of "
+                f"{r['replacement_start_step']}) {r['replacement_first_step_s'] or 0:.1f} s "
+                f"after its start; its data is in {r['replacement_contributed']:.0%} of the "
+                f"sums it took; replicas identical: {r['replicas_identical']}")
         if r.get("kill_switch_at"):
             fo = r.get("failover") or {}
             after, before = r.get("after_kill_step_s"), r.get("before_kill_step_s")
