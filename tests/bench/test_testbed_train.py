@@ -69,3 +69,19 @@ def test_a_switch_killed_mid_training_costs_one_step_and_the_run_goes_on_over_gl
     assert len(r["losses"]) == 8 and r["final_metric"] is not None
     assert FAILOVER_TIMEOUT_S * 0.9 < r["kill_stall_s"] < FAILOVER_TIMEOUT_S + 10
     assert r["after_kill_step_s"] < 3.0
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_replaced_and_every_replica_ends_the_same():
+    """``--systems switchml-live --kill-worker-at 3``: rank 2 of 3 (quorum 2) exits at step 3;
+    its replacement starts at once, joins the running job with a live rank's state and trains
+    to the end with the others; every replica ends with the same parameters."""
+    from switchml.bench.testbed_train import TrainBenchConfig, run_testbed_train
+    rows = run_testbed_train(TrainBenchConfig(
+        workers=3, steps=30, models=("ncf",), batch=32, eval_every=30,
+        systems=("switchml-live",), kill_worker_at=3, replace_after_s=0.0))
+    (r,) = rows
+    assert len(r["losses"]) == 30 and r["final_metric"] is not None
+    assert r["replicas_identical"] and r["states_served"] == 1, r
+    assert 3 < r["replacement_start_step"] < 30
+    assert r["replacement_contributed"] > 0, r
