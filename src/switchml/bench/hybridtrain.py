@@ -61,7 +61,8 @@ def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int,
     (with Ethernet/IP/UDP/switchml headers per switchml datagram and Ethernet/IP/TCP headers per
     full TCP segment; TCP acknowledgements are not counted). ``hook``: the DDP communication
     hook by name, if any (``noop`` moves nothing; ``switchml16`` half the bytes of 32-bit
-    aggregation through the switch, in datagrams of as many bytes)."""
+    aggregation through the switch, in datagrams of as many bytes; ``live``: 32-bit through
+    the switch, from a replica whose own group is gloo's)."""
     import torch.distributed as dist
 
     from switchml.torch.hybrid import SFB, aggregation_bytes, transport_of
@@ -81,7 +82,7 @@ def predicted_bytes(wrapped: Any, model: Any, *, world: int, mtu: int,
     agg = aggregation_bytes(total - sfb_numel, world=world, transport=transport)
     if hook in ("noop", "lockstep"):
         agg = 0  # (lockstep: a 4-byte all-reduce per bucket)
-    elif hook in ("switchml", "switchml16"):
+    elif hook in ("switchml", "switchml16", "live"):  # (live: each rank's own group)
         agg = 2 * (total - sfb_numel) * (2 if hook == "switchml16" else 4)  # up and down
         agg_frame = switch_frame
     return {"payload": agg + sfb, "wire": round(agg * agg_frame + sfb * tcp_frame),
