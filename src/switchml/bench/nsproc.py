@@ -390,13 +390,18 @@ def train(a: dict[str, Any]) -> None:
         import switchml.torch  # noqa: F401
     rank, n = a["rank"], a["n"]
     live = _live(a) if a["backend"] == "switchml-live" else None
-    if live is None:
+    if live is None and a["backend"] != "torchft":
         init_group(a["backend"], a["master"], a["port"], rank, n, a.get("timeout_s", 120),
                    a.get("store_file"))
     work = workloads.get(a["model"])
     torch.manual_seed(0)
     task = work.build(a.get("batch"), seed=1000 + rank)
     model = task.model
+    if a["backend"] == "torchft":  # (its own loop: steps are committed, or retried)
+        from switchml.bench import train_torchft
+        c0 = _cpu()
+        _emit({**train_torchft.train(a, task, model, work), "cpu_s": _cpu() - c0})
+        return
     mode = a.get("mode", "ddp")
     replica: dict[str, Any] = {}
     if mode == "hsdp":

@@ -43,7 +43,8 @@ def around_the_replacement(cfg: TrainBenchConfig, out: list[dict[str, Any]],
         "replacement_start_step": new.get("start_step"),
         "replacement_state_s": stats.get("joined_after_s"),
         "replacement_first_step_s": None if first is None else first - started,
-        "replacement_contributed": (1.0 - left_out / received) if received else 0.0,
+        "replacement_contributed": new.get("contributed", (1.0 - left_out / received)
+                                           if received else 0.0),
         "replicas_identical": len({o.get("params_digest") for o in out}) == 1,
         "states_served": sum((o.get("live") or {}).get("states_served", 0) for o in live),
     }

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from switchml.bench import testbed_live
+from switchml.bench import testbed_live, train_torchft
 from switchml.bench.testbed import (
     DEFAULT_MTU,
     SWITCH_PORT,
@@ -151,7 +151,8 @@ TRAIN_SYSTEMS = {"noop": ("gloo", "ddp", "noop"), "lockstep": ("gloo", "ddp", "l
                  "hsdp-gloo": ("gloo", "hsdp", None), "hsdp": ("switchml", "hsdp", None),
                  "switchml-quorum": ("switchml", "ddp", "quorum"),
                  "switchml-failover": ("switchml", "ddp", None),
-                 "switchml-live": ("switchml-live", "ddp", "live")}
+                 "switchml-live": ("switchml-live", "ddp", "live"),
+                 "torchft": ("torchft", "ddp", "live")}
 """system -> (backend, mode, DDP communication hook)."""
 SILENT = frozenset({"noop", "lockstep"})
 FAILOVER_TIMEOUT_S = 10.0
@@ -187,7 +188,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     ``switch_pid``: the switch, which rank 0 kills at ``cfg.kill_switch_at``."""
     from switchml import workloads
     backend, mode, hook = TRAIN_SYSTEMS[system]
-    live = hook == "live"
+    live = hook == "live"  # (switchml-live, and torchft: replicas that come and go)
     quorum = cfg.quorum_k if hook in ("quorum", "live") else None
     failover = system == "switchml-failover"
     kill = bool(cfg.kill_switch_at and backend == "switchml" and switch_pid)
@@ -211,6 +212,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
                if kill and r == 0 else {}),
             **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
                 "replacement": replacement} if live else {}),
+            **({"host_ip": topo.worker_ip(r), "lighthouse": f"http://{topo.switch_ip(r)}:"
+                f"{train_torchft.LIGHTHOUSE_PORT}"} if backend == "torchft" else {}),
             **({"die_at": cfg.kill_worker_at} if live and cfg.kill_worker_at
                and r == cfg.workers - 1 and not replacement else {})})
 
@@ -219,12 +222,19 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
                                  cfg.window or default_window(k), k,
                                  quorum if not live else None, failover,
                                  2.0 if failover and cfg.switch_back_after_s else 0.0)
+        lighthouse = (train_torchft.start_lighthouse(tb, cfg.workers - 1)
+                      if backend == "torchft" else None)
         procs = _start_workers(tb, range(cfg.workers), argv_of, env_of)
         replaced: dict[str, Any] = {}
         if live and cfg.kill_worker_at:
             procs = procs[:-1] + [_replace_when_dead(tb, cfg, procs[-1], argv_of, env_of,
                                                      replaced)]
-        out = _wait_all(procs, cfg.timeout_s)
+        try:
+            out = _wait_all(procs, cfg.timeout_s)
+        finally:
+            if lighthouse is not None:
+                lighthouse.kill()
+                lighthouse.wait()
     lead = out[0]
     # Step time from the second half (after warm-up and bucket rebuilding); the times leave
     # evaluation out.

@@ -154,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['model']} {r['system']}: rank {r['workers'] - 1} died at step "
                 f"{r['kill_worker_at']}; the others' steps took {_ms(r['before_kill_step_s'])} "
                 f"before, the longest {_ms(r['kill_stall_s'])} after; its replacement started "
-                f"{r['replace_after_s']:g} s later, had the state after "
-                f"{r['replacement_state_s'] or 0:.2f} s and ended its first step (of "
+                f"{r['replace_after_s']:g} s later, "
+                + (f"had the state after {r['replacement_state_s']:.2f} s and "
+                   if r.get("replacement_state_s") is not None else "")
+                + f"ended its first step (of "
                 f"{r['replacement_start_step']}) {r['replacement_first_step_s'] or 0:.1f} s "
                 f"after its start; its data is in {r['replacement_contributed']:.0%} of the "
                 f"sums it took; replicas identical: {r['replicas_identical']}")
