@@ -50,8 +50,40 @@ def test_config_and_wrap_reject_unknown_names():
     TrainBenchConfig(systems=("gloo", "switchml-failover"), kill_switch_at=5)  # fine
     with pytest.raises(ValueError, match="switch_back_after_s needs TrainBenchConfig.kill_sw"):
         TrainBenchConfig(switch_back_after_s=5.0)
+    with pytest.raises(ValueError, match="kill_worker_at must be a step in 1..59"):
+        TrainBenchConfig(systems=("switchml-live",), kill_worker_at=60)
+    with pytest.raises(ValueError, match="replace_after_s >= 0"):
+        TrainBenchConfig(systems=("switchml-live",), kill_worker_at=5, replace_after_s=-1)
+    with pytest.raises(ValueError, match="switchml-live and torchft"):
+        TrainBenchConfig(systems=("gloo", "switchml-quorum"), kill_worker_at=5)
+    TrainBenchConfig(systems=("switchml-live", "torchft"), kill_worker_at=5)  # fine
     with pytest.raises(ValueError, match="unknown mode"):
         wrap(None, "fsdp", None)
+
+
+def test_around_the_replacement_reads_the_runs_reports():
+    """Hand-made reports of two live ranks and a replacement: rank 2 died at step 3 (wall
+    10.0), its replacement started at 11.0; the live ranks' steps after the death include one
+    of 1.5 s; the replacement's first step ended at 14.0 with none of its data, its second
+    (15.0) with some."""
+    from switchml.bench.testbed_live import around_the_replacement
+    cfg = TrainBenchConfig(systems=("switchml-live",), kill_worker_at=3, workers=3)
+    live = {"times": [0.5, 1.0, 1.5, 2.0, 3.5, 4.0], "walls": [7.5, 8, 8.5, 9, 10.5, 11],
+            "params_digest": "a", "live": {"states_served": 1}}
+    other = {**live, "live": {"states_served": 0}}
+    new = {"walls": [14.0, 15.0, 16.0], "mine": [0, 3, 7], "start_step": 4,
+           "params_digest": "a", "live": {"joined_after_s": 0.8, "results_left_out": 4,
+                                          "results_received": 10}}
+    r = around_the_replacement(cfg, [live, other, new], {"died_wall": 10.0,
+                                                         "started_wall": 11.0})
+    assert r["before_kill_step_s"] == 0.5 and r["kill_stall_s"] == 1.5  # (steps 2 and 3: 0.5)
+    assert r["after_kill_step_s"] == 1.0  # the median of 1.5, 0.5, 1.5, 0.5
+    assert r["replacement_first_step_s"] == 3.0 and r["replacement_contributes_s"] == 4.0
+    assert r["replacement_contributed"] == 0.6 and r["replacement_state_s"] == 0.8
+    assert r["replicas_identical"] and r["states_served"] == 1
+    new["params_digest"] = "b"
+    assert not around_the_replacement(cfg, [live, other, new], {
+        "died_wall": 10.0, "started_wall": 11.0})["replicas_identical"]
 
 
 def _row(system, step_s, **kw):

@@ -257,7 +257,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     rank exits abruptly as step ``die_at`` begins."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
-    losses, times, evals, walls = [], [], [], []
+    losses, times, evals, walls, mine = [], [], [], [], []
     t0 = time.perf_counter()
     c0 = _cpu()
     paused = 0.0  # seconds spent evaluating, left out of the training time
@@ -287,6 +287,8 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
         times.append(end - t0 - paused)
         walls.append(time.time())
         if live is not None:
+            c = live.client.counters  # (whether this step's sums held this rank's data)
+            mine.append(c.get("results_received", 0) - c.get("results_left_out", 0))
             live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
                                           "step": step + 1})
         if recorder is not None:
@@ -302,7 +304,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             if step >= half:
                 busy_evals += machine_busy_s() - u0
     elapsed, busy_end = time.perf_counter() - t0, machine_busy_s()
-    return {"losses": losses, "times": times, "walls": walls, "evals": evals,
+    return {"losses": losses, "times": times, "walls": walls, "mine": mine, "evals": evals,
             "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
             "bytes_half": bytes_half, "straggled_steps": straggled, "on_gloo": on_gloo,
@@ -429,7 +431,7 @@ def train(a: dict[str, Any]) -> None:
     run = _steps(a, ddp, opt, task, model, recorder, live, start)
     extra = _train_report(a, ddp, model, run, recorder, replica)
     if live is not None:
-        extra.update(live=live.stats(), start_step=start, walls=run["walls"],
+        extra.update(live=live.stats(), start_step=start, walls=run["walls"], mine=run["mine"],
                      params_digest=hashlib.sha256(b"".join(
                          p.detach().numpy().tobytes() for p in model.parameters())).hexdigest())
         live.close()

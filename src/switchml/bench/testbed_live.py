@@ -31,6 +31,11 @@ def around_the_replacement(cfg: TrainBenchConfig, out: list[dict[str, Any]],
         before += durations[2:cfg.kill_worker_at].tolist()
         after += durations[walls > died].tolist()
     first = new["walls"][0] if new["walls"] else None
+    # The first step whose sums held the replacement's data (the results it took that were
+    # not left out grew over the step; torchft's: every committed step counts it).
+    mine = np.diff([0, *new["mine"]]) if new.get("mine") else None
+    helped = (int(np.argmax(mine > 0)) if mine is not None and (mine > 0).any()
+              else 0 if mine is None and first is not None else None)
     stats = new.get("live") or {}
     left_out, received = stats.get("results_left_out", 0), stats.get("results_received", 0)
     # From when the replacement started on, how its steps' sums were made: the share of the
@@ -43,6 +48,8 @@ def around_the_replacement(cfg: TrainBenchConfig, out: list[dict[str, Any]],
         "replacement_start_step": new.get("start_step"),
         "replacement_state_s": stats.get("joined_after_s"),
         "replacement_first_step_s": None if first is None else first - started,
+        "replacement_contributes_s": (None if helped is None
+                                      else new["walls"][helped] - started),
         "replacement_contributed": new.get("contributed", (1.0 - left_out / received)
                                            if received else 0.0),
         "replicas_identical": len({o.get("params_digest") for o in out}) == 1,

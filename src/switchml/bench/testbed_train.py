@@ -127,8 +127,13 @@ class TrainBenchConfig:
                              f"never), got {self.kill_switch_at}")
         if not 0 <= self.kill_worker_at < self.steps or self.replace_after_s < 0:
             raise ValueError(f"TrainBenchConfig.kill_worker_at must be a step in 1.."
-                             f"{self.steps - 1} (or 0: never), and replace_after_s >= 0; got "
+                             f"{self.steps - 1} (or 0: never), and "
+                             f"TrainBenchConfig.replace_after_s >= 0; got "
                              f"{self.kill_worker_at} and {self.replace_after_s}")
+        if self.kill_worker_at and not any(TRAIN_SYSTEMS[s][2] == "live" for s in self.systems):
+            raise ValueError("TrainBenchConfig.kill_worker_at kills a worker of the systems "
+                             "whose replicas come and go: switchml-live and torchft (the others "
+                             "would stop, waiting for it)")
         doomed = [s for s in self.systems
                   if TRAIN_SYSTEMS[s][0] == "switchml" and s != "switchml-failover"]
         if self.kill_switch_at and doomed:

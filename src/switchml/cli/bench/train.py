@@ -159,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
                    if r.get("replacement_state_s") is not None else "")
                 + f"ended its first step (of "
                 f"{r['replacement_start_step']}) {r['replacement_first_step_s'] or 0:.1f} s "
-                f"after its start; its data is in {r['replacement_contributed']:.0%} of the "
-                f"sums it took; replicas identical: {r['replicas_identical']}")
+                f"after its start, its first with its data in the sums "
+                f"{r['replacement_contributes_s'] or 0:.1f} s after; its data is in "
+                f"{r['replacement_contributed']:.0%} of the sums it took; replicas "
+                f"identical: {r['replicas_identical']}")
         if r.get("kill_switch_at"):
             fo = r.get("failover") or {}
             after, before = r.get("after_kill_step_s"), r.get("before_kill_step_s")
