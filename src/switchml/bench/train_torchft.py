@@ -73,9 +73,11 @@ def train(a: dict[str, Any], task: Any, model: Any, work: Any) -> dict[str, Any]
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
     ddp = DistributedDataParallel(manager, model)
     opt = OptimizerWrapper(manager, inner)
+    from switchml.bench.cpu import machine_busy_s
     from switchml.bench.hybridtrain import link_bytes
     dev, half = a.get("dev"), a["steps"] // 2
     bytes_half: int | None = None
+    busy_half = 0.0
     losses, times, walls, evals = [], [], [], []
     t0 = time.perf_counter()
     paused, every, start, joined = 0.0, a.get("eval_every") or 0, None, 0
@@ -90,7 +92,7 @@ def train(a: dict[str, Any], task: Any, model: Any, work: Any) -> dict[str, Any]
         if start is None:
             start = step
         if step == half and dev:
-            bytes_half = link_bytes(dev)
+            bytes_half, busy_half = link_bytes(dev), machine_busy_s()
         joined += manager.num_participants() == a["n"]
         losses.append(loss.item())
         times.append(time.perf_counter() - t0 - paused)
@@ -104,8 +106,10 @@ def train(a: dict[str, Any], task: Any, model: Any, work: Any) -> dict[str, Any]
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     manager.shutdown(wait=False)
-    extra = ({"link_bytes_per_step": (link_bytes(dev) - bytes_half) / (a["steps"] - 1 - half)}
-             if dev and bytes_half is not None else {})
+    after = a["steps"] - 1 - half  # (steps from half on; evaluations counted in the CPU)
+    extra = ({"link_bytes_per_step": (link_bytes(dev) - bytes_half) / after,
+              "machine_cpu_s_per_step": (machine_busy_s() - busy_half) / after}
+             if dev and bytes_half is not None and after > 0 else {})
     return {**extra, "losses": losses, "times": times, "walls": walls, "evals": evals,
             "elapsed_s": time.perf_counter() - t0,
             "start_step": start, "params_digest": digest,
