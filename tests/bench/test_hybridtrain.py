@@ -57,6 +57,8 @@ def test_config_and_wrap_reject_unknown_names():
     with pytest.raises(ValueError, match="switchml-live and torchft"):
         TrainBenchConfig(systems=("gloo", "switchml-quorum"), kill_worker_at=5)
     TrainBenchConfig(systems=("switchml-live", "torchft"), kill_worker_at=5)  # fine
+    with pytest.raises(ValueError, match="catch_up_steps must be >= 0"):
+        TrainBenchConfig(catch_up_steps=-1)
     with pytest.raises(ValueError, match="unknown mode"):
         wrap(None, "fsdp", None)
 

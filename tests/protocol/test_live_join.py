@@ -174,3 +174,26 @@ def test_resume_is_for_a_rank_that_joined_late_once_with_the_jobs_geometry():
     with pytest.raises(LocalProtocolError, match="between operations"):
         c.workers[0].position()
     c.wait(hs)
+
+
+def test_a_straggler_catches_up_from_a_live_ranks_position_skipping_what_it_missed():
+    """Rank 3 of 4 (quorum 3) is behind by three operations (it kept their results); it
+    falls back to rank 0's position: its next operation is the others' next, the three it
+    missed are skipped (their kept results dropped), and it ends that one with the sum."""
+    c = _cluster()
+    _run(c, 37, range(4))
+    for _ in range(3):
+        _run(c, 37, [0, 1, 2])
+    w = c.workers[3]
+    assert w.ops_behind == 3 and c.workers[0].ops_behind == 0
+    with pytest.raises(LocalProtocolError, match="once, before its next"):
+        w.resume(c.workers[0].position())  # not catching up
+    w.catch_up()
+    w.resume(c.workers[0].position())
+    assert w.ops_behind == 0 and w.counters["resumed"] == 1
+    got = _run(c, 37, range(4), first=[3, 0, 1])
+    assert all(np.array_equal(v, got[0]) for v in got.values()) and (got[0] & 8).all()
+    no_quorum = MemoryCluster(num_workers=2, window=4, elements_per_packet=8)
+    no_quorum.wait(no_quorum.start(_one_hot(2, 8, range(2))))
+    with pytest.raises(LocalProtocolError, match="quorum"):
+        no_quorum.workers[0].catch_up()

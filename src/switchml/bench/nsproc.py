@@ -268,7 +268,9 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     straggler = _straggler(a)
     straggled = 0
     on_gloo: list[bool] = []
-    for step in range(start, a["steps"]):
+    step, skipped = start - 1, 0
+    while step + 1 < a["steps"]:
+        step += 1
         if step == a.get("die_at"):
             os._exit(0)  # a worker dies (no LEAVE, nothing flushed)
         if step == half:
@@ -291,6 +293,13 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             mine.append(c.get("results_received", 0) - c.get("results_left_out", 0))
             live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
                                           "step": step + 1})
+            caught = (live.catch_up(a["catch_up_steps"]) if a.get("catch_up_steps")
+                      else None)
+            if caught is not None:  # a straggler skips to a live rank's state and step
+                model.load_state_dict(caught["model"])
+                opt.load_state_dict(caught["opt"])
+                skipped += caught["step"] - step - 1
+                step = caught["step"] - 1
         if recorder is not None:
             recorder.forward(f0, b0)
             recorder.backward_done(b0, o0)
@@ -308,6 +317,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
             "bytes_half": bytes_half, "straggled_steps": straggled, "on_gloo": on_gloo,
+            "skipped_steps": skipped,
             "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
 
 
@@ -439,6 +449,7 @@ def train(a: dict[str, Any]) -> None:
     _emit({"losses": run["losses"], "times": run["times"], "evals": run["evals"],
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
            "straggled_steps": run["straggled_steps"], "on_gloo": run["on_gloo"],
+           "skipped_steps": run["skipped_steps"],
            "cpu_s": _cpu() - run["c0"], **extra})
 
 

@@ -90,6 +90,9 @@ class TrainBenchConfig:
     starts ``replace_after_s`` later, joins the running job and takes a live rank's state;
     0: never."""
     replace_after_s: float = 3.0
+    catch_up_steps: int = 0
+    """``switchml-live``: a rank whose peers are more than this many steps ahead takes a live
+    rank's state and skips the steps between (``LiveQuorum.catch_up``); 0: never."""
     kill_switch_at: int = 0
     """Kill the switch (SIGKILL) as rank 0 starts this step of each run on a switchml system;
     0: never. The switch is started again for the next run."""
@@ -130,6 +133,9 @@ class TrainBenchConfig:
                              f"{self.steps - 1} (or 0: never), and "
                              f"TrainBenchConfig.replace_after_s >= 0; got "
                              f"{self.kill_worker_at} and {self.replace_after_s}")
+        if self.catch_up_steps < 0:
+            raise ValueError(f"TrainBenchConfig.catch_up_steps must be >= 0 (0: never), got "
+                             f"{self.catch_up_steps}")
         if self.kill_worker_at and not any(TRAIN_SYSTEMS[s][2] == "live" for s in self.systems):
             raise ValueError("TrainBenchConfig.kill_worker_at kills a worker of the systems "
                              "whose replicas come and go: switchml-live and torchft (the others "
@@ -216,7 +222,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
             **({"kill_switch_at": cfg.kill_switch_at, "kill_switch_pid": switch_pid}
                if kill and r == 0 else {}),
             **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
-                "replacement": replacement} if live else {}),
+                "replacement": replacement, "catch_up_steps": cfg.catch_up_steps}
+               if live else {}),
             **({"host_ip": topo.worker_ip(r), "lighthouse": f"http://{topo.switch_ip(r)}:"
                 f"{train_torchft.LIGHTHOUSE_PORT}"} if backend == "torchft" else {}),
             **({"die_at": cfg.kill_worker_at} if live and cfg.kill_worker_at
@@ -254,6 +261,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         "model": model, "backend": backend, "system": system, "mode": mode, "hook": hook,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
         "straggled_steps": lead.get("straggled_steps", 0),
+        "skipped_steps": sum(o.get("skipped_steps", 0) for o in out),
+        "caught_up": sum((o.get("live") or {}).get("caught_up", 0) for o in out),
         "kill_switch_at": cfg.kill_switch_at if kill else 0,
         "failover": lead.get("failover"), **killed,
         "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,

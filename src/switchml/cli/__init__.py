@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 _FIELD = re.compile(r"\b[A-Z]\w*(?:Config|Spec)\.([a-z_][a-z0-9_]*)\b")
 _RENAMED = {"target_accuracy": "target", "wan_rtt_s": "wan_rtt_ms",
             "switch_back_after_s": "switch_back_after", "loss_rate": "loss",
-            "replace_after_s": "replace_after"}
+            "replace_after_s": "replace_after", "catch_up_steps": "catch_up_after"}
 """Library fields whose option's ``dest`` has another name (a unit in the name, or short)."""
 
 

@@ -142,6 +142,29 @@ class WorkerAhead:
                                      "has no position yet")
         return Position((self._seq,), (self._next_set.astype(np.uint8).tobytes(),))
 
+    @property
+    def ops_behind(self) -> int:
+        """A quorum job's rank between operations: how many operations the others are ahead
+        of it, as far as the results it kept show (0: none kept beyond its next)."""
+        return max((((s - self._seq) & _MASK32) + 1 for s in list(self._ahead)
+                    if ((s - self._seq) & _MASK32) < _HALF), default=0)
+
+    def catch_up(self) -> None:
+        """This rank of a quorum job fell behind and will ``resume`` from a live rank's
+        ``position`` (the steps between are skipped: the live rank's state holds them). From
+        now on it keeps every result it is sent, as a rank that joined late does.
+
+        Raises:
+            LocalProtocolError: a job without a quorum, or the rank is not joined and idle.
+        """
+        if not self.spec.quorum:
+            raise LocalProtocolError("catch_up is for a quorum job's rank (a job without one "
+                                     "waits for every rank: nobody is ahead)")
+        if self.state is not WorkerState.READY or self._op is not None:
+            raise LocalProtocolError(f"catch_up needs a joined, idle rank; this rank is "
+                                     f"{self.state.value}")
+        self._late = True
+
     def resume(self, position: Position) -> None:
         """Start where a live rank stands (its ``position``): this rank joined a running
         quorum job (``join(now, late=True)``) and has run no operation. Its next operation
@@ -155,8 +178,8 @@ class WorkerAhead:
         """
         if not self._late:
             raise LocalProtocolError("resume is for a rank that joined a running quorum job "
-                                     "(join(now, late=True)), once, before its first "
-                                     "operation")
+                                     "(join(now, late=True)) or is catching up (catch_up()), "
+                                     "once, before its next operation")
         if self.state is not WorkerState.READY:
             raise LocalProtocolError(f"resume needs a joined, idle rank; this rank is "
                                      f"{self.state.value}")

@@ -119,6 +119,9 @@ class LiveQuorum:
             late_join=replacement)
         self._seen = 0  # replacements' requests looked at (``serve``)
         self.served = 0
+        self.caught_up = 0  # ``catch_up``s that took a live rank's state
+        self.ops_per_step = 0  # all-reduces between two ``serve`` calls (DDP's buckets)
+        self._ops = 0
         self.partial = 0  # all-reduces whose sum lacked some rank
         self.joined_after_s: float | None = None
         """A replacement: seconds from its JOIN to having the state and its position."""
@@ -177,6 +180,20 @@ class LiveQuorum:
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
 
+    def catch_up(self, max_steps_behind: int) -> dict[str, Any] | None:
+        """A straggler's remedy, at a step boundary: when the others are more than
+        ``max_steps_behind`` steps ahead (as the results this rank kept show), take a live
+        rank's state and position, as a replacement does, and skip the steps between. Returns
+        that state (load it, and go on from its step), or None when not that far behind.
+        What it costs the others: one live rank serializes its state."""
+        behind = self.client.ops_behind()
+        if not self.ops_per_step or behind <= max_steps_behind * self.ops_per_step:
+            return None
+        self.client.catch_up()
+        state = self._fetch_state()
+        self.caught_up += 1
+        return state
+
     # -- every live rank -------------------------------------------------------------------
 
     def serve(self, state: Callable[[], dict[str, Any]]) -> bool:
@@ -186,6 +203,7 @@ class LiveQuorum:
         what ``torch.load(weights_only=True)`` reads, e.g. the model's and optimizer's
         ``state_dict`` and the step) with this rank's position. One store round trip when
         nobody asked. Returns whether this rank sent a state."""
+        self.ops_per_step, self._ops = self._ops or self.ops_per_step, 0
         asked = self.store.add(f"{self.prefix}/joins", 0)
         sent = False
         while self._seen < asked:
@@ -244,6 +262,7 @@ class LiveQuorum:
         return tensor
 
     def _finish(self, staged: StagedTensor, handle: Any) -> None:
+        self._ops += 1
         counts = handle.contributors
         if counts is not None and counts.size and int(np.min(counts)) < self.world:
             self.partial += 1
@@ -252,6 +271,7 @@ class LiveQuorum:
     def stats(self) -> dict[str, Any]:
         """This rank's worker counters, the states it served and its partial sums."""
         return {**self.client.counters, "states_served": self.served,
+                "caught_up": self.caught_up,
                 "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s}
 
     def close(self) -> None:

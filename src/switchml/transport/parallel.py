@@ -254,6 +254,16 @@ class ParallelClient:
         with self._lock:
             return Position.of_parts([c.position() for c in self.parts])
 
+    def ops_behind(self) -> int:
+        """The most operations any part is behind (``WorkerClient.ops_behind``)."""
+        return max(c.ops_behind() for c in self.parts)
+
+    def catch_up(self) -> None:
+        """Every part falls back to a live rank's position (``WorkerClient.catch_up``)."""
+        with self._lock:
+            for c in self.parts:
+                c.catch_up()
+
     def resume(self, position: Position) -> None:
         """Start every part where a live rank's stand (``WorkerClient.resume``; the client
         joined with ``late_join=True``). Raises LocalProtocolError for a position of another

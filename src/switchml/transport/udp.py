@@ -206,6 +206,22 @@ class WorkerClient:
         or for a position of another job's geometry."""
         self._on_io_thread(lambda: self.endpoint.resume(position))
 
+    def ops_behind(self) -> int:
+        """A quorum job's rank between all-reduces: how many operations the others are ahead
+        of it, as the results it kept show (``WorkerEndpoint.ops_behind``)."""
+        return self._on_io_thread(lambda: self.endpoint.ops_behind)
+
+    def catch_up(self) -> None:
+        """Fall back to a live rank's position (``WorkerEndpoint.catch_up``): from now on
+        every result is kept until ``resume``. Between all-reduces."""
+        self._on_io_thread(self._idle_catch_up)
+
+    def _idle_catch_up(self) -> None:
+        if self.session.busy:
+            raise LocalProtocolError("catch_up is for a rank between all-reduces: wait for "
+                                     "every handle first")
+        self.endpoint.catch_up()
+
     def _on_io_thread(self, fn: Callable[[], _T]) -> _T:
         call = _Call(fn)
 

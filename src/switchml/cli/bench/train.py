@@ -107,6 +107,11 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--replace-after", type=float, default=3.0, metavar="SECONDS",
                     help="with --kill-worker-at: seconds from the death to the replacement's "
                          "start (default 3)")
+    g.add_argument("--catch-up-after", type=int, default=0, metavar="STEPS",
+                    help="switchml-live: a rank whose peers are more than STEPS steps ahead "
+                         "takes a live rank's state and skips the steps between (a "
+                         "straggler's remedy; the rows count the catch-ups and the steps "
+                         "skipped) (default 0: never)")
     g.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
                     help="kill the switch (SIGKILL) as rank 0 starts this step of each "
                          "switchml-failover run; the rows give the step times around it and "
@@ -130,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             straggle_every=args.straggle_every, quorum=args.quorum,
                             kill_switch_at=args.kill_switch_at,
                             kill_worker_at=args.kill_worker_at,
+                            catch_up_steps=args.catch_up_after,
                             replace_after_s=args.replace_after,
                             switch_back_after_s=args.switch_back_after)
 
@@ -149,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         for d in r.get("decisions", []):
             console.print(f"{r['model']} {r['system']}: {d}")
+        if r.get("caught_up"):
+            console.print(f"{r['model']} {r['system']}: {r['caught_up']} catch-up(s) from a "
+                          f"live rank's state, {r['skipped_steps']} step(s) skipped")
         if r.get("kill_worker_at"):
             console.print(
                 f"{r['model']} {r['system']}: rank {r['workers'] - 1} died at step "
