@@ -15,6 +15,9 @@ def replica_main(q: Any, rank: int, world: int, store_port: int, switch: str, st
     """Train ``steps`` steps (SGD with momentum, so the optimizer's state matters) and report
     ``("result", rank, ...)``; with ``die_step``, exit abruptly before that step's backward
     (after saying ``("died", rank, step)``); a ``replacement`` starts from the live state.
+    Rank 1 pauses for 30 paces before step 1 and catches up from a live rank's state (more
+    than 10 steps behind); rank 2 pauses for 5 before step 30 and takes the steps its peers
+    are past from their sums without computing them.
     The original replicas sleep ``pace_s`` before each step (so that a replacement finds
     the job running)."""
     from torch_procs import exit_now
@@ -56,28 +59,41 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
     live.register(ddp)
     if replacement and warm_up:
         live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
-    step_s, first_step_done_s = [], None
+    step_s, first_step_done_s, skipped, not_computed = [], None, 0, 0
     while step < steps:
         if rank == 0 and step == 2:
             q.put(("progress", rank, step))
-        if not replacement and pace_s:
-            time.sleep(pace_s)
-        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
-        opt.zero_grad()
-        loss = ddp(x).square().mean()
         if step == die_step and not replacement:
             exit_now(q, ("died", rank, step))
-        t0 = time.monotonic()
-        loss.backward()
-        opt.step()
-        step_s.append(time.monotonic() - t0)
+        if live.skip_step():  # the others are past this step: its sums, not computed
+            opt.step()
+            not_computed += 1
+        else:
+            if not replacement and pace_s:
+                time.sleep(pace_s)
+            if (rank, step) in ((1, 1), (2, 30)) and not replacement:
+                time.sleep((30 if rank == 1 else 5) * pace_s)  # the others go on meanwhile
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
+            opt.zero_grad()
+            loss = ddp(x).square().mean()
+            t0 = time.monotonic()
+            loss.backward()
+            opt.step()
+            step_s.append(time.monotonic() - t0)
         step += 1
         if first_step_done_s is None:
             first_step_done_s = time.monotonic() - t_start
         live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
                                       "step": step})
+        caught = live.catch_up(max_steps_behind=10)  # (far behind: skip to the live state)
+        if caught is not None:
+            model.load_state_dict(caught["model"])
+            opt.load_state_dict(caught["opt"])
+            skipped += caught["step"] - step
+            step = caught["step"]
     params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     stats = live.stats()
     live.close()
     return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats,
-            "first_step_done_s": first_step_done_s}
+            "first_step_done_s": first_step_done_s, "skipped": skipped,
+            "not_computed": not_computed}

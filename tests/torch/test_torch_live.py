@@ -14,15 +14,17 @@ import torch_procs as tp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]  # process groups
 
-WORLD, STEPS, DIE_STEP = 4, 100, 4
+WORLD, STEPS, DIE_STEP = 4, 140, 60
 
 
 def test_a_replacement_joins_the_running_job_with_the_live_state():
-    """Four replicas (quorum 3) train; rank 3 dies at step 4. A first replacement starts
+    """Four replicas (quorum 3) train; rank 3 dies at step 60. A first replacement starts
     without ``LiveQuorum.warm_up``: its DDP holds its first step's buckets in parameter order,
     the live replicas theirs in gradient order, of the same size, so that summed, elements
     would be other parameters' gradients; the hook refuses it, naming the remedy, and it
-    exits. A second, with ``warm_up``, joins and finishes the run."""
+    exits. A second, with ``warm_up``, joins and finishes the run. Ranks 1 and 2, which paused
+    early on, catch up: one from a live rank's state, the other from the sums it was sent,
+    neither computing the steps it missed."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
@@ -58,7 +60,15 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
         assert res[r]["params"].tobytes() == res[0]["params"].tobytes(), r
     for r in (0, 1, 2):
         assert max(res[r]["step_s"]) < 2.0, res[r]["step_s"]  # nobody waited for rank 3
-    assert sum(res[r]["stats"]["states_served"] for r in (0, 1, 2)) == 2
+    # Rank 1 paused early on, fell more than 10 steps behind, and took a live rank's state
+    # (skipping the steps between) rather than compute its way back; rank 2, a few steps
+    # behind, took those steps' sums without computing them.
+    assert res[1]["stats"]["caught_up"] >= 1 and res[1]["skipped"] > 10, res[1]["stats"]
+    assert res[2]["not_computed"] >= 2 and res[2]["stats"]["caught_up"] == 0, res[2]["stats"]
+    # (the two replacements' requests and the catch-ups; the first replacement may have
+    # caught up too before it failed, and reports nothing)
+    assert sum(res[r]["stats"]["states_served"] for r in (0, 1, 2)) >= 2 + sum(
+        res[r]["stats"]["caught_up"] for r in range(WORLD))
     # It contributed: once caught up (the others sleep before each step; it does not), its
     # chunks open the rounds.
     assert new["stats"]["results_left_out"] < new["stats"]["results_received"] / 2, new["stats"]

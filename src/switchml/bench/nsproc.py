@@ -253,8 +253,10 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     less what the machine spent while this rank evaluated (the ranks evaluate at the same
     steps; time another rank spent evaluating outside this rank's window stays counted).
     ``live`` (``switchml-live``): the replica's ``LiveQuorum``, which serves a replacement the
-    state after every step; ``start``: the first step (a replacement's, from that state); the
-    rank exits abruptly as step ``die_at`` begins."""
+    state after every step, takes the sums of a step the others are past without computing
+    (``skip_step``, unless ``skip_behind`` is false) and, with ``catch_up_steps``, a live
+    rank's state when that far behind; ``start``: the first step (a replacement's, from that
+    state); the rank exits abruptly as step ``die_at`` begins."""
     from switchml.bench import hybridtrain
     dev = a.get("dev")
     losses, times, evals, walls, mine = [], [], [], [], []
@@ -268,7 +270,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     straggler = _straggler(a)
     straggled = 0
     on_gloo: list[bool] = []
-    step, skipped = start - 1, 0
+    step, skipped, no_compute = start - 1, 0, 0
     while step + 1 < a["steps"]:
         step += 1
         if step == a.get("die_at"):
@@ -278,11 +280,18 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             busy_half = machine_busy_s() or None  # (0.0: no /proc/stat)
         if step == a.get("kill_switch_at"):
             os.kill(a["kill_switch_pid"], signal.SIGKILL)  # the switch dies, not restarted
-        if straggler(step) == a["rank"]:
-            time.sleep(a["straggle_s"])  # slower compute on this rank at this step
-            straggled += 1
-        loss, (f0, b0, o0, end) = task.timed_step(ddp, opt, step)
-        losses.append(loss.item())
+        timed: tuple[float, ...] | None = None
+        if live is not None and a.get("skip_behind", True) and live.skip_step():
+            opt.step()  # the others are past this step: its sums, without computing
+            losses.append(float("nan"))
+            end, no_compute = time.perf_counter(), no_compute + 1
+        else:
+            if straggler(step) == a["rank"]:
+                time.sleep(a["straggle_s"])  # slower compute on this rank at this step
+                straggled += 1
+            loss, timed = task.timed_step(ddp, opt, step)
+            losses.append(loss.item())
+            end = timed[3]
         if a.get("track_failover"):  # whether the step's all-reduces ended on gloo
             from switchml.torch import stats as switchml_stats
             on_gloo.append(bool((switchml_stats().get("failover") or {}).get("active")))
@@ -300,7 +309,8 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
                 opt.load_state_dict(caught["opt"])
                 skipped += caught["step"] - step - 1
                 step = caught["step"] - 1
-        if recorder is not None:
+        if recorder is not None and timed is not None:
+            f0, b0, o0, _ = timed
             recorder.forward(f0, b0)
             recorder.backward_done(b0, o0)
             recorder.optimizer(o0, end)
@@ -317,7 +327,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             "elapsed_s": elapsed,
             "train_s": elapsed - paused, "c0": c0, "half": half, "half_s": half_s,
             "bytes_half": bytes_half, "straggled_steps": straggled, "on_gloo": on_gloo,
-            "skipped_steps": skipped,
+            "skipped_steps": skipped, "steps_not_computed": no_compute,
             "machine_busy_s": None if busy_half is None else busy_end - busy_half - busy_evals}
 
 
@@ -450,6 +460,7 @@ def train(a: dict[str, Any]) -> None:
            "elapsed_s": run["elapsed_s"], "train_s": run["train_s"],
            "straggled_steps": run["straggled_steps"], "on_gloo": run["on_gloo"],
            "skipped_steps": run["skipped_steps"],
+           "steps_not_computed": run["steps_not_computed"],
            "cpu_s": _cpu() - run["c0"], **extra})
 
 

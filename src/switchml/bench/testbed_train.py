@@ -90,6 +90,9 @@ class TrainBenchConfig:
     starts ``replace_after_s`` later, joins the running job and takes a live rank's state;
     0: never."""
     replace_after_s: float = 3.0
+    skip_behind: bool = True
+    """``switchml-live``: a rank whose peers are past its next step takes that step's sums
+    without computing it (``LiveQuorum.skip_step``)."""
     catch_up_steps: int = 0
     """``switchml-live``: a rank whose peers are more than this many steps ahead takes a live
     rank's state and skips the steps between (``LiveQuorum.catch_up``); 0: never."""
@@ -222,7 +225,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
             **({"kill_switch_at": cfg.kill_switch_at, "kill_switch_pid": switch_pid}
                if kill and r == 0 else {}),
             **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
-                "replacement": replacement, "catch_up_steps": cfg.catch_up_steps}
+                "replacement": replacement, "catch_up_steps": cfg.catch_up_steps,
+                "skip_behind": cfg.skip_behind}
                if live else {}),
             **({"host_ip": topo.worker_ip(r), "lighthouse": f"http://{topo.switch_ip(r)}:"
                 f"{train_torchft.LIGHTHOUSE_PORT}"} if backend == "torchft" else {}),
@@ -262,6 +266,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         "quorum": quorum, "straggle_s": cfg.straggle_s, "straggle_every": cfg.straggle_every,
         "straggled_steps": lead.get("straggled_steps", 0),
         "skipped_steps": sum(o.get("skipped_steps", 0) for o in out),
+        "steps_not_computed": sum(o.get("steps_not_computed", 0) for o in out),
         "caught_up": sum((o.get("live") or {}).get("caught_up", 0) for o in out),
         "kill_switch_at": cfg.kill_switch_at if kill else 0,
         "failover": lead.get("failover"), **killed,

@@ -120,8 +120,7 @@ class LiveQuorum:
         self._seen = 0  # replacements' requests looked at (``serve``)
         self.served = 0
         self.caught_up = 0  # ``catch_up``s that took a live rank's state
-        self.ops_per_step = 0  # all-reduces between two ``serve`` calls (DDP's buckets)
-        self._ops = 0
+        self.skipped = 0  # steps taken from the others' sums without computing (``skip_step``)
         self.partial = 0  # all-reduces whose sum lacked some rank
         self.joined_after_s: float | None = None
         """A replacement: seconds from its JOIN to having the state and its position."""
@@ -180,14 +179,43 @@ class LiveQuorum:
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
 
+    def _buckets(self) -> dict[int, tuple[int, ...]]:
+        """DDP's buckets as the parameters' places: this rank's, once its hook ran; a
+        replacement's before then, the live replicas' (sent with the state)."""
+        return self._layouts or self._expected or {}
+
+    def skip_step(self) -> bool:
+        """At a step boundary, before the forward: if the others are past this rank's next
+        step (results of a later all-reduce are here), every sum of that step is complete,
+        and this rank's gradients would be left out of all of them. Then take the step's
+        averaged gradients without computing any: each bucket's all-reduce runs on zeros
+        (a complete round adds nothing; its result comes from what this rank was multicast)
+        and the sums land in the parameters' ``.grad``; call the optimizer's ``step`` and go
+        on. Returns False, doing nothing, when not that far behind (or before the first
+        step: the buckets are not known yet). A straggler that skips the steps it is behind
+        on stays within a step of the others, at no cost to them."""
+        buckets = self._buckets()
+        if not buckets or not self._params or self.client.ops_behind() <= len(buckets):
+            return False
+        for index in sorted(buckets):  # (DDP launches its buckets in index order)
+            params = [self._params[i] for i in buckets[index]]
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+            self.allreduce(flat)
+            at = 0
+            for p in params:
+                p.grad = flat[at:at + p.numel()].view_as(p).to(p.dtype)
+                at += p.numel()
+        self.skipped += 1
+        return True
+
     def catch_up(self, max_steps_behind: int) -> dict[str, Any] | None:
         """A straggler's remedy, at a step boundary: when the others are more than
         ``max_steps_behind`` steps ahead (as the results this rank kept show), take a live
         rank's state and position, as a replacement does, and skip the steps between. Returns
         that state (load it, and go on from its step), or None when not that far behind.
         What it costs the others: one live rank serializes its state."""
-        behind = self.client.ops_behind()
-        if not self.ops_per_step or behind <= max_steps_behind * self.ops_per_step:
+        per_step = len(self._buckets())
+        if not per_step or self.client.ops_behind() <= max_steps_behind * per_step:
             return None
         self.client.catch_up()
         state = self._fetch_state()
@@ -201,10 +229,19 @@ class LiveQuorum:
         backward and the optimizer's step). If a replacement asked for the live state, the
         first live rank to see the request sends it ``state()`` (tensors, numbers, dicts:
         what ``torch.load(weights_only=True)`` reads, e.g. the model's and optimizer's
-        ``state_dict`` and the step) with this rank's position. One store round trip when
-        nobody asked. Returns whether this rank sent a state."""
-        self.ops_per_step, self._ops = self._ops or self.ops_per_step, 0
+        ``state_dict`` and the step) with this rank's position; a rank behind the others
+        leaves it to one at the front. One store round trip when nobody
+        asked. Returns whether this rank sent a state."""
         asked = self.store.add(f"{self.prefix}/joins", 0)
+        if self._seen >= asked:
+            return False
+        if self.client.ops_behind():
+            # Behind the others (results of its next all-reduce are here): a replacement
+            # starting here would have to fetch rounds that completed before it joined from
+            # the switch's history, which may have moved on. A rank at the front serves it:
+            # every result of its next all-reduces is multicast after the request, so after
+            # the replacement joined.
+            return False
         sent = False
         while self._seen < asked:
             self._seen += 1
@@ -262,7 +299,6 @@ class LiveQuorum:
         return tensor
 
     def _finish(self, staged: StagedTensor, handle: Any) -> None:
-        self._ops += 1
         counts = handle.contributors
         if counts is not None and counts.size and int(np.min(counts)) < self.world:
             self.partial += 1
@@ -271,7 +307,7 @@ class LiveQuorum:
     def stats(self) -> dict[str, Any]:
         """This rank's worker counters, the states it served and its partial sums."""
         return {**self.client.counters, "states_served": self.served,
-                "caught_up": self.caught_up,
+                "caught_up": self.caught_up, "steps_skipped": self.skipped,
                 "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s}
 
     def close(self) -> None:

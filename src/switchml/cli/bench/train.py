@@ -107,6 +107,10 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--replace-after", type=float, default=3.0, metavar="SECONDS",
                     help="with --kill-worker-at: seconds from the death to the replacement's "
                          "start (default 3)")
+    g.add_argument("--no-skip-behind", dest="skip_behind", action="store_false",
+                    help="switchml-live: a rank behind computes every step (by default one "
+                         "whose peers are past its next step takes that step's sums without "
+                         "computing it)")
     g.add_argument("--catch-up-after", type=int, default=0, metavar="STEPS",
                     help="switchml-live: a rank whose peers are more than STEPS steps ahead "
                          "takes a live rank's state and skips the steps between (a "
@@ -136,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainBenchConfig:
                             kill_switch_at=args.kill_switch_at,
                             kill_worker_at=args.kill_worker_at,
                             catch_up_steps=args.catch_up_after,
+                            skip_behind=args.skip_behind,
                             replace_after_s=args.replace_after,
                             switch_back_after_s=args.switch_back_after)
 
@@ -155,9 +160,11 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         for d in r.get("decisions", []):
             console.print(f"{r['model']} {r['system']}: {d}")
-        if r.get("caught_up"):
-            console.print(f"{r['model']} {r['system']}: {r['caught_up']} catch-up(s) from a "
-                          f"live rank's state, {r['skipped_steps']} step(s) skipped")
+        if r.get("caught_up") or r.get("steps_not_computed"):
+            console.print(f"{r['model']} {r['system']}: {r['steps_not_computed']} step(s) "
+                          f"taken from the others' sums without computing; "
+                          f"{r['caught_up']} catch-up(s) from a live rank's state, "
+                          f"{r['skipped_steps']} step(s) skipped")
         if r.get("kill_worker_at"):
             console.print(
                 f"{r['model']} {r['system']}: rank {r['workers'] - 1} died at step "
