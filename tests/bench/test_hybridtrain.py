@@ -88,6 +88,17 @@ def test_around_the_replacement_reads_the_runs_reports():
         "died_wall": 10.0, "started_wall": 11.0})["replicas_identical"]
 
 
+def test_plot_steps_marks_the_faults(tmp_path):
+    from switchml.bench.testbed_live import plot_steps
+    rows = [{"model": "ncf", "system": "switchml-live", "workers": 3, "rate_bps": 1e9,
+             "times": [0.5, 1.0, 2.5, 3.0], "kill_worker_at": 2, "replacement_start_step": 3},
+            {"model": "ncf", "system": "torchft", "workers": 3, "rate_bps": 1e9,
+             "times": [0.7, 1.4, 2.1, 2.8]}]
+    path = tmp_path / "steps.png"
+    plot_steps(rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _row(system, step_s, **kw):
     return {"model": "ncf", "system": system, "step_s": step_s, "rate_bps": 1e9,
             "losses": [1.0] * 5, "times": [1.0] * 5, **kw}

@@ -14,7 +14,7 @@ import numpy as np
 if TYPE_CHECKING:
     from switchml.bench.testbed_train import TrainBenchConfig
 
-__all__ = ["around_the_replacement"]
+__all__ = ["around_the_replacement", "plot_steps"]
 
 
 def around_the_replacement(cfg: TrainBenchConfig, out: list[dict[str, Any]],
@@ -55,3 +55,34 @@ def around_the_replacement(cfg: TrainBenchConfig, out: list[dict[str, Any]],
         "replicas_identical": len({o.get("params_digest") for o in out}) == 1,
         "states_served": sum((o.get("live") or {}).get("states_served", 0) for o in live),
     }
+
+
+def plot_steps(rows: list[dict[str, Any]], path: str) -> None:
+    """Each run's step time against its steps (rank 0's, evaluations left out), the faults
+    marked: the switch or a worker killed, the replacement's first step (the step of the
+    state it took), a straggler's steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in rows:
+        steps = np.diff([0.0, *r["times"]])
+        line, = ax.plot(range(1, len(steps) + 1), 1e3 * steps,
+                        label=f"{r['model']} {r['system']}", lw=1.2)
+        for at, what in ((r.get("kill_worker_at"), "worker killed"),
+                         (r.get("kill_switch_at"), "switch killed"),
+                         (r.get("replacement_start_step"), "replacement's first step")):
+            if at:
+                ax.axvline(at, color=line.get_color(), ls=":" if "replacement" in what
+                           else "--", lw=1)
+                ax.annotate(what, (at, ax.get_ylim()[1] * 0.95), rotation=90, fontsize=7,
+                            color=line.get_color(), va="top", ha="right")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time, rank 0 (ms)")
+    ax.set_title(f"step time with faults: {rows[0]['workers']} workers, "
+                 f"{rows[0]['rate_bps'] / 1e6:g} Mbit/s links")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

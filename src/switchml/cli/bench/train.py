@@ -83,7 +83,8 @@ def add_parser(bsub: Subparsers) -> None:
     tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
                     "bytes per step and step time per system to PNG's name + '-bytes'; with "
-                    "--trace, rank 0's last two steps to + '-timeline')")
+                    "--trace, rank 0's last two steps to + '-timeline'; with faults, each "
+                    "step's time with the faults marked to + '-steps')")
     tr.set_defaults(func=run)
 
 
@@ -281,3 +282,7 @@ def _write_outputs(args: argparse.Namespace, cfg: TrainBenchConfig, rows: list[d
         plot_training(rows, args.plot)
         if any("bytes_per_step_measured" in r for r in rows):
             plot_bytes(rows, f"{base}-bytes.png")
+        if any(r.get(k) for r in rows for k in ("kill_worker_at", "kill_switch_at",
+                                                  "straggle_s")):
+            from switchml.bench.testbed_live import plot_steps
+            plot_steps(rows, f"{base}-steps.png")
