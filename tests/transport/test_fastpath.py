@@ -156,7 +156,9 @@ def test_a_first_window_the_compiled_send_leaves_is_sent_by_python(monkeypatch):
     counters: dict[int, dict] = {}
     with SwitchServer(host="127.0.0.1", port=0) as server:
         def rank(r: int) -> None:
-            with WorkerClient(server.address, spec, r, WorkerConfig(op_timeout_s=30)) as w:
+            cfg = WorkerConfig(op_timeout_s=30, initial_rto_s=0.5, min_rto_s=0.5,
+                               min_reorder_window_s=0.5)
+            with WorkerClient(server.address, spec, r, cfg) as w:
                 assert w._fast is not None
                 outs[r] = [w.allreduce(xs[r]) for _ in range(3)]
                 counters[r] = {**w.counters, "datagrams": w._sender.datagrams}
