@@ -187,12 +187,13 @@ def test_ranks_with_a_tenants_key_make_their_groups_job_in_its_range():
     from switchml.protocol.auth import tenant_key, tenant_of
     secret = b"a shared switch's secret, 32 b.."
     with tp.Procs(deadline_s=75) as procs:
-        procs.start(tp.switch_server_body, procs.q, 0, secret)
+        switch_proc = procs.start(tp.switch_server_body, procs.q, 0, secret)
         kind, address, _pid = procs.get(timeout=30)
         assert kind == "switch"
         env = {"SWITCHML_SWITCH": f"{address[0]}:{address[1]}", "SWITCHML_TENANT": "5",
                "SWITCHML_TENANT_KEY": tenant_key(secret, 5).hex()}
         procs.start_ranks(tp.tenant_body, 2, env=env)
         results = procs.results(2, timeout=60)
+        switch_proc.kill()  # (it would sleep on, and the harness wait for it)
     assert [results[r]["sum"] for r in (0, 1)] == [[3.0] * 3] * 2  # 1 + 2, by hand
     assert results[0]["job"] == results[1]["job"] and tenant_of(results[0]["job"]) == 5

@@ -30,7 +30,7 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
                           timeout=datetime.timedelta(seconds=30))
     final: dict[int, tuple[str, object]] = {}
     with tp.Procs(deadline_s=120) as procs:
-        procs.start(tp.switch_server_body, procs.q, 0)
+        switch_proc = procs.start(tp.switch_server_body, procs.q, 0)
         kind, address, _pid = procs.get(timeout=30)
         assert kind == "switch"
         switch = f"{address[0]}:{address[1]}"
@@ -51,6 +51,7 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
             msg = procs.get(timeout=90)
             if msg[0] in ("result", "error"):
                 final[msg[1]] = (msg[0], msg[2])
+        switch_proc.kill()  # (it would sleep on, and the harness wait for it)
     assert all(kind == "result" for kind, _ in final.values()), final
     res = {r: v for r, (_, v) in final.items()}
     new = res[3]
