@@ -254,7 +254,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
     steps; time another rank spent evaluating outside this rank's window stays counted).
     ``live`` (``switchml-live``): the replica's ``LiveQuorum``, which serves a replacement the
     state after every step, takes the sums of a step the others are past without computing
-    (``skip_step``, unless ``skip_behind`` is false) and, with ``catch_up_steps``, a live
+    (``skip_step``, with ``skip_behind``) and, with ``catch_up_steps``, a live
     rank's state when that far behind; ``start``: the first step (a replacement's, from that
     state); the rank exits abruptly as step ``die_at`` begins."""
     from switchml.bench import hybridtrain
@@ -281,7 +281,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
         if step == a.get("kill_switch_at"):
             os.kill(a["kill_switch_pid"], signal.SIGKILL)  # the switch dies, not restarted
         timed: tuple[float, ...] | None = None
-        if live is not None and a.get("skip_behind", True) and live.skip_step():
+        if live is not None and a.get("skip_behind") and live.skip_step():
             opt.step()  # the others are past this step: its sums, without computing
             losses.append(float("nan"))
             end, no_compute = time.perf_counter(), no_compute + 1

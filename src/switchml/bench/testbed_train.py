@@ -90,9 +90,10 @@ class TrainBenchConfig:
     starts ``replace_after_s`` later, joins the running job and takes a live rank's state;
     0: never."""
     replace_after_s: float = 3.0
-    skip_behind: bool = True
+    skip_behind: bool = False
     """``switchml-live``: a rank whose peers are past its next step takes that step's sums
-    without computing it (``LiveQuorum.skip_step``)."""
+    without computing it (``LiveQuorum.skip_step``; it still sends that step's requests,
+    which the switch drops as late)."""
     catch_up_steps: int = 0
     """``switchml-live``: a rank whose peers are more than this many steps ahead takes a live
     rank's state and skips the steps between (``LiveQuorum.catch_up``); 0: never."""
@@ -291,13 +292,13 @@ def _replace_when_dead(tb: Testbed, cfg: TrainBenchConfig, dying: subprocess.Pop
     its replacement; ``replaced`` gets the wall-clock times of both."""
     r = cfg.workers - 1
     try:
-        dying.communicate(timeout=cfg.timeout_s)
+        _, err = dying.communicate(timeout=cfg.timeout_s)
     except subprocess.TimeoutExpired:
         dying.kill()
         raise TestbedError(f"rank {r} did not die at step {cfg.kill_worker_at}") from None
     if dying.returncode != 0:
         raise TestbedError(f"rank {r} failed before step {cfg.kill_worker_at} "
-                           f"(exit {dying.returncode})")
+                           f"(exit {dying.returncode}): {(err or '').strip()[-600:]}")
     replaced["died_wall"] = time.time()
     time.sleep(cfg.replace_after_s)
     replaced["started_wall"] = time.time()

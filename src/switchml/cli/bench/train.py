@@ -108,10 +108,11 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--replace-after", type=float, default=3.0, metavar="SECONDS",
                     help="with --kill-worker-at: seconds from the death to the replacement's "
                          "start (default 3)")
-    g.add_argument("--no-skip-behind", dest="skip_behind", action="store_false",
-                    help="switchml-live: a rank behind computes every step (by default one "
-                         "whose peers are past its next step takes that step's sums without "
-                         "computing it)")
+    g.add_argument("--skip-behind", action="store_true",
+                    help="switchml-live: a rank whose peers are past its next step takes that "
+                         "step's sums without computing it (LiveQuorum.skip_step: a "
+                         "straggler's remedy; it still sends the step's requests, which the "
+                         "switch drops as late) (default: every rank computes every step)")
     g.add_argument("--catch-up-after", type=int, default=0, metavar="STEPS",
                     help="switchml-live: a rank whose peers are more than STEPS steps ahead "
                          "takes a live rank's state and skips the steps between (a "
