@@ -197,3 +197,54 @@ def test_a_straggler_catches_up_from_a_live_ranks_position_skipping_what_it_miss
     no_quorum.wait(no_quorum.start(_one_hot(2, 8, range(2))))
     with pytest.raises(LocalProtocolError, match="quorum"):
         no_quorum.workers[0].catch_up()
+
+
+def _join_capturing(w, addr, sw, now):
+    """``w`` joins through ``sw`` by hand; returns the datagrams it sent (its proven JOIN
+    last)."""
+    w.join(now)
+    sent = []
+    for _ in range(10):
+        out = [bytes(d) for d, _ in w.datagrams_to_send(now)]
+        for d in out:
+            sent.append(d)
+            sw.receive_datagram(d, addr, now)
+        for d, a in sw.datagrams_to_send(now):
+            if a == addr:
+                w.receive_datagram(d, SW, now)
+        if not out:
+            break
+    return sent
+
+
+def test_the_replaced_processs_join_replayed_does_not_take_the_rank_back():
+    """Rank 1's proven JOIN, captured, is replayed from its old address after a replacement
+    took the rank (within the cookie's lifetime): the cookie predates the replacement's, so
+    it is spent; the rank stays the replacement's."""
+    spec = JobSpec(job_id=9, token=0x0BAD_F00D_1234, num_workers=2, window=4,
+                   elements_per_packet=16, quorum=1)
+    sw = SwitchDataplane()
+    old = ("127.0.0.1", 11)
+    joins = {r: _join_capturing(WorkerEndpoint(spec=spec, rank=r, switch_address=SW),
+                                ("127.0.0.1", 10 + r), sw, 0.0) for r in range(2)}
+    sw.receive_datagram(bytes(_request(spec, 0)), ("127.0.0.1", 10), 0.5)  # the job runs
+    sw.datagrams_to_send(0.5)
+    assert sw.stats()["members_joined"] == 2
+    new = WorkerEndpoint(spec=spec, rank=1, switch_address=SW)
+    _join_capturing(new, ("127.0.0.1", 99), sw, 1.0)
+    assert new.state.value == "ready" and sw.stats()["members_replaced"] == 1
+    sw.receive_datagram(joins[1][-1], old, 1.5)  # the old process's proven JOIN, again
+    assert not any(a == old for _, a in sw.datagrams_to_send(1.5))
+    assert sw.drops["spent_cookie"] == 1 and sw.stats()["members_replaced"] == 1
+
+
+def _request(spec, rank):
+    w = WorkerEndpoint(spec=spec, rank=rank, switch_address=SW)
+    sw = SwitchDataplane()
+    exchange({("127.0.0.1", 50): w, SW: sw}, 0.0)  # (a throwaway switch: just the bytes)
+    w.join(0.0)
+    exchange({("127.0.0.1", 50): w, SW: sw}, 0.0)
+    x = np.ones(3, np.int32)
+    w.start_allreduce(x, np.empty_like(x), 0.0)
+    (d, _), = w.datagrams_to_send(0.0)
+    return d

@@ -55,7 +55,7 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
         opt.load_state_dict(live.state["opt"])
         step = live.state["step"]
     start_step = step
-    ddp = DDP(model)
+    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets once DDP rebuilds them
     live.register(ddp)
     if replacement and warm_up:
         live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())

@@ -240,6 +240,9 @@ class SwitchControl:
                 # it) takes the rank's place from here, and the old address is dropped.
                 replaced = True
                 self._membership["members_replaced"] += 1
+                # The old process's JOINs, replayed from its address, must not take the rank
+                # back: cookies issued before this one are spent.
+                job.left_at[h.rank] = self.challenges.issued_at(cookie) - 1e-6
             job.set_member(h.rank, addr)
             job.cookies[h.rank] = cookie  # the membership's cookie: its LEAVE proves it
             job.heard[h.rank] = now

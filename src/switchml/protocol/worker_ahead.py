@@ -164,6 +164,11 @@ class WorkerAhead:
             raise LocalProtocolError(f"catch_up needs a joined, idle rank; this rank is "
                                      f"{self.state.value}")
         self._late = True
+        # What it kept so far is of operations the live rank's position is past (it serves
+        # only with none of a later one at hand), and would take the budget the results
+        # from the position on need.
+        self._ahead.clear()
+        self._ahead_bytes = 0
 
     def resume(self, position: Position) -> None:
         """Start where a live rank stands (its ``position``): this rank joined a running

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
@@ -125,7 +127,9 @@ class LiveQuorum:
         self.joined_after_s: float | None = None
         """A replacement: seconds from its JOIN to having the state and its position."""
         self._index: dict[int, int] = {}  # id of a parameter -> its place in the model
-        self._layouts: dict[int, tuple[int, ...]] = {}  # DDP's buckets, as parameters' places
+        self._layouts: dict[int, tuple[int, ...]] = {}  # DDP's buckets of the last whole step
+        self._step_layouts: dict[int, tuple[int, ...]] = {}  # (this step's, so far)
+        self._steps = 0  # steps ``serve`` closed with the hook's buckets
         self._expected: dict[int, tuple[int, ...]] | None = None  # a replacement: the donor's
         self._local = False  # ``warm_up``: the hook all-reduces nothing
         self._params: list[torch.nn.Parameter] = []
@@ -156,33 +160,21 @@ class LiveQuorum:
                                   ) from None
         blob = self.store.get(key)
         self.store.delete_key(key)
-        if len(blob) < _LEN.size or _LEN.unpack_from(blob)[0] > len(blob) - _LEN.size:
-            raise OperationFailed("the state a live rank sent is truncated")
-        (n,) = _LEN.unpack_from(blob)
         try:
-            position = Position.from_bytes(blob[_LEN.size:_LEN.size + n])
-        except ValueError as exc:
-            raise OperationFailed(f"the state a live rank sent: {exc}") from None
-        at = _LEN.size + n
-        if len(blob) - at < _LEN.size or _LEN.unpack_from(blob, at)[0] > len(blob) - at - 4:
-            raise OperationFailed("the state a live rank sent is truncated")
-        (m,) = _LEN.unpack_from(blob, at)
-        try:
-            layouts = json.loads(blob[at + 4:at + 4 + m])
-            self._expected = {int(k): tuple(int(i) for i in v) for k, v in layouts.items()}
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise OperationFailed(f"the state a live rank sent: its bucket layouts: {exc}"
-                                  ) from None
-        self.client.resume(position)
-        state = torch.load(io.BytesIO(blob[at + 4 + m:]), weights_only=True)
+            position, layouts, state = _unpack_state(blob)
+        except (ValueError, TypeError, AttributeError, RuntimeError, EOFError) as exc:
+            raise OperationFailed(f"the state a live rank sent is not one: {exc}") from None
+        self._expected = layouts
+        self.client.resume(position)  # (last: a state that does not load leaves no trace)
         log.info("rank %d resumed the running job at operation %d", self.rank,
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
 
     def _buckets(self) -> dict[int, tuple[int, ...]]:
-        """DDP's buckets as the parameters' places: this rank's, once its hook ran; a
-        replacement's before then, the live replicas' (sent with the state)."""
-        return self._layouts or self._expected or {}
+        """DDP's buckets as the parameters' places, as they stay from its second step: this
+        rank's, once ``serve`` closed two steps; a replacement's before then, the live
+        replicas' (sent with the state); else none."""
+        return self._layouts if self._steps >= 2 else (self._expected or {})
 
     def skip_step(self) -> bool:
         """At a step boundary, before the forward: if the others are past this rank's next
@@ -218,7 +210,11 @@ class LiveQuorum:
         if not per_step or self.client.ops_behind() <= max_steps_behind * per_step:
             return None
         self.client.catch_up()
-        state = self._fetch_state()
+        try:
+            state = self._fetch_state()
+        except OperationFailed as exc:
+            raise OperationFailed(f"catch-up failed: {exc}; this rank keeps waiting for a "
+                                  "position: close it and rejoin as a replacement") from None
         self.caught_up += 1
         return state
 
@@ -232,6 +228,9 @@ class LiveQuorum:
         ``state_dict`` and the step) with this rank's position; a rank behind the others
         leaves it to one at the front. One store round trip when nobody
         asked. Returns whether this rank sent a state."""
+        if self._step_layouts:  # the step's buckets, as its hook saw them, replace the last
+            self._layouts, self._step_layouts = self._step_layouts, {}
+            self._steps += 1
         asked = self.store.add(f"{self.prefix}/joins", 0)
         if self._seen >= asked:
             return False
@@ -242,26 +241,44 @@ class LiveQuorum:
             # every result of its next all-reduces is multicast after the request, so after
             # the replacement joined.
             return False
+        if self._steps < 2:
+            return False  # (DDP lays its buckets out for good at its second step)
         sent = False
         while self._seen < asked:
-            self._seen += 1
-            n = self._seen
+            n = self._seen + 1
+            if not self.store.check([f"{self.prefix}/join/{n}"]):
+                break  # counted, not yet written (or its writer died): look again next step
+            self._seen = n
             mine = str(self.rank).encode()
-            claim = self.store.compare_set(f"{self.prefix}/claim/{n}", b"", mine)
-            if claim != mine:
+            if self.store.compare_set(f"{self.prefix}/claim/{n}", b"", mine) != mine:
                 continue  # another live rank serves it
-            who, nonce = self.store.get(f"{self.prefix}/join/{n}").decode().split(":")
-            position = self.client.position().to_bytes()
-            layouts = json.dumps({str(k): v for k, v in self._layouts.items()}).encode()
-            buf = io.BytesIO()
-            torch.save(state(), buf)
-            self.store.set(f"{self.prefix}/state/{nonce}",
-                           _LEN.pack(len(position)) + position + _LEN.pack(len(layouts))
-                           + layouts + buf.getvalue())
+            try:
+                who, nonce = self.store.get(f"{self.prefix}/join/{n}").decode().split(":")
+                position = self.client.position()
+                # A copy now (tens of milliseconds), serialized and stored on a thread of its
+                # own: the others' rounds wait for this rank only while it copies.
+                snapshot = tree_map(lambda t: t.detach().clone()
+                                    if isinstance(t, torch.Tensor) else t, state())
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop training
+                log.warning("rank %d could not serve request %d: %s", self.rank, n, exc)
+                continue
+            threading.Thread(target=self._send_state, name="switchml-live-serve", daemon=True,
+                             args=(nonce, who, position, dict(self._layouts), snapshot)
+                             ).start()
             self.served += 1
             sent = True
-            log.info("rank %d sent the live state to a replacement of rank %s", self.rank, who)
         return sent
+
+    def _send_state(self, nonce: str, who: str, position: Position,
+                    layouts: dict[int, tuple[int, ...]], snapshot: dict[str, Any]) -> None:
+        try:
+            self.store.set(f"{self.prefix}/state/{nonce}",
+                           _pack_state(position, layouts, snapshot))
+            log.info("rank %d sent the live state to a replacement of rank %s", self.rank,
+                     who)
+        except Exception as exc:  # noqa: BLE001 - the replacement times out, saying so
+            log.warning("rank %d could not send the state to rank %s: %s", self.rank, who,
+                        exc)
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register :func:`live_hook` on ``ddp`` (a DDP over this replica's own one-process
@@ -333,7 +350,7 @@ def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Fut
             "out as the others' only from its second step (call live.warm_up before the "
             "first)"))
         return future
-    state._layouts[bucket.index()] = layout
+    state._step_layouts[bucket.index()] = layout
     staged = StagedTensor(buffer, dtype=torch.float32)
     handle = state.client.allreduce_async(staged.array, staged.array)
 
@@ -351,3 +368,35 @@ def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Fut
 
     handle.add_done_callback(done)
     return future
+
+
+def _pack_state(position: Position, layouts: dict[int, tuple[int, ...]],
+                state: dict[str, Any]) -> bytes:
+    """What ``serve`` sends: the position, DDP's bucket layouts (JSON) and ``state``
+    (``torch.save``), each after its length."""
+    where = position.to_bytes()
+    buckets = json.dumps({str(k): v for k, v in layouts.items()}).encode()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return _LEN.pack(len(where)) + where + _LEN.pack(len(buckets)) + buckets + buf.getvalue()
+
+
+def _unpack_state(blob: bytes) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
+    """``_pack_state``'s parts. Raises ValueError (or what ``torch.load`` raises) for
+    anything else; ``torch.load`` reads tensors and plain containers only."""
+    parts, at = [], 0
+    for _ in range(2):
+        if len(blob) - at < _LEN.size or _LEN.unpack_from(blob, at)[0] > len(blob) - at - 4:
+            raise ValueError("truncated")
+        (n,) = _LEN.unpack_from(blob, at)
+        parts.append(blob[at + 4:at + 4 + n])
+        at += 4 + n
+    position = Position.from_bytes(parts[0])
+    raw = json.loads(parts[1])
+    if not isinstance(raw, dict):
+        raise ValueError("its bucket layouts are not a JSON object")
+    layouts = {int(k): tuple(int(i) for i in v) for k, v in raw.items()}
+    state = torch.load(io.BytesIO(blob[at:]), weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError("its state is not a dict")
+    return position, layouts, state

@@ -223,6 +223,8 @@ class WorkerClient:
         self.endpoint.catch_up()
 
     def _on_io_thread(self, fn: Callable[[], _T]) -> _T:
+        if threading.current_thread() is self._thread:  # (a done-callback: run it here)
+            return fn()
         call = _Call(fn)
 
         def healthy() -> None:
