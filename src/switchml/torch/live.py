@@ -79,6 +79,10 @@ class LiveQuorum:
         timeout_s: an all-reduce without progress for this long fails; a replacement waits
             this long for the state; the others this long for rank 0's spec.
         prefix: the store keys' prefix (one per job sharing a store).
+        keep_bytes: results a rank behind keeps for the steps it has not reached
+            (``WorkerConfig.quorum_keep_bytes``); a rank further behind than this holds loses
+            results it cannot get again, and fails after ``timeout_s``. Default 1 GiB: 26 of
+            ncf's steps (9.6 M parameters), where a replacement resumes several steps behind.
 
     Raises:
         ConfigError: bad arguments, no switch, or a job in the store of another geometry.
@@ -89,7 +93,8 @@ class LiveQuorum:
                  switch: str | Address | Sequence[Address] | None = None,
                  replacement: bool = False,
                  timeout_s: float = 60.0, window: int | None = None,
-                 elements_per_packet: int | None = None, prefix: str = "switchml/live") -> None:
+                 elements_per_packet: int | None = None, prefix: str = "switchml/live",
+                 keep_bytes: int = 1 << 30) -> None:
         if not 0 <= rank < world:
             raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
         if not 1 <= quorum <= world:
@@ -116,9 +121,11 @@ class LiveQuorum:
                 raise ConfigError(f"the store's job has {spec.num_workers} ranks and quorum "
                                   f"{spec.quorum}; this rank asked {world} and {quorum}")
         self.spec = spec
+        if keep_bytes < 0:
+            raise ConfigError(f"keep_bytes must be >= 0, got {keep_bytes}")
         self.client = WorkerClient(switch, spec, rank, WorkerConfig(
-            op_timeout_s=timeout_s, join_timeout_s=timeout_s, secret=env.secret()),
-            late_join=replacement)
+            op_timeout_s=timeout_s, join_timeout_s=timeout_s, secret=env.secret(),
+            quorum_keep_bytes=keep_bytes), late_join=replacement)
         self._seen = 0  # replacements' requests looked at (``serve``)
         self.served = 0
         self.caught_up = 0  # ``catch_up``s that took a live rank's state
