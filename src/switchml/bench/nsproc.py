@@ -281,7 +281,7 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
         if step == a.get("kill_switch_at"):
             os.kill(a["kill_switch_pid"], signal.SIGKILL)  # the switch dies, not restarted
         timed: tuple[float, ...] | None = None
-        if live is not None and a.get("skip_behind") and live.skip_step():
+        if live is not None and a.get("skip_behind", True) and live.skip_step():
             opt.step()  # the others are past this step: its sums, without computing
             losses.append(float("nan"))
             end, no_compute = time.perf_counter(), no_compute + 1

@@ -108,11 +108,12 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--replace-after", type=float, default=3.0, metavar="SECONDS",
                     help="with --kill-worker-at: seconds from the death to the replacement's "
                          "start (default 3)")
-    g.add_argument("--skip-behind", action="store_true",
-                    help="switchml-live: a rank whose peers are past its next step takes that "
-                         "step's sums without computing it (LiveQuorum.skip_step: a "
-                         "straggler's remedy; it still sends the step's requests, which the "
-                         "switch drops as late) (default: every rank computes every step)")
+    g.add_argument("--no-skip-behind", dest="skip_behind", action="store_false",
+                    help="switchml-live: every rank computes every step (by default a rank "
+                         "whose peers are past its next step takes that step's sums without "
+                         "computing it: LiveQuorum.skip_step, how a straggler or a replacement "
+                         "gets back in step; it still sends the step's requests, which the "
+                         "switch drops as late)")
     g.add_argument("--catch-up-after", type=int, default=0, metavar="STEPS",
                     help="switchml-live: a rank whose peers are more than STEPS steps ahead "
                          "takes a live rank's state and skips the steps between (a "
@@ -178,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
                 + f"ended its first step (of "
                 f"{r['replacement_start_step']}) {r['replacement_first_step_s'] or 0:.1f} s "
                 f"after its start, its first with its data in the sums "
-                f"{r['replacement_contributes_s'] or 0:.1f} s after; its data is in "
+                + (f"{r['replacement_contributes_s']:.1f} s after"
+                   if r.get("replacement_contributes_s") is not None else "never")
+                + f"; its data is in "
                 f"{r['replacement_contributed']:.0%} of the sums it took; replicas "
                 f"identical: {r['replicas_identical']}")
         if r.get("kill_switch_at"):
