@@ -43,3 +43,33 @@ def test_a_failed_part_fails_the_whole():
     work = all_of([_Part(), _Part("gloo broke")], None)
     with pytest.raises(RuntimeError, match="gloo broke"):
         work.wait()
+
+
+class _Handle:
+    def __init__(self, error=None):
+        self._error = error
+
+    def exception(self):
+        return self._error
+
+
+def test_bucket_done_completes_with_the_bucket_or_the_error_naming_the_hook():
+    """A hook's done-callback: the write-back runs, then DDP's future gets the bucket; an
+    all-reduce that failed, or a write-back that raised, reaches it as an error naming the
+    hook (never a future nobody completes)."""
+    from switchml.torch.works import bucket_done, failable_future
+    bucket = torch.ones(3)
+    wrote = []
+    for handle, finish, expect in [
+            (_Handle(), wrote.append, None),
+            (_Handle(RuntimeError("no answer from the switch")), wrote.append,
+             "my hook failed: no answer from the switch"),
+            (_Handle(), lambda h: 1 / 0, "my hook failed: division by zero")]:
+        completer, future = failable_future()
+        bucket_done(completer, bucket, finish, "my hook")(handle)
+        if expect is None:
+            assert future.wait() is bucket and wrote == [handle]
+        else:
+            with pytest.raises(RuntimeError, match=expect):
+                future.wait()
+    assert len(wrote) == 1  # (a failed all-reduce writes nothing back)

@@ -57,7 +57,7 @@ from switchml.torch.embedded import release_embedded_switch, resolve_switch
 from switchml.torch.jobspec import agree_on_job
 from switchml.torch.rendezvous import GroupExchange
 from switchml.torch.staging import StagedTensor
-from switchml.torch.works import complete_elsewhere, failable_future
+from switchml.torch.works import bucket_done, failable_future
 from switchml.transport.parallel import open_worker
 
 log = logging.getLogger(__name__)
@@ -190,20 +190,10 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
         staged.array, staged.array, bits=state.bits,
         residual=residual.numpy() if residual is not None else None)
 
-    def done(h: Any) -> None:
-        # 5. Write a staged copy back into the bucket, then complete DDP's future.
-        error = h.exception()
-        if error is None:
-            try:
-                staged.finish(state.world_size, average=False)
-            except Exception as exc:  # never leave DDP waiting on a future nobody completes
-                error = exc
-        if error is not None:
-            complete_elsewhere(completer, RuntimeError(f"switchml DDP hook failed: {error}"))
-            return
-        complete_elsewhere(completer, buffer)
-
-    handle.add_done_callback(done)
+    # 5. Write a staged copy back into the bucket, then complete DDP's future.
+    handle.add_done_callback(bucket_done(
+        completer, buffer, lambda h: staged.finish(state.world_size, average=False),
+        "switchml DDP hook"))
     return future
 
 

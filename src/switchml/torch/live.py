@@ -54,7 +54,7 @@ from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError, OperationFailed
 from switchml.protocol.worker_ahead import Position
 from switchml.torch.staging import StagedTensor
-from switchml.torch.works import complete_elsewhere, failable_future
+from switchml.torch.works import bucket_done, failable_future
 from switchml.transport.udp import WorkerClient
 
 __all__ = ["LiveQuorum", "live_hook"]
@@ -361,19 +361,9 @@ def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Fut
     staged = StagedTensor(buffer, dtype=torch.float32)
     handle = state.client.allreduce_async(staged.array, staged.array)
 
-    def done(h: Any) -> None:
-        error = h.exception()
-        if error is None:
-            try:
-                state._finish(staged, h)
-            except Exception as exc:  # never leave DDP waiting on a future nobody completes
-                error = exc
-        if error is not None:
-            complete_elsewhere(completer, RuntimeError(f"switchml live hook failed: {error}"))
-            return
-        complete_elsewhere(completer, buffer)
-
-    handle.add_done_callback(done)
+    handle.add_done_callback(bucket_done(completer, buffer,
+                                         lambda h: state._finish(staged, h),
+                                         "switchml live hook"))
     return future
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-__all__ = ["SwitchMLWork", "all_of", "complete_elsewhere", "error_of", "failable_future",
-           "gather_opts", "scatter_opts"]
+__all__ = ["SwitchMLWork", "all_of", "bucket_done", "complete_elsewhere", "error_of",
+           "failable_future", "gather_opts", "scatter_opts"]
 
 
 class SwitchMLWork(dist.Work):
@@ -119,3 +120,21 @@ def complete_elsewhere(completer: torch.futures.Future[Any], value: Any) -> None
     """
     threading.Thread(target=completer.set_result, args=(value,), name="switchml-complete",
                      daemon=True).start()
+
+
+def bucket_done(completer: torch.futures.Future[Any], value: Any,
+                finish: Callable[[Any], None], what: str) -> Callable[[Any], None]:
+    """A DDP hook's done-callback for its all-reduce handle: ``finish(handle)`` (the write-back
+    into the bucket), then ``completer`` completed (``complete_elsewhere``) with ``value``, or
+    with the all-reduce's or the write-back's error as a RuntimeError naming ``what``. DDP is
+    never left waiting on a future nobody completes."""
+    def done(h: Any) -> None:
+        error = h.exception()
+        if error is None:
+            try:
+                finish(h)
+            except Exception as exc:  # noqa: BLE001 - surfaced through the future
+                error = exc
+        complete_elsewhere(completer, value if error is None
+                           else RuntimeError(f"{what} failed: {error}"))
+    return done

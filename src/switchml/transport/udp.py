@@ -176,16 +176,20 @@ class WorkerClient:
         """
         sub = prepare_submission(data, out, bits=bits, residual=residual,
                                  handle_type=AllreduceHandle)
+        self._put(sub)
+        return sub.handle  # type: ignore[return-value]
 
+    def _put(self, item: Any) -> None:
+        """Queue ``item`` for the I/O thread. Raises LocalProtocolError if the client failed
+        or is closed."""
         def healthy() -> None:
             if self.session.error is not None:
                 raise LocalProtocolError(f"client failed earlier: {self.session.error}")
 
         try:
-            self._inbox.put(sub, check=healthy)
+            self._inbox.put(item, check=healthy)
         except RuntimeError:
             raise LocalProtocolError("client is closed") from None
-        return sub.handle  # type: ignore[return-value]
 
     def position(self) -> Position:
         """Where this rank stands, between all-reduces (wait for every handle first): hand
@@ -226,15 +230,7 @@ class WorkerClient:
         if threading.current_thread() is self._thread:  # (a done-callback: run it here)
             return fn()
         call = _Call(fn)
-
-        def healthy() -> None:
-            if self.session.error is not None:
-                raise LocalProtocolError(f"client failed earlier: {self.session.error}")
-
-        try:
-            self._inbox.put(call, check=healthy)
-        except RuntimeError:
-            raise LocalProtocolError("client is closed") from None
+        self._put(call)
         return call.future.result()  # type: ignore[no-any-return]
 
     def close(self) -> None:
