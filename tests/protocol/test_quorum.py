@@ -117,10 +117,16 @@ def test_a_rank_left_rounds_behind_gets_them_from_the_history():
         ws.append(w)
     firsts = {}
     for op in range(3):  # three one-chunk operations on the one slot: sets 0, 1, 0 again
-        for r in range(3):
+        # (Rank 2 starts the first before the others, its request lost; then after them: it
+        # has their result then, and sends nothing.)
+        for r in (2, 0, 1) if op == 0 else (0, 1, 2):
             x = np.array([op + 1, 10 * r], np.int32)
             ws[r].start_allreduce(x, np.empty_like(x), float(op))
-            (d, _), = ws[r].datagrams_to_send(float(op))
+            sent = ws[r].datagrams_to_send(float(op))
+            if r == 2 and op > 0:
+                assert sent == [] and ws[r].counters["operations_completed"] == op + 1
+                continue
+            (d, _), = sent
             if op == 0:
                 firsts[r] = bytes(d)
             if r < 2:
@@ -374,6 +380,23 @@ def test_results_kept_ahead_are_checked_first_and_complete_the_operation():
     out0 = np.empty_like(x)
     w.start_allreduce(x * 100, out0, 3.0)  # rank 0 starts late: done at once, rank 1's sum
     assert (out0 == x).all() and w.counters["operations_completed"] == 1
+
+
+def test_an_operation_whose_every_result_is_kept_sends_no_request():
+    """A rank behind that starts an operation the others finished completes it from the
+    results it kept and sends nothing (the switch would drop each request as late); one
+    that lacks a result sends its window, as any rank does."""
+    w, results, x = _ahead_setup()
+    w.receive_many(_batch_of(results), 2.0)
+    out0 = np.empty_like(x)
+    w.start_allreduce(x * 100, out0, 3.0)
+    assert (out0 == x).all() and w.counters["operations_completed"] == 1
+    assert w.datagrams_to_send(3.0) == [] and w.counters["requests_not_sent"] > 0
+    last = max(results, key=lambda d: int.from_bytes(d[24:28], "little"))
+    w, results, x = _ahead_setup()
+    w.receive_many(_batch_of([d for d in results if d[24:28] != last[24:28]]), 2.0)
+    w.start_allreduce(x * 100, np.empty_like(x), 3.0)
+    assert w.datagrams_to_send(3.0) and not w.counters["requests_not_sent"]
 
 
 def test_results_beyond_the_keep_budget_are_dropped_and_counted():

@@ -133,6 +133,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._ahead: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._ahead_bytes = 0
         self._feeding = False  # (``_feed_kept`` runs the receive path itself)
+        self._muted = False  # (``_begin``: requests of an operation kept whole are not sent)
         self._out: list[tuple[Datagram, Address]] = []
         self._events: deque[Event] = deque()
         self._control = ControlRetry(self.config)
@@ -235,7 +236,14 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
             for i in range(op.E):
                 self.recovery.on_sent(op, i, now)
         if self._ahead:
-            self._take_ahead(op, now)
+            # Every result of ``op`` kept already (the others finished it: a rank behind, or
+            # one skipping a step): it completes here from them, and its requests, which the
+            # switch would drop as late, are not sent.
+            self._muted = self._kept_all(op)
+            try:
+                self._take_ahead(op, now)
+            finally:
+                self._muted = False
 
     def close(self, now: float) -> None:
         """Leave the job (LEAVE, retried briefly). An operation in flight fails. Idempotent."""
@@ -588,6 +596,9 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         if not q:
             return
         op.opv[K.OP.NQ] = 0
+        if self._muted:  # (``_begin``: an operation whose every result is here)
+            self._counters["requests_not_sent"] += q
+            return
         shards = self.switch_addresses
         for i in op.sendq[:q].tolist():
             self._out.append((op.datagram(i), shards[i % len(shards)]))

@@ -225,6 +225,14 @@ class WorkerAhead:
         self._counters["results_taken_ahead"] += int(order.size)
         self._receive(buf, starts[order], lens[order], int(order.size), now)
 
+    def _kept_all(self, op: Operation) -> bool:
+        """Whether a result of every chunk of ``op`` is kept (the others finished it)."""
+        pieces = self._ahead.get(op.seq)
+        if not pieces:
+            return False
+        chunks = np.unique(np.concatenate([p[3] for p in pieces]))
+        return bool(chunks.size == op.T and chunks[0] == 0 and chunks[-1] == op.T - 1)
+
     def _feed_kept(self, op: Operation, now: float) -> None:
         """Kept results of the operation in flight whose lane has reached their chunk go
         through the results kernel, in chunk order (each releases its lane's next chunk,

@@ -32,11 +32,10 @@ Example (every replica, and each replacement with ``replacement=True``)::
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
 import datetime
-import io
 import json
 import logging
 import os
-import struct
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from switchml.protocol.address import Address, parse_addresses
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError, OperationFailed
 from switchml.protocol.worker_ahead import Position
+from switchml.torch.live_state import NONCE_BYTES, receive_state, route_address, send_state
 from switchml.torch.staging import StagedTensor
 from switchml.torch.works import bucket_done, failable_future
 from switchml.transport.udp import WorkerClient
@@ -60,7 +60,6 @@ from switchml.transport.udp import WorkerClient
 __all__ = ["LiveQuorum", "live_hook"]
 
 log = logging.getLogger(__name__)
-_LEN = struct.Struct("<I")
 
 
 class LiveQuorum:
@@ -79,6 +78,9 @@ class LiveQuorum:
         timeout_s: an all-reduce without progress for this long fails; a replacement waits
             this long for the state; the others this long for rank 0's spec.
         prefix: the store keys' prefix (one per job sharing a store).
+        state_host: the address a replacement (or a rank catching up) listens on for the
+            state, which a live rank sends it over TCP; default this host's address on its
+            route to the switch. The connection must prove the request's one-time nonce.
         keep_bytes: results a rank behind keeps for the steps it has not reached
             (``WorkerConfig.quorum_keep_bytes``); a rank further behind than this holds loses
             results it cannot get again, and fails after ``timeout_s``. Default 1 GiB: 26 of
@@ -94,7 +96,7 @@ class LiveQuorum:
                  replacement: bool = False,
                  timeout_s: float = 60.0, window: int | None = None,
                  elements_per_packet: int | None = None, prefix: str = "switchml/live",
-                 keep_bytes: int = 1 << 30) -> None:
+                 keep_bytes: int = 1 << 30, state_host: str | None = None) -> None:
         if not 0 <= rank < world:
             raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
         if not 1 <= quorum <= world:
@@ -140,36 +142,85 @@ class LiveQuorum:
         self._expected: dict[int, tuple[int, ...]] | None = None  # a replacement: the donor's
         self._local = False  # ``warm_up``: the hook all-reduces nothing
         self._params: list[torch.nn.Parameter] = []
-        self.state: dict[str, Any] | None = None
-        """A replacement's state, as the live rank's ``serve`` sent it; None otherwise."""
-        if replacement:
+        self.state_host = state_host or route_address(*self.client.switch)
+        self.refused = 0  # connections to the state listener that did not prove the nonce
+        self._state: dict[str, Any] | None = None
+        self._receiving: threading.Thread | None = None
+        self._receive_error: BaseException | None = None
+        if replacement:  # asked now; received while the caller builds its model
             t0 = time.monotonic()
             try:
-                self.state = self._fetch_state()
+                listener, nonce = self._ask()
             except BaseException:
                 self.client.close()
                 raise
-            self.joined_after_s = time.monotonic() - t0
+
+            def receive() -> None:
+                try:
+                    self._state = self._await_state(listener, nonce)
+                    self.joined_after_s = time.monotonic() - t0
+                except BaseException as exc:  # noqa: BLE001 - raised by ``state``
+                    self._receive_error = exc
+            self._receiving = threading.Thread(target=receive, name="switchml-live-state",
+                                               daemon=True)
+            self._receiving.start()
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """A replacement's state, as the live rank's ``serve`` sent it (None for a rank that
+        is not a replacement). It is received in the background from the constructor on, so
+        that the caller builds its model meanwhile; the first access waits for it.
+
+        Raises:
+            OperationFailed: no live rank sent it within ``timeout_s``, or what came was not
+                a state (the rank then leaves the job).
+        """
+        if self._receiving is not None:
+            self._receiving.join()
+            self._receiving = None
+            if self._receive_error is not None:
+                self.client.close()
+                raise self._receive_error
+        return self._state
 
     # -- a replacement ---------------------------------------------------------------------
 
-    def _fetch_state(self) -> dict[str, Any]:
-        nonce = os.urandom(8).hex()
-        number = self.store.add(f"{self.prefix}/joins", 1)
-        self.store.set(f"{self.prefix}/join/{number}", f"{self.rank}:{nonce}")
-        key = f"{self.prefix}/state/{nonce}"
+    def _ask(self) -> tuple[socket.socket, bytes]:
+        """Listen for the state on ``state_host`` and ask the live ranks for it through the
+        store: the request names the listener and a one-time nonce the sender must open
+        with."""
+        nonce = os.urandom(NONCE_BYTES)
+        listener = socket.create_server((self.state_host, 0),
+                                        family=socket.AF_INET6 if ":" in self.state_host
+                                        else socket.AF_INET)
         try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # the store's timeout error (its type varies by store)
+            port = listener.getsockname()[1]
+            number = self.store.add(f"{self.prefix}/joins", 1)
+            self.store.set(f"{self.prefix}/join/{number}", json.dumps(
+                {"rank": self.rank, "nonce": nonce.hex(), "host": self.state_host,
+                 "port": port}))
+        except BaseException:
+            listener.close()
+            raise
+        return listener, nonce
+
+    def _await_state(self, listener: socket.socket, nonce: bytes) -> dict[str, Any]:
+        """The state a live rank sends to ``listener``; resume at its position."""
+        def refused(why: str) -> None:
+            self.refused += 1
+            log.warning("rank %d: a connection to its state listener was refused: %s",
+                        self.rank, why)
+        try:
+            with listener:
+                position, layouts, state = receive_state(
+                    listener, nonce, time.monotonic() + self.timeout_s, refused=refused)
+        except TimeoutError:
             raise OperationFailed(f"rank {self.rank} joined the running job, but no live rank "
                                   f"sent the state within {self.timeout_s:g} s (every live "
-                                  f"rank calls serve() at its step boundaries): {exc}"
-                                  ) from None
-        blob = self.store.get(key)
-        self.store.delete_key(key)
-        try:
-            position, layouts, state = _unpack_state(blob)
-        except (ValueError, TypeError, AttributeError, RuntimeError, EOFError) as exc:
+                                  f"rank calls serve() at its step boundaries, and must reach "
+                                  f"{self.state_host}: LiveQuorum(state_host=))") from None
+        except (ValueError, TypeError, AttributeError, RuntimeError, EOFError,
+                OSError) as exc:
             raise OperationFailed(f"the state a live rank sent is not one: {exc}") from None
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
@@ -218,7 +269,7 @@ class LiveQuorum:
             return None
         self.client.catch_up()
         try:
-            state = self._fetch_state()
+            state = self._await_state(*self._ask())
         except OperationFailed as exc:
             raise OperationFailed(f"catch-up failed: {exc}; this rank keeps waiting for a "
                                   "position: close it and rejoin as a replacement") from None
@@ -260,7 +311,9 @@ class LiveQuorum:
             if self.store.compare_set(f"{self.prefix}/claim/{n}", b"", mine) != mine:
                 continue  # another live rank serves it
             try:
-                who, nonce = self.store.get(f"{self.prefix}/join/{n}").decode().split(":")
+                asked_by = json.loads(self.store.get(f"{self.prefix}/join/{n}"))
+                who, nonce = int(asked_by["rank"]), bytes.fromhex(asked_by["nonce"])
+                address = (str(asked_by["host"]), int(asked_by["port"]))
                 position = self.client.position()
                 # A copy now (tens of milliseconds), serialized and stored on a thread of its
                 # own: the others' rounds wait for this rank only while it copies.
@@ -270,22 +323,25 @@ class LiveQuorum:
                 log.warning("rank %d could not serve request %d: %s", self.rank, n, exc)
                 continue
             threading.Thread(target=self._send_state, name="switchml-live-serve", daemon=True,
-                             args=(nonce, who, position, dict(self._layouts), snapshot)
-                             ).start()
+                             args=(address, nonce, who, position, dict(self._layouts),
+                                   snapshot)).start()
             self.served += 1
             sent = True
         return sent
 
-    def _send_state(self, nonce: str, who: str, position: Position,
-                    layouts: dict[int, tuple[int, ...]], snapshot: dict[str, Any]) -> None:
+    def _send_state(self, address: tuple[str, int], nonce: bytes, who: int,
+                    position: Position, layouts: dict[int, tuple[int, ...]],
+                    snapshot: dict[str, Any]) -> None:
+        t0 = time.monotonic()
         try:
-            self.store.set(f"{self.prefix}/state/{nonce}",
-                           _pack_state(position, layouts, snapshot))
-            log.info("rank %d sent the live state to a replacement of rank %s", self.rank,
-                     who)
+            sent = send_state(address, nonce, position, layouts, snapshot,
+                              timeout_s=self.timeout_s)
+            log.info("rank %d sent the live state to a replacement of rank %d at %s:%d (%.1f "
+                     "MB in %.2f s)", self.rank, who, *address, sent / 1e6,
+                     time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001 - the replacement times out, saying so
-            log.warning("rank %d could not send the state to rank %s: %s", self.rank, who,
-                        exc)
+            log.warning("rank %d could not send the state to rank %d at %s:%d: %s", self.rank,
+                        who, *address, exc)
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register :func:`live_hook` on ``ddp`` (a DDP over this replica's own one-process
@@ -332,7 +388,8 @@ class LiveQuorum:
         """This rank's worker counters, the states it served and its partial sums."""
         return {**self.client.counters, "states_served": self.served,
                 "caught_up": self.caught_up, "steps_skipped": self.skipped,
-                "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s}
+                "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s,
+                "state_connections_refused": self.refused}
 
     def close(self) -> None:
         """Leave the job."""
@@ -365,35 +422,3 @@ def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Fut
                                          lambda h: state._finish(staged, h),
                                          "switchml live hook"))
     return future
-
-
-def _pack_state(position: Position, layouts: dict[int, tuple[int, ...]],
-                state: dict[str, Any]) -> bytes:
-    """What ``serve`` sends: the position, DDP's bucket layouts (JSON) and ``state``
-    (``torch.save``), each after its length."""
-    where = position.to_bytes()
-    buckets = json.dumps({str(k): v for k, v in layouts.items()}).encode()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return _LEN.pack(len(where)) + where + _LEN.pack(len(buckets)) + buckets + buf.getvalue()
-
-
-def _unpack_state(blob: bytes) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
-    """``_pack_state``'s parts. Raises ValueError (or what ``torch.load`` raises) for
-    anything else; ``torch.load`` reads tensors and plain containers only."""
-    parts, at = [], 0
-    for _ in range(2):
-        if len(blob) - at < _LEN.size or _LEN.unpack_from(blob, at)[0] > len(blob) - at - 4:
-            raise ValueError("truncated")
-        (n,) = _LEN.unpack_from(blob, at)
-        parts.append(blob[at + 4:at + 4 + n])
-        at += 4 + n
-    position = Position.from_bytes(parts[0])
-    raw = json.loads(parts[1])
-    if not isinstance(raw, dict):
-        raise ValueError("its bucket layouts are not a JSON object")
-    layouts = {int(k): tuple(int(i) for i in v) for k, v in raw.items()}
-    state = torch.load(io.BytesIO(blob[at:]), weights_only=True)
-    if not isinstance(state, dict):
-        raise ValueError("its state is not a dict")
-    return position, layouts, state

@@ -1,0 +1,149 @@
+"""The stream that carries a live rank's state to a replacement (``switchml.torch.live_state``):
+the state arrives whole and equal to what was sent (checked against the sender's tensors, dtype
+by dtype), only a connection that proves the request's nonce is read, and a stream that is not
+a state, or none at all, ends in a clear error within the deadline."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from switchml.protocol.worker_ahead import Position
+from switchml.torch import live_state as ls
+
+NONCE = bytes(range(16))
+POSITION = Position((7, 1 << 31), (b"\x00\x01\x01", b"\x01\x00\x00"))
+LAYOUTS = {0: (3, 2), 1: (1, 0)}
+
+
+def _state():
+    g = torch.Generator().manual_seed(5)
+    return {"model": collections.OrderedDict(
+                w=torch.randn(4, 3, generator=g),
+                t=torch.randn(3, 5, generator=g).t(),  # not contiguous
+                h=torch.randn(6, generator=g).to(torch.bfloat16),
+                mask=torch.tensor([True, False, True]), empty=torch.zeros(0, 2)),
+            "opt": {"state": {0: {"step": torch.tensor(3.0), "m": torch.arange(5.0)}},
+                    "param_groups": [{"lr": 0.1, "params": [0], "nesterov": False,
+                                      "name": None}]},
+            "step": 12}
+
+
+def _listener():
+    return socket.create_server(("127.0.0.1", 0))
+
+
+def _send_later(address, nonce=NONCE, state=None, delay_s=0.0):
+    errors = []
+
+    def run():
+        time.sleep(delay_s)
+        try:
+            ls.send_state(address, nonce, POSITION, LAYOUTS, state or _state(), timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - a test's reader may close early
+            errors.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, errors
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return (type(a) is type(b) and list(a) == list(b)
+                and all(_equal(a[k], b[k]) for k in a))
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_a_state_arrives_whole_and_equal_to_what_was_sent():
+    with _listener() as lst:
+        t, errors = _send_later(lst.getsockname())
+        position, layouts, state = ls.receive_state(lst, NONCE, time.monotonic() + 10)
+    t.join(10)
+    assert not errors
+    assert position == POSITION and layouts == LAYOUTS
+    assert _equal(_state(), state)
+    assert type(state["model"]) is collections.OrderedDict
+
+
+def test_only_a_connection_that_proves_the_nonce_is_read():
+    """Another nonce, a stranger's bytes and a connection that says nothing (held past the
+    opening's limit) are each closed and reported; the live rank's stream that follows is
+    read, and its state is the one sent."""
+    refused = []
+    with _listener() as lst:
+        address = lst.getsockname()
+        _, other = _send_later(address, nonce=bytes(16))
+        time.sleep(0.3)
+        with socket.create_connection(address) as stranger:
+            stranger.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(16))
+            silent = socket.create_connection(address)
+            real, errors = _send_later(address, delay_s=0.5)
+            old = ls.OPENING_S
+            ls.OPENING_S = 0.3
+            try:
+                _, _, state = ls.receive_state(lst, NONCE, time.monotonic() + 10,
+                                               refused=refused.append)
+            finally:
+                ls.OPENING_S = old
+                silent.close()
+    real.join(10)
+    assert not errors and _equal(_state(), state)
+    assert len(refused) == 3, refused
+    assert sum("nonce" in why for why in refused) == 2 and any("timed out" in why
+                                                               for why in refused)
+
+
+def test_no_state_by_the_deadline_is_a_timeout_error():
+    with _listener() as lst:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no live rank"):
+            ls.receive_state(lst, NONCE, t0 + 0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def _proven(address, body):
+    with socket.create_connection(address) as c:
+        c.sendall(ls.MAGIC + NONCE + body)
+
+
+def _head(skeleton_state, total):
+    import io
+    import json
+    buf = io.BytesIO()
+    torch.save(skeleton_state, buf)
+    where, lay = POSITION.to_bytes(), json.dumps({"0": [1]}).encode()
+    u32 = ls._U32.pack
+    return (u32(len(where)) + where + u32(len(lay)) + lay + u32(buf.tell()) + buf.getvalue()
+            + ls._U64.pack(total))
+
+
+@pytest.mark.parametrize("body, error, match", [
+    (lambda: _head({"w": torch.empty(4, device="meta")}, 16) + b"\0" * 7, EOFError,
+     "short"),
+    (lambda: _head({"w": torch.empty(4, device="meta")}, 15), ValueError, "announces"),
+    (lambda: _head({"w": torch.ones(4)}, 16), ValueError, "with data"),
+    (lambda: _head([torch.empty(4, device="meta")], 16), ValueError, "not a dict"),
+    (lambda: ls._U32.pack(1 << 30), ValueError, "more than"),
+], ids=["truncated", "wrong-total", "data-in-skeleton", "not-a-dict", "huge-position"])
+def test_a_proven_stream_that_is_not_a_state_is_refused_naming_the_fault(body, error, match):
+    with _listener() as lst:
+        threading.Thread(target=_proven, args=(lst.getsockname(), body()),
+                         daemon=True).start()
+        with pytest.raises(error, match=match):
+            ls.receive_state(lst, NONCE, time.monotonic() + 10)
+
+
+def test_a_sparse_tensor_is_refused_before_anything_is_sent():
+    with _listener() as lst, pytest.raises(ValueError, match="dense tensors only"):
+        ls.send_state(lst.getsockname(), NONCE, POSITION, LAYOUTS,
+                      {"w": torch.eye(3).to_sparse()}, timeout_s=5)
