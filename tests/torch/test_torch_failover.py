@@ -155,6 +155,38 @@ def test_the_switchml_ddp_hook_fails_over_with_its_group():
 
 
 @pytest.mark.timeout(150)
+def test_a_quorum_group_fails_over_to_gloo_and_its_ranks_stay_identical():
+    """DDP with the quorum hook on a group of 3 with quorum 2: the switch is killed mid-run,
+    and the group goes on over gloo (exact sums of every rank from then on) within its
+    timeout; every rank ends with the same model, bit for bit, as the hook's sums and the
+    hand-over of the last results keep them."""
+    world, steps = 3, 40
+    with tp.Procs(deadline_s=100) as procs:
+        switch_proc = procs.start(tp.switch_server_body, procs.q, 0)
+        kind, address, _pid = procs.get(timeout=30)
+        assert kind == "switch"
+        env = {"SWITCHML_SWITCH": f"{address[0]}:{address[1]}", "SWITCHML_FAILOVER": "gloo",
+               "SWITCHML_FAILOVER_PROBE_S": "0", "SWITCHML_QUORUM": str(world - 1)}
+        procs.start_ranks(tp.quorum_failover_body, world, TIMEOUT_S, steps, env=env)
+        started = set()
+        while len(started) < world:
+            msg = procs.get(timeout=45)
+            assert msg[0] == "progress", msg
+            started.add(msg[1])
+        switch_proc.kill()
+        res = procs.results(list(range(world)), timeout=60)
+    for r in range(world):
+        fo = res[r]["stats"]["failover"]
+        assert fo["switch_overs"] == 1 and fo["error"] is None and fo["active"], fo
+        assert fo["ops_over_gloo"] > 0, fo
+        assert max(res[r]["seconds"]) < TIMEOUT_S + 3, res[r]["seconds"]
+        assert np.array_equal(res[r]["final"], res[0]["final"]), r
+    # Before the kill the switch's sums held 2 of the 3 ranks (the quorum was in effect).
+    assert sum(res[r]["stats"]["switch_ops"].get("allreduce_partial", 0)
+               for r in range(world)) > 0
+
+
+@pytest.mark.timeout(150)
 def test_a_rank_that_missed_the_last_results_takes_them_from_a_peer():
     """Rank 1's results stop reaching it a second before the switch dies: the others
     complete an all-reduce it never sees complete. At the switch-over it takes that sum from

@@ -257,6 +257,43 @@ def _ddp_train(rank: int, steps: int, hook: str | None = None) -> dict[str, Any]
             "init": {k: v.numpy().copy() for k, v in init.items()}}
 
 
+def quorum_failover_body(rank: int, world: int, q: Any, timeout_s: float, steps: int
+                         ) -> dict[str, Any]:
+    """DDP with the quorum hook on the default group (``SWITCHML_QUORUM``, with
+    ``SWITCHML_FAILOVER=gloo``), ``steps`` steps 50 ms apart, through an external switch the
+    test kills once every rank reported step 5; each step's seconds, the final model, and
+    how many steps' buckets summed fewer than every rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import switchml.torch as stt
+    from switchml.torch.hooks import register_hook
+
+    _init("switchml", timeout_s=timeout_s)
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
+    register_hook(ddp, "quorum")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    seconds = []
+    for step in range(steps):
+        xb, yb = torch.randn(32, 20, generator=g), torch.randn(32, 3, generator=g)
+        t0 = time.monotonic()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(xb), yb).backward()
+        opt.step()
+        seconds.append(time.monotonic() - t0)
+        if step == 5:
+            q.put(("progress", rank, step))
+        time.sleep(0.05)
+    run = {"final": torch.cat([p.detach().ravel() for p in model.parameters()]).numpy(),
+           "seconds": seconds, "stats": stt.stats()}
+    dist.destroy_process_group()
+    return run
+
+
 def ddp_body(rank: int, world: int, q: Any, backend: str, steps: int) -> dict[str, Any]:
     """Train with DDP on ``backend`` for ``steps`` steps; return the model before and after."""
     import torch.distributed as dist

@@ -45,8 +45,9 @@ Turned on per group by rank 0's ``SWITCHML_FAILOVER=gloo``. Theory of operation:
   too, and if every rank did, that all-reduce and all after it go through the switch again.
 
 Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_over_gloo``,
-``results_taken_from_peers``, ``results_given_to_peers``) and logged at WARNING. Not done:
-failover of the DDP comm hooks' own clients (``switchml16``, ``quorum``).
+``results_taken_from_peers``, ``results_given_to_peers``) and logged at WARNING. The
+``quorum`` hook's buckets are the group's own all-reduces and fail over with it. Not done:
+failover of the ``switchml16`` hook's own path, and of ``switchml.torch.live``'s job.
 """
 
 from __future__ import annotations
