@@ -147,6 +147,32 @@ def test_a_replacement_resumes_from_a_live_rank_and_contributes_from_its_next_op
     assert c.switch.stats()["members_replaced"] == 1
 
 
+def test_a_late_rank_over_its_keep_budget_drops_the_oldest_operations_not_the_newest():
+    """A replacement whose keep budget holds about two operations' results (800 bytes) is
+    sent five while it loads its state; the live rank's position is taken before the fifth.
+    It makes room by dropping the oldest operations (it will skip them), so after resuming it
+    completes the fifth from the results it kept, with no re-send (keeping the first ones and
+    dropping the later, the fifth's results would be gone, asked for again from the switch)."""
+    import dataclasses
+    c = _cluster()
+    _run(c, 100, range(4))
+    c.fabric.detach(c.addresses[3])
+    c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))
+    c.workers[3].config = dataclasses.replace(c.workers[3].config, quorum_keep_bytes=800)
+    w = c.restart_worker(3, ("replacement", 1), late=True)
+    c.fabric.run(lambda: c.sessions[3].joined or c.sessions[3].error is not None)
+    assert c.sessions[3].joined, c.sessions[3].error
+    for _ in range(4):
+        _run(c, 37, [0, 1, 2])
+    pos = c.workers[0].position()
+    out = _run(c, 37, [0, 1, 2])
+    assert w.drops["ahead_evicted"] > 0 and not w.drops["ahead_dropped"], w.drops
+    w.resume(pos)
+    caught_up = _run(c, 37, [3])[3]
+    assert np.array_equal(caught_up, out[0])
+    assert w.counters["results_taken_ahead"] >= 4 and w.counters["retransmissions"] == 0
+
+
 def test_resume_is_for_a_rank_that_joined_late_once_with_the_jobs_geometry():
     c = _cluster()
     c.wait(c.start(_one_hot(4, 37, range(4))))

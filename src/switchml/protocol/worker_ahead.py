@@ -312,7 +312,18 @@ class WorkerAhead:
         ``chunks[j]``) for when this rank starts their operations, within
         ``quorum_keep_bytes``."""
         size = int(lens.sum())  # (counted by the results: a blob may hold others between them)
-        if self._ahead_bytes + size > self.config.quorum_keep_bytes:
+        budget = self.config.quorum_keep_bytes
+        if self._late and size <= budget:
+            # A rank that joined late (or is catching up) will resume at a live rank's
+            # position, taken after now: the oldest operations kept are the ones it will
+            # skip, so they make room for these (a rank behind keeps the oldest instead: it
+            # needs them first).
+            while self._ahead_bytes + size > budget and self._ahead:
+                oldest = next(iter(self._ahead))
+                pieces = self._ahead.pop(oldest)
+                self._ahead_bytes -= sum(int(p[2].sum()) for p in pieces)
+                self._drops["ahead_evicted"] += sum(int(p[1].size) for p in pieces)
+        if self._ahead_bytes + size > budget:
             self._drops["ahead_dropped"] += int(starts.size)
             return
         self._ahead_bytes += size
