@@ -32,6 +32,25 @@ def test_buckets_overlap_backward_as_ddp_runs_them():
     assert q.exposed_s == pytest.approx(0.13)
 
 
+def test_on_cores_the_ranks_outnumber_no_all_reduce_overlaps_backward(monkeypatch):
+    # The example above (ready at 30 and 90 ms of a 100 ms backward, all-reduces of 50 and
+    # 40 ms) without overlap: both run after backward, ending at 150 and 190 ms: exposed 90,
+    # step 10 + 100 + 90 + 20 ms.
+    p = P.compose(_prof([(100, 0.03), (200, 0.09)]), [0.05, 0.04], "x", overlap=False)
+    assert p.exposed_s == pytest.approx(0.09) and p.step_s == pytest.approx(0.22)
+    # predict composes so when the profile's processes (4) outnumber the cores (2), and
+    # overlaps when each has a core.
+    monkeypatch.setattr(P, "switchml_allreduce_s", lambda numel, **kw: 0.05 if numel == 100
+                        else 0.04)
+    prof = _prof([(100, 0.03), (200, 0.09)])
+    prof.colocated = 4
+    exposed = {cores: P.predict(prof, workers=4, rate_bps=1e9, systems=("switchml",),
+                                res=P.Resources(cores=cores))[0].exposed_s
+               for cores in (2, 4, None)}
+    assert exposed[2] == pytest.approx(0.09)
+    assert exposed[4] == pytest.approx(0.03) and exposed[None] == pytest.approx(0.03)
+
+
 def test_the_hooks_work_on_backwards_thread_delays_later_buckets_and_backward():
     # As above (ready at 30 and 90 ms of a 100 ms backward, all-reduces of 50 and 40 ms),
     # with 100 ns per element of division and, for the 16-bit hook, 100 more of adding the

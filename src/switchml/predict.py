@@ -29,7 +29,11 @@ Method:
    it runs on backward's thread and delays every later bucket and backward's end: dividing
    by the world size (every system: DDP's reducer, switchml's hook), and adding the rounding
    residual (the 16-bit hook). Their cost per element is measured while profiling, as the
-   compute is (``colocated``).
+   compute is (``colocated``). When the job's processes outnumber the cores they share (the
+   testbed's four ranks on two cores: ``Resources.cores``), backward keeps every core busy
+   and no all-reduce overlaps it: they run one after another from backward's end (measured:
+   the overlapped composition predicted the CNN's switchml step 35% short, the serial one
+   17-21%; docs/benchmarks.md).
 4. **Hybrid** (``HybridDataParallel``, Poseidon's per-layer choice on a switchml group): the
    profile also notes each ``nn.Linear``'s rows K and when its output's gradient is known,
    and when each parameter's gradient is ready. Each layer's path is ``hybrid.choose``'s;
@@ -207,17 +211,22 @@ def local_ns(prof: Profile, system: str) -> float:
     return prof.div_ns + (prof.add_ns if system == "switchml16" else 0.0)
 
 
-def compose(prof: Profile, times: list[float], system: str) -> Prediction:
+def compose(prof: Profile, times: list[float], system: str, *, overlap: bool = True
+            ) -> Prediction:
     """DDP's overlap: bucket ``i`` starts when it is ready and the one before it is done;
     compute and ready times are the slowest rank's (``prof.slowdown`` times the profile's).
     The hook's work on each bucket (``local_ns``) runs on backward's thread when the bucket
-    is ready: it delays the later buckets and backward's end."""
+    is ready: it delays the later buckets and backward's end. Without ``overlap`` (the job's
+    processes outnumber the cores they share: backward keeps every core busy, and a bucket's
+    all-reduce, which needs a core for its I/O thread, the switch and the kernel's network
+    stack, makes no progress beside it), the all-reduces run one after another from the end
+    of backward."""
     per = local_ns(prof, system) * 1e-9
     slow = prof.slowdown  # the slowest rank's compute sets every rank's pace
     end = delay = 0.0
     for b, t in zip(prof.buckets, times):
         delay += per * b.numel
-        end = max(end, slow * b.ready_s + delay) + t
+        end = max(end, (slow * b.ready_s if overlap else slow * prof.backward_s) + delay) + t
     backward = slow * prof.backward_s + delay
     exposed = max(0.0, end - backward) if times else 0.0
     return Prediction(system, slow * (prof.forward_s + prof.optimizer_s) + backward + exposed,
@@ -336,11 +345,14 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
     res = res or Resources()
     link = dict(workers=workers, rate_bps=rate_bps, mtu=mtu)
     out = []
+    # The job's ranks share ``res.cores`` and outnumber them (the testbed): no all-reduce
+    # overlaps backward (``compose``). Measured: docs/benchmarks.md, "predict on shared cores".
+    overlap = res.cores is None or prof.colocated <= res.cores
 
     def gloo_prediction() -> Prediction:
         costs = res.for_gloo(workers)
         p = compose(prof, [gloo_allreduce_s(b.numel, costs=costs, **link)
-                           for b in prof.buckets], "gloo")
+                           for b in prof.buckets], "gloo", overlap=overlap)
         p.resources_s = _summed([gloo_resources_s(b.numel, costs=costs, **link)
                                  for b in prof.buckets])
         return p
@@ -355,7 +367,7 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
         bits = 16 if system == "switchml16" else 32
         times = [switchml_allreduce_s(b.numel, bits=bits, res=res, **link)
                  if workers > 1 else 0.0 for b in prof.buckets]
-        p = compose(prof, times, system)
+        p = compose(prof, times, system, overlap=overlap)
         if workers > 1:
             p.resources_s = _summed([switchml_resources_s(b.numel, bits=bits, res=res, **link)
                                      for b in prof.buckets])
