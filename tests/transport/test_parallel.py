@@ -168,3 +168,25 @@ def test_open_worker_gives_a_plain_client_for_one_thread(server):
         assert isinstance(c, ParallelClient) and len(c.parts) == 2
         np.testing.assert_array_equal(c.allreduce(np.arange(1000, dtype=np.int32)),
                                       np.arange(1000, dtype=np.int32))
+
+
+def test_catch_up_is_all_parts_or_none(server):
+    """A rank of a quorum job over two I/O threads: when one part refuses to fall back to a
+    live rank's position, the part that had fallen back resumes where it stood (it could
+    not run another all-reduce otherwise), and the refusal is raised."""
+    from switchml.protocol.errors import LocalProtocolError
+    spec = new_job_spec(2, window=4, elements_per_packet=100, quorum=2)
+
+    def work(c, r):
+        c.allreduce(np.ones(5_000, np.float32))
+        if r == 0:
+            def refuse():
+                raise LocalProtocolError("part 1 refuses")
+            c.parts[1].catch_up = refuse
+            with pytest.raises(LocalProtocolError, match="part 1 refuses"):
+                c.catch_up()
+            c.parts[0].position()  # (raises for a part that fell back and did not resume)
+        return c.allreduce(np.full(5_000, 2.0, np.float32))
+
+    got = _ranks(server, spec, 2, work)
+    assert all((g == 4.0).all() for g in got)

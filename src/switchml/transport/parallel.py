@@ -259,10 +259,21 @@ class ParallelClient:
         return max(c.ops_behind() for c in self.parts)
 
     def catch_up(self) -> None:
-        """Every part falls back to a live rank's position (``WorkerClient.catch_up``)."""
+        """Every part falls back to a live rank's position (``WorkerClient.catch_up``), or
+        none does: if a part refuses, the parts that had fallen back resume where they
+        stood, and the refusal is raised."""
         with self._lock:
-            for c in self.parts:
-                c.catch_up()
+            # (Raises, changing nothing, if a part is busy, failed, or not resumed.)
+            stood = [c.position() for c in self.parts]
+            done: list[tuple[WorkerClient, Position]] = []
+            try:
+                for c, where in zip(self.parts, stood):
+                    c.catch_up()
+                    done.append((c, where))
+            except BaseException:
+                for c, where in done:
+                    c.resume(where)
+                raise
 
     def resume(self, position: Position) -> None:
         """Start every part where a live rank's stand (``WorkerClient.resume``; the client
