@@ -38,17 +38,24 @@ def test_on_cores_the_ranks_outnumber_no_all_reduce_overlaps_backward(monkeypatc
     # step 10 + 100 + 90 + 20 ms.
     p = P.compose(_prof([(100, 0.03), (200, 0.09)]), [0.05, 0.04], "x", overlap=False)
     assert p.exposed_s == pytest.approx(0.09) and p.step_s == pytest.approx(0.22)
-    # predict composes so when the profile's processes (4) outnumber the cores (2), and
-    # overlaps when each has a core.
+    # With the hook's division (100 ns per element, buckets of 100k and 200k elements: 30 ms
+    # on backward's thread), backward ends at 130 ms, and both all-reduces follow it: they end
+    # at 180 and 220 ms; exposed 90, step 10 + 130 + 90 + 20 ms.
+    prof = _prof([(100_000, 0.03), (200_000, 0.09)])
+    prof.div_ns = 100.0
+    q = P.compose(prof, [0.05, 0.04], "switchml", overlap=False)
+    assert q.exposed_s == pytest.approx(0.09) and q.step_s == pytest.approx(0.25)
+    # predict composes so when the job's processes (4 ranks and a switch) outnumber the cores
+    # (2 or 4), and overlaps when each has a core.
     monkeypatch.setattr(P, "switchml_allreduce_s", lambda numel, **kw: 0.05 if numel == 100
                         else 0.04)
     prof = _prof([(100, 0.03), (200, 0.09)])
     prof.colocated = 4
     exposed = {cores: P.predict(prof, workers=4, rate_bps=1e9, systems=("switchml",),
                                 res=P.Resources(cores=cores))[0].exposed_s
-               for cores in (2, 4, None)}
-    assert exposed[2] == pytest.approx(0.09)
-    assert exposed[4] == pytest.approx(0.03) and exposed[None] == pytest.approx(0.03)
+               for cores in (2, 4, 5, None)}
+    assert exposed[2] == pytest.approx(0.09) and exposed[4] == pytest.approx(0.09)
+    assert exposed[5] == pytest.approx(0.03) and exposed[None] == pytest.approx(0.03)
 
 
 def test_the_hooks_work_on_backwards_thread_delays_later_buckets_and_backward():

@@ -223,11 +223,11 @@ def compose(prof: Profile, times: list[float], system: str, *, overlap: bool = T
     of backward."""
     per = local_ns(prof, system) * 1e-9
     slow = prof.slowdown  # the slowest rank's compute sets every rank's pace
+    backward = slow * prof.backward_s + per * sum(b.numel for b in prof.buckets)
     end = delay = 0.0
     for b, t in zip(prof.buckets, times):
         delay += per * b.numel
-        end = max(end, (slow * b.ready_s if overlap else slow * prof.backward_s) + delay) + t
-    backward = slow * prof.backward_s + delay
+        end = max(end, slow * b.ready_s + delay if overlap else backward) + t
     exposed = max(0.0, end - backward) if times else 0.0
     return Prediction(system, slow * (prof.forward_s + prof.optimizer_s) + backward + exposed,
                       comm_s=sum(times), exposed_s=exposed, buckets_s=times)
@@ -345,9 +345,10 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
     res = res or Resources()
     link = dict(workers=workers, rate_bps=rate_bps, mtu=mtu)
     out = []
-    # The job's ranks share ``res.cores`` and outnumber them (the testbed): no all-reduce
-    # overlaps backward (``compose``). Measured: docs/benchmarks.md, "predict on shared cores".
-    overlap = res.cores is None or prof.colocated <= res.cores
+    # The job's processes (its ranks, their I/O threads, the switch's shards) share
+    # ``res.cores`` and outnumber them (the testbed): no all-reduce overlaps backward
+    # (``compose``). Measured: docs/benchmarks.md, "Composed without overlap on shared cores".
+    overlap = res.cores is None or workers * res.threads + res.shards <= res.cores
 
     def gloo_prediction() -> Prediction:
         costs = res.for_gloo(workers)

@@ -391,7 +391,8 @@ def _live(a: dict[str, Any]) -> Any:
     store.set_timeout(datetime.timedelta(seconds=a.get("timeout_s", 120)))
     return LiveQuorum(store, a["rank"], a["n"], a["quorum"],
                       replacement=bool(a.get("replacement")), timeout_s=a.get("timeout_s", 120),
-                      window=a.get("window"), elements_per_packet=a.get("k"))
+                      window=a.get("window"), elements_per_packet=a.get("k"),
+                      state_secret=bytes.fromhex(a["state_secret"]))
 
 
 def train(a: dict[str, Any]) -> None:

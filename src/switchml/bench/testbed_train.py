@@ -214,6 +214,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     work = workloads.get(model)
     batch = cfg.batch or work.batch
     port = 33000 + secrets.randbelow(20000)
+    state_secret = secrets.token_hex(16)  # (switchml-live: the replicas' state streams)
     with _store_dir() as store:
         def argv_of(r: int, replacement: bool = False) -> list[str]:
             return _nsproc("train", {
@@ -228,7 +229,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
                if kill and r == 0 else {}),
             **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
                 "replacement": replacement, "catch_up_steps": cfg.catch_up_steps,
-                "skip_behind": cfg.skip_behind}
+                "skip_behind": cfg.skip_behind, "state_secret": state_secret}
                if live else {}),
             **({"host_ip": topo.worker_ip(r), "lighthouse": f"http://{topo.switch_ip(r)}:"
                 f"{train_torchft.LIGHTHOUSE_PORT}"} if backend == "torchft" else {}),

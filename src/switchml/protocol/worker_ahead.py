@@ -315,11 +315,15 @@ class WorkerAhead:
         budget = self.config.quorum_keep_bytes
         if self._late and size <= budget:
             # A rank that joined late (or is catching up) will resume at a live rank's
-            # position, taken after now: the oldest operations kept are the ones it will
-            # skip, so they make room for these (a rank behind keeps the oldest instead: it
-            # needs them first).
+            # position, most often taken after now: the oldest operations kept (by sequence
+            # number) are the ones it will skip, so they make room for these (a rank behind
+            # keeps the oldest instead: it needs them first). While a position already taken
+            # is on its way, this can drop operations it needs: the budget must hold the
+            # results of the steps a state's transfer lasts.
+            now = int(seqs[0])  # (the newest operation's, or about: those kept are older)
             while self._ahead_bytes + size > budget and self._ahead:
-                oldest = next(iter(self._ahead))
+                oldest = max(self._ahead, key=lambda s: (now - s) & _MASK32
+                             if ((now - s) & _MASK32) < _HALF else -1)
                 pieces = self._ahead.pop(oldest)
                 self._ahead_bytes -= sum(int(p[2].sum()) for p in pieces)
                 self._drops["ahead_evicted"] += sum(int(p[1].size) for p in pieces)

@@ -15,6 +15,7 @@ Example (every replica, and each replacement with ``replacement=True``)::
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     store = dist.TCPStore(host, port, is_master=False)     # shared by the replicas
     live = LiveQuorum(store, rank, world, quorum=world - 1, replacement=restarted)
+    model, opt = build()                                   # (the state arrives meanwhile)
     step = 0
     if live.state is not None:                             # a replacement: the live state
         model.load_state_dict(live.state["model"]); opt.load_state_dict(live.state["opt"])
@@ -35,6 +36,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
@@ -48,11 +50,18 @@ from torch.utils._pytree import tree_map
 
 from switchml import env
 from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
-from switchml.protocol.address import Address, parse_addresses
+from switchml.links import WarningBudget
+from switchml.protocol.address import Address, as_addresses, parse_addresses
 from switchml.protocol.config import WorkerConfig
 from switchml.protocol.errors import ConfigError, OperationFailed
 from switchml.protocol.worker_ahead import Position
-from switchml.torch.live_state import NONCE_BYTES, receive_state, route_address, send_state
+from switchml.torch.live_state import (
+    NONCE_BYTES,
+    check_listener,
+    receive_state,
+    route_address,
+    send_state,
+)
 from switchml.torch.staging import StagedTensor
 from switchml.torch.works import bucket_done, failable_future
 from switchml.transport.udp import WorkerClient
@@ -80,7 +89,13 @@ class LiveQuorum:
         prefix: the store keys' prefix (one per job sharing a store).
         state_host: the address a replacement (or a rank catching up) listens on for the
             state, which a live rank sends it over TCP; default this host's address on its
-            route to the switch. The connection must prove the request's one-time nonce.
+            route to the switch. The connection must prove the request's one-time nonce and
+            ``state_secret``, and the stream's tag must verify under them.
+        state_secret: the secret every replica shares (default ``SWITCHML_SECRET``): it
+            proves the state's sender and the stream's integrity. Without one, a listener
+            beyond loopback is refused (ConfigError) unless ``insecure``.
+        insecure: listen beyond loopback with no secret (the nonce, which travels in the
+            store, then proves the sender alone).
         keep_bytes: results a rank behind keeps for the steps it has not reached
             (``WorkerConfig.quorum_keep_bytes``); a rank further behind than this holds loses
             results it cannot get again, and fails after ``timeout_s``. Default 1 GiB: 26 of
@@ -96,7 +111,8 @@ class LiveQuorum:
                  replacement: bool = False,
                  timeout_s: float = 60.0, window: int | None = None,
                  elements_per_packet: int | None = None, prefix: str = "switchml/live",
-                 keep_bytes: int = 1 << 30, state_host: str | None = None) -> None:
+                 keep_bytes: int = 1 << 30, state_host: str | None = None,
+                 state_secret: bytes | None = None, insecure: bool = False) -> None:
         if not 0 <= rank < world:
             raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
         if not 1 <= quorum <= world:
@@ -125,6 +141,10 @@ class LiveQuorum:
         self.spec = spec
         if keep_bytes < 0:
             raise ConfigError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        host, port = as_addresses(switch)[0]
+        self.state_host = state_host or route_address(socket.gethostbyname(host), port)
+        self.state_secret = state_secret if state_secret is not None else env.secret()
+        check_listener(self.state_host, self.state_secret, insecure=insecure)
         self.client = WorkerClient(switch, spec, rank, WorkerConfig(
             op_timeout_s=timeout_s, join_timeout_s=timeout_s, secret=env.secret(),
             quorum_keep_bytes=keep_bytes), late_join=replacement)
@@ -142,11 +162,12 @@ class LiveQuorum:
         self._expected: dict[int, tuple[int, ...]] | None = None  # a replacement: the donor's
         self._local = False  # ``warm_up``: the hook all-reduces nothing
         self._params: list[torch.nn.Parameter] = []
-        self.state_host = state_host or route_address(*self.client.switch)
-        self.refused = 0  # connections to the state listener that did not prove the nonce
+        self.refused = 0  # connections to the state listener that did not prove themselves
+        self._warn = WarningBudget(log)
         self._state: dict[str, Any] | None = None
         self._receiving: threading.Thread | None = None
         self._receive_error: BaseException | None = None
+        self._listener: socket.socket | None = None
         if replacement:  # asked now; received while the caller builds its model
             t0 = time.monotonic()
             try:
@@ -173,15 +194,20 @@ class LiveQuorum:
 
         Raises:
             OperationFailed: no live rank sent it within ``timeout_s``, or what came was not
-                a state (the rank then leaves the job).
+                a state (the rank then leaves the job; every later call raises it again).
         """
+        self._wait_state()
+        return self._state
+
+    def _wait_state(self) -> None:
+        """A replacement: wait for the state (every method that uses the job does first: an
+        all-reduce before ``resume`` would be refused), and raise its failure, every time."""
         if self._receiving is not None:
             self._receiving.join()
             self._receiving = None
-            if self._receive_error is not None:
-                self.client.close()
-                raise self._receive_error
-        return self._state
+        if self._receive_error is not None:
+            self.client.close()
+            raise self._receive_error
 
     # -- a replacement ---------------------------------------------------------------------
 
@@ -193,6 +219,7 @@ class LiveQuorum:
         listener = socket.create_server((self.state_host, 0),
                                         family=socket.AF_INET6 if ":" in self.state_host
                                         else socket.AF_INET)
+        self._listener = listener
         try:
             port = listener.getsockname()[1]
             number = self.store.add(f"{self.prefix}/joins", 1)
@@ -208,20 +235,26 @@ class LiveQuorum:
         """The state a live rank sends to ``listener``; resume at its position."""
         def refused(why: str) -> None:
             self.refused += 1
-            log.warning("rank %d: a connection to its state listener was refused: %s",
-                        self.rank, why)
+            self._warn.warn("rank %d: a connection to its state listener was refused: %s",
+                            self.rank, why)
         try:
             with listener:
                 position, layouts, state = receive_state(
-                    listener, nonce, time.monotonic() + self.timeout_s, refused=refused)
+                    listener, nonce, time.monotonic() + self.timeout_s,
+                    secret=self.state_secret, refused=refused)
         except TimeoutError:
             raise OperationFailed(f"rank {self.rank} joined the running job, but no live rank "
                                   f"sent the state within {self.timeout_s:g} s (every live "
                                   f"rank calls serve() at its step boundaries, and must reach "
                                   f"{self.state_host}: LiveQuorum(state_host=))") from None
-        except (ValueError, TypeError, AttributeError, RuntimeError, EOFError,
-                OSError) as exc:
+        except (ValueError, TypeError, AttributeError, RuntimeError, EOFError, OSError,
+                pickle.UnpicklingError, MemoryError) as exc:
+            if self._listener is None:  # (``close`` stopped the listener)
+                raise OperationFailed(f"rank {self.rank} closed while it waited for the "
+                                      "state") from None
             raise OperationFailed(f"the state a live rank sent is not one: {exc}") from None
+        finally:
+            self._listener = None
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
         log.info("rank %d resumed the running job at operation %d", self.rank,
@@ -244,6 +277,7 @@ class LiveQuorum:
         on. Returns False, doing nothing, when not that far behind (or before the first
         step: the buckets are not known yet). A straggler that skips the steps it is behind
         on stays within a step of the others, at no cost to them."""
+        self._wait_state()
         buckets = self._buckets()
         if not buckets or not self._params or self.client.ops_behind() <= len(buckets):
             return False
@@ -264,12 +298,17 @@ class LiveQuorum:
         rank's state and position, as a replacement does, and skip the steps between. Returns
         that state (load it, and go on from its step), or None when not that far behind.
         What it costs the others: one live rank serializes its state."""
+        self._wait_state()
         per_step = len(self._buckets())
         if not per_step or self.client.ops_behind() <= max_steps_behind * per_step:
             return None
         self.client.catch_up()
         try:
-            state = self._await_state(*self._ask())
+            try:
+                asked = self._ask()
+            except OSError as exc:  # (no listener on state_host, or the store failed)
+                raise OperationFailed(f"could not ask for the state: {exc}") from None
+            state = self._await_state(*asked)
         except OperationFailed as exc:
             raise OperationFailed(f"catch-up failed: {exc}; this rank keeps waiting for a "
                                   "position: close it and rejoin as a replacement") from None
@@ -286,6 +325,7 @@ class LiveQuorum:
         ``state_dict`` and the step) with this rank's position; a rank behind the others
         leaves it to one at the front. One store round trip when nobody
         asked. Returns whether this rank sent a state."""
+        self._wait_state()
         if self._step_layouts:  # the step's buckets, as its hook saw them, replace the last
             self._layouts, self._step_layouts = self._step_layouts, {}
             self._steps += 1
@@ -315,38 +355,51 @@ class LiveQuorum:
                 who, nonce = int(asked_by["rank"]), bytes.fromhex(asked_by["nonce"])
                 address = (str(asked_by["host"]), int(asked_by["port"]))
                 position = self.client.position()
-                # A copy now (tens of milliseconds), serialized and stored on a thread of its
+                # A copy now, on the CPU (tens of milliseconds), streamed on a thread of its
                 # own: the others' rounds wait for this rank only while it copies.
-                snapshot = tree_map(lambda t: t.detach().clone()
+                snapshot = tree_map(lambda t: t.detach().to("cpu", copy=True)
                                     if isinstance(t, torch.Tensor) else t, state())
             except Exception as exc:  # noqa: BLE001 - a bad request must not stop training
                 log.warning("rank %d could not serve request %d: %s", self.rank, n, exc)
                 continue
             threading.Thread(target=self._send_state, name="switchml-live-serve", daemon=True,
                              args=(address, nonce, who, position, dict(self._layouts),
-                                   snapshot)).start()
+                                   snapshot, asked_by)).start()
             self.served += 1
             sent = True
         return sent
 
     def _send_state(self, address: tuple[str, int], nonce: bytes, who: int,
                     position: Position, layouts: dict[int, tuple[int, ...]],
-                    snapshot: dict[str, Any]) -> None:
+                    snapshot: dict[str, Any], request: dict[str, Any]) -> None:
         t0 = time.monotonic()
         try:
             sent = send_state(address, nonce, position, layouts, snapshot,
-                              timeout_s=self.timeout_s)
+                              timeout_s=self.timeout_s, secret=self.state_secret)
             log.info("rank %d sent the live state to a replacement of rank %d at %s:%d (%.1f "
                      "MB in %.2f s)", self.rank, who, *address, sent / 1e6,
                      time.monotonic() - t0)
-        except Exception as exc:  # noqa: BLE001 - the replacement times out, saying so
-            log.warning("rank %d could not send the state to rank %d at %s:%d: %s", self.rank,
-                        who, *address, exc)
+        except Exception as exc:  # noqa: BLE001 - asked again, or the replacement times out
+            tries = int(request.get("tries", 0)) + 1
+            log.warning("rank %d could not send the state to rank %d at %s:%d (try %d of %d): "
+                        "%s", self.rank, who, *address, tries, self.SEND_TRIES, exc)
+            if tries < self.SEND_TRIES:  # a new request: a live rank serves it at its next step
+                try:
+                    number = self.store.add(f"{self.prefix}/joins", 1)
+                    self.store.set(f"{self.prefix}/join/{number}",
+                                   json.dumps({**request, "tries": tries}))
+                except Exception as again:  # noqa: BLE001 - the replacement times out
+                    log.warning("rank %d could not ask again for rank %d: %s", self.rank, who,
+                                again)
+
+    SEND_TRIES = 3
+    """How many live ranks' sends a replacement's request gets before it is left to time out."""
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Register :func:`live_hook` on ``ddp`` (a DDP over this replica's own one-process
         group). The hook notes how DDP laid its buckets out, which a replacement must match
         (``warm_up``)."""
+        self._wait_state()
         self._params = list(ddp.module.parameters())
         self._index = {id(p): i for i, p in enumerate(self._params)}
         ddp.register_comm_hook(self, live_hook)
@@ -372,6 +425,7 @@ class LiveQuorum:
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average ``tensor`` (float32, CPU) across the replicas, in place: each element is
         divided by the ranks its sum holds. Returns it."""
+        self._wait_state()
         staged = StagedTensor(tensor, dtype=torch.float32)
         h = self.client.allreduce_async(staged.array, staged.array)
         h.wait()
@@ -392,7 +446,12 @@ class LiveQuorum:
                 "state_connections_refused": self.refused}
 
     def close(self) -> None:
-        """Leave the job."""
+        """Leave the job (a replacement still waiting for the state stops listening)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        if self._receiving is not None:
+            self._receiving.join(self.timeout_s)
         self.client.close()
 
 

@@ -260,11 +260,16 @@ class ParallelClient:
 
     def catch_up(self) -> None:
         """Every part falls back to a live rank's position (``WorkerClient.catch_up``), or
-        none does: if a part refuses, the parts that had fallen back resume where they
-        stood, and the refusal is raised."""
+        none does: what a part would refuse for (a job without a quorum, a part busy,
+        failed or not resumed) is checked on every part first. Should a part refuse all the
+        same, the parts that had fallen back resume where they stood (without the results
+        they had kept: a part behind then fails its next all-reduce after the timeout), and
+        the refusal is raised."""
         with self._lock:
-            # (Raises, changing nothing, if a part is busy, failed, or not resumed.)
-            stood = [c.position() for c in self.parts]
+            if not self.parts[0].spec.quorum:
+                raise LocalProtocolError("catch_up is for a quorum job's rank (a job without "
+                                         "one waits for every rank: nobody is ahead)")
+            stood = [c.position() for c in self.parts]  # (raises, changing nothing)
             done: list[tuple[WorkerClient, Position]] = []
             try:
                 for c, where in zip(self.parts, stood):
