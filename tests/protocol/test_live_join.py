@@ -173,6 +173,36 @@ def test_a_late_rank_over_its_keep_budget_drops_the_oldest_operations_not_the_ne
     assert w.counters["results_taken_ahead"] >= 4 and w.counters["retransmissions"] == 0
 
 
+def test_a_pinned_position_keeps_its_operations_while_the_state_is_on_its_way():
+    """The position arrives first (``pin``), the state a while later: the operations the
+    others run meanwhile must not evict the position's own. With a budget of about two
+    operations, four more after the position: the position's operation is kept (new results
+    are dropped instead), and it completes from what was kept, with no re-send; without the
+    pin, the oldest, the position's, would have been evicted first."""
+    import dataclasses
+    c = _cluster()
+    _run(c, 100, range(4))
+    c.fabric.detach(c.addresses[3])
+    c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))
+    c.workers[3].config = dataclasses.replace(c.workers[3].config, quorum_keep_bytes=800)
+    w = c.restart_worker(3, ("replacement", 1), late=True)
+    c.fabric.run(lambda: c.sessions[3].joined or c.sessions[3].error is not None)
+    assert c.sessions[3].joined, c.sessions[3].error
+    _run(c, 37, [0, 1, 2])  # (before the position: dropped at the pin)
+    pos = c.workers[0].position()
+    w.pin(pos)
+    out = _run(c, 37, [0, 1, 2])  # the position's operation
+    for _ in range(3):  # the others go on while the state travels
+        _run(c, 37, [0, 1, 2])
+    assert w.drops["ahead_dropped"] > 0 and not w.drops.get("ahead_evicted"), w.drops
+    w.resume(pos)
+    caught_up = _run(c, 37, [3])[3]
+    assert np.array_equal(caught_up, out[0])
+    assert w.counters["retransmissions"] == 0
+    with pytest.raises(LocalProtocolError, match="pin is for"):
+        w.pin(pos)  # (resumed: no position to wait for)
+
+
 def test_resume_is_for_a_rank_that_joined_late_once_with_the_jobs_geometry():
     c = _cluster()
     c.wait(c.start(_one_hot(4, 37, range(4))))

@@ -124,6 +124,9 @@ class WorkerAhead:
     _late = False
     """Joined a running quorum job (``join(late=True)``) and not resumed yet: results of any
     operation are kept, since this rank does not know yet where the others stand."""
+    _floor: int | None = None
+    """A late rank's position to come (``pin``): kept operations from it on are never
+    evicted."""
 
     def position(self) -> Position:
         """Where this rank stands: take it between operations (joined, none in flight), and
@@ -164,11 +167,34 @@ class WorkerAhead:
             raise LocalProtocolError(f"catch_up needs a joined, idle rank; this rank is "
                                      f"{self.state.value}")
         self._late = True
+        self._floor = None
         # What it kept so far is of operations the live rank's position is past (it serves
         # only with none of a later one at hand), and would take the budget the results
         # from the position on need.
         self._ahead.clear()
         self._ahead_bytes = 0
+
+    def pin(self, position: Position) -> None:
+        """A rank that joined late (or is catching up) learns the position it will resume at
+        before the state that goes with it has arrived: the results kept of earlier
+        operations are dropped now, and those of operations from the position on are never
+        evicted to make room (past the budget, new results are dropped instead), so that
+        what ``resume`` will need stays while the state is on its way.
+
+        Raises:
+            LocalProtocolError: the rank is not waiting for a position, or ``position`` is
+                not one part's.
+        """
+        if not self._late:
+            raise LocalProtocolError("pin is for a rank that joined a running job (or is "
+                                     "catching up) and has not resumed")
+        if len(position.seqs) != 1:
+            raise LocalProtocolError(f"a position of {len(position.seqs)} parts; this "
+                                     "endpoint is one part of its job (give it .part(t))")
+        floor = position.seqs[0]
+        self._floor = floor
+        for seq in [s for s in self._ahead if 0 < ((floor - s) & _MASK32) < _HALF]:
+            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
 
     def resume(self, position: Position) -> None:
         """Start where a live rank stands (its ``position``): this rank joined a running
@@ -198,6 +224,7 @@ class WorkerAhead:
         self._seq = position.seqs[0]
         self._next_set[:] = sets
         self._late = False
+        self._floor = None
         for seq in [s for s in self._ahead if 0 < ((self._seq - s) & _MASK32) < _HALF]:
             self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
         self._counters["resumed"] += 1
@@ -311,6 +338,14 @@ class WorkerAhead:
         """Keep results (``blob[starts[j]:][:lens[j]]``, of operation ``seqs[j]``, chunk
         ``chunks[j]``) for when this rank starts their operations, within
         ``quorum_keep_bytes``."""
+        if self._floor is not None:  # (pinned: operations before the position are past)
+            past = ((seqs - self._floor) & _MASK32) >= _HALF
+            if past.any():
+                self._drops["stale_result"] += int(past.sum())
+                keep = ~past
+                starts, lens, seqs, chunks = starts[keep], lens[keep], seqs[keep], chunks[keep]
+                if not starts.size:
+                    return
         size = int(lens.sum())  # (counted by the results: a blob may hold others between them)
         budget = self.config.quorum_keep_bytes
         if self._late and size <= budget:
@@ -318,12 +353,15 @@ class WorkerAhead:
             # position, most often taken after now: the oldest operations kept (by sequence
             # number) are the ones it will skip, so they make room for these (a rank behind
             # keeps the oldest instead: it needs them first). While a position already taken
-            # is on its way, this can drop operations it needs: the budget must hold the
-            # results of the steps a state's transfer lasts.
+            # is on its way (``pin``), operations from it on are kept, and new results are
+            # dropped instead.
             now = int(seqs[0])  # (the newest operation's, or about: those kept are older)
+            floor = self._floor
             while self._ahead_bytes + size > budget and self._ahead:
                 oldest = max(self._ahead, key=lambda s: (now - s) & _MASK32
                              if ((now - s) & _MASK32) < _HALF else -1)
+                if floor is not None and not 0 < ((floor - oldest) & _MASK32) < _HALF:
+                    break  # (from the pinned position on: kept; these are dropped below)
                 pieces = self._ahead.pop(oldest)
                 self._ahead_bytes -= sum(int(p[2].sum()) for p in pieces)
                 self._drops["ahead_evicted"] += sum(int(p[1].size) for p in pieces)

@@ -53,7 +53,7 @@ from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.links import WarningBudget
 from switchml.protocol.address import Address, as_addresses, parse_addresses
 from switchml.protocol.config import WorkerConfig
-from switchml.protocol.errors import ConfigError, OperationFailed
+from switchml.protocol.errors import ConfigError, LocalProtocolError, OperationFailed
 from switchml.protocol.worker_ahead import Position
 from switchml.torch.live_state import (
     NONCE_BYTES,
@@ -241,14 +241,14 @@ class LiveQuorum:
             with listener:
                 position, layouts, state = receive_state(
                     listener, nonce, time.monotonic() + self.timeout_s,
-                    secret=self.state_secret, refused=refused)
+                    secret=self.state_secret, refused=refused, on_position=self.client.pin)
         except TimeoutError:
             raise OperationFailed(f"rank {self.rank} joined the running job, but no live rank "
                                   f"sent the state within {self.timeout_s:g} s (every live "
                                   f"rank calls serve() at its step boundaries, and must reach "
                                   f"{self.state_host}: LiveQuorum(state_host=))") from None
         except (ValueError, TypeError, AttributeError, RuntimeError, EOFError, OSError,
-                pickle.UnpicklingError, MemoryError) as exc:
+                pickle.UnpicklingError, MemoryError, LocalProtocolError) as exc:
             if self._listener is None:  # (``close`` stopped the listener)
                 raise OperationFailed(f"rank {self.rank} closed while it waited for the "
                                       "state") from None

@@ -134,12 +134,14 @@ def send_state(address: tuple[str, int], nonce: bytes, position: Position,
 
 def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                   secret: bytes | None = None,
-                  refused: Callable[[str], None] = lambda why: None
+                  refused: Callable[[str], None] = lambda why: None,
+                  on_position: Callable[[Position], None] = lambda position: None
                   ) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
     """Accept connections on ``listener`` until one proves ``nonce`` (and ``secret``) and
     sends a state (``send_state``), or ``deadline`` (``time.monotonic()``) passes. Openings
     are read side by side, each within ``OPENING_S``; each connection that does not prove
-    itself is closed and reported to ``refused`` (who, and why).
+    itself is closed and reported to ``refused`` (who, and why). ``on_position`` gets the
+    position as soon as it is read, before the state (``WorkerClient.pin``).
 
     Raises:
         TimeoutError: no proven stream before the deadline.
@@ -207,7 +209,7 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                 with conn:
                     conn.setblocking(True)
                     return _read_state(conn, deadline, hmac.new(secret or b"", nonce,
-                                                                hashlib.sha256))
+                                                                hashlib.sha256), on_position)
     finally:
         for conn, (_, _, who) in pending.items():
             conn.close()
@@ -215,7 +217,8 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
         sel.close()
 
 
-def _read_state(conn: socket.socket, deadline: float, mac: Any
+def _read_state(conn: socket.socket, deadline: float, mac: Any,
+                on_position: Callable[[Position], None]
                 ) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
     def read(n: int) -> bytes:
         buf = bytearray(n)
@@ -230,6 +233,7 @@ def _read_state(conn: socket.socket, deadline: float, mac: Any
             raise ValueError(f"its {what} is {n} bytes, more than {_LIMITS[what]}")
         parts[what] = read(n)
     position = Position.from_bytes(parts["position"])
+    on_position(position)  # (proven by the opening; the tag is checked at the end)
     raw = json.loads(parts["layouts"])
     if not isinstance(raw, dict):
         raise ValueError("its bucket layouts are not a JSON object")

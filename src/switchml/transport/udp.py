@@ -210,6 +210,11 @@ class WorkerClient:
         or for a position of another job's geometry."""
         self._on_io_thread(lambda: self.endpoint.resume(position))
 
+    def pin(self, position: Position) -> None:
+        """The position this rank will resume at, as soon as it is known, before the state
+        that goes with it (``WorkerEndpoint.pin``)."""
+        self._on_io_thread(lambda: self.endpoint.pin(position))
+
     def ops_behind(self) -> int:
         """A quorum job's rank between all-reduces: how many operations the others are ahead
         of it, as the results it kept show (``WorkerEndpoint.ops_behind``)."""
