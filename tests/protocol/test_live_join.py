@@ -147,21 +147,29 @@ def test_a_replacement_resumes_from_a_live_rank_and_contributes_from_its_next_op
     assert c.switch.stats()["members_replaced"] == 1
 
 
+def _replaced_with_a_budget(keep_bytes):
+    """The cluster after one operation, rank 3 dead and replaced by a rank that joined late
+    with a keep budget of ``keep_bytes``; (cluster, the replacement's endpoint)."""
+    import dataclasses
+    c = _cluster()
+    _run(c, 100, range(4))
+    c.fabric.detach(c.addresses[3])
+    c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))
+    c.workers[3].config = dataclasses.replace(c.workers[3].config,
+                                              quorum_keep_bytes=keep_bytes)
+    w = c.restart_worker(3, ("replacement", 1), late=True)
+    c.fabric.run(lambda: c.sessions[3].joined or c.sessions[3].error is not None)
+    assert c.sessions[3].joined, c.sessions[3].error
+    return c, w
+
+
 def test_a_late_rank_over_its_keep_budget_drops_the_oldest_operations_not_the_newest():
     """A replacement whose keep budget holds about two operations' results (800 bytes) is
     sent five while it loads its state; the live rank's position is taken before the fifth.
     It makes room by dropping the oldest operations (it will skip them), so after resuming it
     completes the fifth from the results it kept, with no re-send (keeping the first ones and
     dropping the later, the fifth's results would be gone, asked for again from the switch)."""
-    import dataclasses
-    c = _cluster()
-    _run(c, 100, range(4))
-    c.fabric.detach(c.addresses[3])
-    c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))
-    c.workers[3].config = dataclasses.replace(c.workers[3].config, quorum_keep_bytes=800)
-    w = c.restart_worker(3, ("replacement", 1), late=True)
-    c.fabric.run(lambda: c.sessions[3].joined or c.sessions[3].error is not None)
-    assert c.sessions[3].joined, c.sessions[3].error
+    c, w = _replaced_with_a_budget(800)
     for _ in range(4):
         _run(c, 37, [0, 1, 2])
     pos = c.workers[0].position()
@@ -179,15 +187,7 @@ def test_a_pinned_position_keeps_its_operations_while_the_state_is_on_its_way():
     operations, four more after the position: the position's operation is kept (new results
     are dropped instead), and it completes from what was kept, with no re-send; without the
     pin, the oldest, the position's, would have been evicted first."""
-    import dataclasses
-    c = _cluster()
-    _run(c, 100, range(4))
-    c.fabric.detach(c.addresses[3])
-    c.fabric.run(functools.partial(_after, c.fabric, c.fabric.now + 1.0))
-    c.workers[3].config = dataclasses.replace(c.workers[3].config, quorum_keep_bytes=800)
-    w = c.restart_worker(3, ("replacement", 1), late=True)
-    c.fabric.run(lambda: c.sessions[3].joined or c.sessions[3].error is not None)
-    assert c.sessions[3].joined, c.sessions[3].error
+    c, w = _replaced_with_a_budget(800)
     _run(c, 37, [0, 1, 2])  # (before the position: dropped at the pin)
     pos = c.workers[0].position()
     w.pin(pos)

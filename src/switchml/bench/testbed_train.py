@@ -92,8 +92,8 @@ class TrainBenchConfig:
     replace_after_s: float = 3.0
     skip_behind: bool = True
     """``switchml-live``: a rank whose peers are past its next step takes that step's sums
-    without computing it (``LiveQuorum.skip_step``; it still sends that step's requests,
-    which the switch drops as late). Without it, a replacement of ncf never caught up in 30
+    without computing it (``LiveQuorum.skip_step``; it sends nothing for them: every result
+    is at hand). Without it, a replacement of ncf never caught up in 30
     steps (docs/torch.md)."""
     catch_up_steps: int = 0
     """``switchml-live``: a rank whose peers are more than this many steps ahead takes a live

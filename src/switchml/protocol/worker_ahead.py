@@ -191,10 +191,8 @@ class WorkerAhead:
         if len(position.seqs) != 1:
             raise LocalProtocolError(f"a position of {len(position.seqs)} parts; this "
                                      "endpoint is one part of its job (give it .part(t))")
-        floor = position.seqs[0]
-        self._floor = floor
-        for seq in [s for s in self._ahead if 0 < ((floor - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
+        self._floor = position.seqs[0]
+        self._forget_before(self._floor)
 
     def resume(self, position: Position) -> None:
         """Start where a live rank stands (its ``position``): this rank joined a running
@@ -225,9 +223,19 @@ class WorkerAhead:
         self._next_set[:] = sets
         self._late = False
         self._floor = None
-        for seq in [s for s in self._ahead if 0 < ((self._seq - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
+        self._forget_before(self._seq)
         self._counters["resumed"] += 1
+
+    def _forget(self, seq: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Stop keeping operation ``seq``'s results; returns them (none: [])."""
+        pieces = self._ahead.pop(seq, [])
+        self._ahead_bytes -= sum(int(p[2].sum()) for p in pieces)
+        return pieces
+
+    def _forget_before(self, seq: int) -> None:
+        """Stop keeping the results of operations before ``seq`` (by sequence number)."""
+        for s in [s for s in self._ahead if 0 < ((seq - s) & _MASK32) < _HALF]:
+            self._forget(s)
 
     def _receive(self, buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, count: int,
                  now: float) -> None:
@@ -238,12 +246,11 @@ class WorkerAhead:
         before this rank needed them go through the results kernel now, in chunk order (each
         releases its lane's next chunk, whose result follows). Kept results of earlier
         operations are dropped (``drop_older``)."""
-        mine = self._ahead.pop(op.seq, [])
-        for seq in [s for s in self._ahead if drop_older and ((op.seq - s) & _MASK32) < _HALF]:
-            self._ahead_bytes -= sum(int(p[2].sum()) for p in self._ahead.pop(seq))
+        mine = self._forget(op.seq)
+        if drop_older:
+            self._forget_before(op.seq)
         if not mine:
             return
-        self._ahead_bytes -= sum(int(p[2].sum()) for p in mine)
         buf = np.concatenate([p[0] for p in mine])
         offsets = np.cumsum([0] + [p[0].size for p in mine[:-1]])
         starts = np.concatenate([p[1] + o for p, o in zip(mine, offsets)])
@@ -362,9 +369,8 @@ class WorkerAhead:
                              if ((now - s) & _MASK32) < _HALF else -1)
                 if floor is not None and not 0 < ((floor - oldest) & _MASK32) < _HALF:
                     break  # (from the pinned position on: kept; these are dropped below)
-                pieces = self._ahead.pop(oldest)
-                self._ahead_bytes -= sum(int(p[2].sum()) for p in pieces)
-                self._drops["ahead_evicted"] += sum(int(p[1].size) for p in pieces)
+                self._drops["ahead_evicted"] += sum(int(p[1].size)
+                                                    for p in self._forget(oldest))
         if self._ahead_bytes + size > budget:
             self._drops["ahead_dropped"] += int(starts.size)
             return

@@ -221,15 +221,17 @@ class LiveQuorum:
                                         else socket.AF_INET)
         self._listener = listener
         try:
-            port = listener.getsockname()[1]
-            number = self.store.add(f"{self.prefix}/joins", 1)
-            self.store.set(f"{self.prefix}/join/{number}", json.dumps(
-                {"rank": self.rank, "nonce": nonce.hex(), "host": self.state_host,
-                 "port": port}))
+            self._post_request({"rank": self.rank, "nonce": nonce.hex(),
+                                "host": self.state_host, "port": listener.getsockname()[1]})
         except BaseException:
             listener.close()
             raise
         return listener, nonce
+
+    def _post_request(self, request: dict[str, Any]) -> None:
+        """Put a request for the state in the store, numbered after the others."""
+        number = self.store.add(f"{self.prefix}/joins", 1)
+        self.store.set(f"{self.prefix}/join/{number}", json.dumps(request))
 
     def _await_state(self, listener: socket.socket, nonce: bytes) -> dict[str, Any]:
         """The state a live rank sends to ``listener``; resume at its position."""
@@ -297,7 +299,7 @@ class LiveQuorum:
         ``max_steps_behind`` steps ahead (as the results this rank kept show), take a live
         rank's state and position, as a replacement does, and skip the steps between. Returns
         that state (load it, and go on from its step), or None when not that far behind.
-        What it costs the others: one live rank serializes its state."""
+        What it costs the others: one live rank copies its state and streams it."""
         self._wait_state()
         per_step = len(self._buckets())
         if not per_step or self.client.ops_behind() <= max_steps_behind * per_step:
@@ -385,9 +387,7 @@ class LiveQuorum:
                         "%s", self.rank, who, *address, tries, self.SEND_TRIES, exc)
             if tries < self.SEND_TRIES:  # a new request: a live rank serves it at its next step
                 try:
-                    number = self.store.add(f"{self.prefix}/joins", 1)
-                    self.store.set(f"{self.prefix}/join/{number}",
-                                   json.dumps({**request, "tries": tries}))
+                    self._post_request({**request, "tries": tries})
                 except Exception as again:  # noqa: BLE001 - the replacement times out
                     log.warning("rank %d could not ask again for rank %d: %s", self.rank, who,
                                 again)

@@ -112,8 +112,7 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
                     help="switchml-live: every rank computes every step (by default a rank "
                          "whose peers are past its next step takes that step's sums without "
                          "computing it: LiveQuorum.skip_step, how a straggler or a replacement "
-                         "gets back in step; it still sends the step's requests, which the "
-                         "switch drops as late)")
+                         "gets back in step, sending nothing for the steps it skips)")
     g.add_argument("--catch-up-after", type=int, default=0, metavar="STEPS",
                     help="switchml-live: a rank whose peers are more than STEPS steps ahead "
                          "takes a live rank's state and skips the steps between (a "
