@@ -315,6 +315,41 @@ def half_precision_bytes(g: Group) -> None:
         dist.destroy_process_group(wide)
 
 
+@check("allreduce_bucket_bits_and_residual")
+def bucket_bits_and_residual(g: Group) -> None:
+    """``allreduce_bucket`` (the DDP hooks' path on a switchml group): 16 bits on the wire
+    (half float32's payload bytes), the sum within the 16-bit bound of the exact sum, and the
+    residual written: the input less what this rank's 16-bit fixed point sent (nonzero); a
+    wrong argument is refused by name."""
+    pg = dist.distributed_c10d._get_default_group()
+    xs = [flat64(make_input("float32", "odd1d", r)[0]) for r in range(g.world)]
+    x = make_input("float32", "odd1d", g.rank)[0].reshape(-1).contiguous()
+    mine = x.clone()
+    residual = torch.zeros_like(x)
+    before = stt.stats()["worker"].get("payload_bytes_sent", 0)
+    pg.allreduce_bucket(x, bits=16, residual=residual).wait()
+    sent = stt.stats()["worker"]["payload_bytes_sent"] - before
+    _expect(sent * 2 <= x.numel() * 4 + 64 * 4, f"{sent} payload bytes for {x.numel()} "
+            "float32 in 16 bits: not half")
+    err = np.abs(flat64(x) - np.sum(xs, axis=0))
+    _expect(bool(np.all(err <= switch_tolerance("float32", xs, False, bits=16))),
+            "16-bit bucket beyond the 16-bit bound")
+    _expect(bool(residual.abs().max() > 0), "no residual written")
+    # the residual is what rounding took: at most half a 16-bit step of the block's scale
+    _expect(bool(np.all(np.abs(flat64(residual)) <= switch_tolerance(
+        "float32", [flat64(mine)] * g.world, False, bits=16))), "residual beyond a rounding")
+    for bad, what in ((dict(bucket=torch.ones(3, dtype=torch.float64), bits=16), "float32"),
+                      (dict(bucket=torch.ones(3), bits=8), "bits must be 32 or 16"),
+                      (dict(bucket=torch.ones(3), bits=16, residual=torch.ones(4)),
+                       "residual must be")):
+        try:
+            pg.allreduce_bucket(**bad)
+        except ValueError as exc:
+            _expect(what in str(exc), f"{bad}: {exc}")
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
 @check("allreduce_bitwise_same_on_all_ranks")
 def same_on_all_ranks(g: Group) -> None:
     everyone: list[Any] = [None] * g.world

@@ -14,6 +14,7 @@ import torch_procs as tp
 WORLD = 3
 OTHER_CHECKS = [
     "half_precision_bytes_and_bits",
+    "allreduce_bucket_bits_and_residual",
     "allreduce_bitwise_same_on_all_ranks",
     "complex64_sum",
     "async_op_work_and_future",

@@ -155,19 +155,24 @@ def test_the_switchml_ddp_hook_fails_over_with_its_group():
 
 
 @pytest.mark.timeout(150)
-def test_a_quorum_group_fails_over_to_gloo_and_its_ranks_stay_identical():
-    """DDP with the quorum hook on a group of 3 with quorum 2: the switch is killed mid-run,
-    and the group goes on over gloo (exact sums of every rank from then on) within its
-    timeout; every rank ends with the same model, bit for bit, as the hook's sums and the
-    hand-over of the last results keep them."""
+@pytest.mark.parametrize("hook", ["quorum", "switchml16"])
+def test_a_hooks_group_fails_over_to_gloo_mid_training_and_its_ranks_stay_identical(hook):
+    """DDP with the quorum hook on a group of 3 with quorum 2, or with the 16-bit switchml
+    hook (its buckets in 16-bit fixed point, with error feedback): the switch is killed
+    mid-run, and the group goes on over gloo (exact sums of every rank from then on) within
+    its timeout; every rank ends with the same model, bit for bit, as the hook's sums and the
+    hand-over of the last results keep them. (The 16-bit hook's buckets went to the switch
+    job directly, and DDP failed when it died.)"""
     world, steps = 3, 40
     with tp.Procs(deadline_s=100) as procs:
         switch_proc = procs.start(tp.switch_server_body, procs.q, 0)
         kind, address, _pid = procs.get(timeout=30)
         assert kind == "switch"
         env = {"SWITCHML_SWITCH": f"{address[0]}:{address[1]}", "SWITCHML_FAILOVER": "gloo",
-               "SWITCHML_FAILOVER_PROBE_S": "0", "SWITCHML_QUORUM": str(world - 1)}
-        procs.start_ranks(tp.quorum_failover_body, world, TIMEOUT_S, steps, env=env)
+               "SWITCHML_FAILOVER_PROBE_S": "0"}
+        if hook == "quorum":
+            env["SWITCHML_QUORUM"] = str(world - 1)
+        procs.start_ranks(tp.hook_failover_body, world, TIMEOUT_S, steps, hook, env=env)
         started = set()
         while len(started) < world:
             msg = procs.get(timeout=45)
@@ -181,9 +186,12 @@ def test_a_quorum_group_fails_over_to_gloo_and_its_ranks_stay_identical():
         assert fo["ops_over_gloo"] > 0, fo
         assert max(res[r]["seconds"]) < TIMEOUT_S + 3, res[r]["seconds"]
         assert np.array_equal(res[r]["final"], res[0]["final"]), r
-    # Before the kill the switch's sums held 2 of the 3 ranks (the quorum was in effect).
-    assert sum(res[r]["stats"]["switch_ops"].get("allreduce_partial", 0)
-               for r in range(world)) > 0
+    if hook == "quorum":  # before the kill the switch's sums held 2 of the 3 ranks
+        assert sum(res[r]["stats"]["switch_ops"].get("allreduce_partial", 0)
+                   for r in range(world)) > 0
+    else:  # every bucket went through the group in 16 bits, before the kill and after
+        for r in range(world):
+            assert res[r]["stats"]["switch_ops"]["bucket16"] == res[r]["hook_buckets"] > 0
 
 
 @pytest.mark.timeout(150)

@@ -257,12 +257,12 @@ def _ddp_train(rank: int, steps: int, hook: str | None = None) -> dict[str, Any]
             "init": {k: v.numpy().copy() for k, v in init.items()}}
 
 
-def quorum_failover_body(rank: int, world: int, q: Any, timeout_s: float, steps: int
-                         ) -> dict[str, Any]:
-    """DDP with the quorum hook on the default group (``SWITCHML_QUORUM``, with
-    ``SWITCHML_FAILOVER=gloo``), ``steps`` steps 50 ms apart, through an external switch the
-    test kills once every rank reported step 5; each step's seconds, the final model, and
-    how many steps' buckets summed fewer than every rank."""
+def hook_failover_body(rank: int, world: int, q: Any, timeout_s: float, steps: int,
+                       hook: str) -> dict[str, Any]:
+    """DDP with ``hook`` on the default group (``SWITCHML_FAILOVER=gloo``; the quorum hook
+    with ``SWITCHML_QUORUM``), ``steps`` steps 50 ms apart, through an external switch the
+    test kills once every rank reported step 5; each step's seconds, the final model, the
+    stats, and the hook's state's bucket counts."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -274,7 +274,7 @@ def quorum_failover_body(rank: int, world: int, q: Any, timeout_s: float, steps:
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
     ddp = DDP(model, bucket_cap_mb=0.005)  # several buckets
-    register_hook(ddp, "quorum")
+    state = register_hook(ddp, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     seconds = []
@@ -289,7 +289,8 @@ def quorum_failover_body(rank: int, world: int, q: Any, timeout_s: float, steps:
             q.put(("progress", rank, step))
         time.sleep(0.05)
     run = {"final": torch.cat([p.detach().ravel() for p in model.parameters()]).numpy(),
-           "seconds": seconds, "stats": stt.stats()}
+           "seconds": seconds, "stats": stt.stats(),
+           "hook_buckets": getattr(state, "buckets", None)}
     dist.destroy_process_group()
     return run
 

@@ -160,15 +160,45 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                                   f"allreduce_coalesced:{op.name}")
         return self._allreduce_switch(tensors, average=op == _RedOp.AVG)
 
-    def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool) -> dist.Work:
+    def allreduce_bucket(self, bucket: torch.Tensor, *, bits: int,
+                         residual: torch.Tensor | None = None) -> dist.Work:
+        """A DDP hook's bucket (``hooks.switchml_hook``): one SUM of a flat float32 CPU tensor
+        through this group's switch job at ``bits`` (32 or 16), with ``residual`` the 16-bit
+        hook's error feedback (float32, as many elements, written in place). Numbered with the
+        group's all-reduces, so that it fails over with them: over gloo it is summed exactly,
+        and ``residual`` cleared.
+
+        Raises:
+            ValueError: not a flat float32 CPU tensor, bits other than 32 or 16, or a residual
+                of another shape or type.
+        """
+        if bucket.dtype is not torch.float32 or bucket.device.type != "cpu" or bucket.dim() != 1:
+            raise ValueError(f"allreduce_bucket takes a flat float32 CPU tensor, got "
+                             f"{bucket.dtype} of shape {tuple(bucket.shape)} on {bucket.device}")
+        if bits not in (32, 16):
+            raise ValueError(f"bits must be 32 or 16, got {bits}")
+        if residual is not None and (residual.dtype is not torch.float32
+                                     or residual.shape != bucket.shape
+                                     or not residual.is_contiguous()):
+            raise ValueError(f"the residual must be a contiguous float32 tensor of shape "
+                             f"{tuple(bucket.shape)}, got {residual.dtype} of shape "
+                             f"{tuple(residual.shape)}")
+        return self._allreduce_switch([bucket], average=False, bits=bits, residual=residual)
+
+    def _allreduce_switch(self, tensors: list[torch.Tensor], *, average: bool,
+                          bits: int | None = None,
+                          residual: torch.Tensor | None = None) -> dist.Work:
         """Queue one switch operation per tensor; the Work completes when all are done. Each
         tensor is written once every one has its sum (a failed operation leaves them as they
-        were, when the failover keeps its inputs)."""
+        were, when the failover keeps its inputs). ``bits``, ``residual``: a hook's bucket
+        (``allreduce_bucket``)."""
         completer, future = failable_future()
         size = self.size()
         with self._stats_lock:
-            self.switch_ops["allreduce"] += 1
-        rec = self.flight.start("all_reduce" + (" avg" if average else ""), "switch", tensors)
+            self.switch_ops["allreduce" if bits is None else f"bucket{bits}"] += 1
+        rec = self.flight.start("all_reduce" + (" avg" if average else "")
+                                + (f" bucket{bits}" if bits is not None else ""), "switch",
+                                tensors)
         if not tensors:
             self.flight.finish(rec)
             completer.set_result(tensors)
@@ -185,7 +215,7 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
                 complete_elsewhere(completer, tensors)
 
         seq, to_switch = fo.issue() if fo is not None else (-1, True)
-        pending = PendingOp(seq, list(tensors), average, done)
+        pending = PendingOp(seq, list(tensors), average, done, bits, residual)
         if not to_switch:  # switched over: gloo, in order
             assert fo is not None
             fo.take(pending)
@@ -230,8 +260,10 @@ class SwitchMLProcessGroup(dist.ProcessGroup):
         i = 0
         try:
             for i, plan in enumerate(plans):
-                handle = self.client.allreduce_async(plan.array, plan.array,
-                                                     bits=self.wire_bits(plan.tensor.dtype))
+                handle = self.client.allreduce_async(
+                    plan.array, plan.array,
+                    bits=pending.bits or self.wire_bits(plan.tensor.dtype),
+                    residual=None if pending.residual is None else pending.residual.numpy())
                 handle.add_done_callback(lambda h, i=i: on_done(h, i))
         except Exception as exc:  # (SwitchMLError: refused; anything else: a bug, raised)
             if i == 0 and (fo is None or not fo.active or not isinstance(exc, SwitchMLError)):

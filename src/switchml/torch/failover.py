@@ -47,7 +47,10 @@ Turned on per group by rank 0's ``SWITCHML_FAILOVER=gloo``. Theory of operation:
 Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_over_gloo``,
 ``results_taken_from_peers``, ``results_given_to_peers``) and logged at WARNING. The
 ``quorum`` hook's buckets are the group's own all-reduces and fail over with it. Not done:
-failover of the ``switchml16`` hook's own path, and of ``switchml.torch.live``'s job.
+failover of ``switchml.torch.live``'s job. The ``switchml`` and ``switchml16`` hooks' buckets
+on a switchml group that fails over are numbered with its all-reduces (``allreduce_bucket``):
+over gloo a bucket is summed exactly in float32, and its error feedback cleared (nothing was
+rounded); a bucket taken from a peer keeps the feedback the switch path wrote.
 """
 
 from __future__ import annotations
@@ -100,12 +103,17 @@ LACKS, HAS, KEEPS = 0, 1, 2
 @dataclasses.dataclass
 class PendingOp:
     """A switch all-reduce the failover completes: its tensors, AVG or SUM, and how to
-    complete the user's work (``done(error_or_None)``)."""
+    complete the user's work (``done(error_or_None)``). ``bits`` and ``residual``: a DDP
+    hook's bucket (one float32 tensor) at the hook's wire width, with its error feedback
+    (float32, as many elements; the kernels write it in place); None: the group's rules
+    (``wire_bits``), no feedback."""
 
     seq: int
     tensors: list[torch.Tensor]
     average: bool
     done: Callable[[BaseException | None], None]
+    bits: int | None = None
+    residual: torch.Tensor | None = None
 
 
 SUM_AGAIN = -1  # ``transition``: no rank has the result; every rank sums it over gloo
@@ -572,6 +580,8 @@ class Failover:
             opts = _c10d.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
             self.gloo.allreduce([buf], opts).wait()
+            if op.residual is not None:  # an exact sum: no rounding error to feed back
+                op.residual.zero_()
             if op.average:
                 if buf.is_floating_point():
                     buf.div_(self.size)

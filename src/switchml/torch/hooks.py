@@ -112,11 +112,6 @@ class SwitchMLHookState:
         if isinstance(pg, SwitchMLProcessGroup):
             self.client = pg.client  # the group's own switch job
             self.group = pg
-            if pg.failover is not None and bits == 16:
-                log.warning("switchml16 hook on a group with SWITCHML_FAILOVER: the 16-bit "
-                            "buckets go through the switch job directly, and fail when the "
-                            "switch does (the group's own all-reduces, and the 32-bit hook's, "
-                            "go over gloo then)")
             return
         exchange = GroupExchange(pg)
         switch, secret, self._owns_switch = resolve_switch(exchange)
@@ -157,16 +152,6 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
     # 1. The flat bucket, divided by the world size (DDP does not pre-divide).
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
-    if (state.bits == 32 and buffer.dtype == torch.float32 and state.group is not None
-            and state.group.failover is not None):
-        # A switchml group that fails over to gloo: through the group's own all-reduce (the
-        # same switch job, the same 32 bits for float32), which goes over gloo when the
-        # switch is gone. (A half-type bucket takes the path below: the group would send it
-        # in 16 bits without error feedback.)
-        state.buckets += 1
-        state.bytes_sent += buffer.numel() * 4
-        fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
     # 2. A float32 contiguous CPU array to send (staged if the bucket is anything else).
     staged = StagedTensor(buffer, dtype=torch.float32)
     work = staged.flat
@@ -184,6 +169,19 @@ def switchml_hook(state: SwitchMLHookState, bucket: dist.GradBucket
         work.add_(residual)
     state.buckets += 1
     state.bytes_sent += work.numel() * state.bits // 8
+    if state.group is not None and state.group.failover is not None:
+        # A switchml group that fails over to gloo: the bucket is numbered with the group's
+        # all-reduces (the same switch job), and goes over gloo with them when the switch is
+        # gone (summed exactly there; its residual cleared).
+        fut = state.group.allreduce_bucket(work, bits=state.bits,
+                                           residual=residual).get_future()
+
+        def written(f: torch.futures.Future) -> torch.Tensor:
+            f.value()  # raises the all-reduce's error
+            staged.finish(state.world_size, average=False)
+            return buffer
+
+        return fut.then(written)
     # 4. Aggregate on the communication thread; the future resolves there.
     completer, future = failable_future()
     handle = state.client.allreduce_async(
