@@ -141,6 +141,89 @@ def test_a_rank_left_rounds_behind_gets_them_from_the_history():
     assert _send(sw, 2, firsts[2], now=6.0) == []  # a first transmission: no answer
 
 
+def _left_behind(history: int, ops: int):
+    """Ranks 0 and 1 (quorum 2 of 3, one slot) run ``ops`` one-chunk operations while rank 2,
+    in the first, hears nothing (its request and every result to it lost). Returns the
+    switch, rank 2's worker and its first request."""
+    from switchml.protocol.config import SwitchConfig
+    spec = JobSpec(job_id=9, token=77, num_workers=3, window=1, elements_per_packet=4,
+                   quorum=2)
+    sw = SwitchDataplane(SwitchConfig(quorum_history=history))
+    ws = []
+    for r in range(3):
+        w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
+        w.join(0.0)
+        exchange({_addr(r): w, SW: sw}, 0.0)
+        ws.append(w)
+    x = np.array([1, 20], np.int32)
+    ws[2].start_allreduce(x, np.empty_like(x), 0.0)
+    (first, _), = ws[2].datagrams_to_send(0.0)
+    for op in range(ops):
+        for r in (0, 1):
+            x = np.array([op + 1, 10 * r], np.int32)
+            ws[r].start_allreduce(x, np.empty_like(x), float(op))
+            (d, _), = ws[r].datagrams_to_send(float(op))
+            for res, a in _send(sw, r, bytes(d), now=float(op)):
+                if a != _addr(2):
+                    ws[[_addr(q) for q in range(3)].index(a)].receive_datagram(
+                        res, SW, float(op))
+    return sw, ws[2], bytes(first)
+
+
+@pytest.mark.parametrize("history", [0, 2])
+def test_a_resend_of_a_round_past_the_history_is_answered_gone_and_fails_at_once(history):
+    """Past the slot's history (``history`` rounds, after the two sets), rank 2's re-sent
+    first round is answered GONE, sealed, echoing it; rank 2's operation fails on it at once
+    with RoundGone, naming the round (it waited ``op_timeout_s`` before). Its first
+    transmission gets no answer; a round still in the history is answered with its result."""
+    from switchml.protocol.auth import reply_sealed
+    from switchml.protocol.events import OperationAborted
+    sw, w2, first = _left_behind(history, ops=history + 3)
+    assert _send(sw, 2, first, now=10.0) == []  # a first transmission: dropped as stale
+    (gone, a), = _send(sw, 2, _retry(first), now=10.5)
+    h, req = unpack_header(gone), unpack_header(first)
+    assert a == _addr(2) and h.type is MessageType.GONE and h.flags & Flags.AUTH
+    assert (h.seq, h.chunk, h.slot, h.set_bit, h.rank) == (req.seq, req.chunk, req.slot,
+                                                          req.set_bit, 2)
+    assert reply_sealed(w2._key, gone, h)
+    assert sw.stats()["rounds_gone_answered"] == 1
+    # A GONE whose sealed bytes were altered is dropped; an unsealed one too.
+    other = bytearray(gone)
+    other[wire.AT["chunk"]:wire.AT["chunk"] + 4] = (5).to_bytes(4, "little")
+    w2.receive_datagram(bytes(other), SW, 10.6)
+    unsealed = bytearray(gone[:wire.HEADER_SIZE])
+    unsealed[wire.AT["flags"]] &= ~Flags.AUTH
+    w2.receive_datagram(bytes(unsealed), SW, 10.6)
+    assert w2.state is WorkerState.BUSY and w2.drops["unauthenticated_reply"] == 2
+    w2.receive_datagram(gone, SW, 10.7)
+    assert w2.state is not WorkerState.BUSY and w2.counters["gone_received"] == 1
+    ev, = [e for e in iter(w2.next_event, None) if isinstance(e, OperationAborted)]
+    assert ev.gone and ev.seq == req.seq
+    assert "completed without this rank" in ev.reason and "rejoin" in ev.reason
+    # One operation fewer behind: the first round is still in the history (with none, in the
+    # shadow set), and answered with its result.
+    sw, _w2, first = _left_behind(history, ops=history + 2)
+    out = _send(sw, 2, _retry(first), now=10.5)
+    assert _result(out[0][0])[0].type is MessageType.RESULT
+    stats = sw.stats()
+    assert stats["rounds_gone_answered"] == 0
+    assert stats["old_results_answered" if history else "late_contributions"] == 1
+
+
+def test_a_stale_gone_about_a_chunk_whose_result_came_is_dropped():
+    """A sealed GONE that names the operation in flight but a chunk its lane is not waiting
+    for (its result came by another path) changes nothing (``stale_gone``)."""
+    from switchml.protocol.auth import seal_reply
+    from switchml.protocol.wire import Header, pack_header
+    sw, w2, first = _left_behind(0, ops=3)
+    req = unpack_header(first)
+    other_chunk = pack_header(Header(MessageType.GONE, req.job, rank=2, token=req.token,
+                                     seq=req.seq, chunk=req.chunk + 1, slot=req.slot,
+                                     set_bit=req.set_bit))
+    w2.receive_datagram(seal_reply(w2._key, other_chunk), SW, 10.0)
+    assert w2.state is WorkerState.BUSY and w2.drops["stale_gone"] == 1
+
+
 def test_a_resend_into_a_quorum_round_counts_once():
     sw, req = _job(n=4, quorum=3)
     _send(sw, 0, req[0])
@@ -255,9 +338,10 @@ def test_every_rank_ends_each_operation_with_the_same_sum_under_stragglers_and_l
     ranks its contributor count names (at least k); the on-time ranks always complete. A
     straggler that starts after the others finished and then loses one of the results the
     switch multicast cannot get it again (the switch has moved on): its operation fails with
-    a clear error, within the operation timeout (counted here, not hidden)."""
+    a clear error, RoundGone, as soon as it re-sends (the switch answers GONE; counted here,
+    not hidden)."""
     from switchml.protocol.config import WorkerConfig
-    from switchml.protocol.errors import OperationFailed
+    from switchml.protocol.errors import RoundGone
     from switchml.transport.memory import FaultModel, MemoryCluster, MemoryFabric
     n = data.draw(st.integers(3, 5), "n")
     k = data.draw(st.integers((n + 1) // 2, n - 1), "quorum")
@@ -295,7 +379,7 @@ def test_every_rank_ends_each_operation_with_the_same_sum_under_stragglers_and_l
             if h.exception() is None:
                 done[r] = h
             else:
-                assert r in after and isinstance(h.exception(), OperationFailed)
+                assert r in after and isinstance(h.exception(), RoundGone), h.exception()
                 alive.discard(r)  # its job failed: it takes no further part
         assert set(on_time) <= set(done)
         first = outs[on_time[0]]

@@ -122,7 +122,7 @@ def test_pack_header_out_of_range_field_raises_struct_error():
 def test_message_types_are_the_documented_numbers():
     assert {t.name: int(t) for t in MessageType} == {
         "REQUEST": 1, "RESULT": 2, "WAITING": 3, "UNKNOWN_JOB": 4, "MISMATCH": 5, "NACK": 6,
-        "JOIN": 18,
+        "GONE": 7, "JOIN": 18,
         "JOINED": 19, "LEAVE": 20, "LEFT": 21, "KEEPALIVE": 22, "CHALLENGE": 23, "REFUSED": 31,
     }
     assert {int(f) for f in (Flags.NONFINITE, Flags.HAS_DATA, Flags.HAS_EXP, Flags.RESENT)} == {
@@ -213,7 +213,7 @@ def test_bad_version(version):
     assert _reason(_raw(version=version)) == "bad_version"
 
 
-@pytest.mark.parametrize("mtype", [0, 7, 15, 16, 17, 24, 30, 32, 255])
+@pytest.mark.parametrize("mtype", [0, 8, 15, 16, 17, 24, 30, 32, 255])
 def test_bad_type(mtype):
     assert _reason(_raw(mtype=mtype)) == "bad_type"
 

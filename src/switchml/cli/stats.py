@@ -95,6 +95,8 @@ def _stats_table(url: str, now: dict, before: dict | None, dt: float) -> Table:
                       ("switchml_late_contributions_total", "late contributions (quorum)"),
                       ("switchml_old_results_answered_total",
                        "old results answered (quorum history)"),
+                      ("switchml_rounds_gone_answered_total",
+                       "rounds gone (past the history)"),
                       ("switchml_waiting_sent_total", "WAITING answers"),
                       ("switchml_mismatch_sent_total", "MISMATCH answers")):
         t.add_row(name, f"{now.get(key, 0):,.0f}", _counter_rate(now, before, dt, key))

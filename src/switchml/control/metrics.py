@@ -16,6 +16,8 @@ scraped, so the packet path pays nothing for it. Metric names:
   answered with its result) | counter | |
 | ``switchml_old_results_answered_total`` (quorum jobs: results of earlier rounds from a
   slot's history, to a rank left behind) | counter | |
+| ``switchml_rounds_gone_answered_total`` (quorum jobs: re-sends of rounds past a slot's
+  history, answered GONE) | counter | |
 | ``switchml_waiting_sent_total`` | counter | |
 | ``switchml_mismatch_sent_total`` (ranks disagreed about a chunk) | counter | |
 | ``switchml_nacks_sent_total`` (loss recovery: a rank was told to re-send) | counter | |
@@ -64,6 +66,9 @@ class SwitchCollector:
                 ("switchml_old_results_answered", "old_results_answered",
                  "Quorum jobs: results of earlier rounds sent from a slot's history to a rank "
                  "left behind"),
+                ("switchml_rounds_gone_answered", "rounds_gone_answered",
+                 "Quorum jobs: re-sends of rounds past a slot's history, answered GONE (the "
+                 "rank is too far behind)"),
                 ("switchml_waiting_sent", "waiting_sent",
                  "WAITING answers to retransmissions into open slots"),
                 ("switchml_mismatch_sent", "mismatch_sent",

@@ -27,6 +27,7 @@
 #define T_UNKNOWN_JOB 4
 #define T_MISMATCH 5
 #define T_NACK 6
+#define T_GONE 7
 #define T_JOIN 18
 #define T_JOINED 19
 #define T_LEAVE 20
@@ -209,7 +210,8 @@
 #define SC_OLD_ANSWERED 12
 #define SC_DEADLINE_COMPLETED 13
 #define SC_BAD_MAC 14
-#define SC_N 15
+#define SC_ROUNDS_GONE 15
+#define SC_N 16
 
 #define SS_DONE 0
 #define SS_OTHER 1
@@ -218,6 +220,7 @@
 #define SS_CONFLICT_ADDED 4
 #define SS_REPLIES_FULL 5
 #define SS_WAITING_GONE 6
+#define SS_ROUND_GONE 7
 
 #define A_DROP_STALE 0
 #define A_START_ROUND 1

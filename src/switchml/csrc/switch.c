@@ -591,7 +591,8 @@ static int64_t switch_requests(job_t *j, const uint8_t *d, int64_t dn, const int
         if (action == A_ANSWER_OLD) {
             int64_t hrow = find_old(j, &r);
             if (hrow < 0) {
-                action = A_DROP_STALE; /* gone from the history too */
+                code = SS_ROUND_GONE; /* gone from the history too: Python answers GONE */
+                break;
             } else {
                 write_old(j, rp, nnack, rank, &r, hrow);
                 j->cnt[SC_OLD_ANSWERED] += 1;

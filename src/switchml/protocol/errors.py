@@ -7,6 +7,7 @@ __all__ = [
     "LocalProtocolError",
     "OperationFailed",
     "RanksDisagree",
+    "RoundGone",
     "RemoteProtocolError",
     "SwitchMLError",
     "SwitchUnreachable",
@@ -46,6 +47,13 @@ class OperationFailed(SwitchMLError):
 class RanksDisagree(OperationFailed):
     """The ranks issued different operations (another size, dtype kind or bits): a script
     bug, reported by the switch at once (MISMATCH). No failover can help."""
+
+
+class RoundGone(OperationFailed):
+    """A quorum job's rank fell so far behind that a round it waits for completed without it
+    and left the switch's history (the switch answered GONE): its result cannot be had
+    again. The rank cannot go on in this job; it rejoins with a live rank's state
+    (``switchml.torch.live``: under torchrun, exit and be restarted as a replacement)."""
 
 
 class SwitchUnreachable(OperationFailed):

@@ -96,7 +96,8 @@ class OperationAborted:
     answering (or what disagreed). A driver fails the operation's handle with the exception
     :class:`~switchml.protocol.errors.OperationFailed` and this reason
     (:class:`~switchml.protocol.errors.SwitchUnreachable` when ``switch_silent``,
-    :class:`~switchml.protocol.errors.RanksDisagree` when ``disagree``)."""
+    :class:`~switchml.protocol.errors.RanksDisagree` when ``disagree``,
+    :class:`~switchml.protocol.errors.RoundGone` when ``gone``)."""
 
     seq: int
     reason: str
@@ -104,6 +105,8 @@ class OperationAborted:
     """No datagram at all came from the switch while the operation waited its timeout out."""
     disagree: bool = False
     """The switch said the ranks issued different operations (MISMATCH)."""
+    gone: bool = False
+    """The switch said a round this rank waits for is past its history (GONE)."""
 
 
 @dataclass(frozen=True, slots=True)

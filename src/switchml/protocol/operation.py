@@ -208,6 +208,14 @@ class Operation:
         elif self.in_place and self.out is not self.x:
             np.copyto(self.out, self.x)
 
+    def awaits(self, chunk: int, slot: int) -> bool:
+        """Whether packet ``chunk``, sent on switch slot ``slot``, is its lane's current one:
+        sent, and its result not in yet."""
+        if not 0 <= chunk < self.T:
+            return False
+        i = chunk % self.E
+        return bool(self.lane[K.LN.SLOT, i] == slot and self.lane[K.LN.CHUNK, i] == chunk)
+
     def landed_blocks(self) -> np.ndarray:
         """Which blocks' results are in ``out`` (a bool per block). Lane ``i`` carries packets
         ``i, i + E, ...`` one after another (a float operation's packet ``p`` holds block

@@ -39,6 +39,7 @@ from switchml.protocol.errors import (
     LocalProtocolError,
     OperationFailed,
     RanksDisagree,
+    RoundGone,
     SwitchMLError,
     SwitchUnreachable,
 )
@@ -352,7 +353,8 @@ class WorkerSession:
                 self.error = self.error or reason
             if handle is not None:
                 kind = (SwitchUnreachable if ev.switch_silent else
-                        RanksDisagree if ev.disagree else OperationFailed)
+                        RanksDisagree if ev.disagree else
+                        RoundGone if ev.gone else OperationFailed)
                 handle.resolve(kind(reason))
         elif isinstance(ev, Joined):
             self.joined = True

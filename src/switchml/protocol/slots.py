@@ -57,8 +57,9 @@ class SlotAction(IntEnum):
     ANSWER_OLD = 8
     """Quorum jobs: a request of an earlier round than the set's: a rank the quorum left
     behind. A retransmission (``RETRY``) is answered with that round's result if the slot's
-    history still holds it (``SwitchConfig.quorum_history``); anything else is dropped as
-    stale (the round's multicast reached the rank)."""
+    history still holds it (``SwitchConfig.quorum_history``), else with GONE (its result is
+    gone: the rank's operation fails at once, ``RoundGone``); a first transmission is dropped
+    as stale (the round's multicast reached the rank)."""
     ANSWER_LATE = 7
     """Quorum jobs: a first contribution to a round that completed without it. Not added. A
     retransmission (``RETRY``: the rank lost the round's multicast) gets the stored result (a

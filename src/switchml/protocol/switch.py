@@ -152,6 +152,7 @@ class SwitchDataplane(SwitchStats, SwitchReplies, SwitchControl):
         self._answers = {
             K.SS.WAITING_CONFLICT: self._waiting_conflict,
             K.SS.WAITING_GONE: self._waiting_gone,
+            K.SS.ROUND_GONE: self._round_gone,
             K.SS.MISMATCH: self._refuse_mismatch,
         }
 

@@ -120,6 +120,16 @@ class SwitchReplies:
         self._cnt[SC.WAITING_SENT] += 1
         self._cnt[SC.DUPLICATE] += 1
 
+    def _round_gone(self, job: Job, f: tuple, addr: Address) -> None:
+        """A quorum job's re-sent request of a round that completed without the sender and
+        is past its slot's history: GONE, echoing the request, sealed (a worker fails its
+        operation on it: it is too far behind to have that result again)."""
+        reply = Header(MessageType.GONE, job.job_id, rank=f[Field.RANK], token=job.token,
+                       seq=f[Field.SEQ], chunk=f[Field.CHUNK], slot=f[Field.SLOT],
+                       set_bit=f[Field.SET], count=0)
+        self._out.append((seal_reply(job.key, pack_header(reply)), addr))
+        self._cnt[SC.ROUNDS_GONE] += 1
+
     def _refuse_mismatch(self, job: Job, f: tuple, addr: Address) -> None:
         """The chunk disagrees with its round: refuse it."""
         self._drops["inconsistent_chunk"] += 1

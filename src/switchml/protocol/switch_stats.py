@@ -85,6 +85,7 @@ class SwitchStats:
             "results_resent": self.results_resent,
             "late_contributions": int(self._cnt[K.SC.LATE_ANSWERED]),
             "old_results_answered": int(self._cnt[K.SC.OLD_ANSWERED]),
+            "rounds_gone_answered": int(self._cnt[K.SC.ROUNDS_GONE]),
             "rounds_completed_at_deadline": int(self._cnt[K.SC.DEADLINE_COMPLETED]),
             "waiting_sent": self.waiting_sent,
             "mismatch_sent": self.mismatch_sent,

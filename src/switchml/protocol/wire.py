@@ -151,6 +151,12 @@ class MessageType(IntEnum):
     ``slot``, operation ``seq``) although later chunks of the receiver arrived: the worker
     re-sends what it has outstanding on that lane now (the chunk, or the one whose result
     releases it) instead of waiting for its timeout."""
+    GONE = 7
+    """Switch -> worker: header only, sealed, echoing a quorum job's re-sent request (``seq``,
+    ``chunk``, ``slot``, ``set``) of a round that completed without the sender and is past its
+    slot's history (``SwitchConfig.quorum_history`` rounds): its result is gone. The worker
+    fails the operation at once (``RoundGone``): it is too far behind to go on; it can rejoin
+    with a live rank's state."""
     JOIN = 18
     """Worker -> switch: rank joins job (creating it if unknown); ControlInfo, a cookie and a
     proof (``pack_join``); ``seq`` = first operation of the epoch. With no cookie (zeros) it
@@ -173,9 +179,11 @@ class MessageType(IntEnum):
 
 
 DATA_TYPES = frozenset({MessageType.REQUEST, MessageType.RESULT, MessageType.WAITING,
-                        MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.NACK})
+                        MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.NACK,
+                        MessageType.GONE})
 SEALED_TYPES = frozenset({MessageType.UNKNOWN_JOB, MessageType.MISMATCH, MessageType.JOINED,
-                          MessageType.LEFT, MessageType.REFUSED, MessageType.WAITING})
+                          MessageType.LEFT, MessageType.REFUSED, MessageType.WAITING,
+                          MessageType.GONE})
 """The switch's replies that may carry ``Flags.AUTH`` (docs/protocol.md, "Sealed replies"):
 every one of them does, except a WAITING that names no gone rank (the compiled loop writes
 those, and a worker reads them as a hint only)."""

@@ -150,6 +150,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
             MessageType.WAITING: self._handle_waiting,
             MessageType.MISMATCH: self._handle_mismatch,
             MessageType.NACK: self._handle_nack,
+            MessageType.GONE: self._handle_gone,
             MessageType.JOINED: self._handle_joined,
             MessageType.CHALLENGE: self._handle_challenge,
             MessageType.REFUSED: self._handle_refused,
@@ -550,13 +551,13 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
                 self.recovery.on_sent(op, i, now)
 
     def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL, *,
-              switch_silent: bool = False, disagree: bool = False) -> None:
+              switch_silent: bool = False, disagree: bool = False, gone: bool = False) -> None:
         """The operation in flight can't complete: ERROR, and OperationAborted."""
         self._move(what)
-        self._abort(reason, switch_silent=switch_silent, disagree=disagree)
+        self._abort(reason, switch_silent=switch_silent, disagree=disagree, gone=gone)
 
     def _abort(self, reason: str, *, switch_silent: bool = False,
-               disagree: bool = False) -> None:
+               disagree: bool = False, gone: bool = False) -> None:
         op = self._op
         assert op is not None
         self._spill(op)
@@ -564,7 +565,7 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
         self._op = None
         self.error = reason
         self._counters["operations_failed"] += 1
-        self._events.append(OperationAborted(op.seq, reason, switch_silent, disagree))
+        self._events.append(OperationAborted(op.seq, reason, switch_silent, disagree, gone))
 
     # -- Sending -----------------------------------------------------------------------------
 

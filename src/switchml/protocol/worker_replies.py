@@ -50,7 +50,7 @@ class WorkerReplies:
     _drops: Counter[str]
 
     def _fail(self, reason: str, what: WorkerInput = WorkerInput.FAIL, *,
-              switch_silent: bool = False, disagree: bool = False) -> None:
+              switch_silent: bool = False, disagree: bool = False, gone: bool = False) -> None:
         raise NotImplementedError
 
     def _send_chunk(self, op: Operation, p: int, now: float, *, retransmit: bool,
@@ -117,6 +117,24 @@ class WorkerReplies:
                        "it has heard nothing from for longer than its member timeout (no "
                        "request, no keep-alive) or which are no longer members: gone (dead, "
                        "or left); the operation cannot complete")
+
+    def _handle_gone(self, h: Header, data: Datagram, now: float) -> None:
+        """A round this rank re-sent for completed without it and is past the switch's history
+        (sealed: ``_receive_other`` dropped a forged one): if the operation in flight still
+        waits for that chunk's result, it can never have it; fail now, not after
+        ``op_timeout_s``."""
+        op = self._current_op(h, "stale_gone")
+        if op is None:
+            return
+        if not op.awaits(h.chunk, h.slot):  # (its result came meanwhile, by another path)
+            self._drops["stale_gone"] += 1
+            return
+        self._counters["gone_received"] += 1
+        self._fail(f"operation {op.seq} of job {self.spec.job_id} (rank {self.rank}): the round "
+                   f"of chunk {h.chunk} completed without this rank, and the switch at "
+                   f"{self._switch_text} no longer holds its result (past its history of "
+                   "earlier rounds): this rank is too far behind the quorum to go on in this "
+                   "job; rejoin with a live rank's state (switchml.torch.live)", gone=True)
 
     def _handle_nack(self, h: Header, data: Datagram, now: float) -> None:
         """The switch lacks chunk ``h.chunk`` of ours although later ones arrived: re-send

@@ -461,8 +461,8 @@ def switch_requests(d, starts, lens, srcs, nseg, start, now, jobv, st, seen, con
             action = A_DROP_LATE if action == A_ANSWER_LATE else A_DROP_STALE
         if action == A_ANSWER_OLD:
             row = _find_old(jobv, bufs, r)
-            if row < 0:
-                action = A_DROP_STALE  # gone from the history too
+            if row < 0:  # gone from the history too: Python answers GONE
+                return i, ndone, nnack, SS.ROUND_GONE.value
             else:
                 _write_old(jobv, bufs, replies, reply_meta, nnack, rank, r, row)
                 cnt[SC.OLD_ANSWERED] += 1

@@ -243,7 +243,8 @@ class SC(IntEnum):
     OLD_ANSWERED = 12  # requests of earlier rounds answered from the history (quorum jobs)
     DEADLINE_COMPLETED = 13  # rounds a quorum job's deadline completed with fewer than k
     BAD_MAC = 14  # requests whose MAC did not verify, or whose AUTH flag is not their job's
-    N = 15
+    ROUNDS_GONE = 15  # re-sends of rounds past a slot's history, answered GONE (quorum jobs)
+    N = 16
 
 
 class SS(IntEnum):
@@ -258,6 +259,8 @@ class SS(IntEnum):
     REPLIES_FULL = 5  # the replies written fill their buffer: the caller sends them, calls again
     WAITING_GONE = 6  # a retransmission into an open round that waits for a gone rank: Python
     #                   answers WAITING, sealed (a worker fails its operation on it)
+    ROUND_GONE = 7  # a quorum job's re-send of a round past the slot's history: Python answers
+    #                 GONE, sealed (a worker fails its operation on it)
 
 
 MAX_BATCH = 4096
