@@ -63,9 +63,11 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
         assert max(res[r]["step_s"]) < 2.0, res[r]["step_s"]  # nobody waited for rank 3
     # Rank 1 paused early on, fell more than 10 steps behind, and took a live rank's state
     # (skipping the steps between) rather than compute its way back; rank 2, a few steps
-    # behind, took those steps' sums without computing them.
+    # behind, took those steps' sums without computing them (how many depends on how far
+    # the others got meanwhile: with rank 3's replacement still catching up, the quorum of
+    # three waits for rank 2 too; one step, or two, in runs here).
     assert res[1]["stats"]["caught_up"] >= 1 and res[1]["skipped"] > 10, res[1]["stats"]
-    assert res[2]["not_computed"] >= 2 and res[2]["stats"]["caught_up"] == 0, res[2]["stats"]
+    assert res[2]["not_computed"] >= 1 and res[2]["stats"]["caught_up"] == 0, res[2]["stats"]
     # (the two replacements' requests and the catch-ups; the first replacement may have
     # caught up too before it failed, and reports nothing)
     assert sum(res[r]["stats"]["states_served"] for r in (0, 1, 2)) >= 2 + sum(
