@@ -97,3 +97,75 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
     return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats,
             "first_step_done_s": first_step_done_s, "skipped": skipped,
             "not_computed": not_computed}
+
+
+def failover_replica_main(q: Any, rank: int, world: int, store_port: int, switch: str,
+                          steps: int, die_step: int | None, replacement: bool,
+                          report_step: int, timeout_s: float) -> None:
+    """A replica of a live job with ``failover="gloo"`` (quorum ``world - 1``): ``steps``
+    steps 50 ms apart, saying ``("progress", rank, step)`` at ``report_step``; with
+    ``die_step``, it exits abruptly there (``("died", rank, step)``); a ``replacement``
+    starts from the live state. Reports ``("result", rank, ...)``: each step's seconds, the
+    final parameters and the stats."""
+    from torch_procs import exit_now
+    try:
+        q.put(("result", rank, _train_through_failover(
+            q, rank, world, store_port, switch, steps, die_step, replacement, report_step,
+            timeout_s)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put(("error", rank, traceback.format_exc()))
+    exit_now(q)
+
+
+def _train_through_failover(q: Any, rank: int, world: int, store_port: int, switch: str,
+                            steps: int, die_step: int | None, replacement: bool,
+                            report_step: int, timeout_s: float) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_procs import exit_now
+
+    from switchml.torch.live import LiveQuorum
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    live = LiveQuorum(store, rank, world, world - 1, switch=switch, replacement=replacement,
+                      timeout_s=timeout_s, failover="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = 0
+    if live.state is not None:
+        model.load_state_dict(live.state["model"])
+        opt.load_state_dict(live.state["opt"])
+        step = live.state["step"]
+    start_step = step
+    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets once DDP rebuilds them
+    live.register(ddp)
+    if replacement:
+        live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
+    step_s = []
+    while step < steps:
+        if step == die_step and not replacement:
+            exit_now(q, ("died", rank, step))
+        if step == report_step:
+            q.put(("progress", rank, step))
+        t0 = time.monotonic()
+        if live.skip_step():
+            opt.step()
+        else:
+            time.sleep(0.05)
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+        step_s.append(time.monotonic() - t0)
+        step += 1
+        live.serve(lambda step=step: {"model": model.state_dict(), "opt": opt.state_dict(),
+                                      "step": step})
+    params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    stats = live.stats()
+    live.close()
+    return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats}

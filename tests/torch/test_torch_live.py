@@ -75,3 +75,53 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
     # It contributed: once caught up (the others sleep before each step; it does not), its
     # chunks open the rounds.
     assert new["stats"]["results_left_out"] < new["stats"]["results_received"] / 2, new["stats"]
+
+
+def test_a_live_job_whose_switch_dies_goes_on_over_gloo_with_the_same_parameters():
+    """Three replicas (quorum 2) with ``failover="gloo"``; rank 2 dies at step 4 and its
+    replacement joins with the live state (its operations numbered from the live rank's
+    position). Once all three passed step 15, the switch is killed: within the timeout the
+    replicas agree who is alive, hand over the last results some lacked, and go on over a
+    gloo group of their own. Every one finishes with the same parameters, bit for bit, and no
+    step waited much longer than the timeout. (Before, every replica's all-reduce failed.)"""
+    import numpy as np
+    import torch.distributed as dist
+    world, steps, timeout_s = 3, 40, 3.0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    final: dict[int, tuple[str, object]] = {}
+    with tp.Procs(deadline_s=120) as procs:
+        switch_proc = procs.start(tp.switch_server_body, procs.q, 0)
+        kind, address, _pid = procs.get(timeout=30)
+        assert kind == "switch"
+        switch = f"{address[0]}:{address[1]}"
+        for r in range(world):
+            procs.start(live_procs.failover_replica_main, procs.q, r, world, store.port, switch,
+                        steps, 4 if r == 2 else None, False, 15, timeout_s)
+        reported: set[int] = set()
+        while len(reported) < world:
+            msg = procs.get(timeout=60)
+            if msg[0] == "died":
+                procs.start(live_procs.failover_replica_main, procs.q, 2, world, store.port,
+                            switch, steps, None, True, 15, timeout_s)
+            elif msg[0] == "progress":
+                reported.add(msg[1])
+            else:
+                final[msg[1]] = (msg[0], msg[2])
+                raise AssertionError(msg)
+        switch_proc.kill()
+        while len(final) < world:
+            msg = procs.get(timeout=60)
+            if msg[0] in ("result", "error"):
+                final[msg[1]] = (msg[0], msg[2])
+    assert all(kind == "result" for kind, _ in final.values()), final
+    res = {r: v for r, (_, v) in final.items()}
+    assert 4 <= res[2]["start_step"] < 15  # the replacement resumed from the live state
+    for r in range(world):
+        fo = res[r]["stats"]["failover"]
+        assert fo["switch_overs"] == 1 and fo["active"] and fo["error"] is None, fo
+        assert fo["ops_over_gloo"] > 0, fo
+        assert max(res[r]["step_s"]) < timeout_s + 3, res[r]["step_s"]
+        assert np.array_equal(res[r]["params"], res[0]["params"]), r
+    # before the kill the switch's sums held 2 of the 3 ranks (the quorum was in effect)
+    assert sum(res[r]["stats"]["allreduce_partial"] for r in range(world)) > 0

@@ -294,7 +294,8 @@ def _steps(a: dict[str, Any], ddp: Any, opt: Any, task: Any, model: Any,
             end = timed[3]
         if a.get("track_failover"):  # whether the step's all-reduces ended on gloo
             from switchml.torch import stats as switchml_stats
-            on_gloo.append(bool((switchml_stats().get("failover") or {}).get("active")))
+            fo = (live.stats() if live is not None else switchml_stats()).get("failover")
+            on_gloo.append(bool((fo or {}).get("active")))
         times.append(end - t0 - paused)
         walls.append(time.time())
         if live is not None:
@@ -392,7 +393,8 @@ def _live(a: dict[str, Any]) -> Any:
     return LiveQuorum(store, a["rank"], a["n"], a["quorum"],
                       replacement=bool(a.get("replacement")), timeout_s=a.get("timeout_s", 120),
                       window=a.get("window"), elements_per_packet=a.get("k"),
-                      state_secret=bytes.fromhex(a["state_secret"]))
+                      state_secret=bytes.fromhex(a["state_secret"]),
+                      failover=a.get("failover", "off"))
 
 
 def train(a: dict[str, Any]) -> None:
@@ -497,7 +499,7 @@ def _train_report(a: dict[str, Any], ddp: Any, model: Any, run: dict[str, Any],
     if a["backend"] == "switchml":
         from switchml.torch import stats as switchml_stats
         extra["failover"] = switchml_stats().get("failover")
-    return extra
+    return extra  # (switchml-live's failover: in ``live``, its stats)
 
 
 ROLES["train"] = train

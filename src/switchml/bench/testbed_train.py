@@ -150,8 +150,8 @@ class TrainBenchConfig:
         if self.kill_switch_at and doomed:
             raise ValueError(f"TrainBenchConfig.kill_switch_at: {', '.join(doomed)} would fail "
                              f"once the switch "
-                             "is gone (after the group's timeout); run gloo and "
-                             "switchml-failover")
+                             "is gone (after the group's timeout); run gloo, "
+                             "switchml-failover and switchml-live")
 
     @property
     def quorum_k(self) -> int:
@@ -206,8 +206,9 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     backend, mode, hook = TRAIN_SYSTEMS[system]
     live = hook == "live"  # (switchml-live, and torchft: replicas that come and go)
     quorum = cfg.quorum_k if hook in ("quorum", "live") else None
-    failover = system == "switchml-failover"
-    kill = bool(cfg.kill_switch_at and backend == "switchml" and switch_pid)
+    kill = bool(cfg.kill_switch_at and backend in ("switchml", "switchml-live") and switch_pid)
+    # (switchml-live goes on over gloo too where its switch is killed: LiveQuorum(failover=))
+    failover = system == "switchml-failover" or (kill and system == "switchml-live")
     # (a quorum job's results carry a bitmap of the ranks: chunks leave room for it)
     topo = tb.topology
     k = elements_for_mtu(cfg.mtu, trailer=(cfg.workers + 7) // 8 if quorum else 0)
@@ -229,7 +230,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
                if kill and r == 0 else {}),
             **({"quorum": quorum, "window": cfg.window or default_window(k), "k": k,
                 "replacement": replacement, "catch_up_steps": cfg.catch_up_steps,
-                "skip_behind": cfg.skip_behind, "state_secret": state_secret}
+                "skip_behind": cfg.skip_behind, "state_secret": state_secret,
+                "failover": "gloo" if failover else "off"}
                if live else {}),
             **({"host_ip": topo.worker_ip(r), "lighthouse": f"http://{topo.switch_ip(r)}:"
                 f"{train_torchft.LIGHTHOUSE_PORT}"} if backend == "torchft" else {}),
@@ -239,7 +241,7 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         def env_of(r: int) -> dict[str, str]:
             return _switchml_env(tb, r, f"{topo.switch_ip(r)}:{SWITCH_PORT}",
                                  cfg.window or default_window(k), k,
-                                 quorum if not live else None, failover,
+                                 quorum if not live else None, failover and not live,
                                  2.0 if failover and cfg.switch_back_after_s else 0.0)
         lighthouse = (train_torchft.start_lighthouse(tb, cfg.workers - 1)
                       if backend == "torchft" else None)
@@ -262,6 +264,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
     step_s = (times[-1] - times[half - 1]) / (len(times) - half)
     evals = lead.get("evals") or []
     killed = _around_the_kill(cfg, times, lead.get("on_gloo") or []) if kill else {}
+    if kill and live:  # (every replica's model, after its last step over gloo)
+        killed["replicas_identical"] = len({o.get("params_digest") for o in out}) == 1
     if replaced:
         killed = testbed_live.around_the_replacement(cfg, out, replaced)
     return {
@@ -272,7 +276,8 @@ def _train_once(tb: Testbed, cfg: TrainBenchConfig, model: str, system: str,
         "steps_not_computed": sum(o.get("steps_not_computed", 0) for o in out),
         "caught_up": sum((o.get("live") or {}).get("caught_up", 0) for o in out),
         "kill_switch_at": cfg.kill_switch_at if kill else 0,
-        "failover": lead.get("failover"), **killed,
+        "failover": lead.get("failover") or (lead.get("live") or {}).get("failover"),
+        **killed,
         "workers": cfg.workers, "rate_bps": cfg.rate_bps, "loss_rate": cfg.loss_rate,
         "mtu": cfg.mtu, "params": lead["params"], "steps": cfg.steps, "batch": batch,
         "step_s": step_s, "samples_per_s": batch * cfg.workers / step_s,

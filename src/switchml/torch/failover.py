@@ -150,17 +150,27 @@ class Failover:
         keep_bytes: the results kept for peers (at least the latest operation's).
         close_switch: closes the group's switch client (its pending operations fail).
         recycle: takes back a kept result's buffer once it is dropped.
+        roster: a job whose ranks come and go (``switchml.torch.live``): the ranks that go on
+            over gloo are agreed at the switch-over, not known before; called then (with the
+            reason), it returns this rank's place among them and their number, and the gloo
+            group is made of them. None: ``rank`` and ``size`` are the group's, for good.
+        stays: errors of the switch path that do not switch over (the user gets them).
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  *, keep_bytes: int, close_switch: Callable[[], None],
                  recycle: Callable[[torch.Tensor], None] = lambda t: None,
                  prefix: str = "switchml-failover", back: SwitchBack | None = None,
-                 probe_s: float = 0.0) -> None:
+                 probe_s: float = 0.0,
+                 roster: Callable[[str], tuple[int, int]] | None = None,
+                 stays: tuple[type[BaseException], ...] = ()) -> None:
         self.rank, self.size = rank, size
         self.gloo_timeout_s = timeout.total_seconds()
-        self.gloo = ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size,
-                                     timeout)
+        self._timeout = timeout
+        self._roster = roster
+        self._stays = stays
+        self.gloo: Any = None if roster is not None else ProcessGroupGloo(
+            dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
         self._store = store
         self._prefix_key = prefix
         self._epoch = 0  # switch-overs so far: each has a key of its own
@@ -251,7 +261,8 @@ class Failover:
         # ran); what they must agree on is that they switch. Where a rank is dead, the
         # failover's first gloo collective fails on every rank after the group's timeout,
         # naming this reason.
-        takeable = isinstance(error, SwitchMLError) and not isinstance(error, RanksDisagree)
+        takeable = (isinstance(error, SwitchMLError) and not isinstance(error, RanksDisagree)
+                    and not isinstance(error, self._stays))
         with self._cv:
             self._unresolved -= 1
             self._cv.notify_all()
@@ -285,6 +296,26 @@ class Failover:
                 return
         op.done(RuntimeError(error))
 
+    def number_from(self, seq: int) -> None:
+        """Number the next operation ``seq``: a live job's rank that resumed at another
+        rank's position (the operations before it are done, their effect in the state it
+        took). Call between operations, before the switch-over.
+
+        Raises:
+            RuntimeError: operations in flight, or switched over already.
+        """
+        with self._cv:
+            if self.active or self._unresolved or self._ops:
+                raise RuntimeError("number_from between operations, before a switch-over only")
+            self._next = self._prefix = seq
+            self._completed.clear()
+            dropped = [t for ts in self._kept.values() for t in ts]
+            self._kept.clear()
+            self._kept_bytes = 0
+            self._sizes.clear()
+        for t in dropped:
+            self._recycle(t)
+
     def stats(self) -> dict[str, Any]:
         with self._cv:
             return {"active": self.active, "error": self.error, **self.counters}
@@ -303,7 +334,8 @@ class Failover:
         if ready is not None and self._back is not None:
             self._back.close(ready[0])
         try:
-            self.gloo.shutdown()
+            if self.gloo is not None:
+                self.gloo.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
 
@@ -354,6 +386,15 @@ class Failover:
             # silent switch for up to ``leave_timeout_s``: not worth waiting for.
             threading.Thread(target=self._close_switch, name="switchml-failover-close",
                              daemon=True).start()
+            if self._roster is not None and self.gloo is None:
+                rank, size = self._roster(self.reason)
+                gloo = ProcessGroupGloo(dist.PrefixStore(f"{self._prefix_key}/gloo",
+                                                         self._store), rank, size,
+                                        self._timeout)
+                with self._cv:
+                    self.rank, self.size, self.gloo = rank, size, gloo
+                log.warning("switchml: this rank goes on over gloo as rank %d of %d", rank,
+                            size)
             self._switch_over()
         except BaseException as exc:  # noqa: BLE001 - every waiting operation hears of it
             with self._cv:

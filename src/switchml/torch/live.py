@@ -53,8 +53,15 @@ from switchml.control import decode_job_spec, encode_job_spec, new_job_spec
 from switchml.links import WarningBudget
 from switchml.protocol.address import Address, as_addresses, parse_addresses
 from switchml.protocol.config import WorkerConfig
-from switchml.protocol.errors import ConfigError, LocalProtocolError, OperationFailed
+from switchml.protocol.errors import (
+    ConfigError,
+    LocalProtocolError,
+    OperationFailed,
+    RoundGone,
+    SwitchMLError,
+)
 from switchml.protocol.worker_ahead import Position
+from switchml.torch.failover import Failover, PendingOp
 from switchml.torch.live_state import (
     NONCE_BYTES,
     check_listener,
@@ -63,7 +70,7 @@ from switchml.torch.live_state import (
     send_state,
 )
 from switchml.torch.staging import StagedTensor
-from switchml.torch.works import bucket_done, failable_future
+from switchml.torch.works import complete_elsewhere, failable_future
 from switchml.transport.udp import WorkerClient
 
 __all__ = ["LiveQuorum", "live_hook"]
@@ -100,6 +107,11 @@ class LiveQuorum:
             (``WorkerConfig.quorum_keep_bytes``); a rank further behind than this holds loses
             results it cannot get again, and fails after ``timeout_s``. Default 1 GiB: 26 of
             ncf's steps (9.6 M parameters), where a replacement resumes several steps behind.
+        failover: ``"gloo"``: when the switch stops answering for ``timeout_s``, the live
+            replicas go on over a gloo group of their own, with the same sums everywhere
+            (``torch/failover.py``; docs/torch.md, "A live job whose switch dies"); ``"off"``:
+            the all-reduce fails. Default ``SWITCHML_FAILOVER`` (off). Every replica must
+            choose the same.
 
     Raises:
         ConfigError: bad arguments, no switch, or a job in the store of another geometry.
@@ -112,7 +124,8 @@ class LiveQuorum:
                  timeout_s: float = 60.0, window: int | None = None,
                  elements_per_packet: int | None = None, prefix: str = "switchml/live",
                  keep_bytes: int = 1 << 30, state_host: str | None = None,
-                 state_secret: bytes | None = None, insecure: bool = False) -> None:
+                 state_secret: bytes | None = None, insecure: bool = False,
+                 failover: str | None = None) -> None:
         if not 0 <= rank < world:
             raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
         if not 1 <= quorum <= world:
@@ -141,6 +154,9 @@ class LiveQuorum:
         self.spec = spec
         if keep_bytes < 0:
             raise ConfigError(f"keep_bytes must be >= 0, got {keep_bytes}")
+        failover = env.failover() if failover is None else failover
+        if failover not in ("gloo", "off"):
+            raise ConfigError(f"failover must be 'gloo' or 'off', got {failover!r}")
         host, port = as_addresses(switch)[0]
         self.state_host = state_host or route_address(socket.gethostbyname(host), port)
         self.state_secret = state_secret if state_secret is not None else env.secret()
@@ -168,6 +184,15 @@ class LiveQuorum:
         self._receiving: threading.Thread | None = None
         self._receive_error: BaseException | None = None
         self._listener: socket.socket | None = None
+        self.failover: Failover | None = None
+        """Where the replicas go on over gloo when the switch dies (``failover="gloo"``)."""
+        if failover == "gloo":
+            keep = env.failover_keep_bytes()
+            self.failover = Failover(
+                store, rank, world, datetime.timedelta(seconds=timeout_s),
+                keep_bytes=keep if keep is not None else 256 << 20,
+                close_switch=self.client.close, prefix=f"{prefix}/failover",
+                roster=self._roster, stays=(RoundGone,))
         if replacement:  # asked now; received while the caller builds its model
             t0 = time.monotonic()
             try:
@@ -259,6 +284,8 @@ class LiveQuorum:
             self._listener = None
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
+        if self.failover is not None:  # numbered as the live ranks number their operations
+            self.failover.number_from(position.seqs[0])
         log.info("rank %d resumed the running job at operation %d", self.rank,
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
@@ -281,7 +308,8 @@ class LiveQuorum:
         on stays within a step of the others, at no cost to them."""
         self._wait_state()
         buckets = self._buckets()
-        if not buckets or not self._params or self.client.ops_behind() <= len(buckets):
+        if (not buckets or not self._params or self._failed_over()
+                or self.client.ops_behind() <= len(buckets)):
             return False
         for index in sorted(buckets):  # (DDP launches its buckets in index order)
             params = [self._params[i] for i in buckets[index]]
@@ -302,7 +330,8 @@ class LiveQuorum:
         What it costs the others: one live rank copies its state and streams it."""
         self._wait_state()
         per_step = len(self._buckets())
-        if not per_step or self.client.ops_behind() <= max_steps_behind * per_step:
+        if (not per_step or self._failed_over()
+                or self.client.ops_behind() <= max_steps_behind * per_step):
             return None
         self.client.catch_up()
         try:
@@ -331,6 +360,8 @@ class LiveQuorum:
         if self._step_layouts:  # the step's buckets, as its hook saw them, replace the last
             self._layouts, self._step_layouts = self._step_layouts, {}
             self._steps += 1
+        if self._failed_over():  # (no switch job to join: a replacement's request times out)
+            return False
         asked = self.store.add(f"{self.prefix}/joins", 0)
         if self._seen >= asked:
             return False
@@ -427,23 +458,128 @@ class LiveQuorum:
         divided by the ranks its sum holds. Returns it."""
         self._wait_state()
         staged = StagedTensor(tensor, dtype=torch.float32)
-        h = self.client.allreduce_async(staged.array, staged.array)
-        h.wait()
-        self._finish(staged, h)
+        box: list[BaseException | None] = []
+        finished = threading.Event()
+
+        def done(error: BaseException | None) -> None:
+            box.append(error)
+            finished.set()
+
+        self._submit(staged, done)
+        finished.wait()
+        if box[0] is not None:
+            raise box[0]
         return tensor
 
-    def _finish(self, staged: StagedTensor, handle: Any) -> None:
-        counts = handle.contributors
-        if counts is not None and counts.size and int(np.min(counts)) < self.world:
-            self.partial += 1
-        staged.finish(self.world, True, counts, handle.block)
+    def _submit(self, staged: StagedTensor, done: Callable[[BaseException | None], None]
+                ) -> None:
+        """Average ``staged`` across the replicas: through the switch, or over gloo once the
+        replicas switched over (``failover``); written back into the caller's tensor, then
+        ``done(None)``, or ``done(error)`` (its tensor as it was)."""
+        fo = self.failover
+        if fo is None:
+            h = self.client.allreduce_async(staged.array, staged.array)
+            h.add_done_callback(lambda h: done(self._settle(staged, h)))
+            return
+        seq, to_switch = fo.issue()
+
+        def completed_by_failover(error: BaseException | None) -> None:
+            if error is None:  # (the failover wrote the average, or a peer's copy of it)
+                try:
+                    staged.finish(self.world, False)
+                except Exception as exc:  # noqa: BLE001 - surfaced through ``done``
+                    error = exc
+            done(error)
+
+        pending = PendingOp(seq, [staged.flat], True, completed_by_failover)
+        if not to_switch:  # switched over: gloo, in order
+            fo.take(pending)
+            return
+        try:
+            h = self.client.allreduce_async(staged.array, staged.array)
+        except SwitchMLError as exc:  # (the client closed under us: a switch-over)
+            if not fo.failed(pending, exc):
+                raise
+            return
+
+        def through_switch(h: Any) -> None:
+            error = h.exception()
+            if error is None:
+                kept: list[torch.Tensor] = []
+                error = self._settle(staged, h, kept)
+                if error is None:
+                    fo.completed(seq, kept)
+                    done(None)
+                    return
+            if not fo.failed(pending, error):
+                done(error)
+
+        h.add_done_callback(through_switch)
+
+    def _settle(self, staged: StagedTensor, handle: Any,
+                kept: list[torch.Tensor] | None = None) -> BaseException | None:
+        """A switch all-reduce is done: write its average back (each element divided by the
+        ranks its sum holds; with ``kept``, a copy of it appended there, for the failover).
+        Returns its error, or the write-back's."""
+        error = handle.exception()
+        if error is not None:
+            return error
+        try:
+            counts = handle.contributors
+            if counts is not None and counts.size and int(np.min(counts)) < self.world:
+                self.partial += 1
+            final = staged.finish(self.world, True, counts, handle.block,
+                                  keep=kept is not None)
+            if kept is not None and final is not None:
+                kept.append(final)
+        except Exception as exc:  # noqa: BLE001 - surfaced by the caller
+            return exc
+        return None
+
+    def _roster(self, reason: str) -> tuple[int, int]:
+        """The failover's roster (``Failover(roster=)``): the live replicas that go on over
+        gloo, agreed through the store. Each says it is alive; once every rank of the job
+        did, or ``timeout_s`` after this one did (a dead rank never will), the first to look
+        writes the list, and every one takes it. Returns this rank's place in it and its
+        length.
+
+        Raises:
+            OperationFailed: this rank came after the list was written.
+        """
+        key = f"{self.prefix}/failover/roster"
+        self.store.set(f"{key}/alive/{self.rank}", b"1")
+        count = self.store.add(f"{key}/count", 1)
+        end = time.monotonic() + self.timeout_s
+        while count < self.world and time.monotonic() < end:
+            if self.store.check([f"{key}/list"]):
+                break  # written already
+            time.sleep(0.05)
+            count = self.store.add(f"{key}/count", 0)
+        alive = [r for r in range(self.world) if self.store.check([f"{key}/alive/{r}"])]
+        members = json.loads(self.store.compare_set(f"{key}/list", b"",
+                                                    json.dumps(alive).encode()))
+        if self.rank not in members:
+            raise OperationFailed(f"rank {self.rank} came too late to go on over gloo with the "
+                                  f"live replicas {members} ({reason})")
+        log.warning("rank %d: the switch is gone (%s); the live replicas %s go on over gloo",
+                    self.rank, reason, members)
+        return members.index(self.rank), len(members)
+
+    def _failed_over(self) -> bool:
+        """Whether the replicas went on over gloo: no switch job to serve, skip or catch up
+        in from then on."""
+        return self.failover is not None and self.failover.active
 
     def stats(self) -> dict[str, Any]:
-        """This rank's worker counters, the states it served and its partial sums."""
-        return {**self.client.counters, "states_served": self.served,
-                "caught_up": self.caught_up, "steps_skipped": self.skipped,
-                "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s,
-                "state_connections_refused": self.refused}
+        """This rank's worker counters, the states it served and its partial sums (and the
+        failover's counters, with ``failover="gloo"``)."""
+        out = {**self.client.counters, "states_served": self.served,
+               "caught_up": self.caught_up, "steps_skipped": self.skipped,
+               "allreduce_partial": self.partial, "joined_after_s": self.joined_after_s,
+               "state_connections_refused": self.refused}
+        if self.failover is not None:
+            out["failover"] = self.failover.stats()
+        return out
 
     def close(self) -> None:
         """Leave the job (a replacement still waiting for the state stops listening)."""
@@ -452,6 +588,8 @@ class LiveQuorum:
             listener.close()
         if self._receiving is not None:
             self._receiving.join(self.timeout_s)
+        if self.failover is not None:
+            self.failover.close()
         self.client.close()
 
 
@@ -475,9 +613,13 @@ def live_hook(state: "LiveQuorum", bucket: dist.GradBucket) -> torch.futures.Fut
         return future
     state._step_layouts[bucket.index()] = layout
     staged = StagedTensor(buffer, dtype=torch.float32)
-    handle = state.client.allreduce_async(staged.array, staged.array)
 
-    handle.add_done_callback(bucket_done(completer, buffer,
-                                         lambda h: state._finish(staged, h),
-                                         "switchml live hook"))
+    def done(error: BaseException | None) -> None:
+        complete_elsewhere(completer, buffer if error is None
+                           else RuntimeError(f"switchml live hook failed: {error}"))
+
+    try:
+        state._submit(staged, done)
+    except Exception as exc:  # noqa: BLE001 - refused: DDP hears of it through the future
+        done(exc)
     return future

@@ -120,8 +120,9 @@ def _fault_options(g: argparse._ArgumentGroup) -> None:
                          "skipped) (default 0: never)")
     g.add_argument("--kill-switch-at", type=int, default=0, metavar="STEP",
                     help="kill the switch (SIGKILL) as rank 0 starts this step of each "
-                         "switchml-failover run; the rows give the step times around it and "
-                         "the final metric (default 0: never)")
+                         "switchml-failover and switchml-live run (both go on over gloo: "
+                         "the live replicas with LiveQuorum(failover='gloo')); the rows give "
+                         "the step times around it and the final metric (default 0: never)")
     g.add_argument("--switch-back-after", type=float, default=0.0, metavar="SECONDS",
                     help="with --kill-switch-at: start a new switch at the same address this "
                          "long after the kill (the group probes every 2 s and goes back to "
@@ -191,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['kill_switch_at']}; steps took {_ms(before)} before, the longest "
                 f"{r['kill_stall_s']:.1f} s, then {_ms(after)} (switch-overs to gloo: "
                 f"{fo.get('switch_overs', 0)}; results taken from peers: "
-                f"{fo.get('results_taken_from_peers', 0)})")
+                f"{fo.get('results_taken_from_peers', 0)})"
+                + (f"; replicas identical: {r['replicas_identical']}"
+                   if "replicas_identical" in r else ""))
             if r.get("back_at_step") is not None:
                 console.print(f"{r['model']} {r['system']}: {r['steps_on_gloo']} steps on gloo; "
                               f"back on the switch at step {r['back_at_step']}, then "
