@@ -46,8 +46,11 @@ Turned on per group by rank 0's ``SWITCHML_FAILOVER=gloo``. Theory of operation:
 
 Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_over_gloo``,
 ``results_taken_from_peers``, ``results_given_to_peers``) and logged at WARNING. The
-``quorum`` hook's buckets are the group's own all-reduces and fail over with it. Not done:
-failover of ``switchml.torch.live``'s job. The ``switchml`` and ``switchml16`` hooks' buckets
+``quorum`` hook's buckets are the group's own all-reduces and fail over with it.
+``switchml.torch.live``'s replicas fail over too (``LiveQuorum(failover="gloo")``): they share
+no group, so the ranks that go on are agreed at the switch-over (``roster``) and the gloo
+group is made of them then; a replacement numbers its operations from the live rank's
+position (``number_from``); they do not go back. The ``switchml`` and ``switchml16`` hooks' buckets
 on a switchml group that fails over are numbered with its all-reduces (``allreduce_bucket``):
 over gloo a bucket is summed exactly in float32, and its error feedback cleared (nothing was
 rounded); a bucket taken from a peer keeps the feedback the switch path wrote.
