@@ -48,6 +48,23 @@ def test_a_calibration_file_round_trips_and_a_missing_one_is_said(tmp_path):
         load(tmp_path / "bad.json")
 
 
+def test_emulated_links_add_their_bytes_kernel_cost_by_hand(tmp_path):
+    c = Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9, link_byte_s=1e-9)
+    on = c.on_emulated_links(1500)
+    # a switchml datagram is a 1514-byte frame each way; a gloo element moved is 4 bytes out
+    # and 4 in, in 1448-byte segments of 1514-byte frames
+    assert on.worker_datagram_s == pytest.approx(1e-8 + 1514e-9)
+    assert on.gloo_element_s == pytest.approx(5e-9 + 8 * 1514 / 1448 * 1e-9)
+    assert (on.worker_element_s, on.switch_request_s, on.link_byte_s) == (2e-9, 3e-7, 0.0)
+    assert Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9).on_emulated_links(1500).worker_datagram_s == 1e-8
+    # a calibration written before the links were measured loads with none
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({k: v for k, v in c.to_dict().items() if k != "link_byte_s"}))
+    assert load(path).link_byte_s == 0.0
+    with pytest.raises(ValueError, match="link_byte_s must be a number >= 0"):
+        Costs(0, 0, 0, 0, 0, link_byte_s=-1)
+
+
 def test_without_a_calibration_the_reference_is_used_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert load() is REFERENCE and "switchml calibrate" in REFERENCE.source

@@ -17,10 +17,18 @@ Three measurements on loopback, each a few seconds:
 
 On loopback a sender's system call also delivers the datagram to the receiving socket, so
 each side's figure holds some of the other's kernel work, as on one machine it does.
+
+4. **The testbed's emulated links** (``--links``; root): two workers all-reduce through the
+   switch over the testbed's 1 Gbit/s links (veth pairs, tbf shapers, the switch's
+   namespace), and the whole machine's CPU per element (``/proc/stat``) is set against what
+   steps 1 and 2 charge the same work on loopback; what is left, over the bytes the links
+   carried, is the kernel's cost per byte of an emulated link (``Costs.link_byte_s``). Only
+   predictions of testbed runs charge it: a real network's NIC does that work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -126,11 +134,41 @@ def _solve(d: list[float], e: list[float], cpu: list[float]) -> tuple[float, flo
     return float(a), float(b)
 
 
+def link_byte_s(costs: Costs, *, workers: int = 2, mtu: int = 1500, rate_bps: float = 1e9,
+                size_bytes: int = 64 << 20, iters: int = 3) -> tuple[float, dict[str, Any]]:
+    """The testbed's emulated links' kernel CPU per byte (step 4 of the module's text), and
+    the figures it comes from. Needs root (the testbed).
+
+    Raises:
+        RuntimeError: the run failed, or measured no machine CPU (no ``/proc/stat``).
+    """
+    from switchml.bench.testbed import TestbedBenchConfig, run_testbed_allreduce
+    rows = run_testbed_allreduce(TestbedBenchConfig(
+        workers=workers, sizes_bytes=(size_bytes,), rate_bps=rate_bps, mtu=mtu, iters=iters,
+        warmup=1, systems=("switchml",)))
+    row = rows[0]
+    machine = row.get("machine_cpu_s_per_gelem")
+    if not machine:
+        raise RuntimeError(f"calibration: the testbed run measured no machine CPU: {row}")
+    k = elements_for_mtu(mtu)
+    per_element = machine * 1e-9  # the machine's CPU per element all-reduced
+    # What steps 1 and 2 charge one element on loopback: each worker sends and receives it
+    # (a k-th of a datagram each way), the switch takes it from every worker.
+    model = workers * costs.worker_s(1 / k, 1) + costs.switch_s(workers / k, workers)
+    link_bytes = workers * 2 * (mtu + 14) / k  # every worker's link, both ways
+    value = max(0.0, (per_element - model) / link_bytes)
+    return value, {"machine_cpu_ns_per_element": per_element * 1e9,
+                   "model_cpu_ns_per_element": model * 1e9,
+                   "link_bytes_per_element": link_bytes,
+                   "fraction_of_line_rate": row.get("fraction_of_line_rate")}
+
+
 def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
-              switch_seconds: float = 2.0,
+              switch_seconds: float = 2.0, links: bool = False,
               progress: Callable[[str], None] | None = None) -> Costs:
     """Measure this machine's :class:`~switchml.costs.Costs` (takes a few seconds per
-    measurement; the machine should be idle)."""
+    measurement; the machine should be idle). ``links``: also the testbed's emulated links
+    (root; about 20 s more)."""
     from switchml.bench.switchproc import SwitchProcess
 
     say = progress or (lambda _msg: None)
@@ -161,5 +199,11 @@ def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
         ge = _gloo_element_s(numel, ops)
     else:
         ge, source = REFERENCE.gloo_element_s, f"{source} (gloo: the reference machine's)"
-    return Costs(worker_datagram_s=wd, worker_element_s=we, switch_request_s=sd,
-                 switch_element_s=se, gloo_element_s=ge, source=source)
+    costs = Costs(worker_datagram_s=wd, worker_element_s=we, switch_request_s=sd,
+                  switch_element_s=se, gloo_element_s=ge, source=source)
+    if links:
+        say("the testbed's emulated links (two workers, 1 Gbit/s)")
+        per_byte, _figures = link_byte_s(costs)
+        costs = dataclasses.replace(costs, link_byte_s=per_byte,
+                                    source=f"{source}; emulated links measured on the testbed")
+    return costs

@@ -10,7 +10,12 @@ The model (docs/simulator.md, "CPU"):
   of it (the results it sends for it included); ``S`` shards share the requests evenly;
 * a **gloo rank** spends ``gloo_element_s`` per element it moves: a ring all-reduce of ``N``
   elements moves ``2 (n - 1) / n x N`` each way (TCP's cost, and the reduction of the half it
-  receives in the reduce-scatter).
+  receives in the reduce-scatter);
+* an **emulated link** (the testbed's: a veth pair, a tbf shaper, another namespace) costs the
+  kernel ``link_byte_s`` per byte it carries beyond what loopback costs, which the figures
+  above hold (``switchml calibrate --links``; 0 where not measured). A real network's NIC
+  does that work: only predictions of testbed runs (``predict --against``) charge it
+  (:meth:`Costs.on_emulated_links`).
 
 Where a user has not calibrated, :data:`REFERENCE` holds what ``switchml calibrate`` measured
 on this project's reference machine (2 cores, docs/benchmarks.md), and every output says so.
@@ -19,7 +24,7 @@ on this project's reference machine (2 cores, docs/benchmarks.md), and every out
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,9 @@ class Costs:
     gloo_element_s: float
     source: str = "given"
     """Where the figures come from (a file, the reference machine)."""
+    link_byte_s: float = 0.0
+    """An emulated link's kernel CPU per byte it carries, beyond loopback's (0: not measured,
+    or real links)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,6 +69,21 @@ class Costs:
         if workers < 2:
             return 0.0
         return numel * 2 * (workers - 1) / workers * self.gloo_element_s
+
+    def on_emulated_links(self, mtu: int) -> Costs:
+        """These costs with the emulated links' kernel work folded in, for a testbed run at
+        ``mtu`` (``link_byte_s`` per byte each way of a worker's link): a switchml worker's
+        per datagram (a full frame each way; the switch's side of the link is the same
+        bytes), a gloo rank's per element moved (four bytes out and four in, in TCP segments
+        of the MTU)."""
+        if not self.link_byte_s:
+            return self
+        frame = mtu + 14  # an IP packet of the MTU in an Ethernet frame on the veth
+        mss = mtu - 52  # TCP over IPv4 with timestamps
+        return replace(self, worker_datagram_s=self.worker_datagram_s + frame * self.link_byte_s,
+                       gloo_element_s=self.gloo_element_s
+                       + 8 * (mss + 52 + 14) / mss * self.link_byte_s,
+                       link_byte_s=0.0)
 
     def slowed(self, factor: float) -> Costs:
         """Every cost ``factor`` times as high (a process that gets ``1 / factor`` of a

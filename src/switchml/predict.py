@@ -386,7 +386,9 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
     """Predict every row of a ``switchml bench train`` run (its workload, batch, workers,
     rate, MTU) and set the prediction against the measured step: one dict per row, with the
     relative error. ``colocated``: profile with as many processes as the run had workers,
-    and charge their CPU on this machine's cores, which they and the switch shared."""
+    and charge their CPU on this machine's cores, which they and the switch shared. The
+    runs are the testbed's: its emulated links' kernel work is charged too, where ``switchml
+    calibrate --links`` measured it (``Costs.on_emulated_links``)."""
     costs = costs or load_costs()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     profiles: dict[tuple, Profile] = {}
@@ -400,13 +402,16 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
                 progress(f"profiling {r['model']} (batch {r['batch']}, {key[2]} at once)")
             profiles[key] = profile(r["model"], r["batch"], colocated=key[2])
         prof = profiles[key]
-        pred = predict(prof, workers=r["workers"], rate_bps=r["rate_bps"],
-                       mtu=r.get("mtu", 1500), systems=(r["system"],),
-                       res=Resources(costs, cores=cores if colocated else None))[0]
+        mtu = r.get("mtu", 1500)
+        pred = predict(prof, workers=r["workers"], rate_bps=r["rate_bps"], mtu=mtu,
+                       systems=(r["system"],),
+                       res=Resources(costs.on_emulated_links(mtu),
+                                     cores=cores if colocated else None))[0]
         out.append({"model": r["model"], "system": r["system"], "workers": r["workers"],
                     "rate_bps": r["rate_bps"], "measured_step_s": r["step_s"],
                     "predicted_step_s": pred.step_s, "error": pred.step_s / r["step_s"] - 1,
                     "predicted_exposed_s": pred.exposed_s, "compute_s": prof.compute_s,
                     "period_s": prof.period_s, "lockstep_s": prof.lockstep_s,
-                    "measured_compute_s": r.get("compute_step_s")})
+                    "measured_compute_s": r.get("compute_step_s"),
+                    "link_byte_s": costs.link_byte_s})
     return out

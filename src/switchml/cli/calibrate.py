@@ -24,6 +24,11 @@ def add_parser(sub: Subparsers) -> None:
                      help="where to write the calibration (default: ~/.cache/switchml/"
                           "calibration.json, where the other commands look)")
     cal.add_argument("--no-gloo", action="store_true", help="skip gloo (no torch needed)")
+    cal.add_argument("--links", action="store_true",
+                     help="also measure the testbed's emulated links (root: two workers over "
+                          "1 Gbit/s veth pairs and shapers, about 20 s): the kernel's CPU per "
+                          "byte beyond loopback's, which `predict --against` charges testbed "
+                          "runs (a real network's NICs do that work)")
     cal.set_defaults(func=run)
 
 
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     with console.status("calibrating") as status:
-        costs = calibrate(gloo=not args.no_gloo,
+        costs = calibrate(gloo=not args.no_gloo, links=args.links,
                           progress=lambda what: status.update(f"measuring {what}"))
     out = args.out or default_path()
     costs.save(out)
@@ -48,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         ("switch, per element of a request", f"{costs.switch_element_s * 1e9:.2f} ns"),
         ("gloo rank, per element moved", f"{costs.gloo_element_s * 1e9:.2f} ns"
          + ("" if not args.no_gloo else " (the reference machine's)")),
+        ("emulated link (testbed), per byte beyond loopback",
+         f"{costs.link_byte_s * 1e9:.3f} ns" if args.links else "not measured (--links)"),
     ]))
     print(f"written to {out}")
     return 0
