@@ -101,17 +101,19 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
 
 def failover_replica_main(q: Any, rank: int, world: int, store_port: int, switch: str,
                           steps: int, die_step: int | None, replacement: bool,
-                          report_step: int, timeout_s: float) -> None:
-    """A replica of a live job with ``failover="gloo"`` (quorum ``world - 1``): ``steps``
-    steps 50 ms apart, saying ``("progress", rank, step)`` at ``report_step``; with
-    ``die_step``, it exits abruptly there (``("died", rank, step)``); a ``replacement``
-    starts from the live state. Reports ``("result", rank, ...)``: each step's seconds, the
-    final parameters and the stats."""
+                          report_step: int, timeout_s: float,
+                          die_after_back: int | None = None) -> None:
+    """A replica of a live job with ``failover="gloo"`` (quorum ``world - 1``, probing for
+    the switch's return every second): ``steps`` steps 50 ms apart, saying ``("progress",
+    rank, step)`` at ``report_step``; with ``die_step`` (an original replica), it exits
+    abruptly there, with ``die_after_back`` that many steps after the job went back to the
+    switch (``("died", rank, step)``); a ``replacement`` starts from the live state. Reports
+    ``("result", rank, ...)``: each step's seconds, the final parameters and the stats."""
     from torch_procs import exit_now
     try:
         q.put(("result", rank, _train_through_failover(
             q, rank, world, store_port, switch, steps, die_step, replacement, report_step,
-            timeout_s)))
+            timeout_s, die_after_back)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put(("error", rank, traceback.format_exc()))
     exit_now(q)
@@ -119,7 +121,8 @@ def failover_replica_main(q: Any, rank: int, world: int, store_port: int, switch
 
 def _train_through_failover(q: Any, rank: int, world: int, store_port: int, switch: str,
                             steps: int, die_step: int | None, replacement: bool,
-                            report_step: int, timeout_s: float) -> dict[str, Any]:
+                            report_step: int, timeout_s: float, die_after_back: int | None
+                            ) -> dict[str, Any]:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -132,7 +135,7 @@ def _train_through_failover(q: Any, rank: int, world: int, store_port: int, swit
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=30))
     live = LiveQuorum(store, rank, world, world - 1, switch=switch, replacement=replacement,
-                      timeout_s=timeout_s, failover="gloo")
+                      timeout_s=timeout_s, failover="gloo", failover_probe_s=1.0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -147,8 +150,14 @@ def _train_through_failover(q: Any, rank: int, world: int, store_port: int, swit
     if replacement:
         live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
     step_s = []
+    back_at = None
     while step < steps:
         if step == die_step and not replacement:
+            exit_now(q, ("died", rank, step))
+        if back_at is None and live.stats()["failover"].get("switch_backs"):
+            back_at = step
+        if die_after_back is not None and back_at is not None \
+                and step == back_at + die_after_back:
             exit_now(q, ("died", rank, step))
         if step == report_step:
             q.put(("progress", rank, step))
@@ -168,4 +177,5 @@ def _train_through_failover(q: Any, rank: int, world: int, store_port: int, swit
     params = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     stats = live.stats()
     live.close()
-    return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats}
+    return {"params": params, "step_s": step_s, "start_step": start_step, "stats": stats,
+            "back_at": back_at}

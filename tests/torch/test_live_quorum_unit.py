@@ -94,4 +94,4 @@ def test_a_live_job_whose_switch_dies_goes_on_over_gloo_without_its_dead_rank():
         fo = q.stats()["failover"]
         assert fo["switch_overs"] == 1 and fo["active"] and fo["ops_over_gloo"] == 1, fo
         q.close()
-    assert json.loads(store.get("switchml/live/failover/roster/list")) == [0, 1]
+    assert json.loads(store.get("switchml/live/failover/roster/0/list")) == [0, 1]

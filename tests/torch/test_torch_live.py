@@ -7,6 +7,7 @@ a running job (before live membership, every job did)."""
 from __future__ import annotations
 
 import datetime
+import time
 
 import live_procs
 import pytest
@@ -77,51 +78,70 @@ def test_a_replacement_joins_the_running_job_with_the_live_state():
     assert new["stats"]["results_left_out"] < new["stats"]["results_received"] / 2, new["stats"]
 
 
-def test_a_live_job_whose_switch_dies_goes_on_over_gloo_with_the_same_parameters():
+def test_a_live_job_goes_on_over_gloo_when_its_switch_dies_and_back_when_it_returns():
     """Three replicas (quorum 2) with ``failover="gloo"``; rank 2 dies at step 4 and its
     replacement joins with the live state (its operations numbered from the live rank's
     position). Once all three passed step 15, the switch is killed: within the timeout the
     replicas agree who is alive, hand over the last results some lacked, and go on over a
-    gloo group of their own. Every one finishes with the same parameters, bit for bit, and no
-    step waited much longer than the timeout. (Before, every replica's all-reduce failed.)"""
+    gloo group of their own. A new switch comes up at the same address two seconds after
+    the switch-over; the first of them opens a fresh job there, and all go back to it. Ten
+    steps later the replacement dies too, and a second replacement joins the fresh job (its
+    spec, the failover's epoch and numbering from the store). Every replica finishes with the
+    same parameters, bit for bit, and no step waited much longer than the timeout. (Before,
+    every replica's all-reduce failed when the switch died.)"""
     import numpy as np
     import torch.distributed as dist
-    world, steps, timeout_s = 3, 40, 3.0
+    world, steps, timeout_s = 3, 200, 3.0
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     final: dict[int, tuple[str, object]] = {}
-    with tp.Procs(deadline_s=120) as procs:
-        switch_proc = procs.start(tp.switch_server_body, procs.q, 0)
+    with tp.Procs(deadline_s=150) as procs:
+        port = tp.free_port()
+        switch_proc = procs.start(tp.switch_server_body, procs.q, port)
         kind, address, _pid = procs.get(timeout=30)
         assert kind == "switch"
         switch = f"{address[0]}:{address[1]}"
+
+        def replica(r, die_step=None, replacement=False, die_after_back=None):
+            procs.start(live_procs.failover_replica_main, procs.q, r, world, store.port,
+                        switch, steps, die_step, replacement, 15, timeout_s, die_after_back)
+
         for r in range(world):
-            procs.start(live_procs.failover_replica_main, procs.q, r, world, store.port, switch,
-                        steps, 4 if r == 2 else None, False, 15, timeout_s)
+            replica(r, die_step=4 if r == 2 else None)
         reported: set[int] = set()
-        while len(reported) < world:
-            msg = procs.get(timeout=60)
+        deaths = 0
+        while len(final) < world:
+            msg = procs.get(timeout=90)
             if msg[0] == "died":
-                procs.start(live_procs.failover_replica_main, procs.q, 2, world, store.port,
-                            switch, steps, None, True, 15, timeout_s)
+                deaths += 1  # the first replacement dies after the switch's return
+                replica(2, replacement=True, die_after_back=10 if deaths == 1 else None)
             elif msg[0] == "progress":
                 reported.add(msg[1])
+                if len(reported) == world:
+                    switch_proc.kill()
+                    time.sleep(timeout_s + 2.0)  # (the replicas are on gloo by then)
+                    second = procs.start(tp.switch_server_body, procs.q, port)
+                    kind, again, _pid = procs.get(timeout=30)
+                    assert kind == "switch" and tuple(again) == tuple(address), again
             else:
                 final[msg[1]] = (msg[0], msg[2])
-                raise AssertionError(msg)
-        switch_proc.kill()
-        while len(final) < world:
-            msg = procs.get(timeout=60)
-            if msg[0] in ("result", "error"):
-                final[msg[1]] = (msg[0], msg[2])
+        second.kill()
     assert all(kind == "result" for kind, _ in final.values()), final
+    assert deaths == 2
     res = {r: v for r, (_, v) in final.items()}
-    assert 4 <= res[2]["start_step"] < 15  # the replacement resumed from the live state
-    for r in range(world):
+    for r in (0, 1):
         fo = res[r]["stats"]["failover"]
-        assert fo["switch_overs"] == 1 and fo["active"] and fo["error"] is None, fo
-        assert fo["ops_over_gloo"] > 0, fo
+        assert fo["switch_overs"] == 1 and fo["switch_backs"] == 1, fo
+        assert not fo["active"] and fo["error"] is None and fo["ops_over_gloo"] > 0, fo
         assert max(res[r]["step_s"]) < timeout_s + 3, res[r]["step_s"]
+        assert res[r]["back_at"] is not None and res[r]["back_at"] < steps - 30
+    new = res[2]  # the second replacement: it joined the fresh job, after the way back
+    assert new["start_step"] > res[0]["back_at"], (new["start_step"], res[0]["back_at"])
+    assert new["stats"]["failover"].get("switch_overs", 0) == 0
+    assert new["stats"]["results_left_out"] < new["stats"]["results_received"], new["stats"]
+    for r in range(world):
         assert np.array_equal(res[r]["params"], res[0]["params"]), r
-    # before the kill the switch's sums held 2 of the 3 ranks (the quorum was in effect)
-    assert sum(res[r]["stats"]["allreduce_partial"] for r in range(world)) > 0
+        # the same numbers for the same all-reduces: the replacements numbered theirs from
+        # the live rank's position, in the fresh job from the store's offset
+        assert res[r]["stats"]["failover"]["numbered"] == res[0]["stats"]["failover"][
+            "numbered"], (r, res[r]["stats"]["failover"])

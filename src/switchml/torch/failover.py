@@ -50,7 +50,8 @@ Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_ov
 ``switchml.torch.live``'s replicas fail over too (``LiveQuorum(failover="gloo")``): they share
 no group, so the ranks that go on are agreed at the switch-over (``roster``) and the gloo
 group is made of them then; a replacement numbers its operations from the live rank's
-position (``number_from``); they do not go back. The ``switchml`` and ``switchml16`` hooks' buckets
+position (``number_from``), and the live layer says in the store where a fresh job's
+numbering starts. The ``switchml`` and ``switchml16`` hooks' buckets
 on a switchml group that fails over are numbered with its all-reduces (``allreduce_bucket``):
 over gloo a bucket is summed exactly in float32, and its error feedback cleared (nothing was
 rounded); a bucket taken from a peer keeps the feedback the switch path wrote.
@@ -154,10 +155,12 @@ class Failover:
         close_switch: closes the group's switch client (its pending operations fail).
         recycle: takes back a kept result's buffer once it is dropped.
         roster: a job whose ranks come and go (``switchml.torch.live``): the ranks that go on
-            over gloo are agreed at the switch-over, not known before; called then (with the
-            reason), it returns this rank's place among them and their number, and the gloo
-            group is made of them. None: ``rank`` and ``size`` are the group's, for good.
+            over gloo are agreed at each switch-over, not known before; called then (with the
+            switch-over's number and the reason), it returns this rank's place among them and
+            their number, and a gloo group is made of them. None: ``rank`` and ``size`` are
+            the group's, for good.
         stays: errors of the switch path that do not switch over (the user gets them).
+        epoch: switch-overs the job had before this rank came (a live job's replacement).
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
@@ -165,8 +168,8 @@ class Failover:
                  recycle: Callable[[torch.Tensor], None] = lambda t: None,
                  prefix: str = "switchml-failover", back: SwitchBack | None = None,
                  probe_s: float = 0.0,
-                 roster: Callable[[str], tuple[int, int]] | None = None,
-                 stays: tuple[type[BaseException], ...] = ()) -> None:
+                 roster: Callable[[int, str], tuple[int, int]] | None = None,
+                 stays: tuple[type[BaseException], ...] = (), epoch: int = 0) -> None:
         self.rank, self.size = rank, size
         self.gloo_timeout_s = timeout.total_seconds()
         self._timeout = timeout
@@ -176,8 +179,8 @@ class Failover:
             dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
         self._store = store
         self._prefix_key = prefix
-        self._epoch = 0  # switch-overs so far: each has a key of its own
-        self._key = f"{prefix}/switched/0"
+        self._epoch = epoch  # switch-overs so far: each has a key of its own
+        self._key = f"{prefix}/switched/{epoch}"
         self.keep_bytes = keep_bytes
         self._close_switch = close_switch
         self._recycle = recycle
@@ -319,9 +322,18 @@ class Failover:
         for t in dropped:
             self._recycle(t)
 
-    def stats(self) -> dict[str, Any]:
+    @property
+    def epoch(self) -> int:
+        """Switch-overs so far (each announced under a key of its own)."""
         with self._cv:
-            return {"active": self.active, "error": self.error, **self.counters}
+            return self._epoch
+
+    def stats(self) -> dict[str, Any]:
+        """``active``, ``error``, the counters, and ``numbered``: the next operation's number
+        (equal on every rank between the same operations, as the hand-over needs)."""
+        with self._cv:
+            return {"active": self.active, "error": self.error, "numbered": self._next,
+                    **self.counters}
 
     def close(self) -> None:
         """Stop the threads (the group is being destroyed)."""
@@ -379,6 +391,11 @@ class Failover:
         self._thread = threading.Thread(target=self._run, name="switchml-failover",
                                         daemon=True)
         self._thread.start()
+        if self._roster is None:  # (with a roster: once it says who is rank 0)
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        """Rank 0 of the ranks on gloo probes for the switch's return."""
         if self.rank == 0 and self._back is not None and self.probe_s > 0:
             threading.Thread(target=self._probe, args=(self._epoch,),
                              name="switchml-failover-probe", daemon=True).start()
@@ -389,15 +406,18 @@ class Failover:
             # silent switch for up to ``leave_timeout_s``: not worth waiting for.
             threading.Thread(target=self._close_switch, name="switchml-failover-close",
                              daemon=True).start()
-            if self._roster is not None and self.gloo is None:
-                rank, size = self._roster(self.reason)
-                gloo = ProcessGroupGloo(dist.PrefixStore(f"{self._prefix_key}/gloo",
-                                                         self._store), rank, size,
-                                        self._timeout)
+            if self._roster is not None:  # who goes on, and a gloo group of them
+                rank, size = self._roster(self._epoch, self.reason)
+                gloo = ProcessGroupGloo(dist.PrefixStore(
+                    f"{self._prefix_key}/gloo/{self._epoch}", self._store), rank, size,
+                    self._timeout)
                 with self._cv:
-                    self.rank, self.size, self.gloo = rank, size, gloo
+                    old, self.rank, self.size, self.gloo = self.gloo, rank, size, gloo
+                if old is not None:
+                    old.shutdown()
                 log.warning("switchml: this rank goes on over gloo as rank %d of %d", rank,
                             size)
+                self._start_probe()
             self._switch_over()
         except BaseException as exc:  # noqa: BLE001 - every waiting operation hears of it
             with self._cv:

@@ -32,6 +32,7 @@ Example (every replica, and each replacement with ``replacement=True``)::
 """
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import dataclasses
 import datetime
 import json
 import logging
@@ -61,7 +62,7 @@ from switchml.protocol.errors import (
     SwitchMLError,
 )
 from switchml.protocol.worker_ahead import Position
-from switchml.torch.failover import Failover, PendingOp
+from switchml.torch.failover import Failover, PendingOp, SwitchBack
 from switchml.torch.live_state import (
     NONCE_BYTES,
     check_listener,
@@ -76,6 +77,14 @@ from switchml.transport.udp import WorkerClient
 __all__ = ["LiveQuorum", "live_hook"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _LiveOp(PendingOp):
+    """A live job's all-reduce, as the failover holds it: with its staged tensor, which the
+    switch path writes the average into (``LiveQuorum._through_switch``)."""
+
+    staged: StagedTensor | None = None
 
 
 class LiveQuorum:
@@ -112,6 +121,9 @@ class LiveQuorum:
             (``torch/failover.py``; docs/torch.md, "A live job whose switch dies"); ``"off"``:
             the all-reduce fails. Default ``SWITCHML_FAILOVER`` (off). Every replica must
             choose the same.
+        failover_probe_s: while on gloo, how often the first of the living replicas tries
+            to open a fresh job at the switch; once it can, they all go back to it. Default
+            ``SWITCHML_FAILOVER_PROBE_S`` (10 s; 0: never).
 
     Raises:
         ConfigError: bad arguments, no switch, or a job in the store of another geometry.
@@ -125,7 +137,7 @@ class LiveQuorum:
                  elements_per_packet: int | None = None, prefix: str = "switchml/live",
                  keep_bytes: int = 1 << 30, state_host: str | None = None,
                  state_secret: bytes | None = None, insecure: bool = False,
-                 failover: str | None = None) -> None:
+                 failover: str | None = None, failover_probe_s: float | None = None) -> None:
         if not 0 <= rank < world:
             raise ConfigError(f"rank must be in 0..{world - 1}, got {rank}")
         if not 1 <= quorum <= world:
@@ -161,9 +173,10 @@ class LiveQuorum:
         self.state_host = state_host or route_address(socket.gethostbyname(host), port)
         self.state_secret = state_secret if state_secret is not None else env.secret()
         check_listener(self.state_host, self.state_secret, insecure=insecure)
-        self.client = WorkerClient(switch, spec, rank, WorkerConfig(
-            op_timeout_s=timeout_s, join_timeout_s=timeout_s, secret=env.secret(),
-            quorum_keep_bytes=keep_bytes), late_join=replacement)
+        self._switch = switch
+        self._config = WorkerConfig(op_timeout_s=timeout_s, join_timeout_s=timeout_s,
+                                    secret=env.secret(), quorum_keep_bytes=keep_bytes)
+        self.client = WorkerClient(switch, spec, rank, self._config, late_join=replacement)
         self._seen = 0  # replacements' requests looked at (``serve``)
         self.served = 0
         self.caught_up = 0  # ``catch_up``s that took a live rank's state
@@ -186,13 +199,21 @@ class LiveQuorum:
         self._listener: socket.socket | None = None
         self.failover: Failover | None = None
         """Where the replicas go on over gloo when the switch dies (``failover="gloo"``)."""
+        self._seq_offset = 0  # the failover's number of the job's operation 0 (``_back``)
+        self._installed = False  # a fresh job was installed; its first operation not sent yet
         if failover == "gloo":
             keep = env.failover_keep_bytes()
+            # Where the job went back to the switch (a replacement's, from the store): the
+            # failover's epoch, and its number of the fresh job's first operation.
+            epoch = self._stored_int(f"{prefix}/failover/epoch") if replacement else 0
+            self._seq_offset = self._stored_int(f"{prefix}/seq_offset") if replacement else 0
             self.failover = Failover(
                 store, rank, world, datetime.timedelta(seconds=timeout_s),
                 keep_bytes=keep if keep is not None else 256 << 20,
-                close_switch=self.client.close, prefix=f"{prefix}/failover",
-                roster=self._roster, stays=(RoundGone,))
+                close_switch=lambda: self.client.close(), prefix=f"{prefix}/failover",
+                roster=self._roster, stays=(RoundGone,), epoch=epoch, back=self._back(),
+                probe_s=env.failover_probe_s() if failover_probe_s is None
+                else failover_probe_s)
         if replacement:  # asked now; received while the caller builds its model
             t0 = time.monotonic()
             try:
@@ -285,7 +306,7 @@ class LiveQuorum:
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
         if self.failover is not None:  # numbered as the live ranks number their operations
-            self.failover.number_from(position.seqs[0])
+            self.failover.number_from(self._seq_offset + position.seqs[0])
         log.info("rank %d resumed the running job at operation %d", self.rank,
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
@@ -483,38 +504,81 @@ class LiveQuorum:
             return
         seq, to_switch = fo.issue()
 
-        def completed_by_failover(error: BaseException | None) -> None:
-            if error is None:  # (the failover wrote the average, or a peer's copy of it)
+        def op_done(error: BaseException | None) -> None:
+            if error is None:  # (over gloo, or a peer's copy: the values are in ``staged``)
                 try:
                     staged.finish(self.world, False)
                 except Exception as exc:  # noqa: BLE001 - surfaced through ``done``
                     error = exc
             done(error)
 
-        pending = PendingOp(seq, [staged.flat], True, completed_by_failover)
+        op = _LiveOp(seq, [staged.flat], True, op_done, staged=staged)
         if not to_switch:  # switched over: gloo, in order
-            fo.take(pending)
+            fo.take(op)
             return
         try:
-            h = self.client.allreduce_async(staged.array, staged.array)
+            self._through_switch(op)
         except SwitchMLError as exc:  # (the client closed under us: a switch-over)
-            if not fo.failed(pending, exc):
+            if not fo.failed(op, exc):
                 raise
-            return
 
-        def through_switch(h: Any) -> None:
-            error = h.exception()
+    def _through_switch(self, op: "_LiveOp") -> None:
+        """``op`` through the switch job; its result kept for the failover's hand-over.
+
+        Raises:
+            SwitchMLError: the client refused it (closed).
+        """
+        fo = self.failover
+        assert fo is not None and op.staged is not None
+        staged = op.staged
+        h = self.client.allreduce_async(staged.array, staged.array)
+
+        def settled(h: Any) -> None:
+            kept: list[torch.Tensor] = []
+            error = self._settle(staged, h, kept)
             if error is None:
-                kept: list[torch.Tensor] = []
-                error = self._settle(staged, h, kept)
-                if error is None:
-                    fo.completed(seq, kept)
-                    done(None)
-                    return
-            if not fo.failed(pending, error):
-                done(error)
+                fo.completed(op.seq, kept)
+                op.done(None)
+            elif not fo.failed(op, error):
+                op.done(error)
 
-        h.add_done_callback(through_switch)
+        h.add_done_callback(settled)
+
+    def _back(self) -> SwitchBack:
+        """How the replicas on gloo go back to the switch (``Failover(back=)``): the first of
+        them opens a fresh job like this one at the switch; the others join it; each installs
+        it, and the operations from then on go through it. The store then names the fresh
+        job, the failover's epoch, and its number of the job's first operation, for
+        replacements to come."""
+        def open_job(text: str | None) -> tuple[WorkerClient, str]:
+            spec = decode_job_spec(text) if text else new_job_spec(
+                self.world, switch=self._switch, quorum=self.quorum, window=self.spec.window,
+                elements_per_packet=self.spec.elements_per_packet)
+            probe = dataclasses.replace(self._config,
+                                        join_timeout_s=min(self.timeout_s, 2.0))
+            return WorkerClient(self._switch, spec, self.rank, probe), encode_job_spec(spec)
+
+        def install(client: WorkerClient) -> None:
+            self.client, self.spec, self._installed = client, client.spec, True
+
+        def submit(op: PendingOp) -> None:
+            assert isinstance(op, _LiveOp)
+            if self._installed:  # the fresh job's operation 0: say where it stands
+                self._installed = False
+                self._seq_offset = op.seq
+                fo = self.failover
+                assert fo is not None
+                self.store.set(f"{self.prefix}/spec", encode_job_spec(self.spec))
+                self.store.set(f"{self.prefix}/seq_offset", str(op.seq))
+                self.store.set(f"{self.prefix}/failover/epoch", str(fo.epoch))
+            self._through_switch(op)
+
+        return SwitchBack(probe=lambda: open_job(None), join=lambda text: open_job(text)[0],
+                          install=install, submit=submit, close=lambda c: c.close())
+
+    def _stored_int(self, key: str) -> int:
+        """An integer the store holds under ``key`` (0 where it holds none)."""
+        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
 
     def _settle(self, staged: StagedTensor, handle: Any,
                 kept: list[torch.Tensor] | None = None) -> BaseException | None:
@@ -536,7 +600,7 @@ class LiveQuorum:
             return exc
         return None
 
-    def _roster(self, reason: str) -> tuple[int, int]:
+    def _roster(self, epoch: int, reason: str) -> tuple[int, int]:
         """The failover's roster (``Failover(roster=)``): the live replicas that go on over
         gloo, agreed through the store. Each says it is alive; once every rank of the job
         did, or ``timeout_s`` after this one did (a dead rank never will), the first to look
@@ -546,7 +610,7 @@ class LiveQuorum:
         Raises:
             OperationFailed: this rank came after the list was written.
         """
-        key = f"{self.prefix}/failover/roster"
+        key = f"{self.prefix}/failover/roster/{epoch}"
         self.store.set(f"{key}/alive/{self.rank}", b"1")
         count = self.store.add(f"{key}/count", 1)
         end = time.monotonic() + self.timeout_s
