@@ -133,6 +133,7 @@ def test_16_bit_residual_follows_the_buckets_parameters_not_only_its_index():
         state.bits, state.process_group, state.world_size = 16, None, 1
         state.residuals, state.buckets, state.bytes_sent = {}, 0, 0
         state._owns_client = state._owns_switch = False
+        state.group = None  # (not on a switchml group)
         state.client = WorkerClient(server.address, new_job_spec(1, window=2), 0)
         try:
             first = [torch.zeros(4), torch.zeros(2)]
