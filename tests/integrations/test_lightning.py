@@ -1,8 +1,8 @@
 """PyTorch Lightning on the "switchml" backend (examples/train_lightning.py), against gloo.
 
 Lightning launches its own processes (its DDP launcher runs the script once per device), so
-this is the script a user runs, run as they would run it: 4 CPU processes, the same seed, the
-same data, once on gloo and once on switchml.
+this is the script a user runs, run as they would run it: 2 CPU processes (this machine's
+cores), the same seed, the same data, once on gloo and once on switchml.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_lightning.py"
 def _train(backend: str, tmp_path: Path) -> dict[str, float]:
     out = tmp_path / f"{backend}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_SWITCH")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", backend, "--devices", "4",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", backend, "--devices", "2",
                            "--epochs", "2", "--metrics", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
