@@ -335,6 +335,15 @@ def bucket_bits_and_residual(g: Group) -> None:
     _expect(bool(np.all(err <= switch_tolerance("float32", xs, False, bits=16))),
             "16-bit bucket beyond the 16-bit bound")
     _expect(bool(residual.abs().max() > 0), "no residual written")
+    # 32 bits (the 32-bit hook's), no residual: float32's payload, the 32-bit bound
+    wide = make_input("float32", "odd1d", g.rank)[0].reshape(-1).contiguous()
+    before = stt.stats()["worker"]["payload_bytes_sent"]
+    pg.allreduce_bucket(wide, bits=32).wait()
+    sent32 = stt.stats()["worker"]["payload_bytes_sent"] - before
+    _expect(sent32 >= 2 * sent - 64 * 4, f"{sent32} payload bytes in 32 bits, {sent} in 16")
+    err = np.abs(flat64(wide) - np.sum(xs, axis=0))
+    _expect(bool(np.all(err <= switch_tolerance("float32", xs, False, bits=32))),
+            "32-bit bucket beyond the 32-bit bound")
     # the residual is what rounding took: at most half a 16-bit step of the block's scale
     _expect(bool(np.all(np.abs(flat64(residual)) <= switch_tolerance(
         "float32", [flat64(mine)] * g.world, False, bits=16))), "residual beyond a rounding")
