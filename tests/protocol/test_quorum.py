@@ -103,18 +103,24 @@ def test_a_late_rank_gets_the_stored_result_and_is_not_added():
     assert sw.stats()["late_contributions"] == 2
 
 
-def test_a_rank_left_rounds_behind_gets_them_from_the_history():
-    """Ranks 0 and 1 (quorum 2 of 3) run two more rounds on the slot, overwriting both sets:
-    rank 2's re-sent first round is answered from the slot's history."""
+def _one_slot_job(config=None):
+    """A switch (``config``) and the three joined workers of a job of one slot, quorum 2."""
     spec = JobSpec(job_id=9, token=77, num_workers=3, window=1, elements_per_packet=4,
                    quorum=2)
-    sw = SwitchDataplane()
+    sw = SwitchDataplane(config)
     ws = []
     for r in range(3):
         w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
         w.join(0.0)
         exchange({_addr(r): w, SW: sw}, 0.0)
         ws.append(w)
+    return sw, ws
+
+
+def test_a_rank_left_rounds_behind_gets_them_from_the_history():
+    """Ranks 0 and 1 (quorum 2 of 3) run two more rounds on the slot, overwriting both sets:
+    rank 2's re-sent first round is answered from the slot's history."""
+    sw, ws = _one_slot_job()
     firsts = {}
     for op in range(3):  # three one-chunk operations on the one slot: sets 0, 1, 0 again
         # (Rank 2 starts the first before the others, its request lost; then after them: it
@@ -146,15 +152,7 @@ def _left_behind(history: int, ops: int):
     in the first, hears nothing (its request and every result to it lost). Returns the
     switch, rank 2's worker and its first request."""
     from switchml.protocol.config import SwitchConfig
-    spec = JobSpec(job_id=9, token=77, num_workers=3, window=1, elements_per_packet=4,
-                   quorum=2)
-    sw = SwitchDataplane(SwitchConfig(quorum_history=history))
-    ws = []
-    for r in range(3):
-        w = WorkerEndpoint(spec=spec, rank=r, switch_address=SW)
-        w.join(0.0)
-        exchange({_addr(r): w, SW: sw}, 0.0)
-        ws.append(w)
+    sw, ws = _one_slot_job(SwitchConfig(quorum_history=history))
     x = np.array([1, 20], np.int32)
     ws[2].start_allreduce(x, np.empty_like(x), 0.0)
     (first, _), = ws[2].datagrams_to_send(0.0)

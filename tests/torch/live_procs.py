@@ -29,23 +29,22 @@ def replica_main(q: Any, rank: int, world: int, store_port: int, switch: str, st
     exit_now(q)
 
 
-def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: int,
-           die_step: int | None, replacement: bool, pace_s: float, warm_up: bool
-           ) -> dict[str, Any]:
-    import numpy as np
+def _replica(rank: int, world: int, store_port: int, switch: str, replacement: bool,
+             warm_up: bool, **live_args: Any) -> tuple[Any, Any, Any, Any, int]:
+    """One replica's parts: its one-process group, its ``LiveQuorum`` (quorum ``world - 1``,
+    with ``live_args``), the model and optimizer (a replacement's from the live state), DDP
+    with the live hook; and the step it starts at."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch_procs import exit_now
 
     from switchml.torch.live import LiveQuorum
 
-    t_start = time.monotonic()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=30))
     live = LiveQuorum(store, rank, world, world - 1, switch=switch, replacement=replacement,
-                      timeout_s=20.0)
+                      **live_args)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -54,11 +53,24 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
         model.load_state_dict(live.state["model"])
         opt.load_state_dict(live.state["opt"])
         step = live.state["step"]
-    start_step = step
     ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets once DDP rebuilds them
     live.register(ddp)
     if replacement and warm_up:
         live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
+    return live, model, opt, ddp, step
+
+
+def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: int,
+           die_step: int | None, replacement: bool, pace_s: float, warm_up: bool
+           ) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from torch_procs import exit_now
+
+    t_start = time.monotonic()
+    live, model, opt, ddp, step = _replica(rank, world, store_port, switch, replacement,
+                                           warm_up, timeout_s=20.0)
+    start_step = step
     step_s, first_step_done_s, skipped, not_computed = [], None, 0, 0
     while step < steps:
         if rank == 0 and step == 2:
@@ -125,30 +137,12 @@ def _train_through_failover(q: Any, rank: int, world: int, store_port: int, swit
                             ) -> dict[str, Any]:
     import numpy as np
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_procs import exit_now
 
-    from switchml.torch.live import LiveQuorum
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=30))
-    live = LiveQuorum(store, rank, world, world - 1, switch=switch, replacement=replacement,
-                      timeout_s=timeout_s, failover="gloo", failover_probe_s=1.0)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = 0
-    if live.state is not None:
-        model.load_state_dict(live.state["model"])
-        opt.load_state_dict(live.state["opt"])
-        step = live.state["step"]
+    live, model, opt, ddp, step = _replica(rank, world, store_port, switch, replacement, True,
+                                           timeout_s=timeout_s, failover="gloo",
+                                           failover_probe_s=1.0)
     start_step = step
-    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets once DDP rebuilds them
-    live.register(ddp)
-    if replacement:
-        live.warm_up(lambda: ddp(torch.zeros(32, 16)).square().mean())
     step_s = []
     back_at = None
     while step < steps:
