@@ -78,6 +78,23 @@ def test_a_state_arrives_whole_and_equal_to_what_was_sent():
     assert type(state["model"]) is collections.OrderedDict
 
 
+def test_the_senders_operation_number_travels_beside_the_layouts():
+    """A live rank with a failover sends the number of its next operation (its failover's
+    count, which the worker's sequence numbers need not match); the receiver gets it in
+    ``extras``, once the tag verified, and the layouts without it. Without one, none."""
+    for numbered in (123456, None):
+        extras = {}
+        with _listener() as lst:
+            t = threading.Thread(target=ls.send_state, args=(
+                lst.getsockname(), NONCE, POSITION, LAYOUTS, _state()),
+                kwargs={"timeout_s": 10, "numbered": numbered}, daemon=True)
+            t.start()
+            _, layouts, _ = ls.receive_state(lst, NONCE, time.monotonic() + 10, extras=extras)
+        t.join(10)
+        assert layouts == LAYOUTS
+        assert extras == ({"numbered": numbered} if numbered is not None else {})
+
+
 def test_only_a_connection_that_proves_the_nonce_is_read():
     """Another nonce, a stranger's bytes and a connection that says nothing (held past the
     opening's limit) are each closed and reported; the live rank's stream that follows is
@@ -120,12 +137,12 @@ def _proven(address, body):
         c.sendall(ls._proof(None, NONCE) + body)
 
 
-def _head(skeleton_state, total):
+def _head(skeleton_state, total, layouts=None):
     import io
     import json
     buf = io.BytesIO()
     torch.save(skeleton_state, buf)
-    where, lay = POSITION.to_bytes(), json.dumps({"0": [1]}).encode()
+    where, lay = POSITION.to_bytes(), json.dumps(layouts or {"0": [1]}).encode()
     u32 = ls._U32.pack
     return (u32(len(where)) + where + u32(len(lay)) + lay + u32(buf.tell()) + buf.getvalue()
             + ls._U64.pack(total))
@@ -138,7 +155,10 @@ def _head(skeleton_state, total):
     (lambda: _head({"w": torch.ones(4)}, 16), ValueError, "with data"),
     (lambda: _head([torch.empty(4, device="meta")], 16), ValueError, "not a dict"),
     (lambda: ls._U32.pack(1 << 30), ValueError, "more than"),
-], ids=["truncated", "wrong-total", "data-in-skeleton", "not-a-dict", "huge-position"])
+    (lambda: _head({"w": torch.empty(4, device="meta")}, 16, {"0": [1], "numbered": -3}),
+     ValueError, "operation number"),
+], ids=["truncated", "wrong-total", "data-in-skeleton", "not-a-dict", "huge-position",
+        "bad-number"])
 def test_a_proven_stream_that_is_not_a_state_is_refused_naming_the_fault(body, error, match):
     with _listener() as lst:
         threading.Thread(target=_proven, args=(lst.getsockname(), body()),

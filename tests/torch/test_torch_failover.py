@@ -214,3 +214,60 @@ def test_the_hand_over_rule_names_who_gives_and_refuses_without_a_copy():
     assert transition([LACKS, LACKS, LACKS]) == SUM_AGAIN  # nobody wrote a switch sum
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[0, 2\] lack this result"):
         transition([LACKS, HAS, LACKS])
+
+
+def _roster_failover(**kw):
+    """A failover with a roster (no gloo group until a switch-over) over a fresh store; its
+    roster, if ever asked, refuses (the test looks at what comes before)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from switchml.protocol.errors import RoundGone
+    from switchml.torch.failover import Failover
+
+    def no_roster(epoch, reason):
+        raise RuntimeError("no roster in this test")
+
+    store = dist.HashStore()
+    return store, Failover(store, 0, 2, datetime.timedelta(seconds=5), keep_bytes=0,
+                           close_switch=lambda: None, prefix="t", roster=no_roster,
+                           stays=(RoundGone,), **kw)
+
+
+def test_a_rank_too_far_behind_never_switches_the_job_over():
+    """RoundGone (the rank fell past the switch's history) stays the user's; so does every
+    later failure of that rank's switch path (its client failed because of it): no
+    switch-over announced, and the rank no longer watches for the others' (it rejoins)."""
+    from switchml.protocol.errors import OperationFailed, RoundGone
+    from switchml.torch.failover import PendingOp
+    store, fo = _roster_failover()
+    try:
+        ops = [PendingOp(fo.issue()[0], [], True, lambda e: None) for _ in range(2)]
+        assert not fo.failed(ops[0], RoundGone("round gone"))
+        assert not fo.failed(ops[1], OperationFailed("the client failed earlier"))
+        assert not fo.active and not store.check(["t/switched/0"])
+        store.set("t/switched/0", "1")  # another rank switches over
+        time.sleep(1.2)  # (the watcher looks every 0.5 s)
+        assert not fo.active
+    finally:
+        fo.close()
+
+
+def test_a_replacement_takes_part_in_switch_overs_once_it_resumed():
+    """A live job's replacement (``armed=False``) ignores a switch-over announced before it
+    resumed (it holds nothing the others could need); ``number_from`` numbers it as the live
+    rank did and arms it."""
+    store, fo = _roster_failover(armed=False)
+    try:
+        store.set("t/switched/0", "1")
+        time.sleep(1.2)
+        assert not fo.active
+        fo.number_from(4242)
+        assert fo.numbered == 4242
+        deadline = time.monotonic() + 5
+        while not fo.active and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fo.active  # (its roster then refuses: this test's)
+    finally:
+        fo.close()

@@ -159,8 +159,13 @@ class Failover:
             switch-over's number and the reason), it returns this rank's place among them and
             their number, and a gloo group is made of them. None: ``rank`` and ``size`` are
             the group's, for good.
-        stays: errors of the switch path that do not switch over (the user gets them).
+        stays: errors of the switch path that do not switch over (the user gets them). Once
+            one came, this rank's switch path is its own fault: no later error of it switches
+            over, and the rank takes no part in the others' switch-over (it rejoins).
         epoch: switch-overs the job had before this rank came (a live job's replacement).
+        armed: whether the rank takes part in switch-overs from now on; False: a live job's
+            replacement, from :meth:`number_from` on (before, it holds no operation the
+            others could need, and a roster must not wait for it).
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
@@ -169,7 +174,8 @@ class Failover:
                  prefix: str = "switchml-failover", back: SwitchBack | None = None,
                  probe_s: float = 0.0,
                  roster: Callable[[int, str], tuple[int, int]] | None = None,
-                 stays: tuple[type[BaseException], ...] = (), epoch: int = 0) -> None:
+                 stays: tuple[type[BaseException], ...] = (), epoch: int = 0,
+                 armed: bool = True) -> None:
         self.rank, self.size = rank, size
         self.gloo_timeout_s = timeout.total_seconds()
         self._timeout = timeout
@@ -209,9 +215,12 @@ class Failover:
         # completion notifies that)
         self.reason = ""
         self._thread: threading.Thread | None = None
+        self._stayed = False  # a ``stays`` error came: this rank's path failed by its own fault
         self._watcher = threading.Thread(target=self._watch, name="switchml-failover-watch",
                                          daemon=True)
-        self._watcher.start()
+        self._armed = armed
+        if armed:
+            self._watcher.start()
 
     # -- the switch path's side --------------------------------------------------------------
 
@@ -267,9 +276,11 @@ class Failover:
         # ran); what they must agree on is that they switch. Where a rank is dead, the
         # failover's first gloo collective fails on every rank after the group's timeout,
         # naming this reason.
-        takeable = (isinstance(error, SwitchMLError) and not isinstance(error, RanksDisagree)
-                    and not isinstance(error, self._stays))
         with self._cv:
+            if isinstance(error, self._stays):
+                self._stayed = True  # (what follows on this path fails because of it)
+            takeable = (isinstance(error, SwitchMLError)
+                        and not isinstance(error, RanksDisagree) and not self._stayed)
             self._unresolved -= 1
             self._cv.notify_all()
             if self.error is not None or not takeable:
@@ -305,7 +316,8 @@ class Failover:
     def number_from(self, seq: int) -> None:
         """Number the next operation ``seq``: a live job's rank that resumed at another
         rank's position (the operations before it are done, their effect in the state it
-        took). Call between operations, before the switch-over.
+        took), as that rank numbers it. Call between operations, before the switch-over.
+        Arms a rank made with ``armed=False``.
 
         Raises:
             RuntimeError: operations in flight, or switched over already.
@@ -319,8 +331,17 @@ class Failover:
             self._kept.clear()
             self._kept_bytes = 0
             self._sizes.clear()
+            arm, self._armed = not self._armed, True
+        if arm:
+            self._watcher.start()
         for t in dropped:
             self._recycle(t)
+
+    @property
+    def numbered(self) -> int:
+        """The next operation's number (a live rank sends it with its position)."""
+        with self._cv:
+            return self._next
 
     @property
     def epoch(self) -> int:
@@ -363,7 +384,7 @@ class Failover:
             if self._closing.wait(_WATCH_S):
                 return
             with self._cv:
-                if self._closed or self.active or key != self._key:
+                if self._closed or self.active or key != self._key or self._stayed:
                     return
             try:
                 seen = self._store.check([key])
@@ -408,6 +429,8 @@ class Failover:
                              daemon=True).start()
             if self._roster is not None:  # who goes on, and a gloo group of them
                 rank, size = self._roster(self._epoch, self.reason)
+                if self._closed:
+                    return
                 gloo = ProcessGroupGloo(dist.PrefixStore(
                     f"{self._prefix_key}/gloo/{self._epoch}", self._store), rank, size,
                     self._timeout)
@@ -543,6 +566,9 @@ class Failover:
             return False
         with self._cv:
             self._ready = None
+            if self._closed:  # (the group is being destroyed: nobody would close it)
+                self._back.close(client)
+                return False
             self._back.install(client)
             self.active = False
             self._backoff = 1

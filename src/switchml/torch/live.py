@@ -154,10 +154,16 @@ class LiveQuorum:
         self.timeout_s, self.prefix = timeout_s, prefix
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         key = f"{prefix}/spec"
+        # Where the job went back to the switch after a failover, if it did (``_back``): the
+        # fresh job's spec, the failover's epoch and its number of the job's operation 0.
+        back: dict[str, Any] = (json.loads(store.get(f"{prefix}/back"))
+                                if replacement and store.check([f"{prefix}/back"]) else {})
         if rank == 0 and not replacement:
             spec = new_job_spec(world, switch=switch, quorum=quorum, window=window,
                                 elements_per_packet=elements_per_packet)
             store.set(key, encode_job_spec(spec))
+        elif back:
+            spec = decode_job_spec(back["spec"])
         else:
             spec = decode_job_spec(store.get(key).decode())
             if (spec.num_workers, spec.quorum) != (world, quorum):
@@ -199,19 +205,19 @@ class LiveQuorum:
         self._listener: socket.socket | None = None
         self.failover: Failover | None = None
         """Where the replicas go on over gloo when the switch dies (``failover="gloo"``)."""
-        self._seq_offset = 0  # the failover's number of the job's operation 0 (``_back``)
+        self._seq_offset = int(back.get("seq_offset", 0))  # the failover's number of the
+        # job's operation 0 (``_back``)
         self._installed = False  # a fresh job was installed; its first operation not sent yet
         if failover == "gloo":
             keep = env.failover_keep_bytes()
-            # Where the job went back to the switch (a replacement's, from the store): the
-            # failover's epoch, and its number of the fresh job's first operation.
-            epoch = self._stored_int(f"{prefix}/failover/epoch") if replacement else 0
-            self._seq_offset = self._stored_int(f"{prefix}/seq_offset") if replacement else 0
+            # A replacement takes part in switch-overs once it resumed (``number_from``), from
+            # the epoch the job is in (``_back`` says where it went back to the switch).
             self.failover = Failover(
                 store, rank, world, datetime.timedelta(seconds=timeout_s),
                 keep_bytes=keep if keep is not None else 256 << 20,
                 close_switch=lambda: self.client.close(), prefix=f"{prefix}/failover",
-                roster=self._roster, stays=(RoundGone,), epoch=epoch, back=self._back(),
+                roster=self._roster, stays=(RoundGone,), epoch=back.get("epoch", 0),
+                back=self._back(), armed=not replacement,
                 probe_s=env.failover_probe_s() if failover_probe_s is None
                 else failover_probe_s)
         if replacement:  # asked now; received while the caller builds its model
@@ -285,11 +291,13 @@ class LiveQuorum:
             self.refused += 1
             self._warn.warn("rank %d: a connection to its state listener was refused: %s",
                             self.rank, why)
+        extras: dict[str, Any] = {}
         try:
             with listener:
                 position, layouts, state = receive_state(
                     listener, nonce, time.monotonic() + self.timeout_s,
-                    secret=self.state_secret, refused=refused, on_position=self.client.pin)
+                    secret=self.state_secret, refused=refused, on_position=self.client.pin,
+                    extras=extras)
         except TimeoutError:
             raise OperationFailed(f"rank {self.rank} joined the running job, but no live rank "
                                   f"sent the state within {self.timeout_s:g} s (every live "
@@ -305,8 +313,12 @@ class LiveQuorum:
             self._listener = None
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
-        if self.failover is not None:  # numbered as the live ranks number their operations
-            self.failover.number_from(self._seq_offset + position.seqs[0])
+        if self.failover is not None:  # numbered as the live ranks number their operations:
+            # as the sender numbers its next (the worker's sequence numbers jump where the
+            # job rejoined a restarted switch); from a sender without a failover, from the
+            # position
+            self.failover.number_from(extras.get("numbered",
+                                                 self._seq_offset + position.seqs[0]))
         log.info("rank %d resumed the running job at operation %d", self.rank,
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
@@ -330,7 +342,7 @@ class LiveQuorum:
         self._wait_state()
         buckets = self._buckets()
         if (not buckets or not self._params or self._failed_over()
-                or self.client.ops_behind() <= len(buckets)):
+                or self._ops_behind() <= len(buckets)):
             return False
         for index in sorted(buckets):  # (DDP launches its buckets in index order)
             params = [self._params[i] for i in buckets[index]]
@@ -352,7 +364,7 @@ class LiveQuorum:
         self._wait_state()
         per_step = len(self._buckets())
         if (not per_step or self._failed_over()
-                or self.client.ops_behind() <= max_steps_behind * per_step):
+                or self._ops_behind() <= max_steps_behind * per_step):
             return None
         self.client.catch_up()
         try:
@@ -386,7 +398,7 @@ class LiveQuorum:
         asked = self.store.add(f"{self.prefix}/joins", 0)
         if self._seen >= asked:
             return False
-        if self.client.ops_behind():
+        if self._ops_behind():
             # Behind the others (results of its next all-reduce are here): a replacement
             # starting here would have to fetch rounds that completed before it joined from
             # the switch's history, which may have moved on. A rank at the front serves it:
@@ -409,6 +421,7 @@ class LiveQuorum:
                 who, nonce = int(asked_by["rank"]), bytes.fromhex(asked_by["nonce"])
                 address = (str(asked_by["host"]), int(asked_by["port"]))
                 position = self.client.position()
+                numbered = self.failover.numbered if self.failover is not None else None
                 # A copy now, on the CPU (tens of milliseconds), streamed on a thread of its
                 # own: the others' rounds wait for this rank only while it copies.
                 snapshot = tree_map(lambda t: t.detach().to("cpu", copy=True)
@@ -418,18 +431,20 @@ class LiveQuorum:
                 continue
             threading.Thread(target=self._send_state, name="switchml-live-serve", daemon=True,
                              args=(address, nonce, who, position, dict(self._layouts),
-                                   snapshot, asked_by)).start()
+                                   snapshot, asked_by, numbered)).start()
             self.served += 1
             sent = True
         return sent
 
     def _send_state(self, address: tuple[str, int], nonce: bytes, who: int,
                     position: Position, layouts: dict[int, tuple[int, ...]],
-                    snapshot: dict[str, Any], request: dict[str, Any]) -> None:
+                    snapshot: dict[str, Any], request: dict[str, Any],
+                    numbered: int | None) -> None:
         t0 = time.monotonic()
         try:
             sent = send_state(address, nonce, position, layouts, snapshot,
-                              timeout_s=self.timeout_s, secret=self.state_secret)
+                              timeout_s=self.timeout_s, secret=self.state_secret,
+                              numbered=numbered)
             log.info("rank %d sent the live state to a replacement of rank %d at %s:%d (%.1f "
                      "MB in %.2f s)", self.rank, who, *address, sent / 1e6,
                      time.monotonic() - t0)
@@ -551,6 +566,11 @@ class LiveQuorum:
         job, the failover's epoch, and its number of the job's first operation, for
         replacements to come."""
         def open_job(text: str | None) -> tuple[WorkerClient, str]:
+            fo = self.failover
+            if text is None and fo is not None and fo.size < self.quorum:
+                raise OperationFailed(f"{fo.size} live replicas, fewer than the quorum of "
+                                      f"{self.quorum}: a fresh job would never complete a "
+                                      "round; staying on gloo")
             spec = decode_job_spec(text) if text else new_job_spec(
                 self.world, switch=self._switch, quorum=self.quorum, window=self.spec.window,
                 elements_per_packet=self.spec.elements_per_packet)
@@ -563,22 +583,32 @@ class LiveQuorum:
 
         def submit(op: PendingOp) -> None:
             assert isinstance(op, _LiveOp)
-            if self._installed:  # the fresh job's operation 0: say where it stands
+            fo = self.failover
+            assert fo is not None
+            if self._installed:  # the fresh job's operation 0: say where it stands, at once
                 self._installed = False
                 self._seq_offset = op.seq
-                fo = self.failover
-                assert fo is not None
-                self.store.set(f"{self.prefix}/spec", encode_job_spec(self.spec))
-                self.store.set(f"{self.prefix}/seq_offset", str(op.seq))
-                self.store.set(f"{self.prefix}/failover/epoch", str(fo.epoch))
-            self._through_switch(op)
+                self.store.set(f"{self.prefix}/back", json.dumps(
+                    {"spec": encode_job_spec(self.spec), "seq_offset": op.seq,
+                     "epoch": fo.epoch}))
+            try:
+                self._through_switch(op)
+            except SwitchMLError as exc:  # (refused: the failover takes it, or it fails)
+                if not fo.failed(op, exc):
+                    op.done(exc)
 
         return SwitchBack(probe=lambda: open_job(None), join=lambda text: open_job(text)[0],
                           install=install, submit=submit, close=lambda c: c.close())
 
-    def _stored_int(self, key: str) -> int:
-        """An integer the store holds under ``key`` (0 where it holds none)."""
-        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
+    def _ops_behind(self) -> int:
+        """``client.ops_behind()``; 0 once the client closed for a switch-over (the failover
+        is active by then), which can happen between the caller's check and this."""
+        try:
+            return self.client.ops_behind()
+        except SwitchMLError:
+            if self._failed_over():
+                return 0
+            raise
 
     def _settle(self, staged: StagedTensor, handle: Any,
                 kept: list[torch.Tensor] | None = None) -> BaseException | None:

@@ -93,10 +93,12 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def send_state(address: tuple[str, int], nonce: bytes, position: Position,
                layouts: dict[int, tuple[int, ...]], state: dict[str, Any], *,
-               timeout_s: float, secret: bytes | None = None) -> int:
+               timeout_s: float, secret: bytes | None = None,
+               numbered: int | None = None) -> int:
     """Connect to a replacement's listener at ``address`` and send it ``state`` (CPU
     tensors, numbers, strings, dicts, lists: what ``torch.load(weights_only=True)`` reads)
-    with ``position`` and ``layouts``. Returns the bytes sent.
+    with ``position`` and ``layouts`` (and ``numbered``: the sender's failover number of its
+    next operation, beside the layouts). Returns the bytes sent.
 
     Raises:
         ValueError: a tensor that is not a dense CPU tensor (sparse, nested, quantized, on
@@ -115,7 +117,8 @@ def send_state(address: tuple[str, int], nonce: bytes, position: Position,
     torch.save(tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
                         if isinstance(t, torch.Tensor) else t, state), skeleton)
     where = position.to_bytes()
-    buckets = json.dumps({str(k): v for k, v in layouts.items()}).encode()
+    buckets = json.dumps({**{str(k): v for k, v in layouts.items()},
+                          **({"numbered": numbered} if numbered is not None else {})}).encode()
     total = sum(t.numel() * t.element_size() for t in tensors)
     body = b"".join([_U32.pack(len(where)), where, _U32.pack(len(buckets)), buckets,
                      _U32.pack(skeleton.tell()), skeleton.getvalue(), _U64.pack(total)])
@@ -135,13 +138,15 @@ def send_state(address: tuple[str, int], nonce: bytes, position: Position,
 def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                   secret: bytes | None = None,
                   refused: Callable[[str], None] = lambda why: None,
-                  on_position: Callable[[Position], None] = lambda position: None
+                  on_position: Callable[[Position], None] = lambda position: None,
+                  extras: dict[str, Any] | None = None
                   ) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
     """Accept connections on ``listener`` until one proves ``nonce`` (and ``secret``) and
     sends a state (``send_state``), or ``deadline`` (``time.monotonic()``) passes. Openings
     are read side by side, each within ``OPENING_S``; each connection that does not prove
     itself is closed and reported to ``refused`` (who, and why). ``on_position`` gets the
-    position as soon as it is read, before the state (``WorkerClient.pin``).
+    position as soon as it is read, before the state (``WorkerClient.pin``). ``extras``
+    receives ``numbered`` where the sender sent it.
 
     Raises:
         TimeoutError: no proven stream before the deadline.
@@ -209,7 +214,8 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                 with conn:
                     conn.setblocking(True)
                     return _read_state(conn, deadline, hmac.new(secret or b"", nonce,
-                                                                hashlib.sha256), on_position)
+                                                                hashlib.sha256), on_position,
+                                       extras if extras is not None else {})
     finally:
         for conn, (_, _, who) in pending.items():
             conn.close()
@@ -218,7 +224,7 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
 
 
 def _read_state(conn: socket.socket, deadline: float, mac: Any,
-                on_position: Callable[[Position], None]
+                on_position: Callable[[Position], None], extras: dict[str, Any]
                 ) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
     def read(n: int) -> bytes:
         buf = bytearray(n)
@@ -237,6 +243,9 @@ def _read_state(conn: socket.socket, deadline: float, mac: Any,
     raw = json.loads(parts["layouts"])
     if not isinstance(raw, dict):
         raise ValueError("its bucket layouts are not a JSON object")
+    numbered = raw.pop("numbered", None)
+    if numbered is not None and not (isinstance(numbered, int) and numbered >= 0):
+        raise ValueError(f"its operation number is not one: {numbered!r}")
     layouts = {int(k): tuple(int(i) for i in v) for k, v in raw.items()}
     skeleton = torch.load(io.BytesIO(parts["skeleton"]), weights_only=True)
     if not isinstance(skeleton, dict):
@@ -262,6 +271,8 @@ def _read_state(conn: socket.socket, deadline: float, mac: Any,
     _read_into(conn, memoryview(tag), deadline)
     if not hmac.compare_digest(bytes(tag), mac.digest()):
         raise ValueError("its tag does not verify (altered on the way, or another secret)")
+    if numbered is not None:  # (the tag verified above)
+        extras["numbered"] = numbered
     return position, layouts, tree_unflatten(filled, spec)
 
 
