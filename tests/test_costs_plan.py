@@ -57,6 +57,15 @@ def test_emulated_links_add_their_bytes_kernel_cost_by_hand(tmp_path):
     assert on.gloo_element_s == pytest.approx(5e-9 + 8 * 1514 / 1448 * 1e-9)
     assert (on.worker_element_s, on.switch_request_s, on.link_byte_s) == (2e-9, 3e-7, 0.0)
     assert Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9).on_emulated_links(1500).worker_datagram_s == 1e-8
+    # the per-all-reduce cost: charged to each worker's all-reduce on the testbed only
+    op = Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9, link_op_s=2e-3)
+    assert op.worker_op_s == 0.0 and op.on_emulated_links(1500).worker_op_s == 2e-3
+    free = P.Resources(FREE)
+    on = P.Resources(Costs(0, 0, 0, 0, 0, link_op_s=2e-3).on_emulated_links(1500))
+    kw = dict(workers=4, rate_bps=1e9, mtu=1500)
+    assert P.switchml_allreduce_s(1000, res=on, **kw) == pytest.approx(
+        P.switchml_allreduce_s(1000, res=free, **kw) + 2e-3)
+    assert P.switchml_resources_s(1000, res=on, **kw)["worker CPU"] == pytest.approx(2e-3)
     # a calibration written before the links were measured loads with none
     path = tmp_path / "old.json"
     path.write_text(json.dumps({k: v for k, v in c.to_dict().items() if k != "link_byte_s"}))

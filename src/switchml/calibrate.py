@@ -18,12 +18,14 @@ Three measurements on loopback, each a few seconds:
 On loopback a sender's system call also delivers the datagram to the receiving socket, so
 each side's figure holds some of the other's kernel work, as on one machine it does.
 
-4. **The testbed's emulated links** (``--links``; root): two workers all-reduce through the
+4. **The testbed's emulated links** (``--links``; root): four workers all-reduce through the
    switch over the testbed's 1 Gbit/s links (veth pairs, tbf shapers, the switch's
-   namespace), and the whole machine's CPU per element (``/proc/stat``) is set against what
-   steps 1 and 2 charge the same work on loopback; what is left, over the bytes the links
-   carried, is the kernel's cost per byte of an emulated link (``Costs.link_byte_s``). Only
-   predictions of testbed runs charge it: a real network's NIC does that work.
+   namespace), a small tensor (2 MiB) and a large one (32 MiB), and the whole machine's CPU
+   per element (``/proc/stat``) is set against what steps 1 and 2 charge the same work on
+   loopback. What is left is solved, over the two sizes, into a cost per byte the links
+   carried (``Costs.link_byte_s``) and one per all-reduce and worker (``Costs.link_op_s``: a
+   small all-reduce arrives at the link's pace in small batches). Only predictions of
+   testbed runs charge them: a real network's NICs do that work.
 """
 
 from __future__ import annotations
@@ -134,33 +136,48 @@ def _solve(d: list[float], e: list[float], cpu: list[float]) -> tuple[float, flo
     return float(a), float(b)
 
 
-def link_byte_s(costs: Costs, *, workers: int = 2, mtu: int = 1500, rate_bps: float = 1e9,
-                size_bytes: int = 64 << 20, iters: int = 3) -> tuple[float, dict[str, Any]]:
-    """The testbed's emulated links' kernel CPU per byte (step 4 of the module's text), and
-    the figures it comes from. Needs root (the testbed).
+_LINK_SIZES = (2 << 20, 32 << 20)
+"""The all-reduces ``--links`` times: a small bucket's (a CNN's) and a large one's."""
+
+
+def link_costs(costs: Costs, *, workers: int = 4, mtu: int = 1500, rate_bps: float = 1e9,
+               sizes_bytes: tuple[int, ...] = _LINK_SIZES, seconds: float = 1.5
+               ) -> tuple[float, float, list[dict[str, Any]]]:
+    """The testbed's emulated links' costs (step 4 of the module's text): the kernel's CPU
+    per byte a link carries, and the machine's CPU per all-reduce and worker, beyond what the
+    loopback calibration (``costs``) charges; and the figures they come from, per size.
+    Needs root (the testbed). Each size runs for about ``seconds`` (``/proc/stat`` counts
+    in 10 ms ticks: a few small all-reduces would measure nothing but them).
 
     Raises:
         RuntimeError: the run failed, or measured no machine CPU (no ``/proc/stat``).
     """
     from switchml.bench.testbed import TestbedBenchConfig, run_testbed_allreduce
-    rows = run_testbed_allreduce(TestbedBenchConfig(
-        workers=workers, sizes_bytes=(size_bytes,), rate_bps=rate_bps, mtu=mtu, iters=iters,
-        warmup=1, systems=("switchml",)))
-    row = rows[0]
-    machine = row.get("machine_cpu_s_per_gelem")
-    if not machine:
-        raise RuntimeError(f"calibration: the testbed run measured no machine CPU: {row}")
+    rows = [run_testbed_allreduce(TestbedBenchConfig(
+        workers=workers, sizes_bytes=(size,), rate_bps=rate_bps, mtu=mtu,
+        iters=max(3, round(seconds * rate_bps / (size * 8))), warmup=1,
+        systems=("switchml",)))[0] for size in sizes_bytes]
     k = elements_for_mtu(mtu)
-    per_element = machine * 1e-9  # the machine's CPU per element all-reduced
     # What steps 1 and 2 charge one element on loopback: each worker sends and receives it
     # (a k-th of a datagram each way), the switch takes it from every worker.
     model = workers * costs.worker_s(1 / k, 1) + costs.switch_s(workers / k, workers)
     link_bytes = workers * 2 * (mtu + 14) / k  # every worker's link, both ways
-    value = max(0.0, (per_element - model) / link_bytes)
-    return value, {"machine_cpu_ns_per_element": per_element * 1e9,
-                   "model_cpu_ns_per_element": model * 1e9,
-                   "link_bytes_per_element": link_bytes,
-                   "fraction_of_line_rate": row.get("fraction_of_line_rate")}
+    excess, per_op, figures = [], [], []
+    for row, size in zip(rows, sizes_bytes, strict=True):
+        machine = row.get("machine_cpu_s_per_gelem")
+        if not machine:
+            raise RuntimeError(f"calibration: the testbed run measured no machine CPU: {row}")
+        elements = size // 4
+        excess.append(machine * 1e-9 - model)  # per element, beyond the loopback figures
+        per_op.append(1.0 / elements)  # all-reduces per element
+        figures.append({"size_bytes": size, "machine_cpu_ns_per_element": machine,
+                        "model_cpu_ns_per_element": model * 1e9,
+                        "link_bytes_per_element": link_bytes,
+                        "fraction_of_line_rate": row.get("fraction_of_line_rate")})
+    # excess = op / elements + bytes x byte: per all-reduce (all workers) and per byte
+    op, byte = _solve(per_op, [link_bytes] * len(excess), excess) if len(excess) > 1 else (
+        0.0, max(0.0, excess[0] / link_bytes))
+    return byte, op / workers, figures
 
 
 def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
@@ -202,8 +219,8 @@ def calibrate(*, numel: int = 16 << 20, ops: int = 4, gloo: bool = True,
     costs = Costs(worker_datagram_s=wd, worker_element_s=we, switch_request_s=sd,
                   switch_element_s=se, gloo_element_s=ge, source=source)
     if links:
-        say("the testbed's emulated links (two workers, 1 Gbit/s)")
-        per_byte, _figures = link_byte_s(costs)
-        costs = dataclasses.replace(costs, link_byte_s=per_byte,
+        say("the testbed's emulated links (four workers, 1 Gbit/s, two sizes)")
+        per_byte, per_op, _figures = link_costs(costs)
+        costs = dataclasses.replace(costs, link_byte_s=per_byte, link_op_s=per_op,
                                     source=f"{source}; emulated links measured on the testbed")
     return costs

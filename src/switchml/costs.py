@@ -47,6 +47,14 @@ class Costs:
     link_byte_s: float = 0.0
     """An emulated link's kernel CPU per byte it carries, beyond loopback's (0: not measured,
     or real links)."""
+    link_op_s: float = 0.0
+    """On emulated links, the machine's CPU per all-reduce and worker beyond the figures
+    above: a small all-reduce arrives at the link's pace in small batches, each wake-up of a
+    worker's or the switch's thread taking a few datagrams (``calibrate --links``, from two
+    sizes; 0: not measured)."""
+    worker_op_s: float = 0.0
+    """What ``predict`` charges each worker per all-reduce: 0, but ``link_op_s`` in a
+    prediction of a testbed run (:meth:`on_emulated_links`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,15 +83,17 @@ class Costs:
         ``mtu`` (``link_byte_s`` per byte each way of a worker's link): a switchml worker's
         per datagram (a full frame each way; the switch's side of the link is the same
         bytes), a gloo rank's per element moved (four bytes out and four in, in TCP segments
-        of the MTU)."""
-        if not self.link_byte_s:
+        of the MTU); and ``link_op_s`` per switchml all-reduce of a worker (measured for
+        switchml only)."""
+        if not self.link_byte_s and not self.link_op_s:
             return self
         frame = mtu + 14  # an IP packet of the MTU in an Ethernet frame on the veth
         mss = mtu - 52  # TCP over IPv4 with timestamps
         return replace(self, worker_datagram_s=self.worker_datagram_s + frame * self.link_byte_s,
                        gloo_element_s=self.gloo_element_s
                        + 8 * (mss + 52 + 14) / mss * self.link_byte_s,
-                       link_byte_s=0.0)
+                       worker_op_s=self.worker_op_s + self.link_op_s,
+                       link_byte_s=0.0, link_op_s=0.0)
 
     def slowed(self, factor: float) -> Costs:
         """Every cost ``factor`` times as high (a process that gets ``1 / factor`` of a

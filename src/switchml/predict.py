@@ -157,7 +157,7 @@ def switchml_allreduce_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
         if not report.ok:
             raise RuntimeError(f"the timing simulator failed: {report.error}")
         _cache[key] = report.elapsed_s
-    return _cache[key]
+    return _cache[key] + c.worker_op_s  # (a testbed run's: ``Costs.on_emulated_links``)
 
 
 def switchml_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
@@ -170,7 +170,7 @@ def switchml_resources_s(numel: int, *, workers: int, rate_bps: float, mtu: int,
     k = elements_for_mtu(mtu) * (32 // bits)
     datagrams = -(-numel // k)
     return {"wire": switchml_wire_bytes(numel, mtu=mtu, bits=bits) * 8 / rate_bps,
-            "worker CPU": c.worker_s(datagrams, numel, res.threads),
+            "worker CPU": c.worker_s(datagrams, numel, res.threads) + c.worker_op_s,
             "switch CPU": c.switch_s(workers * datagrams, workers * numel, res.shards)}
 
 
@@ -413,5 +413,5 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
                     "predicted_exposed_s": pred.exposed_s, "compute_s": prof.compute_s,
                     "period_s": prof.period_s, "lockstep_s": prof.lockstep_s,
                     "measured_compute_s": r.get("compute_step_s"),
-                    "link_byte_s": costs.link_byte_s})
+                    "link_byte_s": costs.link_byte_s, "link_op_s": costs.link_op_s})
     return out

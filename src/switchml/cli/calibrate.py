@@ -26,10 +26,11 @@ def add_parser(sub: Subparsers) -> None:
                           "calibration.json, where the other commands look)")
     cal.add_argument("--no-gloo", action="store_true", help="skip gloo (no torch needed)")
     cal.add_argument("--links", action="store_true",
-                     help="also measure the testbed's emulated links (root: two workers over "
-                          "1 Gbit/s veth pairs and shapers, about 20 s): the kernel's CPU per "
-                          "byte beyond loopback's, which `predict --against` charges testbed "
-                          "runs (a real network's NICs do that work)")
+                     help="also measure the testbed's emulated links (root: four workers over "
+                          "1 Gbit/s veth pairs and shapers, a 2 and a 32 MiB all-reduce, about "
+                          "40 s): the machine's CPU per byte and per all-reduce beyond "
+                          "loopback's, which `predict --against` charges testbed runs (a real "
+                          "network's NICs do that work)")
     cal.set_defaults(func=run)
 
 
@@ -49,11 +50,12 @@ def run(args: argparse.Namespace) -> int:
     kept = ""
     if not args.links and out.exists():  # (the links' figure stays until measured again)
         try:
-            earlier = load(out).link_byte_s
+            old = load(out)
         except ValueError:
-            earlier = 0.0
-        if earlier:
-            costs = dataclasses.replace(costs, link_byte_s=earlier)
+            old = None
+        if old is not None and (old.link_byte_s or old.link_op_s):
+            costs = dataclasses.replace(costs, link_byte_s=old.link_byte_s,
+                                        link_op_s=old.link_op_s)
             kept = " (kept from the earlier calibration)"
     costs.save(out)
     stdout_console().print(figure_table(f"CPU costs ({costs.source})", [
@@ -65,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
          + ("" if not args.no_gloo else " (the reference machine's)")),
         ("emulated link (testbed), per byte beyond loopback",
          f"{costs.link_byte_s * 1e9:.3f} ns{kept}" if args.links or kept
+         else "not measured (--links)"),
+        ("emulated links (testbed), per all-reduce and worker beyond loopback",
+         f"{costs.link_op_s * 1e3:.2f} ms{kept}" if args.links or kept
          else "not measured (--links)"),
     ]))
     print(f"written to {out}")

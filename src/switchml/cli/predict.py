@@ -135,7 +135,7 @@ def _run_against(args: argparse.Namespace, console: Console) -> int:
                       f"{c['rate_bps'] / 1e6:g}", f"{1e3 * c['measured_step_s']:.0f}",
                       f"{1e3 * c['predicted_step_s']:.0f}", f"{c['error']:+.0%}")
     stdout_console().print(table)
-    if checked and not checked[0].get("link_byte_s"):
+    if checked and not (checked[0].get("link_byte_s") or checked[0].get("link_op_s")):
         console.print("the testbed's emulated links are not calibrated (their kernel CPU is "
                       "not charged): run `switchml calibrate --links` as root")
     if args.json:
