@@ -50,8 +50,8 @@ Counted in ``stats()["failover"]`` (``switch_overs``, ``switch_backs``, ``ops_ov
 ``switchml.torch.live``'s replicas fail over too (``LiveQuorum(failover="gloo")``): they share
 no group, so the ranks that go on are agreed at the switch-over (``roster``) and the gloo
 group is made of them then; a replacement numbers its operations from the live rank's
-position (``number_from``), and the live layer says in the store where a fresh job's
-numbering starts. The ``switchml`` and ``switchml16`` hooks' buckets
+position (``number_from``: the count the live rank sends with its state), and the live layer
+names a fresh job in the store. The ``switchml`` and ``switchml16`` hooks' buckets
 on a switchml group that fails over are numbered with its all-reduces (``allreduce_bucket``):
 over gloo a bucket is summed exactly in float32, and its error feedback cleared (nothing was
 rounded); a bucket taken from a peer keeps the feedback the switch path wrote.

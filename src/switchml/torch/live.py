@@ -155,7 +155,7 @@ class LiveQuorum:
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         key = f"{prefix}/spec"
         # Where the job went back to the switch after a failover, if it did (``_back``): the
-        # fresh job's spec, the failover's epoch and its number of the job's operation 0.
+        # fresh job's spec and the failover's epoch.
         back: dict[str, Any] = (json.loads(store.get(f"{prefix}/back"))
                                 if replacement and store.check([f"{prefix}/back"]) else {})
         if rank == 0 and not replacement:
@@ -205,8 +205,6 @@ class LiveQuorum:
         self._listener: socket.socket | None = None
         self.failover: Failover | None = None
         """Where the replicas go on over gloo when the switch dies (``failover="gloo"``)."""
-        self._seq_offset = int(back.get("seq_offset", 0))  # the failover's number of the
-        # job's operation 0 (``_back``)
         self._installed = False  # a fresh job was installed; its first operation not sent yet
         if failover == "gloo":
             keep = env.failover_keep_bytes()
@@ -313,12 +311,14 @@ class LiveQuorum:
             self._listener = None
         self._expected = layouts
         self.client.resume(position)  # (last: a state that does not load leaves no trace)
-        if self.failover is not None:  # numbered as the live ranks number their operations:
-            # as the sender numbers its next (the worker's sequence numbers jump where the
-            # job rejoined a restarted switch); from a sender without a failover, from the
-            # position
-            self.failover.number_from(extras.get("numbered",
-                                                 self._seq_offset + position.seqs[0]))
+        if self.failover is not None:  # numbered as the sender numbers its next operation
+            # (not from the position: the worker's sequence numbers jump where the job
+            # rejoined a restarted switch, or went back to a fresh job)
+            if "numbered" not in extras:
+                self.client.close()
+                raise OperationFailed("the live rank that sent the state has no failover; "
+                                      "every replica must choose the same failover")
+            self.failover.number_from(extras["numbered"])
         log.info("rank %d resumed the running job at operation %d", self.rank,
                  position.seqs[0])
         return state  # type: ignore[no-any-return]
@@ -563,8 +563,8 @@ class LiveQuorum:
         """How the replicas on gloo go back to the switch (``Failover(back=)``): the first of
         them opens a fresh job like this one at the switch; the others join it; each installs
         it, and the operations from then on go through it. The store then names the fresh
-        job, the failover's epoch, and its number of the job's first operation, for
-        replacements to come."""
+        job and the failover's epoch, for replacements to come (which number their operations
+        as the live rank that sends them the state)."""
         def open_job(text: str | None) -> tuple[WorkerClient, str]:
             fo = self.failover
             if text is None and fo is not None and fo.size < self.quorum:
@@ -585,12 +585,10 @@ class LiveQuorum:
             assert isinstance(op, _LiveOp)
             fo = self.failover
             assert fo is not None
-            if self._installed:  # the fresh job's operation 0: say where it stands, at once
+            if self._installed:  # the fresh job's first operation: name the job, at once
                 self._installed = False
-                self._seq_offset = op.seq
                 self.store.set(f"{self.prefix}/back", json.dumps(
-                    {"spec": encode_job_spec(self.spec), "seq_offset": op.seq,
-                     "epoch": fo.epoch}))
+                    {"spec": encode_job_spec(self.spec), "epoch": fo.epoch}))
             try:
                 self._through_switch(op)
             except SwitchMLError as exc:  # (refused: the failover takes it, or it fails)
