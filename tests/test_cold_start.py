@@ -43,6 +43,7 @@ README_RANKS = textwrap.dedent("""
     assert not errors, errors
     assert all(bool((out[r] == 3).all()) for r in range(2)), {r: out[r][:4] for r in out}
     assert "numba" not in sys.modules
+    assert "ml_dtypes" not in sys.modules  # (half a second to import: only for bfloat16)
     print("sum ok")
 """)
 
@@ -54,6 +55,39 @@ def test_the_data_plane_imports_no_compiler() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_ml_dtypes_is_imported_only_for_bfloat16() -> None:
+    """Importing ml_dtypes takes about 0.6 s here (more than torch's core): a process that
+    runs a switch, a worker or the torch backend without bfloat16 never imports it, and a
+    bfloat16 array is still taken once the caller has it (which means ml_dtypes is loaded)."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import switchml.cli, switchml.transport.udp, switchml.transport.parallel
+        import switchml.torch
+        from switchml.protocol.errors import LocalProtocolError
+        from switchml.protocol.operation import validate_arrays
+        from switchml.protocol.dtypes import is_float, kernel_view
+        for dt in (np.float16, np.float32, np.float64, np.int32):
+            validate_arrays(np.zeros(4, dt), np.zeros(4, dt))
+        try:
+            validate_arrays(np.zeros(4, np.int16), np.zeros(4, np.int16))
+            raise SystemExit("int16 taken")
+        except LocalProtocolError as exc:
+            assert "bfloat16" in str(exc) and "int16" in str(exc), exc
+        assert "ml_dtypes" not in sys.modules, "imported before bfloat16 was used"
+        import ml_dtypes
+        bf = np.zeros(4, ml_dtypes.bfloat16)
+        validate_arrays(bf, bf.copy())
+        assert is_float(bf.dtype) and kernel_view(bf).dtype == np.uint16
+        assert not is_float(np.dtype(np.int32))
+        assert kernel_view(np.zeros(2, np.float16)).dtype == np.float16
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:] + out.stdout
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ def replica_main(q: Any, rank: int, world: int, store_port: int, switch: str, st
     ``("result", rank, ...)``; with ``die_step``, exit abruptly before that step's backward
     (after saying ``("died", rank, step)``); a ``replacement`` starts from the live state.
     Rank 1 pauses for 30 paces before step 1 and catches up from a live rank's state (more
-    than 10 steps behind); rank 2 pauses for 5 before step 30 and takes the steps its peers
-    are past from their sums without computing them.
+    than 10 steps behind); rank 2 pauses for 5 before step 45 (well after rank 1 caught up,
+    so that the quorum of three goes on without it) and takes the steps its peers are past
+    from their sums without computing them.
     The original replicas sleep ``pace_s`` before each step (so that a replacement finds
     the job running)."""
     from torch_procs import exit_now
@@ -83,7 +84,7 @@ def _train(q: Any, rank: int, world: int, store_port: int, switch: str, steps: i
         else:
             if not replacement and pace_s:
                 time.sleep(pace_s)
-            if (rank, step) in ((1, 1), (2, 30)) and not replacement:
+            if (rank, step) in ((1, 1), (2, 45)) and not replacement:
                 time.sleep((30 if rank == 1 else 5) * pace_s)  # the others go on meanwhile
             x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
             opt.zero_grad()

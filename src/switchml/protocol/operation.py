@@ -18,7 +18,7 @@ import numpy as np
 
 from switchml.protocol import kernels as K
 from switchml.protocol.config import JobSpec
-from switchml.protocol.dtypes import SUPPORTED_DTYPES, finfo, is_float, kernel_view
+from switchml.protocol.dtypes import SUPPORTED_NAMES, finfo, is_float, is_supported, kernel_view
 from switchml.protocol.errors import LocalProtocolError
 from switchml.protocol.quantize import scale_bits
 from switchml.protocol.wire import (
@@ -29,7 +29,7 @@ from switchml.protocol.wire import (
     operation_digest,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
+__all__ = ["WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
 
 WIRE_BITS = {32: (int(ElementType.INT32), 4), 16: (int(ElementType.INT16), 2)}
 """Wire width in bits -> (element type, bytes per element)."""
@@ -256,10 +256,9 @@ def validate_arrays(data: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.n
             raise LocalProtocolError(f"{name} must be a numpy array, got {type(a).__name__}")
         if not a.flags.c_contiguous:
             raise LocalProtocolError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
-    if data.dtype not in SUPPORTED_DTYPES or not data.dtype.isnative:
+    if not is_supported(data.dtype) or not data.dtype.isnative:
         raise LocalProtocolError(
-            f"unsupported dtype {data.dtype}; supported: "
-            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+            f"unsupported dtype {data.dtype}; supported: {', '.join(SUPPORTED_NAMES)}")
     if out.dtype != data.dtype or out.size != data.size:
         raise LocalProtocolError(
             f"out must match data: got {out.dtype}[{out.size}] for {data.dtype}[{data.size}]")

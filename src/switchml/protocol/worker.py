@@ -41,7 +41,7 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
 from switchml.protocol.auth import worker_key
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.dtypes import SUPPORTED_DTYPES
+from switchml.protocol.dtypes import SUPPORTED_NAMES
 from switchml.protocol.endpoint import Batch, Transmit
 from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.events import (
@@ -58,7 +58,7 @@ from switchml.protocol.worker_ahead import WorkerAhead
 from switchml.protocol.worker_control import EPOCH_SEQ_STRIDE, ControlRetry, WorkerControl
 from switchml.protocol.worker_replies import WorkerReplies
 
-__all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_DTYPES", "WorkerEndpoint",
+__all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "SUPPORTED_NAMES", "WorkerEndpoint",
            "WorkerState", "validate_arrays"]
 
 

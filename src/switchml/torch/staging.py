@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from switchml.protocol.dtypes import BFLOAT16
 from switchml.protocol.quantize import error_bound
 
 __all__ = ["HALF", "StagedTensor", "StagingPool", "wire_bits"]
@@ -150,6 +149,7 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of its type (bfloat16: ml_dtypes', through its
     bits, since torch's ``numpy()`` refuses it)."""
     if t.dtype is torch.bfloat16:
+        from switchml.protocol.dtypes import BFLOAT16  # (imports ml_dtypes: not before it is used)
         return t.view(torch.int16).numpy().view(BFLOAT16)
     return t.numpy()
 
