@@ -93,3 +93,31 @@ def test_a_wrong_name_or_batch_says_what_is_wrong():
         workloads.get("resnet")
     with pytest.raises(ValueError, match="batch must be >= 1"):
         workloads.get("cnn").build(batch=0)
+
+
+def test_the_digits_are_scikit_learns_and_load_without_importing_it():
+    """The digits come from scikit-learn's own file, read without importing scikit-learn
+    (about 1 s of CPU per process); set against ``sklearn.datasets.load_digits``: the same
+    1,797 images and labels, 80/20 between train and test."""
+    import collections
+    import subprocess
+    import sys
+    code = ("import sys; from switchml.workloads import digits_split; digits_split(0); "
+            "assert 'sklearn' not in sys.modules, 'sklearn imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    from sklearn.datasets import load_digits
+    ref = load_digits()
+    tx, ty, vx, vy = workloads.digits_split(3)
+    assert (len(ty), len(vy)) == (1437, 360) and tx.shape[1:] == (1, 8, 8)
+    assert 0 <= float(tx.min()) and float(tx.max()) <= 1
+
+    def images(x, y):  # each (label, pixels 0..16) as often as it occurs
+        return collections.Counter(
+            (int(label), bytes((img * 16).round().to(torch.uint8).flatten().tolist()))
+            for img, label in zip(x, y))
+
+    assert images(torch.cat([tx, vx]), torch.cat([ty, vy])) == images(
+        torch.tensor(ref.images, dtype=torch.float32).unsqueeze(1) / 16, ref.target)
+    assert images(tx, ty) != images(*workloads.digits_split(4)[:2])  # the seed splits

@@ -119,15 +119,33 @@ class Workload:
 
 # -- digits: cnn and mlp ------------------------------------------------------------------------
 
+def _digits_file() -> str:
+    """The digits file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``: one image
+    a row, 64 pixels in 0..16 then the digit), found without importing scikit-learn, whose
+    import (about 1 s of CPU) each benchmark process would otherwise pay before its first
+    step."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits workloads need scikit-learn's data: pip install "
+                           "scikit-learn")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data",
+                        "digits.csv.gz")
+    if not os.path.exists(path):
+        raise RuntimeError(f"scikit-learn has no digits data at {path}: reinstall it")
+    return path
+
+
 @lru_cache(maxsize=4)
 def digits_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     """scikit-learn's digits (1797 real 8x8 images shipped with it) as (1, 8, 8) float
     tensors in [0, 1]: (train x, train y, test x, test y), split 80/20 under ``seed``."""
+    import numpy as np
     import torch
-    from sklearn.datasets import load_digits
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    data = np.loadtxt(_digits_file(), delimiter=",")  # what ``load_digits`` reads
+    x = torch.tensor(data[:, :-1].reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data[:, -1].astype(np.int64), dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(y))
     return x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]]
