@@ -64,8 +64,8 @@ def test_a_job_key_opens_no_other_job():
         for other in (dataclasses.replace(spec, job_id=(spec.job_id + 1) % 2**32),
                       dataclasses.replace(spec, token=spec.token ^ 1)):
             with pytest.raises(OperationFailed, match="proof does not verify"):
-                WorkerClient(server.address, other, 0,
-                             WorkerConfig(job_key=key, join_timeout_s=3.0))
+                WorkerClient(server.address, other, 0,  # (a refusal that does not
+                             WorkerConfig(job_key=key, join_timeout_s=1.0))  # verify: waited)
         assert server.stats()["jobs"] == 0
 
 
@@ -117,10 +117,10 @@ def test_a_tenants_keys_derive_as_documented():
         tenant_key(SECRET, 2048)
 
 
-def _one_rank(server, spec, cfg):
+def _one_rank(server, spec, cfg, join_timeout_s=3.0):
     """Rank 0 of a one-rank job, joined (the caller closes it)."""
-    return WorkerClient(server.address, spec, 0, dataclasses.replace(cfg, join_timeout_s=3.0,
-                                                                     op_timeout_s=5.0))
+    return WorkerClient(server.address, spec, 0, dataclasses.replace(
+        cfg, join_timeout_s=join_timeout_s, op_timeout_s=5.0))
 
 
 def test_a_tenant_key_opens_its_tenants_jobs_and_no_other():
@@ -132,7 +132,7 @@ def test_a_tenant_key_opens_its_tenants_jobs_and_no_other():
             assert [out[r].tolist() for r in (0, 1)] == [[0, 3, 6, 9, 12, 15]] * 2
         for other in (new_job_spec(1), new_job_spec(1, tenant=8)):  # no secret's, no other's
             with pytest.raises(OperationFailed, match="proof does not verify"):
-                _one_rank(server, other, cfg)
+                _one_rank(server, other, cfg, join_timeout_s=1.0)  # (waits it out)
         assert server.stats()["jobs"] == 0
 
 
