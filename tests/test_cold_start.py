@@ -90,6 +90,39 @@ def test_ml_dtypes_is_imported_only_for_bfloat16() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:] + out.stdout
 
 
+def test_the_bfloat16_checks_hold_while_another_thread_imports_ml_dtypes() -> None:
+    """ml_dtypes is in ``sys.modules`` before its import has made ``bfloat16``: a worker's
+    I/O thread that checks a dtype meanwhile (a user's thread importing it for its first
+    bfloat16 tensor) must not fail. (It raised AttributeError in 5 runs of 5 when the check
+    read ``bfloat16`` from any module it found.)"""
+    code = textwrap.dedent("""
+        import threading
+        import numpy as np
+        from switchml.protocol.dtypes import is_float, is_supported, kernel_view
+        a, errors, stop = np.zeros(4, np.int32), [], threading.Event()
+
+        def check():
+            while not stop.is_set():
+                try:
+                    kernel_view(a), is_float(a.dtype), is_supported(np.dtype("V2"))
+                except Exception as exc:
+                    errors.append(repr(exc))
+                    return
+
+        t = threading.Thread(target=check)
+        t.start()
+        import ml_dtypes
+        stop.set()
+        t.join()
+        assert not errors, errors
+        assert is_float(np.dtype(ml_dtypes.bfloat16))
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:] + out.stdout
+
+
 @pytest.mark.slow
 def test_readme_numpy_example_answers_at_once_from_fresh_processes(free_port) -> None:
     port = free_port()

@@ -95,7 +95,7 @@ def test_a_wrong_name_or_batch_says_what_is_wrong():
         workloads.get("cnn").build(batch=0)
 
 
-def test_the_digits_are_scikit_learns_and_load_without_importing_it():
+def test_the_digits_are_scikit_learns_and_load_without_importing_it(monkeypatch):
     """The digits come from scikit-learn's own file, read without importing scikit-learn
     (about 1 s of CPU per process); set against ``sklearn.datasets.load_digits``: the same
     1,797 images and labels, 80/20 between train and test."""
@@ -121,3 +121,10 @@ def test_the_digits_are_scikit_learns_and_load_without_importing_it():
     assert images(torch.cat([tx, vx]), torch.cat([ty, vy])) == images(
         torch.tensor(ref.images, dtype=torch.float32).unsqueeze(1) / 16, ref.target)
     assert images(tx, ty) != images(*workloads.digits_split(4)[:2])  # the seed splits
+    # where scikit-learn's layout has no such file (an editable build): load_digits itself
+    import importlib.util
+    workloads.digits_split.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert torch.equal(workloads.digits_split(3)[0], tx)
+    monkeypatch.undo()
+    workloads.digits_split.cache_clear()

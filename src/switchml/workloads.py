@@ -119,22 +119,32 @@ class Workload:
 
 # -- digits: cnn and mlp ------------------------------------------------------------------------
 
-def _digits_file() -> str:
-    """The digits file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``: one image
-    a row, 64 pixels in 0..16 then the digit), found without importing scikit-learn, whose
+def _digits() -> Any:
+    """scikit-learn's digits as one float64 array, a row per image: 64 pixels in 0..16, then
+    the digit. Read from the file scikit-learn ships (``sklearn/datasets/data/
+    digits.csv.gz``, what ``load_digits`` reads), found without importing scikit-learn, whose
     import (about 1 s of CPU) each benchmark process would otherwise pay before its first
-    step."""
+    step; where the installed layout keeps that file elsewhere (an editable build, say),
+    ``load_digits`` itself."""
     import importlib.util
     import os
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
+
+    import numpy as np
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except ValueError:  # (imported already, without a spec)
+        spec = None
+    for place in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(place, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            return np.loadtxt(path, delimiter=",")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
         raise RuntimeError("the digits workloads need scikit-learn's data: pip install "
-                           "scikit-learn")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data",
-                        "digits.csv.gz")
-    if not os.path.exists(path):
-        raise RuntimeError(f"scikit-learn has no digits data at {path}: reinstall it")
-    return path
+                           "scikit-learn") from None
+    digits = load_digits()
+    return np.column_stack([digits.data, digits.target])
 
 
 @lru_cache(maxsize=4)
@@ -143,7 +153,7 @@ def digits_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     tensors in [0, 1]: (train x, train y, test x, test y), split 80/20 under ``seed``."""
     import numpy as np
     import torch
-    data = np.loadtxt(_digits_file(), delimiter=",")  # what ``load_digits`` reads
+    data = _digits()
     x = torch.tensor(data[:, :-1].reshape(-1, 8, 8), dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(data[:, -1].astype(np.int64), dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

@@ -237,6 +237,15 @@ def test_compare_with_testbed_rows(tmp_path, sim) -> None:
     p = sim("--compare", str(path), "--json", str(tmp_path / "cmp.json"))
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
-    assert len(rows) == 1 and rows[0]["workers"] == 2
+    assert [r["system"] for r in rows] == ["switchml", "gloo"] and rows[0]["workers"] == 2
     assert 0.8 < rows[0]["ratio"] < 1.2
     assert np.isfinite(rows[0]["sim_ate_per_s"])
+    # gloo, by hand: a ring of 2 moves 2 (n - 1) / n = 1x the 4 MiB each way, in TCP segments
+    # of 1448 bytes that cost the wire 1448 + 52 + 38 each, at 400 Mbit/s, plus 2 (n - 1)
+    # ring steps of 100 us; its CPU (a few ms) does not bind
+    wire_s = 4 * MIB * (1448 + 52 + 38) / 1448 * 8 / 4e8 + 2 * 100e-6
+    assert rows[1]["predicted_ate_per_s"] == pytest.approx(MIB / wire_s, rel=1e-6)
+    assert rows[1]["ratio"] == pytest.approx(MIB / wire_s / 1.0e7, rel=1e-6)
+    assert "gloo" in p.stdout and "predicted/testbed" in p.stdout
+    p = sim("--compare", str(tmp_path / "cmp.json"))  # its own output: not a testbed run
+    assert p.returncode == 2 and "has no list of results" in p.stderr, p.stderr

@@ -113,8 +113,10 @@ def _add_scenario_args(sim: argparse.ArgumentParser) -> None:
                           "rack:1@0.1; repeatable")
     add_seed_option(sim, help="seed of every random draw (default 0)")
     sim.add_argument("--compare", nargs="+", metavar="TESTBED_JSON",
-                     help="instead: simulate every loss-free switchml row of these testbed "
-                          "JSON files (same n, rate, MTU, size) and print sim / testbed")
+                     help="instead: predict every loss-free row of these `bench allreduce "
+                          "--testbed` JSON files (same n, rate, MTU, size; switchml's "
+                          "simulated, gloo's by predict's ring model with this machine's "
+                          "calibration) and print predicted / testbed")
     add_json_option(sim, "every run")
     sim.add_argument("--plot", metavar="PNG",
                      help="plot ATE/s against n (with the bounds) and/or against loss")
@@ -178,18 +180,24 @@ def config_from_args(args: argparse.Namespace) -> Callable[[int, float], SimConf
 
 def _run_compare(args: argparse.Namespace, config: Callable[[int, float], SimConfig],
                      command: str) -> int:
-    """``sim --compare``: simulated against measured ATE/s, one line per testbed row."""
+    """``sim --compare``: predicted against measured ATE/s, one line per testbed row."""
     import json
+    import os
 
+    from switchml.costs import load as load_costs
     from switchml.sim.run import compare_with_testbed
 
-    rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode)
-    print(f"{'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} {'testbed ATE/s':>13} "
-          f"{'sim ATE/s':>10} {'sim/testbed':>11}")
+    # gloo's rows by predict's ring model, with this machine's calibration (the reference
+    # machine's without one), its processes sharing this machine's cores as on the testbed
+    rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode,
+                                gloo_costs=load_costs(args.calibration),
+                                cores=len(os.sched_getaffinity(0)))
+    print(f"{'system':>8} {'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} "
+          f"{'testbed ATE/s':>13} {'predicted':>10} {'predicted/testbed':>17}")
     for r in rows:
-        print(f"{r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
+        print(f"{r['system']:>8} {r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
               f"{r['size_bytes']:10d} {r['testbed_ate_per_s']:13.3e} "
-              f"{r['sim_ate_per_s']:10.3e} {r['ratio']:11.3f}")
+              f"{r['predicted_ate_per_s']:10.3e} {r['ratio']:17.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "sim-compare", "command": command, "rows": rows}, f,

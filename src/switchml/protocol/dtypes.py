@@ -27,13 +27,15 @@ _bf16: np.dtype | None = None
 
 
 def _loaded_bfloat16() -> np.dtype | None:
-    """``ml_dtypes``' bfloat16 if something has imported ``ml_dtypes``, else None (no array
-    can be of that type yet)."""
+    """``ml_dtypes``' bfloat16 once something has imported ``ml_dtypes``, else None (no array
+    can be of that type yet). A module another thread is still importing is in
+    ``sys.modules`` before it has ``bfloat16``: that too is None, and is looked at again next
+    time."""
     global _bf16
     if _bf16 is None:
-        ml = sys.modules.get("ml_dtypes")
-        if ml is not None:
-            _bf16 = np.dtype(ml.bfloat16)
+        bf = getattr(sys.modules.get("ml_dtypes"), "bfloat16", None)
+        if bf is not None:
+            _bf16 = np.dtype(bf)
     return _bf16
 
 
@@ -48,13 +50,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def is_bfloat16(dtype: np.dtype) -> bool:
-    """``dtype`` is ``ml_dtypes.bfloat16`` (without importing it)."""
+def is_bfloat16(dtype: Any) -> bool:
+    """``dtype`` (a numpy dtype) is ``ml_dtypes.bfloat16`` (without importing it). Only a
+    2-byte dtype of numpy's kind V can be, so nothing else looks further."""
+    if getattr(dtype, "kind", None) != "V" or dtype.itemsize != 2:
+        return False
     bf = _loaded_bfloat16()
     return bf is not None and dtype == bf
 
 
-def is_supported(dtype: np.dtype) -> bool:
+def is_supported(dtype: Any) -> bool:
     """One of :data:`SUPPORTED_NAMES` (byte order aside)."""
     return dtype in _NUMPY_OWN or is_bfloat16(dtype)
 

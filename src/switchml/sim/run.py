@@ -146,30 +146,53 @@ def plot_reports(path: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
-                         run: Callable[[SimConfig, str], SimReport] | None = None
+                         run: Callable[[SimConfig, str], SimReport] | None = None,
+                         gloo_costs: Any = None, cores: int | None = None
                          ) -> list[dict[str, Any]]:
-    """Simulate every loss-free switchml row of testbed JSON files (``bench allreduce
-    --testbed``) with the same n, rate, MTU and size (other settings from ``base``), and
-    return ``{testbed row, simulated ATE/s, ratio}`` rows."""
+    """Set every loss-free row of testbed JSON files (``bench allreduce --testbed``) against
+    a prediction with the same n, rate, MTU and size: switchml's rows (32 bits) simulated
+    (other settings from ``base``), and with ``gloo_costs`` (``costs.Costs``) gloo's by the
+    ring model ``switchml predict`` charges (``predict.gloo_allreduce_s``: the wire or a
+    rank's CPU, with the emulated links' cost where calibrated, the ranks sharing ``cores``).
+    Returns ``{system, testbed row, predicted ATE/s, ratio}`` rows (switchml's also with the
+    simulator's report)."""
     run = run or (lambda cfg, m: run_config(cfg, m, verbose=False))
     out = []
     for p in paths:
         with open(p) as f:
-            rows = json.load(f)["results"]
+            doc = json.load(f)
+        rows = doc.get("results") if isinstance(doc, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ConfigError(f"{p} is not a `switchml bench allreduce --testbed --json` file: "
+                              "it has no list of results")
         for row in rows:
-            if row.get("system") != "switchml" or row.get("loss_rate", 0) or \
-                    row.get("bits", 32) != 32:
+            system = row.get("system")
+            if row.get("loss_rate", 0) or "rate_bps" not in row or not (
+                    (system == "switchml" and row.get("bits", 32) == 32)
+                    or (system == "gloo" and gloo_costs is not None)):
                 continue
-            cfg = replace(base, workers=row["workers"], size_bytes=row["size_bytes"],
-                          mtu=row.get("mtu") or 1500,
-                          access=replace(base.access, rate_bps=row["rate_bps"]))
-            rep = run(cfg, mode)
-            out.append({"file": p, "workers": row["workers"], "rate_bps": row["rate_bps"],
-                        "mtu": cfg.mtu, "size_bytes": row["size_bytes"],
-                        "testbed_ate_per_s": row["ate_per_s"],
-                        "sim_ate_per_s": rep.ate_per_s,
-                        "ratio": rep.ate_per_s / row["ate_per_s"] if row["ate_per_s"] else 0.0,
-                        "sim": rep.as_dict()})
+            mtu = row.get("mtu") or 1500
+            entry: dict[str, Any] = {"file": p, "system": system, "workers": row["workers"],
+                                     "rate_bps": row["rate_bps"], "mtu": mtu,
+                                     "size_bytes": row["size_bytes"],
+                                     "testbed_ate_per_s": row["ate_per_s"]}
+            if system == "switchml":
+                rep = run(replace(base, workers=row["workers"], size_bytes=row["size_bytes"],
+                                  mtu=mtu, access=replace(base.access, rate_bps=row["rate_bps"])),
+                          mode)
+                entry["predicted_ate_per_s"] = entry["sim_ate_per_s"] = rep.ate_per_s
+                entry["sim"] = rep.as_dict()
+            else:
+                from switchml.predict import Resources, gloo_allreduce_s
+                numel = row["size_bytes"] // 4
+                costs = Resources(gloo_costs.on_emulated_links(mtu), cores=cores).for_gloo(
+                    row["workers"])
+                entry["predicted_ate_per_s"] = numel / gloo_allreduce_s(
+                    numel, workers=row["workers"], rate_bps=row["rate_bps"], mtu=mtu,
+                    costs=costs)
+            entry["ratio"] = (entry["predicted_ate_per_s"] / row["ate_per_s"]
+                              if row["ate_per_s"] else 0.0)
+            out.append(entry)
     return out
 
 
