@@ -51,11 +51,16 @@ def test_a_calibration_file_round_trips_and_a_missing_one_is_said(tmp_path):
 def test_emulated_links_add_their_bytes_kernel_cost_by_hand(tmp_path):
     c = Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9, link_byte_s=1e-9)
     on = c.on_emulated_links(1500)
-    # a switchml datagram is a 1514-byte frame each way; a gloo element moved is 4 bytes out
-    # and 4 in, in 1448-byte segments of 1514-byte frames
-    assert on.worker_datagram_s == pytest.approx(1e-8 + 1514e-9)
+    # a switchml datagram is a 1514-byte frame each way, each paid by its sender: the worker
+    # its request (worker_s charges a datagram's cost each way: half a frame each), the
+    # switch its result (per request); a gloo element moved is 4 bytes out and 4 in, in
+    # 1448-byte segments of 1514-byte frames
+    assert on.worker_datagram_s == pytest.approx(1e-8 + 1514e-9 / 2)
+    assert on.switch_request_s == pytest.approx(3e-7 + 1514e-9)
+    assert on.worker_s(1, 0) + on.switch_s(1, 0) == pytest.approx(
+        c.worker_s(1, 0) + c.switch_s(1, 0) + 2 * 1514e-9)  # both frames, once each
     assert on.gloo_element_s == pytest.approx(5e-9 + 8 * 1514 / 1448 * 1e-9)
-    assert (on.worker_element_s, on.switch_request_s, on.link_byte_s) == (2e-9, 3e-7, 0.0)
+    assert (on.worker_element_s, on.switch_element_s, on.link_byte_s) == (2e-9, 4e-9, 0.0)
     assert Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9).on_emulated_links(1500).worker_datagram_s == 1e-8
     # the per-all-reduce cost: charged to each worker's all-reduce on the testbed only
     op = Costs(1e-8, 2e-9, 3e-7, 4e-9, 5e-9, link_op_s=2e-3)

@@ -243,3 +243,31 @@ def test_the_command_prints_a_verdict():
     assert out.returncode == 0, out.stderr
     assert "switchml16" in out.stdout and "speedup vs gloo" in out.stdout
     assert "switchml helps" in out.stdout
+
+
+def test_validate_profiles_each_model_once_for_about_two_seconds_of_its_steps(monkeypatch):
+    """``predict --against``: one profile per (model, batch, workers), as many steps as fit
+    in ``PROFILE_S`` of the measured step (8 at least, ``PROFILE_STEPS_MAX`` at most: a 25 ms
+    model profiled in 8 steps measured its lockstep anywhere from 14 to 28 ms), and each
+    row's error against its measured step."""
+    asked = []
+
+    def fake_profile(model, batch, *, colocated, steps):
+        asked.append((model, steps, colocated))
+        return _prof([(1000, 0.05)], f=0.01, b=0.1, o=0.02)
+
+    monkeypatch.setattr(P, "profile", fake_profile)
+    free = P.Costs(0, 0, 0, 0, 0)
+
+    def row(model, system, step_s):
+        return {"model": model, "system": system, "batch": 32, "workers": 1, "rate_bps": 1e9,
+                "mtu": 1500, "step_s": step_s}
+
+    out = P.validate([row("cnn", "gloo", 0.05), row("cnn", "switchml", 0.05),
+                      row("ncf", "gloo", 0.5), row("tiny", "gloo", 1e-4),
+                      row("ncf", "noop", 0.1)], costs=free)
+    assert asked == [("cnn", 40, 1), ("ncf", 8, 1), ("tiny", P.PROFILE_STEPS_MAX, 1)]
+    # one worker, free CPU: nothing to all-reduce, the step is the profile's 130 ms
+    assert [r["system"] for r in out] == ["gloo", "switchml", "gloo", "gloo"]
+    assert out[0]["predicted_step_s"] == pytest.approx(0.13)
+    assert out[0]["error"] == pytest.approx(0.13 / 0.05 - 1)

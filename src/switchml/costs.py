@@ -13,9 +13,9 @@ The model (docs/simulator.md, "CPU"):
   receives in the reduce-scatter);
 * an **emulated link** (the testbed's: a veth pair, a tbf shaper, another namespace) costs the
   kernel ``link_byte_s`` per byte it carries beyond what loopback costs, which the figures
-  above hold (``switchml calibrate --links``; 0 where not measured). A real network's NIC
-  does that work: only predictions of testbed runs (``predict --against``) charge it
-  (:meth:`Costs.on_emulated_links`).
+  above hold (``switchml calibrate --links``; 0 where not measured), on the thread that sends
+  the frame. A real network's NIC does that work: only predictions of testbed runs
+  (``predict --against``) charge it (:meth:`Costs.on_emulated_links`).
 
 Where a user has not calibrated, :data:`REFERENCE` holds what ``switchml calibrate`` measured
 on this project's reference machine (2 cores, docs/benchmarks.md), and every output says so.
@@ -80,16 +80,21 @@ class Costs:
 
     def on_emulated_links(self, mtu: int) -> Costs:
         """These costs with the emulated links' kernel work folded in, for a testbed run at
-        ``mtu`` (``link_byte_s`` per byte each way of a worker's link): a switchml worker's
-        per datagram (a full frame each way; the switch's side of the link is the same
-        bytes), a gloo rank's per element moved (four bytes out and four in, in TCP segments
-        of the MTU); and ``link_op_s`` per switchml all-reduce of a worker (measured for
-        switchml only)."""
+        ``mtu`` (``link_byte_s`` per byte each way of a worker's link), charged to the thread
+        that sends: a frame sent into a veth is delivered in the other namespace, its softirq
+        and the receiving socket included, on the sender's thread (perf, docs/benchmarks.md
+        §6). So a switchml worker pays a frame per request it sends (one of its datagrams'
+        two ways), the switch a frame per result (per request it answers), a gloo rank four
+        bytes out and four in per element moved, in TCP segments of the MTU; and each
+        switchml worker ``link_op_s`` per all-reduce (measured for switchml only)."""
         if not self.link_byte_s and not self.link_op_s:
             return self
-        frame = mtu + 14  # an IP packet of the MTU in an Ethernet frame on the veth
+        frame = (mtu + 14) * self.link_byte_s  # an IP packet of the MTU in an Ethernet frame
         mss = mtu - 52  # TCP over IPv4 with timestamps
-        return replace(self, worker_datagram_s=self.worker_datagram_s + frame * self.link_byte_s,
+        return replace(self,
+                       # (``worker_s`` charges a datagram's cost each way: half a frame each)
+                       worker_datagram_s=self.worker_datagram_s + frame / 2,
+                       switch_request_s=self.switch_request_s + frame,
                        gloo_element_s=self.gloo_element_s
                        + 8 * (mss + 52 + 14) / mss * self.link_byte_s,
                        worker_op_s=self.worker_op_s + self.link_op_s,

@@ -381,6 +381,12 @@ def predict(prof: Profile, *, workers: int, rate_bps: float, mtu: int = 1500,
     return out
 
 
+PROFILE_S = 2.0
+"""How long ``validate`` profiles a model, about: as many steps as the measured row's step
+time fits (``PROFILE_STEPS_MAX`` at most, 8 at least)."""
+PROFILE_STEPS_MAX = 100
+
+
 def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
              progress: Any = None, costs: Costs | None = None) -> list[dict[str, Any]]:
     """Predict every row of a ``switchml bench train`` run (its workload, batch, workers,
@@ -398,9 +404,13 @@ def validate(rows: list[dict[str, Any]], *, colocated: bool = True,
             continue
         key = (r["model"], r["batch"], r["workers"] if colocated else 1)
         if key not in profiles:
+            # About two seconds of steps (at least 8): a model of 25 ms steps profiled in 8,
+            # four processes on two cores, measured its lockstep anywhere from 14 to 28 ms.
+            steps = min(PROFILE_STEPS_MAX, max(8, round(PROFILE_S / max(r["step_s"], 1e-3))))
             if progress is not None:
-                progress(f"profiling {r['model']} (batch {r['batch']}, {key[2]} at once)")
-            profiles[key] = profile(r["model"], r["batch"], colocated=key[2])
+                progress(f"profiling {r['model']} (batch {r['batch']}, {key[2]} at once, "
+                         f"{steps} steps)")
+            profiles[key] = profile(r["model"], r["batch"], colocated=key[2], steps=steps)
         prof = profiles[key]
         mtu = r.get("mtu", 1500)
         pred = predict(prof, workers=r["workers"], rate_bps=r["rate_bps"], mtu=mtu,
