@@ -4,7 +4,7 @@ bfloat16 is ``ml_dtypes``' type. Importing ``ml_dtypes`` costs about half a seco
 extension registers its types and their casts with numpy: 0.55-0.65 s here, more than
 importing torch's core), and every worker, switch and benchmark process would pay it before
 its first datagram. Nothing here imports it until a caller asks for bfloat16 by name
-(``BFLOAT16``, ``SUPPORTED_DTYPES``): an array can only be bfloat16 once ``ml_dtypes`` is
+(``BFLOAT16``): an array can only be bfloat16 once ``ml_dtypes`` is
 loaded, so the checks below look for it in ``sys.modules`` and never load it themselves.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BFLOAT16", "SUPPORTED_DTYPES", "SUPPORTED_NAMES",  # noqa: F822 (__getattr__'s)
-           "finfo", "is_bfloat16", "is_float", "is_supported", "kernel_view"]
+__all__ = ["BFLOAT16",  # noqa: F822 (``__getattr__``'s)
+           "SUPPORTED_NAMES", "finfo", "is_bfloat16", "is_float", "is_supported", "kernel_view"]
 
 _NUMPY_OWN = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
               np.dtype(np.int32))
@@ -40,13 +40,10 @@ def _loaded_bfloat16() -> np.dtype | None:
 
 
 def __getattr__(name: str) -> Any:
-    """``BFLOAT16`` and ``SUPPORTED_DTYPES``, which import ``ml_dtypes`` on first use."""
+    """``BFLOAT16``, which imports ``ml_dtypes`` on first use."""
     if name == "BFLOAT16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
-    if name == "SUPPORTED_DTYPES":
-        import ml_dtypes
-        return (_NUMPY_OWN[0], np.dtype(ml_dtypes.bfloat16), *_NUMPY_OWN[1:])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

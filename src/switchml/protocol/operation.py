@@ -29,17 +29,7 @@ from switchml.protocol.wire import (
     operation_digest,
 )
 
-__all__ = ["SUPPORTED_DTYPES",  # noqa: F822 (__getattr__'s)
-           "WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
-
-
-def __getattr__(name: str) -> object:
-    """``SUPPORTED_DTYPES`` (``dtypes``'), which imports ``ml_dtypes`` on first use."""
-    if name == "SUPPORTED_DTYPES":
-        from switchml.protocol import dtypes
-        return dtypes.SUPPORTED_DTYPES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__all__ = ["WIRE_BITS", "Operation", "check_wire", "validate_arrays"]
 
 WIRE_BITS = {32: (int(ElementType.INT32), 4), 16: (int(ElementType.INT16), 2)}
 """Wire width in bits -> (element type, bytes per element)."""

@@ -41,7 +41,6 @@ from switchml.protocol import kernels as K
 from switchml.protocol.address import Address, as_addresses, format_addresses
 from switchml.protocol.auth import worker_key
 from switchml.protocol.config import JobSpec, WorkerConfig
-from switchml.protocol.dtypes import SUPPORTED_NAMES
 from switchml.protocol.endpoint import Batch, Transmit
 from switchml.protocol.errors import ConfigError, LocalProtocolError
 from switchml.protocol.events import (
@@ -58,17 +57,8 @@ from switchml.protocol.worker_ahead import WorkerAhead
 from switchml.protocol.worker_control import EPOCH_SEQ_STRIDE, ControlRetry, WorkerControl
 from switchml.protocol.worker_replies import WorkerReplies
 
-__all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS",
-           "SUPPORTED_DTYPES",  # noqa: F822 (__getattr__'s)
-           "SUPPORTED_NAMES", "WorkerEndpoint", "WorkerState", "validate_arrays"]
-
-
-def __getattr__(name: str) -> object:
-    """``SUPPORTED_DTYPES`` (``dtypes``'), which imports ``ml_dtypes`` on first use."""
-    if name == "SUPPORTED_DTYPES":
-        from switchml.protocol import dtypes
-        return dtypes.SUPPORTED_DTYPES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["EPOCH_SEQ_STRIDE", "RECOVERY_COUNTERS", "WorkerEndpoint", "WorkerState",
+           "validate_arrays"]
 
 
 # Kernel counters (kernels.WC) by the names ``counters`` and ``drops`` report.
