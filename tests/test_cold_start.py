@@ -65,6 +65,7 @@ def test_ml_dtypes_is_imported_only_for_bfloat16() -> None:
         import sys
         import numpy as np
         import switchml.cli, switchml.transport.udp, switchml.transport.parallel
+        import switchml.cli.switch, switchml.service, switchml.transport.server  # (a switch)
         import switchml.torch
         from switchml.protocol.errors import LocalProtocolError
         from switchml.protocol.operation import validate_arrays
