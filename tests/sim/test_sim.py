@@ -249,3 +249,26 @@ def test_compare_with_testbed_rows(tmp_path, sim) -> None:
     assert "gloo" in p.stdout and "predicted/testbed" in p.stdout
     p = sim("--compare", str(tmp_path / "cmp.json"))  # its own output: not a testbed run
     assert p.returncode == 2 and "has no list of results" in p.stderr, p.stderr
+
+
+def test_compare_refuses_a_loopback_run_and_a_file_with_nothing_to_compare(tmp_path, sim
+                                                                           ) -> None:
+    # a loopback run's rows (`bench allreduce` without --testbed: no link rate) are not
+    # predicted, and say so rather than printing an empty table
+    loopback = {"benchmark": "allreduce", "results": [
+        {"system": "switchml", "workers": 4, "size_bytes": 64 * MIB, "ate_per_s": 1.5e8}]}
+    path = tmp_path / "lo.json"
+    path.write_text(json.dumps(loopback))
+    p = sim("--compare", str(path))
+    assert p.returncode == 2 and "is a loopback run" in p.stderr, p.stderr
+    assert "share this machine's cores" in p.stderr
+    # a testbed file whose only row is one the model does not predict (16-bit, lossy)
+    testbed = {"benchmark": "allreduce-testbed", "results": [
+        {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
+         "mtu": 1500, "loss_rate": 0.0, "bits": 16, "ate_per_s": 2e7},
+        {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
+         "mtu": 1500, "loss_rate": 0.01, "ate_per_s": 1e7}]}
+    path = tmp_path / "tb16.json"
+    path.write_text(json.dumps(testbed))
+    p = sim("--compare", str(path))
+    assert p.returncode == 2 and "has no row to compare" in p.stderr, p.stderr

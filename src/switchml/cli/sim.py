@@ -116,7 +116,9 @@ def _add_scenario_args(sim: argparse.ArgumentParser) -> None:
                      help="instead: predict every loss-free row of these `bench allreduce "
                           "--testbed` JSON files (same n, rate, MTU, size; switchml's "
                           "simulated, gloo's by predict's ring model with this machine's "
-                          "calibration) and print predicted / testbed")
+                          "calibration) and print predicted / testbed; a loopback run is "
+                          "refused: its processes share this machine's cores, which the "
+                          "model does not see")
     add_json_option(sim, "every run")
     sim.add_argument("--plot", metavar="PNG",
                      help="plot ATE/s against n (with the bounds) and/or against loss")

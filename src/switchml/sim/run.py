@@ -165,6 +165,14 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ConfigError(f"{p} is not a `switchml bench allreduce --testbed --json` file: "
                               "it has no list of results")
+        if doc.get("benchmark") == "allreduce":
+            raise ConfigError(
+                f"{p} is a loopback run (`switchml bench allreduce` without --testbed), which "
+                "the model does not predict: there every worker and the switch share this "
+                "machine's cores, their CPU per element grows with how many share them, and "
+                "they wait on each other's wake-ups with cores idle (docs/benchmarks.md §6, "
+                "'Loopback rows'); compare a --testbed run")
+        before = len(out)
         for row in rows:
             system = row.get("system")
             if row.get("loss_rate", 0) or "rate_bps" not in row or not (
@@ -193,6 +201,9 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
             entry["ratio"] = (entry["predicted_ate_per_s"] / row["ate_per_s"]
                               if row["ate_per_s"] else 0.0)
             out.append(entry)
+        if len(out) == before:
+            raise ConfigError(f"{p} has no row to compare: only loss-free rows of switchml "
+                              "at 32 bits (and gloo's) on the testbed's links are predicted")
     return out
 
 
