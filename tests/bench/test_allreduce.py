@@ -48,6 +48,8 @@ def test_a_sharded_benchmark_switch_serves_a_rank_on_every_shard():
     (row,) = results
     assert row.max_rel_error is not None and row.max_rel_error < 1e-6
     assert [s["packets_in"] > 0 for s in stats["shards"]] == [True, True]
+    # the shards' CPU, summed, over the worker's timed loop: a share of at most two cores
+    assert 0 < row.extra["switch_cpu_percent"] <= 200 + 10
 
 
 def test_a_worker_that_fails_before_the_timed_loop_ends_the_benchmark_at_once():

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import threading
 import time
 
 import pytest
 
-from switchml.bench.cpu import cpu_per_gelem, machine_busy_s, ratio_text
+from switchml.bench.cpu import (
+    cpu_per_gelem,
+    machine_busy_s,
+    ratio_text,
+    sample_processes,
+    span_cpu_percent,
+)
 from switchml.bench.floor import hub, worker
 
 
@@ -57,3 +64,32 @@ def test_machine_busy_grows_with_work():
     for i in range(3_000_000):
         x += i
     assert machine_busy_s() > b0 > 0
+
+
+def test_span_cpu_percent_by_hand():
+    # Two workers' samples of the switch, [t0, cpu0, t1, cpu1]: from the first start (t = 10,
+    # 5.0 CPU-s) to the last end (t = 13, 6.5 CPU-s) it ran 1.5 s of 3: 50% of a core. The
+    # second worker's own start and the first one's end do not count.
+    assert span_cpu_percent([[10.0, 5.0, 12.0, 6.0], [10.5, 5.2, 13.0, 6.5]]) == \
+        pytest.approx(50.0)
+    assert span_cpu_percent([]) is None
+    assert span_cpu_percent([[10.0, 5.0, 10.0, 5.0]]) is None  # no time between
+
+
+def test_sample_processes_reads_what_getrusage_does():
+    # This process's CPU over a busy loop, read from /proc by pid, against getrusage's (whole
+    # ticks: within two of them)
+    def own() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    t0, c0, r0 = *sample_processes([os.getpid()]), own()
+    x = 0
+    for i in range(5_000_000):
+        x += i
+    t1, c1, r1 = *sample_processes([os.getpid()]), own()
+    assert t1 > t0 and c1 - c0 > 0
+    assert c1 - c0 == pytest.approx(r1 - r0, abs=2 * tick + 0.01)
+    # two pids: their CPU summed
+    assert sample_processes([os.getpid(), os.getpid()])[1] >= 2 * c1 - 2 * tick

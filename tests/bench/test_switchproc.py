@@ -24,7 +24,7 @@ def test_a_switch_process_listens_and_answers_for_its_counters():
     try:
         host, port = switch.address
         assert host == "127.0.0.1" and port > 0
-        assert switch.stats()["packets_in"] == 0 and switch.cpu_s() >= 0
+        assert switch.stats()["packets_in"] == 0
     finally:
         switch.stop()
     assert not switch.proc.is_alive()

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from switchml.bench.cpu import cpu_per_gelem, machine_busy_s
+from switchml.bench.cpu import cpu_per_gelem, machine_busy_s, sample_processes, span_cpu_percent
 from switchml.bench.switchproc import SwitchProcess
 from switchml.protocol.parts import check_threads
 
@@ -132,7 +132,7 @@ def _cpu_s() -> float:
 def _switchml_worker(rank: int, spec_text: str, switch: Sequence[tuple[str, int]], numel: int,
                      warmup: int, iters: int, barrier: Any, results: Any,
                      batching: bool = True, bits: int = 32, secret: bytes | None = None,
-                     threads: int = 1) -> None:
+                     threads: int = 1, switch_pids: Sequence[int] = ()) -> None:
     from switchml.control import decode_job_spec
     from switchml.protocol.config import WorkerConfig
     from switchml.transport.parallel import open_worker
@@ -148,17 +148,21 @@ def _switchml_worker(rank: int, spec_text: str, switch: Sequence[tuple[str, int]
             for _ in range(warmup):
                 w.allreduce(x, out, bits=bits)
             barrier.wait()
+            sw0 = sample_processes(switch_pids) if switch_pids else None
             b0, c0, t0 = machine_busy_s(), _cpu_s(), time.perf_counter()
             for _ in range(iters):
                 w.allreduce(x, out, bits=bits)
             elapsed = time.perf_counter() - t0
             cpu, busy = _cpu_s() - c0, (b0, machine_busy_s())
+            # the switch over this loop: [t0, cpu0, t1, cpu1] (its share of a core, with the
+            # other workers' spans), not over the start-up and this check
+            span = sw0 + sample_processes(switch_pids) if sw0 is not None else None
             scale = np.max(np.abs(expected)) or 1.0
             err = float(np.max(np.abs(out - expected)) / scale)
-            results.put((rank, elapsed, cpu, err, w.counters, None, busy))
+            results.put((rank, elapsed, cpu, err, w.counters, None, busy, span))
     except BaseException as exc:  # report, don't hang the parent (nor the others at the barrier)
         barrier.abort()
-        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None, None))
 
 
 def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: int,
@@ -179,10 +183,10 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, warmup: int, iters: i
         elapsed = time.perf_counter() - t0
         cpu, busy = _cpu_s() - c0, (b0, machine_busy_s())
         dist.destroy_process_group()
-        results.put((rank, elapsed, cpu, None, {}, None, busy))
+        results.put((rank, elapsed, cpu, None, {}, None, busy, None))
     except BaseException as exc:
         barrier.abort()
-        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None))
+        results.put((rank, 0.0, 0.0, None, {}, f"{type(exc).__name__}: {exc}", None, None))
 
 
 def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[tuple]:
@@ -212,7 +216,7 @@ def _collect(procs: list[Any], results: Any, n: int, timeout_s: float) -> list[t
 
 def _measure(system: str, cfg: BenchConfig, size: int,
              switch: Sequence[tuple[str, int]] | None,
-             ctx: Any, switch_cpu: Any = None) -> Measurement:
+             ctx: Any, switch_pids: Sequence[int] = ()) -> Measurement:
     n = cfg.workers
     numel = size // 4
     results = ctx.Queue()
@@ -225,7 +229,8 @@ def _measure(system: str, cfg: BenchConfig, size: int,
         procs = [ctx.Process(target=_switchml_worker, args=(r, spec, switch, numel, cfg.warmup,
                                                             cfg.iters, barrier, results,
                                                             cfg.batching, cfg.bits,
-                                                            cfg.secret, cfg.threads))
+                                                            cfg.secret, cfg.threads,
+                                                            tuple(switch_pids)))
                  for r in range(n)]
     else:
         port = _free_port()
@@ -234,20 +239,16 @@ def _measure(system: str, cfg: BenchConfig, size: int,
                  for r in range(n)]
     for p in procs:
         p.start()
-    cpu0 = None
     try:
         barrier.wait(timeout=cfg.timeout_s)
-        if switch_cpu is not None and system == "switchml":
-            cpu0 = switch_cpu()
     except threading.BrokenBarrierError:
         pass  # a worker failed before the timed loop; _collect reports why
-    t0 = time.perf_counter()
     rows = _collect(procs, results, n, cfg.timeout_s)
     busy = [r[6] for r in rows if r[6]]  # the machine over the workers' timed loops
     extra: dict[str, Any] = {}
-    if cpu0 is not None and switch_cpu is not None:
-        # From the start of the timed loop until the last worker reported.
-        extra["switch_cpu_percent"] = 100.0 * (switch_cpu() - cpu0) / (time.perf_counter() - t0)
+    switch_percent = span_cpu_percent([r[7] for r in rows if r[7]])
+    if switch_percent is not None:  # the switch (its shards summed) over the same loops
+        extra["switch_cpu_percent"] = switch_percent
     elapsed = max(r[1] for r in rows)
     ate = numel * cfg.iters / elapsed
     errs = [r[3] for r in rows if r[3] is not None]
@@ -288,15 +289,12 @@ def run_benchmark(cfg: BenchConfig, progress: Any = None
                                          secret=cfg.secret))
         switch = [p.address for p in own] if own else list(cfg.switch or ())
 
-        def switch_cpu() -> float:  # every shard's CPU seconds, summed
-            return sum(p.cpu_s() for p in own)
-
         for size in cfg.sizes_bytes:
             for system in ("switchml", *cfg.baselines):
                 if progress is not None:
                     progress(f"{system} n={cfg.workers} size={size} B")
                 out.append(_measure(system, cfg, size, switch, ctx,
-                                    switch_cpu if own else None))
+                                    [p.proc.pid for p in own]))
         if len(own) == 1:
             switch_stats = own[0].stats()
         elif own:

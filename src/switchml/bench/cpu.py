@@ -10,12 +10,15 @@ and everything else on the box included). Compare them only with figures of the 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GIGA", "cpu_per_gelem", "machine_busy_s", "proc_cpu_s", "ratio_text"]
+__all__ = ["GIGA", "cpu_per_gelem", "machine_busy_s", "proc_cpu_s", "ratio_text",
+           "sample_processes", "span_cpu_percent"]
 
 GIGA = 1e9
+_CPUCLOCK_SCHED = 2  # a process-wide CPU-time clock (the kernel's MAKE_PROCESS_CPUCLOCK)
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (not idle, iowait)
 
 
@@ -31,11 +34,37 @@ def machine_busy_s() -> float:
 
 
 def proc_cpu_s(pid: int) -> float:
-    """CPU-seconds (user + system, all threads) of process ``pid`` so far, from
-    ``/proc/<pid>/stat``."""
+    """CPU-seconds (user + system, all threads, ended ones included) of process ``pid`` so
+    far: its CPU-time clock, exact (Linux numbers a process's clock from its pid as glibc's
+    ``clock_getcpuclockid`` does), else ``/proc/<pid>/stat`` (whole clock ticks)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
+    except OSError:
+        pass
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sample_processes(pids: Sequence[int]) -> list[float]:
+    """``[now, CPU-seconds]``: the time (``time.monotonic``, one clock for every process of
+    the machine) and the CPU of the processes ``pids`` (summed; ``proc_cpu_s``): what a worker
+    takes at the start and at the end of its timed loop, so that a process it talks to (the
+    switch) is measured over that loop and not over the benchmark's start-up and checks."""
+    return [time.monotonic(), sum(proc_cpu_s(p) for p in pids)]
+
+
+def span_cpu_percent(spans: Sequence[Sequence[float]]) -> float | None:
+    """The processes' CPU, in percent of one core, from the first worker's start to the last
+    worker's end: ``spans`` holds each worker's ``sample_processes`` at its start and at its
+    end, ``[t0, cpu0, t1, cpu1]``. None without a span (no sample, or no time between)."""
+    if not spans:
+        return None
+    start = min(spans, key=lambda s: s[0])
+    end = max(spans, key=lambda s: s[2])
+    if end[2] <= start[0]:
+        return None
+    return 100.0 * (end[3] - start[1]) / (end[2] - start[0])
 
 
 def cpu_per_gelem(*, worker_cpu_s: Sequence[float], machine_busy: tuple[float, float] | None,

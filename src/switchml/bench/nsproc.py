@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from switchml import env
-from switchml.bench.cpu import machine_busy_s
+from switchml.bench.cpu import machine_busy_s, sample_processes
 
 
 def _cpu() -> float:
@@ -36,17 +36,23 @@ def _emit(doc: dict[str, Any]) -> None:
     print(json.dumps(doc), flush=True)
 
 
-def _timed(allreduce: Any, x: Any, warmup: int, iters: int) -> dict[str, Any]:
+def _timed(allreduce: Any, x: Any, warmup: int, iters: int, watch: int | None = None
+           ) -> dict[str, Any]:
     """Time ``iters`` calls after ``warmup``: elapsed, this process's CPU, and the whole
     machine's busy seconds at the start and end (``busy``: the runner takes the span of all
-    workers)."""
+    workers); with ``watch`` (the switch's pid), that process's CPU at the start and end too
+    (``watched``: ``bench.cpu.sample_processes``, for ``span_cpu_percent``)."""
     for _ in range(warmup):
         allreduce(x)
+    w0 = sample_processes([watch]) if watch else None
     b0, c0, t0 = machine_busy_s(), _cpu(), time.perf_counter()
     for _ in range(iters):
         allreduce(x)
     elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "cpu_s": _cpu() - c0, "busy": [b0, machine_busy_s()]}
+    out = {"elapsed_s": elapsed, "cpu_s": _cpu() - c0, "busy": [b0, machine_busy_s()]}
+    if w0 is not None:
+        out["watched"] = w0 + sample_processes([watch])
+    return out
 
 
 def init_group(backend: str, master: str, port: int, rank: int, world: int,
@@ -128,7 +134,7 @@ def switchml(a: dict[str, Any]) -> None:
         # the 16-bit DDP hook's error feedback: a float32 residual per bucket
         res = np.zeros(x.size, np.float32) if a.get("residual") else None
         r = _timed(lambda v: w.allreduce(v, out, bits=bits, residual=res), x, a["warmup"],
-                   a["iters"])
+                   a["iters"], a.get("switch_pid"))
         n = spec.num_workers
         # (a tree's racks repeat the local ranks: it says what to expect)
         expect = a.get("expect", n * (n + 1) / 2 + n * offset)
@@ -167,7 +173,7 @@ def switchml_torch(a: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     init_group("switchml", a["master"], a["port"], a["rank"], a["n"], 300, a.get("store_file"))
     x = torch.full((a["numel"],), float(a["rank"] + 1), dtype=getattr(torch, a["dtype"]))
-    r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"])
+    r = _timed(lambda v: dist.all_reduce(v), x, a["warmup"], a["iters"], a.get("switch_pid"))
     n = a["n"]
     expect = n * (n + 1) / 2 * n ** (a["warmup"] + a["iters"] - 1)
     r["max_abs_error"] = float((x.double() - expect).abs().max())

@@ -29,14 +29,10 @@ def _serve(conn: Any, lease_timeout_s: float, secret: bytes | None,
     conn.send(server.address)
     server.start()
     try:
-        while True:  # "stats", "cpu" (CPU seconds so far); anything else, or EOF, stops
-            msg = conn.recv()
-            if msg == "stats":
-                conn.send(server.stats())
-            elif msg == "cpu":
-                conn.send(time.process_time())
-            else:
+        while True:  # "stats"; anything else, or EOF, stops
+            if conn.recv() != "stats":
                 break
+            conn.send(server.stats())
     except EOFError:
         pass
     server.stop()
@@ -68,10 +64,6 @@ class SwitchProcess:
     def stats(self) -> dict[str, Any]:
         self._conn.send("stats")
         return self._conn.recv()  # type: ignore[no-any-return]
-
-    def cpu_s(self) -> float:
-        self._conn.send("cpu")
-        return float(self._conn.recv())
 
     def rss(self) -> int:
         return rss_bytes(self.proc.pid)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from switchml.bench.cpu import cpu_per_gelem, proc_cpu_s
+from switchml.bench.cpu import cpu_per_gelem, span_cpu_percent
 from switchml.protocol.config import default_window
 from switchml.protocol.parts import check_threads
 from switchml.protocol.wire import AUTH_TAG_SIZE, elements_for_mtu
@@ -302,11 +302,14 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
                                           elements_per_packet=cfg.elements_per_packet,
                                           auth_data=cfg.auth_data))
              for _ in range(cfg.jobs)]
-    cpu0, t0 = proc_cpu_s(switch_pid), time.perf_counter()
+    # each worker samples the switch's CPU at the start and end of its timed loop: its share
+    # of a core over those loops, not over the workers' start-up, warm-up and checks
+    common = {**common, "switch_pid": switch_pid}
     if cfg.through_torch:
         rows = _run_switchml_torch(tb, cfg, common)
-        switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
-        return rows, {"switch_cpu_percent": switch_cpu, "wire_bits": rows[0]["wire_bits"],
+        switch_cpu = span_cpu_percent([r["watched"] for r in rows if "watched" in r])
+        return rows, {**_percent("switch_cpu_percent", switch_cpu),
+                      "wire_bits": rows[0]["wire_bits"],
                       "payload_bytes_sent": [r["payload_bytes_sent"] for r in rows],
                       **_switchml_extra(rows)}
     procs = _start_workers(tb, range(cfg.workers), lambda i: _nsproc("switchml", {
@@ -315,8 +318,13 @@ def _run_switchml(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any],
         "fast_retransmit": cfg.fast_retransmit, "bits": cfg.bits, "residual": cfg.residual,
         "threads": cfg.threads, "secret": secret.hex() if secret else None}))
     rows = _wait_all(procs, cfg.timeout_s)
-    switch_cpu = 100 * (proc_cpu_s(switch_pid) - cpu0) / (time.perf_counter() - t0)
-    return rows, {"switch_cpu_percent": switch_cpu, **_switchml_extra(rows)}
+    switch_cpu = span_cpu_percent([r["watched"] for r in rows if "watched" in r])
+    return rows, {**_percent("switch_cpu_percent", switch_cpu), **_switchml_extra(rows)}
+
+
+def _percent(key: str, value: float | None) -> dict[str, float]:
+    """``{key: value}``, or nothing where there was no span to measure over."""
+    return {} if value is None else {key: value}
 
 
 def _run_switchml_torch(tb: Testbed, cfg: TestbedBenchConfig, common: dict[str, Any]
