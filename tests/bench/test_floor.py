@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -93,3 +95,7 @@ def test_sample_processes_reads_what_getrusage_does():
     assert c1 - c0 == pytest.approx(r1 - r0, abs=2 * tick + 0.01)
     # two pids: their CPU summed
     assert sample_processes([os.getpid(), os.getpid()])[1] >= 2 * c1 - 2 * tick
+    # a process that is gone (reaped): no sample, not an error
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert sample_processes([gone.pid]) is None

@@ -20,5 +20,9 @@ def test_two_jobs_at_once_each_sum_their_own_inputs_on_the_testbed():
     # (job j's inputs are offset by 100 j: a request taken into the other job shows)
     assert by["switchml"]["max_abs_error"] == 0.0
     assert by["gloo"]["ate_per_s"] > 0
+    # the row says its wire width (sim --compare predicts 32-bit rows only), and the switch's
+    # share of a core over the workers' timed loops
+    assert by["switchml"]["bits"] == 32 and "bits" not in by["gloo"]
+    assert 0 < by["switchml"]["switch_cpu_percent"] <= 100 * 2 + 10
     drops = rows[-1]["switch_final"]["drops"]
     assert not {"wrong_source", "bad_token", "unknown_job", "not_joined"} & set(drops), drops

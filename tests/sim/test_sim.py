@@ -262,13 +262,23 @@ def test_compare_refuses_a_loopback_run_and_a_file_with_nothing_to_compare(tmp_p
     p = sim("--compare", str(path))
     assert p.returncode == 2 and "is a loopback run" in p.stderr, p.stderr
     assert "share this machine's cores" in p.stderr
-    # a testbed file whose only row is one the model does not predict (16-bit, lossy)
+    # a testbed file whose rows the model does not predict: 16 bits (as `bench allreduce
+    # --testbed --bits 16` writes it, and through torch), and loss
+    row = {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
+           "mtu": 1500, "loss_rate": 0.0, "ate_per_s": 2e7}
     testbed = {"benchmark": "allreduce-testbed", "results": [
-        {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
-         "mtu": 1500, "loss_rate": 0.0, "bits": 16, "ate_per_s": 2e7},
-        {"system": "switchml", "workers": 2, "size_bytes": 4 * MIB, "rate_bps": 4e8,
-         "mtu": 1500, "loss_rate": 0.01, "ate_per_s": 1e7}]}
+        {**row, "bits": 16}, {**row, "wire_bits": 16, "through_torch": True},
+        {**row, "loss_rate": 0.01, "bits": 32}]}
     path = tmp_path / "tb16.json"
     path.write_text(json.dumps(testbed))
     p = sim("--compare", str(path))
-    assert p.returncode == 2 and "has no row to compare" in p.stderr, p.stderr
+    assert p.returncode == 2 and "no row to compare" in p.stderr, p.stderr
+    # beside a file with a row to compare, it is named and the other's row printed
+    good = tmp_path / "tb32.json"
+    good.write_text(json.dumps({"benchmark": "allreduce-testbed", "results": [
+        {**row, "bits": 32}]}))
+    p = sim("--compare", str(path), str(good), "--json", str(tmp_path / "cmp.json"))
+    assert p.returncode == 0, p.stderr
+    assert f"{path}: no row to compare" in p.stderr
+    rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
+    assert [r["file"] for r in rows] == [str(good)]

@@ -156,7 +156,8 @@ def _switchml_worker(rank: int, spec_text: str, switch: Sequence[tuple[str, int]
             cpu, busy = _cpu_s() - c0, (b0, machine_busy_s())
             # the switch over this loop: [t0, cpu0, t1, cpu1] (its share of a core, with the
             # other workers' spans), not over the start-up and this check
-            span = sw0 + sample_processes(switch_pids) if sw0 is not None else None
+            sw1 = sample_processes(switch_pids) if sw0 is not None else None
+            span = sw0 + sw1 if sw0 is not None and sw1 is not None else None
             scale = np.max(np.abs(expected)) or 1.0
             err = float(np.max(np.abs(out - expected)) / scale)
             results.put((rank, elapsed, cpu, err, w.counters, None, busy, span))

@@ -35,8 +35,12 @@ def machine_busy_s() -> float:
 
 def proc_cpu_s(pid: int) -> float:
     """CPU-seconds (user + system, all threads, ended ones included) of process ``pid`` so
-    far: its CPU-time clock, exact (Linux numbers a process's clock from its pid as glibc's
-    ``clock_getcpuclockid`` does), else ``/proc/<pid>/stat`` (whole clock ticks)."""
+    far: its CPU-time clock (Linux numbers a process's clock from its pid as glibc's
+    ``clock_getcpuclockid`` does; to the nanosecond for a process that sleeps, to the
+    scheduler's tick for one that runs), else ``/proc/<pid>/stat`` (whole clock ticks).
+
+    Raises:
+        OSError: no such process (``FileNotFoundError``), or no ``/proc``."""
     try:
         return time.clock_gettime(((~pid) << 3) | _CPUCLOCK_SCHED)
     except OSError:
@@ -46,12 +50,17 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def sample_processes(pids: Sequence[int]) -> list[float]:
+def sample_processes(pids: Sequence[int]) -> list[float] | None:
     """``[now, CPU-seconds]``: the time (``time.monotonic``, one clock for every process of
     the machine) and the CPU of the processes ``pids`` (summed; ``proc_cpu_s``): what a worker
     takes at the start and at the end of its timed loop, so that a process it talks to (the
-    switch) is measured over that loop and not over the benchmark's start-up and checks."""
-    return [time.monotonic(), sum(proc_cpu_s(p) for p in pids)]
+    switch) is measured over that loop and not over the benchmark's start-up and checks. None
+    where a process's CPU cannot be read (no such process, or no ``/proc``). A running
+    process's clock moves at the scheduler's ticks: trust spans of tens of milliseconds."""
+    try:
+        return [time.monotonic(), sum(proc_cpu_s(p) for p in pids)]
+    except OSError:
+        return None
 
 
 def span_cpu_percent(spans: Sequence[Sequence[float]]) -> float | None:

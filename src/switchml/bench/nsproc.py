@@ -50,8 +50,9 @@ def _timed(allreduce: Any, x: Any, warmup: int, iters: int, watch: int | None = 
         allreduce(x)
     elapsed = time.perf_counter() - t0
     out = {"elapsed_s": elapsed, "cpu_s": _cpu() - c0, "busy": [b0, machine_busy_s()]}
-    if w0 is not None:
-        out["watched"] = w0 + sample_processes([watch])
+    w1 = sample_processes([watch]) if w0 is not None else None
+    if w0 is not None and w1 is not None:
+        out["watched"] = w0 + w1
     return out
 
 

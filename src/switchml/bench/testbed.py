@@ -452,6 +452,8 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
     return {**_ate_row(cfg, system, cfg.workers // cfg.jobs, size, rows, cfg.loss_rate),
             "jobs": cfg.jobs, "dtype": cfg.dtype, "through_torch": cfg.through_torch,
             "auth_data": cfg.auth_data and system == "switchml",
+            # the wire width (through torch, the backend's choice for the dtype: "wire_bits")
+            **({"bits": cfg.bits} if system == "switchml" and not cfg.through_torch else {}),
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 

@@ -194,6 +194,11 @@ def _run_compare(args: argparse.Namespace, config: Callable[[int, float], SimCon
     rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode,
                                 gloo_costs=load_costs(args.calibration),
                                 cores=len(os.sched_getaffinity(0)))
+    done = {r["file"] for r in rows}
+    for path in args.compare:
+        if path not in done:
+            print(f"{path}: no row to compare in it (only loss-free rows at 32 bits, and "
+                  "gloo's)", file=sys.stderr)
     print(f"{'system':>8} {'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} "
           f"{'testbed ATE/s':>13} {'predicted':>10} {'predicted/testbed':>17}")
     for r in rows:

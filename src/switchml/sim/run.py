@@ -155,7 +155,13 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
     ring model ``switchml predict`` charges (``predict.gloo_allreduce_s``: the wire or a
     rank's CPU, with the emulated links' cost where calibrated, the ranks sharing ``cores``).
     Returns ``{system, testbed row, predicted ATE/s, ratio}`` rows (switchml's also with the
-    simulator's report)."""
+    simulator's report). A row's wire width is its ``bits`` (``bench allreduce --testbed``)
+    or ``wire_bits`` (through torch); a row with neither (files before either was written)
+    counts as 32 bits.
+
+    Raises:
+        ConfigError: a file that is not a ``bench allreduce`` JSON, a loopback run, or no
+            row to compare in all the files."""
     run = run or (lambda cfg, m: run_config(cfg, m, verbose=False))
     out = []
     for p in paths:
@@ -172,11 +178,11 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
                 "machine's cores, their CPU per element grows with how many share them, and "
                 "they wait on each other's wake-ups with cores idle (docs/benchmarks.md §6, "
                 "'Loopback rows'); compare a --testbed run")
-        before = len(out)
         for row in rows:
             system = row.get("system")
             if row.get("loss_rate", 0) or "rate_bps" not in row or not (
-                    (system == "switchml" and row.get("bits", 32) == 32)
+                    (system == "switchml"
+                     and row.get("bits", row.get("wire_bits", 32)) == 32)
                     or (system == "gloo" and gloo_costs is not None)):
                 continue
             mtu = row.get("mtu") or 1500
@@ -201,9 +207,10 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
             entry["ratio"] = (entry["predicted_ate_per_s"] / row["ate_per_s"]
                               if row["ate_per_s"] else 0.0)
             out.append(entry)
-        if len(out) == before:
-            raise ConfigError(f"{p} has no row to compare: only loss-free rows of switchml "
-                              "at 32 bits (and gloo's) on the testbed's links are predicted")
+    if not out:
+        raise ConfigError(f"{', '.join(paths)}: no row to compare: only loss-free rows of "
+                          "switchml at 32 bits, and gloo's, on the testbed's links are "
+                          "predicted")
     return out
 
 
