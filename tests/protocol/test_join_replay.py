@@ -193,6 +193,35 @@ def test_a_replayed_leave_cannot_end_a_later_membership():
     assert np.array_equal(outs[0], 11 * np.arange(8)) and np.array_equal(outs[1], outs[0])
 
 
+def test_a_leave_that_changes_nothing_is_answered_and_counted():
+    """A LEAVE from an address that is not the rank's member (a stranger replaying a captured
+    one) and a LEAVE for a job the switch no longer holds (a retry whose LEFT was lost) are
+    answered with LEFT, change nothing, and are counted as ``stray_leave``."""
+    sw = SwitchDataplane()
+    tap = Tap(sw)
+    ws = [WorkerEndpoint(spec=SPEC, rank=r, switch_address=SA) for r in range(2)]
+    eps = {SA: tap, ADDRS[0]: ws[0], ADDRS[1]: ws[1]}
+    for w in ws:
+        w.join(0.0)
+    exchange(eps, 0.0)
+    ws[0].close(1.0)
+    exchange(eps, 1.0)
+    (leave,) = [raw for raw, _ in tap.captured if unpack_header(raw).type is MessageType.LEAVE]
+    assert sw.stats()["members_left"] == 1
+    sw.receive_datagram(leave, EVIL, 2.0)  # rank 0 has left: EVIL is no member of it
+    (reply,) = sw.datagrams_to_send(2.0)
+    assert reply[1] == EVIL and unpack_header(reply[0]).type is MessageType.LEFT
+    assert sw.stats()["members_left"] == 1 and sw.stats()["jobs"] == 1  # rank 1 stays
+    assert sw.drops["stray_leave"] == 1
+    ws[1].close(3.0)
+    exchange(eps, 3.0)
+    assert sw.stats()["jobs"] == 0
+    sw.receive_datagram(leave, ADDRS[0], 4.0)  # the job is gone
+    (reply,) = sw.datagrams_to_send(4.0)
+    assert reply[1] == ADDRS[0] and unpack_header(reply[0]).type is MessageType.LEFT
+    assert sw.drops["stray_leave"] == 2 and sw.stats()["jobs"] == 0
+
+
 def test_join_proofs_are_the_documented_hmacs():
     """job key = HMAC-SHA256(secret, "switchml job key v1" | job u32 | token u64); JOIN proof
     = HMAC(key, "JOIN" | job u32 | token u64 | rank u16 | seq u32 | n | W | k (u32) |

@@ -355,8 +355,9 @@ class SwitchControl:
                       addr: Address, now: float) -> None:
         """A member leaves, if its LEAVE comes from its address and proves the cookie its
         membership began with (else ``bad_leave``, and nothing changes); the job and its
-        slots go when the last member has left. A LEAVE from a non-member (a retry whose LEFT
-        was lost, or a stranger) is answered and changes nothing."""
+        slots go when the last member has left. A LEAVE from a non-member, or for a job this
+        switch does not hold (a retry whose LEFT was lost, or a stranger), is answered,
+        changes nothing and is counted (``stray_leave``)."""
         try:
             proof = unpack_leave(unpack_payload(data, h))
         except WireError as exc:
@@ -376,8 +377,12 @@ class SwitchControl:
                 job.cookies[h.rank] = None
                 job.left_at[h.rank] = now  # JOINs challenged before now are spent
                 self._membership["members_left"] += 1
+            else:
+                self._drops["stray_leave"] += 1
             if all(m is None for m in job.members):
                 self.remove_job(h.job, "left")
+        else:
+            self._drops["stray_leave"] += 1
         reply = Header(MessageType.LEFT, h.job, rank=h.rank, token=h.token,
                        chunk=self.config.shard_index)
         self._out.append((seal_reply(self._reply_key(h.job, h.token), pack_header(reply)),
