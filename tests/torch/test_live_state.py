@@ -238,6 +238,39 @@ def test_slow_openers_neither_stall_the_listener_nor_block_the_real_sender(monke
     assert len(refused) == 10 and all("listener stopped" in why for why in refused), refused
 
 
+def test_strangers_holding_every_opening_cannot_keep_the_live_rank_out(monkeypatch):
+    """MAX_PENDING silent connections (and more coming) fill the openings; the live rank's,
+    arriving after them, still gets read: a newcomer closes the oldest opening, not itself."""
+    monkeypatch.setattr(ls, "MAX_PENDING", 8)
+    with _listener() as lst:
+        address = lst.getsockname()
+        silent = [socket.create_connection(address) for _ in range(8)]
+        stop = threading.Event()
+
+        def flood():  # a new silent connection every 20 ms, each held open
+            while not stop.is_set():
+                try:
+                    silent.append(socket.create_connection(address))
+                except OSError:
+                    return
+                time.sleep(0.02)
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        real, errors = _send_later(address, delay_s=0.3)
+        refused = []
+        try:
+            _, _, state = ls.receive_state(lst, NONCE, time.monotonic() + 10,
+                                           refused=refused.append)
+        finally:
+            stop.set()
+            flooder.join(5)
+            for c in silent:
+                c.close()
+    real.join(10)
+    assert not errors and _equal(_state(), state)
+    assert any("8 newer connections were proving themselves" in why for why in refused)
+
+
 def test_a_stream_altered_on_the_way_fails_its_tag():
     """A relay that flips one byte of a tensor's data on the way: the state would load, but
     its tag does not verify."""

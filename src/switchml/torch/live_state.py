@@ -54,7 +54,9 @@ _MAC = 32
 OPENING_S = 2.0
 """How long, all told, a connection to the listener has to prove itself."""
 MAX_PENDING = 64
-"""Connections proving themselves at once; more are closed at once."""
+"""Connections proving themselves at once; one more closes the oldest of them (a stranger who
+keeps that many open cannot keep the live rank's out: its proof is read the moment it
+arrives)."""
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _LIMITS = {"position": 1 << 20, "layouts": 64 << 20, "skeleton": 64 << 20}
 
@@ -143,8 +145,9 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                   ) -> tuple[Position, dict[int, tuple[int, ...]], dict[str, Any]]:
     """Accept connections on ``listener`` until one proves ``nonce`` (and ``secret``) and
     sends a state (``send_state``), or ``deadline`` (``time.monotonic()``) passes. Openings
-    are read side by side, each within ``OPENING_S``; each connection that does not prove
-    itself is closed and reported to ``refused`` (who, and why). ``on_position`` gets the
+    are read side by side, each within ``OPENING_S``, at most ``MAX_PENDING`` at once (one
+    more closes the oldest); each connection that does not prove itself is closed and
+    reported to ``refused`` (who, and why). ``on_position`` gets the
     position as soon as it is read, before the state (``WorkerClient.pin``). ``extras``
     receives ``numbered`` where the sender sent it.
 
@@ -183,10 +186,10 @@ def receive_state(listener: socket.socket, nonce: bytes, deadline: float, *,
                     except (BlockingIOError, InterruptedError):
                         continue
                     who = f"{peer[0]}:{peer[1]}"
-                    if len(pending) >= MAX_PENDING:
-                        conn.close()
-                        refused(f"{who}: {MAX_PENDING} connections were proving themselves")
-                        continue
+                    if len(pending) >= MAX_PENDING:  # the oldest goes, not the newcomer
+                        oldest = min(pending, key=lambda c: pending[c][1])
+                        drop(oldest, f"{MAX_PENDING} newer connections were proving "
+                                     "themselves")
                     conn.setblocking(False)
                     pending[conn] = (bytearray(), time.monotonic() + OPENING_S, who)
                     sel.register(conn, selectors.EVENT_READ)
