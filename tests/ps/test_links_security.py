@@ -572,3 +572,77 @@ def test_a_hundred_idle_strangers_never_keep_gaia_leaders_apart(free_ports, cred
     finally:
         for s in strangers:
             s.close()
+
+
+def _dribble(address, stop: threading.Event, every_s: float) -> socket.socket:
+    """A stranger that sends the start of a valid-looking HELLO header one byte at a time,
+    each well within a socket timeout of ``every_s`` x 3."""
+    s = socket.create_connection(address, timeout=5)
+
+    def run() -> None:
+        for b in MAGIC * 6:
+            if stop.wait(every_s):
+                return
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                return
+    threading.Thread(target=run, daemon=True).start()
+    return s
+
+
+def _closed_within(s: socket.socket, seconds: float) -> float:
+    """How long until the peer closes ``s`` (at most ``seconds``, else the test fails)."""
+    t0 = time.monotonic()
+    s.settimeout(seconds)
+    try:
+        while s.recv(64):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"still open after {seconds} s")
+    return time.monotonic() - t0
+
+
+def test_a_stranger_dribbling_its_hello_is_closed_after_hello_timeout_s_in_all():
+    """A byte every 0.3 s never lets a 1 s receive time out; the HELLO's bound is one
+    deadline for the whole message, so the connection goes after about 1 s, counted."""
+    cfg = ServerConfig(workers=2, optimizer="sum", timeout_s=10, hello_timeout_s=1.0)
+    stop = threading.Event()
+    with ParameterServer(0, cfg) as server:
+        s = _dribble(server.address, stop, 0.3)
+        try:
+            took = _closed_within(s, 8.0)
+        finally:
+            stop.set()
+            s.close()
+        assert took < cfg.hello_timeout_s + 1.0, took
+        deadline = time.monotonic() + 5
+        while server.stats()["hello_timeouts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()["hello_timeouts"] == 1
+        assert _sum_two(server, None).tolist() == [3.0] * 6  # and the server serves on
+
+
+def test_a_stranger_dribbling_its_hello_to_a_gaia_leader_is_closed_in_time(free_ports,
+                                                                         monkeypatch):
+    import switchml.gaia.mirror as mirror
+    monkeypatch.setattr(mirror, "HELLO_TIMEOUT_S", 1.0)
+    leaders = [("127.0.0.1", p) for p in free_ports(2)]
+    m1 = Mirror(dc=1, leaders=leaders, staleness=0, timeout_s=10).listen()
+    stop = threading.Event()
+    try:
+        s = _dribble(leaders[1], stop, 0.3)
+        try:
+            took = _closed_within(s, 8.0)
+        finally:
+            stop.set()
+            s.close()
+        assert took < 1.0 + 1.0, took
+        deadline = time.monotonic() + 5
+        while m1.counters["hello_timeouts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m1.counters["hello_timeouts"] == 1 and m1.counters["protocol_errors"] == 0
+    finally:
+        m1.close()

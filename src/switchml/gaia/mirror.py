@@ -61,6 +61,7 @@ from switchml.protocol.address import Address, format_address
 from switchml.protocol.errors import SwitchMLError
 from switchml.ps.wire import (
     CONTROL_PAYLOAD_BYTES,
+    Deadline,
     MessageType,
     PSError,
     recv_header,
@@ -114,6 +115,7 @@ class Mirror:
             "barrier_timeouts": 0,  # readers that went on without it after the bound
             "refused_connections": 0, "protocol_errors": 0,
             "pending_evicted": 0,  # links closed before their HELLO to make room
+            "hello_timeouts": 0,  # links closed with no whole HELLO in HELLO_TIMEOUT_S
         }
         """What this leader counted, named as the parameter server's ``counters`` are
         (:meth:`stats` returns them)."""
@@ -275,9 +277,10 @@ class Mirror:
                     self._warn.warn("Gaia leader %d refused a connection: TLS handshake "
                                     "failed: %s", self.dc, exc)
                     return
-            conn.settimeout(HELLO_TIMEOUT_S)
-            h = recv_header(conn)
-            recv_payload(conn, h, limit=CONTROL_PAYLOAD_BYTES)
+            # the whole HELLO within HELLO_TIMEOUT_S: dribbled bytes do not stretch it
+            hello = Deadline(conn, time.monotonic() + HELLO_TIMEOUT_S)
+            h = recv_header(hello)
+            recv_payload(hello, h, limit=CONTROL_PAYLOAD_BYTES)
             conn.settimeout(None)
             with self._cond:
                 self._pending.pop(threading.current_thread(), None)
@@ -298,6 +301,7 @@ class Mirror:
             with self._cond:
                 self.counters["protocol_errors"] += isinstance(exc, GaiaError | PSError
                                                                | ValueError)
+                self.counters["hello_timeouts"] += j < 0 and isinstance(exc, TimeoutError)
                 if j >= 0:
                     self._errors[j] = f"{self._name(j)}: {exc}"
                     self._cond.notify_all()

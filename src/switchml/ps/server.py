@@ -37,6 +37,7 @@ from switchml.protocol.errors import ConfigError
 from switchml.ps.rules import AsyncStepRule, Decision, SyncStepRule
 from switchml.ps.wire import (
     CONTROL_PAYLOAD_BYTES,
+    Deadline,
     MessageType,
     PSError,
     recv_header,
@@ -299,10 +300,17 @@ class ParameterServer:
                 if tls is None:
                     return
                 conn = tls
-            conn.settimeout(self.config.hello_timeout_s)  # until its HELLO
+            # until its HELLO, all of it: a peer dribbling bytes does not stretch the bound
+            hello = Deadline(conn, time.monotonic() + self.config.hello_timeout_s)
             while True:
+                src = conn if worker >= 0 else hello
                 try:
-                    h = recv_header(conn)
+                    h = recv_header(src)
+                    if worker < 0 and h.type != MessageType.HELLO:
+                        # refused from its header: nothing read or allocated
+                        raise PSError(f"{h.type.name} before HELLO")
+                    payload = recv_payload(src, h, limit=self._limit(h.type, h.shard)
+                                           if worker >= 0 else CONTROL_PAYLOAD_BYTES)
                 except TimeoutError:
                     if worker >= 0:
                         raise
@@ -311,10 +319,6 @@ class ParameterServer:
                     self._warn.warn("ps%d: closed a connection from %s: no HELLO within "
                                     "%g s", self.index, peer, self.config.hello_timeout_s)
                     return
-                if worker < 0 and h.type != MessageType.HELLO:  # refused from its header:
-                    raise PSError(f"{h.type.name} before HELLO")  # nothing read or allocated
-                payload = recv_payload(conn, h, limit=self._limit(h.type, h.shard)
-                                       if worker >= 0 else CONTROL_PAYLOAD_BYTES)
                 self.counters["bytes_in"] += 24 + h.nbytes
                 if h.type == MessageType.HELLO:
                     if worker >= 0:
@@ -323,8 +327,6 @@ class ParameterServer:
                     conn.settimeout(None)  # a worker may be idle between steps
                     with self._cond:
                         self._pending.pop(threading.current_thread(), None)
-                elif worker < 0:
-                    raise PSError(f"{h.type.name} before HELLO")
                 elif self._handle(conn, worker, h, payload):
                     return  # BYE
         except (ConnectionError, OSError) as exc:

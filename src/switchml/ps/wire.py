@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 
 from switchml.protocol.errors import SwitchMLError
 
-__all__ = ["CONTROL_PAYLOAD_BYTES", "HEADER", "MAX_PAYLOAD_BYTES", "Header", "MessageType",
+__all__ = ["CONTROL_PAYLOAD_BYTES", "HEADER", "MAX_PAYLOAD_BYTES", "Deadline", "Header",
+           "MessageType",
            "PSError", "pack_header", "recv_header", "recv_message", "recv_payload",
            "send_message", "unpack_header"]
 
@@ -87,7 +89,25 @@ def send_message(sock: socket.socket, mtype: MessageType, *, worker: int = 0, sh
     return HEADER.size + view.nbytes
 
 
-def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+class Deadline:
+    """A socket whose receives are bounded together: each waits at most until ``deadline``
+    (``time.monotonic()``), so a peer that dribbles a byte at a time cannot stretch a bound
+    meant for a whole message (a socket's own timeout bounds each receive alone). It offers
+    what the readers here use: ``recv_into``, which raises TimeoutError once the deadline
+    has passed."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def recv_into(self, buf: memoryview) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline for this message passed")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buf)
+
+
+def _recv_exact(sock: socket.socket | Deadline, buf: memoryview) -> None:
     got = 0
     while got < len(buf):
         n = sock.recv_into(buf[got:])
@@ -96,14 +116,14 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
         got += n
 
 
-def recv_header(sock: socket.socket) -> Header:
+def recv_header(sock: socket.socket | Deadline) -> Header:
     """Read and check one message's header (the payload follows: :func:`recv_payload`)."""
     head = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(head))
     return unpack_header(bytes(head))
 
 
-def recv_payload(sock: socket.socket, h: Header, into: memoryview | None = None,
+def recv_payload(sock: socket.socket | Deadline, h: Header, into: memoryview | None = None,
                  *, limit: int = MAX_PAYLOAD_BYTES) -> memoryview:
     """Read the payload ``h`` announced, into ``into`` when given and large enough (no
     copy), else a fresh buffer. Raises PSError, before reading or allocating anything, when
