@@ -36,6 +36,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -133,14 +134,73 @@ def _job_families(states: list[dict[str, Any]]) -> Iterator[Any]:
     yield silent
 
 
+SCRAPE_TIMEOUT_S = 5.0
+"""How long the exporter waits on any one receive from a scraper before it closes it."""
+MAX_SCRAPES = 16
+"""Connections the exporter serves at once; one more closes the oldest (a scrape takes
+milliseconds: a connection that old is a stranger holding it)."""
+
+
 def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: str,
                    port: int) -> tuple[Any, Any]:
-    """Serve ``/metrics`` on host:port in a thread; returns (server, thread)."""
-    from prometheus_client import start_http_server
+    """Serve ``/metrics`` on host:port in a thread (prometheus-client's WSGI app); returns
+    (server, thread). Each connection has its own thread, at most ``MAX_SCRAPES`` at once
+    (one more closes the oldest: ``server.evicted`` counts them), and ``SCRAPE_TIMEOUT_S``
+    for each receive (``server.failed`` counts connections that ended in an error): a
+    stranger holding half-open requests can neither grow the switch's threads without bound
+    nor keep a scrape out."""
+    import threading
+    from collections import OrderedDict
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
     from prometheus_client.registry import CollectorRegistry
+
+    class Handler(WSGIRequestHandler):
+        timeout = SCRAPE_TIMEOUT_S  # (StreamRequestHandler sets it on the connection)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - its name
+            pass  # a scrape every few seconds is not news
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        request_queue_size = 64  # connections waiting for their accept
+        evicted = 0
+        failed = 0  # connections that timed out, were evicted or broke off mid-request
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            self.failed += 1  # (socketserver would print a traceback per stranger)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._open: OrderedDict[Any, None] = OrderedDict()
+            self._open_lock = threading.Lock()
+            super().__init__(*args, **kwargs)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            with self._open_lock:
+                if len(self._open) >= MAX_SCRAPES:
+                    oldest, _ = self._open.popitem(last=False)
+                    self.evicted += 1
+                    try:  # its thread's receive returns, and the thread ends
+                        oldest.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self._open[request] = None
+            super().process_request(request, client_address)
+
+        def shutdown_request(self, request: Any) -> None:
+            with self._open_lock:
+                self._open.pop(request, None)
+            super().shutdown_request(request)
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SwitchCollector(stats, pool_slots))
-    return start_http_server(port, addr=host, registry=registry)
+    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="switchml-metrics",
+                              daemon=True)
+    thread.start()
+    return httpd, thread
 
 
 def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
