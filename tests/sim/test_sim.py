@@ -251,6 +251,35 @@ def test_compare_with_testbed_rows(tmp_path, sim) -> None:
     assert p.returncode == 2 and "has no list of results" in p.stderr, p.stderr
 
 
+def test_compare_says_what_cpu_the_model_spends_and_where_the_cores_run_out(tmp_path) -> None:
+    """Each compared row carries the CPU the model's processes spend at its predicted rate
+    (gloo's by hand: n ranks, each 2 (n - 1) / n x 4 bytes out and in per element at the
+    calibrated cost, the emulated links' TCP segments included), and a switchml row is marked
+    where that is more than the machine's cores: there the testbed's processes shared them."""
+    from switchml.costs import Costs
+    from switchml.sim.run import compare_with_testbed
+    costs = Costs(worker_datagram_s=5e-8, worker_element_s=1e-9, switch_request_s=2e-7,
+                  switch_element_s=1.5e-9, gloo_element_s=2.5e-9, link_byte_s=5e-10)
+    rows = [{"system": s, "workers": 4, "size_bytes": 4 * MIB, "rate_bps": 1e10, "mtu": 9000,
+             "loss_rate": 0.0, "bits": 32, "ate_per_s": 1e8} for s in ("gloo", "switchml")]
+    path = tmp_path / "tb.json"
+    path.write_text(json.dumps({"benchmark": "allreduce-testbed", "results": rows}))
+    base = SimConfig(workers=4, size_bytes=4 * MIB, access=SimLink(rate_bps=1e10), mtu=9000)
+    wide = compare_with_testbed([str(path)], base, "timing", gloo_costs=costs, cores=64)
+    narrow = compare_with_testbed([str(path)], base, "timing", gloo_costs=costs, cores=1)
+    gloo = wide[0]
+    mss = 9000 - 52
+    per_element = 2.5e-9 + 8 * (mss + 52 + 14) / mss * 5e-10  # gloo's, with the link's bytes
+    busy = 4 * (MIB * 2 * 3 / 4 * per_element)  # 4 ranks, each 2 (n - 1) / n x N elements
+    assert gloo["cores_needed"] == pytest.approx(
+        busy / (MIB / gloo["predicted_ate_per_s"]), rel=1e-9)
+    assert [r["cpu_shared"] for r in wide] == [False, False]
+    # on one core: the simulated switchml row needs more than it; gloo's prediction shares
+    # the one core among its ranks already, so it needs no more than that
+    assert narrow[1]["cores_needed"] > 1 and narrow[1]["cpu_shared"]
+    assert narrow[0]["cores_needed"] <= 1 + 1e-6 and not narrow[0]["cpu_shared"]
+
+
 def test_compare_refuses_a_loopback_run_and_a_file_with_nothing_to_compare(tmp_path, sim
                                                                            ) -> None:
     # a loopback run's rows (`bench allreduce` without --testbed: no link rate) are not

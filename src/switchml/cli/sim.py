@@ -199,12 +199,18 @@ def _run_compare(args: argparse.Namespace, config: Callable[[int, float], SimCon
         if path not in done:
             print(f"{path}: no row to compare in it (only loss-free rows at 32 bits, and "
                   "gloo's)", file=sys.stderr)
+    cores = len(os.sched_getaffinity(0))
     print(f"{'system':>8} {'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} "
-          f"{'testbed ATE/s':>13} {'predicted':>10} {'predicted/testbed':>17}")
+          f"{'testbed ATE/s':>13} {'predicted':>10} {'predicted/testbed':>17} {'cores':>6}")
     for r in rows:
         print(f"{r['system']:>8} {r['workers']:3d} {r['rate_bps'] / 1e6:7.0f} {r['mtu']:5d} "
               f"{r['size_bytes']:10d} {r['testbed_ate_per_s']:13.3e} "
-              f"{r['predicted_ate_per_s']:10.3e} {r['ratio']:17.3f}")
+              f"{r['predicted_ate_per_s']:10.3e} {r['ratio']:17.3f} "
+              f"{r['cores_needed']:5.1f}{'*' if r['cpu_shared'] else ' '}")
+    if any(r["cpu_shared"] for r in rows):
+        print(f"*: at the predicted rate the model's processes need more than this machine's "
+              f"{cores} cores; on the testbed they shared them, which the model does not "
+              "see: the prediction is optimistic there")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "sim-compare", "command": command, "rows": rows}, f,

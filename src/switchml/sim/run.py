@@ -155,9 +155,12 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
     ring model ``switchml predict`` charges (``predict.gloo_allreduce_s``: the wire or a
     rank's CPU, with the emulated links' cost where calibrated, the ranks sharing ``cores``).
     Returns ``{system, testbed row, predicted ATE/s, ratio}`` rows (switchml's also with the
-    simulator's report). A row's wire width is its ``bits`` (``bench allreduce --testbed``)
-    or ``wire_bits`` (through torch); a row with neither (files before either was written)
-    counts as 32 bits.
+    simulator's report); with ``gloo_costs``, also ``cores_needed`` (the CPU the model's
+    processes spend at the predicted rate) and ``cpu_shared`` (switchml's rows: more than
+    ``cores``, which the testbed's processes shared and the simulator does not see). A
+    row's wire width is its ``bits`` (``bench allreduce --testbed``) or ``wire_bits``
+    (through torch); a row with neither (files before either was written) counts as 32
+    bits.
 
     Raises:
         ConfigError: a file that is not a ``bench allreduce`` JSON, a loopback run, or no
@@ -206,12 +209,34 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
                     costs=costs)
             entry["ratio"] = (entry["predicted_ate_per_s"] / row["ate_per_s"]
                               if row["ate_per_s"] else 0.0)
+            if gloo_costs is not None:
+                entry["cores_needed"] = _cores_needed(entry, gloo_costs)
+                # (gloo's prediction shares the cores already: ``Resources.for_gloo``)
+                entry["cpu_shared"] = (system == "switchml" and bool(cores)
+                                       and entry["cores_needed"] > cores)
             out.append(entry)
     if not out:
         raise ConfigError(f"{', '.join(paths)}: no row to compare: only loss-free rows of "
                           "switchml at 32 bits, and gloo's, on the testbed's links are "
                           "predicted")
     return out
+
+
+def _cores_needed(entry: dict[str, Any], costs: Any) -> float:
+    """The CPU the model's processes (every worker and the switch, or every gloo rank) spend
+    per second at the predicted rate, by ``predict``'s costs with the emulated links' cost
+    (``costs.Costs``): above the machine's cores, the prediction gave them cores the testbed
+    did not have (there they share them), and is optimistic."""
+    from switchml.predict import Resources, gloo_resources_s, switchml_resources_s
+    n, numel, mtu = entry["workers"], entry["size_bytes"] // 4, entry["mtu"]
+    c = costs.on_emulated_links(mtu)
+    seconds = numel / entry["predicted_ate_per_s"]
+    if entry["system"] == "switchml":
+        busy = switchml_resources_s(numel, workers=n, rate_bps=entry["rate_bps"], mtu=mtu,
+                                    res=Resources(costs=c))
+        return (n * busy["worker CPU"] + busy["switch CPU"]) / seconds
+    busy = gloo_resources_s(numel, workers=n, rate_bps=entry["rate_bps"], mtu=mtu, costs=c)
+    return n * busy["worker CPU"] / seconds
 
 
 def access_link(rate_mbit: float, *, delay_us: float, queue_ms: float,
