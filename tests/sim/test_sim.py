@@ -280,6 +280,24 @@ def test_compare_says_what_cpu_the_model_spends_and_where_the_cores_run_out(tmp_
     assert narrow[0]["cores_needed"] <= 1 + 1e-6 and not narrow[0]["cpu_shared"]
 
 
+def test_compare_simulates_each_switchml_row_at_its_threads(tmp_path) -> None:
+    from switchml.sim.run import compare_with_testbed
+    row = {"system": "switchml", "workers": 2, "size_bytes": MIB, "rate_bps": 1e10,
+           "mtu": 9000, "loss_rate": 0.0, "bits": 32, "ate_per_s": 1e8}
+    path = tmp_path / "tb.json"
+    path.write_text(json.dumps({"benchmark": "allreduce-testbed",
+                                "results": [{**row, "threads": 2}, row]}))
+    seen = []
+
+    def run(cfg, mode):
+        seen.append(cfg.threads)
+        return run_timing(cfg)
+    base = SimConfig(workers=2, size_bytes=MIB, access=SimLink(rate_bps=1e10), mtu=9000,
+                     threads=3)
+    compare_with_testbed([str(path)], base, "timing", run=run)
+    assert seen == [2, 3]  # the row's, else the command's
+
+
 def test_compare_refuses_a_loopback_run_and_a_file_with_nothing_to_compare(tmp_path, sim
                                                                            ) -> None:
     # a loopback run's rows (`bench allreduce` without --testbed: no link rate) are not

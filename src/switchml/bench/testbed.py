@@ -454,6 +454,7 @@ def _measure(tb: Testbed, cfg: TestbedBenchConfig, system: str, size: int,
             "auth_data": cfg.auth_data and system == "switchml",
             # the wire width (through torch, the backend's choice for the dtype: "wire_bits")
             **({"bits": cfg.bits} if system == "switchml" and not cfg.through_torch else {}),
+            **({"threads": cfg.threads} if system == "switchml" else {}),
             "cpu_percent": _cpu_percent(rows),
             **_cpu_figures(rows, common["numel"] * cfg.iters), **extra}
 

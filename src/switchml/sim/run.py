@@ -160,7 +160,7 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
     ``cores``, which the testbed's processes shared and the simulator does not see). A
     row's wire width is its ``bits`` (``bench allreduce --testbed``) or ``wire_bits``
     (through torch); a row with neither (files before either was written) counts as 32
-    bits.
+    bits. A switchml row is simulated at its ``threads`` (else ``base``'s).
 
     Raises:
         ConfigError: a file that is not a ``bench allreduce`` JSON, a loopback run, or no
@@ -195,8 +195,8 @@ def compare_with_testbed(paths: list[str], base: SimConfig, mode: str,
                                      "testbed_ate_per_s": row["ate_per_s"]}
             if system == "switchml":
                 rep = run(replace(base, workers=row["workers"], size_bytes=row["size_bytes"],
-                                  mtu=mtu, access=replace(base.access, rate_bps=row["rate_bps"])),
-                          mode)
+                                  mtu=mtu, access=replace(base.access, rate_bps=row["rate_bps"]),
+                                  threads=row.get("threads", base.threads)), mode)
                 entry["predicted_ate_per_s"] = entry["sim_ate_per_s"] = rep.ate_per_s
                 entry["sim"] = rep.as_dict()
             else:
