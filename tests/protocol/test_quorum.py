@@ -464,6 +464,41 @@ def test_results_kept_ahead_are_checked_first_and_complete_the_operation():
     assert (out0 == x).all() and w.counters["operations_completed"] == 1
 
 
+def test_results_kept_ahead_hold_their_own_bytes_not_their_receive_slots():
+    """recvmmsg gives each datagram a 64 KiB slot: the kept results of a batch must hold
+    their own bytes, not the buffer they lay in (a copy of that span once held 58-1,600 times
+    what ``quorum_keep_bytes`` counts). Measured with tracemalloc (numpy reports its buffers
+    to it), against the results' own size; and the results still complete the operation."""
+    import tracemalloc
+
+    from switchml.protocol.endpoint import Batch
+    w, results, x = _ahead_setup()
+    slot = 1 << 16
+    buf = np.zeros(len(results) * slot, np.uint8)
+    for i, d in enumerate(results):
+        buf[i * slot:i * slot + len(d)] = np.frombuffer(d, np.uint8)
+    n = len(results)
+    batch = Batch(buf, np.arange(n, dtype=np.int64) * slot,
+                  np.array([len(d) for d in results], np.int64), np.zeros(n, np.int64), n,
+                  lambda _i: SW, sender=SW)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        w.receive_many(batch, 2.0)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    # what this receive left allocated in the code that keeps results ahead
+    kept = sum(d.size_diff for d in after.compare_to(before, "filename")
+               if d.traceback[0].filename.endswith("worker_ahead.py"))
+    own = sum(len(d) for d in results)
+    assert w.counters["results_kept_ahead"] == n
+    assert own <= kept < own + 4096, (kept, own, n * slot)  # not the slots' n x 64 KiB
+    out0 = np.empty_like(x)
+    w.start_allreduce(x * 100, out0, 3.0)
+    assert (out0 == x).all() and w.counters["operations_completed"] == 1
+
+
 def test_an_operation_whose_every_result_is_kept_sends_no_request():
     """A rank behind that starts an operation the others finished completes it from the
     results it kept and sends nothing (the switch would drop each request as late); one
