@@ -222,6 +222,41 @@ def test_a_leave_that_changes_nothing_is_answered_and_counted():
     assert sw.drops["stray_leave"] == 2 and sw.stats()["jobs"] == 0
 
 
+def test_a_replayed_joined_to_a_ready_worker_is_counted_and_changes_nothing():
+    """The switch's JOINED, captured on its way to rank 0 and replayed to it 100 times once it
+    is ready: dropped and counted (``unexpected_control``), the rank stays ready and its next
+    sum is numpy's."""
+    sw = SwitchDataplane()
+    ws = [WorkerEndpoint(spec=SPEC, rank=r, switch_address=SA) for r in range(2)]
+    captured = []
+
+    class Watch:  # rank 0's side: keeps a copy of every JOINED it is sent
+        def receive_datagram(self, data, addr, now):
+            if unpack_header(bytes(data)).type is MessageType.JOINED:
+                captured.append(bytes(data))
+            ws[0].receive_datagram(data, addr, now)
+
+        def datagrams_to_send(self, now):
+            return ws[0].datagrams_to_send(now)
+
+    eps = {SA: sw, ADDRS[0]: Watch(), ADDRS[1]: ws[1]}
+    for w in ws:
+        w.join(0.0)
+    exchange(eps, 0.0)
+    assert captured and ws[0].state is WorkerState.READY
+    for _ in range(100):
+        ws[0].receive_datagram(captured[0], SA, 1.0)
+    assert ws[0].drops["unexpected_control"] == 100 and ws[0].state is WorkerState.READY
+    assert ws[0].datagrams_to_send(1.0) == []
+    xs = _inputs()
+    outs = [np.empty_like(v) for v in xs]
+    for w, v, o in zip(ws, xs, outs):
+        w.start_allreduce(v, o, 2.0)
+    exchange(eps, 2.0)
+    np.testing.assert_allclose(outs[0], xs[0] + xs[1], rtol=1e-5, atol=1e-6)
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
 def test_join_proofs_are_the_documented_hmacs():
     """job key = HMAC-SHA256(secret, "switchml job key v1" | job u32 | token u64); JOIN proof
     = HMAC(key, "JOIN" | job u32 | token u64 | rank u16 | seq u32 | n | W | k (u32) |

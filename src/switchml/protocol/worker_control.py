@@ -163,7 +163,9 @@ class WorkerControl:
 
     def _handle_joined(self, h: Header, data: Datagram, now: float) -> None:
         if not can(self.state, WorkerInput.JOINED):
-            return  # a late answer to a retried or keep-alive JOIN
+            # a late answer to a retried JOIN, or a replay: changes nothing, counted
+            self._drops["unexpected_control"] += 1
+            return
         if h.seq != self._epoch_seq:
             self._drops["stale_joined"] += 1  # an answer to a JOIN of an earlier epoch
             return
