@@ -69,3 +69,83 @@ def test_a_silent_connection_is_closed_after_the_scrape_timeout(exporter):
         took = time.monotonic() - t0
     assert 0.9 <= took < 1.0 + 2.0, took
     assert exporter.failed >= 1  # counted, not printed
+
+
+def _hostile_http(answer):
+    """A one-connection-at-a-time server on 127.0.0.1 that reads the request and runs
+    ``answer(conn)``; returns (url, stop)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = lst.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(4096)
+                    answer(conn, stop)
+                except OSError:
+                    pass
+        lst.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{lst.getsockname()[1]}/metrics", stop
+
+
+def _not_http(conn, stop):
+    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+
+def _endless(conn, stop):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+    line = b"# " + b"x" * 1022 + b"\n"
+    while not stop.is_set():
+        conn.sendall(line * 64)
+
+
+def _drip(conn, stop):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+    while not stop.wait(0.2):
+        conn.sendall(b"#")
+
+
+def _not_prometheus(conn, stop):
+    body = b"\xff\xfe this is not a metrics page {{{"
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_not_http, "not an HTTP answer"),
+    (_endless, "sent more than 1 MiB"),
+    (_drip, "did not send its page within 1 s"),
+    (_not_prometheus, "not Prometheus text")])
+def test_reading_a_hostile_endpoint_ends_in_a_clear_error_in_bounded_time(monkeypatch, answer,
+                                                                          match):
+    """``switchml stats`` and ``top`` read a URL the user gives: something that is not a
+    switch's metrics page, however it misbehaves, gives a ValueError that says so, within
+    the timeout (checked between reads) and ``MAX_METRICS_BYTES``."""
+    monkeypatch.setattr(metrics, "MAX_METRICS_BYTES", 1 << 20)
+    url, stop = _hostile_http(answer)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=match):
+            read_metrics(url, timeout_s=1.0)
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 1.0 + 1.0 + 1.0  # the deadline, and one read's timeout
+
+
+def test_switchml_stats_on_something_that_is_not_a_switch_says_so(capsys):
+    from switchml.cli import main
+    url, stop = _hostile_http(_not_http)
+    try:
+        assert main(["stats", "--url", url, "--once"]) == 2
+    finally:
+        stop.set()
+    err = capsys.readouterr().err
+    assert "switchml: error:" in err and "not a switchml metrics endpoint" in err
+    assert "Traceback" not in err

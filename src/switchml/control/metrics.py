@@ -37,6 +37,7 @@ scraped, so the packet path pays nothing for it. Metric names:
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -203,14 +204,43 @@ def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: s
     return httpd, thread
 
 
+MAX_METRICS_BYTES = 16 << 20
+"""The most a scrape reads (a switch's page is kilobytes: more is not a switch's)."""
+
+
 def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """Scrape a switch's metrics endpoint into ``{name: value | {label: value}}`` (a sample
-    with several labels under their values joined by commas, e.g. ``"7,2"``)."""
+    with several labels under their values joined by commas, e.g. ``"7,2"``).
+
+    Raises:
+        OSError: no answer (refused, unreachable, or no byte within ``timeout_s``).
+        ValueError: an answer that is not a switch's metrics page: not HTTP, not Prometheus
+            text, over ``MAX_METRICS_BYTES``, or not whole after ``timeout_s`` (a server that
+            dribbles its page is given that long in all, checked between reads)."""
+    import http.client
+
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - user's URL
-        text = resp.read().decode()
+    deadline = time.monotonic() + timeout_s
+    body = bytearray()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - user's URL
+            while chunk := resp.read1(1 << 16):
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    raise ValueError(f"{url} sent more than {MAX_METRICS_BYTES >> 20} MiB: "
+                                     "not a switchml metrics endpoint?")
+                if time.monotonic() > deadline:
+                    raise ValueError(f"{url} did not send its page within {timeout_s:g} s")
+    except http.client.HTTPException as exc:
+        raise ValueError(f"can't read {url}: not an HTTP answer ({type(exc).__name__}: "
+                         f"{exc}): not a switchml metrics endpoint?") from exc
+    try:
+        families = list(text_string_to_metric_families(body.decode()))
+    except ValueError as exc:  # (UnicodeDecodeError included)
+        raise ValueError(f"can't read {url}: its page is not Prometheus text ({exc}): not a "
+                         "switchml metrics endpoint?") from exc
     out: dict[str, Any] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
