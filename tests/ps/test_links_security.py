@@ -464,7 +464,8 @@ def test_garbage_before_a_hello_changes_nothing(free_ports):
 
 def _hostile_server(answers) -> tuple[socket.socket, threading.Thread]:
     """A fake parameter server on loopback: reads each request header (and its payload), then
-    sends the next raw answer of ``answers``; keeps the connection open until the test ends."""
+    sends the next raw answer of ``answers`` (or calls it with the connection); keeps the
+    connection open until the test ends."""
     ls = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -473,7 +474,7 @@ def _hostile_server(answers) -> tuple[socket.socket, threading.Thread]:
             for answer in answers:
                 try:
                     recv_message(conn)
-                    conn.sendall(answer)
+                    answer(conn) if callable(answer) else conn.sendall(answer)
                 except (OSError, PSError):
                     return
             try:
@@ -504,6 +505,38 @@ def test_a_client_reads_no_more_than_an_answer_can_hold():
             c.pull(shards, 1, {0: np.empty(6, np.float32)})
         c.close(bye=False)
     assert _rss() - before < 64 * 2**20
+
+
+def test_a_server_that_dribbles_its_answer_fails_the_call_in_bounded_time():
+    """A pull's answer sent a byte every 0.4 s never lets a 1 s receive time out: the client
+    bounds the header by timeout_s and the payload by timeout_s plus its size at
+    MIN_ANSWER_BYTES_PER_S, in all. A STATS answer that is not JSON is a PSError too."""
+    hello = HEADER.pack(MAGIC, int(MessageType.HELLO), 0, 0, 0, 0, 2) + b"{}"
+    stop = threading.Event()
+
+    def dribble(conn: socket.socket) -> None:
+        conn.sendall(HEADER.pack(MAGIC, int(MessageType.PARAMS), 0, 0, 0, 1, 24))
+        for _ in range(24):
+            if stop.wait(0.4):
+                return
+            conn.sendall(b"\0")
+    ls, _ = _hostile_server([hello, dribble])
+    with ls:
+        c = PSClient([ls.getsockname()], worker=0, workers=1, timeout_s=1.0)
+        shards = place([("x", 6)], 1, max_shard_elements=6)
+        t0 = time.monotonic()
+        with pytest.raises(PSError, match="did not answer pull of shard 0"):
+            c.pull(shards, 1, {0: np.empty(6, np.float32)})
+        stop.set()
+        assert time.monotonic() - t0 < 1.0 + 1.0, time.monotonic() - t0  # not 24 x 0.4 s
+        c.close(bye=False)
+    stats = HEADER.pack(MAGIC, int(MessageType.STATS), 0, 0, 0, 0, 3) + b"\xff{["
+    ls, _ = _hostile_server([hello, stats])
+    with ls:
+        c = PSClient([ls.getsockname()], worker=0, workers=1, timeout_s=5)
+        with pytest.raises(PSError, match="answered stats with what is not JSON"):
+            c.stats()
+        c.close(bye=False)
 
 
 @pytest.mark.parametrize("tls", [False, True])

@@ -1,14 +1,17 @@
 """A worker's connections to every parameter server: init, push gradients, pull parameters.
 
-Every call is bounded: each socket has ``timeout_s``; a server that does not answer in time,
-closes the connection or replies ERROR raises :class:`PSError` naming the server (``ps1 at
-10.0.0.5:40001``) and what it was asked.
+Every call is bounded: an answer's header must arrive within ``timeout_s`` of the call, and
+its payload within ``timeout_s`` more plus its size at ``MIN_ANSWER_BYTES_PER_S`` (a server
+that dribbles its bytes cannot stretch the wait); a server that does not answer in time,
+closes the connection, replies ERROR or replies what is not an answer raises
+:class:`PSError` naming the server (``ps1 at 10.0.0.5:40001``) and what it was asked.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,16 +22,19 @@ from switchml.protocol.address import Address, format_address
 from switchml.ps.placement import Shard
 from switchml.ps.wire import (
     CONTROL_PAYLOAD_BYTES,
+    Deadline,
     MessageType,
     PSError,
-    recv_message,
+    recv_header,
+    recv_payload,
     send_message,
 )
 
 __all__ = ["PSClient"]
 
-
-
+MIN_ANSWER_BYTES_PER_S = 1 << 20
+"""The slowest an answer's payload may arrive (beyond ``timeout_s``): 1 MiB/s, far below any
+link a parameter server runs on; a server slower than that is treated as gone."""
 STATS_BYTES = 1 << 20
 """The most a server's STATS answer may carry (its counters as JSON)."""
 
@@ -79,14 +85,24 @@ class PSClient:
                 ) -> tuple[Any, memoryview]:
         """The server's answer, of at most ``limit`` bytes (what this answer can hold: a
         server that announces more is refused before anything is read or allocated)."""
+        timeout = sock.gettimeout()
+
+        def bounded(extra_s: float) -> socket.socket | Deadline:
+            return sock if timeout is None else Deadline(sock, time.monotonic() + timeout
+                                                         + extra_s)
         try:
-            h, payload = recv_message(sock, into, limit=limit)
+            h = recv_header(bounded(0.0))
+            payload = recv_payload(bounded(h.nbytes / MIN_ANSWER_BYTES_PER_S), h, into,
+                                   limit=limit)
         except TimeoutError as exc:
             raise PSError(f"parameter server {self._name(i)} did not answer {what} within "
-                          f"{sock.gettimeout():g} s") from exc
+                          f"{timeout:g} s (its header), or its payload within that and its "
+                          f"size at {MIN_ANSWER_BYTES_PER_S >> 20} MiB/s") from exc
         except (ConnectionError, OSError) as exc:
             raise PSError(f"parameter server {self._name(i)} closed the connection during "
                           f"{what} (dead?): {exc}") from exc
+        finally:
+            sock.settimeout(timeout)  # (a Deadline set it to what was left)
         self.bytes_received += 24 + h.nbytes
         if h.type == MessageType.ERROR:
             raise PSError(f"parameter server {self._name(i)} failed {what}: "
@@ -143,7 +159,11 @@ class PSClient:
         for i, sock in enumerate(self._socks):
             self._send(i, MessageType.STATS, "stats")
             _, payload = self._expect(i, sock, MessageType.STATS, "stats", limit=STATS_BYTES)
-            out.append(json.loads(bytes(payload)))
+            try:
+                out.append(json.loads(bytes(payload)))
+            except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError included)
+                raise PSError(f"parameter server {self._name(i)} answered stats with what is "
+                              f"not JSON: {exc}") from exc
         return out
 
     def close(self, bye: bool = True) -> None:
