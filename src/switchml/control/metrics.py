@@ -171,7 +171,8 @@ def start_exporter(stats: Callable[[], dict[str, Any]], pool_slots: int, host: s
         failed = 0  # connections that timed out, were evicted or broke off mid-request
 
         def handle_error(self, request: Any, client_address: Any) -> None:
-            self.failed += 1  # (socketserver would print a traceback per stranger)
+            with self._open_lock:  # (socketserver would print a traceback per stranger)
+                self.failed += 1
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._open: OrderedDict[Any, None] = OrderedDict()
