@@ -98,8 +98,12 @@ def switch_secret(spec: SwitchSpec) -> bytes | None:
     """
     secret = None
     if spec.secret_file:
-        with open(spec.secret_file, "rb") as f:
-            secret = f.read().strip()
+        try:
+            with open(spec.secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"can't read SwitchSpec.secret_file {spec.secret_file}: "
+                             f"{exc.strerror or exc}") from None
     else:
         secret = env.secret()
     from switchml.transport.sockets import resolves_to_loopback
@@ -110,15 +114,30 @@ def switch_secret(spec: SwitchSpec) -> bytes | None:
     return secret
 
 
+SHARDS_PER_CORE = 4
+"""The most switch processes ``shards`` may run per core of this machine."""
+
+
 def shard_count(spec: SwitchSpec) -> int:
     """How many switch processes ``spec.shards`` asks for here (0: one per core).
 
     Raises:
-        ValueError: ``shards`` < 0, or both ``shards`` > 1 and ``shard`` are given.
+        ValueError: ``shards`` < 0 or more than ``SHARDS_PER_CORE`` per core (each is a
+            process), ports ``port`` .. ``port + shards - 1`` or their metrics ports past
+            65535, or both ``shards`` > 1 and ``shard`` given.
     """
-    shards = spec.shards if spec.shards > 0 else (os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    shards = spec.shards if spec.shards > 0 else cores
     if spec.shards < 0:
         raise ValueError(f"SwitchSpec.shards must be >= 0, got {spec.shards}")
+    if shards > SHARDS_PER_CORE * cores:
+        raise ValueError(f"SwitchSpec.shards {shards} is more than {SHARDS_PER_CORE} per core "
+                         f"of this machine's {cores} (each shard is a process of its own): "
+                         "run shards on more hosts (SwitchSpec.shard I/S on each)")
+    for what, port in (("port", spec.port), ("metrics_port", spec.metrics_port)):
+        if port and port + shards - 1 > 65535:
+            raise ValueError(f"SwitchSpec.{what} {port} + {shards} shards passes 65535 (shard "
+                             "i listens on port + i)")
     if shards > 1 and spec.shard is not None:
         raise ValueError("give SwitchSpec.shards (run them all here) or SwitchSpec.shard I/S "
                          "(one), "
@@ -143,15 +162,14 @@ def rack_aggregator(spec: SwitchSpec, secret: bytes | None) -> RackAggregator:
     Raises:
         ValueError: ``rack`` or ``job`` is missing.
     """
-    import socket
-
     from switchml.control import decode_job_spec, encode_job_spec
     from switchml.protocol.tree import RackAggregator, TreeConfig, tree_specs
+    from switchml.transport.sockets import resolve_ipv4
     if spec.rack is None or spec.job is None or spec.upstream is None:
         raise ValueError("SwitchSpec.upstream needs SwitchSpec.rack I/R and SwitchSpec.job SPEC")
     parent, child = tree_specs(decode_job_spec(spec.job), spec.rack[1])
     rack = RackAggregator(parent_spec=parent, child_spec=child, rack=spec.rack[0],
-                          parent_address=(socket.gethostbyname(spec.upstream[0]),
+                          parent_address=(resolve_ipv4(spec.upstream[0], "upstream"),
                                           spec.upstream[1]),
                           config=TreeConfig(secret=secret),
                           switch_config=_switch_config(spec, secret))

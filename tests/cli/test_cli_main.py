@@ -45,6 +45,17 @@ def test_bad_arguments_say_what_is_wrong(capsys):
     assert "invalid choice: 'no-such-command'" in capsys.readouterr().err
 
 
+def test_an_os_error_is_one_line_not_a_traceback(tmp_path, capsys):
+    """A file that is not there (or a host that does not resolve) is the user's to fix: one
+    line and exit status 2, as for any bad argument."""
+    missing = tmp_path / "no-such.json"
+    assert main(["sim", "--quiet", "--compare", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"switchml: error: [Errno 2] No such file or directory: '{missing}'" in err
+    assert main(["predict", "--against", str(missing)]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+
+
 def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     """(command path, parser) of every runnable command: those without subcommands."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

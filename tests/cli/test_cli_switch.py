@@ -54,7 +54,9 @@ def test_defaults_come_from_the_environment(monkeypatch, parse):
     (["--shard", "2/2"], "expected 0 <= I < S, got '2/2'"),
     (["--rack", "one"], "expected I/S (shard I of S), got 'one'"),
     (["--upstream", "nohostport"], "must be HOST:PORT"),
-    (["--port", "x"], "invalid int value: 'x'"),
+    (["--port", "x"], "expected a port number, got 'x'"),
+    (["--port", "70000"], "argument --port: a port is 0..65535, got 70000"),
+    (["--metrics-port", "-1"], "argument --metrics-port: a port is 0..65535, got -1"),
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, message, parse, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -76,6 +78,13 @@ def test_the_runner_hands_the_spec_to_the_service(record, stopped_at_once):
     (["--shards", "2", "--port", "0"], "--shards needs a fixed --port"),
     (["--host", "192.0.2.1"], "listening on 192.0.2.1 exposes job creation to the network"),
     (["--upstream", "127.0.0.1:1", "--rack", "0/2"], "--upstream needs --rack I/R and --job"),
+    # each shard is a process: a count past the machine is refused before any starts
+    (["--shards", "100000", "--port", "40000"], "--shards 100000 is more than 4 per core"),
+    (["--shards", "3", "--port", "65534"], "--port 65534 + 3 shards passes 65535"),
+    (["--secret-file", "/nonexistent/secret"],
+     "can't read --secret-file /nonexistent/secret: No such file or directory"),
+    (["--upstream", "nosuchhost.invalid:9", "--rack", "0/2", "--job", "1:2:2:4:64"],
+     "can't resolve the upstream host 'nosuchhost.invalid' to an IPv4 address"),
 ])
 def test_bad_combinations_fail_with_the_reason(argv, message, stopped_at_once, capsys):
     stopped_at_once(cmd)

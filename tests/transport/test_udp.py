@@ -130,6 +130,16 @@ def test_join_without_switch_fails_with_clear_error():
     assert time.monotonic() - t0 < 5.0
 
 
+@pytest.mark.parametrize("host", ["nosuchhost.invalid", "::1", "[::1]"])
+def test_a_switch_host_that_does_not_resolve_to_ipv4_is_named(host):
+    import re
+
+    from switchml.protocol.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"can't resolve the switch host '{re.escape(host)}' "
+                                          "to an IPv4 address .*dotted IPv4 address"):
+        WorkerClient((host, 9), new_job_spec(2), 0)
+
+
 def test_a_client_of_a_default_spec_sends_datagrams_that_fit_the_path(server):
     """The WorkerClient's own docstring example: ``new_job_spec(n)`` without a chunk size sends
     datagrams that fit an Ethernet MTU (it sent 64 KB datagrams, fragmented by IP on any path

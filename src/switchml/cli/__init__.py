@@ -69,9 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         status: int = args.func(args)
-    except (SwitchMLError, ValueError, RuntimeError, TimeoutError) as exc:
-        print(f"switchml: error: {as_options(str(exc), _chosen(parser, args))}",
-              file=sys.stderr)
+    except (SwitchMLError, ValueError, RuntimeError, OSError) as exc:
+        # (OSError: a file that is not there, a host that does not resolve, a port taken;
+        # TimeoutError is one; --log-level debug shows where it came from)
+        logging.getLogger("switchml").debug("the command failed", exc_info=True)
+        why = str(exc) or type(exc).__name__
+        print(f"switchml: error: {as_options(why, _chosen(parser, args))}", file=sys.stderr)
         return 2
     return status
 

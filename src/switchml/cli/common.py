@@ -139,6 +139,17 @@ def add_json_option(parser: ParserOrGroup, what: str) -> None:
     parser.add_argument("--json", metavar="PATH", help=f"write {what} as JSON")
 
 
+def port(text: str) -> int:
+    """A TCP or UDP port, 0 (pick a free one, or off, as the option says) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
+
+
 def address(text: str) -> tuple[str, int]:
     """``HOST:PORT``."""
     try:

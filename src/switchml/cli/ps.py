@@ -17,6 +17,7 @@ from switchml.cli.common import (
     add_seed_option,
     add_workers_option,
     env_default,
+    port,
     stop_on_signals,
     write_json,
 )
@@ -51,7 +52,7 @@ def _add_server_parser(sub: Subparsers) -> None:
     srv.add_argument("--index", type=int, default=0, help="this server's index (default 0)")
     add_host_option(srv, help="listen address (default 127.0.0.1; beyond loopback it needs "
                               "--tls-dir or --insecure)")
-    srv.add_argument("--port", type=int, default=40000, help="TCP port (default 40000)")
+    srv.add_argument("--port", type=port, default=40000, help="TCP port (default 40000)")
     srv.add_argument("--tls-dir", default=env_default("tls_dir", None),
                      help="mutual-TLS credentials (ca.pem, peer.pem, peer.key; 'switchml tls "
                           "init DIR' makes them): only peers with a certificate of the same CA "

@@ -18,6 +18,7 @@ from switchml.cli.common import (
     add_shards_option,
     address,
     env_default,
+    port,
     shard,
     stop_on_signals,
 )
@@ -35,7 +36,7 @@ def add_parser(sub: Subparsers) -> None:
                                     "themselves with their first JOIN; see docs/protocol.md.")
     add_host_option(sw, default=env_default("host", "127.0.0.1"),
                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    sw.add_argument("--port", type=int, default=int(env_default("port", 48864)),
+    sw.add_argument("--port", type=port, default=int(env_default("port", 48864)),
                     help="UDP port (default 48864; 0 picks a free one)")
     sw.add_argument("--pool-slots", type=int, default=int(env_default("pool_slots", 1024)),
                     help="aggregation slots shared by all jobs; bounds the switch's slot "
@@ -66,7 +67,7 @@ def add_parser(sub: Subparsers) -> None:
                          "left behind gets their results (each costs a job its window's slot "
                          "memory once more; default 16)")
     _add_admission_args(sw)
-    sw.add_argument("--metrics-port", type=int,
+    sw.add_argument("--metrics-port", type=port,
                     default=int(env_default("metrics_port", 9109)),
                     help="Prometheus /metrics on 127.0.0.1:PORT (default 9109; 0: off); read "
                          "by 'switchml stats'")

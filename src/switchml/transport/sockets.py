@@ -7,17 +7,30 @@ from collections.abc import Sequence
 
 from switchml import env
 from switchml.protocol.address import Address, as_addresses, format_address
-from switchml.protocol.errors import TransportError
+from switchml.protocol.errors import ConfigError, TransportError
 from switchml.protocol.wire import elements_for_mtu
 
 __all__ = ["DEFAULT_PORT", "SOCKET_BUFFER_BYTES", "elements_per_packet_for", "local_mtu",
-           "open_worker_socket", "path_mtu", "size_buffers"]
+           "open_worker_socket", "path_mtu", "resolve_ipv4", "size_buffers"]
 
 DEFAULT_PORT = 48864  # 0xBEE0, the P4 switch's UDP port
 SOCKET_BUFFER_BYTES = 32 * 2**20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_MTU = getattr(socket, "IP_MTU", 14)  # linux/in.h
+
+
+def resolve_ipv4(host: str, what: str = "switch") -> str:
+    """``host`` (a name or a dotted address) as an IPv4 address: the data plane speaks IPv4.
+
+    Raises:
+        ConfigError: it does not resolve (naming it, and ``what`` it was given for)."""
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"can't resolve the {what} host {host!r} to an IPv4 address "
+                          f"({getattr(exc, 'strerror', None) or exc}); give a name or a "
+                          "dotted IPv4 address") from None
 
 
 def resolves_to_loopback(host: str) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import logging
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from switchml.transport.sockets import (
     elements_per_packet_for,
     open_worker_socket,
     path_mtu,
+    resolve_ipv4,
 )
 
 __all__ = ["DEFAULT_PORT", "AllreduceHandle", "SwitchServer", "WorkerClient",
@@ -117,7 +117,7 @@ class WorkerClient:
             raise LocalProtocolError("late_join: only a quorum job can take a rank while it "
                                      "runs; this job has no quorum")
         self._late_join = late_join
-        self.switches: list[Address] = [(socket.gethostbyname(h), int(p))
+        self.switches: list[Address] = [(resolve_ipv4(h), int(p))
                                         for h, p in as_addresses(switch)]
         self.switch = self.switches[0]
         sharded = len(self.switches) > 1
