@@ -79,8 +79,30 @@ def test_failover_variables(monkeypatch):
     assert env.failover_keep_bytes() == 3 * 2**19
     for name, bad, said in (("SWITCHML_FAILOVER", "nccl", "gloo or off"),
                             ("SWITCHML_FAILOVER_PROBE_S", "-1", "seconds >= 0"),
-                            ("SWITCHML_FAILOVER_KEEP_MB", "lots", "MiB >= 0")):
+                            ("SWITCHML_FAILOVER_PROBE_S", "nan", "seconds >= 0, got 'nan'"),
+                            ("SWITCHML_FAILOVER_KEEP_MB", "lots", "MiB >= 0"),
+                            ("SWITCHML_FAILOVER_KEEP_MB", "inf", "MiB >= 0, got 'inf'")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=said):
             {"SWITCHML_FAILOVER": env.failover, "SWITCHML_FAILOVER_PROBE_S":
              env.failover_probe_s, "SWITCHML_FAILOVER_KEEP_MB": env.failover_keep_bytes}[name]()
+
+
+def test_the_stall_log_and_flight_signal_variables_say_what_is_wrong(monkeypatch, caplog):
+    monkeypatch.delenv("SWITCHML_STALL_LOG_S", raising=False)
+    assert env.stall_log_s() is None
+    monkeypatch.setenv("SWITCHML_STALL_LOG_S", "2.5")
+    assert env.stall_log_s() == 2.5
+    for bad in ("abc", "-1", "0", "nan"):
+        monkeypatch.setenv("SWITCHML_STALL_LOG_S", bad)
+        with pytest.raises(ValueError, match=f"SWITCHML_STALL_LOG_S must be a number of "
+                                             f"seconds .*got '{bad}'"):
+            env.stall_log_s()
+    # a signal that cannot be caught is a warning naming it, not an OSError from deep inside
+    # (the group is built by then)
+    import logging
+
+    from switchml.torch import flight
+    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+        flight.install_signal("KILL")
+    assert "SWITCHML_FLIGHT_SIGNAL=KILL: cannot be caught" in caplog.text

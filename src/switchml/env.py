@@ -34,6 +34,7 @@ parameter servers (``ps/roles.py``) and the processes the testbed starts
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -72,7 +73,7 @@ def _nonnegative(name: str, what: str) -> float | None:
         number = float(value)
     except ValueError:
         number = -1.0
-    if number < 0:
+    if not (math.isfinite(number) and number >= 0):
         raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
     return number
 
@@ -169,9 +170,15 @@ def link_security() -> LinkSecurity | None:
 
 
 def stall_log_s() -> float | None:
-    """``SWITCHML_STALL_LOG_S``."""
-    value = _get("SWITCHML_STALL_LOG_S")
-    return float(value) if value else None
+    """``SWITCHML_STALL_LOG_S``: seconds > 0 after which a collective that has not finished
+    is logged; None where unset.
+
+    Raises:
+        ValueError: not a number of seconds > 0."""
+    seconds = _nonnegative("SWITCHML_STALL_LOG_S", "a number of seconds")
+    if seconds == 0:
+        raise ValueError("SWITCHML_STALL_LOG_S must be a number of seconds > 0, got '0'")
+    return seconds
 
 
 def flight_signal() -> str | None:

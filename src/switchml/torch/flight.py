@@ -164,4 +164,7 @@ def install_signal(name: str) -> None:
         log.warning("SWITCHML_FLIGHT_SIGNAL: not installed (the group was made off the main "
                     "thread)")
         return
-    signal.signal(signum, lambda _s, _f: dump_all())
+    try:
+        signal.signal(signum, lambda _s, _f: dump_all())
+    except (OSError, ValueError) as exc:  # (KILL and STOP cannot be caught)
+        log.warning("SWITCHML_FLIGHT_SIGNAL=%s: cannot be caught (%s)", name, exc)
