@@ -171,6 +171,11 @@ def test_async_handles_and_argument_errors(server):
             w.allreduce(np.ones(3, np.int64))
         with pytest.raises(LocalProtocolError, match="out must match"):
             w.allreduce(np.ones(3, np.float32), np.ones(4, np.float32))
+        sent = w.counters["packets_sent"]
+        read_only = np.frombuffer(bytes(40), np.float32)  # refused before anything is sent
+        with pytest.raises(LocalProtocolError, match="out is read-only"):
+            w.allreduce(np.ones(10, np.float32), read_only)
+        assert w.counters["packets_sent"] == sent
         x = np.ones(10, np.float32)
         w.allreduce(x, x)  # in place
         assert np.array_equal(x, np.ones(10, np.float32))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 
 from switchml.protocol.errors import ConfigError
 from switchml.protocol.wire import (
@@ -19,6 +20,27 @@ __all__ = ["MAX_THREADS", "JobSpec", "SwitchConfig", "WorkerConfig", "default_wi
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+_KINDS = {"int": ("an integer", lambda v: isinstance(v, numbers.Integral)),
+          "float": ("a number", lambda v: isinstance(v, numbers.Real)),
+          "bytes": ("bytes", lambda v: isinstance(v, bytes))}
+
+
+def _check_types(obj: object) -> None:
+    """Each field annotated ``int``, ``float`` or ``bytes`` (or that or None) holds one: a
+    string, a float where an integer belongs, or a bool (an integer to Python, a flag to its
+    user) is refused naming the field, before a rule compares it or the wire packs it."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        kind = str(f.type)
+        optional = kind.endswith(" | None")
+        what, ok = _KINDS.get(kind.removesuffix(" | None"), (None, None))
+        value = getattr(obj, f.name)
+        if ok is None or (optional and value is None):
+            continue
+        _check(ok(value) and not isinstance(value, bool),
+               f"{f.name} must be {what}{' or None' if optional else ''}, got {value!r} "
+               f"({type(value).__name__})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +114,7 @@ class SwitchConfig:
     one; a shard tells which one it is in its JOINED answers. Default: one unsharded switch."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
         _check(self.tenant_slots is None
                or (isinstance(self.tenant_slots, int) and self.tenant_slots >= 1),
@@ -199,6 +222,7 @@ class JobSpec:
         return self.num_workers if self.scale_workers is None else self.scale_workers
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(0 <= self.job_id < 2**32, f"job_id must fit 32 bits, got {self.job_id}")
         _check(0 <= self.token < 2**64, "token must fit 64 bits")
         _check(self.num_workers >= 1, f"num_workers must be >= 1, got {self.num_workers}")
@@ -321,6 +345,7 @@ class WorkerConfig:
     backend."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.min_reorder_window_s >= 0,
                f"min_reorder_window_s must be >= 0, got {self.min_reorder_window_s}")
         _check(self.keepalive_s > 0, f"keepalive_s must be > 0, got {self.keepalive_s}")

@@ -157,12 +157,12 @@ def prepare_submission(data: np.ndarray, out: np.ndarray | None = None, *, bits:
     """Check an all-reduce's arguments and make its handle, without touching any session (so
     that a threaded client can do it in the caller's thread and raise there).
 
-    ``out`` may be None (a new array), ``data`` itself (in place), or any array of data's shape
-    and dtype; a non-contiguous or read-only ``out`` gets the result through a copy.
+    ``out`` may be None (a new array), ``data`` itself (in place), or any writeable array of
+    data's shape and dtype; a non-contiguous ``out`` gets the result through a copy.
 
     Raises:
         LocalProtocolError: not a numpy array, unsupported dtype, shapes or dtypes that differ,
-            ``bits`` other than 32 (or 16 for floats).
+            a read-only ``out``, ``bits`` other than 32 (or 16 for floats).
     """
     if not isinstance(data, np.ndarray):
         raise LocalProtocolError(f"data must be a numpy array, got {type(data).__name__}")
@@ -171,8 +171,11 @@ def prepare_submission(data: np.ndarray, out: np.ndarray | None = None, *, bits:
     elif not isinstance(out, np.ndarray) or out.shape != data.shape or out.dtype != data.dtype:
         what = f"{out.dtype}{out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
         raise LocalProtocolError(f"out must match data: {what} vs {data.dtype}{data.shape}")
+    if not out.flags.writeable:
+        raise LocalProtocolError("out is read-only: it cannot take the result (give a writeable "
+                                 "array, or none for a new one)")
     src = np.ascontiguousarray(data)
-    dst = out if out.flags.c_contiguous and out.flags.writeable else np.empty_like(src)
+    dst = out if out.flags.c_contiguous else np.empty_like(src)
     finish = None if dst is out else (lambda: np.copyto(out, dst))
     validate_arrays(src, dst)
     if bits not in (32, 16) or (bits == 16 and not is_float(src.dtype)):

@@ -84,6 +84,21 @@ def test_the_runner_measures_and_prints_switchml_against_gloo(record, tmp_path, 
     assert "1 MiB" in text and "2.00" in text  # switchml/gloo
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--dtype", "float16"], "--dtype"),
+    (["--racks", "3", "--csv", "x.csv"], "--racks, --csv"),
+    (["--residual"], "--residual"),
+    (["--loss", "0.1", "--systems", "switchml"], "--loss, --systems"),
+])
+def test_a_loopback_run_refuses_the_testbeds_options_by_name(argv, named, record, capsys):
+    """They used to be accepted and ignored (a float32 loopback run, exit 0)."""
+    from switchml.bench import allreduce as library
+    ran = record(library, "run_benchmark", ([], {}))
+    assert main(["bench", "allreduce", *argv]) == 2
+    assert f"switchml: error: {named}: only with --testbed" in capsys.readouterr().err
+    assert not ran.calls  # refused before anything ran
+
+
 def test_the_testbed_runner_fails_on_a_wrong_sum(record):
     rows = [{"system": "switchml", "size_bytes": 1 << 20, "ate_per_s": 1e6,
              "fraction_of_line_rate": 0.5, "bound_ring_ate": 2.0, "bound_line_ate": 3.0,
@@ -121,5 +136,5 @@ def test_the_hooks_residual_is_a_16_bit_testbed_option(parse):
     with pytest.raises(ValueError, match="needs TestbedBenchConfig.bits 16"):
         allreduce.testbed_config_from_args(parse("bench", "allreduce", "--testbed",
                                                  "--residual"))
-    with pytest.raises(SystemExit, match="needs --testbed"):
+    with pytest.raises(ValueError, match="--residual: only with --testbed"):
         allreduce.run(parse("bench", "allreduce", "--residual"))

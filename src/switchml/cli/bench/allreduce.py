@@ -122,6 +122,9 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                           "same bytes echoed through a hub in switchml's datagrams, with no "
                           "protocol: the CPU floor of the data path) (default switchml,gloo,ps)")
     tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    # (what a loopback run refuses, by name, rather than ignore: the group's options)
+    ar.set_defaults(testbed_only={a.dest: (a.option_strings[0], a.default)
+                                  for a in tbg._group_actions if a.dest != "testbed"})
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -160,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
     """``switchml bench allreduce`` on loopback (or, with ``--testbed``, the emulated network)."""
     if args.testbed:
         return _run_testbed(args)
-    if args.residual:
-        raise SystemExit("switchml bench allreduce: --residual needs --testbed")
+    given = [flag for dest, (flag, default) in args.testbed_only.items()
+             if getattr(args, dest) != default] + (["--residual"] if args.residual else [])
+    if given:
+        raise ValueError(f"{', '.join(given)}: only with --testbed (a loopback run all-reduces "
+                         "float32 through the worker library, switchml against gloo)")
     from rich.console import Console
 
     from switchml.bench.allreduce import run_benchmark, write_json
