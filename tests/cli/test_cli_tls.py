@@ -43,3 +43,11 @@ def test_issue_makes_one_peers_certificate(record, parse, capsys):
     with pytest.raises(SystemExit):
         parse("tls", "issue", "d", "admin", "0")
     assert "invalid choice: 'admin'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("days", ["0", "-5", "99999999", "soon"])
+def test_a_validity_outside_a_hundred_years_is_refused_by_the_parser(days, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tls", "init", "--days", days, str(tmp_path / "creds")])
+    assert exc.value.code == 2 and "argument --days" in capsys.readouterr().err
+    assert not (tmp_path / "creds").exists()

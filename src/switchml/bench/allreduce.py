@@ -83,6 +83,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"BenchConfig.workers must be >= 1, got {self.workers}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"BenchConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.auth_data and self.switch is not None and self.secret is None:
             raise ValueError("BenchConfig.auth_data through an outside switch needs its "
                              "BenchConfig.secret")

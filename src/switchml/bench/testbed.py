@@ -101,6 +101,8 @@ class TestbedBenchConfig:
         return self.torch or self.dtype != "float32"
 
     def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"TestbedBenchConfig.timeout_s must be > 0, got {self.timeout_s}")
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")

@@ -136,7 +136,20 @@ def add_metrics_options(parser: ParserOrGroup) -> None:
 def add_json_option(parser: ParserOrGroup, what: str) -> None:
     """``--json PATH``: write the command's results as JSON; the help reads
     ``"write <what> as JSON"`` (e.g. ``what="the figures"``)."""
-    parser.add_argument("--json", metavar="PATH", help=f"write {what} as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help=f"write {what} as JSON")
+
+
+def output_path(text: str) -> str:
+    """A file the command will write at its end: its directory must exist and be writable
+    now, so that a long run does not end in an error about where to put its results."""
+    import os
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: no directory {folder} to write it in")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the directory {folder} is not writable")
+    return text
 
 
 def port(text: str) -> int:

@@ -23,7 +23,8 @@ def add_parser(sub: Subparsers) -> None:
                                        "key in DIR-ca/ca.key, a directory of its own: keep it "
                                        "off the peers.")
     init.add_argument("dir", help="directory to create (mode 0700)")
-    init.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
+    init.add_argument("--days", type=days, default=365,
+                      help="validity, 1..36500 (default 365 days)")
     init.set_defaults(func=run_init)
     issue = tsub.add_parser(
         "issue", help="make one peer's own certificate, naming its id",
@@ -39,8 +40,20 @@ def add_parser(sub: Subparsers) -> None:
                        help="worker: a parameter-server worker; server: a parameter-server "
                             "shard; dc: a Gaia data centre's leader")
     issue.add_argument("id", type=int, help="the worker id, shard index or data-centre id")
-    issue.add_argument("--days", type=int, default=365, help="validity (default 365 days)")
+    issue.add_argument("--days", type=days, default=365,
+                       help="validity, 1..36500 (default 365 days)")
     issue.set_defaults(func=run_issue)
+
+
+def days(text: str) -> int:
+    """A certificate's validity in days: 1 to 36,500 (a hundred years)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of days, got {text!r}") from None
+    if not 1 <= value <= 36500:
+        raise argparse.ArgumentTypeError(f"a validity is 1..36500 days, got {value}")
+    return value
 
 
 def run_init(args: argparse.Namespace) -> int:

@@ -99,6 +99,21 @@ def test_a_loopback_run_refuses_the_testbeds_options_by_name(argv, named, record
     assert not ran.calls  # refused before anything ran
 
 
+def test_outputs_and_timeouts_are_checked_before_the_run(tmp_path, capsys):
+    """A --json or --csv in a directory that is not there, or a timeout of 0, once failed at
+    the end of the run (or at its first wait); now the parser or the config says so first."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "allreduce", "--json", str(tmp_path / "missing" / "x.json")])
+    assert exc.value.code == 2
+    assert f"argument --json: {tmp_path / 'missing' / 'x.json'}: no directory" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "allreduce", "--testbed", "--csv", str(tmp_path / "missing" / "x.csv")])
+    assert "argument --csv" in capsys.readouterr().err
+    assert main(["bench", "allreduce", "--timeout-s", "0"]) == 2
+    assert "--timeout-s must be > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_the_testbed_runner_fails_on_a_wrong_sum(record):
     rows = [{"system": "switchml", "size_bytes": 1 << 20, "ate_per_s": 1e6,
              "fraction_of_line_rate": 0.5, "bound_ring_ate": 2.0, "bound_line_ate": 3.0,

@@ -18,6 +18,7 @@ from switchml.cli.common import (
     add_workers_option,
     addresses,
     human,
+    output_path,
     sigterm_interrupts,
     size,
     stdout_console,
@@ -121,7 +122,7 @@ def _add_testbed_args(ar: argparse.ArgumentParser) -> None:
                      help="comma list of switchml, gloo, ps (parameter server) and floor (the "
                           "same bytes echoed through a hub in switchml's datagrams, with no "
                           "protocol: the CPU floor of the data path) (default switchml,gloo,ps)")
-    tbg.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    tbg.add_argument("--csv", metavar="PATH", type=output_path, help="also write the rows as CSV")
     # (what a loopback run refuses, by name, rather than ignore: the group's options)
     ar.set_defaults(testbed_only={a.dest: (a.option_strings[0], a.default)
                                   for a in tbg._group_actions if a.dest != "testbed"})

@@ -13,6 +13,7 @@ from switchml.cli.common import (
     add_json_option,
     add_link_options,
     add_workers_option,
+    output_path,
     sigterm_interrupts,
     stdout_console,
     write_json,
@@ -80,7 +81,7 @@ def add_parser(bsub: Subparsers) -> None:
     add_link_options(tr)
     _fault_options(tr.add_argument_group("faults (stragglers, a killed switch)"))
     add_json_option(tr, "the rows")
-    tr.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    tr.add_argument("--csv", metavar="PATH", type=output_path, help="write the rows as CSV")
     tr.add_argument("--plot", metavar="PNG", help="save training loss against time (and "
                     "bytes per step and step time per system to PNG's name + '-bytes'; with "
                     "--trace, rank 0's last two steps to + '-timeline'; with faults, each "
