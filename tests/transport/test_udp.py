@@ -140,6 +140,21 @@ def test_a_switch_host_that_does_not_resolve_to_ipv4_is_named(host):
         WorkerClient((host, 9), new_job_spec(2), 0)
 
 
+@pytest.mark.parametrize("switch, spec, rank, config, message", [
+    (("127.0.0.1", 1), new_job_spec(2), "0", None, "rank must be an integer, got '0'"),
+    (("127.0.0.1", "x"), new_job_spec(2), 0, None, r"with a port 0\.\.65535, got \('127"),
+    ("127.0.0.1:1", new_job_spec(2), 0, None, "got the string '127.0.0.1:1'"),
+    (("127.0.0.1", 70000), new_job_spec(2), 0, None, "with a port 0..65535"),
+    (("127.0.0.1", 1), None, 0, None, "spec must be a JobSpec, got NoneType"),
+    (("127.0.0.1", 1), new_job_spec(2), 0, {"secret": b"x"},
+     "config must be a WorkerConfig or None, got dict"),
+])
+def test_a_worker_given_the_wrong_kind_of_argument_says_which(switch, spec, rank, config,
+                                                              message):
+    with pytest.raises(SwitchMLError, match=message):
+        WorkerClient(switch, spec, rank, config)
+
+
 def test_a_client_of_a_default_spec_sends_datagrams_that_fit_the_path(server):
     """The WorkerClient's own docstring example: ``new_job_spec(n)`` without a chunk size sends
     datagrams that fit an Ethernet MTU (it sent 64 KB datagrams, fragmented by IP on any path

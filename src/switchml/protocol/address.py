@@ -7,6 +7,7 @@ comma-separated list of them (``SWITCHML_SWITCH=h:48864,h:48865``).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from switchml.protocol.errors import ConfigError
@@ -31,14 +32,25 @@ def as_addresses(value: Address | Sequence[Address]) -> tuple[Address, ...]:
     holds a tuple. Example: ``as_addresses(("h", 1)) == (("h", 1),)``.
 
     Raises:
-        ConfigError: an empty list (no switch at all).
+        ConfigError: an empty list (no switch at all), or anything else that is not a
+            ``(host, port)`` or a list of them (a ``"HOST:PORT"`` string: ``parse_address``).
     """
+    if isinstance(value, str):
+        raise ConfigError(f"expected a switch address (HOST, PORT), got the string {value!r} "
+                          "(parse_address turns HOST:PORT into one)")
     if len(value) and isinstance(value[0], str):
-        return (value,)  # type: ignore[return-value]
-    shards = tuple(value)
+        shards = (value,)
+    else:
+        shards = tuple(value)
     if not shards:
         raise ConfigError("expected a switch address (HOST, PORT) or a list of a sharded "
                           "switch's shards, got an empty list")
+    for a in shards:
+        if not (isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str)
+                and isinstance(a[1], numbers.Integral) and not isinstance(a[1], bool)
+                and 0 <= a[1] <= 65535):
+            raise ConfigError(f"expected a switch address (HOST, PORT) with a port 0..65535, "
+                              f"got {a!r}")
     return shards  # type: ignore[return-value]
 
 

@@ -32,6 +32,7 @@ check, ``worker_replies.py``; a quorum job's results kept for a rank behind,
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -100,6 +101,13 @@ class WorkerEndpoint(WorkerReplies, WorkerAhead, WorkerControl):
 
     def __init__(self, *, spec: JobSpec, rank: int, switch_address: Address | Sequence[Address],
                  config: WorkerConfig | None = None) -> None:
+        if not isinstance(spec, JobSpec):
+            raise LocalProtocolError(f"spec must be a JobSpec, got {type(spec).__name__}")
+        if not (config is None or isinstance(config, WorkerConfig)):
+            raise LocalProtocolError(f"config must be a WorkerConfig or None, got "
+                                     f"{type(config).__name__}")
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+            raise LocalProtocolError(f"rank must be an integer, got {rank!r}")
         if not 0 <= rank < spec.num_workers:
             raise LocalProtocolError(f"rank must be in 0..{spec.num_workers - 1}, got {rank}")
         self.spec, self.rank = spec, rank
