@@ -54,7 +54,7 @@ def test_defaults_come_from_the_environment(monkeypatch, parse):
     (["--shard", "2/2"], "expected 0 <= I < S, got '2/2'"),
     (["--rack", "one"], "expected I/S (shard I of S), got 'one'"),
     (["--upstream", "nohostport"], "must be HOST:PORT"),
-    (["--port", "x"], "expected a port number, got 'x'"),
+    (["--port", "x"], "expected a port, got 'x'"),
     (["--port", "70000"], "argument --port: a port is 0..65535, got 70000"),
     (["--metrics-port", "-1"], "argument --metrics-port: a port is 0..65535, got -1"),
 ])

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
@@ -152,15 +152,22 @@ def output_path(text: str) -> str:
     return text
 
 
-def port(text: str) -> int:
-    """A TCP or UDP port, 0 (pick a free one, or off, as the option says) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
-    return value
+def bounded_int(what: str, low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``low``..``high``; its errors name ``what`` it is."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what} is {low}..{high}, got {value}")
+        return value
+    parse.__name__ = what  # (argparse names the type in some errors)
+    return parse
+
+
+port = bounded_int("a port", 0, 65535)
+"""A TCP or UDP port, 0 (pick a free one, or off, as the option says) to 65535."""
 
 
 def address(text: str) -> tuple[str, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from switchml.cli.common import Subparsers
+from switchml.cli.common import Subparsers, bounded_int
 
 __all__ = ["add_parser", "run_init", "run_issue"]
 
@@ -45,15 +45,8 @@ def add_parser(sub: Subparsers) -> None:
     issue.set_defaults(func=run_issue)
 
 
-def days(text: str) -> int:
-    """A certificate's validity in days: 1 to 36,500 (a hundred years)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of days, got {text!r}") from None
-    if not 1 <= value <= 36500:
-        raise argparse.ArgumentTypeError(f"a validity is 1..36500 days, got {value}")
-    return value
+days = bounded_int("a validity in days", 1, 36500)
+"""A certificate's validity in days: 1 to 36,500 (a hundred years)."""
 
 
 def run_init(args: argparse.Namespace) -> int:
