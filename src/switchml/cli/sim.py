@@ -191,15 +191,14 @@ def _run_compare(args: argparse.Namespace, config: Callable[[int, float], SimCon
 
     # gloo's rows by predict's ring model, with this machine's calibration (the reference
     # machine's without one), its processes sharing this machine's cores as on the testbed
+    cores = len(os.sched_getaffinity(0))
     rows = compare_with_testbed(args.compare, config(4, 0.0), args.mode,
-                                gloo_costs=load_costs(args.calibration),
-                                cores=len(os.sched_getaffinity(0)))
+                                gloo_costs=load_costs(args.calibration), cores=cores)
     done = {r["file"] for r in rows}
     for path in args.compare:
         if path not in done:
             print(f"{path}: no row to compare in it (only loss-free rows at 32 bits, and "
                   "gloo's)", file=sys.stderr)
-    cores = len(os.sched_getaffinity(0))
     print(f"{'system':>8} {'n':>3} {'Mbit/s':>7} {'MTU':>5} {'size':>10} "
           f"{'testbed ATE/s':>13} {'predicted':>10} {'predicted/testbed':>17} {'cores':>6}")
     for r in rows:

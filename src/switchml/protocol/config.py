@@ -30,7 +30,8 @@ _KINDS = {"int": ("an integer", lambda v: isinstance(v, numbers.Integral)),
 def _check_types(obj: object) -> None:
     """Each field annotated ``int``, ``float`` or ``bytes`` (or that or None) holds one: a
     string, a float where an integer belongs, or a bool (an integer to Python, a flag to its
-    user) is refused naming the field, before a rule compares it or the wire packs it."""
+    user) is refused naming the field, before a rule compares it or the wire packs it. (So
+    the rules after it check ranges and sizes only.)"""
     for f in fields(obj):  # type: ignore[arg-type]
         kind = str(f.type)
         optional = kind.endswith(" | None")
@@ -116,13 +117,12 @@ class SwitchConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.nack_gap >= 0, f"nack_gap must be >= 0, got {self.nack_gap}")
-        _check(self.tenant_slots is None
-               or (isinstance(self.tenant_slots, int) and self.tenant_slots >= 1),
+        _check(self.tenant_slots is None or self.tenant_slots >= 1,
                f"tenant_slots must be None or an integer >= 1, got {self.tenant_slots!r}")
         _check(self.nack_log_windows >= 1,
                f"nack_log_windows must be >= 1, got {self.nack_log_windows}")
         _check(self.nack_calm >= 1, f"nack_calm must be >= 1, got {self.nack_calm}")
-        _check(isinstance(self.quorum_history, int) and 0 <= self.quorum_history <= 1024,
+        _check(0 <= self.quorum_history <= 1024,
                f"quorum_history must be an integer in 0..1024, got {self.quorum_history!r}")
         _check(0 <= self.shard_index < self.shard_count,
                f"expected 0 <= shard_index < shard_count, got shard {self.shard_index} of "
@@ -230,12 +230,11 @@ class JobSpec:
         _check(1 <= self.elements_per_packet <= MAX_ELEMENTS_PER_PACKET,
                f"elements_per_packet must be in 1..{MAX_ELEMENTS_PER_PACKET}, got "
                f"{self.elements_per_packet}")
-        _check(self.quorum is None or (isinstance(self.quorum, int)
-                                       and 1 <= self.quorum <= self.num_workers),
+        _check(self.quorum is None or 1 <= self.quorum <= self.num_workers,
                f"quorum must be None or an integer in 1..num_workers ({self.num_workers}), got "
                f"{self.quorum!r}")
         _check(self.quorum_deadline_s is None or (
-                   self.quorum is not None and isinstance(self.quorum_min, int)
+                   self.quorum is not None and self.quorum_min is not None
                    and 1 <= self.quorum_min <= self.quorum
                    and 1e-6 <= self.quorum_deadline_s < 4294.0),
                "quorum_deadline_s needs a quorum and a quorum_min in 1..quorum, and must be in "
@@ -364,16 +363,13 @@ class WorkerConfig:
         _check(0 < self.control_retry_s <= self.control_retry_max_s,
                "expected 0 < control_retry_s <= control_retry_max_s, got "
                f"{self.control_retry_s}, {self.control_retry_max_s}")
-        _check(self.threads is None
-               or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
+        _check(self.threads is None or 1 <= self.threads <= MAX_THREADS,
                f"threads must be None or an integer in 1..{MAX_THREADS}, got {self.threads!r}")
-        _check(isinstance(self.quorum_keep_bytes, int) and self.quorum_keep_bytes >= 0,
+        _check(self.quorum_keep_bytes >= 0,
                f"quorum_keep_bytes must be an integer >= 0, got {self.quorum_keep_bytes!r}")
-        _check(self.job_key is None or (isinstance(self.job_key, bytes)
-                                        and len(self.job_key) == 32),
+        _check(self.job_key is None or len(self.job_key) == 32,
                "job_key must be the 32 bytes `switchml job-key` prints (as hex)")
-        _check(self.tenant_key is None or (isinstance(self.tenant_key, bytes)
-                                           and len(self.tenant_key) == 32),
+        _check(self.tenant_key is None or len(self.tenant_key) == 32,
                "tenant_key must be the 32 bytes `switchml job-key --tenant` prints (as hex)")
         _check(sum(k is not None for k in (self.secret, self.job_key, self.tenant_key)) <= 1,
                "give one of the switch's secret, a job key or a tenant key, not several")
